@@ -1,0 +1,1 @@
+"""Benchmarks and the trace-replay evaluation of routing policies."""

@@ -1,0 +1,1 @@
+"""Per-Prefill-instance KV producer directory, SGLang-compatible, and its clients."""

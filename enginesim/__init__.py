@@ -1,0 +1,1 @@
+"""Emulated SGLang-style prefill and decode engines for running the stack without GPUs."""

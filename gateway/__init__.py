@@ -1,0 +1,1 @@
+"""The PD gateway: choose a prefill/decode pair, inject bootstrap fields, dual-dispatch."""

@@ -1,0 +1,5 @@
+import sys
+
+from globalkv.cli import main
+
+sys.exit(main())

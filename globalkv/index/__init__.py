@@ -1,0 +1,1 @@
+"""Index backends behind one interface."""

@@ -1,0 +1,23 @@
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.support.redis import RedisServer
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """One real redis-server for the session; tests flush it through `redis_url`."""
+    server = RedisServer()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    import redis
+
+    redis.Redis(port=redis_server.port).flushall()
+    return redis_server.url

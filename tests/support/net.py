@@ -1,0 +1,46 @@
+"""Free ports and bounded waits for multi-process tests."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Awaitable, Callable
+
+import httpx
+
+
+def free_port() -> int:
+    """A port the kernel just handed out on 127.0.0.1 and released."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
+    """Poll a condition on a live process until it holds or the deadline passes."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.02)
+
+
+async def await_for(
+    condition: Callable[[], Awaitable[bool]], timeout: float = 20.0, what: str = "condition"
+) -> None:
+    deadline = time.monotonic() + timeout
+    while not await condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+def http_ok(url: str) -> Callable[[], bool]:
+    def check() -> bool:
+        try:
+            return httpx.get(url, timeout=1.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    return check

@@ -1,0 +1,81 @@
+"""Real child processes for end-to-end tests, always reaped."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from tests.support.net import http_ok, wait_for
+
+
+class Proc:
+    """A `globalkv` subcommand (or any argv) running with its output in a log file."""
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str] | None = None,
+        name: str = "proc",
+    ) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = Path(tempfile.mkstemp(prefix=f"globalkv-{name}-", suffix=".log")[1])
+        self._log = self.log_path.open("wb")
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.popen = subprocess.Popen(
+            self.argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            start_new_session=True,
+        )
+
+    @classmethod
+    def globalkv(
+        cls, *args: str, env: Mapping[str, str] | None = None, name: str = "globalkv"
+    ) -> Proc:
+        return cls([sys.executable, "-m", "globalkv", *args], env=env, name=name)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def wait_http(self, url: str, timeout: float = 30.0) -> None:
+        def ready() -> bool:
+            if not self.alive():
+                raise RuntimeError(
+                    f"{self.name} exited with {self.popen.returncode}:\n{self.log()}"
+                )
+            return http_ok(url)()
+
+        try:
+            wait_for(ready, timeout=timeout, what=f"{self.name} at {url}")
+        except TimeoutError as exc:
+            raise TimeoutError(f"{exc}\n--- {self.name} log ---\n{self.log()}") from None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            os.killpg(self.popen.pid, sig)
+
+    def stop(self, timeout: float = 10.0) -> int:
+        """SIGTERM, then SIGKILL after `timeout`; returns the exit code."""
+        if self.alive():
+            self.signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.signal(signal.SIGKILL)
+                self.popen.wait(timeout)
+        self._log.close()
+        return self.popen.returncode
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        self.popen.wait(10)

@@ -116,6 +116,13 @@ class IndexUnavailable(RuntimeError):
     """The backend cannot be reached; callers answer 503 or route by load, never guess."""
 
 
+class IndexDataLost(IndexUnavailable):
+    """The backend came back without the data it held (a Redis restart or flush).
+
+    Raised once by the writer that notices; ingest then resyncs every source it owns.
+    """
+
+
 @runtime_checkable
 class Index(Protocol):
     """A cluster-wide map from our block keys to the sources holding them."""

@@ -1,0 +1,48 @@
+"""The dispatcher's environment mapping: the configuration path containers use."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from globalkv.cli import env_argv, env_var_name
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, default=1)
+    parser.add_argument("--redis-url")
+    parser.add_argument("--verbose", action="store_true")
+    parser.add_argument("--prefill", nargs="+", action="append")
+    return parser
+
+
+def test_env_var_name_follows_command_and_flag() -> None:
+    assert env_var_name("gateway", "--redis-url") == "GLOBALKV_GATEWAY_REDIS_URL"
+
+
+def test_env_fills_flags_not_given_on_the_command_line() -> None:
+    env = {"GLOBALKV_GW_PORT": "9000", "GLOBALKV_GW_REDIS_URL": "redis://r:6379/0"}
+    tokens = env_argv("gw", _parser(), ["--port", "7"], env)
+    assert tokens == ["--redis-url", "redis://r:6379/0"]
+    args = _parser().parse_args([*tokens, "--port", "7"])
+    assert args.port == 7
+    assert args.redis_url == "redis://r:6379/0"
+
+
+def test_repeatable_flags_split_on_commas_and_shell_words() -> None:
+    env = {"GLOBALKV_GW_PREFILL": "http://p0:30000 8998, http://p1:30000 none"}
+    args = _parser().parse_args(env_argv("gw", _parser(), [], env))
+    assert args.prefill == [["http://p0:30000", "8998"], ["http://p1:30000", "none"]]
+
+
+@pytest.mark.parametrize(("value", "expected"), [("true", True), ("1", True), ("off", False)])
+def test_boolean_flags(value: str, expected: bool) -> None:
+    args = _parser().parse_args(env_argv("gw", _parser(), [], {"GLOBALKV_GW_VERBOSE": value}))
+    assert args.verbose is expected
+
+
+def test_a_non_boolean_value_for_a_boolean_flag_is_refused() -> None:
+    with pytest.raises(ValueError, match="GLOBALKV_GW_VERBOSE"):
+        env_argv("gw", _parser(), [], {"GLOBALKV_GW_VERBOSE": "maybe"})

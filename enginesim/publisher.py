@@ -1,0 +1,247 @@
+"""The KV-event publisher of one DP rank: a PUB stream plus a replay ROUTER (PROTOCOLS §4.1).
+
+It behaves as vLLM's and SGLang's `ZmqEventPublisher`: every batch gets the next seq (from
+0, back to 0 on restart) and is kept in a bounded buffer; the PUB binds for wildcard, ipc
+and inproc endpoints and connects otherwise (so engines can feed one bound indexer SUB);
+the ROUTER always binds and answers `[b"", start_seq]` with every buffered batch from that
+seq on, then the end marker, in the reply layout of the emulated engine version.
+
+Batches are encoded with `globalkv.wire` in the flavour configured, so the indexer is
+tested against the exact bytes it meets in production. Sending happens on a task fed by a
+queue; `drain()` awaits that everything published so far was handed to ZMQ, which is how
+tests wait for events without sleeping. A batch dropped by fault injection still takes
+its seq and stays replayable: that is the gap an indexer must notice and repair.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import zmq
+import zmq.asyncio
+
+from enginesim.kvcache import CacheChange, Cleared, Removed, Stored
+from enginesim.metrics import EngineMetrics
+from globalkv.keys import EngineHash
+from globalkv.wire import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    EventBatch,
+    Flavor,
+    Frame,
+    ReplayLayout,
+    WireError,
+    encode_batch,
+    live_frames,
+    parse_replay_request,
+    replay_end,
+    replay_reply,
+)
+
+log = logging.getLogger(__name__)
+
+_WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]")
+
+
+def replay_layout_of(flavor: Flavor) -> ReplayLayout:
+    """vLLM ≤ 0.23 (the array flavour) answered without the topic frame; newer versions with it."""
+    return "seq" if flavor == "vllm-array" else "topic"
+
+
+def endpoint_binds(endpoint: str) -> bool:
+    """The peers' rule: bind wildcard, ipc and inproc endpoints, connect anything else."""
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return True
+    return endpoint_host(endpoint) in _WILDCARD_HOSTS
+
+
+def endpoint_host(endpoint: str) -> str:
+    netloc = endpoint.split("://", 1)[-1]
+    return netloc.rsplit(":", 1)[0]
+
+
+def endpoint_port(endpoint: str) -> int:
+    """The TCP port of `tcp://host:port`; `ValueError` with the endpoint named otherwise."""
+    if not endpoint.startswith("tcp://"):
+        raise ValueError(f"{endpoint!r} is not a tcp:// endpoint")
+    try:
+        port = urlsplit(endpoint.replace("*", "0.0.0.0", 1)).port
+    except ValueError as exc:
+        raise ValueError(f"{endpoint!r} has no valid port: {exc}") from None
+    if port is None:
+        raise ValueError(f"{endpoint!r} has no port")
+    return port
+
+
+def offset_endpoint(endpoint: str, offset: int) -> str:
+    """The endpoint of DP rank `offset`: port + offset for tcp, a suffix for inproc/ipc."""
+    if offset == 0:
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        port = endpoint_port(endpoint)
+        if port == 0:
+            return endpoint
+        return f"{endpoint.rsplit(':', 1)[0]}:{port + offset}"
+    return f"{endpoint}_dp{offset}"
+
+
+def wire_events(changes: Sequence[CacheChange], page_size: int) -> list[Event]:
+    """Cache changes as the KV events an engine with pages of `page_size` publishes."""
+    events: list[Event] = []
+    for change in changes:
+        if isinstance(change, Stored):
+            parent = None if change.parent is None else EngineHash(change.parent)
+            events.append(
+                BlockStored(
+                    block_hashes=[EngineHash(h) for h in change.hashes],
+                    parent_block_hash=parent,
+                    token_ids=list(change.token_ids),
+                    block_size=page_size,
+                    medium="GPU",
+                )
+            )
+        elif isinstance(change, Removed):
+            events.append(BlockRemoved([EngineHash(h) for h in change.hashes], medium="GPU"))
+        elif isinstance(change, Cleared):
+            events.append(AllBlocksCleared())
+    return events
+
+
+@dataclass(frozen=True, slots=True)
+class PublisherSettings:
+    endpoint: str
+    """This rank's PUB endpoint (already offset by the DP rank)."""
+    replay_endpoint: str | None
+    topic: str
+    flavor: Flavor
+    dp_rank: int
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+
+
+class KVEventPublisher:
+    def __init__(
+        self,
+        settings: PublisherSettings,
+        context: zmq.asyncio.Context,
+        metrics: EngineMetrics,
+        *,
+        drop: Callable[[], bool] = lambda: False,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.settings = settings
+        self._ctx = context
+        self._metrics = metrics
+        self._drop = drop
+        self._clock = clock
+        self._topic = settings.topic.encode()
+        self._layout = replay_layout_of(settings.flavor)
+        self._rank = str(settings.dp_rank)
+        self._seq = 0
+        self._buffer: deque[Frame] = deque(maxlen=settings.buffer_steps)
+        self._outbox: asyncio.Queue[list[bytes]] = asyncio.Queue()
+        self._pub: zmq.asyncio.Socket | None = None
+        self._replay: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.bound_endpoint: str | None = None
+        """The PUB endpoint actually bound (port resolved), None when connecting."""
+        self.bound_replay_endpoint: str | None = None
+
+    @property
+    def next_seq(self) -> int:
+        return self._seq
+
+    async def start(self) -> None:
+        pub = self._ctx.socket(zmq.PUB)
+        pub.setsockopt(zmq.SNDHWM, self.settings.hwm)
+        pub.setsockopt(zmq.LINGER, 0)
+        endpoint = self.settings.endpoint
+        if endpoint_binds(endpoint):
+            pub.bind(endpoint)
+            self.bound_endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        else:
+            pub.connect(endpoint)
+        self._pub = pub
+        self._tasks.append(asyncio.create_task(self._send_loop(), name="kv-events-pub"))
+        if self.settings.replay_endpoint is not None:
+            replay = self._ctx.socket(zmq.ROUTER)
+            replay.setsockopt(zmq.LINGER, 0)
+            replay.bind(self.settings.replay_endpoint)
+            self.bound_replay_endpoint = replay.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._replay = replay
+            self._tasks.append(asyncio.create_task(self._replay_loop(), name="kv-events-replay"))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        for sock in (self._pub, self._replay):
+            if sock is not None:
+                sock.close(linger=0)
+        self._pub = self._replay = None
+
+    def publish(self, events: Sequence[Event]) -> int | None:
+        """Queue one batch; returns its seq (None for an empty batch, which is not sent)."""
+        if not events:
+            return None
+        payload = encode_batch(
+            EventBatch(ts=self._clock(), events=events, dp_rank=self.settings.dp_rank),
+            self.settings.flavor,
+        )
+        seq = self._seq
+        self._seq += 1
+        self._buffer.append(Frame(self._topic, seq, payload))
+        for event in events:
+            self._metrics.events.labels(self._rank, type(event).__name__).inc()
+        if self._drop():
+            self._metrics.event_batches.labels(self._rank, "dropped_fault").inc()
+            self._metrics.faults.labels("drop_event").inc()
+            log.info("dp %s: fault dropped KV-event batch seq=%d (live only)", self._rank, seq)
+            return seq
+        self._outbox.put_nowait(live_frames(self._topic, seq, payload))
+        return seq
+
+    async def drain(self) -> None:
+        """Return once every batch published so far has been handed to the PUB socket."""
+        await self._outbox.join()
+
+    def restart(self) -> None:
+        """Seq back to 0 and the replay buffer emptied, as a restarted engine process has."""
+        self._seq = 0
+        self._buffer.clear()
+
+    async def _send_loop(self) -> None:
+        assert self._pub is not None
+        while True:
+            frames = await self._outbox.get()
+            try:
+                await self._pub.send_multipart(frames)
+                self._metrics.event_batches.labels(self._rank, "sent").inc()
+            finally:
+                self._outbox.task_done()
+
+    async def _replay_loop(self) -> None:
+        assert self._replay is not None
+        while True:
+            identity, *request = await self._replay.recv_multipart()
+            try:
+                start_seq = parse_replay_request(request)
+            except WireError as exc:
+                self._metrics.replay_requests.labels(self._rank, "malformed").inc()
+                log.warning("dp %s: dropped malformed replay request: %s", self._rank, exc)
+                continue
+            batches = [frame for frame in self._buffer if frame.seq >= start_seq]
+            for frame in batches:
+                await self._replay.send_multipart([identity, *replay_reply(frame, self._layout)])
+            await self._replay.send_multipart([identity, *replay_end(self._layout)])
+            self._metrics.replay_requests.labels(self._rank, "served").inc()
+            self._metrics.replayed_batches.labels(self._rank).inc(len(batches))

@@ -1,0 +1,256 @@
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import pytest
+import zmq
+import zmq.asyncio
+from prometheus_client import CollectorRegistry
+
+from enginesim.kvcache import PagedKVCache
+from enginesim.metrics import EngineMetrics
+from enginesim.publisher import (
+    KVEventPublisher,
+    PublisherSettings,
+    endpoint_binds,
+    endpoint_port,
+    offset_endpoint,
+    wire_events,
+)
+from globalkv.wire import (
+    FLAVORS,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    Flavor,
+    decode_batch,
+    pack_seq,
+    parse_live,
+    parse_replay_reply,
+    replay_request,
+)
+
+TOPIC = "kv@pod-a@model"
+
+
+@pytest.fixture
+def context() -> Iterator[zmq.asyncio.Context]:
+    ctx = zmq.asyncio.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+@pytest.fixture
+def registry() -> CollectorRegistry:
+    return CollectorRegistry()
+
+
+class Harness:
+    """A publisher on free ports with a SUB that is known to receive."""
+
+    def __init__(
+        self,
+        context: zmq.asyncio.Context,
+        registry: CollectorRegistry,
+        flavor: Flavor = "sglang",
+        drop_seqs: frozenset[int] = frozenset(),
+    ) -> None:
+        self.context = context
+        self.registry = registry
+        self.drop_seqs = drop_seqs
+        self.dropping = False
+        self.publisher = KVEventPublisher(
+            PublisherSettings(
+                endpoint="tcp://*:0",
+                replay_endpoint="tcp://127.0.0.1:0",
+                topic=TOPIC,
+                flavor=flavor,
+                dp_rank=1,
+                buffer_steps=4,
+            ),
+            context,
+            EngineMetrics(registry),
+            drop=lambda: self.dropping and self.publisher.next_seq - 1 in self.drop_seqs,
+            clock=lambda: 12.5,
+        )
+        self.sub = context.socket(zmq.SUB)
+
+    async def start(self) -> None:
+        await self.publisher.start()
+        assert self.publisher.bound_endpoint is not None
+        self.sub.setsockopt(zmq.LINGER, 0)
+        self.sub.setsockopt_string(zmq.SUBSCRIBE, TOPIC)
+        self.sub.connect(self.publisher.bound_endpoint.replace("0.0.0.0", "127.0.0.1"))
+        await self._until_subscribed()
+
+    async def _until_subscribed(self) -> None:
+        """A PUB drops everything until the SUB's subscription reaches it (slow joiner):
+        publish probes until one arrives, then start the test from a clean seq."""
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            self.publisher.publish([AllBlocksCleared()])
+            await self.publisher.drain()
+            if await self.sub.poll(100):
+                while await self.sub.poll(50):
+                    await self.sub.recv_multipart()
+                self.publisher.restart()
+                self.dropping = True
+                return
+        raise TimeoutError("SUB never received a probe")
+
+    async def receive(self) -> tuple[int, list[Event]]:
+        frame = parse_live(await asyncio.wait_for(self.sub.recv_multipart(), 10))
+        assert frame.topic == TOPIC.encode()
+        batch = decode_batch(frame.payload)
+        assert (batch.dp_rank, batch.ts) == (1, 12.5)
+        return frame.seq, list(batch.events)
+
+    async def replay(self, start: int, request: list[bytes] | None = None) -> list[list[bytes]]:
+        assert self.publisher.bound_replay_endpoint is not None
+        dealer = self.context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(self.publisher.bound_replay_endpoint)
+        await dealer.send_multipart(request or replay_request(start))
+        replies: list[list[bytes]] = []
+        while True:
+            frames = await asyncio.wait_for(dealer.recv_multipart(), 10)
+            replies.append(frames)
+            if parse_replay_reply(frames) is None:
+                break
+        dealer.close()
+        return replies
+
+    async def stop(self) -> None:
+        self.sub.close()
+        await self.publisher.stop()
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+async def test_cache_changes_decode_back_for_every_flavor(
+    context: zmq.asyncio.Context, registry: CollectorRegistry, flavor: Flavor
+) -> None:
+    harness = Harness(context, registry, flavor)
+    await harness.start()
+    cache = PagedKVCache(page_size=2, capacity=2)
+    for changes in (cache.insert([1, 2, 3, 4]), cache.insert([5, 6]), cache.reset()):
+        harness.publisher.publish(wire_events(changes, 2))
+    await harness.publisher.drain()
+
+    seq, [stored] = await harness.receive()
+    assert seq == 0
+    assert isinstance(stored, BlockStored)
+    assert stored.parent_block_hash is None
+    assert (list(stored.token_ids), stored.block_size, stored.medium) == ([1, 2, 3, 4], 2, "GPU")
+    seq, (removed, new) = await harness.receive()
+    assert seq == 1
+    assert isinstance(removed, BlockRemoved)
+    assert list(removed.block_hashes) == [stored.block_hashes[1]]
+    assert isinstance(new, BlockStored)
+    assert list(new.token_ids) == [5, 6]
+    assert await harness.receive() == (2, [AllBlocksCleared()])
+    await harness.stop()
+
+
+async def test_dropped_batches_skip_the_live_stream_and_replay_returns_them(
+    context: zmq.asyncio.Context, registry: CollectorRegistry
+) -> None:
+    harness = Harness(context, registry, drop_seqs=frozenset({1, 2}))
+    await harness.start()
+    for page in range(4):
+        harness.publisher.publish(wire_events(PagedKVCache(1, 8).insert([page]), 1))
+    await harness.publisher.drain()
+    assert (await harness.receive())[0] == 0
+    assert (await harness.receive())[0] == 3
+
+    replies = await harness.replay(1)
+    frames = [parse_replay_reply(reply) for reply in replies]
+    assert [f.seq for f in frames if f is not None] == [1, 2, 3]
+    assert frames[-1] is None
+    assert all(len(reply) == 4 and reply[1] == TOPIC.encode() for reply in replies[:-1])
+    dropped = registry.get_sample_value(
+        "globalkv_engine_kv_event_batches_total", {"dp_rank": "1", "outcome": "dropped_fault"}
+    )
+    assert dropped == 2
+    await harness.stop()
+
+
+async def test_replay_buffer_is_bounded_and_restart_resets_seq(
+    context: zmq.asyncio.Context, registry: CollectorRegistry
+) -> None:
+    harness = Harness(context, registry, flavor="vllm-array")
+    await harness.start()
+    for _ in range(6):
+        harness.publisher.publish([AllBlocksCleared()])
+    await harness.publisher.drain()
+    replies = await harness.replay(0)
+    assert [len(reply) for reply in replies] == [3] * 5
+    assert [f.seq for r in replies if (f := parse_replay_reply(r)) is not None] == [2, 3, 4, 5]
+
+    harness.publisher.restart()
+    assert harness.publisher.publish([AllBlocksCleared()]) == 0
+    await harness.publisher.drain()
+    assert [f.seq for r in await harness.replay(0) if (f := parse_replay_reply(r)) is not None] == [
+        0
+    ]
+    await harness.stop()
+
+
+async def test_malformed_replay_request_is_counted_and_the_router_keeps_serving(
+    context: zmq.asyncio.Context, registry: CollectorRegistry
+) -> None:
+    harness = Harness(context, registry)
+    await harness.start()
+    harness.publisher.publish([AllBlocksCleared()])
+    await harness.publisher.drain()
+    assert harness.publisher.bound_replay_endpoint is not None
+    bad = context.socket(zmq.DEALER)
+    bad.setsockopt(zmq.LINGER, 0)
+    bad.connect(harness.publisher.bound_replay_endpoint)
+    await bad.send_multipart([b"", b"\x01\x02"])
+    await bad.send_multipart([b"garbage"])
+    replies = await harness.replay(0, [b"", pack_seq(0)])
+    assert len(replies) == 2
+    malformed = registry.get_sample_value(
+        "globalkv_engine_kv_replay_requests_total", {"dp_rank": "1", "outcome": "malformed"}
+    )
+    assert malformed == 2
+    bad.close()
+    await harness.stop()
+
+
+def test_empty_batches_are_not_published(
+    context: zmq.asyncio.Context, registry: CollectorRegistry
+) -> None:
+    publisher = Harness(context, registry).publisher
+    assert publisher.publish([]) is None
+    assert publisher.next_seq == 0
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "binds"),
+    [
+        ("tcp://*:5557", True),
+        ("tcp://0.0.0.0:5557", True),
+        ("tcp://[::]:5557", True),
+        ("ipc:///tmp/kv", True),
+        ("inproc://kv", True),
+        ("tcp://10.0.0.5:5557", False),
+        ("tcp://indexer:5557", False),
+    ],
+)
+def test_bind_or_connect_follows_the_peers_rule(endpoint: str, binds: bool) -> None:
+    assert endpoint_binds(endpoint) is binds
+
+
+def test_dp_rank_offsets_the_port_or_suffixes_the_name() -> None:
+    assert offset_endpoint("tcp://*:5557", 0) == "tcp://*:5557"
+    assert offset_endpoint("tcp://*:5557", 2) == "tcp://*:5559"
+    assert offset_endpoint("inproc://kv", 1) == "inproc://kv_dp1"
+    assert endpoint_port("tcp://*:5557") == 5557
+    with pytest.raises(ValueError, match="no port"):
+        endpoint_port("tcp://host")
+    with pytest.raises(ValueError, match="not a tcp"):
+        endpoint_port("ipc:///tmp/x")

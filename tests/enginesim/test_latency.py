@@ -41,7 +41,8 @@ async def test_prefill_time_is_overhead_plus_tokens_over_rate() -> None:
     sched.start()
     timing = await sched.run(50)
     await sched.stop()
-    assert (timing.queue_s, timing.prefill_s) == (0.0, pytest.approx(0.06))
+    assert timing.queue_s == 0.0
+    assert timing.prefill_s == pytest.approx(0.06)
 
 
 async def test_requests_within_budget_share_a_step() -> None:
@@ -69,8 +70,10 @@ async def test_long_request_is_chunked_and_delays_the_queue_behind_it() -> None:
         pytest.approx(0.1),
         pytest.approx(0.05 + 0.01 + 0.01),
     ]
-    assert (long_timing.queue_s, long_timing.prefill_s) == (0.0, pytest.approx(0.28))
-    assert (short.queue_s, short.prefill_s) == (pytest.approx(0.21), pytest.approx(0.07))
+    assert long_timing.queue_s == 0.0
+    assert long_timing.prefill_s == pytest.approx(0.28)
+    assert short.queue_s == pytest.approx(0.21)
+    assert short.prefill_s == pytest.approx(0.07)
 
 
 async def test_queued_tokens_reflect_waiting_work_and_cancelled_jobs_leave() -> None:

@@ -1,0 +1,174 @@
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+import zmq
+import zmq.asyncio
+from prometheus_client import CollectorRegistry
+
+from enginesim.handshake import (
+    DecodeAddress,
+    KVMetadata,
+    RankId,
+    registration_frames,
+    room_request_frames,
+)
+from enginesim.metrics import EngineMetrics
+from enginesim.transfer import DecodeTransfer, PrefillTransfer, TransferError, bind_pull
+from tests.support.net import free_port
+
+RANKS = [RankId(0, 0, 0), RankId(0, 1, 0)]
+META = KVMetadata(
+    room=77, cached_tokens=32, prompt_tokens=50, first_token=9, queue_us=1, prefill_us=2
+)
+
+
+class Pair:
+    def __init__(self, context: zmq.asyncio.Context) -> None:
+        self.registry = CollectorRegistry()
+        metrics = EngineMetrics(self.registry)
+        self.prefill = PrefillTransfer(
+            context, metrics, RANKS, bind_host="127.0.0.1", advertise_host="127.0.0.1"
+        )
+        self.decode = DecodeTransfer(
+            context,
+            metrics,
+            bind_host="127.0.0.1",
+            advertise_host="127.0.0.1",
+            session="decode-1",
+        )
+        self.context = context
+        self.connected: list[int] = []
+        self.any_connected = asyncio.Event()
+
+    def dropped(self, reason: str) -> float | None:
+        return self.registry.get_sample_value(
+            "globalkv_engine_transfer_messages_dropped_total", {"reason": reason}
+        )
+
+    async def exchange(
+        self, room: int, *, connect_timeout: float = 10.0, transfer_timeout: float = 10.0
+    ) -> dict[RankId, KVMetadata]:
+        return await self.decode.exchange(
+            room,
+            self.prefill.addresses,
+            connect_timeout=connect_timeout,
+            transfer_timeout=transfer_timeout,
+            on_connected=lambda: self._on_connected(room),
+        )
+
+    def _on_connected(self, room: int) -> None:
+        self.connected.append(room)
+        self.any_connected.set()
+
+
+@pytest.fixture
+async def pair() -> AsyncIterator[Pair]:
+    context = zmq.asyncio.Context()
+    pair = Pair(context)
+    await pair.prefill.start()
+    await pair.decode.start()
+    yield pair
+    await pair.decode.stop()
+    await pair.prefill.stop()
+    context.destroy(linger=0)
+
+
+async def serve_room(pair: Pair, room: int, metadata: KVMetadata = META) -> None:
+    dests = await pair.prefill.wait_for_decode(room, RANKS, timeout=10)
+    await pair.prefill.send_ready(room, dests, metadata)
+
+
+async def test_decode_receives_every_target_ranks_metadata(pair: Pair) -> None:
+    got, _ = await asyncio.gather(pair.exchange(77), serve_room(pair, 77))
+    assert got == {rank: META for rank in RANKS}
+    assert pair.connected == [77]
+
+
+async def test_decode_arriving_before_the_prefill_request_is_kept(pair: Pair) -> None:
+    decode = asyncio.create_task(pair.exchange(77))
+    await pair.any_connected.wait()
+    await serve_room(pair, 77)
+    assert len(await decode) == 2
+
+
+async def test_metadata_room_is_passed_through_unchecked(pair: Pair) -> None:
+    wrong = KVMetadata(78, 0, 1, 0, 0, 0)
+    got, _ = await asyncio.gather(pair.exchange(77), serve_room(pair, 77, wrong))
+    assert {m.room for m in got.values()} == {78}
+
+
+async def test_prefill_without_a_decode_fails_the_handshake_stage(pair: Pair) -> None:
+    with pytest.raises(TransferError) as info:
+        await pair.prefill.wait_for_decode(5, RANKS, timeout=0.2)
+    assert info.value.stage == "handshake"
+    assert "no decode handshake for bootstrap_room 5" in str(info.value)
+
+
+async def test_prefill_failure_reaches_a_waiting_decode(pair: Pair) -> None:
+    decode = asyncio.create_task(pair.exchange(77))
+    await pair.any_connected.wait()
+    await pair.prefill.fail(77, "injected failure")
+    with pytest.raises(TransferError) as info:
+        await decode
+    assert info.value.stage == "transfer"
+    assert "injected failure" in str(info.value)
+
+
+async def test_prefill_failure_reaches_a_late_decode_at_once(pair: Pair) -> None:
+    await pair.prefill.fail(77, "prefill overloaded")
+    with pytest.raises(TransferError) as info:
+        await pair.exchange(77)
+    assert info.value.stage == "connect"
+    assert "prefill overloaded" in str(info.value)
+
+
+async def test_dead_prefill_rank_fails_the_connect_stage(pair: Pair) -> None:
+    dead = {RankId(0, 0, 0): ("127.0.0.1", free_port())}
+    with pytest.raises(TransferError) as info:
+        await pair.decode.exchange(
+            9, dead, connect_timeout=0.2, transfer_timeout=1, on_connected=lambda: None
+        )
+    assert info.value.stage == "connect"
+    assert "no answer for bootstrap_room 9 from prefill ranks 0.0.0" in str(info.value)
+
+
+async def test_no_kv_ready_in_time_fails_the_transfer_stage(pair: Pair) -> None:
+    with pytest.raises(TransferError) as info:
+        await pair.exchange(77, transfer_timeout=0.2)
+    assert info.value.stage == "transfer"
+    assert pair.connected == [77]
+
+
+async def test_same_room_twice_in_flight_is_refused(pair: Pair) -> None:
+    first = asyncio.create_task(pair.exchange(77))
+    await pair.any_connected.wait()
+    with pytest.raises(TransferError, match="already in flight"):
+        await pair.exchange(77)
+    await serve_room(pair, 77)
+    await first
+
+
+async def test_garbage_and_unregistered_sessions_are_dropped_and_ranks_keep_working(
+    pair: Pair,
+) -> None:
+    context = pair.context
+    listener, port = bind_pull(context, "127.0.0.1")
+    push = context.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    ip, rank_port = pair.prefill.addresses[RANKS[0]]
+    push.connect(f"tcp://{ip}:{rank_port}")
+    await push.send_multipart([b"garbage"])
+    stranger = DecodeAddress("127.0.0.1", port, "never-registered")
+    await push.send_multipart(room_request_frames(11, stranger))
+    reply = await asyncio.wait_for(listener.recv_multipart(), 10)
+    assert reply[:2] == [b"11", b"failed"]
+    assert b"never registered" in reply[3]
+    await push.send_multipart(registration_frames(stranger))
+    got, _ = await asyncio.gather(pair.exchange(77), serve_room(pair, 77))
+    assert len(got) == 2
+    assert pair.dropped("bad_frames") == 1
+    push.close()
+    listener.close()

@@ -39,6 +39,11 @@ MAX_QUERY_ROOMS: Final = 65_536
 MAX_ROOM: Final = 2**64 - 1
 READY_TEXT: Final = "OK"
 
+ROUTE_PARAMS: Final = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
+"""GET /route query parameters, in the order of `Coordinate` and of SGLang's decode."""
+SNAPSHOT_QUERY: Final = dict.fromkeys(ROUTE_PARAMS, -1)
+"""All four -1: the topology snapshot, not a rank."""
+
 _SCRATCH_FIELDS: Final = (
     "target_tp_rank",
     "target_tp_ranks",
@@ -204,8 +209,8 @@ class RankAddress(BaseModel):
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
-    rank_ip: str
-    rank_port: int
+    rank_ip: str = Field(min_length=1)
+    rank_port: int = Field(ge=1, le=65535)
 
     def __str__(self) -> str:
         return f"{self.rank_ip}:{self.rank_port}"

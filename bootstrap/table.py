@@ -181,7 +181,6 @@ class RoomTable:
         """Entries dropped to respect `max_entries` before their TTL."""
         self.expired = 0
         """Entries dropped because their TTL passed."""
-        self.registrations = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -191,7 +190,6 @@ class RoomTable:
         self._expire(now)
         self._entries.pop(room, None)
         self._entries[room] = _RoomEntry(dp_rank, now)
-        self.registrations += 1
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
             self.evicted += 1

@@ -91,6 +91,8 @@ class ApplyResult:
     """Engine blocks not keyed because they do not hold whole index blocks."""
     over_capacity: int = 0
     """Stores skipped because the index is at its configured memory bound."""
+    invalid: int = 0
+    """Engine blocks of stores whose token ids cannot be keyed (outside u32)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,207 @@
+"""The gateway's one typed configuration, built from flags in `gateway.cli` only.
+
+Defaults are sglang-router 0.3.2's where it has the setting (PROTOCOLS.md §6), so a user
+moving from it keeps the behaviour they know.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+PolicyName = Literal["prefix", "cache_aware", "power_of_two", "round_robin", "random", "least_load"]
+Role = Literal["prefill", "decode"]
+
+
+def _frozen() -> ConfigDict:
+    return ConfigDict(frozen=True, extra="forbid")
+
+
+def check_http_url(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{url!r} is not an http(s) URL with a host")
+    try:
+        parts.port  # noqa: B018 - parsing the port is the validation
+    except ValueError as exc:
+        raise ValueError(f"{url!r} has an invalid port") from exc
+    return url.rstrip("/")
+
+
+class KvEventsSpec(BaseModel):
+    """Where a prefill pod publishes KV events, for the indexer to subscribe to."""
+
+    model_config = _frozen()
+
+    endpoint: str | None = Field(None, description="PUB endpoint, e.g. tcp://10.0.0.5:5557.")
+    replay_endpoint: str | None = Field(None, description="ROUTER replay endpoint, or none.")
+    topic: str = Field("", description="Topic the publisher sends (llm-d: kv@<pod>@<model>).")
+
+
+class WorkerSpec(BaseModel):
+    """One worker as given on the command line or to `POST /workers`."""
+
+    model_config = _frozen()
+
+    url: str = Field(description="The worker's HTTP URL.")
+    role: Role = Field(description="prefill or decode.")
+    bootstrap_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="Prefill only: the bootstrap port injected into requests; "
+        "None = null, each server uses its own.",
+    )
+    pod_id: str | None = Field(
+        None,
+        min_length=1,
+        description="Prefill only: the pod id the index knows it by. Default: the <pod> of "
+        "its kv@<pod>@<model> topic, else the URL's host:port.",
+    )
+    kv_events: KvEventsSpec | None = Field(
+        None, description="Prefill only: its KV-event endpoints; discovered when absent."
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        return check_http_url(value)
+
+    @model_validator(mode="after")
+    def _decode_has_no_prefill_fields(self) -> WorkerSpec:
+        if self.role == "decode" and (
+            self.bootstrap_port is not None or self.pod_id is not None or self.kv_events
+        ):
+            raise ValueError("bootstrap_port, pod_id and kv_events apply to prefill workers only")
+        return self
+
+
+class RetryConfig(BaseModel):
+    model_config = _frozen()
+
+    max_retries: int = Field(5, ge=1, description="Total attempts per request, first included.")
+    initial_backoff_ms: int = Field(50, ge=0, description="Delay before the second attempt.")
+    max_backoff_ms: int = Field(30_000, ge=0, description="Cap on one delay.")
+    backoff_multiplier: float = Field(1.5, ge=1.0, description="Growth of the delay per attempt.")
+    jitter_factor: float = Field(0.2, ge=0.0, le=1.0, description="± fraction of random jitter.")
+    disabled: bool = Field(False, description="One attempt only.")
+
+
+class BreakerConfig(BaseModel):
+    model_config = _frozen()
+
+    failure_threshold: int = Field(10, ge=1, description="Consecutive failures that open it.")
+    success_threshold: int = Field(3, ge=1, description="Half-open successes that close it.")
+    timeout_duration_secs: float = Field(60, gt=0, description="How long it stays open.")
+    window_duration_secs: float = Field(
+        120,
+        gt=0,
+        description="Accepted for sglang-router compatibility; failures count "
+        "consecutively, as it does.",
+    )
+    disabled: bool = Field(False, description="Never open.")
+
+
+class HealthConfig(BaseModel):
+    model_config = _frozen()
+
+    failure_threshold: int = Field(3, ge=1, description="Consecutive failures → unhealthy.")
+    success_threshold: int = Field(2, ge=1, description="Consecutive successes → healthy.")
+    timeout_secs: float = Field(5, gt=0, description="Timeout of one check.")
+    interval_secs: float = Field(60, gt=0, description="Time between checks of a worker.")
+    startup_check_interval_secs: float = Field(
+        1, gt=0, description="Time between checks of a worker not yet seen healthy."
+    )
+    endpoint: str = Field("/health", description="Path checked on the worker's HTTP URL.")
+    disabled: bool = Field(False, description="Treat every worker as healthy.")
+    directory_refresh_secs: float = Field(
+        5, gt=0, description="How often each prefill's bootstrap directory is read."
+    )
+
+
+class PrefixWeights(BaseModel):
+    """Weights of the prefix policy's time-to-first-token estimate (see gateway.policies.prefix)."""
+
+    model_config = _frozen()
+
+    uncached_weight: float = Field(1.0, ge=0, description="Cost per prompt token not cached.")
+    queued_weight: float = Field(1.0, ge=0, description="Cost per prefill token queued there.")
+    request_cost: float = Field(
+        0.0, ge=0, description="Extra cost, in tokens, per request in flight there."
+    )
+
+
+class CacheAwareConfig(BaseModel):
+    model_config = _frozen()
+
+    cache_threshold: float = Field(0.3, ge=0, le=1, description="Min match rate to follow it.")
+    balance_abs_threshold: int = Field(64, ge=0, description="Imbalance: max - min load above.")
+    balance_rel_threshold: float = Field(1.5, ge=1, description="Imbalance: max > min × this.")
+    eviction_interval_secs: float = Field(60, gt=0, description="Tree eviction period.")
+    max_tree_size: int = Field(2**26, ge=1, description="Entries kept per worker in the tree.")
+
+
+class GatewayConfig(BaseModel):
+    model_config = _frozen()
+
+    host: str = Field("0.0.0.0", description="Address the gateway listens on.")
+    port: int = Field(30000, ge=1, le=65535, description="Port the gateway listens on.")
+    prometheus_host: str = Field("0.0.0.0", description="Address of the metrics listener.")
+    prometheus_port: int | None = Field(
+        29000, ge=1, le=65535, description="Separate metrics port (also at /metrics); None = off."
+    )
+    prefill: list[WorkerSpec] = Field(default_factory=list, description="Prefill workers.")
+    decode: list[WorkerSpec] = Field(default_factory=list, description="Decode workers.")
+    prefill_policy: PolicyName = Field("prefix", description="How a prefill is chosen.")
+    decode_policy: PolicyName = Field("power_of_two", description="How a decode is chosen.")
+    prefix: PrefixWeights = Field(default_factory=PrefixWeights)
+    cache_aware: CacheAwareConfig = Field(default_factory=CacheAwareConfig)
+    retry: RetryConfig = Field(default_factory=RetryConfig)
+    breaker: BreakerConfig = Field(default_factory=BreakerConfig)
+    health: HealthConfig = Field(default_factory=HealthConfig)
+    api_key: str | None = Field(None, description="Bearer key required on inference endpoints.")
+    admin_token: str | None = Field(None, description="Bearer token for /workers mutations.")
+    request_timeout_secs: float = Field(1800, gt=0, description="Timeout of one upstream call.")
+    max_payload_size: int = Field(512 * 1024 * 1024, ge=1, description="Request body limit.")
+    redis_url: str | None = Field(None, description="Read index and pod registry from Redis.")
+    indexer_url: str | None = Field(None, description="Ask the indexer's HTTP API instead.")
+    model: str | None = Field(
+        None, description="Model name keyed in the index; default: the prefills' served name."
+    )
+    tokenizer: str | None = Field(
+        None, description="tokenizer.json, a model directory, or 'byte'; None = no tokenizer."
+    )
+    block_size: int | None = Field(
+        None, ge=1, description="Index block size (required with --redis-url)."
+    )
+    lookup_timeout_secs: float = Field(0.5, gt=0, description="Timeout of one index lookup.")
+    seed: int | None = Field(None, description="Seed of the routing RNG (rooms stay random).")
+
+    @field_validator("indexer_url")
+    @classmethod
+    def _indexer_url(cls, value: str | None) -> str | None:
+        return None if value is None else check_http_url(value)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> GatewayConfig:
+        if self.redis_url and self.indexer_url:
+            raise ValueError("give --redis-url or --indexer-url, not both")
+        if self.redis_url and self.block_size is None:
+            raise ValueError("--redis-url needs --block-size (the index block size)")
+        for spec in self.prefill:
+            if spec.role != "prefill":
+                raise ValueError(f"{spec.url} is listed as prefill but has role {spec.role}")
+        for spec in self.decode:
+            if spec.role != "decode":
+                raise ValueError(f"{spec.url} is listed as decode but has role {spec.role}")
+        urls = [s.url for s in (*self.prefill, *self.decode)]
+        duplicates = sorted({u for u in urls if urls.count(u) > 1})
+        if duplicates:
+            raise ValueError(f"workers listed twice: {', '.join(duplicates)}")
+        return self
+
+    @property
+    def index_configured(self) -> bool:
+        return bool(self.redis_url or self.indexer_url)

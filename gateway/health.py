@@ -1,0 +1,53 @@
+"""A worker's health as sglang-router judges it, from consecutive check results.
+
+A worker starts unknown and is not routed to until its first check passes (sglang-router
+waits for workers at start-up the same way); `failure_threshold` consecutive failures make
+it unhealthy, and once it has been healthy, `success_threshold` consecutive successes are
+needed to trust it again.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from gateway.config import HealthConfig
+
+
+class Health(enum.Enum):
+    UNKNOWN = "unknown"
+    HEALTHY = "healthy"
+    UNHEALTHY = "unhealthy"
+
+
+class HealthTracker:
+    def __init__(self, config: HealthConfig) -> None:
+        self._config = config
+        self._state = Health.HEALTHY if config.disabled else Health.UNKNOWN
+        self._failures = 0
+        self._successes = 0
+        self.last_error: str | None = None
+
+    @property
+    def state(self) -> Health:
+        return self._state
+
+    @property
+    def healthy(self) -> bool:
+        return self._state is Health.HEALTHY
+
+    def record(self, ok: bool, error: str | None = None) -> Health:
+        if self._config.disabled:
+            return self._state
+        if ok:
+            self._failures = 0
+            self._successes += 1
+            self.last_error = None
+            if self._state is Health.UNKNOWN or self._successes >= self._config.success_threshold:
+                self._state = Health.HEALTHY
+        else:
+            self._successes = 0
+            self._failures += 1
+            self.last_error = error
+            if self._failures >= self._config.failure_threshold:
+                self._state = Health.UNHEALTHY
+        return self._state

@@ -1,0 +1,62 @@
+"""Routing policies: one module each, one interface (`gateway.policies.base`)."""
+
+from __future__ import annotations
+
+from random import Random
+
+from gateway.config import CacheAwareConfig, PolicyName, PrefixWeights
+from gateway.policies.base import (
+    Candidate,
+    Choice,
+    LoadTicket,
+    LoadTracker,
+    NoCandidates,
+    Policy,
+    RouteRequest,
+)
+from gateway.policies.cache_aware import CacheAwarePolicy
+from gateway.policies.least_load import LeastLoadPolicy
+from gateway.policies.power_of_two import PowerOfTwoPolicy
+from gateway.policies.prefix import PrefixPolicy
+from gateway.policies.random import RandomPolicy
+from gateway.policies.round_robin import RoundRobinPolicy
+
+__all__ = [
+    "CacheAwarePolicy",
+    "Candidate",
+    "Choice",
+    "LeastLoadPolicy",
+    "LoadTicket",
+    "LoadTracker",
+    "NoCandidates",
+    "Policy",
+    "PowerOfTwoPolicy",
+    "PrefixPolicy",
+    "RandomPolicy",
+    "RoundRobinPolicy",
+    "RouteRequest",
+    "build_policy",
+]
+
+
+def build_policy(
+    name: PolicyName,
+    rng: Random,
+    *,
+    prefix: PrefixWeights | None = None,
+    cache_aware: CacheAwareConfig | None = None,
+) -> Policy:
+    """A fresh policy by its CLI name; the cache policies fall back to least load."""
+    if name == "prefix":
+        return PrefixPolicy(prefix or PrefixWeights(), rng, LeastLoadPolicy(rng))
+    if name == "cache_aware":
+        return CacheAwarePolicy(cache_aware or CacheAwareConfig(), LeastLoadPolicy(rng))
+    if name == "power_of_two":
+        return PowerOfTwoPolicy(rng)
+    if name == "round_robin":
+        return RoundRobinPolicy()
+    if name == "random":
+        return RandomPolicy(rng)
+    if name == "least_load":
+        return LeastLoadPolicy(rng)
+    raise ValueError(f"unknown policy {name!r}")

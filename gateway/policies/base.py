@@ -1,0 +1,154 @@
+"""The policy interface: choose one worker from candidates, nothing else.
+
+A policy never sends, sleeps, reads a clock or the network. Everything it may look at
+comes in the call, so the same objects serve the live gateway and a discrete-event
+simulator replaying traces against a real `MemoryIndex` in simulated time:
+
+    policy = build_policy("prefix", PolicySettings(...), rng=Random(7))
+    loads = LoadTracker()
+    lookup = await IndexLookup(index).lookup(model, tokens)     # or None: index down
+    request = RouteRequest(tokens=tokens, text=None, lookup=lookup, now=sim_time)
+    choice = policy.choose(request, loads.candidates(pods))      # Candidate per worker
+    ticket = loads.start(choice.worker, prefill_tokens=choice.uncached_tokens)
+    ...                                                          # simulated prefill
+    loads.prefill_done(ticket)                                   # KV computed
+    ...                                                          # simulated decode
+    loads.finish(ticket)
+
+- `Candidate` is a snapshot of one eligible worker: its id, the index pod it maps to and
+  its load (requests in flight, prefill tokens queued). The caller has already removed
+  unhealthy, circuit-open and not-ready workers.
+- `RouteRequest` carries the prompt tokens (None when the gateway could not tokenize),
+  the text (cache_aware's key when there are no tokens), the index's answer (None when
+  there was no index, no tokens, or the index failed) and `now` (simulated or monotonic
+  seconds) for policies that age state.
+- `Choice` names the worker, the DP rank the prompt's best hit is on (for DP-aware rooms),
+  the hit it counted on, and `fallback` when the policy could not use what it prefers.
+- Randomness comes only from the `random.Random` given at construction: a seeded one
+  makes every choice reproducible. State a policy keeps (round-robin position,
+  cache_aware's tree) changes only inside `choose`.
+- Load changes only through `LoadTracker.start/prefill_done/finish`, which the dispatcher
+  (or the simulator) calls; policies read it through the candidates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from globalkv.lookup import LookupResult
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    worker: str
+    """The worker's id (stable for its lifetime in the pool)."""
+    pod: str
+    """The pod id the index names this worker by (decodes: equal to the worker id)."""
+    in_flight: int = 0
+    """Requests sent to it and not finished."""
+    queued_prefill_tokens: int = 0
+    """Prompt tokens it was asked to prefill (beyond its cache) that it has not finished."""
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    tokens: Sequence[int] | None
+    text: str | None = None
+    lookup: LookupResult | None = None
+    now: float = 0.0
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.tokens) if self.tokens is not None else 0
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    worker: str
+    dp_rank: int | None = None
+    """The DP rank holding the counted hit, when the index told us."""
+    hit_tokens: int = 0
+    """Cached prompt tokens the choice expects on that worker."""
+    uncached_tokens: int = 0
+    """Prompt tokens the worker will have to prefill (its queue grows by these)."""
+    fallback: str | None = None
+    """Why the policy fell back to choosing by load (no_tokens, index_unavailable)."""
+
+
+class Policy(Protocol):
+    name: str
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Choice:
+        """Pick one of `candidates` (never empty)."""
+        ...
+
+    def forget(self, worker: str) -> None:
+        """The worker left the pool; drop what is kept about it."""
+        ...
+
+
+class NoCandidates(LookupError):
+    """No worker of a role may take traffic (none healthy, circuits open, not ready)."""
+
+
+@dataclass(slots=True)
+class WorkerLoad:
+    in_flight: int = 0
+    queued_prefill_tokens: int = 0
+
+
+@dataclass(slots=True)
+class LoadTicket:
+    """One request's share of one worker's load, so finishing it twice cannot corrupt it."""
+
+    worker: str
+    prefill_tokens: int
+    load: WorkerLoad
+    prefill_open: bool = True
+    open: bool = True
+
+
+@dataclass(slots=True)
+class LoadTracker:
+    """Per-worker load that the dispatcher (or simulator) updates through explicit hooks."""
+
+    loads: dict[str, WorkerLoad] = field(default_factory=dict)
+
+    def start(self, worker: str, prefill_tokens: int = 0) -> LoadTicket:
+        load = self.loads.setdefault(worker, WorkerLoad())
+        load.in_flight += 1
+        load.queued_prefill_tokens += prefill_tokens
+        return LoadTicket(worker, prefill_tokens, load, prefill_open=prefill_tokens > 0)
+
+    @staticmethod
+    def prefill_done(ticket: LoadTicket) -> None:
+        if ticket.prefill_open:
+            ticket.prefill_open = False
+            ticket.load.queued_prefill_tokens -= ticket.prefill_tokens
+
+    def finish(self, ticket: LoadTicket) -> None:
+        self.prefill_done(ticket)
+        if ticket.open:
+            ticket.open = False
+            ticket.load.in_flight -= 1
+
+    def forget(self, worker: str) -> None:
+        """A removed worker; tickets still open on it update a load nobody reads."""
+        self.loads.pop(worker, None)
+
+    def load(self, worker: str) -> WorkerLoad:
+        return self.loads.get(worker) or WorkerLoad()
+
+    def candidate(self, worker: str, pod: str | None = None) -> Candidate:
+        load = self.load(worker)
+        return Candidate(worker, pod or worker, load.in_flight, load.queued_prefill_tokens)
+
+    def candidates(self, workers: Iterable[str | tuple[str, str]]) -> list[Candidate]:
+        """Snapshots of workers given as ids or (id, pod) pairs."""
+        out: list[Candidate] = []
+        for item in workers:
+            worker, pod = (item, item) if isinstance(item, str) else item
+            out.append(self.candidate(worker, pod))
+        return out

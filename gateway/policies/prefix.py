@@ -1,0 +1,75 @@
+"""Global-prefix routing: the prefill expected to give the first token soonest.
+
+Score of a candidate prefill worker `w` (lower is better), in token units:
+
+    hit(w)      = the longest cached prefix of the prompt on w's pod, in tokens, taken
+                  from the index lookup (the best of the pod's DP ranks); 0 without a hit
+    uncached(w) = max(prompt_tokens - hit(w), 0)
+    cost(w)     = uncached_weight * uncached(w)                 (--prefix-uncached-weight, 1.0)
+                + queued_weight   * queued_prefill_tokens(w)    (--prefix-queued-weight, 1.0)
+                + request_cost    * in_flight(w)                (--prefix-request-cost, 0.0)
+
+`queued_prefill_tokens(w)` is the sum of `uncached` over requests this gateway sent to w
+whose prefill has not answered yet, so cost approximates the tokens w must compute before
+it reaches this prompt: a pod holding 6,000 cached tokens of an 8,000-token prompt
+(uncached 2,000) but with 10,000 tokens queued costs 12,000 and loses to an idle pod
+holding 1,000 (cost 7,000). The lowest cost wins; equal costs are broken by the seeded
+RNG. The choice carries the DP rank of the counted hit, so the room can select it.
+
+Without a lookup (no tokens, no index configured, index unreachable) the policy hands the
+choice to its load fallback (least_load) and marks it `fallback="no_lookup"`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from random import Random
+
+from gateway.config import PrefixWeights
+from gateway.policies.base import Candidate, Choice, Policy, RouteRequest
+from globalkv.lookup import PodHit
+
+
+class PrefixPolicy:
+    name = "prefix"
+
+    def __init__(self, weights: PrefixWeights, rng: Random, fallback: Policy) -> None:
+        self._weights = weights
+        self._rng = rng
+        self._fallback = fallback
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Choice:
+        if request.lookup is None or request.tokens is None:
+            return replace(self._fallback.choose(request, candidates), fallback="no_lookup")
+        best: dict[str, PodHit] = {}
+        for pod_hit in request.lookup.pods:
+            held = best.get(pod_hit.pod)
+            if held is None or pod_hit.hit_tokens > held.hit_tokens:
+                best[pod_hit.pod] = pod_hit
+        prompt = request.prompt_tokens
+        w = self._weights
+        scored: list[tuple[float, Candidate, PodHit | None, int]] = []
+        for candidate in candidates:
+            hit = best.get(candidate.pod)
+            uncached = max(prompt - (hit.hit_tokens if hit else 0), 0)
+            cost = (
+                w.uncached_weight * uncached
+                + w.queued_weight * candidate.queued_prefill_tokens
+                + w.request_cost * candidate.in_flight
+            )
+            scored.append((cost, candidate, hit, uncached))
+        lowest = min(s[0] for s in scored)
+        tied = [s for s in scored if s[0] == lowest]
+        _, chosen, hit, uncached = (
+            tied[self._rng.randrange(len(tied))] if len(tied) > 1 else tied[0]
+        )
+        return Choice(
+            chosen.worker,
+            dp_rank=hit.dp_rank if hit else None,
+            hit_tokens=prompt - uncached,
+            uncached_tokens=uncached,
+        )
+
+    def forget(self, worker: str) -> None:
+        """Nothing is kept per worker: the index holds the cache state."""

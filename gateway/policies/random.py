@@ -1,0 +1,22 @@
+"""A uniformly random candidate, from the policy's own seeded RNG."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from random import Random
+
+from gateway.policies.base import Candidate, Choice, RouteRequest
+
+
+class RandomPolicy:
+    name = "random"
+
+    def __init__(self, rng: Random) -> None:
+        self._rng = rng
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Choice:
+        chosen = candidates[self._rng.randrange(len(candidates))]
+        return Choice(chosen.worker, uncached_tokens=request.prompt_tokens)
+
+    def forget(self, worker: str) -> None:
+        """Nothing is kept per worker."""

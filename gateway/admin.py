@@ -1,0 +1,100 @@
+"""The worker admin API: `GET|POST /workers`, `GET|DELETE /workers/{id}`.
+
+Mutations need `Authorization: Bearer <--admin-token>` when one is set (else the API key
+when that is set). A worker is named by its id (`host:port`) or its URL. The body of
+`POST /workers` is a `WorkerSpec`; sglang-router's `worker_type` is accepted for `role`.
+Adding a prefill registers it as a pod with the index once its KV-event endpoints are
+known (given here, or discovered by the monitor from its /server_info).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+
+from gateway.auth import bearer_ok
+from gateway.config import WorkerSpec
+from gateway.workers import DuplicateWorker
+
+if TYPE_CHECKING:
+    from gateway.service import Gateway
+
+log = logging.getLogger(__name__)
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error") -> Response:
+    return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status)
+
+
+def _spec(body: object) -> WorkerSpec:
+    if not isinstance(body, dict):
+        raise ValueError("the body must be a JSON object")
+    data: dict[str, Any] = dict(body)
+    if "worker_type" in data and "role" not in data:
+        data["role"] = data.pop("worker_type")
+    return WorkerSpec.model_validate(data)
+
+
+def _validation_message(exc: ValidationError) -> str:
+    return "; ".join(
+        f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}" for err in exc.errors()
+    )
+
+
+def admin_routes(gateway: Gateway) -> APIRouter:
+    routes = APIRouter()
+    admin_secret = gateway.config.admin_token or gateway.config.api_key
+
+    @routes.get("/workers")
+    async def list_workers(request: Request) -> Response:
+        if not bearer_ok(request, gateway.config.api_key or gateway.config.admin_token):
+            return _error(401, "missing or wrong token", "auth_error")
+        return JSONResponse({"workers": [w.describe(gateway.loads) for w in gateway.pool]})
+
+    @routes.post("/workers")
+    async def add_worker(request: Request) -> Response:
+        if not bearer_ok(request, admin_secret):
+            return _error(401, "missing or wrong admin token", "auth_error")
+        try:
+            spec = _spec(json.loads(await request.body()))
+        except ValidationError as exc:
+            return _error(400, _validation_message(exc))
+        except ValueError as exc:
+            return _error(400, f"invalid worker: {exc}")
+        try:
+            worker = gateway.add_worker(spec)
+        except DuplicateWorker as exc:
+            return _error(409, str(exc), "conflict")
+        return JSONResponse(worker.describe(gateway.loads), status_code=201)
+
+    @routes.get("/workers/{key:path}")
+    async def get_worker(key: str, request: Request) -> Response:
+        if not bearer_ok(request, gateway.config.api_key or gateway.config.admin_token):
+            return _error(401, "missing or wrong token", "auth_error")
+        worker = gateway.find(key)
+        if worker is None:
+            return _error(404, f"no worker {key!r}", "not_found")
+        return JSONResponse(worker.describe(gateway.loads))
+
+    @routes.delete("/workers/{key:path}")
+    async def delete_worker(key: str, request: Request) -> Response:
+        if not bearer_ok(request, admin_secret):
+            return _error(401, "missing or wrong admin token", "auth_error")
+        worker = gateway.find(key)
+        if worker is None:
+            return _error(404, f"no worker {key!r}", "not_found")
+        try:
+            await gateway.remove_worker(worker.id)
+        except Exception as exc:  # the worker is gone from routing; only the index kept it
+            log.warning("worker %s removed, but unregistering its pod failed: %r", worker.id, exc)
+            return JSONResponse(
+                {"removed": worker.id, "unregister_error": repr(exc)}, status_code=200
+            )
+        return JSONResponse({"removed": worker.id})
+
+    return routes

@@ -1,0 +1,336 @@
+"""Keeping worker state fresh in the background, never on the request path.
+
+One loop per gateway. For each worker, when due:
+- health: `GET <url><endpoint>` (sglang-router's check: every `interval_secs`, every
+  `startup_check_interval_secs` until first seen healthy, `timeout_secs` each);
+- prefill discovery, once it answers: `GET <url>/server_info`, read for its KV-event
+  endpoints, DP size, bootstrap port and served model (the `kv_events` block of our
+  engines, or real SGLang's `kv_events_config`, `dp_size`, `page_size`,
+  `disaggregation_bootstrap_port`, `served_model_name`);
+- registration of the prefill as a pod with the index once its KV-event endpoint is known;
+- the bootstrap directory's readiness and topology (dp_size, follow_bootstrap_room) via the
+  `bootstrap/` control-plane reader, every `directory_refresh_secs`.
+`run_once(force=True)` does every check now; tests and start-up await it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+
+from gateway.breaker import Clock
+from gateway.config import HealthConfig, KvEventsSpec
+from gateway.health import Health
+from gateway.workers import DirectoryStatus, Worker, WorkerPool
+
+log = logging.getLogger(__name__)
+
+Sleep = Callable[[float], Awaitable[None]]
+_WILDCARD_HOSTS = {"*", "0.0.0.0", "::", "[::]", ""}
+
+
+class DirectoryReading(Protocol):
+    """What `bootstrap.reader.DirectoryStatus` tells about one directory."""
+
+    @property
+    def reachable(self) -> bool: ...
+    @property
+    def ready(self) -> bool: ...
+    @property
+    def topology(self) -> dict[str, Any] | None: ...
+    @property
+    def registered(self) -> int: ...
+    @property
+    def expected(self) -> int | None: ...
+    @property
+    def error(self) -> str | None: ...
+
+
+class DirectoryProbe(Protocol):
+    async def read(self, bootstrap_url: str) -> DirectoryReading: ...
+
+
+@dataclass(frozen=True, slots=True)
+class PodRegistration:
+    """A prefill pod as the index's registry stores it."""
+
+    id: str
+    model: str | None
+    block_size: int | None
+    role: str
+    url: str
+    bootstrap_host: str
+    bootstrap_port: int | None
+    kv_events: KvEventsSpec
+    dp_size: int
+
+
+class PodRegistrar(Protocol):
+    async def register(self, pod: PodRegistration) -> None:
+        """Raises on failure; the monitor retries on its next round."""
+        ...
+
+    async def unregister(self, pod_id: str) -> None: ...
+
+
+def _endpoint_for(endpoint: str | None, host: str) -> str | None:
+    """A bind address (`tcp://*:5557`) made connectable (`tcp://<worker host>:5557`)."""
+    if endpoint is None or not endpoint.startswith("tcp://"):
+        return endpoint
+    rest = endpoint[len("tcp://") :]
+    bind_host, sep, port = rest.rpartition(":")
+    if sep and bind_host in _WILDCARD_HOSTS:
+        shown = f"[{host}]" if ":" in host else host
+        return f"tcp://{shown}:{port}"
+    return endpoint
+
+
+def _int_or_none(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+@dataclass(frozen=True, slots=True)
+class ServerInfo:
+    kv_events: KvEventsSpec | None
+    bootstrap_port: int | None
+    dp_size: int | None
+    block_size: int | None
+    model: str | None
+
+
+def parse_server_info(info: Mapping[str, Any], host: str) -> ServerInfo:
+    """What routing needs from a worker's /server_info, from either engine's shape."""
+    block: object = info.get("kv_events")
+    if block is None and isinstance(info.get("kv_events_config"), str):
+        with contextlib.suppress(ValueError):
+            block = json.loads(info["kv_events_config"])
+    kv_events = None
+    block_size = _int_or_none(info.get("page_size"))
+    dp_size = _int_or_none(info.get("dp_size"))
+    if isinstance(block, Mapping) and isinstance(block.get("endpoint"), str):
+        replay = block.get("replay_endpoint")
+        topic = block.get("topic")
+        kv_events = KvEventsSpec(
+            endpoint=_endpoint_for(block["endpoint"], host),
+            replay_endpoint=_endpoint_for(replay, host) if isinstance(replay, str) else None,
+            topic=topic if isinstance(topic, str) else "",
+        )
+        block_size = _int_or_none(block.get("block_size")) or block_size
+        dp_size = _int_or_none(block.get("dp_size")) or dp_size
+    model = info.get("served_model_name") or info.get("model")
+    return ServerInfo(
+        kv_events=kv_events,
+        bootstrap_port=_int_or_none(info.get("disaggregation_bootstrap_port"))
+        or _int_or_none(info.get("bootstrap_port")),
+        dp_size=dp_size,
+        block_size=block_size,
+        model=model if isinstance(model, str) else None,
+    )
+
+
+class Monitor:
+    def __init__(
+        self,
+        pool: WorkerPool,
+        client: httpx.AsyncClient,
+        config: HealthConfig,
+        probe: DirectoryProbe | None,
+        registrar: PodRegistrar | None,
+        clock: Clock,
+        *,
+        model: str | None = None,
+        block_size: int | None = None,
+        sleep: Sleep = asyncio.sleep,
+    ) -> None:
+        self.pool = pool
+        self._client = client
+        self._config = config
+        self._probe = probe
+        self._registrar = registrar
+        self._clock = clock
+        self._model = model
+        self._block_size = block_size
+        self._sleep = sleep
+        self._next_health: dict[str, float] = {}
+        self._next_directory: dict[str, float] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def served_model(self) -> str | None:
+        """The configured model, else the first one a prefill advertised."""
+        if self._model:
+            return self._model
+        return next((w.served_model for w in self.pool.role("prefill") if w.served_model), None)
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="gateway-monitor")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    def wake(self) -> None:
+        """A worker was added: check it now rather than at the next tick."""
+        self._wake.set()
+
+    async def _run(self) -> None:
+        while True:
+            self._wake.clear()
+            await self.run_once()
+            due = [*self._next_health.values(), *self._next_directory.values()]
+            pause = max(0.0, min(due) - self._clock()) if due else self._config.interval_secs
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=pause)
+
+    async def run_once(self, *, force: bool = False) -> None:
+        workers = list(self.pool)
+        live = {w.id for w in workers}
+        for table in (self._next_health, self._next_directory):
+            for stale in set(table) - live:
+                del table[stale]
+        await asyncio.gather(*(self._check(w, force) for w in workers))
+
+    async def _check(self, worker: Worker, force: bool) -> None:
+        now = self._clock()
+        if force or now >= self._next_health.get(worker.id, 0.0):
+            await self._check_health(worker)
+            interval = (
+                self._config.interval_secs
+                if worker.health.state is Health.HEALTHY
+                else self._config.startup_check_interval_secs
+            )
+            self._next_health[worker.id] = self._clock() + interval
+        if worker.role != "prefill":
+            return
+        if not worker.discovered and worker.health.healthy:
+            await self._discover(worker)
+        if worker.discovered:
+            await self._register(worker)
+        if worker.directory.port is not None and (
+            force or now >= self._next_directory.get(worker.id, 0.0)
+        ):
+            await self._read_directory(worker)
+            self._next_directory[worker.id] = self._clock() + self._config.directory_refresh_secs
+
+    async def _check_health(self, worker: Worker) -> None:
+        if self._config.disabled:
+            return
+        before = worker.health.state
+        try:
+            response = await self._client.get(
+                worker.url + self._config.endpoint, timeout=self._config.timeout_secs
+            )
+            ok, error = response.status_code == 200, f"HTTP {response.status_code}"
+        except httpx.HTTPError as exc:
+            ok, error = False, f"{type(exc).__name__}: {exc}"
+        after = worker.health.record(ok, None if ok else error)
+        if after is not before:
+            log.info("worker %s (%s) is now %s (%s)", worker.id, worker.role, after.value, error)
+
+    async def _discover(self, worker: Worker) -> None:
+        try:
+            response = await self._client.get(
+                worker.url + "/server_info", timeout=self._config.timeout_secs
+            )
+        except httpx.HTTPError as exc:
+            worker.last_error = f"/server_info: {exc!r}"
+            return
+        worker.discovered = True
+        info: object = None
+        if response.status_code == 200:
+            with contextlib.suppress(ValueError):
+                info = response.json()
+        if not isinstance(info, dict):
+            worker.last_error = f"/server_info answered {response.status_code} without JSON"
+            log.warning("prefill %s: %s; nothing discovered", worker.id, worker.last_error)
+            info = {}
+        found = parse_server_info(info, worker.host)
+        if worker.kv_events is None:
+            worker.kv_events = found.kv_events
+        worker.served_model = found.model
+        worker.engine_block_size = found.block_size
+        if found.dp_size:
+            worker.directory.dp_size = found.dp_size
+        if worker.directory.port is None:
+            worker.directory.port = found.bootstrap_port
+        if worker.directory.port is None:
+            worker.directory.status = DirectoryStatus.UNKNOWN
+            log.warning(
+                "prefill %s: no bootstrap port given or advertised; its directory readiness "
+                "is unknown and it stays eligible",
+                worker.id,
+            )
+
+    async def _register(self, worker: Worker) -> None:
+        events = worker.kv_events
+        if self._registrar is None or events is None or events.endpoint is None:
+            return
+        if worker.registered_pod == worker.pod:
+            return
+        pod = PodRegistration(
+            id=worker.pod,
+            model=self.served_model(),
+            block_size=worker.engine_block_size or self._block_size,
+            role="prefill",
+            url=worker.url,
+            bootstrap_host=worker.host,
+            bootstrap_port=worker.directory.port,
+            kv_events=events,
+            dp_size=worker.directory.dp_size,
+        )
+        try:
+            await self._registrar.register(pod)
+        except Exception as exc:  # any registrar failure is retried next round, and shown
+            worker.last_error = f"pod registration: {exc!r}"
+            log.warning("prefill %s: registering pod %s failed: %r", worker.id, pod.id, exc)
+            return
+        worker.registered_pod = pod.id
+        log.info("prefill %s registered with the index as pod %s", worker.id, pod.id)
+
+    async def unregister(self, worker: Worker) -> None:
+        if self._registrar is not None and worker.registered_pod is not None:
+            await self._registrar.unregister(worker.registered_pod)
+
+    async def _read_directory(self, worker: Worker) -> None:
+        directory = worker.directory
+        if self._probe is None:
+            directory.status = DirectoryStatus.UNKNOWN
+            return
+        host = f"[{worker.host}]" if ":" in worker.host else worker.host
+        scheme = urlsplit(worker.url).scheme
+        url = urlunsplit((scheme, f"{host}:{directory.port}", "", "", ""))
+        before = directory.status
+        reading = await self._probe.read(url)
+        directory.registered, directory.expected = reading.registered, reading.expected
+        directory.error = reading.error
+        if not reading.reachable:
+            directory.status = DirectoryStatus.UNREACHABLE
+        elif reading.ready:
+            directory.status = DirectoryStatus.READY
+            topology = reading.topology or {}
+            dp_size = _int_or_none(topology.get("dp_size"))
+            if dp_size:
+                directory.dp_size = dp_size
+            directory.follow_bootstrap_room = bool(topology.get("follow_bootstrap_room"))
+        else:
+            directory.status = DirectoryStatus.NOT_READY
+        if directory.status is not before:
+            log.info(
+                "prefill %s: bootstrap directory %s is %s (%s)",
+                worker.id,
+                url,
+                directory.status.value,
+                directory.error or f"{directory.registered}/{directory.expected} ranks",
+            )

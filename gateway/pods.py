@@ -1,0 +1,94 @@
+"""Registering prefill workers as pods with the index: indexer API or shared registry.
+
+The indexer subscribes to a pod's KV events once it knows the pod; the gateway is where
+operators add prefill workers, so it tells the indexer — through `POST /v1/pods` with
+`--indexer-url`, or by writing the registry stored with the index with `--redis-url`.
+Both paths send the same `globalkv.registry.PodInfo`.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import quote
+
+import httpx
+
+from gateway.monitor import PodRegistration
+from globalkv.registry import KvEventsConfig, PodInfo, Registry
+
+
+def pod_info(pod: PodRegistration) -> PodInfo:
+    """The registry's record; raises `ValueError` (pydantic) for what it cannot hold."""
+    return PodInfo(
+        id=pod.id,
+        model=pod.model or "",
+        block_size=pod.block_size,
+        role="prefill",
+        url=pod.url,
+        bootstrap_host=pod.bootstrap_host,
+        bootstrap_port=pod.bootstrap_port,
+        kv_events=KvEventsConfig(
+            endpoint=pod.kv_events.endpoint,
+            replay_endpoint=pod.kv_events.replay_endpoint,
+            topic=pod.kv_events.topic,
+        ),
+        dp_size=pod.dp_size,
+    )
+
+
+class RegistrationFailed(RuntimeError):
+    pass
+
+
+class HttpPodRegistrar:
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        indexer_url: str,
+        *,
+        token: str | None = None,
+        timeout: float = 5.0,
+    ) -> None:
+        self._client = client
+        self._base = indexer_url.rstrip("/") + "/v1/pods"
+        self._headers = {"authorization": f"Bearer {token}"} if token else {}
+        self._timeout = timeout
+
+    async def register(self, pod: PodRegistration) -> None:
+        body = pod_info(pod).model_dump(mode="json")
+        try:
+            response = await self._client.post(
+                self._base, json=body, headers=self._headers, timeout=self._timeout
+            )
+        except httpx.HTTPError as exc:
+            raise RegistrationFailed(f"indexer unreachable: {exc!r}") from exc
+        if response.status_code >= 300:
+            raise RegistrationFailed(
+                f"indexer answered {response.status_code}: {response.text[:200]}"
+            )
+
+    async def unregister(self, pod_id: str) -> None:
+        try:
+            response = await self._client.delete(
+                f"{self._base}/{quote(pod_id, safe='')}",
+                headers=self._headers,
+                timeout=self._timeout,
+            )
+        except httpx.HTTPError as exc:
+            raise RegistrationFailed(f"indexer unreachable: {exc!r}") from exc
+        if response.status_code >= 300 and response.status_code != 404:
+            raise RegistrationFailed(
+                f"indexer answered {response.status_code}: {response.text[:200]}"
+            )
+
+
+class RegistryPodRegistrar:
+    """Writes the registry stored with the index (the shared Redis one with --redis-url)."""
+
+    def __init__(self, registry: Registry) -> None:
+        self._registry = registry
+
+    async def register(self, pod: PodRegistration) -> None:
+        await self._registry.put(pod_info(pod))
+
+    async def unregister(self, pod_id: str) -> None:
+        await self._registry.remove(pod_id)

@@ -1,0 +1,154 @@
+"""Inference request bodies: validated just enough to route, everything else passed on.
+
+The gateway does not own the engines' schemas, so it checks only the fields it reads
+(prompt, messages, ids, `n`, `stream`) and keeps the rest untouched. A body it cannot
+route answers 400 with the reason, before anything is sent upstream.
+
+The prompt's tokens come from the request (`input_ids`, a token-list `prompt`) or from
+the configured tokenizer (`text`, a string `prompt`, chat `messages`). A batch is routed
+as one unit by its first element.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.inject import Endpoint, batch_size
+from globalkv.tokenize import NotTokenizable, Tokenizer
+
+_TOKEN_MAX = 2**32 - 1
+
+
+class BadRequest(ValueError):
+    """The body cannot be routed; the message is what the client reads."""
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    endpoint: Endpoint
+    body: dict[str, Any]
+    stream: bool
+    batch: int | None
+    """Elements when the body is a batch; None for a single request."""
+    token_ids: list[int] | None
+    """Tokens the client gave (first element of a batch)."""
+    text: str | None
+    """Plain text to tokenize (first element of a batch)."""
+    messages: list[dict[str, Any]] | None
+
+
+@dataclass(frozen=True, slots=True)
+class PromptTokens:
+    tokens: list[int] | None
+    text: str | None
+    missing: str | None
+    """Why there are no tokens: no_tokenizer or not_tokenizable."""
+
+
+def _token_list(value: object, what: str) -> list[int]:
+    if not isinstance(value, list) or not value:
+        raise BadRequest(f"{what} must be a non-empty list of token ids")
+    for t in value:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= _TOKEN_MAX:
+            raise BadRequest(f"{what} must hold integer token ids in [0, 2^32-1]")
+    return value
+
+
+def _first_of_batch(value: list[Any], what: str) -> Any:
+    if not value:
+        raise BadRequest(f"{what} must not be an empty list")
+    return value[0]
+
+
+def _prompt(endpoint: Endpoint, body: Mapping[str, Any]) -> tuple[list[int] | None, str | None]:
+    if endpoint == "generate":
+        text, ids = body.get("text"), body.get("input_ids")
+        if (text is None) == (ids is None):
+            raise BadRequest("give exactly one of 'text' or 'input_ids'")
+        if ids is not None:
+            if isinstance(ids, list) and ids and isinstance(ids[0], list):
+                for element in ids:
+                    _token_list(element, "each 'input_ids' element")
+                return ids[0], None
+            return _token_list(ids, "'input_ids'"), None
+        if isinstance(text, list):
+            if not all(isinstance(t, str) for t in text):
+                raise BadRequest("'text' must be a string or a list of strings")
+            return None, _first_of_batch(text, "'text'")
+        if not isinstance(text, str):
+            raise BadRequest("'text' must be a string or a list of strings")
+        return None, text
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return None, prompt
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return None, prompt[0]
+        if all(isinstance(p, list) for p in prompt):
+            for element in prompt:
+                _token_list(element, "each 'prompt' element")
+            return prompt[0], None
+        return _token_list(prompt, "'prompt'"), None
+    raise BadRequest(
+        "'prompt' must be a string, a list of strings, a list of token ids or a list of those"
+    )
+
+
+def parse_request(endpoint: Endpoint, body: object) -> ParsedRequest:
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("'stream' must be a boolean")
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise BadRequest("'n' must be a positive integer")
+    token_ids: list[int] | None = None
+    text: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    if endpoint == "chat":
+        raw = body.get("messages")
+        if not isinstance(raw, list) or not raw or not all(isinstance(m, dict) for m in raw):
+            raise BadRequest("'messages' must be a non-empty list of objects")
+        messages = raw
+    else:
+        token_ids, text = _prompt(endpoint, body)
+    return ParsedRequest(
+        endpoint, body, stream, batch_size(endpoint, body), token_ids, text, messages
+    )
+
+
+def _chat_text(messages: list[dict[str, Any]]) -> str:
+    """The conversation's text, cache_aware's key when it cannot be tokenized."""
+    parts: list[str] = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):
+            parts.extend(
+                p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
+            )
+    return "\n".join(parts)
+
+
+def prompt_tokens(request: ParsedRequest, tokenizer: Tokenizer | None) -> PromptTokens:
+    """The prompt's ids as the engine will compute them, or why they are unknown.
+
+    Raises `globalkv.tokenize.TokenizeError` (a ValueError) for messages the chat template
+    refuses: the engine would refuse them too.
+    """
+    if request.token_ids is not None:
+        return PromptTokens(request.token_ids, None, None)
+    text = request.text if request.messages is None else _chat_text(request.messages)
+    if tokenizer is None:
+        return PromptTokens(None, text, "no_tokenizer")
+    try:
+        if request.messages is not None:
+            return PromptTokens(tokenizer.apply_chat_template(request.messages), text, None)
+        assert request.text is not None
+        return PromptTokens(tokenizer.encode(request.text), text, None)
+    except NotTokenizable:
+        return PromptTokens(None, text, "not_tokenizable")

@@ -1,0 +1,160 @@
+"""Choosing a pair: the index lookup, the two policies, and the rooms. Nothing is sent here.
+
+Per request, `lookup()` asks the index once (only when the prefill policy uses it and the
+prompt's tokens are known); per attempt, `plan()` picks a prefill and a decode among the
+eligible workers — avoiding those that already failed this request while others remain —
+and draws fresh rooms. When the index cannot be used the request is still routed, by
+load; the reason is counted in `globalkv_gateway_routing_fallbacks` and logged once.
+
+DP-aware rooms: when the chosen prefill's directory says `follow_bootstrap_room` and its
+DP size is above 1, and the choice names the DP rank holding the hit, every room is drawn
+so that `room % dp_size` is that rank: the decode then reads its KV from the rank that
+has the prefix cached. Otherwise rooms are uniform in [1, 2^63-1].
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from random import Random, SystemRandom
+
+from gateway.breaker import Clock
+from gateway.inject import draw_room
+from gateway.metrics import GatewayMetrics
+from gateway.policies.base import Candidate, Choice, LoadTracker, NoCandidates, Policy, RouteRequest
+from gateway.workers import Worker, WorkerPool
+from globalkv.index.base import IndexUnavailable
+from globalkv.lookup import LookupResult, PrefixLookup
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RoutePlan:
+    prefill: Worker
+    decode: Worker
+    prefill_choice: Choice
+    rooms: list[int]
+
+
+class Router:
+    def __init__(
+        self,
+        pool: WorkerPool,
+        loads: LoadTracker,
+        prefill_policy: Policy,
+        decode_policy: Policy,
+        metrics: GatewayMetrics,
+        clock: Clock,
+        *,
+        lookup: PrefixLookup | None,
+        model: Callable[[], str | None],
+        lookup_timeout: float = 0.5,
+        room_rng: Random | None = None,
+    ) -> None:
+        self.pool = pool
+        self.loads = loads
+        self.prefill_policy = prefill_policy
+        self.decode_policy = decode_policy
+        self._metrics = metrics
+        self._clock = clock
+        self._lookup = lookup
+        self._model = model
+        self._lookup_timeout = lookup_timeout
+        self._rooms = room_rng or SystemRandom()
+        self._logged: set[str] = set()
+
+    @property
+    def uses_index(self) -> bool:
+        return self.prefill_policy.name == "prefix"
+
+    def fallback(self, reason: str, detail: str = "") -> None:
+        self._metrics.fallbacks.labels(reason).inc()
+        if reason not in self._logged:
+            self._logged.add(reason)
+            log.warning(
+                "routing prefill by load instead of the KV index: %s%s (logged once)",
+                reason,
+                f" ({detail})" if detail else "",
+            )
+
+    async def lookup(
+        self, tokens: Sequence[int] | None, missing: str | None
+    ) -> LookupResult | None:
+        """The index's answer for the prompt, or None (with the reason counted)."""
+        if not self.uses_index:
+            return None
+        if tokens is None:
+            self.fallback(missing or "no_tokenizer")
+            return None
+        if self._lookup is None:
+            self.fallback("no_index", "neither --indexer-url nor --redis-url is set")
+            return None
+        model = self._model()
+        if model is None:
+            self.fallback("no_model", "no --model and no prefill advertised its model yet")
+            return None
+        started = self._clock()
+        try:
+            result = await asyncio.wait_for(
+                self._lookup.lookup(model, tokens), timeout=self._lookup_timeout
+            )
+        except (IndexUnavailable, TimeoutError) as exc:
+            self.fallback("index_unavailable", repr(exc))
+            return None
+        self._metrics.lookup_latency.observe(self._clock() - started)
+        self._metrics.best_hit.observe(max((p.hit_tokens for p in result.pods), default=0))
+        return result
+
+    def _candidates(self, role: str, avoid: Collection[str]) -> list[Candidate]:
+        every = self.pool.candidates("prefill" if role == "prefill" else "decode", self.loads)
+        fresh = [c for c in every if c.worker not in avoid]
+        return fresh or every
+
+    def plan(
+        self, request: RouteRequest, batch: int | None, avoid: Collection[str] = ()
+    ) -> RoutePlan:
+        """Choose a pair for one attempt; raises `NoCandidates` naming the empty role."""
+        prefills = self._candidates("prefill", avoid)
+        decodes = self._candidates("decode", avoid)
+        if not prefills:
+            raise NoCandidates("no prefill worker is available (healthy, circuit closed, ready)")
+        if not decodes:
+            raise NoCandidates("no decode worker is available (healthy, circuit closed)")
+        choice = self.prefill_policy.choose(request, prefills)
+        decode_choice = self.decode_policy.choose(request, decodes)
+        prefill = self.pool.get(choice.worker)
+        decode = self.pool.get(decode_choice.worker)
+        if prefill is None or decode is None:
+            raise NoCandidates("a chosen worker left the pool")
+        self._record(choice, request)
+        directory = prefill.directory
+        dp_rank = (
+            choice.dp_rank
+            if directory.follow_bootstrap_room
+            and directory.dp_size > 1
+            and choice.dp_rank is not None
+            and choice.dp_rank < directory.dp_size
+            else None
+        )
+        count = 1 if batch is None else batch
+        rooms = [draw_room(self._rooms, directory.dp_size, dp_rank) for _ in range(count)]
+        return RoutePlan(prefill, decode, choice, rooms)
+
+    def _record(self, choice: Choice, request: RouteRequest) -> None:
+        policy = self.prefill_policy.name
+        self._metrics.decisions.labels("decode", self.decode_policy.name, "load").inc()
+        if choice.fallback is not None or (self.uses_index and request.lookup is None):
+            self._metrics.decisions.labels("prefill", policy, "fallback").inc()
+            return
+        outcome = "hit" if choice.hit_tokens > 0 else "miss"
+        self._metrics.decisions.labels("prefill", policy, outcome).inc()
+        if request.lookup is not None:
+            self._metrics.chosen_hit.observe(choice.hit_tokens)
+
+    def forget(self, worker: str) -> None:
+        self.prefill_policy.forget(worker)
+        self.decode_policy.forget(worker)
+        self.loads.forget(worker)

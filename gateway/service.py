@@ -1,0 +1,133 @@
+"""One gateway's parts wired together: pool, load, policies, router, dispatcher, monitor.
+
+Built from the configuration and the collaborators the caller owns (the pooled httpx
+client, the index lookup, the pod registrar, the directory reader, the tokenizer, the
+clock), so tests swap any of them; `gateway.app` serves it, `gateway.cli` builds it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from random import Random
+
+import httpx
+from prometheus_client import CollectorRegistry
+
+from gateway.breaker import Clock
+from gateway.config import GatewayConfig, WorkerSpec
+from gateway.dispatch import Dispatcher, Sleep
+from gateway.metrics import GatewayMetrics
+from gateway.monitor import DirectoryProbe, Monitor, PodRegistrar
+from gateway.policies import LoadTracker, build_policy
+from gateway.retry import Backoff
+from gateway.router import Router
+from gateway.workers import Worker, WorkerPool
+from globalkv.lookup import PrefixLookup
+from globalkv.tokenize import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Gateway:
+    config: GatewayConfig
+    client: httpx.AsyncClient
+    pool: WorkerPool
+    loads: LoadTracker
+    router: Router
+    dispatcher: Dispatcher
+    monitor: Monitor
+    metrics: GatewayMetrics
+    tokenizer: Tokenizer | None
+    clock: Clock
+
+    def add_worker(self, spec: WorkerSpec) -> Worker:
+        worker = self.pool.add(spec)
+        self.monitor.wake()
+        log.info("added %s worker %s", spec.role, worker.id)
+        return worker
+
+    async def remove_worker(self, worker_id: str) -> Worker | None:
+        worker = self.pool.remove(worker_id)
+        if worker is None:
+            return None
+        self.router.forget(worker.id)
+        log.info("removed %s worker %s", worker.role, worker.id)
+        await self.monitor.unregister(worker)
+        return worker
+
+    def find(self, key: str) -> Worker | None:
+        """A worker by id (`host:port`) or by URL."""
+        found = self.pool.get(key)
+        if found is not None:
+            return found
+        return next((w for w in self.pool if w.url == key.rstrip("/")), None)
+
+    async def close(self) -> None:
+        await self.monitor.stop()
+        await self.dispatcher.drain()
+
+
+def build_gateway(
+    config: GatewayConfig,
+    client: httpx.AsyncClient,
+    *,
+    lookup: PrefixLookup | None = None,
+    registrar: PodRegistrar | None = None,
+    probe: DirectoryProbe | None = None,
+    tokenizer: Tokenizer | None = None,
+    registry: CollectorRegistry | None = None,
+    clock: Clock = time.monotonic,
+    sleep: Sleep = asyncio.sleep,
+    rng: Random | None = None,
+    room_rng: Random | None = None,
+) -> Gateway:
+    rng = rng or Random(config.seed)
+    metrics = GatewayMetrics(registry or CollectorRegistry())
+    pool = WorkerPool(config.breaker, config.health, clock)
+    loads = LoadTracker()
+    metrics.watch_pool(pool, loads)
+    monitor = Monitor(
+        pool,
+        client,
+        config.health,
+        probe,
+        registrar,
+        clock,
+        model=config.model,
+        block_size=config.block_size,
+        sleep=sleep,
+    )
+    router = Router(
+        pool,
+        loads,
+        build_policy(
+            config.prefill_policy, rng, prefix=config.prefix, cache_aware=config.cache_aware
+        ),
+        build_policy(
+            config.decode_policy, rng, prefix=config.prefix, cache_aware=config.cache_aware
+        ),
+        metrics,
+        clock,
+        lookup=lookup,
+        model=monitor.served_model,
+        lookup_timeout=config.lookup_timeout_secs,
+        room_rng=room_rng,
+    )
+    dispatcher = Dispatcher(
+        client,
+        router,
+        Backoff(config.retry, rng),
+        metrics,
+        timeout=config.request_timeout_secs,
+        sleep=sleep,
+    )
+    gateway = Gateway(
+        config, client, pool, loads, router, dispatcher, monitor, metrics, tokenizer, clock
+    )
+    for spec in (*config.prefill, *config.decode):
+        pool.add(spec)
+    return gateway

@@ -1,0 +1,204 @@
+"""The worker pools: what the gateway knows about each prefill and decode worker.
+
+Identity. A worker's id is its URL's `host:port`. A prefill worker also has the id of the
+*pod* the index knows it by, chosen in this order: the `pod_id` given with it; the
+`<pod>` of the `kv@<pod>@<model>` topic its KV events carry (given, or discovered from
+its `/server_info`); else its `host:port`. The gateway registers the prefill as that pod
+with the index (indexer API or the shared Redis registry) once its KV-event endpoints are
+known, so the indexer subscribes to it.
+
+Bootstrap. `bootstrap_host` is the URL's host; `bootstrap_port` is the port given on the
+command line, or None (`--prefill URL none`: the injected port is null and each engine
+uses its own). Readiness is read from the bootstrap directory at the given port, else at
+the port the worker's `/server_info` advertises; when neither is known the directory is
+`unknown` and the worker stays eligible (as with sglang-router, which never reads it) —
+`/workers` and the `globalkv_gateway_directory_ready` metric say so.
+
+Eligibility (`Worker.eligible`): healthy, circuit not open and, for a prefill, directory
+`ready` or `unknown`. Computed on the request path from state the monitor keeps fresh.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from gateway.breaker import CircuitBreaker, Clock
+from gateway.config import BreakerConfig, HealthConfig, KvEventsSpec, Role, WorkerSpec
+from gateway.health import HealthTracker
+from gateway.policies.base import Candidate, LoadTracker
+
+
+def worker_id(url: str) -> str:
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    host = parts.hostname or ""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def pod_from_topic(topic: str) -> str | None:
+    """`kv@<pod>@<model>` (llm-d's convention) → `<pod>`; other topics name no pod."""
+    parts = topic.split("@")
+    if len(parts) >= 3 and parts[0] == "kv" and parts[1]:
+        return parts[1]
+    return None
+
+
+class DirectoryStatus(enum.Enum):
+    PENDING = "pending"
+    """Not read yet: not eligible."""
+    READY = "ready"
+    NOT_READY = "not_ready"
+    UNREACHABLE = "unreachable"
+    UNKNOWN = "unknown"
+    """No bootstrap port to read: eligible, readiness unknown."""
+
+    @property
+    def gauge(self) -> int:
+        """1 ready, 0 not ready or unreachable, -1 unknown or pending."""
+        if self is DirectoryStatus.READY:
+            return 1
+        if self in (DirectoryStatus.NOT_READY, DirectoryStatus.UNREACHABLE):
+            return 0
+        return -1
+
+
+@dataclass(slots=True)
+class Directory:
+    status: DirectoryStatus = DirectoryStatus.PENDING
+    port: int | None = None
+    """The port readiness is read at (given or advertised)."""
+    dp_size: int = 1
+    follow_bootstrap_room: bool = False
+    registered: int | None = None
+    expected: int | None = None
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class Worker:
+    spec: WorkerSpec
+    breaker: CircuitBreaker
+    health: HealthTracker
+    id: str = ""
+    host: str = ""
+    directory: Directory = field(default_factory=Directory)
+    kv_events: KvEventsSpec | None = None
+    served_model: str | None = None
+    engine_block_size: int | None = None
+    discovered: bool = False
+    """Its /server_info has been read (prefill only)."""
+    registered_pod: str | None = None
+    """The pod id registered with the index, once done."""
+    last_error: str | None = None
+
+    def __post_init__(self) -> None:
+        self.id = worker_id(self.spec.url)
+        self.host = urlsplit(self.spec.url).hostname or ""
+        self.kv_events = self.spec.kv_events
+        if self.spec.role == "decode":
+            self.directory.status = DirectoryStatus.UNKNOWN
+        elif self.spec.bootstrap_port is not None:
+            self.directory.port = self.spec.bootstrap_port
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    @property
+    def role(self) -> Role:
+        return self.spec.role
+
+    @property
+    def pod(self) -> str:
+        if self.spec.pod_id:
+            return self.spec.pod_id
+        topic_pod = pod_from_topic(self.kv_events.topic) if self.kv_events else None
+        return topic_pod or self.id
+
+    @property
+    def bootstrap_port(self) -> int | None:
+        return self.spec.bootstrap_port
+
+    @property
+    def eligible(self) -> bool:
+        return (
+            self.health.healthy
+            and self.breaker.allows()
+            and self.directory.status in (DirectoryStatus.READY, DirectoryStatus.UNKNOWN)
+        )
+
+    def describe(self, loads: LoadTracker) -> dict[str, Any]:
+        load = loads.load(self.id)
+        stats = self.breaker.stats()
+        out: dict[str, Any] = {
+            "id": self.id,
+            "url": self.url,
+            "role": self.role,
+            "eligible": self.eligible,
+            "health": self.health.state.value,
+            "health_error": self.health.last_error,
+            "circuit": stats.state.value,
+            "consecutive_failures": stats.consecutive_failures,
+            "in_flight": load.in_flight,
+            "queued_prefill_tokens": load.queued_prefill_tokens,
+        }
+        if self.role == "prefill":
+            out.update(
+                pod=self.pod,
+                bootstrap_host=self.host,
+                bootstrap_port=self.bootstrap_port,
+                directory=self.directory.status.value,
+                directory_port=self.directory.port,
+                directory_error=self.directory.error,
+                dp_size=self.directory.dp_size,
+                follow_bootstrap_room=self.directory.follow_bootstrap_room,
+                kv_events=self.kv_events.model_dump() if self.kv_events else None,
+                registered_pod=self.registered_pod,
+                served_model=self.served_model,
+            )
+        return out
+
+
+class DuplicateWorker(ValueError):
+    pass
+
+
+class WorkerPool:
+    """Workers by id; the admin API and the CLI add them, the monitor keeps them fresh."""
+
+    def __init__(self, breaker: BreakerConfig, health: HealthConfig, clock: Clock) -> None:
+        self._breaker = breaker
+        self._health = health
+        self._clock = clock
+        self._workers: dict[str, Worker] = {}
+
+    def add(self, spec: WorkerSpec) -> Worker:
+        worker = Worker(
+            spec, CircuitBreaker(self._breaker, self._clock), HealthTracker(self._health)
+        )
+        if worker.id in self._workers:
+            raise DuplicateWorker(f"a worker at {worker.id} is already in the pool")
+        self._workers[worker.id] = worker
+        return worker
+
+    def remove(self, worker_id: str) -> Worker | None:
+        return self._workers.pop(worker_id, None)
+
+    def get(self, worker_id: str) -> Worker | None:
+        return self._workers.get(worker_id)
+
+    def __iter__(self) -> Iterator[Worker]:
+        return iter(list(self._workers.values()))
+
+    def role(self, role: Role) -> list[Worker]:
+        return [w for w in self._workers.values() if w.role == role]
+
+    def eligible(self, role: Role) -> list[Worker]:
+        return [w for w in self._workers.values() if w.role == role and w.eligible]
+
+    def candidates(self, role: Role, loads: LoadTracker) -> list[Candidate]:
+        return [loads.candidate(w.id, w.pod) for w in self.eligible(role)]

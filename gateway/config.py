@@ -186,6 +186,8 @@ class GatewayConfig(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> GatewayConfig:
+        if self.decode_policy == "prefix":
+            raise ValueError("the prefix policy reads prefill caches; choose another for decode")
         if self.redis_url and self.indexer_url:
             raise ValueError("give --redis-url or --indexer-url, not both")
         if self.redis_url and self.block_size is None:

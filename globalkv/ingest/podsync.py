@@ -1,0 +1,80 @@
+"""Follow the pod registry that others (gateways, other API calls) write to.
+
+A change notification makes a pod's subscription start or stop within a moment; a
+periodic reconciliation catches what notifications miss (pub/sub drops messages while a
+subscriber reconnects, e.g. across a Redis restart). A registry that lost its data
+(its marker is gone) is written back from what this indexer follows, rather than read as
+"every pod was deleted".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from globalkv.index.base import IndexUnavailable
+from globalkv.ingest.service import IngestService
+from globalkv.registry import Registry
+
+log = logging.getLogger(__name__)
+
+
+class PodSync:
+    def __init__(
+        self,
+        registry: Registry,
+        service: IngestService,
+        *,
+        interval: float = 5.0,
+        retry: float = 1.0,
+    ) -> None:
+        self.registry = registry
+        self.service = service
+        self.interval = interval
+        self.retry = retry
+
+    async def run(self) -> None:
+        """Reconcile now and every `interval`, and apply notifications as they come."""
+        watcher = asyncio.create_task(self._watch(), name="podsync watch")
+        try:
+            while True:
+                try:
+                    await self.reconcile()
+                except IndexUnavailable as exc:
+                    log.warning("pod registry unavailable: %s", exc)
+                await asyncio.sleep(self.interval)
+        finally:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+
+    async def reconcile(self) -> None:
+        """Make the followed pods equal to the registry's."""
+        if not await self.registry.intact():
+            log.warning("the pod registry lost its data; writing back the pods we follow")
+            await self.service.restore_registry()
+        followed = {p.id for p in self.service.pods()}
+        pods = await self.registry.list()
+        for pod in pods:
+            await self.service.add_pod(pod)
+        for pod_id in followed - {p.id for p in pods}:
+            log.info("pod %s left the registry; unsubscribing", pod_id)
+            await self.service.remove_pod(pod_id)
+        await self.service.publish_states()
+
+    async def sync_one(self, pod_id: str) -> None:
+        pod = await self.registry.get(pod_id)
+        if pod is None:
+            if pod_id in {p.id for p in self.service.pods()}:
+                log.info("pod %s was removed from the registry; unsubscribing", pod_id)
+                await self.service.remove_pod(pod_id)
+        else:
+            await self.service.add_pod(pod)
+
+    async def _watch(self) -> None:
+        while True:
+            try:
+                async for pod_id in self.registry.changes():
+                    await self.sync_one(pod_id)
+            except IndexUnavailable as exc:
+                log.warning("pod registry notifications interrupted: %s", exc)
+                await asyncio.sleep(self.retry)

@@ -1,0 +1,73 @@
+"""Asking a publisher for the batches we missed (PROTOCOLS §4.1 replay).
+
+A DEALER per request, never REQ: one request gets many replies. Both reply layouts
+(`[b"", seq, payload]` and `[b"", topic, seq, payload]`) and the end marker are accepted.
+ZMQ cannot tell "nobody listens there" from "slow", so an unreachable endpoint shows up
+as a timeout: the wait for each reply is bounded, and so is the whole replay.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import zmq
+import zmq.asyncio
+
+from globalkv.wire import Frame, WireError, parse_replay_reply, replay_request
+
+Outcome = Literal["end", "timeout", "malformed", "limit"]
+
+
+@dataclass(slots=True)
+class ReplayResult:
+    frames: list[Frame] = field(default_factory=list)
+    outcome: Outcome = "end"
+    """end: the publisher said it had nothing more (or we got up to `stop`)."""
+
+
+class ReplayClient:
+    def __init__(
+        self,
+        context: zmq.asyncio.Context,
+        *,
+        reply_timeout: float = 1.0,
+        total_timeout: float = 30.0,
+        max_batches: int = 100_000,
+    ) -> None:
+        self.context = context
+        self.reply_timeout = reply_timeout
+        self.total_timeout = total_timeout
+        self.max_batches = max_batches
+
+    async def fetch(self, endpoint: str, start: int, stop: int) -> ReplayResult:
+        """Buffered batches with `start <= seq < stop` from the replay ROUTER at `endpoint`."""
+        result = ReplayResult()
+        sock = self.context.socket(zmq.DEALER)
+        sock.linger = 0
+        try:
+            sock.connect(endpoint)
+            await sock.send_multipart(replay_request(start))
+            deadline = time.monotonic() + self.total_timeout
+            while True:
+                wait = min(self.reply_timeout, deadline - time.monotonic())
+                if wait <= 0 or not await sock.poll(int(wait * 1000)):
+                    result.outcome = "timeout"
+                    return result
+                try:
+                    frame = parse_replay_reply(await sock.recv_multipart())
+                except WireError:
+                    result.outcome = "malformed"
+                    return result
+                if frame is None or frame.seq >= stop - 1:
+                    if frame is not None:
+                        result.frames.append(frame)
+                    return result
+                if frame.seq >= start:
+                    result.frames.append(frame)
+                if len(result.frames) >= self.max_batches:
+                    result.outcome = "limit"
+                    return result
+        finally:
+            sock.close(linger=0)

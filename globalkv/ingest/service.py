@@ -1,0 +1,371 @@
+"""The ingest service: which sources exist, their workers and subscriptions, and resync.
+
+Pods come and go through `add_pod` / `remove_pod` (called by the API, the CLI's `--pod`
+flags and `podsync`, all idempotent), or appear by themselves on the bound socket when a
+`kv@<pod>@<model>` topic names a pod nobody registered; such pods are written to the
+registry so every gateway sees them.
+
+When the index reports lost data, every source is rebuilt and `ready` stays False until
+all are, so the API answers 503 instead of a lookup against a half-empty index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Coroutine, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq.asyncio
+from pydantic import BaseModel, Field, ValidationError
+
+from globalkv.index.base import Index, IndexUnavailable, Source
+from globalkv.ingest.replay import ReplayClient
+from globalkv.ingest.subscribers import BoundSubscriber, EngineSubscription, offset_endpoint
+from globalkv.ingest.worker import Backoff, Received, SourceWorker
+from globalkv.metrics import IngestMetrics
+from globalkv.registry import (
+    KvEventsConfig,
+    PodInfo,
+    PodState,
+    Registry,
+    SourceState,
+    parse_topic,
+)
+from globalkv.wire import Frame, WireError, decode_batch
+
+log = logging.getLogger(__name__)
+
+
+class IngestConfig(BaseModel):
+    bind: list[str] = Field(
+        default_factory=list,
+        description="Endpoints to bind one SUB on, for engines that connect to the indexer.",
+    )
+    queue_size: int = Field(
+        1024,
+        ge=1,
+        description="Batches queued per source before "
+        "back-pressure (connected engines) or drops (bound socket).",
+    )
+    rcvhwm: int = Field(100_000, ge=1, description="ZMQ receive high-water mark per SUB.")
+    replay_reply_timeout: float = Field(1.0, gt=0, description="Wait for each replay reply.")
+    replay_total_timeout: float = Field(30.0, gt=0, description="Bound on one whole replay.")
+    retry_base: float = Field(0.05, gt=0, description="First wait when the index is down.")
+    retry_cap: float = Field(2.0, gt=0, description="Longest wait between index retries.")
+
+
+@dataclass(slots=True)
+class _Pod:
+    info: PodInfo
+    workers: dict[int, SourceWorker] = field(default_factory=dict)
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+
+class IngestService:
+    def __init__(
+        self,
+        index: Index,
+        registry: Registry,
+        metrics: IngestMetrics,
+        config: IngestConfig | None = None,
+        *,
+        context: zmq.asyncio.Context | None = None,
+    ) -> None:
+        self.index = index
+        self.registry = registry
+        self.metrics = metrics
+        self.config = config or IngestConfig()
+        self.context = context or zmq.asyncio.Context()
+        self._own_context = context is None
+        self.replayer = ReplayClient(
+            self.context,
+            reply_timeout=self.config.replay_reply_timeout,
+            total_timeout=self.config.replay_total_timeout,
+        )
+        self.backoff = Backoff(self.config.retry_base, self.config.retry_cap)
+        self._pods: dict[str, _Pod] = {}
+        self._by_topic: dict[str, str] = {}
+        self._resyncing: set[Source] = set()
+        self._bound: BoundSubscriber | None = None
+        self._background: set[asyncio.Task[None]] = set()
+        self._lock = asyncio.Lock()
+        self._source_added = asyncio.Event()
+        self.bound_endpoints: list[str] = []
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        if self.config.bind:
+            self._bound = BoundSubscriber(
+                self.context,
+                self.config.bind,
+                self._route_bound,
+                self.metrics,
+                rcvhwm=self.config.rcvhwm,
+            )
+            self.bound_endpoints = self._bound.bind()
+            log.info("bound SUB on %s", ", ".join(self.bound_endpoints))
+            self._spawn(self._bound.run())
+
+    async def stop(self) -> None:
+        for pod_id in list(self._pods):
+            await self._stop_pod(pod_id)
+        tasks = list(self._background)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._own_context:
+            self.context.term()
+
+    # ---------------------------------------------------------------- pods
+
+    def pods(self) -> list[PodInfo]:
+        return [p.info for p in self._pods.values()]
+
+    async def add_pod(self, info: PodInfo) -> None:
+        """Follow a pod (idempotent: a pod already followed with the same info is kept)."""
+        async with self._lock:
+            current = self._pods.get(info.id)
+            if current is not None and current.info == info:
+                return
+            if current is not None:
+                await self._stop_pod(info.id)
+            pod = _Pod(info)
+            self._pods[info.id] = pod
+            if info.kv_events.mode == "bind":
+                self._by_topic[info.kv_events.topic] = info.id
+            else:
+                for rank in range(info.dp_size):
+                    await self._start_engine_source(pod, rank)
+            self._refresh_subscribed()
+
+    async def remove_pod(self, pod_id: str, *, clear: bool = True) -> bool:
+        """Stop following a pod; with `clear`, forget its blocks in the index too."""
+        async with self._lock:
+            existed = await self._stop_pod(pod_id)
+        if clear:
+            await self.index.remove_pod(pod_id)
+        return existed
+
+    async def _stop_pod(self, pod_id: str) -> bool:
+        pod = self._pods.pop(pod_id, None)
+        if pod is None:
+            return False
+        self._by_topic = {t: p for t, p in self._by_topic.items() if p != pod_id}
+        for task in pod.tasks:
+            task.cancel()
+        await asyncio.gather(*pod.tasks, return_exceptions=True)
+        for worker in pod.workers.values():
+            self._resyncing.discard(worker.source)
+            self.metrics.queue_depth.remove(pod_id, str(worker.source.dp_rank))
+        self.metrics.resyncing.set(len(self._resyncing))
+        self._refresh_subscribed()
+        return True
+
+    async def _start_engine_source(self, pod: _Pod, rank: int) -> None:
+        events = pod.info.kv_events
+        assert events.endpoint is not None
+        replay = events.replay_endpoint
+        worker = await self._worker(
+            pod, rank, None if replay is None else offset_endpoint(replay, rank)
+        )
+        subscription = EngineSubscription(
+            self.context,
+            offset_endpoint(events.endpoint, rank),
+            events.topic,
+            worker,
+            self.metrics,
+            rcvhwm=self.config.rcvhwm,
+        )
+        pod.tasks.append(asyncio.create_task(subscription.run(), name=f"sub {worker.source}"))
+
+    async def _worker(self, pod: _Pod, rank: int, replay: str | None) -> SourceWorker:
+        expected = await self._resume_point(Source(pod.info.id, rank))
+        return self._new_worker(pod, rank, replay, expected)
+
+    def _new_worker(
+        self, pod: _Pod, rank: int, replay: str | None, expected: int | None
+    ) -> SourceWorker:
+        source = Source(pod.info.id, rank)
+        worker = SourceWorker(
+            source,
+            pod.info.model,
+            replay,
+            index=self.index,
+            replayer=self.replayer,
+            metrics=self.metrics,
+            hooks=self,
+            queue_size=self.config.queue_size,
+            backoff=self.backoff,
+            expected=expected,
+        )
+        pod.workers[rank] = worker
+        pod.tasks.append(asyncio.create_task(worker.run(), name=f"ingest {source}"))
+        self._refresh_subscribed()
+        added, self._source_added = self._source_added, asyncio.Event()
+        added.set()
+        return worker
+
+    async def _resume_point(self, source: Source) -> int | None:
+        """Where a previous indexer left this source in a shared index (None: unknown)."""
+        try:
+            stats = await self.index.stats(source.pod)
+        except IndexUnavailable:
+            return None
+        for s in stats:
+            if s.source == source and s.last_seq is not None:
+                return s.last_seq + 1
+        return None
+
+    def _refresh_subscribed(self) -> None:
+        self.metrics.subscribed.set(sum(len(p.workers) for p in self._pods.values()))
+
+    # ---------------------------------------------------------------- bound socket
+
+    def _route_bound(self, frame: Frame, at: float) -> None:
+        try:
+            topic = frame.topic.decode()
+        except UnicodeDecodeError:
+            self.metrics.dropped.labels("unknown_topic").inc()
+            return
+        pod = self._bound_pod(topic)
+        if pod is None:
+            self.metrics.dropped.labels("unknown_topic").inc()
+            return
+        try:
+            batch = decode_batch(frame.payload)
+        except WireError as exc:
+            self.metrics.dropped.labels(exc.reason).inc()
+            return
+        rank = batch.dp_rank or 0
+        worker = pod.workers.get(rank)
+        if worker is None:
+            replay = pod.info.kv_events.replay_endpoint
+            worker = self._new_worker(
+                pod, rank, None if replay is None else offset_endpoint(replay, rank), None
+            )
+        worker.offer(Received(frame.seq, batch, at))
+
+    def _bound_pod(self, topic: str) -> _Pod | None:
+        pod_id = self._by_topic.get(topic)
+        if pod_id is not None:
+            return self._pods.get(pod_id)
+        parsed = parse_topic(topic)
+        if parsed is None:
+            return None
+        try:
+            info = PodInfo(
+                id=parsed[0], model=parsed[1], kv_events=KvEventsConfig(mode="bind", topic=topic)
+            )
+        except ValidationError:
+            return None
+        if info.id in self._pods:
+            return None  # the id is taken by a pod configured differently
+        log.info("pod %s appeared on the bound socket (topic %r)", info.id, topic)
+        pod = _Pod(info)
+        self._pods[info.id] = pod
+        self._by_topic[topic] = info.id
+        self._spawn(self._register(info))
+        return pod
+
+    async def _register(self, info: PodInfo) -> None:
+        try:
+            await self.registry.put(info)
+        except IndexUnavailable as exc:
+            log.warning("could not write discovered pod %s to the registry: %s", info.id, exc)
+
+    # ---------------------------------------------------------------- resync
+
+    @property
+    def ready(self) -> bool:
+        """False while sources are being rebuilt after the index lost its data."""
+        return not self._resyncing
+
+    @property
+    def resyncing(self) -> int:
+        return len(self._resyncing)
+
+    def data_lost(self, source: Source) -> None:
+        """Worker hook: rebuild every source, and write our pods back to the registry."""
+        for worker in self._workers():
+            if worker.source not in self._resyncing:
+                self._resyncing.add(worker.source)
+                worker.request_resync()
+        self.metrics.resyncing.set(len(self._resyncing))
+        self._spawn(self.restore_registry())
+
+    def resynced(self, source: Source) -> None:
+        self._resyncing.discard(source)
+        self.metrics.resyncing.set(len(self._resyncing))
+        if not self._resyncing:
+            log.info("resync complete")
+
+    async def restore_registry(self) -> None:
+        """Write back every pod we follow after the registry's store lost them."""
+        try:
+            for info in self.pods():
+                await self.registry.put(info)
+            await self.registry.mark()
+        except IndexUnavailable as exc:
+            log.warning("could not restore the pod registry yet: %s", exc)
+
+    # ---------------------------------------------------------------- observing
+
+    def _workers(self) -> Iterable[SourceWorker]:
+        for pod in list(self._pods.values()):
+            yield from list(pod.workers.values())
+
+    def worker(self, source: Source) -> SourceWorker | None:
+        pod = self._pods.get(source.pod)
+        return None if pod is None else pod.workers.get(source.dp_rank)
+
+    async def applied(self, source: Source, seq: int, timeout: float = 10.0) -> None:
+        """Return once `source`'s batch `seq` (or a later one) is visible in the index."""
+        await self.wait(
+            source, lambda s: s.last_seq is not None and s.last_seq >= seq, timeout=timeout
+        )
+
+    async def wait(
+        self, source: Source, condition: Callable[[SourceState], bool], timeout: float = 10.0
+    ) -> None:
+        """Return once `condition` holds for `source`'s ingest state (TimeoutError after
+        `timeout`); the source may appear later (bound socket)."""
+        async with asyncio.timeout(timeout):
+            while (worker := self.worker(source)) is None:
+                await self._source_added.wait()
+            await worker.wait(condition)
+
+    async def flush(self) -> None:
+        """Return once every batch received so far has been applied (or dropped)."""
+        await asyncio.gather(*(w.idle() for w in self._workers()))
+
+    def states(self) -> dict[str, PodState]:
+        now = time.time()
+        out: dict[str, PodState] = {}
+        for pod_id, pod in self._pods.items():
+            sources = []
+            for rank in sorted(pod.workers):
+                worker = pod.workers[rank]
+                worker.state.queue_depth = worker.queue.qsize()
+                sources.append(worker.state.model_copy())
+            out[pod_id] = PodState(
+                subscribed=bool(pod.workers) or pod.info.kv_events.mode == "bind",
+                resyncing=any(w.source in self._resyncing for w in pod.workers.values()),
+                sources=sources,
+                updated_at=now,
+            )
+        return out
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def publish_states(self) -> None:
+        """Write our ingest state next to each pod in the registry (best effort)."""
+        with contextlib.suppress(IndexUnavailable):
+            await self.registry.put_states(self.states())

@@ -1,0 +1,123 @@
+"""The two ways events reach the indexer (PROTOCOLS §4.1).
+
+- `EngineSubscription`: the engine binds its PUB (`tcp://*:5557`), we connect one SUB per
+  engine DP rank, so every message on it belongs to one known source.
+- `BoundSubscriber`: we bind one SUB, engines connect their PUBs to it; a message names its
+  pod only by its topic (`kv@<pod>@<model>`) and its DP rank only inside the payload, so
+  it is decoded here and handed to a router.
+
+Malformed frames (wrong count, a seq that is not 8 bytes) are counted and dropped here;
+malformed payloads are counted by the worker (or here, for the bound socket).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import zmq
+import zmq.asyncio
+
+from globalkv.ingest.worker import Received, SourceWorker
+from globalkv.metrics import IngestMetrics
+from globalkv.wire import Frame, WireError, parse_live
+
+log = logging.getLogger(__name__)
+
+
+def offset_endpoint(endpoint: str, dp_rank: int) -> str:
+    """DP rank r of an engine publishes on port + r (vLLM and SGLang alike)."""
+    if dp_rank == 0:
+        return endpoint
+    if not endpoint.startswith("tcp://"):
+        raise ValueError(f"cannot offset {endpoint!r} by a DP rank: only tcp:// has ports")
+    host, _, port = endpoint.rpartition(":")
+    if not port.isdigit():
+        raise ValueError(f"endpoint {endpoint!r} has no port")
+    return f"{host}:{int(port) + dp_rank}"
+
+
+class EngineSubscription:
+    def __init__(
+        self,
+        context: zmq.asyncio.Context,
+        endpoint: str,
+        topic: str,
+        worker: SourceWorker,
+        metrics: IngestMetrics,
+        *,
+        rcvhwm: int = 100_000,
+    ) -> None:
+        self.context = context
+        self.endpoint = endpoint
+        self.topic = topic.encode()
+        self.worker = worker
+        self.metrics = metrics
+        self.rcvhwm = rcvhwm
+
+    async def run(self) -> None:
+        sock = self.context.socket(zmq.SUB)
+        sock.linger = 0
+        sock.rcvhwm = self.rcvhwm
+        sock.setsockopt(zmq.SUBSCRIBE, self.topic)
+        sock.connect(self.endpoint)
+        log.info(
+            "subscribed to %s (topic %r) for %s", self.endpoint, self.topic, self.worker.source
+        )
+        try:
+            while True:
+                frames = await sock.recv_multipart()
+                try:
+                    frame = parse_live(frames)
+                except WireError as exc:
+                    self.metrics.dropped.labels(exc.reason).inc()
+                    continue
+                if self.topic and frame.topic != self.topic:
+                    self.metrics.dropped.labels("unknown_topic").inc()
+                    continue
+                await self.worker.put(Received(frame.seq, frame.payload, time.monotonic()))
+        finally:
+            sock.close(linger=0)
+
+
+class BoundSubscriber:
+    def __init__(
+        self,
+        context: zmq.asyncio.Context,
+        endpoints: Sequence[str],
+        route: Callable[[Frame, float], None],
+        metrics: IngestMetrics,
+        *,
+        rcvhwm: int = 100_000,
+    ) -> None:
+        self.context = context
+        self.endpoints = list(endpoints)
+        self.route = route
+        self.metrics = metrics
+        self.socket = context.socket(zmq.SUB)
+        self.socket.linger = 0
+        self.socket.rcvhwm = rcvhwm
+        self.socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self.bound: list[str] = []
+
+    def bind(self) -> list[str]:
+        """Bind every endpoint now (so a bad address fails at start); returns the bound
+        addresses, with the real port for `tcp://127.0.0.1:0`-style requests."""
+        for endpoint in self.endpoints:
+            self.socket.bind(endpoint)
+            self.bound.append(self.socket.getsockopt_string(zmq.LAST_ENDPOINT))
+        return self.bound
+
+    async def run(self) -> None:
+        try:
+            while True:
+                frames = await self.socket.recv_multipart()
+                try:
+                    frame = parse_live(frames)
+                except WireError as exc:
+                    self.metrics.dropped.labels(exc.reason).inc()
+                    continue
+                self.route(frame, time.monotonic())
+        finally:
+            self.socket.close(linger=0)

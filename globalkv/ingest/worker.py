@@ -1,0 +1,296 @@
+"""One source's writer: its batches, in seq order, into the index.
+
+Each (pod, DP rank) has exactly one worker, so a source's batches are applied by one
+writer in order (DESIGN principle 5), and a slow or failing source never holds up the
+others. The worker's queue is bounded: a subscriber connected to one engine awaits room
+(back-pressure reaches the SUB socket, whose high-water mark makes the engine's PUB drop,
+which we later see as a gap and replay); the shared bound socket cannot wait for one
+source, so it drops the batch (`queue_full`), which becomes a gap the same way.
+
+Index failures: `IndexUnavailable` holds the batch and retries with capped exponential
+backoff, the bounded queue behind it filling meanwhile; `IndexDataLost` tells the service,
+which asks every worker to rebuild its source (replay from seq 0 where the engine's
+buffer still starts there, otherwise reset and apply what the buffer has).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from globalkv.index.base import (
+    ApplyResult,
+    Index,
+    IndexDataLost,
+    IndexUnavailable,
+    Source,
+    SourceBatch,
+)
+from globalkv.ingest.replay import ReplayClient
+from globalkv.ingest.sequencer import Step, classify, contiguous_tail
+from globalkv.metrics import IngestMetrics
+from globalkv.registry import SourceState
+from globalkv.translate import translate
+from globalkv.wire import EventBatch, Frame, WireError, decode_batch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    seq: int
+    payload: bytes | EventBatch
+    """Raw from a per-engine SUB; already decoded by the bound SUB (it needs dp_rank)."""
+    at: float
+    """time.monotonic() on arrival, for the apply-lag histogram."""
+
+
+@dataclass(frozen=True, slots=True)
+class Backoff:
+    base: float = 0.05
+    cap: float = 2.0
+
+
+class WorkerHooks(Protocol):
+    def data_lost(self, source: Source) -> None:
+        """The index lost its data: every source must be rebuilt."""
+        ...
+
+    def resynced(self, source: Source) -> None: ...
+
+
+_WAKE = None
+"""Queued to wake an idle worker for a resync."""
+
+
+class SourceWorker:
+    def __init__(
+        self,
+        source: Source,
+        model: str,
+        replay_endpoint: str | None,
+        *,
+        index: Index,
+        replayer: ReplayClient,
+        metrics: IngestMetrics,
+        hooks: WorkerHooks,
+        queue_size: int = 1024,
+        backoff: Backoff | None = None,
+        expected: int | None = None,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.source = source
+        self.model = model
+        self.replay_endpoint = replay_endpoint
+        self.index = index
+        self.replayer = replayer
+        self.metrics = metrics
+        self.hooks = hooks
+        self.backoff = backoff or Backoff()
+        self.expected = expected
+        """Next seq to apply; None until the source has state (from the index or live)."""
+        self.wall_clock = wall_clock
+        self.queue: asyncio.Queue[Received | None] = asyncio.Queue(queue_size)
+        self.state = SourceState(dp_rank=source.dp_rank)
+        self.state.last_seq = None if expected is None else expected - 1
+        self._waiters: list[tuple[Callable[[SourceState], bool], asyncio.Future[None]]] = []
+        self._resync_requested = False
+        pod = source.pod
+        self._m_batches = metrics.batches.labels(pod)
+        self._m_stored = metrics.blocks_stored.labels(pod)
+        self._m_removed = metrics.blocks_removed.labels(pod)
+        self._m_depth = metrics.queue_depth.labels(pod, str(source.dp_rank))
+
+    # ---------------------------------------------------------------- feeding
+
+    async def put(self, item: Received) -> None:
+        """Wait for room: back-pressure to the caller's socket."""
+        await self.queue.put(item)
+        self._m_depth.set(self.queue.qsize())
+
+    def offer(self, item: Received) -> bool:
+        """Queue without waiting; a full queue drops the batch (seen later as a gap)."""
+        try:
+            self.queue.put_nowait(item)
+        except asyncio.QueueFull:
+            self._drop("queue_full")
+            return False
+        self._m_depth.set(self.queue.qsize())
+        return True
+
+    def request_resync(self) -> None:
+        self._resync_requested = True
+        with contextlib.suppress(asyncio.QueueFull):  # busy: it checks the flag before each item
+            self.queue.put_nowait(_WAKE)
+
+    async def applied(self, seq: int) -> None:
+        """Return once batch `seq` (or a later one) of this source is visible in the index."""
+        await self.wait(lambda state: state.last_seq is not None and state.last_seq >= seq)
+
+    async def wait(self, condition: Callable[[SourceState], bool]) -> None:
+        """Return once `condition` holds for the source's state, checked after each batch."""
+        if condition(self.state):
+            return
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append((condition, future))
+        try:
+            await future
+        finally:
+            self._waiters = [(c, f) for c, f in self._waiters if f is not future]
+
+    async def idle(self) -> None:
+        """Return once everything queued so far has been handled."""
+        await self.queue.join()
+
+    # ---------------------------------------------------------------- the loop
+
+    async def run(self) -> None:
+        while True:
+            item = await self.queue.get()
+            try:
+                if self._resync_requested:
+                    await self._resync(self.expected)
+                if item is not None:
+                    await self._handle(item)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                # A bug must not silently stop this source for good: log it loudly, count
+                # it, keep the loop; the next seq will look like a gap and be repaired.
+                log.exception("ingest of %s failed on one batch", self.source)
+                self._drop("internal_error")
+            finally:
+                self.queue.task_done()
+                self._m_depth.set(self.queue.qsize())
+
+    async def _handle(self, item: Received) -> None:
+        step = classify(self.expected, item.seq)
+        if step is Step.GAP:
+            assert self.expected is not None
+            self.metrics.gaps.labels(self.source.pod).inc()
+            log.info("%s: gap, expected seq %d got %d", self.source, self.expected, item.seq)
+            await self._recover(self.expected, item.seq, reset_reason="gap")
+        elif step is Step.JOIN:
+            await self._recover(0, item.seq, reset_reason=None)
+        elif step is Step.RESTART:
+            log.info("%s: seq went back to %d, engine restarted", self.source, item.seq)
+            await self._reset("restart")
+            if item.seq > 0:
+                await self._recover(0, item.seq, reset_reason=None)
+        await self._apply_payload(item.seq, item.payload, item.at)
+
+    async def _recover(self, start: int, stop: int, *, reset_reason: str | None) -> None:
+        """Replay [start, stop); reset first if the range cannot be filled and must be."""
+        pod = self.source.pod
+        frames: list[Frame] = []
+        if self.replay_endpoint is None:
+            complete, outcome = False, "no_endpoint"
+        else:
+            result = await self.replayer.fetch(self.replay_endpoint, start, stop)
+            frames, complete = contiguous_tail(result.frames, start, stop)
+            outcome = "complete" if complete else ("short" if result.outcome == "end" else "")
+            outcome = outcome or result.outcome
+        self.metrics.replays.labels(pod, outcome).inc()
+        if not complete and reset_reason is not None:
+            log.warning(
+                "%s: replay of [%d, %d) %s; resetting the source", self.source, start, stop, outcome
+            )
+            await self._reset(reset_reason)
+        for frame in frames:
+            self.metrics.replayed_batches.labels(pod).inc()
+            await self._apply_payload(frame.seq, frame.payload, time.monotonic())
+
+    async def _resync(self, stop: int | None) -> None:
+        """Rebuild the source after the index lost its data: batches [0, stop)."""
+        self._resync_requested = False
+        try:
+            if stop:
+                await self._recover(0, stop, reset_reason="data_lost")
+        finally:
+            self.hooks.resynced(self.source)
+
+    async def _reset(self, reason: str) -> None:
+        self.metrics.resets.labels(self.source.pod, reason).inc()
+        self.state.resets += 1
+        delay = self.backoff.base
+        while True:
+            try:
+                await self.index.reset_source(self.source)
+                return
+            except IndexDataLost:
+                return  # nothing of the source is left to hide
+            except IndexUnavailable as exc:
+                delay = await self._wait_for_index(exc, delay)
+
+    # ---------------------------------------------------------------- applying
+
+    async def _apply_payload(self, seq: int, payload: bytes | EventBatch, at: float) -> None:
+        if isinstance(payload, EventBatch):
+            batch = payload
+        else:
+            try:
+                batch = decode_batch(payload)
+            except WireError as exc:
+                log.warning("%s: dropping malformed batch %d: %s", self.source, seq, exc)
+                self._drop(exc.reason)
+                self._advance(seq, None)
+                return
+        translated = translate(batch, self.model)
+        for reason, count in translated.skipped.items():
+            self.metrics.skipped.labels(reason).inc(count)
+        result = await self._apply(SourceBatch(self.source, seq, batch.ts, translated.events))
+        self._m_batches.inc()
+        if result.stored:
+            self._m_stored.inc(result.stored)
+        if result.removed:
+            self._m_removed.inc(result.removed)
+        for reason in ("orphans", "partial", "over_capacity"):
+            count = getattr(result, reason)
+            if count:
+                self.metrics.skipped.labels(reason).inc(count)
+        self.metrics.lag.observe(time.monotonic() - at)
+        self._advance(seq, batch.ts)
+
+    async def _apply(self, batch: SourceBatch) -> ApplyResult:
+        delay = self.backoff.base
+        while True:
+            try:
+                return await self.index.apply(batch)
+            except IndexDataLost:
+                log.warning("%s: the index lost its data; resyncing", self.source)
+                self.metrics.data_lost.inc()
+                self.hooks.data_lost(self.source)
+                await self._resync(batch.seq)
+            except IndexUnavailable as exc:
+                delay = await self._wait_for_index(exc, delay)
+
+    async def _wait_for_index(self, exc: IndexUnavailable, delay: float) -> float:
+        self.metrics.index_unavailable.inc()
+        log.warning("%s: index unavailable (%s); retrying in %.2fs", self.source, exc, delay)
+        await asyncio.sleep(delay)
+        return min(delay * 2, self.backoff.cap)
+
+    def _advance(self, seq: int, ts: float | None) -> None:
+        self.expected = seq + 1
+        state = self.state
+        state.last_seq = seq
+        state.applied += 1
+        state.last_applied_at = self.wall_clock()
+        if ts is not None:
+            state.last_event_ts = ts
+        self._changed()
+
+    def _changed(self) -> None:
+        for condition, future in self._waiters:
+            if not future.done() and condition(self.state):
+                future.set_result(None)
+
+    def _drop(self, reason: str) -> None:
+        self.metrics.dropped.labels(reason).inc()
+        self.state.drops += 1
+        self._changed()

@@ -1,0 +1,125 @@
+"""The indexer's own metrics (ingest and API), registered on a registry the caller owns.
+
+Every way an event can fail to reach the index has a counter with a reason, so an
+operator can tell a lossy network (gaps, replays), a restarted engine (resets by
+reason), a misconfigured engine (drops by wire reason) and a slow index (queue depth,
+queue_full drops) apart. Index-side counts (lookup latency, orphans) belong to the
+instrumented index wrapper, not here.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+_API_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+
+class IngestMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.batches = Counter(
+            "globalkv_ingest_batches_applied_total",
+            "Publisher batches applied to the index, live or replayed.",
+            ["pod"],
+            registry=registry,
+        )
+        self.blocks_stored = Counter(
+            "globalkv_ingest_blocks_stored_total",
+            "Engine blocks newly stored by applied batches.",
+            ["pod"],
+            registry=registry,
+        )
+        self.blocks_removed = Counter(
+            "globalkv_ingest_blocks_removed_total",
+            "Engine blocks removed by applied batches.",
+            ["pod"],
+            registry=registry,
+        )
+        self.skipped = Counter(
+            "globalkv_ingest_events_skipped_total",
+            "Events or blocks decoded but not indexed: not_for_index, group, medium, "
+            "extra_keys (translation); orphans, partial, over_capacity (index).",
+            ["reason"],
+            registry=registry,
+        )
+        self.dropped = Counter(
+            "globalkv_ingest_dropped_total",
+            "Messages dropped before the index: wire reasons (not_msgpack, bad_batch, ...), "
+            "bad_frames, bad_seq, unknown_topic, queue_full.",
+            ["reason"],
+            registry=registry,
+        )
+        self.gaps = Counter(
+            "globalkv_ingest_gaps_total",
+            "Seq gaps seen on a source's live stream.",
+            ["pod"],
+            registry=registry,
+        )
+        self.replays = Counter(
+            "globalkv_ingest_replays_total",
+            "Replay requests by outcome: complete, short, timeout, malformed, no_endpoint.",
+            ["pod", "outcome"],
+            registry=registry,
+        )
+        self.replayed_batches = Counter(
+            "globalkv_ingest_replayed_batches_total",
+            "Batches received through replay and applied.",
+            ["pod"],
+            registry=registry,
+        )
+        self.resets = Counter(
+            "globalkv_ingest_resets_total",
+            "Sources reset in the index: restart (seq went back), gap (replay could not "
+            "fill it), data_lost (index lost its data and replay could not rebuild it).",
+            ["pod", "reason"],
+            registry=registry,
+        )
+        self.queue_depth = Gauge(
+            "globalkv_ingest_queue_depth",
+            "Batches received and waiting to be applied, per source.",
+            ["pod", "dp_rank"],
+            registry=registry,
+        )
+        self.index_unavailable = Counter(
+            "globalkv_ingest_index_unavailable_total",
+            "Apply attempts that found the index unreachable (the batch is held and retried).",
+            registry=registry,
+        )
+        self.data_lost = Counter(
+            "globalkv_ingest_index_data_lost_total",
+            "Times the index reported it lost its data, each starting a resync of every source.",
+            registry=registry,
+        )
+        self.resyncing = Gauge(
+            "globalkv_ingest_resyncing_sources",
+            "Sources still being rebuilt after the index lost its data (lookups answer 503).",
+            registry=registry,
+        )
+        self.lag = Histogram(
+            "globalkv_ingest_apply_lag_seconds",
+            "From a batch's arrival at the indexer to its effects being visible.",
+            buckets=_LAG_BUCKETS,
+            registry=registry,
+        )
+        self.subscribed = Gauge(
+            "globalkv_ingest_subscribed_sources",
+            "Sources with a live subscription (or seen on a bound socket).",
+            registry=registry,
+        )
+
+
+class ApiMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "globalkv_api_requests_total",
+            "Index API requests by route and status code.",
+            ["route", "status"],
+            registry=registry,
+        )
+        self.lookup_seconds = Histogram(
+            "globalkv_api_lookup_seconds",
+            "POST /v1/lookup handling time, tokenization and keying included.",
+            buckets=_API_BUCKETS,
+            registry=registry,
+        )

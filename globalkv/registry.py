@@ -1,0 +1,309 @@
+"""The pods the index follows, stored with the index so every gateway reads one view.
+
+A pod is written by whoever knows it — the indexer's API, its `--pod` flags, a gateway
+writing the shared Redis directly, or the indexer itself when an unknown engine shows up
+on its bound socket — and followed by the indexer, which notices changes through a
+notification (Redis pub/sub, or in-process for the memory registry) and a periodic
+reconciliation, because pub/sub messages are lost while a subscriber reconnects.
+
+Next to each pod the indexer writes its ingest state (subscribed, last seq, last event
+time, resets, drops), so `globalkv pods` and `doctor` read freshness from any process.
+
+Redis keys, all here: `{prefix}:registry:pods` (hash id → PodInfo JSON),
+`{prefix}:registry:state` (hash id → PodState JSON), `{prefix}:registry:marker` (absent
+after a Redis restart or flush, so the indexer can tell "everyone deleted their pods"
+from "Redis lost them" and write back what it knows), channel `{prefix}:registry:changed`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Annotated, Literal, Protocol
+
+import redis.asyncio as aioredis
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from redis.exceptions import RedisError
+
+from globalkv.index.base import IndexUnavailable
+
+log = logging.getLogger(__name__)
+
+PodId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:\-]+$")]
+
+
+class KvEventsConfig(BaseModel):
+    """Where a pod publishes its KV events (the engine's `--kv-events-config`, as seen
+    from the indexer)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    endpoint: str | None = Field(
+        None,
+        description="The engine's PUB endpoint the indexer connects to (tcp://host:port); "
+        "with dp_size > 1 rank r publishes on port + r. Required in connect mode.",
+    )
+    replay_endpoint: str | None = Field(
+        None, description="The engine's replay ROUTER (port + r per DP rank); none = no replay."
+    )
+    topic: str = Field("", max_length=512, description="ZMQ topic; llm-d uses kv@<pod>@<model>.")
+    mode: Literal["connect", "bind"] = Field(
+        "connect",
+        description="connect: the indexer connects a SUB to `endpoint`. bind: the engine "
+        "connects to the indexer's bound SUB (`--bind`) and is recognised by `topic`.",
+    )
+
+    @model_validator(mode="after")
+    def _endpoints(self) -> KvEventsConfig:
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(f"kv_events.{name} {value!r} must be a tcp://, ipc:// URL")
+            if value is not None and "*" in value:
+                raise ValueError(f"kv_events.{name} {value!r} is a bind address, not connectable")
+        if self.mode == "connect" and self.endpoint is None:
+            raise ValueError("kv_events.endpoint is required unless mode is 'bind'")
+        if self.mode == "bind" and not self.topic:
+            raise ValueError("kv_events.topic is required in bind mode (it names the pod)")
+        return self
+
+
+class PodInfo(BaseModel):
+    """One engine instance as the index and the gateways know it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: PodId
+    model: str = Field(
+        "",
+        max_length=512,
+        description="Served model name; part of every block key's namespace. Defaults to "
+        "the <model> of a kv@<pod>@<model> topic.",
+    )
+    block_size: int | None = Field(None, gt=0, le=1 << 20, description="Engine page size.")
+    role: Literal["prefill", "decode", "mixed"] = "prefill"
+    url: str | None = Field(None, max_length=2048, description="The engine's HTTP URL.")
+    bootstrap_host: str | None = Field(None, max_length=255)
+    bootstrap_port: int | None = Field(None, ge=1, le=65535)
+    kv_events: KvEventsConfig
+    dp_size: int = Field(1, ge=1, le=1024, description="DP ranks, each its own publisher.")
+
+    @model_validator(mode="after")
+    def _model_from_topic(self) -> PodInfo:
+        if not self.model:
+            parsed = parse_topic(self.kv_events.topic)
+            if parsed is not None:
+                self.model = parsed[1]
+        return self
+
+
+def parse_topic(topic: str) -> tuple[str, str] | None:
+    """`kv@<pod>@<model>` → (pod, model), llm-d's convention; None for other topics."""
+    parts = topic.split("@", 2)
+    if len(parts) != 3 or parts[0] != "kv" or not parts[1]:
+        return None
+    return parts[1], parts[2]
+
+
+class SourceState(BaseModel):
+    dp_rank: int
+    last_seq: int | None = None
+    last_event_ts: float | None = None
+    """The engine's timestamp of the last applied batch."""
+    last_applied_at: float | None = None
+    """Indexer wall time when it was applied."""
+    applied: int = 0
+    resets: int = 0
+    drops: int = 0
+    queue_depth: int = 0
+
+
+class PodState(BaseModel):
+    subscribed: bool = False
+    resyncing: bool = False
+    sources: list[SourceState] = Field(default_factory=list)
+    updated_at: float | None = None
+
+
+class Registry(Protocol):
+    async def put(self, pod: PodInfo) -> None: ...
+
+    async def remove(self, pod_id: str) -> bool:
+        """True if the pod existed."""
+        ...
+
+    async def get(self, pod_id: str) -> PodInfo | None: ...
+
+    async def list(self) -> list[PodInfo]: ...
+
+    async def put_states(self, states: dict[str, PodState]) -> None: ...
+
+    async def states(self) -> dict[str, PodState]: ...
+
+    async def intact(self) -> bool:
+        """False when the store lost what was written (Redis restarted empty)."""
+        ...
+
+    async def mark(self) -> None:
+        """Record that the store holds our writes; `intact` is False again once it is lost."""
+        ...
+
+    def changes(self) -> AsyncGenerator[str, None]:
+        """Pod ids as others change them; runs until cancelled. May miss some: reconcile."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class MemoryRegistry:
+    """The embedded default: this process is the only reader and writer."""
+
+    def __init__(self) -> None:
+        self._pods: dict[str, PodInfo] = {}
+        self._states: dict[str, PodState] = {}
+        self._listeners: set[asyncio.Queue[str]] = set()
+
+    async def put(self, pod: PodInfo) -> None:
+        self._pods[pod.id] = pod
+        self._notify(pod.id)
+
+    async def remove(self, pod_id: str) -> bool:
+        self._states.pop(pod_id, None)
+        existed = self._pods.pop(pod_id, None) is not None
+        if existed:
+            self._notify(pod_id)
+        return existed
+
+    async def get(self, pod_id: str) -> PodInfo | None:
+        return self._pods.get(pod_id)
+
+    async def list(self) -> list[PodInfo]:
+        return sorted(self._pods.values(), key=lambda p: p.id)
+
+    async def put_states(self, states: dict[str, PodState]) -> None:
+        self._states.update({k: v for k, v in states.items() if k in self._pods})
+
+    async def states(self) -> dict[str, PodState]:
+        return dict(self._states)
+
+    async def intact(self) -> bool:
+        return True
+
+    async def mark(self) -> None:
+        return None
+
+    def _notify(self, pod_id: str) -> None:
+        for queue in self._listeners:
+            queue.put_nowait(pod_id)
+
+    async def changes(self) -> AsyncGenerator[str, None]:
+        queue: asyncio.Queue[str] = asyncio.Queue()
+        self._listeners.add(queue)
+        try:
+            while True:
+                yield await queue.get()
+        finally:
+            self._listeners.discard(queue)
+
+    async def close(self) -> None:
+        return None
+
+
+class RedisRegistry:
+    """Pods in the index's Redis, readable and writable by every gateway."""
+
+    def __init__(self, redis: aioredis.Redis, *, prefix: str = "gkv") -> None:
+        self.redis = redis
+        self.pods_key = f"{prefix}:registry:pods"
+        self.state_key = f"{prefix}:registry:state"
+        self.marker_key = f"{prefix}:registry:marker"
+        self.channel = f"{prefix}:registry:changed"
+
+    async def put(self, pod: PodInfo) -> None:
+        async with self._errors(), self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(self.pods_key, pod.id, pod.model_dump_json())
+            pipe.set(self.marker_key, "1")
+            pipe.publish(self.channel, pod.id)
+            await pipe.execute()
+
+    async def remove(self, pod_id: str) -> bool:
+        async with self._errors(), self.redis.pipeline(transaction=True) as pipe:
+            pipe.hdel(self.pods_key, pod_id)
+            pipe.hdel(self.state_key, pod_id)
+            pipe.publish(self.channel, pod_id)
+            removed, _, _ = await pipe.execute()
+        return bool(removed)
+
+    async def get(self, pod_id: str) -> PodInfo | None:
+        async with self._errors():
+            raw = await self.redis.hget(self.pods_key, pod_id)
+        return None if raw is None else _parse_pod(raw)
+
+    async def list(self) -> list[PodInfo]:
+        async with self._errors():
+            raw = await self.redis.hgetall(self.pods_key)
+        pods = (_parse_pod(v) for v in raw.values())
+        return sorted((p for p in pods if p is not None), key=lambda p: p.id)
+
+    async def put_states(self, states: dict[str, PodState]) -> None:
+        if not states:
+            return
+        mapping = {k: v.model_dump_json() for k, v in states.items()}
+        async with self._errors():
+            await self.redis.hset(self.state_key, mapping=mapping)  # type: ignore[arg-type]
+
+    async def states(self) -> dict[str, PodState]:
+        async with self._errors():
+            raw = await self.redis.hgetall(self.state_key)
+        out: dict[str, PodState] = {}
+        for key, value in raw.items():
+            with contextlib.suppress(ValidationError):
+                out[_text(key)] = PodState.model_validate_json(value)
+        return out
+
+    async def intact(self) -> bool:
+        async with self._errors():
+            return bool(await self.redis.exists(self.marker_key))
+
+    async def mark(self) -> None:
+        async with self._errors():
+            await self.redis.set(self.marker_key, "1")
+
+    async def changes(self) -> AsyncGenerator[str, None]:
+        pubsub = self.redis.pubsub()
+        try:
+            async with self._errors():
+                await pubsub.subscribe(self.channel)
+            while True:
+                async with self._errors():
+                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=5.0)
+                if message is not None and message.get("type") == "message":
+                    yield _text(message["data"])
+        finally:
+            with contextlib.suppress(RedisError, OSError):
+                await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+    async def close(self) -> None:
+        return None
+
+    @contextlib.asynccontextmanager
+    async def _errors(self) -> AsyncIterator[None]:
+        try:
+            yield
+        except (RedisError, OSError) as exc:
+            raise IndexUnavailable(f"pod registry unreachable: {exc!r}") from exc
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _parse_pod(raw: bytes | str) -> PodInfo | None:
+    """A pod written by another process; an unreadable entry is logged and skipped."""
+    try:
+        return PodInfo.model_validate_json(raw)
+    except ValidationError as exc:
+        log.warning("skipping an unreadable pod in the registry: %s", exc)
+        return None

@@ -1,0 +1,84 @@
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+import zmq.asyncio
+from prometheus_client import CollectorRegistry
+
+from globalkv.ingest.service import IngestConfig, IngestService
+from globalkv.metrics import IngestMetrics
+from globalkv.registry import MemoryRegistry
+from tests.ingest.fakes import RecordingIndex
+from tests.ingest.publisher import Publisher
+
+
+@pytest.fixture
+async def context() -> AsyncIterator[zmq.asyncio.Context]:
+    ctx = zmq.asyncio.Context()
+    yield ctx
+    ctx.term()
+
+
+@pytest.fixture
+def index() -> RecordingIndex:
+    return RecordingIndex()
+
+
+@pytest.fixture
+def prom() -> CollectorRegistry:
+    return CollectorRegistry()
+
+
+@pytest.fixture
+def registry() -> MemoryRegistry:
+    return MemoryRegistry()
+
+
+ServiceFactory = Callable[..., IngestService]
+
+
+@pytest.fixture
+async def make_service(
+    context: zmq.asyncio.Context,
+    index: RecordingIndex,
+    registry: MemoryRegistry,
+    prom: CollectorRegistry,
+) -> AsyncIterator[ServiceFactory]:
+    services: list[IngestService] = []
+
+    def make(**config: object) -> IngestService:
+        settings = {"replay_reply_timeout": 0.3, "retry_base": 0.005, "retry_cap": 0.02, **config}
+        service = IngestService(
+            index,
+            registry,
+            IngestMetrics(prom),
+            IngestConfig.model_validate(settings),
+            context=context,
+        )
+        services.append(service)
+        return service
+
+    yield make
+    for service in services:
+        await service.stop()
+
+
+PublisherFactory = Callable[..., Publisher]
+
+
+@pytest.fixture
+async def make_publisher(context: zmq.asyncio.Context) -> AsyncIterator[PublisherFactory]:
+    publishers: list[Publisher] = []
+
+    def make(**kw: object) -> Publisher:
+        kw.setdefault("endpoint", "tcp://127.0.0.1:0")
+        kw.setdefault("replay_endpoint", "tcp://127.0.0.1:0")
+        publisher = Publisher(context, **kw)  # type: ignore[arg-type]
+        publisher.start()
+        publishers.append(publisher)
+        return publisher
+
+    yield make
+    for publisher in publishers:
+        await publisher.close()

@@ -1,0 +1,335 @@
+"""Ingest over real ZMQ sockets in this process: ordering, gaps, replay, resets, resync."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from globalkv.index.base import Source, StoreBlocks
+from globalkv.keys import EngineHash, root_key
+from globalkv.registry import KvEventsConfig, MemoryRegistry, PodInfo
+from globalkv.wire import BlockStored, live_frames
+from tests.ingest.conftest import PublisherFactory, ServiceFactory
+from tests.ingest.fakes import RecordingIndex
+from tests.ingest.publisher import Publisher
+
+P0 = Source("p0", 0)
+
+
+def store(n: int) -> BlockStored:
+    return BlockStored(
+        block_hashes=[EngineHash(n + 1)],
+        parent_block_hash=None if n == 0 else EngineHash(n),
+        token_ids=[n, n, n, n],
+        block_size=4,
+        medium="GPU",
+    )
+
+
+def pod_for(pub: Publisher, pod_id: str = "p0", *, replay: bool = True) -> PodInfo:
+    return PodInfo(
+        id=pod_id,
+        model="m",
+        kv_events=KvEventsConfig(
+            endpoint=pub.endpoint, replay_endpoint=pub.replay_endpoint if replay else None
+        ),
+    )
+
+
+def sample(prom: CollectorRegistry, name: str, **labels: str) -> float:
+    return prom.get_sample_value(name, labels) or 0.0
+
+
+async def follow(service: object, pub: Publisher, pod: PodInfo) -> None:
+    await service.add_pod(pod)  # type: ignore[attr-defined]
+    await pub.wait_subscribed()
+
+
+async def test_live_stream_is_applied_in_order(
+    make_service: ServiceFactory,
+    make_publisher: PublisherFactory,
+    index: RecordingIndex,
+    prom: CollectorRegistry,
+) -> None:
+    service, pub = make_service(), make_publisher(flavor="sglang")
+    await follow(service, pub, pod_for(pub))
+    for n in range(5):
+        await pub.publish([store(n)])
+    await service.applied(P0, 4)
+    assert index.applied[P0] == [0, 1, 2, 3, 4]
+    first = index.batches[0].events[0]
+    assert isinstance(first, StoreBlocks)
+    assert first.namespace == root_key("m")
+    assert sample(prom, "globalkv_ingest_blocks_stored_total", pod="p0") == 5
+    state = service.states()["p0"]
+    assert state.subscribed
+    assert state.sources[0].last_seq == 4
+    assert state.sources[0].last_event_ts == 5.0
+
+
+@pytest.mark.parametrize("layout", ["seq", "topic"])
+async def test_gap_is_filled_by_replay_in_either_layout(
+    make_service: ServiceFactory,
+    make_publisher: PublisherFactory,
+    index: RecordingIndex,
+    prom: CollectorRegistry,
+    layout: str,
+) -> None:
+    service, pub = make_service(), make_publisher(layout=layout, topic="kv@p0@m")
+    await follow(service, pub, pod_for(pub))
+    await pub.publish([store(0)])
+    await pub.publish([store(1)], send=False)
+    await pub.publish([store(2)], send=False)
+    await pub.publish([store(3)])
+    await service.applied(P0, 3)
+    assert index.applied[P0] == [0, 1, 2, 3]
+    assert sample(prom, "globalkv_ingest_gaps_total", pod="p0") == 1
+    assert sample(prom, "globalkv_ingest_replays_total", pod="p0", outcome="complete") == 1
+    assert sample(prom, "globalkv_ingest_replayed_batches_total", pod="p0") == 2
+
+
+async def test_gap_past_the_replay_buffer_resets_and_keeps_the_contiguous_tail(
+    make_service: ServiceFactory,
+    make_publisher: PublisherFactory,
+    index: RecordingIndex,
+    prom: CollectorRegistry,
+) -> None:
+    service, pub = make_service(), make_publisher()
+    await follow(service, pub, pod_for(pub))
+    await pub.publish([store(0)])
+    for n in range(1, 6):
+        await pub.publish([store(n)], send=False)
+    pub.trim(keep=2)
+    await pub.publish([store(6)])
+    await service.applied(P0, 6)
+    assert index.applied[P0] == [0, -1, 4, 5, 6]
+    assert sample(prom, "globalkv_ingest_resets_total", pod="p0", reason="gap") == 1
+    assert sample(prom, "globalkv_ingest_replays_total", pod="p0", outcome="short") == 1
+
+
+async def test_gap_without_replay_endpoint_resets(
+    make_service: ServiceFactory,
+    make_publisher: PublisherFactory,
+    index: RecordingIndex,
+    prom: CollectorRegistry,
+) -> None:
+    service, pub = make_service(), make_publisher()
+    await follow(service, pub, pod_for(pub, replay=False))
+    await pub.publish([store(0)])
+    await pub.publish([store(1)], send=False)
+    await pub.publish([store(2)])
+    await service.applied(P0, 2)
+    assert index.applied[P0] == [0, -1, 2]
+    assert sample(prom, "globalkv_ingest_replays_total", pod="p0", outcome="no_endpoint") == 1
+
+
+async def test_unreachable_replay_times_out_and_resets(
+    make_service: ServiceFactory,
+    make_publisher: PublisherFactory,
+    index: RecordingIndex,
+    prom: CollectorRegistry,
+) -> None:
+    service, pub = make_service(), make_publisher(replay_endpoint=None)
+    pod = pod_for(pub).model_copy(
+        update={
+            "kv_events": KvEventsConfig(endpoint=pub.endpoint, replay_endpoint="tcp://127.0.0.1:9")
+        }
+    )
+    await follow(service, pub, pod)
+    await pub.publish([store(0)])
+    await pub.publish([store(1)], send=False)
+    await pub.publish([store(2)])
+    await service.applied(P0, 2)
+    assert index.applied[P0] == [0, -1, 2]
+    assert sample(prom, "globalkv_ingest_replays_total", pod="p0", outcome="timeout") == 1
+
+
+async def test_engine_restart_resets_and_replays_the_new_first_batches(
+    make_service: ServiceFactory,
+    make_publisher: PublisherFactory,
+    index: RecordingIndex,
+    prom: CollectorRegistry,
+) -> None:
+    service, pub = make_service(), make_publisher()
+    await follow(service, pub, pod_for(pub))
+    for n in range(3):
+        await pub.publish([store(n)])
+    await service.applied(P0, 2)
+    pub.restart()
+    await pub.publish([store(0)], send=False)
+    await pub.publish([store(1)])
+    await pub.publish([store(2)])
+    await service.wait(P0, lambda state: state.applied == 6)
+    assert index.applied[P0] == [0, 1, 2, -1, 0, 1, 2]
+    assert sample(prom, "globalkv_ingest_resets_total", pod="p0", reason="restart") == 1
+
+
+async def test_late_join_replays_history_without_reset(
+    make_service: ServiceFactory,
+    make_publisher: PublisherFactory,
+    index: RecordingIndex,
+) -> None:
+    service, pub = make_service(), make_publisher()
+    await pub.publish([store(0)])
+    await pub.publish([store(1)])
+    await follow(service, pub, pod_for(pub))
+    await pub.publish([store(2)])
+    await service.applied(P0, 2)
+    assert index.applied[P0] == [0, 1, 2]
+
+
+async def test_resume_point_comes_from_the_index(
+    make_service: ServiceFactory,
+    make_publisher: PublisherFactory,
+    index: RecordingIndex,
+) -> None:
+    index.applied[P0] = [0, 1]
+    service, pub = make_service(), make_publisher()
+    pub.seq = 2
+    await follow(service, pub, pod_for(pub))
+    await pub.publish([store(2)])
+    await service.applied(P0, 2)
+    assert index.applied[P0] == [0, 1, 2]
+
+
+async def test_garbage_frames_are_counted_and_dropped(
+    make_service: ServiceFactory,
+    make_publisher: PublisherFactory,
+    index: RecordingIndex,
+    prom: CollectorRegistry,
+) -> None:
+    service, pub = make_service(), make_publisher()
+    await follow(service, pub, pod_for(pub))
+    await pub.publish([store(0)])
+    await pub.raw([b"", b"short", b"x"])
+    await pub.raw([b"one frame"])
+    await pub.raw(live_frames(b"", 1, b"\xc1 not msgpack"))
+    pub.seq = 2
+    await pub.publish([store(2)])
+    await service.applied(P0, 2)
+    assert index.applied[P0] == [0, 2]
+    assert sample(prom, "globalkv_ingest_dropped_total", reason="bad_seq") == 1
+    assert sample(prom, "globalkv_ingest_dropped_total", reason="bad_frames") == 1
+    assert sample(prom, "globalkv_ingest_dropped_total", reason="not_msgpack") == 1
+    assert sample(prom, "globalkv_ingest_gaps_total", pod="p0") == 0
+
+
+async def test_index_unavailable_holds_and_retries(
+    make_service: ServiceFactory,
+    make_publisher: PublisherFactory,
+    index: RecordingIndex,
+    prom: CollectorRegistry,
+) -> None:
+    service, pub = make_service(), make_publisher()
+    await follow(service, pub, pod_for(pub))
+    index.unavailable = 3
+    await pub.publish([store(0)])
+    await pub.publish([store(1)])
+    await service.applied(P0, 1)
+    assert index.applied[P0] == [0, 1]
+    assert sample(prom, "globalkv_ingest_index_unavailable_total") == 3
+
+
+async def test_data_lost_resyncs_every_source(
+    make_service: ServiceFactory,
+    make_publisher: PublisherFactory,
+    index: RecordingIndex,
+    registry: MemoryRegistry,
+    prom: CollectorRegistry,
+) -> None:
+    service = make_service()
+    busy, idle = make_publisher(), make_publisher(buffer_steps=1)
+    await follow(service, busy, pod_for(busy, "busy"))
+    await follow(service, idle, pod_for(idle, "idle"))
+    for n in range(3):
+        await busy.publish([store(n)])
+        await idle.publish([store(n)])
+    await service.applied(Source("busy"), 2)
+    await service.applied(Source("idle"), 2)
+    index.lose_data = True
+    await busy.publish([store(3)])
+    await service.applied(Source("busy"), 3)
+    await service.flush()
+    assert service.ready
+    assert index.applied[Source("busy")] == [0, 1, 2, 3]
+    assert index.applied[Source("idle")] == [-1, 2]
+    assert sample(prom, "globalkv_ingest_index_data_lost_total") == 1
+    assert sample(prom, "globalkv_ingest_resets_total", pod="idle", reason="data_lost") == 1
+    assert sample(prom, "globalkv_ingest_resyncing_sources") == 0
+
+
+async def test_bound_socket_names_pods_by_topic_and_dp_rank(
+    make_service: ServiceFactory,
+    make_publisher: PublisherFactory,
+    index: RecordingIndex,
+    registry: MemoryRegistry,
+    prom: CollectorRegistry,
+) -> None:
+    service = make_service(bind=["tcp://127.0.0.1:0"])
+    await service.start()
+    (bound,) = service.bound_endpoints
+    pub = make_publisher(endpoint=bound, replay_endpoint=None, topic="kv@p9@org/model")
+    stray = make_publisher(endpoint=bound, replay_endpoint=None, topic="not-a-kv-topic")
+    await pub.wait_subscribed()
+    await stray.wait_subscribed()
+    await stray.publish([store(0)])
+    await pub.publish([store(0)], dp_rank=0)
+    pub.seq = 0
+    await pub.publish([store(0)], dp_rank=1)
+    await service.applied(Source("p9", 0), 0)
+    await service.applied(Source("p9", 1), 0)
+    assert index.applied == {Source("p9", 0): [0], Source("p9", 1): [0]}
+    first = index.batches[0].events[0]
+    assert isinstance(first, StoreBlocks)
+    assert first.namespace == root_key("org/model")
+    assert sample(prom, "globalkv_ingest_dropped_total", reason="unknown_topic") == 1
+    await asyncio.wait_for(_registered(registry, "p9"), 5)
+
+
+async def _registered(registry: MemoryRegistry, pod_id: str) -> None:
+    changes = registry.changes()
+    if await registry.get(pod_id) is None:
+        async for changed in changes:
+            if changed == pod_id:
+                break
+    await changes.aclose()
+
+
+async def test_full_queue_on_the_bound_socket_drops_then_recovers(
+    make_service: ServiceFactory,
+    make_publisher: PublisherFactory,
+    index: RecordingIndex,
+    prom: CollectorRegistry,
+) -> None:
+    service = make_service(bind=["tcp://127.0.0.1:0"], queue_size=1)
+    await service.start()
+    pub = make_publisher(endpoint=service.bound_endpoints[0], replay_endpoint=None, topic="kv@p@m")
+    await pub.wait_subscribed()
+    index.gate = asyncio.Event()
+    for n in range(6):
+        await pub.publish([store(n)])
+    await service.wait(Source("p"), lambda state: state.drops > 0)
+    index.gate.set()
+    await pub.publish([store(6)])
+    await service.applied(Source("p"), 6)
+    assert sample(prom, "globalkv_ingest_dropped_total", reason="queue_full") >= 1
+    applied = index.applied[Source("p")]
+    assert applied[0] == 0
+    assert applied[-2:] == [-1, 6]
+
+
+async def test_remove_pod_stops_and_clears(
+    make_service: ServiceFactory,
+    make_publisher: PublisherFactory,
+    index: RecordingIndex,
+) -> None:
+    service, pub = make_service(), make_publisher()
+    await follow(service, pub, pod_for(pub))
+    await pub.publish([store(0)])
+    await service.applied(P0, 0)
+    assert await service.remove_pod("p0")
+    assert index.removed_pods == ["p0"]
+    assert service.pods() == []
+    assert not await service.remove_pod("p0")

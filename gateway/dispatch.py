@@ -265,6 +265,9 @@ class Dispatcher:
             if not committed:
                 step.cancel()
                 send.cancel()
+                await asyncio.wait({step, send})
+                if response is None and not send.cancelled() and send.exception() is None:
+                    response = send.result()
                 if response is not None:
                     await response.aclose()
                 loads.finish(decode_ticket)

@@ -1,0 +1,182 @@
+"""Fake workers behind httpx.MockTransport, a fake clock and a stub directory reader."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from random import Random
+from typing import Any
+
+import httpx
+from prometheus_client import CollectorRegistry
+
+from gateway.config import GatewayConfig, HealthConfig, WorkerSpec
+from gateway.service import Gateway, build_gateway
+from globalkv.index.base import IndexUnavailable
+from globalkv.lookup import LookupResult
+from globalkv.tokenize import Tokenizer
+
+Behaviour = Callable[[httpx.Request, Any], Awaitable[httpx.Response]]
+
+PREFILLS = ("http://10.0.0.1:30001", "http://10.0.0.2:30001")
+DECODES = ("http://10.0.1.1:30011", "http://10.0.1.2:30011")
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class Call:
+    worker: str
+    method: str
+    path: str
+    body: Any
+    cancelled: bool = False
+    started: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+async def ok_json(_: httpx.Request, body: Any) -> httpx.Response:
+    return httpx.Response(200, json={"text": "ok", "room": body.get("bootstrap_room")})
+
+
+class Cluster:
+    """Every fake worker, answering by host:port; records each call."""
+
+    def __init__(self) -> None:
+        self.calls: list[Call] = []
+        self.behaviour: dict[str, Behaviour] = {}
+        self.health: dict[str, int] = {}
+        self.server_info: dict[str, Any] = {}
+
+    def on(self, url: str, behaviour: Behaviour) -> None:
+        self.behaviour[url.split("//", 1)[1]] = behaviour
+
+    def inference(self, role: str | None = None) -> list[Call]:
+        calls = [c for c in self.calls if c.method == "POST"]
+        if role is None:
+            return calls
+        hosts = {u.split("//", 1)[1] for u in (PREFILLS if role == "prefill" else DECODES)}
+        return [c for c in calls if c.worker in hosts]
+
+    async def handler(self, request: httpx.Request) -> httpx.Response:
+        key = f"{request.url.host}:{request.url.port}"
+        if request.method == "GET":
+            if request.url.path == "/health":
+                return httpx.Response(self.health.get(key, 200), text="OK")
+            if request.url.path == "/server_info" and key in self.server_info:
+                return httpx.Response(200, json=self.server_info[key])
+            return httpx.Response(404, json={"detail": "Not Found"})
+        body = json.loads(request.content) if request.content else None
+        call = Call(key, request.method, request.url.path, body)
+        self.calls.append(call)
+        call.started.set()
+        try:
+            return await self.behaviour.get(key, ok_json)(request, body)
+        except asyncio.CancelledError:
+            call.cancelled = True
+            raise
+
+
+@dataclass(frozen=True)
+class Reading:
+    reachable: bool = True
+    ready: bool = True
+    topology: dict[str, Any] | None = None
+    registered: int = 1
+    expected: int | None = 1
+    error: str | None = None
+
+
+class StubProbe:
+    def __init__(self) -> None:
+        self.readings: dict[str, Reading] = {}
+        self.reads: list[str] = []
+
+    async def read(self, bootstrap_url: str) -> Reading:
+        self.reads.append(bootstrap_url)
+        return self.readings.get(bootstrap_url, Reading(topology={"dp_size": 1}))
+
+
+class StubLookup:
+    def __init__(self, result: LookupResult | None = None, *, down: bool = False) -> None:
+        self.result = result or LookupResult(block_size=4, blocks=0, pods=[])
+        self.down = down
+        self.asked: list[tuple[str, list[int]]] = []
+
+    async def lookup(
+        self,
+        model: str,
+        token_ids: Sequence[int],
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> LookupResult:
+        self.asked.append((model, list(token_ids)))
+        if self.down:
+            raise IndexUnavailable("stub index is down")
+        return self.result
+
+
+class Sleeps:
+    def __init__(self) -> None:
+        self.delays: list[float] = []
+
+    async def __call__(self, delay: float) -> None:
+        self.delays.append(delay)
+
+
+def config(**overrides: Any) -> GatewayConfig:
+    base: dict[str, Any] = {
+        "prefill": [
+            WorkerSpec(url=PREFILLS[0], role="prefill", bootstrap_port=8998),
+            WorkerSpec(url=PREFILLS[1], role="prefill", bootstrap_port=8999),
+        ],
+        "decode": [WorkerSpec(url=u, role="decode") for u in DECODES],
+        "health": HealthConfig(),
+        "model": "m",
+        "prometheus_port": None,
+        "seed": 7,
+    }
+    base.update(overrides)
+    return GatewayConfig(**base)
+
+
+async def make_gateway(
+    cluster: Cluster,
+    cfg: GatewayConfig | None = None,
+    *,
+    lookup: StubLookup | None = None,
+    probe: StubProbe | None = None,
+    tokenizer: Tokenizer | None = None,
+    registrar: Any = None,
+    clock: FakeClock | None = None,
+    sleeps: Sleeps | None = None,
+) -> Gateway:
+    """A gateway over the fake cluster, its monitor run once so workers are eligible."""
+    client = httpx.AsyncClient(transport=httpx.MockTransport(cluster.handler))
+    gateway = build_gateway(
+        cfg or config(),
+        client,
+        lookup=lookup,
+        registrar=registrar,
+        probe=probe or StubProbe(),
+        tokenizer=tokenizer,
+        registry=CollectorRegistry(),
+        clock=clock or FakeClock(),
+        sleep=sleeps or Sleeps(),
+        rng=Random(7),
+        room_rng=Random(11),
+    )
+    await gateway.monitor.run_once(force=True)
+    return gateway
+
+
+def sample(gateway: Gateway, name: str, **labels: str) -> float:
+    value = gateway.metrics.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value

@@ -1,0 +1,223 @@
+"""The embedded index, and the reference every other backend is tested against.
+
+Each source gets a small slot number; each key maps to an int whose bits are the slots
+holding it. A lookup then walks the chain with one dict probe and one AND per block,
+whatever the number of sources, and stops when no source continues: the per-source work
+happens only where a source's run ends. Tiers cost nothing while every holder of a key
+has it on the GPU only; keys held otherwise are listed in a second, usually empty, map
+and scored from the holder's own mask.
+
+Memory bound (`max_entries`, counted in (key, source) pairs): when a store would exceed
+it, that store and the rest of its event are skipped and counted as `over_capacity`,
+while removes, clears and resets keep freeing room. Why not evict instead: engines
+report their own evictions, so a correctly sized index mirrors what they hold and never
+reaches the bound; reaching it means lost removes or an undersized bound, and evicting
+from the index would punch holes into other chains (a hit must be contiguous) and cost an
+LRU record per entry — the very memory the bound protects. Skipping keeps every answer
+true (fewer hits, never wrong ones) and is visible in metrics; a source's reset, which
+ingest does after lost events, frees what it held. Children of a skipped block are
+counted as orphans, since their parent is then unknown.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Mapping, Sequence
+from itertools import chain
+
+from globalkv.index.base import (
+    ApplyResult,
+    Hit,
+    Source,
+    SourceBatch,
+    SourceStats,
+    Tier,
+)
+from globalkv.index.scoring import TierWeights, make_hit, ranked
+from globalkv.index.state import BatchChanges, SourceState
+from globalkv.keys import BlockKey
+
+_GPU_ONLY = int(Tier.GPU)
+
+
+def _bits(mask: int) -> Iterable[int]:
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+def _set_bit(table: dict[BlockKey, int], key: BlockKey, bit: int, on: bool) -> None:
+    old = table.get(key, 0)
+    new = old | bit if on else old & ~bit
+    if new != old:
+        if new:
+            table[key] = new
+        else:
+            del table[key]
+
+
+class MemoryIndex:
+    """An `Index` in this process's memory."""
+
+    def __init__(
+        self,
+        block_size: int,
+        *,
+        max_entries: int | None = None,
+        tier_weights: Mapping[Tier, float] | None = None,
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError("block_size must be positive")
+        if max_entries is not None and max_entries < 0:
+            raise ValueError("max_entries must be >= 0 (or None for no bound)")
+        self.block_size = block_size
+        self.max_entries = max_entries
+        self._weights = TierWeights(tier_weights)
+        self._held: dict[BlockKey, int] = {}
+        """Key -> slots holding it in any tier."""
+        self._mixed: dict[BlockKey, int] = {}
+        """Key -> slots holding it in a tier mask other than GPU only."""
+        self._states: dict[Source, SourceState] = {}
+        self._slot_of: dict[Source, int] = {}
+        self._by_slot: list[Source | None] = []
+        self._free_slots: list[int] = []
+        self._entries = 0
+
+    @property
+    def entries(self) -> int:
+        """(key, source) pairs held: what `max_entries` bounds."""
+        return self._entries
+
+    # ------------------------------------------------------------------- writes
+
+    async def apply(self, batch: SourceBatch) -> ApplyResult:
+        state = self._state(batch.source)
+        result = ApplyResult()
+        held = len(state.masks)
+        max_keys = None if self.max_entries is None else self.max_entries - self._entries + held
+        changes = state.apply(batch.events, self.block_size, result, max_keys)
+        self._index(self._slot_of[batch.source], state, changes)
+        self._entries += len(state.masks) - held
+        if changes.cleared:
+            state.epoch += 1
+        state.last_seq = batch.seq
+        state.last_ts = batch.ts
+        return result
+
+    async def reset_source(self, source: Source) -> None:
+        state = self._state(source)
+        self._drop_all(source, state)
+        state.epoch += 1
+        state.resets += 1
+
+    async def remove_pod(self, pod: str) -> None:
+        for source in [s for s in self._states if s.pod == pod]:
+            self._drop_all(source, self._states.pop(source))
+            slot = self._slot_of.pop(source)
+            self._by_slot[slot] = None
+            heapq.heappush(self._free_slots, slot)
+
+    async def close(self) -> None:
+        for pod in {s.pod for s in self._states}:
+            await self.remove_pod(pod)
+
+    def _state(self, source: Source) -> SourceState:
+        state = self._states.get(source)
+        if state is None:
+            state = self._states[source] = SourceState(epoch=1)
+            if self._free_slots:
+                slot = heapq.heappop(self._free_slots)
+                self._by_slot[slot] = source
+            else:
+                slot = len(self._by_slot)
+                self._by_slot.append(source)
+            self._slot_of[source] = slot
+        return state
+
+    def _index(self, slot: int, state: SourceState, changes: BatchChanges) -> None:
+        bit = 1 << slot
+        masks, held, mixed = state.masks, self._held, self._mixed
+        for key in chain(changes.stale, changes.keys):
+            mask = masks.get(key, 0)
+            _set_bit(held, key, bit, mask != 0)
+            _set_bit(mixed, key, bit, mask != 0 and mask != _GPU_ONLY)
+
+    def _drop_all(self, source: Source, state: SourceState) -> None:
+        bit = 1 << self._slot_of[source]
+        for key in state.masks:
+            _set_bit(self._held, key, bit, False)
+            _set_bit(self._mixed, key, bit, False)
+        self._entries -= len(state.masks)
+        state.clear()
+
+    # -------------------------------------------------------------------- reads
+
+    async def lookup(self, keys: Sequence[BlockKey]) -> list[Hit]:
+        if not keys:
+            return []
+        held = self._held.get
+        active = held(keys[0], 0)
+        if not active:
+            return []
+        ends: list[tuple[int, int]] = []
+        """(depth, slots whose contiguous run ends there)"""
+        mixed_hits: list[tuple[BlockKey, int]] = []
+        """(key, slots scoring it from their own mask)"""
+        if self._mixed:
+            mixed = self._mixed.get
+            for depth, key in enumerate(keys):
+                now = held(key, 0) & active
+                if now != active:
+                    ends.append((depth, active ^ now))
+                    active = now
+                    if not now:
+                        break
+                off_gpu = mixed(key, 0) & now
+                if off_gpu:
+                    mixed_hits.append((key, off_gpu))
+        else:
+            for depth, key in enumerate(keys):
+                now = held(key, 0) & active
+                if now != active:
+                    ends.append((depth, active ^ now))
+                    active = now
+                    if not now:
+                        break
+        if active:
+            ends.append((len(keys), active))
+        return ranked(self._hits(ends, mixed_hits))
+
+    def _hits(
+        self, ends: list[tuple[int, int]], mixed_hits: list[tuple[BlockKey, int]]
+    ) -> Iterable[Hit]:
+        by_slot = self._by_slot
+        off_gpu: dict[int, dict[int, int]] = {}
+        for key, slots in mixed_hits:
+            for slot in _bits(slots):
+                source = by_slot[slot]
+                assert source is not None
+                mask = self._states[source].masks[key]
+                counts = off_gpu.setdefault(slot, {})
+                counts[mask] = counts.get(mask, 0) + 1
+        for depth, slots in ends:
+            for slot in _bits(slots):
+                source = by_slot[slot]
+                assert source is not None
+                counts = off_gpu.get(slot, {})
+                gpu_only = depth - sum(counts.values())
+                yield make_hit(source, {_GPU_ONLY: gpu_only, **counts}, self._weights)
+
+    async def stats(self, pod: str | None = None) -> list[SourceStats]:
+        return [
+            SourceStats(
+                source=source,
+                epoch=state.epoch,
+                blocks={Tier(bit): count for bit, count in state.counts.items()},
+                last_seq=state.last_seq,
+                last_event_ts=state.last_ts,
+                resets=state.resets,
+            )
+            for source, state in sorted(self._states.items())
+            if pod is None or source.pod == pod
+        ]

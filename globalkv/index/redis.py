@@ -1,0 +1,426 @@
+"""The shared index in Redis: any number of gateways read it, one indexer writes it.
+
+Key names and layout: `redis_keys.py`. The choices, and why:
+
+- Lookup is one round trip to the chain's shard: a pipeline of one `EVALSHA` over the
+  chain's block keys (one hash slot, tagged by the chain's first block) and `HGETALL` of
+  the live generations (another slot, so it cannot be read inside the script). The
+  script returns every generation's contiguous depth; generations not live are dropped
+  here, so a reset source vanishes from lookups the moment its generation is retired.
+- Generations are the per-source epoch. A source's life (until a reset or a clear) has a
+  fresh id; block hashes are keyed by it. Retiring one is O(1) (`live` loses it); its
+  blocks are then dropped in chunks through its own reverse hash, never by SCAN/KEYS.
+- Writes: one `EVALSHA` per batch with flat ARGV (block keys, small masks, fingerprint
+  deltas, packed reverse entries), so a batch is atomic and costs one round trip.
+- Fingerprints: each block hash keeps "#" = sum of a 48-bit hash of every (generation,
+  mask) field, updated by the writer's `HINCRBY`. Equal fingerprints on adjacent blocks
+  mean the same holders in the same tiers, which lets the lookup script skip reading the
+  holders of most blocks (see redis_lookup.lua).
+- The writer keeps each source's state (engine hash map, masks) in memory, as it must to
+  key stores without reading Redis. It is rebuilt from the reverse hash the first time a
+  source is written after a restart, so an indexer restart needs no reset.
+- Data loss: the apply script refuses to write when the dataset marker is not the
+  writer's (Redis restarted empty or was flushed) or the source's generation or batch
+  count differs (Redis lost recent writes); the writer then forgets its caches and
+  raises `IndexDataLost` once, and ingest resyncs. Redis must run with
+  `maxmemory-policy noeviction`: an evicted key would be silent loss.
+- Redis Cluster: lookups already touch one slot; a batch's writes span slots and are
+  atomic only on a single Redis (or a future per-slot split of the batch).
+
+The client must use `decode_responses=False`: the reverse entries are packed bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import secrets
+import struct
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from importlib.resources import files
+from typing import Any
+
+import redis.asyncio as aioredis
+import xxhash
+from redis import exceptions as redis_errors
+
+from globalkv.index.base import (
+    ApplyResult,
+    Hit,
+    IndexDataLost,
+    IndexUnavailable,
+    Source,
+    SourceBatch,
+    SourceStats,
+    Tier,
+)
+from globalkv.index.redis_keys import RedisKeys, parse_source_name, source_name
+from globalkv.index.scoring import ALL_TIERS, TierWeights, make_hit, ranked
+from globalkv.index.state import BatchChanges, EngineBlock, SourceState
+from globalkv.keys import BlockKey, EngineHash
+
+_HASH = struct.Struct("<Q")
+_DROP_CHUNK = 1000
+_UNAVAILABLE_REPLIES = ("OOM", "LOADING", "MASTERDOWN", "READONLY", "BUSY", "NOREPLICAS")
+
+
+class _Script:
+    """A Lua file of this package, run by SHA and loaded again when Redis lost it."""
+
+    def __init__(self, filename: str) -> None:
+        self.source = (files("globalkv.index") / filename).read_bytes()
+        self.sha = hashlib.sha1(self.source).hexdigest()
+
+    async def run(self, client: aioredis.Redis, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+        try:
+            return await client.evalsha(self.sha, len(keys), *keys, *args)
+        except redis_errors.NoScriptError:
+            await client.script_load(self.source)
+            return await client.evalsha(self.sha, len(keys), *keys, *args)
+
+
+_LOOKUP = _Script("redis_lookup.lua")
+_APPLY = _Script("redis_apply.lua")
+_DROP = _Script("redis_drop.lua")
+
+
+@contextmanager
+def _reachable(what: str) -> Iterator[None]:
+    """Turn "Redis cannot answer" into IndexUnavailable; let real bugs through."""
+    try:
+        yield
+    except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
+        raise IndexUnavailable(f"redis unreachable while {what}: {exc!r}") from exc
+    except redis_errors.ResponseError as exc:
+        if str(exc).startswith(_UNAVAILABLE_REPLIES):
+            raise IndexUnavailable(f"redis cannot serve {what}: {exc}") from exc
+        raise
+
+
+def fingerprints(gen: int) -> tuple[int, ...]:
+    """Per tier mask (index), the fingerprint contribution of generation `gen` holding a key."""
+    digest = xxhash.xxh3_64_intdigest
+    return (0, *(digest(f"{gen}:{mask}".encode()) >> 16 for mask in range(1, ALL_TIERS + 1)))
+
+
+def pack_block(block: EngineBlock) -> bytes:
+    return struct.pack(f"<BQ{len(block.keys)}Q", block.tiers, block.root, *block.keys)
+
+
+def unpack_block(raw: bytes) -> EngineBlock:
+    count, rest = divmod(len(raw) - 9, 8)
+    if count <= 0 or rest:
+        raise ValueError(f"packed engine block of {len(raw)} bytes")
+    tiers, root, *keys = struct.unpack(f"<BQ{count}Q", raw)
+    return EngineBlock(tuple(BlockKey(k) for k in keys), BlockKey(root), tiers)
+
+
+@dataclass(slots=True)
+class _Writer:
+    state: SourceState
+    gen: int | None
+    """The source's generation in Redis; None until its first batch creates it."""
+    version: int
+    """Batches applied to that generation (checked by the apply script)."""
+
+
+class RedisIndex:
+    """An `Index` in a (shared) Redis; see the module docstring for the layout."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        block_size: int,
+        *,
+        tier_weights: Mapping[Tier, float] | None = None,
+        prefix: str = "gkv",
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError("block_size must be positive")
+        if redis.connection_pool.connection_kwargs.get("decode_responses"):
+            raise ValueError("RedisIndex needs a client with decode_responses=False")
+        self.block_size = block_size
+        self.keys = RedisKeys(prefix)
+        self._redis = redis
+        self._weights = TierWeights(tier_weights)
+        self._writers: dict[Source, _Writer] = {}
+        self._locks: dict[Source, asyncio.Lock] = {}
+        self._token: bytes | None = None
+
+    # -------------------------------------------------------------------- reads
+
+    async def lookup(self, keys: Sequence[BlockKey]) -> list[Hit]:
+        if not keys:
+            return []
+        names = self.keys.chain(keys)
+        with _reachable("looking up"):
+            try:
+                rows, live = await self._lookup_round_trip(names)
+            except redis_errors.NoScriptError:
+                await self._redis.script_load(_LOOKUP.source)
+                rows, live = await self._lookup_round_trip(names)
+        return ranked(self._hits(rows, live))
+
+    async def _lookup_round_trip(self, names: list[str]) -> tuple[list[int], dict[bytes, bytes]]:
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.evalsha(_LOOKUP.sha, len(names), *names)
+        pipe.hgetall(self.keys.live)
+        rows, live = await pipe.execute()
+        return rows, live
+
+    def _hits(self, rows: list[int], live: dict[bytes, bytes]) -> Iterator[Hit]:
+        i, end = 0, len(rows)
+        while i < end:
+            gen, pairs = rows[i], rows[i + 1]
+            flat = rows[i + 2 : i + 2 + 2 * pairs]
+            counts = dict(zip(flat[::2], flat[1::2], strict=True))
+            i += 2 + 2 * pairs
+            name = live.get(b"%d" % gen)
+            if name is not None:
+                yield make_hit(parse_source_name(name.decode()), counts, self._weights)
+
+    async def stats(self, pod: str | None = None) -> list[SourceStats]:
+        with _reachable("reading statistics"):
+            sources = await self._redis.hgetall(self.keys.sources)
+            chosen = sorted((parse_source_name(_text(n)), int(g)) for n, g in sources.items())
+            chosen = [(s, g) for s, g in chosen if pod is None or s.pod == pod]
+            pipe = self._redis.pipeline(transaction=False)
+            for _, gen in chosen:
+                pipe.hgetall(self.keys.info(gen))
+            infos = await pipe.execute() if chosen else []
+        return [_stats(s, gen, info) for (s, gen), info in zip(chosen, infos, strict=True)]
+
+    # ------------------------------------------------------------------- writes
+
+    async def apply(self, batch: SourceBatch) -> ApplyResult:
+        source = batch.source
+        async with self._lock(source):
+            writer = await self._writer(source)
+            state = writer.state
+            result = ApplyResult()
+            changes = state.apply(batch.events, self.block_size, result)
+            old = writer.gen
+            try:
+                with _reachable("applying a batch"):
+                    target = await self._new_gen() if changes.cleared or old is None else None
+                    args = self._apply_args(source, writer, changes, target, batch.seq, batch.ts)
+                    await self._run_apply(args)
+            except BaseException:
+                self._writers.pop(source, None)  # Redis may hold the batch or not: reload
+                raise
+            if target is None:
+                writer.version += 1
+            else:
+                writer.gen, writer.version, state.epoch = target, 1, target
+            state.last_seq, state.last_ts = batch.seq, batch.ts
+            if target is not None and old is not None:
+                await self._drop_dead()
+            return result
+
+    async def reset_source(self, source: Source) -> None:
+        async with self._lock(source):
+            await self._ensure_marker()
+            name = source_name(source)
+            with _reachable("resetting a source"):
+                gen = await self._redis.hget(self.keys.sources, name)
+                info = {} if gen is None else await self._redis.hgetall(self.keys.info(int(gen)))
+                target = await self._new_gen()
+            state = SourceState(epoch=target, resets=int(info.get(b"resets", 0)) + 1)
+            state.last_seq, state.last_ts = _seq_ts(info)
+            writer = _Writer(state, gen=None, version=0)
+            args = self._apply_args(source, writer, None, target, state.last_seq, state.last_ts)
+            self._writers.pop(source, None)
+            with _reachable("resetting a source"):
+                await self._run_apply(args)
+            self._writers[source] = _Writer(state, target, 1)
+            await self._drop_dead()
+
+    async def remove_pod(self, pod: str) -> None:
+        with _reachable("removing a pod"):
+            sources = await self._redis.hgetall(self.keys.sources)
+        for raw_name, gen in sources.items():
+            source = parse_source_name(_text(raw_name))
+            if source.pod != pod:
+                continue
+            async with self._lock(source):
+                with _reachable("removing a pod"):
+                    pipe = self._redis.pipeline(transaction=True)
+                    pipe.hdel(self.keys.sources, raw_name)
+                    pipe.hdel(self.keys.live, gen)
+                    pipe.sadd(self.keys.dead, gen)
+                    await pipe.execute()
+                self._writers.pop(source, None)
+            self._locks.pop(source, None)
+        for source in [s for s in self._writers if s.pod == pod]:
+            del self._writers[source]
+        await self._drop_dead()
+
+    async def close(self) -> None:
+        """Forget the writer caches; the injected client belongs to its creator."""
+        self._writers.clear()
+
+    # ---------------------------------------------------------------- internals
+
+    def _lock(self, source: Source) -> asyncio.Lock:
+        lock = self._locks.get(source)
+        if lock is None:
+            lock = self._locks[source] = asyncio.Lock()
+        return lock
+
+    async def _ensure_marker(self) -> None:
+        """Adopt the dataset's marker (creating it on an empty Redis) before writing."""
+        if self._token is not None:
+            return
+        with _reachable("reading the dataset marker"):
+            for _ in range(3):
+                await self._redis.set(self.keys.marker, secrets.token_hex(8), nx=True)
+                token = await self._redis.get(self.keys.marker)
+                if token is not None:
+                    self._token = token.encode() if isinstance(token, str) else token
+                    break
+            else:
+                raise IndexUnavailable("redis keeps dropping the index's dataset marker")
+        await self._drop_dead()  # left behind by a writer that stopped half-way
+
+    async def _writer(self, source: Source) -> _Writer:
+        writer = self._writers.get(source)
+        if writer is not None:
+            return writer
+        await self._ensure_marker()
+        with _reachable("loading a source"):
+            raw_gen = await self._redis.hget(self.keys.sources, source_name(source))
+            if raw_gen is None:
+                writer = _Writer(SourceState(), None, 0)
+            else:
+                writer = await self._load(int(raw_gen))
+        self._writers[source] = writer
+        return writer
+
+    async def _load(self, gen: int) -> _Writer:
+        info = await self._redis.hgetall(self.keys.info(gen))
+        blocks: list[tuple[EngineHash, EngineBlock]] = []
+        try:
+            async for field, value in self._redis.hscan_iter(self.keys.blocks(gen), count=1000):
+                blocks.append((EngineHash(_HASH.unpack(field)[0]), unpack_block(value)))
+        except (ValueError, struct.error) as exc:
+            raise IndexDataLost(f"generation {gen} has corrupt reverse data: {exc}") from exc
+        state = SourceState.restore(blocks, epoch=gen, resets=int(info.get(b"resets", 0)))
+        state.last_seq, state.last_ts = _seq_ts(info)
+        return _Writer(state, gen, int(info.get(b"v", 0)))
+
+    async def _new_gen(self) -> int:
+        return await self._redis.incr(self.keys.next_gen)
+
+    def _apply_args(
+        self,
+        source: Source,
+        writer: _Writer,
+        changes: BatchChanges | None,
+        target: int | None,
+        seq: int | None,
+        ts: float | None,
+    ) -> list[Any]:
+        """ARGV of redis_apply.lua (its header names the positions)."""
+        keys = self.keys
+        state = writer.state
+        gen = writer.gen
+        resetting = changes is None
+        args: list[Any] = [
+            keys.marker,
+            self._token,
+            keys.sources,
+            keys.live,
+            keys.dead,
+            source_name(source),
+            "*" if resetting else ("" if gen is None else gen),
+            "" if resetting or gen is None else writer.version,
+            "" if target is None else target,
+            "" if gen is None else keys.info(gen),
+        ]
+        writing = target if target is not None else gen
+        assert writing is not None
+        args += [keys.info(writing), keys.blocks(writing)]
+        fresh = target is not None
+        forward: list[Any] = []
+        puts: list[bytes] = []
+        dels: list[bytes] = []
+        if changes is not None:
+            prints = fingerprints(writing)
+            masks = state.masks
+            for key, root in changes.keys.items():
+                old = 0 if fresh else changes.stored_mask(key)
+                new = masks.get(key, 0)
+                if old != new:
+                    forward += (keys.block(root, key), new, prints[new] - prints[old])
+            for engine_hash in changes.blocks:
+                block = state.blocks.get(engine_hash)
+                if block is not None:
+                    puts += (_HASH.pack(engine_hash), pack_block(block))
+                elif not fresh:
+                    dels.append(_HASH.pack(engine_hash))
+        args += (len(forward) // 3, *forward, len(puts) // 2, *puts, len(dels), *dels)
+        counts = state.counts
+        args += (
+            "pod", source.pod, "dp", source.dp_rank, "resets", state.resets,
+            "seq", "" if seq is None else seq, "ts", "" if ts is None else repr(ts),
+            *(x for bit in sorted(counts) for x in (f"t{bit}", counts[bit])),
+        )  # fmt: skip
+        return args
+
+    async def _run_apply(self, args: list[Any]) -> None:
+        status = await _APPLY.run(self._redis, (), args)
+        if status == b"ok":
+            return
+        self._writers.clear()
+        self._token = None
+        if status == b"lost":
+            raise IndexDataLost("redis lost the index (restarted empty or flushed)")
+        raise IndexDataLost("redis holds another history for this source (lost writes?)")
+
+    async def _drop_dead(self) -> None:
+        """Drop the blocks of every retired generation, in chunks, then the generation."""
+        with _reachable("dropping retired generations"):
+            for raw in await self._redis.smembers(self.keys.dead):
+                await self._drop_generation(int(raw))
+
+    async def _drop_generation(self, gen: int) -> None:
+        undo = [-p for p in fingerprints(gen)[1:]]
+        names: set[str] = set()
+        async for _, value in self._redis.hscan_iter(self.keys.blocks(gen), count=_DROP_CHUNK):
+            try:
+                block = unpack_block(value)
+            except ValueError:
+                continue  # unreadable: its keys cannot be named; the block hash dies below
+            names.update(self.keys.block(block.root, key) for key in block.keys)
+            if len(names) >= _DROP_CHUNK:
+                await _DROP.run(self._redis, (), [gen, *undo, *names])
+                names.clear()
+        if names:
+            await _DROP.run(self._redis, (), [gen, *undo, *names])
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.delete(self.keys.blocks(gen), self.keys.info(gen))
+        pipe.srem(self.keys.dead, gen)
+        await pipe.execute()
+
+
+def _text(raw: bytes | str) -> str:
+    return raw.decode() if isinstance(raw, bytes) else raw
+
+
+def _seq_ts(info: Mapping[bytes | str, bytes | str]) -> tuple[int | None, float | None]:
+    seq, ts = info.get(b"seq", b""), info.get(b"ts", b"")
+    return (int(seq) if seq else None, float(ts) if ts else None)
+
+
+def _stats(source: Source, gen: int, info: Mapping[bytes | str, bytes | str]) -> SourceStats:
+    last_seq, last_ts = _seq_ts(info)
+    return SourceStats(
+        source=source,
+        epoch=gen,
+        blocks={tier: int(info.get(b"t%d" % tier, 0)) for tier in Tier},
+        last_seq=last_seq,
+        last_event_ts=last_ts,
+        resets=int(info.get(b"resets", 0)),
+    )

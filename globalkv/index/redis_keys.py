@@ -1,0 +1,68 @@
+"""Every Redis key the index uses, named here and nowhere else (the scripts receive names).
+
+Block keys (millions; short):
+    {p}:b:{<chain's first key, hex>}<key, hex>   hash: generation -> tier mask,
+                                                  "#" -> fingerprint of those fields
+The hash tag is the chain's first block, so every key a lookup walks sits in one slot and
+Redis Cluster shards by conversation root.
+
+Per source (one generation per source life; a reset or clear starts a new one):
+    {p}:index:sources          hash: "<pod>@<dp_rank>" -> current generation
+    {p}:index:live             hash: generation -> "<pod>@<dp_rank>"; lookups trust only these
+    {p}:index:dead             set: generations hidden, their blocks not yet dropped
+    {p}:index:gen:next         counter of generation ids (never reused)
+    {p}:index:gen:<g>:blocks   hash: engine hash (8 bytes LE) -> packed engine block
+    {p}:index:gen:<g>:info     hash: that generation's statistics and batch count
+    {p}:index:marker           string: dataset token; gone when Redis lost its data
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from globalkv.index.base import Source
+from globalkv.keys import BlockKey
+
+_PREFIX_RE = re.compile(r"[A-Za-z0-9_.:-]+")
+
+
+class RedisKeys:
+    __slots__ = ("block_prefix", "dead", "live", "marker", "next_gen", "prefix", "sources")
+
+    def __init__(self, prefix: str = "gkv") -> None:
+        if not _PREFIX_RE.fullmatch(prefix):
+            raise ValueError(
+                f"redis key prefix {prefix!r} must be letters, digits and _.:- only "
+                "(braces would break the hash tags)"
+            )
+        self.prefix = prefix
+        self.block_prefix = f"{prefix}:b:"
+        self.sources = f"{prefix}:index:sources"
+        self.live = f"{prefix}:index:live"
+        self.dead = f"{prefix}:index:dead"
+        self.next_gen = f"{prefix}:index:gen:next"
+        self.marker = f"{prefix}:index:marker"
+
+    def block(self, root: BlockKey, key: BlockKey) -> str:
+        return f"{self.block_prefix}{{{root:016x}}}{key:016x}"
+
+    def chain(self, keys: Sequence[BlockKey]) -> list[str]:
+        """Names of a looked-up chain's keys, all tagged by its first block."""
+        head = f"{self.block_prefix}{{{keys[0]:016x}}}"
+        return [f"{head}{key:016x}" for key in keys]
+
+    def blocks(self, gen: int) -> str:
+        return f"{self.prefix}:index:gen:{gen}:blocks"
+
+    def info(self, gen: int) -> str:
+        return f"{self.prefix}:index:gen:{gen}:info"
+
+
+def source_name(source: Source) -> str:
+    return f"{source.pod}@{source.dp_rank}"
+
+
+def parse_source_name(name: str) -> Source:
+    pod, _, dp_rank = name.rpartition("@")
+    return Source(pod, int(dp_rank))

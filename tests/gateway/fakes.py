@@ -54,6 +54,13 @@ class Cluster:
         self.behaviour: dict[str, Behaviour] = {}
         self.health: dict[str, int] = {}
         self.server_info: dict[str, Any] = {}
+        self._arrived = asyncio.Condition()
+
+    async def wait_calls(self, count: int) -> list[Call]:
+        """Until `count` inference calls have started."""
+        async with self._arrived:
+            await self._arrived.wait_for(lambda: len(self.inference()) >= count)
+        return self.inference()
 
     def on(self, url: str, behaviour: Behaviour) -> None:
         self.behaviour[url.split("//", 1)[1]] = behaviour
@@ -77,6 +84,8 @@ class Cluster:
         call = Call(key, request.method, request.url.path, body)
         self.calls.append(call)
         call.started.set()
+        async with self._arrived:
+            self._arrived.notify_all()
         try:
             return await self.behaviour.get(key, ok_json)(request, body)
         except asyncio.CancelledError:

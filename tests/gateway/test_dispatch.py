@@ -93,7 +93,8 @@ async def test_prefill_failure_while_decode_waits_retries_with_new_pair_and_room
     gateway = await make_gateway(cluster, config(prefill_policy="round_robin"), sleeps=sleeps)
     answer = await send(gateway, {"text": "x"})
     await gateway.dispatcher.drain()
-    assert isinstance(answer, Answer) and answer.status == 200
+    assert isinstance(answer, Answer)
+    assert answer.status == 200
     first, second = cluster.inference("decode")
     assert first.cancelled, "the waiting decode was cancelled when its prefill failed"
     assert first.body["bootstrap_room"] != second.body["bootstrap_room"]
@@ -101,12 +102,14 @@ async def test_prefill_failure_while_decode_waits_retries_with_new_pair_and_room
         host(PREFILLS[0]),
         host(PREFILLS[1]),
     ]
-    assert len(sleeps.delays) == 1 and 0.04 <= sleeps.delays[0] <= 0.06
+    assert len(sleeps.delays) == 1
+    assert 0.04 <= sleeps.delays[0] <= 0.06
     assert (
         sample(gateway, "globalkv_gateway_retries_total", endpoint="generate", role="prefill") == 1
     )
     p0 = gateway.pool.get(host(PREFILLS[0]))
-    assert p0 is not None and p0.breaker.stats().total_failures == 1
+    assert p0 is not None
+    assert p0.breaker.stats().total_failures == 1
 
 
 async def test_prefill_client_error_is_returned_without_retry() -> None:
@@ -131,7 +134,8 @@ async def test_prefill_client_error_is_returned_without_retry() -> None:
     assert len(cluster.inference("prefill")) == 1
     assert cluster.inference("decode")[0].cancelled
     prefill = gateway.pool.get(cluster.inference("prefill")[0].worker)
-    assert prefill is not None and prefill.breaker.stats().total_failures == 0
+    assert prefill is not None
+    assert prefill.breaker.stats().total_failures == 0
 
 
 async def test_decode_failure_is_retried_on_the_other_decode() -> None:
@@ -146,7 +150,8 @@ async def test_decode_failure_is_retried_on_the_other_decode() -> None:
     cluster.on(DECODES[0], unavailable)
     gateway = await make_gateway(cluster, config(decode_policy="round_robin"))
     answer = await send(gateway, {"input_ids": [1, 2, 3]})
-    assert isinstance(answer, Answer) and answer.status == 200
+    assert isinstance(answer, Answer)
+    assert answer.status == 200
     assert [c.worker for c in cluster.inference("decode")] == [host(DECODES[0]), host(DECODES[1])]
     cluster.on(DECODES[1], refused)
     cluster.on(DECODES[0], unavailable)
@@ -176,7 +181,8 @@ async def test_attempts_stop_at_the_limit_with_backoff_between() -> None:
     retry = RetryConfig(jitter_factor=0)
     gateway = await make_gateway(cluster, config(retry=retry), sleeps=sleeps)
     answer = await send(gateway, {"text": "x"})
-    assert isinstance(answer, Answer) and answer.status == 503
+    assert isinstance(answer, Answer)
+    assert answer.status == 503
     assert len(cluster.inference("decode")) == 5
     assert sleeps.delays == pytest.approx([0.05, 0.075, 0.1125, 0.16875])
     once = await make_gateway(cluster, config(retry=RetryConfig(disabled=True)))
@@ -197,7 +203,8 @@ async def test_open_circuit_removes_a_worker_from_candidates() -> None:
     for _ in range(12):
         await send(gateway, {"text": "x"})
     bad = gateway.pool.get(host(DECODES[0]))
-    assert bad is not None and not bad.breaker.allows()
+    assert bad is not None
+    assert not bad.breaker.allows()
     failures = len([c for c in cluster.inference("decode") if c.worker == host(DECODES[0])])
     assert failures == 2, "no traffic after the circuit opened"
     assert sample(gateway, "globalkv_gateway_breaker_state", worker=bad.id, role="decode") == 1
@@ -210,7 +217,8 @@ async def test_no_eligible_prefill_answers_503() -> None:
         probe.readings[f"http://10.0.0.{1 if port == 8998 else 2}:{port}"] = Reading(ready=False)
     gateway = await make_gateway(cluster, probe=probe)
     answer = await send(gateway, {"text": "x"})
-    assert isinstance(answer, Answer) and answer.status == 503
+    assert isinstance(answer, Answer)
+    assert answer.status == 503
     assert b"no prefill worker" in answer.body
     assert cluster.inference() == []
 
@@ -243,7 +251,8 @@ async def test_stream_chunks_pass_through_as_they_arrive() -> None:
     await stream.close("done")
     await gateway.dispatcher.drain()
     decode = gateway.pool.get(cluster.inference("decode")[0].worker)
-    assert decode is not None and decode.breaker.stats().total_successes == 1
+    assert decode is not None
+    assert decode.breaker.stats().total_successes == 1
     assert all(v.in_flight == 0 for v in gateway.loads.loads.values())
 
 
@@ -271,7 +280,8 @@ async def test_stream_prefill_failure_before_first_byte_is_retried() -> None:
         cluster.on(url, decode)
     gateway = await make_gateway(cluster, config(prefill_policy="round_robin"))
     stream = await send(gateway, {"text": "x", "stream": True})
-    assert isinstance(stream, Stream) and stream.first == b"data: tok\n\n"
+    assert isinstance(stream, Stream)
+    assert stream.first == b"data: tok\n\n"
     await stream.close("done")
     assert len(cluster.inference("decode")) == 2
 
@@ -288,9 +298,7 @@ async def test_cancelling_forward_cancels_both_upstream_calls() -> None:
         cluster.on(url, hanging)
     gateway = await make_gateway(cluster)
     task = asyncio.ensure_future(send(gateway, {"text": "x"}))
-    while len(cluster.inference()) < 2:
-        await asyncio.sleep(0)
-    await asyncio.gather(*(c.started.wait() for c in cluster.inference()))
+    await cluster.wait_calls(2)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

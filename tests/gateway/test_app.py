@@ -1,0 +1,269 @@
+"""The HTTP surface: endpoints, auth, limits, 4xx for bad input, admin API, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.app import create_app
+from gateway.config import WorkerSpec
+from gateway.service import Gateway
+from globalkv.tokenize import ByteTokenizer
+from tests.gateway.fakes import DECODES, PREFILLS, Cluster, StubLookup, config, make_gateway, sample
+
+
+def client_for(gateway: Gateway) -> httpx.AsyncClient:
+    app = create_app(gateway, run_monitor=False)
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")
+
+
+@pytest.fixture
+async def setup() -> tuple[Cluster, Gateway]:
+    cluster = Cluster()
+    lookup = StubLookup()
+    gateway = await make_gateway(
+        cluster,
+        config(api_key="k", admin_token="admin", max_payload_size=2000),
+        lookup=lookup,
+        tokenizer=ByteTokenizer(),
+    )
+    return cluster, gateway
+
+
+AUTH = {"authorization": "Bearer k"}
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/generate", {"text": "hello"}),
+        ("/v1/completions", {"prompt": [1, 2, 3], "model": "m"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}),
+    ],
+)
+async def test_inference_endpoints_route_and_answer(
+    setup: tuple[Cluster, Gateway], path: str, body: dict[str, Any]
+) -> None:
+    cluster, gateway = setup
+    async with client_for(gateway) as client:
+        response = await client.post(path, json=body, headers=AUTH)
+    assert response.status_code == 200
+    assert cluster.inference("decode")[0].path == path
+    name = {"/generate": "generate", "/v1/completions": "completions"}.get(path, "chat")
+    assert sample(gateway, "globalkv_gateway_requests_total", endpoint=name, status="200") == 1
+
+
+async def test_text_is_tokenized_and_looked_up(setup: tuple[Cluster, Gateway]) -> None:
+    _, gateway = setup
+    lookup = gateway.router._lookup
+    assert isinstance(lookup, StubLookup)
+    async with client_for(gateway) as client:
+        await client.post("/generate", json={"text": "hi"}, headers=AUTH)
+        await client.post("/generate", json={"input_ids": [[5, 6], [7]]}, headers=AUTH)
+    assert lookup.asked == [("m", ByteTokenizer().encode("hi")), ("m", [5, 6])]
+
+
+async def test_without_tokenizer_or_index_it_routes_by_load_and_counts_it() -> None:
+    cluster = Cluster()
+    gateway = await make_gateway(cluster, config(), lookup=StubLookup(down=True))
+    async with client_for(gateway) as client:
+        assert (await client.post("/generate", json={"text": "x"})).status_code == 200
+        assert (await client.post("/generate", json={"input_ids": [1]})).status_code == 200
+    assert sample(gateway, "globalkv_gateway_routing_fallbacks_total", reason="no_tokenizer") == 1
+    assert (
+        sample(gateway, "globalkv_gateway_routing_fallbacks_total", reason="index_unavailable") == 1
+    )
+    assert (
+        sample(
+            gateway,
+            "globalkv_gateway_routing_decisions_total",
+            role="prefill",
+            policy="prefix",
+            outcome="fallback",
+        )
+        == 2
+    )
+
+
+@pytest.mark.parametrize(
+    ("path", "content", "status", "message"),
+    [
+        ("/generate", b"{not json", 400, "not valid JSON"),
+        ("/generate", b"[1]", 400, "JSON object"),
+        ("/generate", b'{"text": "a", "input_ids": [1]}', 400, "exactly one"),
+        ("/generate", b'{"input_ids": [1, -2]}', 400, "token ids"),
+        ("/generate", b'{"input_ids": []}', 400, "non-empty"),
+        ("/generate", b'{"text": 3}', 400, "'text'"),
+        ("/generate", b'{"text": "x", "stream": "yes"}', 400, "'stream'"),
+        ("/v1/completions", b'{"prompt": 5}', 400, "'prompt'"),
+        ("/v1/completions", b'{"prompt": [1, "a"]}', 400, "token ids"),
+        ("/v1/chat/completions", b'{"messages": []}', 400, "'messages'"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "u"}], "n": 0}', 400, "'n'"),
+        ("/v1/chat/completions", b'{"messages": [{"content": "x"}]}', 400, "'role'"),
+        ("/generate", b'{"text": "' + b"x" * 3000 + b'"}', 413, "max-payload-size"),
+    ],
+)
+async def test_bad_input_gets_a_clear_4xx(
+    setup: tuple[Cluster, Gateway], path: str, content: bytes, status: int, message: str
+) -> None:
+    cluster, gateway = setup
+    async with client_for(gateway) as client:
+        response = await client.post(path, content=content, headers=AUTH)
+    assert response.status_code == status
+    assert message in response.json()["error"]["message"]
+    assert cluster.inference() == []
+
+
+async def test_api_key_is_required(setup: tuple[Cluster, Gateway]) -> None:
+    _, gateway = setup
+    async with client_for(gateway) as client:
+        assert (await client.post("/generate", json={"text": "x"})).status_code == 401
+        wrong = {"authorization": "Bearer nope"}
+        assert (
+            await client.post("/generate", json={"text": "x"}, headers=wrong)
+        ).status_code == 401
+        assert (await client.get("/health")).status_code == 200
+        assert (await client.get("/liveness")).status_code == 200
+
+
+async def test_streaming_through_the_app(setup: tuple[Cluster, Gateway]) -> None:
+    cluster, gateway = setup
+
+    async def sse() -> AsyncIterator[bytes]:
+        for token in (b"data: a\n\n", b"data: b\n\n", b"data: [DONE]\n\n"):
+            yield token
+
+    async def decode(_: httpx.Request, __: Any) -> httpx.Response:
+        return httpx.Response(200, content=sse(), headers={"content-type": "text/event-stream"})
+
+    for url in DECODES:
+        cluster.on(url, decode)
+    async with client_for(gateway) as client:
+        response = await client.post("/generate", json={"text": "x", "stream": True}, headers=AUTH)
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    assert response.content == b"data: a\n\ndata: b\n\ndata: [DONE]\n\n"
+    await gateway.dispatcher.drain()
+    assert all(v.in_flight == 0 for v in gateway.loads.loads.values())
+
+
+async def test_client_disconnect_cancels_both_upstreams(setup: tuple[Cluster, Gateway]) -> None:
+    cluster, gateway = setup
+    hang = asyncio.Event()
+
+    async def hanging(_: httpx.Request, __: Any) -> httpx.Response:
+        await hang.wait()
+        raise AssertionError("unreachable")
+
+    for url in (*PREFILLS, *DECODES):
+        cluster.on(url, hanging)
+    app = create_app(gateway, run_monitor=False)
+    gone = asyncio.Event()
+    messages = [{"type": "http.request", "body": json.dumps({"text": "x"}).encode()}]
+
+    async def receive() -> dict[str, Any]:
+        if messages:
+            return messages.pop()
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "path": "/generate",
+        "raw_path": b"/generate",
+        "query_string": b"",
+        "headers": [(b"authorization", b"Bearer k"), (b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1),
+        "server": ("gw", 80),
+        "scheme": "http",
+        "root_path": "",
+    }
+    call = asyncio.ensure_future(app(scope, receive, send))
+    await cluster.wait_calls(2)
+    gone.set()
+    await call
+    await gateway.dispatcher.drain()
+    assert [c.cancelled for c in cluster.inference()] == [True, True]
+    assert (
+        sample(gateway, "globalkv_gateway_requests_total", endpoint="generate", status="499") == 1
+    )
+
+
+async def test_workers_admin_api(setup: tuple[Cluster, Gateway]) -> None:
+    _, gateway = setup
+    admin = {"authorization": "Bearer admin"}
+    async with client_for(gateway) as client:
+        listed = (await client.get("/workers", headers=AUTH)).json()["workers"]
+        assert {w["id"] for w in listed} == {u.split("//")[1] for u in (*PREFILLS, *DECODES)}
+        new = {"url": "http://10.0.0.3:30001", "worker_type": "prefill", "bootstrap_port": 9000}
+        assert (await client.post("/workers", json=new, headers=AUTH)).status_code == 401
+        added = await client.post("/workers", json=new, headers=admin)
+        assert added.status_code == 201
+        assert added.json()["pod"] == "10.0.0.3:30001"
+        assert added.json()["directory"] == "pending"
+        assert (await client.post("/workers", json=new, headers=admin)).status_code == 409
+        bad = await client.post(
+            "/workers", json={"url": "ftp://x", "role": "decode"}, headers=admin
+        )
+        assert bad.status_code == 400
+        assert "http(s) URL" in bad.json()["error"]["message"]
+        mixed = {"url": "http://d:1", "role": "decode", "bootstrap_port": 5}
+        assert (await client.post("/workers", json=mixed, headers=admin)).status_code == 400
+        one = await client.get("/workers/http://10.0.0.3:30001", headers=AUTH)
+        assert one.json()["bootstrap_port"] == 9000
+        assert (await client.get("/workers/nope:1", headers=AUTH)).status_code == 404
+        assert (await client.delete("/workers/10.0.0.3:30001", headers=AUTH)).status_code == 401
+        removed = await client.delete("/workers/10.0.0.3:30001", headers=admin)
+        assert removed.json() == {"removed": "10.0.0.3:30001"}
+        assert gateway.pool.get("10.0.0.3:30001") is None
+
+
+async def test_readiness_and_metrics(setup: tuple[Cluster, Gateway]) -> None:
+    cluster, gateway = setup
+    async with client_for(gateway) as client:
+        assert (await client.get("/readiness")).json() == {
+            "ready": True,
+            "eligible": {"prefill": 2, "decode": 2},
+        }
+        for url in DECODES:
+            gateway.pool.remove(url.split("//")[1])
+        assert (await client.get("/readiness")).status_code == 503
+        text = (await client.get("/metrics")).text
+    assert "globalkv_gateway_worker_healthy" in text
+    assert (
+        'globalkv_gateway_directory_ready{pod="10.0.0.1:30001",worker="10.0.0.1:30001"} 1.0' in text
+    )
+    assert cluster.inference() == []
+
+
+async def test_info_endpoints_are_proxied(setup: tuple[Cluster, Gateway]) -> None:
+    cluster, gateway = setup
+    cluster.server_info[DECODES[0].split("//")[1]] = {"version": "x"}
+    cluster.server_info[DECODES[1].split("//")[1]] = {"version": "x"}
+    async with client_for(gateway) as client:
+        info = await client.get("/get_server_info", headers=AUTH)
+        models = await client.get("/v1/models", headers=AUTH)
+    assert info.json() == {"version": "x"}
+    assert models.status_code == 404, "the fake decode has no /v1/models: its answer is passed on"
+
+
+async def test_added_worker_is_checked_before_traffic() -> None:
+    cluster = Cluster()
+    gateway = await make_gateway(cluster, config(prefill=[], decode=[]))
+    worker = gateway.add_worker(WorkerSpec(url=DECODES[0], role="decode"))
+    assert not worker.eligible
+    await gateway.monitor.run_once()
+    assert worker.eligible

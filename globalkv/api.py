@@ -1,0 +1,274 @@
+"""The indexer's HTTP API (issue 3 §5): pods, lookups, health, metrics.
+
+Lookups answer in `globalkv.lookup.LookupResult`'s shape, which `HttpLookup` (the
+gateway's client) reads back. When the index cannot answer truthfully — its backend is
+unreachable, or sources are still being rebuilt after it lost its data — the answer is
+503 with a message, never a guess: the gateway then routes by load.
+
+Every outside input is validated: bodies by pydantic (422 with the field), oversized
+bodies (413) before they are read whole, token counts (413), an unknown pod (404), a pod
+whose block size the index cannot key (400), a missing or wrong admin token on a
+mutating endpoint (401).
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from globalkv.index.base import Index, IndexUnavailable
+from globalkv.ingest.service import IngestService
+from globalkv.lookup import IndexLookup
+from globalkv.metrics import ApiMetrics
+from globalkv.registry import PodInfo, PodState, Registry
+from globalkv.tokenize import Tokenizer
+
+TokenId = Annotated[int, Field(ge=0, le=2**32 - 1)]
+
+
+class ApiConfig(BaseModel):
+    admin_token: str | None = Field(
+        None, description="Required as `Authorization: Bearer …` on mutating endpoints."
+    )
+    max_body_bytes: int = Field(8 << 20, ge=1024, description="Largest request body.")
+    max_tokens: int = Field(262_144, ge=1, description="Most tokens one lookup may carry.")
+
+
+class LookupRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(max_length=512)
+    token_ids: list[TokenId] | None = None
+    text: str | None = Field(None, description="Tokenized with the configured tokenizer.")
+    lora_name: str | None = Field(None, max_length=512)
+    cache_salt: str | None = Field(None, max_length=512)
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> LookupRequest:
+        if (self.token_ids is None) == (self.text is None):
+            raise ValueError("give exactly one of token_ids and text")
+        return self
+
+
+class PodHitOut(BaseModel):
+    pod: str
+    dp_rank: int
+    hit_blocks: int
+    hit_tokens: int
+    score: float
+
+
+class LookupResponse(BaseModel):
+    block_size: int
+    blocks: int
+    pods: list[PodHitOut]
+
+
+class PodOut(PodInfo):
+    model_config = ConfigDict(extra="forbid")
+
+    state: PodState | None = None
+
+
+class PodList(BaseModel):
+    pods: list[PodOut]
+
+
+class Health(BaseModel):
+    status: str
+    pods: int
+    resyncing_sources: int
+
+
+class BodyLimit:
+    """413 for a body over the limit, counted as it streams (Content-Length can lie).
+
+    The body is read here, up to the limit, and handed on whole: a limit enforced inside
+    the app's own body parsing would surface as a generic 400.
+    """
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", []):
+            if name == b"content-length" and value.isdigit() and int(value) > self.limit:
+                await self._too_large(scope, send)
+                return
+        messages: list[Message] = []
+        size = 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break
+            size += len(message.get("body", b""))
+            if size > self.limit:
+                await self._too_large(scope, send)
+                return
+            if not message.get("more_body", False):
+                break
+
+        async def replay() -> Message:
+            return messages.pop(0) if messages else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, scope: Scope, send: Send) -> None:
+        response = JSONResponse(
+            {"detail": f"request body larger than {self.limit} bytes"}, status_code=413
+        )
+        await response(scope, _no_receive, send)
+
+
+async def _no_receive() -> Message:
+    return {"type": "http.disconnect"}
+
+
+def create_app(
+    config: ApiConfig,
+    *,
+    index: Index,
+    registry: Registry,
+    ingest: IngestService,
+    metrics_registry: CollectorRegistry,
+    tokenizer: Tokenizer | None = None,
+    lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]] | None = None,
+) -> FastAPI:
+    app = FastAPI(
+        title="globalkv indexer",
+        description="Which pod holds how long a prefix of a prompt's KV cache.",
+        lifespan=lifespan,
+    )
+    app.add_middleware(BodyLimit, limit=config.max_body_bytes)
+    metrics = ApiMetrics(metrics_registry)
+    lookup = IndexLookup(index)
+
+    @app.middleware("http")
+    async def count(request: Request, call_next: Callable[[Request], Any]) -> Response:
+        response: Response = await call_next(request)
+        route = request.scope.get("route")
+        path = getattr(route, "path", "unmatched")
+        metrics.requests.labels(path, str(response.status_code)).inc()
+        return response
+
+    def admin(authorization: Annotated[str | None, Header()] = None) -> None:
+        if config.admin_token is None:
+            return
+        expected = f"Bearer {config.admin_token}"
+        if authorization is None or not hmac.compare_digest(authorization, expected):
+            raise HTTPException(401, "this endpoint needs `Authorization: Bearer <admin token>`")
+
+    def unavailable(exc: IndexUnavailable) -> HTTPException:
+        return HTTPException(503, f"index unavailable: {exc}")
+
+    def require_ready() -> None:
+        if not ingest.ready:
+            raise HTTPException(
+                503, f"index resyncing after data loss ({ingest.resyncing} sources left)"
+            )
+
+    @app.post("/v1/lookup", response_model=LookupResponse)
+    async def post_lookup(body: LookupRequest) -> LookupResponse:
+        started = time.perf_counter()
+        if body.text is not None:
+            if tokenizer is None:
+                raise HTTPException(400, "no tokenizer is configured: send token_ids")
+            try:
+                token_ids = tokenizer.encode(body.text)
+            except ValueError as exc:
+                raise HTTPException(400, f"cannot tokenize text: {exc}") from exc
+        else:
+            assert body.token_ids is not None
+            token_ids = body.token_ids
+        if len(token_ids) > config.max_tokens:
+            raise HTTPException(
+                413, f"{len(token_ids)} tokens is over the limit of {config.max_tokens}"
+            )
+        require_ready()
+        try:
+            result = await lookup.lookup(body.model, token_ids, body.lora_name, body.cache_salt)
+        except IndexUnavailable as exc:
+            raise unavailable(exc) from exc
+        require_ready()
+        metrics.lookup_seconds.observe(time.perf_counter() - started)
+        return LookupResponse(
+            block_size=result.block_size,
+            blocks=result.blocks,
+            pods=[
+                PodHitOut(
+                    pod=h.pod,
+                    dp_rank=h.dp_rank,
+                    hit_blocks=h.hit_blocks,
+                    hit_tokens=h.hit_tokens,
+                    score=h.score,
+                )
+                for h in result.pods
+            ],
+        )
+
+    @app.post("/v1/pods", status_code=201, response_model=PodOut, dependencies=[Depends(admin)])
+    async def post_pod(pod: PodInfo) -> PodOut:
+        if pod.block_size is not None and pod.block_size % index.block_size:
+            raise HTTPException(
+                400,
+                f"block_size {pod.block_size} is not a multiple of the index block size "
+                f"{index.block_size}: its blocks cannot be keyed",
+            )
+        try:
+            await registry.put(pod)
+        except IndexUnavailable as exc:
+            raise unavailable(exc) from exc
+        await ingest.add_pod(pod)
+        return PodOut(**pod.model_dump(), state=ingest.states().get(pod.id))
+
+    @app.get("/v1/pods", response_model=PodList)
+    async def get_pods() -> PodList:
+        try:
+            pods = await registry.list()
+            states = await registry.states()
+        except IndexUnavailable as exc:
+            raise unavailable(exc) from exc
+        states.update(ingest.states())
+        return PodList(pods=[PodOut(**p.model_dump(), state=states.get(p.id)) for p in pods])
+
+    @app.delete("/v1/pods/{pod_id}", dependencies=[Depends(admin)])
+    async def delete_pod(pod_id: str) -> dict[str, str]:
+        try:
+            known = await registry.remove(pod_id)
+            followed = await ingest.remove_pod(pod_id)
+        except IndexUnavailable as exc:
+            raise unavailable(exc) from exc
+        if not (known or followed):
+            raise HTTPException(404, f"no pod {pod_id!r}")
+        return {"removed": pod_id}
+
+    @app.get("/health", response_model=Health)
+    async def health(response: Response) -> Health:
+        ready = ingest.ready
+        if not ready:
+            response.status_code = 503
+        return Health(
+            status="ok" if ready else "resyncing",
+            pods=len(ingest.pods()),
+            resyncing_sources=ingest.resyncing,
+        )
+
+    @app.get("/metrics")
+    async def get_metrics() -> Response:
+        return Response(generate_latest(metrics_registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

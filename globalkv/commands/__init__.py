@@ -1,0 +1,1 @@
+"""The `globalkv` subcommands this package contributes: indexer, lookup, pods."""

@@ -1,0 +1,119 @@
+"""`globalkv indexer`: follow engines' KV events into the index and serve the index API.
+
+    globalkv indexer --host 0.0.0.0 --port 8100 [--redis-url redis://…] [--block-size 16]
+        [--bind tcp://*:5557]... [--pod '{"id": "p0", "kv_events": {…}}']...
+        [--pods-file pods.json] [--admin-token T] [--tokenizer PATH|byte]
+
+Every flag also reads `GLOBALKV_INDEXER_<FLAG>`. A repeatable flag's environment value is
+split at commas, which JSON pods contain: give pods through the environment with
+`GLOBALKV_INDEXER_PODS_FILE` instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from globalkv.api import ApiConfig
+from globalkv.indexer import IndexerConfig, run_indexer
+from globalkv.ingest.service import IngestConfig
+from globalkv.registry import PodInfo
+
+log = logging.getLogger(__name__)
+
+
+def register(subparsers: Any) -> None:
+    defaults = IndexerConfig()
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "indexer",
+        help="run the cluster-wide KV index: event ingest and the index HTTP API",
+        description="Subscribe to engines' KV events (vLLM, SGLang) and answer which pod "
+        "holds how long a prefix of a prompt.",
+    )
+    add = parser.add_argument
+    add("--host", default=defaults.host, help="HTTP listen address")
+    add("--port", type=int, default=defaults.port, help="HTTP port")
+    add("--redis-url", help="keep the index and pod registry in this Redis (memory if unset)")
+    add("--redis-prefix", default=defaults.redis_prefix, help="prefix of every Redis key")
+    add("--block-size", type=int, default=defaults.block_size, help="tokens per index block")
+    add("--max-entries", type=int, help="memory index bound in (block, source) entries")
+    add(
+        "--bind",
+        action="append",
+        default=[],
+        metavar="ENDPOINT",
+        help="bind a SUB here for engines that connect to the indexer (repeatable); "
+        "pods are named by their kv@<pod>@<model> topic",
+    )
+    add("--pod", action="append", default=[], metavar="JSON", help="a pod to follow (repeatable)")
+    add("--pods-file", metavar="PATH", help="a JSON list of pods to follow")
+    add("--admin-token", help="required as 'Authorization: Bearer T' on mutating endpoints")
+    add("--tokenizer", metavar="PATH", help="tokenizer.json, its directory, or 'byte'")
+    add("--max-tokens", type=int, default=ApiConfig().max_tokens, help="tokens per lookup")
+    add("--queue-size", type=int, default=IngestConfig().queue_size, help="batches per source")
+    add(
+        "--reconcile-interval",
+        type=float,
+        default=defaults.reconcile_interval,
+        metavar="SECONDS",
+        help="how often the pod registry is reconciled",
+    )
+    parser.set_defaults(run=run, check_config=check_config)
+
+
+def _pods(args: argparse.Namespace) -> list[Any]:
+    raw: list[Any] = []
+    for text in args.pod:
+        try:
+            raw.append(json.loads(text))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--pod is not JSON: {exc}") from None
+    if args.pods_file:
+        try:
+            listed = json.loads(Path(args.pods_file).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"--pods-file {args.pods_file}: {exc}") from None
+        if not isinstance(listed, list):
+            raise ValueError(f"--pods-file {args.pods_file} must hold a JSON list of pods")
+        raw.extend(listed)
+    return raw
+
+
+def config_from_args(args: argparse.Namespace) -> IndexerConfig:
+    try:
+        return IndexerConfig(
+            host=args.host,
+            port=args.port,
+            redis_url=args.redis_url,
+            redis_prefix=args.redis_prefix,
+            block_size=args.block_size,
+            max_entries=args.max_entries,
+            tokenizer=args.tokenizer,
+            pods=[PodInfo.model_validate(p) for p in _pods(args)],
+            reconcile_interval=args.reconcile_interval,
+            api=ApiConfig(admin_token=args.admin_token, max_tokens=args.max_tokens),
+            ingest=IngestConfig(bind=args.bind, queue_size=args.queue_size),
+        )
+    except ValidationError as exc:
+        errors = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'value'}: {e['msg']}" for e in exc.errors()
+        )
+        raise ValueError(errors) from None
+
+
+def check_config(args: argparse.Namespace) -> None:
+    config_from_args(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        log.error("invalid configuration: %s", exc)
+        return 2
+    return run_indexer(config)

@@ -1,0 +1,162 @@
+"""`globalkv indexer` assembled: index backend, pod registry, ingest, pod sync and the API.
+
+The pieces take their collaborators as arguments (tests build them around a fake index
+or a throw-away Redis); `build_indexer` picks the real ones from the configuration: the
+in-memory index and registry by default, or both in Redis with `redis_url`, where every
+gateway can read them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import redis.asyncio as aioredis
+import zmq.asyncio
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
+from pydantic import BaseModel, Field, model_validator
+
+from globalkv.api import ApiConfig, create_app
+from globalkv.index.base import Index, IndexUnavailable
+from globalkv.index.memory import MemoryIndex
+from globalkv.index.redis import RedisIndex
+from globalkv.ingest.podsync import PodSync
+from globalkv.ingest.service import IngestConfig, IngestService
+from globalkv.metrics import IngestMetrics
+from globalkv.registry import MemoryRegistry, PodInfo, RedisRegistry, Registry
+from globalkv.tokenize import Tokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class IndexerConfig(BaseModel):
+    host: str = Field("0.0.0.0", description="HTTP listen address.")
+    port: int = Field(8100, ge=0, le=65535, description="HTTP port.")
+    redis_url: str | None = Field(
+        None, description="Keep the index and pod registry in this Redis; memory if unset."
+    )
+    redis_prefix: str = Field("gkv", min_length=1, description="Prefix of every Redis key.")
+    block_size: int = Field(16, ge=1, le=1 << 16, description="Tokens per index block.")
+    max_entries: int | None = Field(
+        None, ge=1, description="Memory index bound in (block, source) entries."
+    )
+    tokenizer: str | None = Field(
+        None, description="tokenizer.json (or its directory) or 'byte', for text lookups."
+    )
+    pods: list[PodInfo] = Field(default_factory=list, description="Pods to follow at start.")
+    reconcile_interval: float = Field(
+        5.0, gt=0, description="Seconds between pod-registry reconciliations."
+    )
+    api: ApiConfig = Field(default_factory=ApiConfig)
+    ingest: IngestConfig = Field(default_factory=IngestConfig)
+
+    @model_validator(mode="after")
+    def _keyable_pods(self) -> IndexerConfig:
+        for pod in self.pods:
+            if pod.block_size is not None and pod.block_size % self.block_size:
+                raise ValueError(
+                    f"pod {pod.id}: block_size {pod.block_size} is not a multiple of the "
+                    f"index block size {self.block_size}"
+                )
+        return self
+
+
+class Indexer:
+    """Everything one indexer process runs, started and stopped by the app's lifespan."""
+
+    def __init__(
+        self,
+        config: IndexerConfig,
+        *,
+        index: Index,
+        registry: Registry,
+        metrics_registry: CollectorRegistry | None = None,
+        tokenizer: Tokenizer | None = None,
+        context: zmq.asyncio.Context | None = None,
+    ) -> None:
+        self.config = config
+        self.index = index
+        self.registry = registry
+        self.metrics_registry = metrics_registry or CollectorRegistry()
+        self.ingest = IngestService(
+            index, registry, IngestMetrics(self.metrics_registry), config.ingest, context=context
+        )
+        self.podsync = PodSync(registry, self.ingest, interval=config.reconcile_interval)
+        self._podsync_task: asyncio.Task[None] | None = None
+        self.app: FastAPI = create_app(
+            config.api,
+            index=index,
+            registry=registry,
+            ingest=self.ingest,
+            metrics_registry=self.metrics_registry,
+            tokenizer=tokenizer,
+            lifespan=self._lifespan,
+        )
+
+    async def start(self) -> None:
+        await self.ingest.start()
+        for pod in self.config.pods:
+            try:
+                await self.registry.put(pod)
+            except IndexUnavailable as exc:
+                log.warning("could not write pod %s to the registry yet: %s", pod.id, exc)
+            await self.ingest.add_pod(pod)
+        with contextlib.suppress(IndexUnavailable):
+            await self.registry.mark()
+        self._podsync_task = asyncio.create_task(self.podsync.run(), name="podsync")
+        log.info(
+            "indexer on %s:%d, %s index, block size %d, %d pods",
+            self.config.host,
+            self.config.port,
+            "redis" if self.config.redis_url else "memory",
+            self.config.block_size,
+            len(self.ingest.pods()),
+        )
+
+    async def stop(self) -> None:
+        if self._podsync_task is not None:
+            self._podsync_task.cancel()
+            await asyncio.gather(self._podsync_task, return_exceptions=True)
+        await self.ingest.stop()
+        await self.registry.close()
+        await self.index.close()
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+        await self.start()
+        try:
+            yield
+        finally:
+            await self.stop()
+
+
+def build_indexer(config: IndexerConfig) -> Indexer:
+    tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer else None
+    index: Index
+    registry: Registry
+    if config.redis_url is None:
+        index = MemoryIndex(config.block_size, max_entries=config.max_entries)
+        registry = MemoryRegistry()
+    else:
+        redis = aioredis.from_url(config.redis_url)
+        index = RedisIndex(redis, config.block_size, prefix=config.redis_prefix)
+        registry = RedisRegistry(redis, prefix=config.redis_prefix)
+    return Indexer(config, index=index, registry=registry, tokenizer=tokenizer)
+
+
+def run_indexer(config: IndexerConfig) -> int:
+    import uvicorn
+
+    indexer = build_indexer(config)
+    uvicorn.run(
+        indexer.app,
+        host=config.host,
+        port=config.port,
+        loop="uvloop",
+        http="httptools",
+        log_level="warning",
+    )
+    return 0

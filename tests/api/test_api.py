@@ -1,0 +1,307 @@
+"""The index HTTP API: shapes, validation (4xx never 500), auth, 503 when it cannot answer."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import Any, cast
+
+import httpx
+import pytest
+import zmq.asyncio
+from prometheus_client import CollectorRegistry
+
+from globalkv.api import ApiConfig, create_app
+from globalkv.index.base import Source, SourceBatch, StoreBlocks, Tier
+from globalkv.index.memory import MemoryIndex
+from globalkv.ingest.service import IngestService
+from globalkv.keys import EngineHash, root_key
+from globalkv.lookup import HttpLookup, IndexLookup
+from globalkv.metrics import IngestMetrics
+from globalkv.registry import MemoryRegistry
+from globalkv.tokenize import ByteTokenizer
+from tests.ingest.fakes import RecordingIndex
+
+TOKEN = "s3cret"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+POD = {
+    "id": "p0",
+    "model": "m",
+    "block_size": 8,
+    "kv_events": {
+        "endpoint": "tcp://127.0.0.1:5557",
+        "replay_endpoint": "tcp://127.0.0.1:5558",
+        "topic": "",
+    },
+    "url": "http://127.0.0.1:30001",
+    "bootstrap_port": 8998,
+}
+
+
+@pytest.fixture
+async def context() -> AsyncIterator[zmq.asyncio.Context]:
+    ctx = zmq.asyncio.Context()
+    yield ctx
+    ctx.term()
+
+
+@pytest.fixture
+async def index() -> MemoryIndex:
+    index = MemoryIndex(4)
+    store = StoreBlocks(
+        hashes=[EngineHash(1), EngineHash(2)],
+        parent=None,
+        token_ids=list(range(1, 9)),
+        block_size=4,
+        tier=Tier.GPU,
+        namespace=root_key("m"),
+    )
+    await index.apply(SourceBatch(Source("p0", 1), 0, 1.0, [store]))
+    text = StoreBlocks(
+        hashes=[EngineHash(7)],
+        parent=None,
+        token_ids=ByteTokenizer().encode("abcdefg")[:4],
+        block_size=4,
+        tier=Tier.CPU,
+        namespace=root_key("m"),
+    )
+    await index.apply(SourceBatch(Source("p1", 0), 0, 1.0, [text]))
+    return index
+
+
+async def _client(app: Any) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://indexer")
+
+
+@pytest.fixture
+async def setup(
+    index: MemoryIndex, context: zmq.asyncio.Context
+) -> AsyncIterator[tuple[httpx.AsyncClient, IngestService, CollectorRegistry]]:
+    prom = CollectorRegistry()
+    registry = MemoryRegistry()
+    ingest = IngestService(index, registry, IngestMetrics(prom), context=context)
+    app = create_app(
+        ApiConfig(admin_token=TOKEN, max_body_bytes=64 * 1024, max_tokens=1000),
+        index=index,
+        registry=registry,
+        ingest=ingest,
+        metrics_registry=prom,
+        tokenizer=ByteTokenizer(),
+    )
+    async with await _client(app) as client:
+        yield client, ingest, prom
+    await ingest.stop()
+
+
+@pytest.fixture
+def client(setup: tuple[httpx.AsyncClient, IngestService, CollectorRegistry]) -> httpx.AsyncClient:
+    return setup[0]
+
+
+async def test_lookup_answers_in_the_lookup_result_shape(client: httpx.AsyncClient) -> None:
+    response = await client.post("/v1/lookup", json={"model": "m", "token_ids": list(range(1, 12))})
+    assert response.status_code == 200
+    assert response.json() == {
+        "block_size": 4,
+        "blocks": 2,
+        "pods": [{"pod": "p0", "dp_rank": 1, "hit_blocks": 2, "hit_tokens": 8, "score": 2.0}],
+    }
+
+
+async def test_http_lookup_reads_back_what_index_lookup_computes(
+    client: httpx.AsyncClient, index: MemoryIndex
+) -> None:
+    tokens = list(range(1, 9))
+    remote = await HttpLookup(client, "http://indexer").lookup("m", tokens)
+    assert remote == await IndexLookup(index).lookup("m", tokens)
+
+
+async def test_other_namespaces_miss(client: httpx.AsyncClient) -> None:
+    for body in (
+        {"model": "other", "token_ids": list(range(1, 9))},
+        {"model": "m", "token_ids": list(range(1, 9)), "lora_name": "adapter"},
+        {"model": "m", "token_ids": list(range(1, 9)), "cache_salt": "salt"},
+    ):
+        response = await client.post("/v1/lookup", json=body)
+        assert response.status_code == 200
+        assert response.json()["pods"] == []
+
+
+async def test_text_lookup_uses_the_tokenizer(client: httpx.AsyncClient) -> None:
+    response = await client.post("/v1/lookup", json={"model": "m", "text": "abcdefg"})
+    assert response.status_code == 200
+    assert [p["pod"] for p in response.json()["pods"]] == ["p1"]
+
+
+async def test_text_without_tokenizer_is_400(index: MemoryIndex) -> None:
+    ingest = cast(IngestService, SimpleNamespace(ready=True, resyncing=0))
+    app = create_app(
+        ApiConfig(),
+        index=index,
+        registry=MemoryRegistry(),
+        ingest=ingest,
+        metrics_registry=CollectorRegistry(),
+    )
+    async with await _client(app) as client:
+        response = await client.post("/v1/lookup", json={"model": "m", "text": "abc"})
+    assert response.status_code == 400
+    assert "tokenizer" in response.json()["detail"]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": "m"},
+        {"model": "m", "token_ids": [1], "text": "a"},
+        {"model": "m", "token_ids": [-1]},
+        {"model": "m", "token_ids": [2**32]},
+        {"model": "m", "token_ids": ["a"]},
+        {"model": "m", "token_ids": [1.5]},
+        {"model": "m", "token_ids": "1,2"},
+        {"token_ids": [1]},
+        {"model": "m", "token_ids": [1], "unknown": 1},
+        {"model": 5, "token_ids": [1]},
+        [1, 2],
+        None,
+    ],
+)
+async def test_bad_lookup_bodies_are_422(client: httpx.AsyncClient, body: object) -> None:
+    response = await client.post("/v1/lookup", json=body)
+    assert response.status_code == 422
+    assert response.json()["detail"]
+
+
+async def test_unparseable_json_is_4xx(client: httpx.AsyncClient) -> None:
+    response = await client.post(
+        "/v1/lookup", content=b"{not json", headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 422
+
+
+async def test_too_many_tokens_is_413(client: httpx.AsyncClient) -> None:
+    response = await client.post("/v1/lookup", json={"model": "m", "token_ids": [1] * 1001})
+    assert response.status_code == 413
+    assert "1001 tokens" in response.json()["detail"]
+
+
+async def test_oversized_body_is_413_by_header_and_by_stream(client: httpx.AsyncClient) -> None:
+    big = b'{"model": "m", "token_ids": [' + b"1," * 40_000 + b"1]}"
+    response = await client.post(
+        "/v1/lookup", content=big, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 413
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for start in range(0, len(big), 8192):
+            yield big[start : start + 8192]
+
+    response = await client.post(
+        "/v1/lookup", content=chunks(), headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 413
+
+
+async def test_index_unavailable_is_503() -> None:
+    index = RecordingIndex(unavailable=1)
+    ingest = cast(IngestService, SimpleNamespace(ready=True, resyncing=0))
+    app = create_app(
+        ApiConfig(),
+        index=index,
+        registry=MemoryRegistry(),
+        ingest=ingest,
+        metrics_registry=CollectorRegistry(),
+    )
+    async with await _client(app) as client:
+        response = await client.post("/v1/lookup", json={"model": "m", "token_ids": [1] * 8})
+    assert response.status_code == 503
+    assert "unavailable" in response.json()["detail"]
+
+
+async def test_resyncing_index_is_503_on_lookup_and_health(index: MemoryIndex) -> None:
+    ingest = cast(IngestService, SimpleNamespace(ready=False, resyncing=3, pods=list))
+    app = create_app(
+        ApiConfig(),
+        index=index,
+        registry=MemoryRegistry(),
+        ingest=ingest,
+        metrics_registry=CollectorRegistry(),
+    )
+    async with await _client(app) as client:
+        response = await client.post("/v1/lookup", json={"model": "m", "token_ids": [1] * 8})
+        assert response.status_code == 503
+        assert "resyncing" in response.json()["detail"]
+        health = await client.get("/health")
+    assert health.status_code == 503
+    assert health.json() == {"status": "resyncing", "pods": 0, "resyncing_sources": 3}
+
+
+async def test_pods_need_the_admin_token(client: httpx.AsyncClient) -> None:
+    assert (await client.post("/v1/pods", json=POD)).status_code == 401
+    wrong = {"authorization": "Bearer nope"}
+    assert (await client.post("/v1/pods", json=POD, headers=wrong)).status_code == 401
+    assert (await client.delete("/v1/pods/p0")).status_code == 401
+
+
+async def test_add_list_and_delete_a_pod(
+    setup: tuple[httpx.AsyncClient, IngestService, CollectorRegistry], index: MemoryIndex
+) -> None:
+    client, ingest, _ = setup
+    response = await client.post("/v1/pods", json=POD, headers=AUTH)
+    assert response.status_code == 201
+    assert response.json()["kv_events"]["endpoint"] == POD["kv_events"]["endpoint"]  # type: ignore[index]
+    assert [p.id for p in ingest.pods()] == ["p0"]
+    listed = (await client.get("/v1/pods")).json()["pods"]
+    assert [p["id"] for p in listed] == ["p0"]
+    assert listed[0]["state"]["subscribed"] is True
+    assert listed[0]["bootstrap_port"] == 8998
+    response = await client.delete("/v1/pods/p0", headers=AUTH)
+    assert response.status_code == 200
+    assert (await client.get("/v1/pods")).json() == {"pods": []}
+    assert await index.stats("p0") == []
+    assert (await client.delete("/v1/pods/p0", headers=AUTH)).status_code == 404
+
+
+async def test_minimal_pod_and_model_from_topic(client: httpx.AsyncClient) -> None:
+    body = {"id": "p1", "kv_events": {"endpoint": "tcp://127.0.0.1:1", "topic": "kv@p1@llama"}}
+    response = await client.post("/v1/pods", json=body, headers=AUTH)
+    assert response.status_code == 201
+    assert response.json()["model"] == "llama"
+
+
+@pytest.mark.parametrize(
+    ("body", "status"),
+    [
+        ({**POD, "block_size": 6}, 400),
+        ({**POD, "kv_events": {"endpoint": "tcp://*:5557"}}, 422),
+        ({**POD, "kv_events": {"endpoint": "http://x"}}, 422),
+        ({**POD, "kv_events": {}}, 422),
+        ({**POD, "kv_events": {"mode": "bind"}}, 422),
+        ({**POD, "id": "bad id/"}, 422),
+        ({**POD, "id": ""}, 422),
+        ({**POD, "dp_size": 0}, 422),
+        ({**POD, "bootstrap_port": 70000}, 422),
+        ({**POD, "surprise": True}, 422),
+        ({"kv_events": {"endpoint": "tcp://127.0.0.1:1"}}, 422),
+    ],
+)
+async def test_bad_pods_are_4xx(
+    client: httpx.AsyncClient, body: dict[str, Any], status: int
+) -> None:
+    response = await client.post("/v1/pods", json=body, headers=AUTH)
+    assert response.status_code == status
+    assert response.json()["detail"]
+
+
+async def test_health_and_metrics(client: httpx.AsyncClient) -> None:
+    health = await client.get("/health")
+    assert health.status_code == 200
+    assert health.json()["status"] == "ok"
+    await client.post("/v1/lookup", json={"model": "m", "token_ids": [1]})
+    metrics = await client.get("/metrics")
+    assert metrics.status_code == 200
+    assert 'globalkv_api_requests_total{route="/v1/lookup",status="200"} 1.0' in metrics.text
+
+
+async def test_openapi_documents_the_endpoints(client: httpx.AsyncClient) -> None:
+    paths = (await client.get("/openapi.json")).json()["paths"]
+    assert {"/v1/lookup", "/v1/pods", "/v1/pods/{pod_id}", "/health", "/metrics"} <= set(paths)

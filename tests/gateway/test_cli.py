@@ -1,0 +1,113 @@
+"""sglang-router's flags as they are, mapped onto GatewayConfig."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import pytest
+
+from gateway.cli import build_config, check_config, register
+from gateway.config import GatewayConfig
+from globalkv.cli import env_argv
+
+
+def parse_gateway(argv: list[str], env: dict[str, str]) -> argparse.Namespace:
+    """Only this command's parser, the way the globalkv dispatcher builds and feeds it."""
+    parser = argparse.ArgumentParser(prog="globalkv")
+    sub = parser.add_subparsers(dest="command")
+    register(sub)
+    extra = env_argv("gateway", sub.choices["gateway"], argv, env)
+    return parser.parse_args(["gateway", *extra, *argv])
+
+
+def config_of(*argv: str, env: dict[str, str] | None = None) -> GatewayConfig:
+    return build_config(parse_gateway(list(argv), env or {}))
+
+
+def test_the_briefs_command_line() -> None:
+    cfg = config_of(
+        "--pd-disaggregation",
+        "--prefill", "http://127.0.0.1:30001", "8998",
+        "--prefill", "http://127.0.0.1:30002", "none",
+        "--prefill", "http://127.0.0.1:30003",
+        "--decode", "http://127.0.0.1:30011",
+        "--indexer-url", "http://127.0.0.1:8100",
+    )  # fmt: skip
+    assert [(s.url, s.bootstrap_port) for s in cfg.prefill] == [
+        ("http://127.0.0.1:30001", 8998),
+        ("http://127.0.0.1:30002", None),
+        ("http://127.0.0.1:30003", None),
+    ]
+    assert [s.url for s in cfg.decode] == ["http://127.0.0.1:30011"]
+    assert (cfg.prefill_policy, cfg.decode_policy) == ("prefix", "power_of_two")
+    assert (cfg.port, cfg.prometheus_port, cfg.request_timeout_secs) == (30000, 29000, 1800)
+    assert cfg.retry.max_retries == 5
+    assert cfg.breaker.failure_threshold == 10
+    assert cfg.health.interval_secs == 60
+
+
+def test_router_flags_map_to_the_config() -> None:
+    cfg = config_of(
+        "--prefill", "http://p:1", "--decode", "http://d:2",
+        "--policy", "round_robin", "--decode-policy", "cache_aware",
+        "--cache-threshold", "0.5", "--balance-abs-threshold", "32",
+        "--retry-max-retries", "3", "--retry-initial-backoff-ms", "10", "--disable-retries",
+        "--cb-failure-threshold", "4", "--cb-timeout-duration-secs", "9",
+        "--health-check-interval-secs", "7", "--health-check-endpoint", "/healthz",
+        "--api-key", "k", "--admin-token", "a", "--max-payload-size", "100",
+        "--prefix-queued-weight", "0.5", "--tokenizer-path", "byte", "--log-level", "debug",
+        "--prometheus-port", "0",
+    )  # fmt: skip
+    assert (cfg.prefill_policy, cfg.decode_policy) == ("round_robin", "cache_aware")
+    assert (cfg.cache_aware.cache_threshold, cfg.cache_aware.balance_abs_threshold) == (0.5, 32)
+    assert (cfg.retry.max_retries, cfg.retry.initial_backoff_ms, cfg.retry.disabled) == (
+        3,
+        10,
+        True,
+    )
+    assert (cfg.breaker.failure_threshold, cfg.breaker.timeout_duration_secs) == (4, 9)
+    assert (cfg.health.interval_secs, cfg.health.endpoint) == (7, "/healthz")
+    assert (cfg.api_key, cfg.admin_token, cfg.max_payload_size) == ("k", "a", 100)
+    assert (cfg.prefix.queued_weight, cfg.tokenizer, cfg.prometheus_port) == (0.5, "byte", None)
+
+
+def test_environment_supplies_repeatable_flags() -> None:
+    env = {
+        "GLOBALKV_GATEWAY_PREFILL": "http://a:1 8998,http://b:1 none",
+        "GLOBALKV_GATEWAY_DECODE": "http://c:1",
+        "GLOBALKV_GATEWAY_DISABLE_HEALTH_CHECK": "true",
+    }
+    cfg = config_of(env=env)
+    assert [(s.url, s.bootstrap_port) for s in cfg.prefill] == [
+        ("http://a:1", 8998),
+        ("http://b:1", None),
+    ]
+    assert cfg.health.disabled
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--prefill", "http://p:1", "x"], "number or none"),
+        (["--prefill", "http://p:1", "1", "2"], "URL [BOOTSTRAP_PORT|none]"),
+        (["--prefill", "p:1"], "http(s) URL"),
+        (["--prefill", "http://p:1", "70000"], "less than or equal to 65535"),
+        (["--decode", "http://d:1", "--decode", "http://d:1"], "listed twice"),
+        (["--worker-urls", "http://w:1"], "regular mode"),
+        (["--indexer-url", "http://i:1", "--redis-url", "redis://r"], "redis"),
+        (["--decode-policy", "prefix"], "prefill caches"),
+        (["--retry-jitter-factor", "2"], "jitter_factor"),
+    ],
+)
+def test_invalid_flags_are_refused_with_the_reason(argv: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        config_of(*argv)
+
+
+def test_check_config_is_the_command_default() -> None:
+    args = parse_gateway(["--prefill", "http://p:1", "8998", "--decode", "http://d:1"], {})
+    assert args.check_config is check_config
+    args.check_config(args)
+    with pytest.raises(ValueError, match="number or none"):
+        check_config(parse_gateway(["--prefill", "http://p:1", "nope"], {}))

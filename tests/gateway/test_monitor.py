@@ -1,0 +1,167 @@
+"""Background state: health, /server_info discovery, pod registration, directory readiness."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.config import HealthConfig, KvEventsSpec, WorkerSpec
+from gateway.monitor import PodRegistration, parse_server_info
+from gateway.pods import pod_info
+from gateway.workers import DirectoryStatus, pod_from_topic, worker_id
+from tests.gateway.fakes import Cluster, FakeClock, Reading, StubProbe, config, make_gateway
+
+EMULATOR_INFO = {
+    "served_model_name": "tiny",
+    "disaggregation_bootstrap_port": 8998,
+    "kv_events": {
+        "endpoint": "tcp://*:5557",
+        "replay_endpoint": "tcp://*:5558",
+        "topic": "kv@pod-a@tiny",
+        "block_size": 16,
+        "dp_size": 2,
+    },
+}
+
+
+class Registrar:
+    def __init__(self, fail: bool = False) -> None:
+        self.pods: list[PodRegistration] = []
+        self.removed: list[str] = []
+        self.fail = fail
+
+    async def register(self, pod: PodRegistration) -> None:
+        if self.fail:
+            raise RuntimeError("indexer down")
+        self.pods.append(pod)
+
+    async def unregister(self, pod_id: str) -> None:
+        self.removed.append(pod_id)
+
+
+def test_parse_server_info_from_our_engine_and_from_sglang() -> None:
+    ours = parse_server_info(EMULATOR_INFO, "10.0.0.1")
+    assert ours.kv_events == KvEventsSpec(
+        endpoint="tcp://10.0.0.1:5557", replay_endpoint="tcp://10.0.0.1:5558", topic="kv@pod-a@tiny"
+    )
+    assert (ours.bootstrap_port, ours.dp_size, ours.block_size, ours.model) == (8998, 2, 16, "tiny")
+    sglang = {
+        "kv_events_config": '{"publisher": "zmq", "endpoint": "tcp://0.0.0.0:6000"}',
+        "page_size": 64,
+        "dp_size": 1,
+        "served_model_name": "llama",
+    }
+    parsed = parse_server_info(sglang, "::1")
+    assert parsed.kv_events is not None
+    assert parsed.kv_events.endpoint == "tcp://[::1]:6000"
+    assert (parsed.block_size, parsed.bootstrap_port) == (64, None)
+    assert parse_server_info({"kv_events_config": "{broken"}, "h").kv_events is None
+
+
+def test_identity_helpers() -> None:
+    assert worker_id("http://10.0.0.1:30001/") == "10.0.0.1:30001"
+    assert worker_id("https://h") == "h:443"
+    assert worker_id("http://[::1]:8") == "[::1]:8"
+    assert pod_from_topic("kv@pod-a@model@x") == "pod-a"
+    assert pod_from_topic("") is None
+
+
+async def test_discovery_registers_the_pod_and_reads_its_directory() -> None:
+    cluster = Cluster()
+    cluster.server_info["10.0.0.1:30001"] = EMULATOR_INFO
+    registrar = Registrar()
+    probe = StubProbe()
+    topology = {"dp_size": 2, "follow_bootstrap_room": True}
+    probe.readings["http://10.0.0.1:8998"] = Reading(topology=topology)
+    cfg = config(
+        prefill=[WorkerSpec(url="http://10.0.0.1:30001", role="prefill")], model=None, block_size=4
+    )
+    gateway = await make_gateway(cluster, cfg, registrar=registrar, probe=probe)
+    worker = gateway.pool.get("10.0.0.1:30001")
+    assert worker is not None
+    assert worker.pod == "pod-a"
+    assert worker.bootstrap_port is None, "`none` stays null in requests"
+    assert worker.directory.status is DirectoryStatus.READY
+    assert (worker.directory.dp_size, worker.directory.follow_bootstrap_room) == (2, True)
+    assert gateway.monitor.served_model() == "tiny"
+    (pod,) = registrar.pods
+    assert (pod.id, pod.model, pod.block_size, pod.bootstrap_port, pod.dp_size) == (
+        "pod-a",
+        "tiny",
+        16,
+        8998,
+        2,
+    )
+    info = pod_info(pod)
+    assert info.kv_events.endpoint == "tcp://10.0.0.1:5557"
+    await gateway.monitor.run_once(force=True)
+    assert len(registrar.pods) == 1, "registered once"
+    await gateway.remove_worker(worker.id)
+    assert registrar.removed == ["pod-a"]
+
+
+async def test_without_bootstrap_port_the_directory_is_unknown_and_eligible() -> None:
+    cluster = Cluster()
+    cfg = config(prefill=[WorkerSpec(url="http://10.0.0.1:30001", role="prefill")])
+    gateway = await make_gateway(cluster, cfg)
+    worker = gateway.pool.get("10.0.0.1:30001")
+    assert worker is not None
+    assert worker.directory.status is DirectoryStatus.UNKNOWN
+    assert worker.eligible
+
+
+async def test_failed_registration_is_retried_and_shown() -> None:
+    cluster = Cluster()
+    cluster.server_info["10.0.0.1:30001"] = EMULATOR_INFO
+    registrar = Registrar(fail=True)
+    cfg = config(prefill=[WorkerSpec(url="http://10.0.0.1:30001", role="prefill")])
+    gateway = await make_gateway(cluster, cfg, registrar=registrar)
+    worker = gateway.pool.get("10.0.0.1:30001")
+    assert worker is not None
+    assert worker.registered_pod is None
+    assert "indexer down" in (worker.last_error or "")
+    registrar.fail = False
+    await gateway.monitor.run_once(force=True)
+    assert worker.registered_pod == "pod-a"
+
+
+@pytest.mark.parametrize(
+    ("reading", "status"),
+    [
+        (Reading(ready=False, registered=1, expected=2), DirectoryStatus.NOT_READY),
+        (Reading(reachable=False, ready=False, error="refused"), DirectoryStatus.UNREACHABLE),
+    ],
+)
+async def test_unready_directory_takes_no_traffic(
+    reading: Reading, status: DirectoryStatus
+) -> None:
+    cluster = Cluster()
+    probe = StubProbe()
+    probe.readings["http://10.0.0.1:8998"] = reading
+    gateway = await make_gateway(cluster, probe=probe)
+    worker = gateway.pool.get("10.0.0.1:30001")
+    assert worker is not None
+    assert worker.directory.status is status
+    assert not worker.eligible
+    assert [c.worker for c in gateway.pool.candidates("prefill", gateway.loads)] == [
+        "10.0.0.2:30001"
+    ]
+
+
+async def test_health_checks_follow_the_interval_and_thresholds() -> None:
+    cluster = Cluster()
+    clock = FakeClock()
+    health = HealthConfig(interval_secs=60, failure_threshold=3)
+    gateway = await make_gateway(cluster, config(health=health), clock=clock)
+    decode = gateway.pool.get("10.0.1.1:30011")
+    assert decode is not None
+    assert decode.health.healthy
+    cluster.health["10.0.1.1:30011"] = 500
+    checks = len([c for c in cluster.calls if c.path == "/health"])
+    await gateway.monitor.run_once()
+    assert len([c for c in cluster.calls if c.path == "/health"]) == checks, "not due yet"
+    for _ in range(3):
+        clock.now += 60
+        await gateway.monitor.run_once()
+    assert not decode.health.healthy
+    assert decode.health.last_error == "HTTP 500"
+    assert not decode.eligible

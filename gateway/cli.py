@@ -35,7 +35,8 @@ from gateway.config import (
 from gateway.monitor import PodRegistrar
 from gateway.pods import HttpPodRegistrar, RegistryPodRegistrar
 from gateway.service import build_gateway
-from globalkv.lookup import HttpLookup, PrefixLookup
+from globalkv.index.redis import RedisIndex
+from globalkv.lookup import HttpLookup, IndexLookup, PrefixLookup
 from globalkv.registry import RedisRegistry
 from globalkv.tokenize import load_tokenizer
 
@@ -127,7 +128,7 @@ def _add_flags(p: argparse.ArgumentParser) -> None:
         help="seconds between reads of each prefill's bootstrap directory",
     )
     add("--redis-url", help="read the index and the pod registry from this Redis")
-    add("--redis-prefix", default="gkv", help="key prefix of the shared registry")
+    add("--redis-prefix", default="gkv", help="key prefix of the index and registry in Redis")
     add("--indexer-url", help="ask this indexer's HTTP API (lookups, pod registration)")
     add("--indexer-token", help="admin token of the indexer, for pod registration")
     add("--model", help="model name keyed in the index (default: the prefills' served name)")
@@ -165,11 +166,6 @@ def build_config(args: argparse.Namespace) -> GatewayConfig:
     """The typed configuration; `ValueError` with the reason when the flags are wrong."""
     if args.worker_urls:
         raise ValueError("--worker-urls (regular mode) is not supported: use --prefill/--decode")
-    if args.redis_url:
-        raise ValueError(
-            "--redis-url lookups need globalkv.index.redis, which is not in this build yet: "
-            "use --indexer-url"
-        )
     try:
         return GatewayConfig(
             host=args.host,
@@ -254,7 +250,9 @@ async def _index_parts(
         redis = aioredis.Redis.from_url(config.redis_url)
         stack.push_async_callback(redis.aclose)
         registry = RedisRegistry(redis, prefix=args.redis_prefix)
-        return None, RegistryPodRegistrar(registry)
+        assert config.block_size is not None  # GatewayConfig requires it with redis_url
+        index = RedisIndex(redis, config.block_size, prefix=args.redis_prefix)
+        return IndexLookup(index), RegistryPodRegistrar(registry)
     return None, None
 
 

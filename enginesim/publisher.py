@@ -245,3 +245,50 @@ class KVEventPublisher:
             await self._replay.send_multipart([identity, *replay_end(self._layout)])
             self._metrics.replay_requests.labels(self._rank, "served").inc()
             self._metrics.replayed_batches.labels(self._rank).inc(len(batches))
+
+
+def describe_kv_events(
+    publishers: Sequence[KVEventPublisher], advertise_host: str, block_size: int, dp_size: int
+) -> dict[str, object] | None:
+    """The `kv_events` block of `/server_info`, so a control plane can subscribe unaided.
+
+    SGLang's keys (`publisher`, `endpoint_host`, `endpoint_port_base`, `topic`,
+    `block_size`, `dp_size`, `replay_endpoint_port_base`), except that the host is the one
+    this engine is reachable at instead of the bind wildcard, plus ready-to-dial
+    `endpoint` / `replay_endpoint` URLs of DP rank 0 and the wire `format`. A publisher
+    that connects (to a bound indexer SUB) advertises `"bind": false` and its target.
+    """
+    if not publishers:
+        return None
+    first = publishers[0]
+    settings = first.settings
+    block: dict[str, object] = {
+        "publisher": "zmq",
+        "topic": settings.topic,
+        "block_size": block_size,
+        "dp_size": dp_size,
+        "format": settings.flavor,
+        "bind": first.bound_endpoint is not None,
+    }
+    if first.bound_endpoint is None:
+        block["endpoint"] = settings.endpoint
+    elif first.bound_endpoint.startswith("tcp://"):
+        port = endpoint_port(first.bound_endpoint)
+        block.update(
+            endpoint=_dial(advertise_host, port),
+            endpoint_host=advertise_host,
+            endpoint_port_base=port,
+        )
+    else:
+        block["endpoint"] = first.bound_endpoint
+    replay = first.bound_replay_endpoint
+    if replay is not None and replay.startswith("tcp://"):
+        port = endpoint_port(replay)
+        block.update(replay_endpoint=_dial(advertise_host, port), replay_endpoint_port_base=port)
+    else:
+        block["replay_endpoint"] = replay
+    return block
+
+
+def _dial(host: str, port: int) -> str:
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"

@@ -296,6 +296,10 @@ class DecodeTransfer:
         self._pool.close()
         self._task = self._sock = None
 
+    def forget_registrations(self) -> None:
+        """Send step 1 again to every rank next time, as a restarted decode process would."""
+        self._registered.clear()
+
     async def exchange(
         self,
         room: int,

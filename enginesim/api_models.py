@@ -1,0 +1,202 @@
+"""Request bodies of the SGLang and OpenAI endpoints, validated, and their prompts.
+
+Bodies are pydantic models (unknown fields ignored, as the engines ignore what they do not
+use) so a malformed body is a 422 naming the field. `prompts()` then expands a body into
+one `Prompt` per element — batch entries times `n` samples — and applies SGLang's rules
+for the PD fields (`_normalize_bootstrap_params`): a scalar host or port serves every
+element, a scalar room becomes `room + i`, a list must have one entry per element. Rooms
+must lie in [1, 2^63 - 1]: 0 is the decode's "not written" marker (PROTOCOLS §2).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from enginesim.engine import Bootstrap, Prompt
+from enginesim.handshake import MAX_ROOM
+from globalkv.tokenize import Tokenizer
+
+MAX_PROMPT_TOKENS = 1 << 20
+MAX_ELEMENTS = 1024
+MAX_NEW_TOKENS = 1 << 16
+
+TokenId = Annotated[int, Field(ge=0, le=2**32 - 1)]
+TokenList = Annotated[list[TokenId], Field(max_length=MAX_PROMPT_TOKENS)]
+Room = Annotated[int, Field(ge=1, le=MAX_ROOM)]
+Port = Annotated[int, Field(ge=1, le=65535)]
+DPRank = Annotated[int, Field(ge=0, le=1023)]
+NewTokens = Annotated[int, Field(ge=0, le=MAX_NEW_TOKENS)]
+Elements = Annotated[int, Field(ge=1, le=64)]
+
+
+class BadRequest(ValueError):
+    """A body that validates field by field but not as a whole; answered with 400."""
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class PDFields(_Body):
+    bootstrap_host: Annotated[str, Field(min_length=1)] | list[str] | None = None
+    bootstrap_port: Port | list[Port | None] | None = None
+    bootstrap_room: Room | list[Room] | None = None
+    routed_dp_rank: DPRank | None = None
+    disagg_prefill_dp_rank: DPRank | None = None
+
+
+class SamplingParams(_Body):
+    max_new_tokens: NewTokens | None = None
+
+
+class GenerateRequest(PDFields):
+    text: str | list[str] | None = None
+    input_ids: TokenList | list[TokenList] | None = None
+    sampling_params: SamplingParams | list[SamplingParams] | None = None
+    stream: bool = False
+    rid: str | list[str] | None = None
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class CompletionRequest(PDFields):
+    model: str | None = None
+    prompt: str | list[str] | TokenList | list[TokenList]
+    max_tokens: NewTokens = 16
+    n: Elements = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    rid: str | None = None
+
+
+class ChatRequest(PDFields):
+    model: str | None = None
+    messages: Annotated[list[dict[str, Any]], Field(min_length=1, max_length=4096)]
+    max_tokens: NewTokens | None = None
+    max_completion_tokens: NewTokens | None = None
+    n: Elements = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    rid: str | None = None
+
+
+def _per_element(value: Any, count: int, name: str) -> list[Any]:
+    if not isinstance(value, list):
+        return [value] * count
+    if len(value) != count:
+        raise BadRequest(f"{name} has {len(value)} entries for {count} prompts")
+    return value
+
+
+def _rooms(value: int | list[int] | None, count: int) -> list[int | None]:
+    if value is None:
+        return [None] * count
+    if isinstance(value, int):
+        if value + count - 1 > MAX_ROOM:
+            raise BadRequest(f"bootstrap_room {value} + {count - 1} exceeds 2^63 - 1")
+        return [value + i for i in range(count)]
+    return list(_per_element(value, count, "bootstrap_room"))
+
+
+def _bootstraps(fields: PDFields, count: int) -> list[Bootstrap | None]:
+    hosts = _per_element(fields.bootstrap_host, count, "bootstrap_host")
+    ports = _per_element(fields.bootstrap_port, count, "bootstrap_port")
+    rooms = _rooms(fields.bootstrap_room, count)
+    out: list[Bootstrap | None] = []
+    for host, port, room in zip(hosts, ports, rooms, strict=True):
+        if host is None and room is None:
+            out.append(None)
+        elif host is None or room is None:
+            raise BadRequest("bootstrap_host and bootstrap_room must be given together")
+        else:
+            out.append(Bootstrap(host=host, port=port, room=room))
+    return out
+
+
+def _build(
+    token_lists: Sequence[list[int]],
+    max_new: Sequence[int],
+    fields: PDFields,
+    rids: Sequence[str | None],
+) -> list[Prompt]:
+    if len(token_lists) > MAX_ELEMENTS:
+        raise BadRequest(f"{len(token_lists)} prompts in one request; the limit is {MAX_ELEMENTS}")
+    for ids in token_lists:
+        if not ids:
+            raise BadRequest("a prompt must have at least one token")
+        if len(ids) > MAX_PROMPT_TOKENS:
+            raise BadRequest(f"a prompt of {len(ids)} tokens exceeds {MAX_PROMPT_TOKENS}")
+    bootstraps = _bootstraps(fields, len(token_lists))
+    return [
+        Prompt(
+            rid=rid or uuid.uuid4().hex,
+            input_ids=ids,
+            max_new_tokens=new,
+            bootstrap=bootstrap,
+            routed_dp_rank=fields.routed_dp_rank,
+            disagg_prefill_dp_rank=fields.disagg_prefill_dp_rank,
+        )
+        for ids, new, bootstrap, rid in zip(token_lists, max_new, bootstraps, rids, strict=True)
+    ]
+
+
+def _split(items: Sequence[Any], what: str) -> tuple[list[list[int]], list[str], bool]:
+    """A prompt field's items as token lists, texts, and whether it was a list of prompts."""
+    lists = [item for item in items if isinstance(item, list)]
+    texts = [item for item in items if isinstance(item, str)]
+    ids = [item for item in items if isinstance(item, int)]
+    if sum(1 for kind in (lists, texts, ids) if kind) > 1:
+        raise BadRequest(f"{what} mixes token ids, token lists and texts")
+    if ids or not items:
+        return [ids], [], False
+    return lists, texts, True
+
+
+def _sample_rids(rid: str | None, count: int) -> list[str | None]:
+    if rid is None or count == 1:
+        return [rid] * count
+    return [f"{rid}-{i}" for i in range(count)]
+
+
+def generate_prompts(body: GenerateRequest, tokenizer: Tokenizer, default_new: int) -> list[Prompt]:
+    if (body.text is None) == (body.input_ids is None):
+        raise BadRequest("give exactly one of text and input_ids")
+    if body.input_ids is not None:
+        token_lists, _, batch = _split(body.input_ids, "input_ids")
+    elif isinstance(body.text, list):
+        token_lists, batch = [tokenizer.encode(text) for text in body.text], True
+    else:
+        token_lists, batch = [tokenizer.encode(body.text or "")], False
+    count = len(token_lists)
+    params = _per_element(body.sampling_params or SamplingParams(), count, "sampling_params")
+    max_new = [p.max_new_tokens if p.max_new_tokens is not None else default_new for p in params]
+    rids = _per_element(body.rid, count, "rid")
+    if not batch and isinstance(body.bootstrap_room, list):
+        raise BadRequest("bootstrap_room is a list but the request is not a batch")
+    return _build(token_lists, max_new, body, rids)
+
+
+def completion_prompts(body: CompletionRequest, tokenizer: Tokenizer) -> list[Prompt]:
+    if isinstance(body.prompt, str):
+        token_lists = [tokenizer.encode(body.prompt)]
+    else:
+        token_lists, texts, _ = _split(body.prompt, "prompt")
+        if texts:
+            token_lists = [tokenizer.encode(text) for text in texts]
+    samples = [ids for ids in token_lists for _ in range(body.n)]
+    count = len(samples)
+    return _build(samples, [body.max_tokens] * count, body, _sample_rids(body.rid, count))
+
+
+def chat_prompts(body: ChatRequest, tokenizer: Tokenizer, default_new: int) -> list[Prompt]:
+    messages: Sequence[Mapping[str, Any]] = body.messages
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    new = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
+    max_new = default_new if new is None else new
+    return _build([ids] * body.n, [max_new] * body.n, body, _sample_rids(body.rid, body.n))

@@ -1,0 +1,80 @@
+"""What the HTTP layer asks of an engine, whichever its role: one prompt in, tokens out.
+
+The app turns every endpoint (`/generate`, completions, chat; single, batch, n > 1) into
+`Prompt`s and each engine answers with a `Generation` whose tokens are paced by the
+latency model. Keeping this one narrow interface means the SGLang and OpenAI surfaces
+exist once, for both roles, and a role differs only in how it gets the first token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class Bootstrap:
+    """The PD fields a router injects (PROTOCOLS §2) for one prompt."""
+
+    host: str
+    port: int | None
+    room: int
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    rid: str
+    input_ids: list[int]
+    max_new_tokens: int
+    bootstrap: Bootstrap | None = None
+    routed_dp_rank: int | None = None
+    disagg_prefill_dp_rank: int | None = None
+
+
+@dataclass(slots=True)
+class Generation:
+    """A prompt past its prefill (local, or the remote prefill's KV verified).
+
+    `meta` becomes part of SGLang's `meta_info`; an engine may complete it while tokens
+    flow (the decode times its `consume` stage when the last token is out).
+    """
+
+    prompt_tokens: int
+    cached_tokens: int
+    tokens: AsyncIterator[int]
+    finish_length: int
+    """SGLang's `finish_reason.length`: 0 for a PD prefill, else the tokens generated."""
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+class EngineError(Exception):
+    """A prompt that cannot be served; `stage` names where it failed, `status` the HTTP code."""
+
+    def __init__(self, stage: str, message: str, *, status: int = 500) -> None:
+        super().__init__(message)
+        self.stage = stage
+        self.status = status
+        self.message = message
+
+
+class Engine(Protocol):
+    role: str
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    async def generate(self, prompt: Prompt) -> Generation:
+        """Run the prompt up to its first token; raises `EngineError`."""
+        ...
+
+    def server_info(self) -> dict[str, Any]:
+        """Role-specific fields of `/server_info`."""
+        ...
+
+    async def restart(self) -> None:
+        """Forget all KV and restart event seqs, as a restarted engine process would."""
+        ...
+
+    async def flush_cache(self) -> None: ...

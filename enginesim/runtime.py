@@ -1,0 +1,297 @@
+"""Assembling and running one engine process: sockets first, then the engine, then HTTP.
+
+Every listening socket is bound before anything is advertised, so port 0 works for all of
+them (HTTP, bootstrap directory, KV-event PUB and replay, transfer ranks) and the startup
+log line and `/server_info` give the real ports. With DP > 1 and a KV-event port of 0,
+rank 0 takes a free port and rank r takes that port + r, keeping SGLang's `port + dp_rank`
+rule that subscribers rely on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import uuid
+from contextlib import AsyncExitStack
+from importlib.metadata import version
+from typing import Any
+
+import httpx
+import uvicorn
+import zmq.asyncio
+from prometheus_client import CollectorRegistry
+
+from bootstrap.resolver import DecodeResolver
+from bootstrap.server import BootstrapConfig, BootstrapServer
+from enginesim.app import create_app
+from enginesim.config import WILDCARD_HOSTS, EngineConfig
+from enginesim.decode import DecodeEngine
+from enginesim.engine import Engine
+from enginesim.faults import Faults
+from enginesim.handshake import RankId
+from enginesim.kvcache import PagedKVCache
+from enginesim.latency import PrefillModel, PrefillScheduler
+from enginesim.metrics import EngineMetrics
+from enginesim.prefill import DPRank, PrefillEngine
+from enginesim.publisher import (
+    KVEventPublisher,
+    PublisherSettings,
+    endpoint_port,
+    offset_endpoint,
+)
+from enginesim.textgen import ReplyWriter
+from enginesim.transfer import DecodeTransfer, PrefillTransfer
+from globalkv.tokenize import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def advertised_host(config: EngineConfig) -> str:
+    """Where peers reach this engine: explicit, the bound host, or this machine's address."""
+    if config.advertise_host:
+        return config.advertise_host
+    if config.host not in WILDCARD_HOSTS:
+        return config.host
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def _rank_endpoint(base: str, rank: int, first_bound: str | None) -> str:
+    """Rank r's endpoint; a port-0 base follows the port rank 0 actually got."""
+    if rank and first_bound is not None and base.startswith("tcp://") and endpoint_port(base) == 0:
+        host = base.split("://", 1)[1].rsplit(":", 1)[0]
+        return f"tcp://{host}:{endpoint_port(first_bound) + rank}"
+    return offset_endpoint(base, rank)
+
+
+class EngineProcess:
+    """Owns everything one `globalkv engine` process runs, and closes it in reverse."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.registry = CollectorRegistry()
+        self.metrics = EngineMetrics(self.registry)
+        self.tokenizer = load_tokenizer(config.tokenizer)
+        self.writer = ReplyWriter(self.tokenizer)
+        self.faults = Faults(config.faults, self.metrics)
+        self._stack = AsyncExitStack()
+        self.engine: Engine | None = None
+        self.http_socket: socket.socket | None = None
+        self.info: dict[str, Any] = {}
+
+    async def start(self) -> None:
+        config = self.config
+        # One line per keep-alive PUT and heartbeat would drown the engine's own log.
+        logging.getLogger("httpx").setLevel(max(logging.WARNING, log.getEffectiveLevel()))
+        family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+        self.http_socket = socket.create_server((config.host, config.port), family=family)
+        self._stack.callback(self.http_socket.close)
+        port = int(self.http_socket.getsockname()[1])
+        advertise = advertised_host(config)
+        pod = config.pod_id or f"{advertise}:{port}"
+        context = zmq.asyncio.Context()
+        self._stack.callback(context.destroy, 0)
+        client = httpx.AsyncClient(timeout=httpx.Timeout(5.0))
+        self._stack.push_async_callback(client.aclose)
+        if config.role == "prefill":
+            engine: Engine = await self._prefill(context, client, port, advertise, pod)
+        else:
+            engine = self._decode(context, client, advertise, pod)
+        await engine.start()
+        self._stack.push_async_callback(engine.stop)
+        self.engine = engine
+        self.info.update(
+            engine="enginesim",
+            version=version("globalkv"),
+            model_path=config.model,
+            served_model_name=config.model,
+            tokenizer_path=self.tokenizer.name,
+            host=config.host,
+            port=port,
+            advertise_host=advertise,
+            pod_id=pod,
+            tp_size=config.tp,
+            dp_size=config.dp,
+            pp_size=config.pp,
+            page_size=config.page_size,
+            kv_capacity=config.kv_capacity,
+            load_balance_method=config.load_balance_method,
+        )
+        self.info.setdefault("disaggregation_bootstrap_port", config.bootstrap_port)
+        summary = {**self.info, **engine.server_info()}
+        log.info(
+            "enginesim %s ready: http://%s:%d pod=%s bootstrap_port=%s kv_events=%s",
+            config.role,
+            advertise,
+            port,
+            pod,
+            summary["disaggregation_bootstrap_port"],
+            json.dumps(summary.get("kv_events")),
+        )
+
+    async def _prefill(
+        self,
+        context: zmq.asyncio.Context,
+        client: httpx.AsyncClient,
+        port: int,
+        advertise: str,
+        pod: str,
+    ) -> PrefillEngine:
+        config = self.config
+        directory = BootstrapServer(
+            BootstrapConfig(
+                host=config.host, port=config.bootstrap_port, sglang_compat=config.sglang_compat
+            ),
+            registry=self.registry,
+        )
+        await directory.start()
+        self._stack.push_async_callback(directory.stop)
+        self.info["disaggregation_bootstrap_port"] = directory.port
+        events = config.kv_events
+        topic = events.topic if events.topic is not None else f"kv@{pod}@{config.model}"
+        self.info["kv_events_config"] = (
+            None
+            if events.endpoint is None
+            else json.dumps(
+                {
+                    "publisher": "zmq",
+                    "endpoint": events.endpoint,
+                    "replay_endpoint": events.replay_endpoint,
+                    "topic": topic,
+                }
+            )
+        )
+        latency = config.latency
+        model = PrefillModel(
+            tokens_per_s=latency.prefill_tokens_per_s,
+            per_request_overhead_s=latency.prefill_overhead_ms / 1000,
+            max_batch_tokens=latency.max_batch_tokens,
+        )
+        ranks: list[DPRank] = []
+        pub_base: str | None = None
+        replay_base: str | None = None
+        for index in range(config.dp):
+            publisher = None
+            if events.endpoint is not None:
+                replay = events.replay_endpoint
+                publisher = KVEventPublisher(
+                    PublisherSettings(
+                        endpoint=_rank_endpoint(events.endpoint, index, pub_base),
+                        replay_endpoint=None
+                        if replay is None
+                        else _rank_endpoint(replay, index, replay_base),
+                        topic=topic,
+                        flavor=events.format,
+                        dp_rank=index,
+                        buffer_steps=events.buffer_steps,
+                        hwm=events.hwm,
+                    ),
+                    context,
+                    self.metrics,
+                    drop=self.faults.drop_event_batch,
+                )
+                await publisher.start()
+                self._stack.push_async_callback(publisher.stop)
+                if index == 0:
+                    pub_base, replay_base = (
+                        publisher.bound_endpoint,
+                        publisher.bound_replay_endpoint,
+                    )
+            ranks.append(
+                DPRank(
+                    index=index,
+                    cache=PagedKVCache(config.page_size, config.kv_capacity),
+                    scheduler=PrefillScheduler(model),
+                    publisher=publisher,
+                    metrics=self.metrics,
+                )
+            )
+        rank_ids = [
+            RankId(dp, tp, pp)
+            for dp in range(config.dp)
+            for tp in range(config.tp)
+            for pp in range(config.pp)
+        ]
+        transfer = PrefillTransfer(
+            context, self.metrics, rank_ids, bind_host=config.host, advertise_host=advertise
+        )
+        return PrefillEngine(
+            config,
+            ranks=ranks,
+            transfer=transfer,
+            client=client,
+            bootstrap_url=directory.url,
+            http_port=port,
+            advertise_host=advertise,
+            faults=self.faults,
+            metrics=self.metrics,
+            writer=self.writer,
+        )
+
+    def _decode(
+        self, context: zmq.asyncio.Context, client: httpx.AsyncClient, advertise: str, pod: str
+    ) -> DecodeEngine:
+        config = self.config
+        self.info["kv_events_config"] = None
+        resolver = DecodeResolver(
+            client,
+            retry_interval=config.bootstrap_retry_interval,
+            max_tries=config.bootstrap_max_tries,
+        )
+        transfer = DecodeTransfer(
+            context,
+            self.metrics,
+            bind_host=config.host,
+            advertise_host=advertise,
+            session=f"{pod}/{uuid.uuid4().hex[:12]}",
+        )
+        return DecodeEngine(
+            config,
+            resolver=resolver,
+            transfer=transfer,
+            faults=self.faults,
+            metrics=self.metrics,
+            writer=self.writer,
+        )
+
+    async def serve(self) -> None:
+        """Serve HTTP until SIGINT/SIGTERM (uvicorn's handlers), then close everything."""
+        if self.engine is None or self.http_socket is None:
+            raise RuntimeError("EngineProcess.start() must succeed before serve()")
+        app = create_app(
+            self.engine,
+            tokenizer=self.tokenizer,
+            writer=self.writer,
+            metrics=self.metrics,
+            max_new_tokens=self.config.max_new_tokens,
+            model=self.config.model,
+            server_info=lambda: dict(self.info),
+        )
+        server = uvicorn.Server(
+            uvicorn.Config(
+                app,
+                http="httptools",
+                loop="none",
+                lifespan="off",
+                access_log=False,
+                log_config=None,
+                timeout_graceful_shutdown=5,
+            )
+        )
+        await server.serve(sockets=[self.http_socket])
+
+    async def close(self) -> None:
+        await self._stack.aclose()
+
+
+async def run_engine(config: EngineConfig) -> None:
+    process = EngineProcess(config)
+    try:
+        await process.start()
+        await process.serve()
+    finally:
+        await asyncio.shield(process.close())

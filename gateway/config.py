@@ -38,6 +38,11 @@ class KvEventsSpec(BaseModel):
     endpoint: str | None = Field(None, description="PUB endpoint, e.g. tcp://10.0.0.5:5557.")
     replay_endpoint: str | None = Field(None, description="ROUTER replay endpoint, or none.")
     topic: str = Field("", description="Topic the publisher sends (llm-d: kv@<pod>@<model>).")
+    mode: Literal["connect", "bind"] = Field(
+        "connect",
+        description="connect: the indexer subscribes to `endpoint`; bind: the engine connects "
+        "to the indexer's bound SUB and is known by its topic.",
+    )
 
 
 class WorkerSpec(BaseModel):

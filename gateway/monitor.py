@@ -118,10 +118,14 @@ def parse_server_info(info: Mapping[str, Any], host: str) -> ServerInfo:
     if isinstance(block, Mapping) and isinstance(block.get("endpoint"), str):
         replay = block.get("replay_endpoint")
         topic = block.get("topic")
+        # "bind": false — the engine connects to a bound indexer SUB; `endpoint` is then
+        # the indexer's address, and the pod is recognised there by its topic.
+        connects = block.get("bind") is False
         kv_events = KvEventsSpec(
-            endpoint=_endpoint_for(block["endpoint"], host),
+            endpoint=None if connects else _endpoint_for(block["endpoint"], host),
             replay_endpoint=_endpoint_for(replay, host) if isinstance(replay, str) else None,
             topic=topic if isinstance(topic, str) else "",
+            mode="bind" if connects else "connect",
         )
         block_size = _int_or_none(block.get("block_size")) or block_size
         dp_size = _int_or_none(block.get("dp_size")) or dp_size
@@ -275,7 +279,9 @@ class Monitor:
 
     async def _register(self, worker: Worker) -> None:
         events = worker.kv_events
-        if self._registrar is None or events is None or events.endpoint is None:
+        if self._registrar is None or events is None:
+            return
+        if events.endpoint is None and not (events.mode == "bind" and events.topic):
             return
         if worker.registered_pod == worker.pod:
             return

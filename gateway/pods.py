@@ -30,6 +30,7 @@ def pod_info(pod: PodRegistration) -> PodInfo:
             endpoint=pod.kv_events.endpoint,
             replay_endpoint=pod.kv_events.replay_endpoint,
             topic=pod.kv_events.topic,
+            mode=pod.kv_events.mode,
         ),
         dp_size=pod.dp_size,
     )

@@ -55,6 +55,11 @@ def test_parse_server_info_from_our_engine_and_from_sglang() -> None:
     assert parsed.kv_events.endpoint == "tcp://[::1]:6000"
     assert (parsed.block_size, parsed.bootstrap_port) == (64, None)
     assert parse_server_info({"kv_events_config": "{broken"}, "h").kv_events is None
+    connecting = {"kv_events": {"endpoint": "tcp://indexer:5557", "topic": "kv@p@m", "bind": False}}
+    spec = parse_server_info(connecting, "h").kv_events
+    assert spec == KvEventsSpec(endpoint=None, topic="kv@p@m", mode="bind")
+    registration = PodRegistration("p", "m", 16, "prefill", "http://h:1", "h", None, spec, 1)
+    assert pod_info(registration).kv_events.mode == "bind"
 
 
 def test_identity_helpers() -> None:

@@ -66,6 +66,7 @@ class Publisher:
         context: zmq.asyncio.Context,
         *,
         endpoint: str,
+        connect: bool = False,
         replay_endpoint: str | None = None,
         topic: str = "",
         flavor: Flavor = "vllm",
@@ -80,10 +81,10 @@ class Publisher:
         self.pub = context.socket(zmq.XPUB)
         self.pub.linger = 0
         self.pub.sndhwm = 1_000_000
-        if "*" in endpoint or endpoint.endswith(":0"):
-            self.pub.bind(endpoint)
-        else:
+        if connect:
             self.pub.connect(endpoint)
+        else:
+            self.pub.bind(endpoint)
         self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.router: zmq.asyncio.Socket | None = None
         self.replay_endpoint: str | None = None
@@ -93,6 +94,8 @@ class Publisher:
             self.router.bind(replay_endpoint)
             self.replay_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
         self._replay_task: asyncio.Task[None] | None = None
+        self.replay_open = asyncio.Event()
+        self.replay_open.set()
 
     def start(self) -> None:
         if self.router is not None:
@@ -135,6 +138,7 @@ class Publisher:
         assert self.router is not None
         while True:
             identity, *request = await self.router.recv_multipart()
+            await self.replay_open.wait()
             try:
                 start = parse_replay_request(request)
             except WireError:
@@ -157,6 +161,7 @@ class Control:
     """JSON commands for a child-process publisher:
     {"op": "publish", "events": [...], "dp_rank": 0, "send": true} → {"seq": n}
     {"op": "restart"} · {"op": "trim", "keep": n} · {"op": "raw", "frames": ["hex", …]}
+    {"op": "hold_replay"} / {"op": "release_replay"}: answer replay requests only once released
     {"op": "wait_subscribed"} · {"op": "info"} → endpoints · {"op": "stop"}"""
 
     def __init__(self, publisher: Publisher) -> None:
@@ -177,6 +182,10 @@ class Control:
             pub.trim(command["keep"])
         elif op == "raw":
             await pub.raw([bytes.fromhex(f) for f in command["frames"]])
+        elif op == "hold_replay":
+            pub.replay_open.clear()
+        elif op == "release_replay":
+            pub.replay_open.set()
         elif op == "wait_subscribed":
             await pub.wait_subscribed()
         elif op == "info":
@@ -191,6 +200,7 @@ async def serve(args: argparse.Namespace) -> None:
     publisher = Publisher(
         context,
         endpoint=args.endpoint,
+        connect=args.connect,
         replay_endpoint=args.replay_endpoint,
         topic=args.topic,
         flavor=args.flavor,
@@ -218,6 +228,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--control", required=True)
     parser.add_argument("--endpoint", required=True)
+    parser.add_argument("--connect", action="store_true", help="connect the PUB (bind mode)")
     parser.add_argument("--replay-endpoint")
     parser.add_argument("--topic", default="")
     parser.add_argument("--flavor", default="vllm", choices=["vllm", "vllm-array", "sglang"])

@@ -270,8 +270,12 @@ async def test_bound_socket_names_pods_by_topic_and_dp_rank(
     service = make_service(bind=["tcp://127.0.0.1:0"])
     await service.start()
     (bound,) = service.bound_endpoints
-    pub = make_publisher(endpoint=bound, replay_endpoint=None, topic="kv@p9@org/model")
-    stray = make_publisher(endpoint=bound, replay_endpoint=None, topic="not-a-kv-topic")
+    pub = make_publisher(
+        endpoint=bound, connect=True, replay_endpoint=None, topic="kv@p9@org/model"
+    )
+    stray = make_publisher(
+        endpoint=bound, connect=True, replay_endpoint=None, topic="not-a-kv-topic"
+    )
     await pub.wait_subscribed()
     await stray.wait_subscribed()
     await stray.publish([store(0)])
@@ -305,7 +309,9 @@ async def test_full_queue_on_the_bound_socket_drops_then_recovers(
 ) -> None:
     service = make_service(bind=["tcp://127.0.0.1:0"], queue_size=1)
     await service.start()
-    pub = make_publisher(endpoint=service.bound_endpoints[0], replay_endpoint=None, topic="kv@p@m")
+    pub = make_publisher(
+        endpoint=service.bound_endpoints[0], connect=True, replay_endpoint=None, topic="kv@p@m"
+    )
     await pub.wait_subscribed()
     index.gate = asyncio.Event()
     for n in range(6):

@@ -1,0 +1,94 @@
+"""Drive `tests.ingest.publisher` running in another process, over its control socket."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from tests.support.net import free_port
+from tests.support.procs import Proc
+
+
+def chain(
+    tokens: Sequence[int], block_size: int, *, first_hash: int, parent: int | None = None
+) -> dict[str, Any]:
+    """A BlockStored (JSON form) for whole blocks of `tokens`, hashes first_hash, +1, …"""
+    blocks = len(tokens) // block_size
+    return {
+        "type": "BlockStored",
+        "block_hashes": list(range(first_hash, first_hash + blocks)),
+        "parent": parent,
+        "token_ids": list(tokens[: blocks * block_size]),
+        "block_size": block_size,
+    }
+
+
+class PublisherProc:
+    def __init__(
+        self,
+        context: zmq.asyncio.Context,
+        *,
+        flavor: str = "vllm",
+        layout: str = "topic",
+        topic: str = "",
+        connect_to: str | None = None,
+        replay: bool = True,
+        buffer_steps: int = 10_000,
+        name: str = "publisher",
+    ) -> None:
+        self.control = f"tcp://127.0.0.1:{free_port()}"
+        self.endpoint = connect_to or f"tcp://127.0.0.1:{free_port()}"
+        self.replay_endpoint = f"tcp://127.0.0.1:{free_port()}" if replay else None
+        argv = [
+            sys.executable,
+            "-m",
+            "tests.ingest.publisher",
+            "--control",
+            self.control,
+            "--endpoint",
+            self.endpoint,
+            "--flavor",
+            flavor,
+            "--layout",
+            layout,
+            "--topic",
+            topic,
+            "--buffer-steps",
+            str(buffer_steps),
+        ]
+        if connect_to is not None:
+            argv.append("--connect")
+        if self.replay_endpoint is not None:
+            argv += ["--replay-endpoint", self.replay_endpoint]
+        self.proc = Proc(argv, name=name)
+        self.req = context.socket(zmq.REQ)
+        self.req.linger = 0
+        self.req.connect(self.control)
+
+    async def call(self, timeout: float = 15.0, **command: Any) -> dict[str, Any]:
+        await self.req.send(json.dumps(command).encode())
+        if not await self.req.poll(int(timeout * 1000)):
+            raise TimeoutError(f"publisher did not answer {command['op']}:\n{self.proc.log()}")
+        reply: dict[str, Any] = json.loads(await self.req.recv())
+        if "error" in reply:
+            raise RuntimeError(reply["error"])
+        return reply
+
+    async def publish(
+        self, *events: dict[str, Any], send: bool = True, dp_rank: int | None = 0
+    ) -> int:
+        reply = await self.call(op="publish", events=list(events), send=send, dp_rank=dp_rank)
+        seq: int = reply["seq"]
+        return seq
+
+    async def raw(self, *frames: bytes) -> None:
+        await self.call(op="raw", frames=[f.hex() for f in frames])
+
+    def stop(self) -> None:
+        self.req.close(linger=0)
+        self.proc.stop()

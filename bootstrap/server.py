@@ -127,9 +127,9 @@ def _route_coordinate(request: Request) -> Coordinate:
 
 def _log_registration(outcome: RegisterOutcome) -> None:
     progress = f"({outcome.registered}/{outcome.expected} coordinates)"
-    if outcome.previous is None:
+    if outcome.kind == "new":
         log.info("registered %s at %s %s", outcome.coordinate, outcome.address, progress)
-    elif outcome.previous != outcome.address:
+    elif outcome.kind == "moved":
         log.info(
             "re-registered %s at %s, was %s %s",
             outcome.coordinate,
@@ -184,12 +184,7 @@ def create_app(
             metrics.registrations.labels("refused").inc()
             log.warning("refused %s from %s: %s", reg.coordinate, reg.address, exc.message)
             return _text(400, exc.message)
-        if outcome.previous is None:
-            metrics.registrations.labels("new").inc()
-        elif outcome.previous != outcome.address:
-            metrics.registrations.labels("moved").inc()
-        else:
-            metrics.registrations.labels("refreshed").inc()
+        metrics.registrations.labels(outcome.kind).inc()
         _log_registration(outcome)
         return _text(200, READY_TEXT)
 
@@ -246,6 +241,8 @@ def create_app(
 
     @app.get("/v1/directory")
     async def whole_directory() -> Response:
+        """Ours, for operators and the control plane. `registered_at` is a reading of the
+        directory's clock (monotonic by default): compare ranks by it, or read `age_seconds`."""
         now = clock()
         topology = directory.topology
         return JSONResponse(
@@ -301,6 +298,8 @@ class BootstrapServer:
     ) -> None:
         self.config = config
         self.app = create_app(config, clock=clock, registry=registry)
+        self.directory: Directory = self.app.state.directory
+        """The live table, for an embedding engine that wants readiness without HTTP."""
         self._server: uvicorn.Server | None = None
         self._socket: socket.socket | None = None
         self._main_loop: asyncio.Task[None] | None = None

@@ -10,6 +10,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Literal
 
 from bootstrap.protocol import Coordinate, RankAddress, RankRegistration, Topology
 
@@ -44,8 +45,11 @@ class RegisterOutcome:
     became_ready: bool
 
     @property
-    def is_new(self) -> bool:
-        return self.previous is None
+    def kind(self) -> Literal["new", "moved", "refreshed"]:
+        """A new coordinate, a known one at a new address (a restarted rank), or a repeat."""
+        if self.previous is None:
+            return "new"
+        return "moved" if self.previous != self.address else "refreshed"
 
 
 _POLICY_TEXT = {

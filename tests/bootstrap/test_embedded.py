@@ -25,6 +25,7 @@ async def test_serves_on_a_free_port_in_the_running_loop() -> None:
         async with httpx.AsyncClient() as client:
             assert (await client.get(f"{server.url}/health")).text == "OK"
             await register_rank(client, server.url, registration())
+            assert server.directory.ready
             produced = await DecodeResolver(client).resolve(server.url, DecodeTopology(1, 0), 1)
         assert produced.ranks[0].address.rank_port == 40000
     finally:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Literal
@@ -37,7 +37,7 @@ from bootstrap.protocol import (
     Topology,
     validation_message,
 )
-from bootstrap.room_poller import RoomPoller, RoomWaitFailed
+from bootstrap.room_poller import RoomPoller, RoomWaitFailed, Sleep
 
 __all__ = [
     "DecodeResolver",
@@ -52,7 +52,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 Stage = Literal["topology", "rank", "dp_rank"]
-Sleep = Callable[[float], Awaitable[object]]
 
 
 class ResolveError(Exception):

@@ -1,0 +1,110 @@
+"""`globalkv doctor`: walk a live cluster's diagnostic path and say what holds.
+
+    globalkv doctor --gateway http://127.0.0.1:8000 [--indexer http://127.0.0.1:8100]
+    globalkv doctor --run-dir runs/up-…        # the addresses a `globalkv up` recorded
+
+Exit status 0 when nothing failed (warnings allowed), 1 when something is wrong, 2 for
+unusable arguments. Every flag also reads `GLOBALKV_DOCTOR_<FLAG>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+from pydantic import ValidationError
+
+from globalkv.stack.doctor.diagnose import Doctor, DoctorConfig
+from globalkv.stack.doctor.report import Report, render_text
+
+MANIFEST = "cluster.json"
+
+
+def register(subparsers: Any) -> None:
+    defaults = DoctorConfig()
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "doctor",
+        help="diagnose a live cluster stage by stage (exit status 1 when something is wrong)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add = parser.add_argument
+    add("--gateway", help="the gateway's URL")
+    add("--indexer", help="the indexer's URL")
+    add("--run-dir", type=Path, help=f"a `globalkv up` run directory: addresses from {MANIFEST}")
+    add("--api-key", help="the gateway's --api-key, if it has one")
+    add("--timeout", type=float, default=defaults.timeout, help="seconds per request")
+    add("--no-probe", action="store_true", help="send no request through the gateway")
+    add(
+        "--freshness-timeout",
+        type=float,
+        default=defaults.freshness_timeout,
+        help="seconds the probe's KV events may take to reach the index",
+    )
+    add("--json", action="store_true", help="print the report as JSON")
+    parser.set_defaults(run=run, check_config=check_config)
+
+
+def config_from_args(args: argparse.Namespace, manifest: dict[str, Any]) -> DoctorConfig:
+    gateway = args.gateway or manifest.get("gateway_url")
+    indexer = args.indexer or manifest.get("indexer_url")
+    if not gateway and not indexer:
+        raise ValueError("give --gateway and/or --indexer (or the --run-dir of `globalkv up`)")
+    try:
+        return DoctorConfig(
+            gateway=gateway,
+            indexer=indexer,
+            api_key=args.api_key,
+            timeout=args.timeout,
+            probe=not args.no_probe,
+            freshness_timeout=args.freshness_timeout,
+        )
+    except ValidationError as exc:
+        raise ValueError(
+            "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        ) from None
+
+
+def read_manifest(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / MANIFEST
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} does not hold a JSON object")
+    return data
+
+
+def check_config(args: argparse.Namespace) -> None:
+    """Flags only: a --run-dir stands in for the addresses it will provide."""
+    stand_in = {"gateway_url": "http://127.0.0.1:1"} if args.run_dir else {}
+    config_from_args(args, stand_in)
+
+
+async def diagnose(config: DoctorConfig) -> Report:
+    async with httpx.AsyncClient() as client:
+        return await Doctor(config, client).run()
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        manifest = read_manifest(args.run_dir) if args.run_dir else {}
+        config = config_from_args(args, manifest)
+    except ValueError as exc:
+        print(f"globalkv doctor: {exc}", file=sys.stderr)
+        return 2
+    # One line per request would bury the report.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    report = asyncio.run(diagnose(config))
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        print(render_text(report), end="")
+    return report.exit_status

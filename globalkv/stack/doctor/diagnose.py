@@ -1,0 +1,219 @@
+"""The walk `globalkv doctor` makes through a live cluster, stage by stage.
+
+Given the gateway, the indexer, or both, it checks what it can reach and marks the rest
+as skipped: with only an indexer, prefills are found through the pods it follows; with
+only a gateway, the index stage is skipped. The probe needs the gateway; with an indexer
+too, it also measures how soon the probe's KV blocks become visible in the index and
+whether the repeated probe is served from cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from urllib.parse import urlsplit
+
+import httpx
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from bootstrap.reader import DirectoryReader
+from globalkv.stack.doctor.directories import (
+    DirectoryCheck,
+    DirectoryProbe,
+    targets_from_pods,
+    targets_from_workers,
+)
+from globalkv.stack.doctor.index import applied_counts, check_index
+from globalkv.stack.doctor.pools import check_pools
+from globalkv.stack.doctor.probe import Prober, interpret, probe_text, wait_applied
+from globalkv.stack.doctor.reading import Connect, Reader, Samples, tcp_connect
+from globalkv.stack.doctor.report import Report, Stage
+from globalkv.stack.doctor.routing import check_lookup, judge_decision
+from globalkv.stack.views import PodsView, WorkersView
+
+
+class DoctorConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    gateway: str | None = Field(None, description="The gateway's URL.")
+    indexer: str | None = Field(None, description="The indexer's URL.")
+    api_key: str | None = Field(None, description="The gateway's --api-key, when it has one.")
+    timeout: float = Field(5.0, gt=0, description="Seconds for each request or connection.")
+    probe: bool = Field(True, description="Send probe requests through the gateway.")
+    max_new_tokens: int = Field(4, ge=1, le=1024, description="Tokens each probe generates.")
+    freshness_timeout: float = Field(
+        5.0, gt=0, description="Seconds the probe's KV events may take to reach the index."
+    )
+
+    @field_validator("gateway", "indexer")
+    @classmethod
+    def _url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"{value!r} is not an http(s) URL with a host")
+        return value.rstrip("/")
+
+
+def new_report() -> Report:
+    return Report(
+        [
+            Stage("gateway", "gateway worker pools"),
+            Stage("directories", "prefill bootstrap directories"),
+            Stage("index", "index freshness per pod"),
+            Stage("routing", "prefix routing: index and tokenizer"),
+            Stage("probe", "probe request: register → resolve → connect → verify-room → consume"),
+        ]
+    )
+
+
+class Doctor:
+    def __init__(
+        self,
+        config: DoctorConfig,
+        client: httpx.AsyncClient,
+        *,
+        directory_probe: DirectoryProbe | None = None,
+        connect: Connect = tcp_connect,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        nonce: str | None = None,
+    ) -> None:
+        self.config = config
+        headers = {"authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+        self._reader = Reader(client, timeout=config.timeout, headers=headers)
+        self._directories = DirectoryCheck(
+            Reader(client, timeout=config.timeout),
+            directory_probe or DirectoryReader(client, timeout=config.timeout),
+            connect,
+            timeout=config.timeout,
+        )
+        self._clock = clock
+        self._wall = wall
+        self._sleep = sleep
+        self._nonce = nonce or secrets.token_hex(6)
+
+    async def run(self) -> Report:
+        report = new_report()
+        config = self.config
+        workers: WorkersView | None = None
+        pods: PodsView | None = None
+        if config.gateway:
+            workers = await check_pools(report.stage("gateway"), self._reader, config.gateway)
+        else:
+            report.stage("gateway").skip("gateway", "no --gateway given")
+        if config.indexer:
+            pods = await check_index(
+                report.stage("index"), self._reader, config.indexer, workers, self._wall()
+            )
+        else:
+            report.stage("index").skip("indexer", "no --indexer given")
+        targets = (
+            targets_from_workers(workers)
+            if workers is not None
+            else targets_from_pods(pods)
+            if pods is not None
+            else None
+        )
+        if targets is None:
+            report.stage("directories").skip("prefills", "neither the gateway nor the index read")
+        else:
+            await self._directories.run(report.stage("directories"), targets)
+        routing = report.stage("routing")
+        if config.indexer:
+            await check_lookup(routing, self._reader, config.indexer, _model(workers, pods))
+        if config.gateway and config.probe:
+            await self._probe(report, config.gateway, pods)
+        else:
+            why = "--no-probe given" if config.gateway else "the probe needs --gateway"
+            report.stage("probe").skip("probe", why)
+        return report
+
+    async def _samples(self, gateway: str) -> Samples | None:
+        samples = await self._reader.samples(f"{gateway}/metrics")
+        return samples if isinstance(samples, Samples) else None
+
+    async def _probe(self, report: Report, gateway: str, pods: PodsView | None) -> None:
+        probe, routing = report.stage("probe"), report.stage("routing")
+        prober = Prober(
+            self._reader, gateway, max_new_tokens=self.config.max_new_tokens, clock=self._clock
+        )
+        text = probe_text(self._nonce)
+        before = await self._samples(gateway)
+        response, elapsed = await prober.send(text)
+        first = interpret(probe, response, elapsed)
+        after = await self._samples(gateway)
+        delta = after.minus(before) if before is not None and after is not None else None
+        if delta is not None:
+            _retries(probe, delta)
+        if first is None:
+            routing.skip("probe routing", "the probe failed; see the probe stage")
+            return
+        policy = None
+        if delta is None:
+            routing.warn("probe routing", "the gateway's /metrics could not be read")
+        else:
+            policy = judge_decision(routing, delta, "probe routing")
+        if self.config.indexer and pods is not None:
+            seen = await wait_applied(
+                self._reader,
+                self.config.indexer,
+                applied_counts(pods),
+                timeout=self.config.freshness_timeout,
+                clock=self._clock,
+                sleep=self._sleep,
+            )
+            if seen is None:
+                report.stage("index").fail(
+                    "probe blocks",
+                    f"no pod's KV events were applied within {self.config.freshness_timeout:.0f}s"
+                    " of the probe: the index is not learning what the prefills cache",
+                )
+            else:
+                (pod, rank), waited = seen
+                report.stage("index").ok(
+                    "probe blocks",
+                    f"applied from pod {pod} dp{rank} within {waited * 1000:.0f} ms of the answer",
+                )
+        response, elapsed = await prober.send(text)
+        scratch = Stage("repeat", "repeated probe")
+        again = interpret(scratch, response, elapsed)
+        if again is None:
+            for failure in scratch.failures:
+                probe.fail(f"repeated probe, {failure.subject}", failure.message)
+            return
+        cached = again.cached_tokens or 0
+        message = f"{cached} of {again.prompt_tokens} prompt tokens were cached on the prefill"
+        if cached > 0:
+            routing.ok("repeated probe", f"{message}: it went to the pod holding its prefix")
+        elif policy == "prefix":
+            routing.fail("repeated probe", f"{message}: routing did not follow the cache")
+        else:
+            routing.warn("repeated probe", f"{message} (the prefill policy is not prefix)")
+
+
+def _retries(stage: Stage, delta: Samples) -> None:
+    retried = {
+        labels.get("role", "?"): int(value)
+        for labels, value in delta.matching("globalkv_gateway_retries_total")
+        if value > 0
+    }
+    if retried:
+        sides = ", ".join(f"{n} after a {role} failure" for role, n in sorted(retried.items()))
+        stage.warn("retries", f"the gateway retried the probe with a new pair: {sides}")
+
+
+def _model(workers: WorkersView | None, pods: PodsView | None) -> str | None:
+    if workers is not None:
+        for worker in workers.workers:
+            if worker.served_model:
+                return worker.served_model
+    if pods is not None:
+        for pod in pods.pods:
+            if pod.model:
+                return pod.model
+    return None

@@ -1,0 +1,97 @@
+"""Stage 1: the gateway's worker pools — who can take traffic, and who cannot and why.
+
+The gateway's own view (`GET /workers`: health, circuit, failures, directory state) lags
+by design: a worker that died a second ago is still `healthy` until enough checks fail.
+So every worker's `/health` is also asked directly, and a worker that does not answer
+is reported even while the gateway still routes to it (it then relies on retries).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from globalkv.stack.doctor.reading import Reader, Samples
+from globalkv.stack.doctor.report import Stage
+from globalkv.stack.views import WorkersView, WorkerView
+
+ROLES = ("prefill", "decode")
+
+
+def _subject(worker: WorkerView) -> str:
+    pod = f" (pod {worker.pod})" if worker.pod and worker.pod != worker.id else ""
+    return f"{worker.role} {worker.id}{pod}"
+
+
+def _state(worker: WorkerView) -> str:
+    state = f"gateway sees it {worker.health}, circuit {worker.circuit}"
+    if worker.consecutive_failures:
+        state += f", {worker.consecutive_failures} consecutive failures"
+    state += f", {worker.in_flight} in flight"
+    if worker.role == "prefill" and worker.directory is not None:
+        state += f", directory {worker.directory}"
+    return state
+
+
+def _errors(worker: WorkerView) -> str:
+    errors = [
+        f"{what}: {error}"
+        for what, error in (
+            ("health check", worker.health_error),
+            ("directory", worker.directory_error),
+            ("last error", worker.last_error),
+        )
+        if error
+    ]
+    return "; ".join(errors)
+
+
+async def check_pools(stage: Stage, reader: Reader, gateway: str) -> WorkersView | None:
+    """Judge every worker; returns the gateway's listing for the later stages."""
+    live = await reader.healthy(f"{gateway}/health")
+    if live is not None:
+        stage.fail("gateway", f"{gateway}/health {live}")
+        return None
+    listing = await reader.view(f"{gateway}/workers", WorkersView)
+    if isinstance(listing, str):
+        stage.fail("gateway", f"{gateway}/workers {listing}")
+        return None
+    answers = await asyncio.gather(*(reader.healthy(f"{w.url}/health") for w in listing.workers))
+    for worker, problem in zip(listing.workers, answers, strict=True):
+        errors = _errors(worker)
+        detail = _state(worker) + (f"; {errors}" if errors else "")
+        if problem is not None:
+            stage.fail(_subject(worker), f"/health {problem}; {detail}")
+        elif not worker.eligible:
+            stage.fail(_subject(worker), f"not eligible for traffic: {detail}")
+        elif worker.consecutive_failures or errors:
+            stage.warn(_subject(worker), detail)
+        else:
+            stage.ok(_subject(worker), detail)
+    for role in ROLES:
+        workers = [w for w in listing.workers if w.role == role]
+        eligible = sum(w.eligible for w in workers)
+        if not workers:
+            stage.fail(f"{role} pool", "empty: the gateway has no worker of this role")
+        elif not eligible:
+            stage.fail(f"{role} pool", f"none of {len(workers)} eligible: requests get 503")
+        else:
+            stage.ok(f"{role} pool", f"{eligible} of {len(workers)} eligible")
+    samples = await reader.samples(f"{gateway}/metrics")
+    if isinstance(samples, Samples):
+        report_upstream_failures(stage, samples)
+    return listing
+
+
+def report_upstream_failures(stage: Stage, samples: Samples) -> None:
+    """Failed calls to workers since the gateway started, by role and reason."""
+    for role in ROLES:
+        counts = {
+            labels.get("reason", "?"): int(value)
+            for labels, value in samples.matching(
+                "globalkv_gateway_upstream_failures_total", role=role
+            )
+            if value > 0
+        }
+        if counts:
+            reasons = ", ".join(f"{reason} ×{n}" for reason, n in sorted(counts.items()))
+            stage.warn(f"{role} calls", f"failed since the gateway started: {reasons}")

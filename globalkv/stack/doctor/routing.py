@@ -1,0 +1,86 @@
+"""Stage 4: can the prefix policy work — is the index answering, is the prompt tokenizable?
+
+Two kinds of evidence. The index API is asked directly (a token lookup must answer; a
+text lookup shows whether the indexer has a tokenizer). The gateway's own counters, read
+before and after the probe request, say how the probe was routed: which prefill policy
+decided, whether it fell back to load and for what reason (no tokenizer, no index, index
+unavailable…), and whether the repeated probe was a cache hit.
+"""
+
+from __future__ import annotations
+
+from globalkv.stack.doctor.reading import Reader, Samples
+from globalkv.stack.doctor.report import Level, Stage
+
+_FALLBACKS = {
+    "no_tokenizer": (
+        Level.WARN,
+        "the gateway has no tokenizer: text and chat prompts are routed by load "
+        "(start it with --tokenizer)",
+    ),
+    "not_tokenizable": (Level.WARN, "the prompt could not be tokenized: routed by load"),
+    "no_index": (
+        Level.WARN,
+        "the gateway has no index (no --indexer-url or --redis-url): routed by load",
+    ),
+    "no_model": (
+        Level.WARN,
+        "the gateway knows no model name to key the index with (give --model)",
+    ),
+    "index_unavailable": (
+        Level.FAIL,
+        "the index did not answer the gateway's lookup in time: routed by load",
+    ),
+}
+DECISIONS = "globalkv_gateway_routing_decisions_total"
+FALLBACKS = "globalkv_gateway_routing_fallbacks_total"
+
+
+async def check_lookup(stage: Stage, reader: Reader, indexer: str, model: str | None) -> None:
+    """The index API answers lookups; say whether it can tokenize text itself."""
+    if model is None:
+        stage.skip("index lookups", "no model name known to look up")
+        return
+    url = f"{indexer}/v1/lookup"
+    answer = await reader.post(url, {"model": model, "token_ids": list(range(64))})
+    if isinstance(answer, str):
+        stage.fail("index lookups", f"{url} {answer}")
+        return
+    if answer.status_code != 200:
+        problem = f"answered HTTP {answer.status_code}: {answer.text[:200]}"
+        stage.fail("index lookups", f"{url} {problem}")
+        return
+    stage.ok("index lookups", f"{url} answers token lookups for model {model}")
+    text = await reader.post(url, {"model": model, "text": "globalkv doctor"})
+    if isinstance(text, str) or text.status_code == 200:
+        return
+    if text.status_code == 400:
+        stage.ok(
+            "index tokenizer",
+            "none: the index API takes token_ids only (the gateway tokenizes for itself)",
+        )
+    else:
+        stage.warn("index tokenizer", f"a text lookup answered HTTP {text.status_code}")
+
+
+def judge_decision(stage: Stage, delta: Samples, subject: str) -> str | None:
+    """How the gateway routed the probe's prefill, from counter increases; returns the
+    prefill policy's name when one decided."""
+    decided = [
+        (labels, value) for labels, value in delta.matching(DECISIONS, role="prefill") if value > 0
+    ]
+    policy = decided[0][0].get("policy") if decided else None
+    for labels, value in delta.matching(FALLBACKS):
+        if value > 0:
+            reason = labels.get("reason", "?")
+            level, message = _FALLBACKS.get(reason, (Level.WARN, "routed by load"))
+            stage.add(level, subject, f"fell back to load ({reason}): {message}")
+            return policy
+    if policy is None:
+        stage.warn(subject, "the gateway's routing counters did not move")
+    elif policy != "prefix":
+        stage.warn(subject, f"prefill policy is {policy}: the index is not consulted")
+    else:
+        outcomes = sorted(labels.get("outcome", "?") for labels, _ in decided)
+        stage.ok(subject, f"routed by the prefix policy over the index ({', '.join(outcomes)})")
+    return policy

@@ -1,0 +1,269 @@
+"""What a local cluster is made of: its typed configuration and the command line of each part.
+
+Planning is pure: given the configuration and a supply of ports it names every component,
+its URL and the exact `globalkv <command> …` arguments it runs with, so the plan can be
+checked (`check_plan`, through each command's own `check_config`) before any process
+starts, and tested without starting one.
+
+Wiring, all on 127.0.0.1: the indexer binds one SUB socket and every prefill's KV-event
+publisher connects to it with the topic `kv@<pod>@<model>` (llm-d's layout: only the
+indexer listens, nothing binds a wildcard address), each prefill keeps its replay socket
+on a free port it advertises, and the gateway adopts every prefill from its `/server_info`
+and registers it as a pod with the index. Flags given in `*_args` come last, so they
+override the planned ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import socket
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from globalkv.cli import parse
+
+Role = Literal["indexer", "prefill", "decode", "gateway"]
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
+_WILDCARDS = {"0.0.0.0", "::", ""}
+LOOPBACK = "127.0.0.1"
+
+
+class StackConfig(BaseModel):
+    """One local cluster: how many engines of each role, and how they are configured."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prefill: int = Field(2, ge=1, le=32, description="Prefill engines, one pod each.")
+    decode: int = Field(2, ge=1, le=32, description="Decode engines.")
+    host: str = Field(
+        LOOPBACK, min_length=1, description="Address the gateway and the index API listen on."
+    )
+    gateway_port: int = Field(0, ge=0, le=65535, description="Gateway port; 0 picks a free one.")
+    redis_url: str | None = Field(
+        None,
+        description="Keep the index in this Redis (the gateway then reads it directly); "
+        "None: the indexer's in-memory index.",
+    )
+    run_dir: Path | None = Field(
+        None, description="Where logs and cluster.json go; None: a fresh directory under runs/."
+    )
+    model: str = Field("emulated-model", min_length=1, description="Served model name.")
+    block_size: int = Field(
+        16, ge=1, le=4096, description="Engine page size and index block size, in tokens."
+    )
+    tokenizer: str = Field(
+        "byte",
+        min_length=1,
+        description="'byte' or a tokenizer.json / model directory, shared by engines, "
+        "gateway and indexer so they all compute the same tokens.",
+    )
+    log_level: LogLevel = Field("INFO", description="Log level of every component.")
+    health_check_interval: float = Field(
+        2.0, gt=0, description="Seconds between the gateway's health checks of each worker."
+    )
+    start_timeout: float = Field(60.0, gt=0, description="Seconds allowed to become ready.")
+    stop_timeout: float = Field(
+        10.0, gt=0, description="Seconds a component gets to exit after SIGTERM."
+    )
+    prefill_args: list[str] = Field(
+        default_factory=list, description="Extra `globalkv engine` flags for every prefill."
+    )
+    decode_args: list[str] = Field(
+        default_factory=list, description="Extra `globalkv engine` flags for every decode."
+    )
+    gateway_args: list[str] = Field(
+        default_factory=list, description="Extra `globalkv gateway` flags."
+    )
+    indexer_args: list[str] = Field(
+        default_factory=list, description="Extra `globalkv indexer` flags."
+    )
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"{value!r} is not a redis://, rediss:// or unix:// URL")
+        return value
+
+
+@dataclass(frozen=True, slots=True)
+class Component:
+    """One process of the cluster as planned: how it starts and where it answers."""
+
+    name: str
+    role: Role
+    url: str
+    argv: tuple[str, ...]
+    """Arguments after `python -m globalkv`."""
+    log_path: Path
+    bootstrap_url: str | None = None
+    """Prefill: its bootstrap directory."""
+    pod: str | None = None
+    """Prefill: the pod id the index knows it by."""
+    events_endpoint: str | None = None
+    """Indexer: the SUB socket the prefills publish to."""
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    components: tuple[Component, ...]
+
+    def by_role(self, role: Role) -> list[Component]:
+        return [c for c in self.components if c.role == role]
+
+    def get(self, name: str) -> Component:
+        for component in self.components:
+            if component.name == name:
+                return component
+        names = ", ".join(c.name for c in self.components)
+        raise KeyError(f"no component {name!r} (components: {names})")
+
+    @property
+    def gateway(self) -> Component:
+        return self.by_role("gateway")[0]
+
+    @property
+    def indexer(self) -> Component:
+        return self.by_role("indexer")[0]
+
+
+def reserve_ports(count: int, host: str = LOOPBACK) -> list[int]:
+    """`count` distinct ports the kernel hands out now, released for the children to bind.
+
+    Another process could take one before its child binds it; that child then fails to
+    start and `LocalCluster.start` reports it with its log.
+    """
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(count):
+            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.bind((host, 0))
+            ports.append(int(sock.getsockname()[1]))
+    return ports
+
+
+def ports_needed(config: StackConfig) -> int:
+    """Indexer HTTP and events, each prefill's HTTP and directory, each decode, the gateway."""
+    return 2 + 2 * config.prefill + config.decode + (1 if config.gateway_port == 0 else 0)
+
+
+def _reachable(host: str) -> str:
+    return LOOPBACK if host in _WILDCARDS else host
+
+
+def plan_stack(config: StackConfig, ports: Iterator[int], log_dir: Path) -> Plan:
+    """Every component with its arguments; takes `ports_needed(config)` ports from `ports`."""
+    common = ("--log-level", config.log_level)
+    local = _reachable(config.host)
+    index_port, events_port = next(ports), next(ports)
+    events = f"tcp://{LOOPBACK}:{events_port}"
+    indexer_url = f"http://{local}:{index_port}"
+    indexer_argv = [*common, "indexer", "--host", config.host, "--port", str(index_port)]
+    indexer_argv += ["--bind", events, "--block-size", str(config.block_size)]
+    indexer_argv += ["--tokenizer", config.tokenizer]
+    if config.redis_url:
+        indexer_argv += ["--redis-url", config.redis_url]
+    components = [
+        Component(
+            "indexer",
+            "indexer",
+            indexer_url,
+            (*indexer_argv, *config.indexer_args),
+            log_dir / "indexer.log",
+            events_endpoint=events,
+        )
+    ]
+    engine_common = ["--host", LOOPBACK, "--model", config.model]
+    engine_common += ["--page-size", str(config.block_size), "--tokenizer", config.tokenizer]
+    for i in range(config.prefill):
+        name, port, bootstrap_port = f"prefill-{i}", next(ports), next(ports)
+        argv = [*common, "engine", "--role", "prefill", "--port", str(port), *engine_common]
+        argv += ["--pod-id", name, "--bootstrap-port", str(bootstrap_port)]
+        argv += ["--kv-events-endpoint", events]
+        argv += ["--kv-events-replay-endpoint", f"tcp://{LOOPBACK}:0"]
+        components.append(
+            Component(
+                name,
+                "prefill",
+                f"http://{LOOPBACK}:{port}",
+                (*argv, *config.prefill_args),
+                log_dir / f"{name}.log",
+                bootstrap_url=f"http://{LOOPBACK}:{bootstrap_port}",
+                pod=name,
+            )
+        )
+    for i in range(config.decode):
+        name, port = f"decode-{i}", next(ports)
+        argv = [*common, "engine", "--role", "decode", "--port", str(port), *engine_common]
+        argv += ["--pod-id", name]
+        components.append(
+            Component(
+                name,
+                "decode",
+                f"http://{LOOPBACK}:{port}",
+                (*argv, *config.decode_args),
+                log_dir / f"{name}.log",
+            )
+        )
+    gateway_port = config.gateway_port or next(ports)
+    components.append(
+        Component(
+            "gateway",
+            "gateway",
+            f"http://{local}:{gateway_port}",
+            (*_gateway_argv(config, gateway_port, indexer_url, components), *config.gateway_args),
+            log_dir / "gateway.log",
+        )
+    )
+    return Plan(tuple(components))
+
+
+def _gateway_argv(
+    config: StackConfig, port: int, indexer_url: str, engines: Sequence[Component]
+) -> list[str]:
+    argv = ["--log-level", config.log_level, "gateway", "--pd-disaggregation"]
+    argv += ["--host", config.host, "--port", str(port), "--prometheus-port", "0"]
+    for engine in engines:
+        if engine.role == "prefill":
+            assert engine.bootstrap_url is not None
+            argv += ["--prefill", engine.url, engine.bootstrap_url.rsplit(":", 1)[1]]
+        elif engine.role == "decode":
+            argv += ["--decode", engine.url]
+    if config.redis_url:
+        argv += ["--redis-url", config.redis_url, "--block-size", str(config.block_size)]
+    else:
+        argv += ["--indexer-url", indexer_url]
+    argv += ["--model", config.model, "--tokenizer", config.tokenizer]
+    interval = str(config.health_check_interval)
+    argv += ["--health-check-interval-secs", interval, "--directory-refresh-secs", interval]
+    argv += ["--worker-startup-check-interval", "0.25"]
+    return argv
+
+
+def check_plan(plan: Plan) -> None:
+    """Run each component's own `check_config` on its arguments; `ValueError` names the
+    component and what its command refused. Starts nothing."""
+    for component in plan.components:
+        try:
+            args = _parse_quietly(component.argv)
+            args.check_config(args)
+        except ValueError as exc:
+            raise ValueError(f"{component.name}: {exc}") from None
+
+
+def _parse_quietly(argv: Sequence[str]) -> argparse.Namespace:
+    """The dispatcher's parse (environment ignored), with argparse's exit turned into
+    `ValueError` carrying its message."""
+    errors = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(errors):
+            return parse(argv, {})
+    except SystemExit:
+        lines = [line for line in errors.getvalue().splitlines() if line.strip()]
+        raise ValueError(lines[-1] if lines else "invalid arguments") from None

@@ -1,0 +1,107 @@
+"""When a local cluster is ready: every condition the first request depends on.
+
+- the indexer and every engine answer `/health`;
+- every prefill's bootstrap directory is complete (a decode cannot resolve a room before);
+- the gateway lists every worker as eligible and has registered each prefill as its pod
+  with the index;
+- the indexer follows each of those pods and is subscribed to its events.
+
+`pending()` says in plain words what does not hold yet; the cluster polls it and shows
+the last answer when the start times out.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import httpx
+from pydantic import BaseModel, ValidationError
+
+from globalkv.stack.plan import Plan
+from globalkv.stack.views import DirectoryView, PodsView, WorkersView
+
+_View = TypeVar("_View", bound=BaseModel)
+_TIMEOUT = 2.0
+
+
+class Readiness:
+    def __init__(self, plan: Plan, client: httpx.Client) -> None:
+        self._plan = plan
+        self._client = client
+
+    def pending(self) -> list[str]:
+        """What is not ready yet; empty once the whole cluster is."""
+        reasons: list[str] = []
+        for component in self._plan.components:
+            if component.role == "gateway":
+                continue
+            problem = self._healthy(component.url)
+            if problem is not None:
+                reasons.append(f"{component.name}: /health {problem}")
+            elif component.bootstrap_url is not None:
+                reasons.extend(self._directory(component.name, component.bootstrap_url))
+        if reasons:
+            return reasons
+        return self._gateway() or self._pods()
+
+    def _healthy(self, url: str) -> str | None:
+        try:
+            response = self._client.get(f"{url}/health", timeout=_TIMEOUT)
+        except httpx.HTTPError as exc:
+            return f"unreachable ({type(exc).__name__})"
+        return None if response.status_code == 200 else f"answered {response.status_code}"
+
+    def _read(self, url: str, view: type[_View]) -> _View | str:
+        try:
+            response = self._client.get(url, timeout=_TIMEOUT)
+        except httpx.HTTPError as exc:
+            return f"unreachable ({type(exc).__name__})"
+        if response.status_code != 200:
+            return f"answered {response.status_code}"
+        try:
+            return view.model_validate_json(response.content)
+        except ValidationError:
+            return "answered something unexpected"
+
+    def _directory(self, name: str, bootstrap_url: str) -> list[str]:
+        directory = self._read(f"{bootstrap_url}/v1/directory", DirectoryView)
+        if isinstance(directory, str):
+            return [f"{name}: bootstrap directory {directory}"]
+        if not directory.ready:
+            expected = "?" if directory.expected is None else directory.expected
+            return [f"{name}: bootstrap directory has {directory.registered}/{expected} ranks"]
+        return []
+
+    def _gateway(self) -> list[str]:
+        listing = self._read(f"{self._plan.gateway.url}/workers", WorkersView)
+        if isinstance(listing, str):
+            return [f"gateway: /workers {listing}"]
+        by_url = {w.url: w for w in listing.workers}
+        reasons = []
+        for engine in self._plan.by_role("prefill") + self._plan.by_role("decode"):
+            worker = by_url.get(engine.url)
+            if worker is None:
+                reasons.append(f"gateway: does not list {engine.name} ({engine.url})")
+            elif not worker.eligible:
+                state = f"health {worker.health}, circuit {worker.circuit}"
+                if worker.directory is not None:
+                    state += f", directory {worker.directory}"
+                reasons.append(f"gateway: {engine.name} not eligible yet ({state})")
+            elif engine.pod is not None and worker.registered_pod != engine.pod:
+                reasons.append(f"gateway: has not registered {engine.name} with the index yet")
+        return reasons
+
+    def _pods(self) -> list[str]:
+        listing = self._read(f"{self._plan.indexer.url}/v1/pods", PodsView)
+        if isinstance(listing, str):
+            return [f"indexer: /v1/pods {listing}"]
+        pods = {p.id: p for p in listing.pods}
+        reasons = []
+        for prefill in self._plan.by_role("prefill"):
+            assert prefill.pod is not None
+            pod = pods.get(prefill.pod)
+            if pod is None:
+                reasons.append(f"indexer: does not follow pod {prefill.pod} yet")
+            elif pod.state is None or not pod.state.subscribed:
+                reasons.append(f"indexer: not subscribed to pod {prefill.pod} yet")
+        return reasons

@@ -76,8 +76,12 @@ class Indexer:
         metrics_registry: CollectorRegistry | None = None,
         tokenizer: Tokenizer | None = None,
         context: zmq.asyncio.Context | None = None,
+        redis: aioredis.Redis | None = None,
     ) -> None:
+        """`redis`, when given, is the client behind index and registry; it is closed on
+        stop (backends never close a client they were handed)."""
         self.config = config
+        self.redis = redis
         self.index = index
         self.registry = registry
         self.metrics_registry = metrics_registry or CollectorRegistry()
@@ -123,6 +127,8 @@ class Indexer:
         await self.ingest.stop()
         await self.registry.close()
         await self.index.close()
+        if self.redis is not None:
+            await self.redis.aclose()
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: FastAPI) -> AsyncIterator[None]:
@@ -135,16 +141,21 @@ class Indexer:
 
 def build_indexer(config: IndexerConfig) -> Indexer:
     tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer else None
-    index: Index
-    registry: Registry
     if config.redis_url is None:
-        index = MemoryIndex(config.block_size, max_entries=config.max_entries)
-        registry = MemoryRegistry()
-    else:
-        redis = aioredis.from_url(config.redis_url)
-        index = RedisIndex(redis, config.block_size, prefix=config.redis_prefix)
-        registry = RedisRegistry(redis, prefix=config.redis_prefix)
-    return Indexer(config, index=index, registry=registry, tokenizer=tokenizer)
+        return Indexer(
+            config,
+            index=MemoryIndex(config.block_size, max_entries=config.max_entries),
+            registry=MemoryRegistry(),
+            tokenizer=tokenizer,
+        )
+    redis = aioredis.from_url(config.redis_url)
+    return Indexer(
+        config,
+        index=RedisIndex(redis, config.block_size, prefix=config.redis_prefix),
+        registry=RedisRegistry(redis, prefix=config.redis_prefix),
+        tokenizer=tokenizer,
+        redis=redis,
+    )
 
 
 def run_indexer(config: IndexerConfig) -> int:

@@ -277,8 +277,10 @@ class RedisRegistry:
             async with self._errors():
                 await pubsub.subscribe(self.channel)
             while True:
+                # Blocking read (timeout=None): redis-py can swallow a cancellation that
+                # lands while its own read timeout fires, which would leave us looping.
                 async with self._errors():
-                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=5.0)
+                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=None)
                 if message is not None and message.get("type") == "message":
                     yield _text(message["data"])
         finally:

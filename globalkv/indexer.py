@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 from collections.abc import AsyncIterator
 
 import redis.asyncio as aioredis
@@ -159,15 +160,26 @@ def build_indexer(config: IndexerConfig) -> Indexer:
 
 
 def run_indexer(config: IndexerConfig) -> int:
+    """Serve until SIGTERM/SIGINT, then shut down cleanly and return 0 (1 if it never
+    started, e.g. the port was taken)."""
     import uvicorn
+    import uvloop
 
     indexer = build_indexer(config)
-    uvicorn.run(
-        indexer.app,
-        host=config.host,
-        port=config.port,
-        loop="uvloop",
-        http="httptools",
-        log_level="warning",
+    server = uvicorn.Server(
+        uvicorn.Config(
+            indexer.app,
+            host=config.host,
+            port=config.port,
+            loop="none",
+            http="httptools",
+            log_level="warning",
+        )
     )
-    return 0
+    # uvicorn re-raises the stopping signal once shut down, to the handler it found:
+    # ours, so that a requested stop is an ordinary exit.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: log.info("stopped by signal %d", signum))
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(server.serve())
+    return 0 if server.started else 1

@@ -153,33 +153,43 @@ def engine_hash(namespace: int, prefix: Sequence[int], size: int, salt: int) -> 
     return EngineHash(hash((namespace, tuple(prefix), size, salt)) & 0xFFFF_FFFF)
 
 
-@st.composite
-def engine_blocks(draw: st.DrawFn) -> tuple[list[EngineHash], EngineHash | None, StoreBlocks]:
-    """A run of engine blocks of one document, as an engine would store them."""
-    doc = draw(st.sampled_from(DOCS))
-    size = draw(st.sampled_from([2, 2, 2, 4, 4, 4, 3]))
-    total = len(doc) // size
-    first = draw(st.sampled_from([0, 0, 0, 1, 2, 3]).filter(lambda f: f < total))
-    count = draw(st.integers(1, min(4, total - first)))
-    salt = draw(st.sampled_from([0, 0, 0, 1]))
-    namespace = draw(st.sampled_from(NAMESPACES))
-    hashes = [
-        engine_hash(namespace, doc[: (first + k + 1) * size], size, salt) for k in range(count)
-    ]
-    parent = engine_hash(namespace, doc[: first * size], size, salt) if first else None
-    token_ids = list(doc[first * size : (first + count) * size])
-    noise = draw(st.sampled_from(["none"] * 8 + ["random parent", "nil parent", "bad length"]))
-    if noise == "random parent":
-        parent = EngineHash(draw(st.integers(1, 4)))
-    elif noise == "nil parent":
-        parent = None
-    elif noise == "bad length":
-        token_ids = token_ids[:-1]
-    event = StoreBlocks(hashes, parent, token_ids, size, draw(tiers), namespace)
-    return hashes, parent, event
+@dataclass(frozen=True)
+class DocRun:
+    """Engine blocks [first, first + count) of a document, stored as an engine would."""
+
+    doc: int
+    size: int
+    first: int
+    count: int
+    salt: int
+    namespace: int
+    tier: Tier
+    noise: str = "none"
+
+    def event(self) -> StoreBlocks | None:
+        doc, size = DOCS[self.doc], self.size
+        count = min(self.count, len(doc) // size - self.first)
+        if count <= 0:
+            return None
+        ns, salt, first = self.namespace, self.salt, self.first
+        hashes = [engine_hash(ns, doc[: (first + k + 1) * size], size, salt) for k in range(count)]
+        parent = engine_hash(ns, doc[: first * size], size, salt) if first else None
+        token_ids = list(doc[first * size : (first + count) * size])
+        if self.noise == "random parent":
+            parent = EngineHash(first)
+        elif self.noise == "nil parent":
+            parent = None
+        elif self.noise == "bad length":
+            token_ids = token_ids[:-1]
+        return StoreBlocks(hashes, parent, token_ids, size, self.tier, ns)
 
 
-stores = engine_blocks().map(lambda drawn: drawn[2])
+@dataclass(frozen=True)
+class Extend:
+    """The next engine blocks after the source's latest run."""
+
+    count: int
+    tier: Tier
 
 
 @dataclass(frozen=True)
@@ -201,8 +211,22 @@ class StoreAgain:
     tier: Tier
 
 
+runs = st.builds(
+    DocRun,
+    doc=st.integers(0, len(DOCS) - 1),
+    size=st.sampled_from([2] * 5 + [4] * 4 + [3]),
+    first=st.sampled_from([0] * 6 + [1, 2]),
+    count=st.integers(1, 4),
+    salt=st.sampled_from([0, 0, 0, 1]),
+    namespace=st.sampled_from(NAMESPACES),
+    tier=tiers,
+    noise=st.sampled_from(["none"] * 12 + ["random parent", "nil parent", "bad length"]),
+)
+extends = st.builds(Extend, st.integers(1, 3), tiers)
 removes = st.builds(
-    RemoveRecent, st.lists(st.integers(0, 6), max_size=3).map(tuple), st.none() | tiers
+    RemoveRecent,
+    st.lists(st.integers(0, 6), min_size=1, max_size=3).map(tuple),
+    st.sampled_from([None, None, None, *Tier]),
 )
 stores_again = st.builds(StoreAgain, st.integers(0, 4), st.booleans(), tiers)
 
@@ -213,9 +237,9 @@ def weighted(*choices: tuple[int, st.SearchStrategy[T]]) -> st.SearchStrategy[T]
     return st.integers(0, len(table) - 1).flatmap(lambda i: table[i])
 
 
-Placeholder = RemoveRecent | StoreAgain
+Placeholder = DocRun | Extend | RemoveRecent | StoreAgain
 events: st.SearchStrategy[IndexEvent | Placeholder] = weighted(
-    (8, stores), (3, removes), (3, stores_again), (1, st.just(ClearSource()))
+    (5, runs), (5, extends), (5, removes), (4, stores_again), (1, st.just(ClearSource()))
 )
 batches = st.builds(
     Batch, st.sampled_from(SOURCES), st.lists(events, min_size=1, max_size=5).map(tuple)
@@ -227,6 +251,14 @@ steps: st.SearchStrategy[object] = weighted(
     (1, st.just(Restart())),
 )
 scenarios = st.lists(steps, min_size=1, max_size=30)
+
+
+@dataclass
+class History:
+    """A source's earlier runs and stores, which placeholders refer to."""
+
+    runs: list[DocRun] = field(default_factory=list)
+    stores: list[StoreBlocks] = field(default_factory=list)
 
 
 def _keys(path: Path) -> list[BlockKey]:
@@ -254,33 +286,46 @@ async def _check(index: Index, model: Model) -> None:
         assert stats[source].blocks == {t: len(paths_by_tier[t]) for t in Tier}
 
 
-def _resolve(event: IndexEvent | Placeholder, stored: list[StoreBlocks]) -> list[IndexEvent]:
-    """Placeholders refer to the source's earlier stores; `stored` grows with each store."""
+def _resolve(event: IndexEvent | Placeholder, history: History) -> list[IndexEvent]:
+    """Placeholders become engine events from what the source did before."""
     if isinstance(event, RemoveRecent):
-        recent = [(h, s.tier) for s in stored[-3:] for h in s.hashes]
+        recent = [(h, s.tier) for s in history.stores[-3:] for h in s.hashes]
         chosen = [recent[-1 - i] for i in event.back if i < len(recent)]
         if event.tier is not None:
             return [RemoveBlocks([h for h, _ in chosen], event.tier)]
         return [RemoveBlocks([h], tier) for h, tier in chosen]
     if isinstance(event, StoreAgain):
-        if event.back >= len(stored):
+        if event.back >= len(history.stores):
             return []
-        again = stored[-1 - event.back]
+        again = history.stores[-1 - event.back]
         hashes = [EngineHash(h ^ 0x5A5A) for h in again.hashes] if event.alias else again.hashes
         event = dataclasses.replace(again, hashes=hashes, tier=event.tier)
+    if isinstance(event, Extend):
+        if not history.runs:
+            return []
+        last = history.runs[-1]
+        event = dataclasses.replace(
+            last, first=last.first + last.count, count=event.count, tier=event.tier, noise="none"
+        )
+    if isinstance(event, DocRun):
+        history.runs.append(event)
+        store = event.event()
+        if store is None:
+            return []
+        event = store
     if isinstance(event, StoreBlocks):
-        stored.append(event)
+        history.stores.append(event)
     return [event]
 
 
 async def _run(scenario: list[object], index: Index, restart: Callable[[], Index] | None) -> None:
     model = Model()
     seqs: dict[Source, int] = {}
-    stored: dict[Source, list[StoreBlocks]] = {}
+    histories: dict[Source, History] = {}
     for step in scenario:
         if isinstance(step, Batch):
-            mine = stored.setdefault(step.source, [])
-            batch = [e for event in step.events for e in _resolve(event, mine)]
+            history = histories.setdefault(step.source, History())
+            batch = [e for event in step.events for e in _resolve(event, history)]
             seq = seqs[step.source] = seqs.get(step.source, -1) + 1
             got = await index.apply(SourceBatch(step.source, seq, float(seq), batch))
             assert got == model.apply(step.source, batch)
@@ -307,7 +352,7 @@ async def _check_redis_layout(client: aioredis.Redis, index: RedisIndex) -> None
         assert int(fields[b"#"]) == sum(fingerprints(int(g))[m] for g, m in holders.items())
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=500, deadline=None)
 @given(scenarios)
 def test_memory_index_equals_the_model(scenario: list[object]) -> None:
     asyncio.run(_run(scenario, MemoryIndex(BS), None))

@@ -1,0 +1,215 @@
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from random import Random
+from typing import Any
+
+import pytest
+
+import bench.replay.sim as sim_module
+from bench.replay.config import ALL_POLICIES, ClusterModel, ReplaySettings, resolve
+from bench.replay.pods import PrefillPod, StepModel
+from bench.replay.record import RunRecord, summarize
+from bench.replay.sim import Simulation, make_policies
+from bench.replay.trace import read_trace, trace_stats
+from enginesim.kvcache import PagedKVCache
+from enginesim.latency import PrefillModel, PrefillScheduler
+from gateway import policies as gateway_policies
+from gateway.config import PolicyName
+from tests.bench.traces import row, write_trace
+
+QUIET: dict[str, Any] = {
+    "prefill_overhead_s": 0.0,
+    "kv_transfer_tokens_per_s": None,
+    "event_delay_s": 0.0,
+    "decode_tokens_per_s": 1.0,
+}
+
+
+async def replay(
+    path: Path, policy: PolicyName = "round_robin", time_scale: float = 1.0, **cluster: Any
+) -> RunRecord:
+    settings = ReplaySettings(
+        trace=str(path),
+        policies=(policy,),
+        arrivals="burst",
+        time_scale=time_scale,
+        cluster=ClusterModel(**{**QUIET, **cluster}),
+    )
+    trace = read_trace(path, block_size=4)
+    stats = trace_stats(trace)
+    resolved = resolve(
+        settings.cluster,
+        block_size=trace.block_size,
+        unique_blocks=stats.unique_blocks,
+        offered_tokens_per_s=stats.offered_tokens_per_s,
+    )
+    return await Simulation(trace, settings, resolved, policy).run()
+
+
+async def test_a_repeated_prefix_hits_and_prefills_only_the_rest(tmp_path: Path) -> None:
+    path = write_trace(tmp_path / "t.jsonl", [row(0, 9, [1, 2, 3]), row(10_000, 9, [1, 2, 4])])
+    record = await replay(path, pods=1, capacity_blocks=8, prefill_tokens_per_s=4.0)
+    assert record.cached == [0, 8]
+    assert record.ttft == pytest.approx([9 / 4, 1 / 4])
+    assert record.queue == [0.0, 0.0]
+    assert record.done == pytest.approx([9 / 4 + 3, 10 + 1 / 4 + 3])
+    summary = summarize(record, bucket_s=60)
+    assert summary["hit_rate"] == pytest.approx(8 / 18)
+    assert summary["index"]["stored"] == 2
+    assert summary["throughput_tok_s"] == pytest.approx(8 / (10 + 0.25 + 3))
+
+
+async def test_requests_queue_behind_the_steps_of_earlier_ones(tmp_path: Path) -> None:
+    rows = [row(0, 8, [1, 2]), row(0, 8, [3, 4])]
+    path = write_trace(tmp_path / "t.jsonl", rows)
+    chunked = await replay(
+        path, pods=1, capacity_blocks=8, prefill_tokens_per_s=4.0, max_batch_tokens=4
+    )
+    assert chunked.queue == [0.0, 2.0]
+    assert chunked.prefill == [2.0, 2.0]
+    assert chunked.ttft == [2.0, 4.0]
+    batched = await replay(
+        path,
+        pods=1,
+        capacity_blocks=8,
+        prefill_tokens_per_s=4.0,
+        max_batch_tokens=16,
+        prefill_overhead_s=0.5,
+    )
+    assert batched.queue == [0.0, 0.0]
+    assert batched.ttft == [5.0, 5.0]
+
+
+async def test_evicted_blocks_stop_hitting_and_leave_the_index(tmp_path: Path) -> None:
+    rows = [row(0, 8, [1, 2]), row(10_000, 8, [3, 4]), row(20_000, 8, [1, 5])]
+    path = write_trace(tmp_path / "t.jsonl", rows)
+    record = await replay(path, pods=1, capacity_blocks=2, prefill_tokens_per_s=100.0)
+    assert record.cached == [0, 0, 0]
+    assert record.pods[0].evicted_blocks == 4
+    assert record.index == {
+        "stored": 6,
+        "removed": 4,
+        "orphans": 0,
+        "partial": 0,
+        "over_capacity": 0,
+        "invalid": 0,
+    }
+
+
+async def test_the_prefix_policy_sees_a_pod_s_blocks_only_after_the_event_delay(
+    tmp_path: Path,
+) -> None:
+    rows = [row(0, 9, [1, 2, 3]), row(1_000, 9, [1, 2, 4])]
+    path = write_trace(tmp_path / "t.jsonl", rows)
+    kwargs: dict[str, Any] = {"pods": 4, "capacity_blocks": 8, "prefill_tokens_per_s": 100.0}
+    prompt = await replay(path, "prefix", event_delay_s=0.5, **kwargs)
+    assert prompt.expected_hit == [0, 8]
+    assert prompt.cached == [0, 8]
+    assert prompt.worker[1] == prompt.worker[0]
+    late = await replay(path, "prefix", event_delay_s=5.0, **kwargs)
+    assert late.expected_hit == [0, 0]
+
+
+@pytest.mark.parametrize("name", ALL_POLICIES)
+def test_every_policy_replayed_is_the_gateway_s_own_object(
+    name: PolicyName, tmp_path: Path
+) -> None:
+    settings = ReplaySettings(trace=str(tmp_path / "unused.jsonl"))
+    prefill, decode = make_policies(settings, name)
+    expected = gateway_policies.build_policy(name, Random(0))
+    assert type(prefill) is type(expected)
+    assert type(prefill).__module__.startswith("gateway.policies.")
+    assert prefill.name == name
+    assert type(decode) is gateway_policies.PowerOfTwoPolicy
+
+
+async def test_the_simulation_routes_every_request_through_the_policy_it_built(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    built: list[tuple[str, list[str]]] = []
+
+    def spying_build(name: PolicyName, rng: Random, **kwargs: Any) -> gateway_policies.Policy:
+        policy = gateway_policies.build_policy(name, rng, **kwargs)
+        choices: list[str] = []
+        built.append((name, choices))
+        real = policy.choose
+
+        def choose(
+            request: gateway_policies.RouteRequest,
+            candidates: Any,
+        ) -> gateway_policies.Choice:
+            choice = real(request, candidates)
+            choices.append(choice.worker)
+            return choice
+
+        policy.choose = choose  # type: ignore[method-assign]
+        return policy
+
+    monkeypatch.setattr(sim_module, "build_policy", spying_build)
+    rows = [row(i * 100, 8, [i, 50 + i]) for i in range(6)]
+    record = await replay(
+        write_trace(tmp_path / "t.jsonl", rows),
+        "cache_aware",
+        pods=3,
+        capacity_blocks=8,
+        prefill_tokens_per_s=100.0,
+    )
+    assert [name for name, _ in built] == ["cache_aware", "power_of_two"]
+    assert built[0][1] == record.worker
+    assert len(built[1][1]) == 6
+
+
+async def test_the_time_scale_changes_the_clock_not_the_results(tmp_path: Path) -> None:
+    rows = [row(i * 700, 13 + i % 4, [i % 3, 10 + i % 5, 20 + i, 30 + i]) for i in range(12)]
+    path = write_trace(tmp_path / "t.jsonl", rows)
+    kwargs: dict[str, Any] = {
+        "pods": 2,
+        "capacity_blocks": 3,
+        "prefill_tokens_per_s": 8.0,
+        "prefill_overhead_s": 0.1,
+        "event_delay_s": 0.3,
+        "kv_transfer_tokens_per_s": 50.0,
+    }
+    base = summarize(await replay(path, "prefix", **kwargs), bucket_s=60)
+    fast = summarize(await replay(path, "prefix", time_scale=0.01, **kwargs), bucket_s=60)
+    for key in ("hit_rate", "ttft_mean_s", "ttft_p90_s", "throughput_tok_s", "makespan_s"):
+        assert fast[key] == pytest.approx(base[key]), key
+
+
+async def test_the_pod_steps_exactly_like_the_engine_s_prefill_scheduler() -> None:
+    sizes = [5000, 12000, 300, 9000, 8192]
+    now = [0.0]
+
+    async def sleep(seconds: float) -> None:
+        now[0] += seconds
+        await asyncio.sleep(0)
+
+    engine = PrefillScheduler(
+        PrefillModel(tokens_per_s=1000.0, per_request_overhead_s=0.005, max_batch_tokens=8192),
+        clock=lambda: now[0],
+        sleep=sleep,
+    )
+    engine.start()
+    try:
+        timings = await asyncio.gather(*(engine.run(size) for size in sizes))
+    finally:
+        await engine.stop()
+    pod = PrefillPod(
+        "p",
+        PagedKVCache(16, 10_000),
+        StepModel(tokens_per_s=1000.0, overhead_s=0.005, max_batch_tokens=8192),
+        index_model="m",
+    )
+    jobs = [pod.admit(i, [i * 7 + 1] * size, 0.0) for i, size in enumerate(sizes)]
+    ends: dict[int, float] = {}
+    end = pod.start_step(0.0)
+    while end is not None:
+        for done in pod.end_step(end):
+            ends[done.job.request] = done.end
+        end = pod.start_step(end)
+    for job, timing in zip(jobs, timings, strict=True):
+        assert job.started is not None
+        assert job.started - job.arrived == pytest.approx(timing.queue_s)
+        assert ends[job.request] - job.started == pytest.approx(timing.prefill_s)

@@ -160,23 +160,29 @@ class KVEventPublisher:
         return self._seq
 
     async def start(self) -> None:
+        """Bind or connect the sockets; on a bind error nothing stays open."""
         pub = self._ctx.socket(zmq.PUB)
         pub.setsockopt(zmq.SNDHWM, self.settings.hwm)
         pub.setsockopt(zmq.LINGER, 0)
-        endpoint = self.settings.endpoint
-        if endpoint_binds(endpoint):
-            pub.bind(endpoint)
-            self.bound_endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
-        else:
-            pub.connect(endpoint)
         self._pub = pub
+        endpoint = self.settings.endpoint
+        try:
+            if endpoint_binds(endpoint):
+                pub.bind(endpoint)
+                self.bound_endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+            else:
+                pub.connect(endpoint)
+            if self.settings.replay_endpoint is not None:
+                replay = self._ctx.socket(zmq.ROUTER)
+                replay.setsockopt(zmq.LINGER, 0)
+                self._replay = replay
+                replay.bind(self.settings.replay_endpoint)
+                self.bound_replay_endpoint = replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        except zmq.ZMQError:
+            await self.stop()
+            raise
         self._tasks.append(asyncio.create_task(self._send_loop(), name="kv-events-pub"))
-        if self.settings.replay_endpoint is not None:
-            replay = self._ctx.socket(zmq.ROUTER)
-            replay.setsockopt(zmq.LINGER, 0)
-            replay.bind(self.settings.replay_endpoint)
-            self.bound_replay_endpoint = replay.getsockopt_string(zmq.LAST_ENDPOINT)
-            self._replay = replay
+        if self._replay is not None:
             self._tasks.append(asyncio.create_task(self._replay_loop(), name="kv-events-replay"))
 
     async def stop(self) -> None:

@@ -68,6 +68,15 @@ def _rank_endpoint(base: str, rank: int, first_bound: str | None) -> str:
     return offset_endpoint(base, rank)
 
 
+def _has_free_port(*endpoints: str | None) -> bool:
+    return any(
+        e is not None and e.startswith("tcp://") and endpoint_port(e) == 0 for e in endpoints
+    )
+
+
+_PORT_TRIES = 20
+
+
 class EngineProcess:
     """Owns everything one `globalkv engine` process runs, and closes it in reverse."""
 
@@ -171,45 +180,17 @@ class EngineProcess:
             per_request_overhead_s=latency.prefill_overhead_ms / 1000,
             max_batch_tokens=latency.max_batch_tokens,
         )
-        ranks: list[DPRank] = []
-        pub_base: str | None = None
-        replay_base: str | None = None
-        for index in range(config.dp):
-            publisher = None
-            if events.endpoint is not None:
-                replay = events.replay_endpoint
-                publisher = KVEventPublisher(
-                    PublisherSettings(
-                        endpoint=_rank_endpoint(events.endpoint, index, pub_base),
-                        replay_endpoint=None
-                        if replay is None
-                        else _rank_endpoint(replay, index, replay_base),
-                        topic=topic,
-                        flavor=events.format,
-                        dp_rank=index,
-                        buffer_steps=events.buffer_steps,
-                        hwm=events.hwm,
-                    ),
-                    context,
-                    self.metrics,
-                    drop=self.faults.drop_event_batch,
-                )
-                await publisher.start()
-                self._stack.push_async_callback(publisher.stop)
-                if index == 0:
-                    pub_base, replay_base = (
-                        publisher.bound_endpoint,
-                        publisher.bound_replay_endpoint,
-                    )
-            ranks.append(
-                DPRank(
-                    index=index,
-                    cache=PagedKVCache(config.page_size, config.kv_capacity),
-                    scheduler=PrefillScheduler(model),
-                    publisher=publisher,
-                    metrics=self.metrics,
-                )
+        publishers = await self._start_publishers(context, topic)
+        ranks = [
+            DPRank(
+                index=index,
+                cache=PagedKVCache(config.page_size, config.kv_capacity),
+                scheduler=PrefillScheduler(model),
+                publisher=publishers[index] if publishers else None,
+                metrics=self.metrics,
             )
+            for index in range(config.dp)
+        ]
         rank_ids = [
             RankId(dp, tp, pp)
             for dp in range(config.dp)
@@ -231,6 +212,53 @@ class EngineProcess:
             metrics=self.metrics,
             writer=self.writer,
         )
+
+    async def _start_publishers(
+        self, context: zmq.asyncio.Context, topic: str
+    ) -> list[KVEventPublisher]:
+        """One publisher per DP rank on port + rank; with port 0, retried until rank 0's
+        free port is followed by free ones for the other ranks."""
+        events = self.config.kv_events
+        if events.endpoint is None:
+            return []
+        for _ in range(_PORT_TRIES):
+            started: list[KVEventPublisher] = []
+            pub_base: str | None = None
+            replay_base: str | None = None
+            try:
+                for index in range(self.config.dp):
+                    replay = events.replay_endpoint
+                    publisher = KVEventPublisher(
+                        PublisherSettings(
+                            endpoint=_rank_endpoint(events.endpoint, index, pub_base),
+                            replay_endpoint=None
+                            if replay is None
+                            else _rank_endpoint(replay, index, replay_base),
+                            topic=topic,
+                            flavor=events.format,
+                            dp_rank=index,
+                            buffer_steps=events.buffer_steps,
+                            hwm=events.hwm,
+                        ),
+                        context,
+                        self.metrics,
+                        drop=self.faults.drop_event_batch,
+                    )
+                    started.append(publisher)
+                    await publisher.start()
+                    if index == 0:
+                        pub_base = publisher.bound_endpoint
+                        replay_base = publisher.bound_replay_endpoint
+            except zmq.ZMQError as exc:
+                for publisher in started:
+                    await publisher.stop()
+                if not _has_free_port(events.endpoint, events.replay_endpoint):
+                    raise OSError(f"cannot bind KV-event sockets: {exc}") from None
+                continue
+            for publisher in started:
+                self._stack.push_async_callback(publisher.stop)
+            return started
+        raise OSError(f"no {self.config.dp} consecutive free ports for KV events")
 
     def _decode(
         self, context: zmq.asyncio.Context, client: httpx.AsyncClient, advertise: str, pod: str

@@ -254,3 +254,26 @@ def test_dp_rank_offsets_the_port_or_suffixes_the_name() -> None:
         endpoint_port("tcp://host")
     with pytest.raises(ValueError, match="not a tcp"):
         endpoint_port("ipc:///tmp/x")
+
+
+async def test_a_taken_port_fails_start_and_leaves_nothing_bound(
+    context: zmq.asyncio.Context, registry: CollectorRegistry
+) -> None:
+    first = Harness(context, registry).publisher
+    await first.start()
+    assert first.bound_endpoint is not None
+    settings = PublisherSettings(
+        endpoint="tcp://*:0",
+        replay_endpoint=first.bound_endpoint.replace("0.0.0.0", "127.0.0.1"),
+        topic=TOPIC,
+        flavor="sglang",
+        dp_rank=0,
+    )
+    second = KVEventPublisher(settings, context, EngineMetrics(CollectorRegistry()))
+    with pytest.raises(zmq.ZMQError):
+        await second.start()
+    assert second.next_seq == 0
+    third = KVEventPublisher(settings, context, EngineMetrics(CollectorRegistry()))
+    await first.stop()
+    await third.start()
+    await third.stop()

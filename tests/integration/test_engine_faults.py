@@ -1,0 +1,140 @@
+"""Every stage of a disaggregated request can fail, and the failure names its stage."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.enginesim.cluster import EngineProc, engines, pd_body, pd_request, start_engine
+from tests.support.net import free_port
+from tests.support.procs import Proc
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def decode() -> Iterator[EngineProc]:
+    with engines(
+        (
+            "decode",
+            [
+                "--bootstrap-retry-interval",
+                "0.05",
+                "--bootstrap-max-tries",
+                "3",
+                "--connect-timeout",
+                "2",
+                "--transfer-timeout",
+                "5",
+            ],
+        )
+    ) as (engine,):
+        yield engine
+
+
+def error_of(response: httpx.Response) -> dict[str, str]:
+    error: dict[str, str] = response.json()["error"]
+    return error
+
+
+@pytest.mark.parametrize(
+    ("fault", "reason", "text"),
+    [
+        ("--fault-wrong-room-rate", "mismatch", "bootstrap_room mismatch"),
+        ("--fault-unready-room-rate", "not_ready", "not ready (bootstrap_room=0)"),
+    ],
+)
+async def test_decode_catches_a_bad_room_in_the_kv_metadata(
+    decode: EngineProc, fault: str, reason: str, text: str
+) -> None:
+    with engines(("prefill", [fault, "1"])) as (prefill,):
+        before = decode.metric("globalkv_engine_room_check_failures_total", {"reason": reason})
+        body = pd_body(prefill, 4242, text="a prompt", sampling_params={"max_new_tokens": 2})
+        prefill_answer, decode_answer = await pd_request(prefill, decode, "/generate", body)
+    assert prefill_answer.status_code == 200
+    assert decode_answer.status_code == 500
+    error = error_of(decode_answer)
+    assert error["stage"] == "room"
+    assert text in error["message"]
+    assert "bootstrap_room=4242" in error["message"]
+    after = decode.metric("globalkv_engine_room_check_failures_total", {"reason": reason})
+    assert after == before + 1
+    assert decode.metric("globalkv_engine_request_failures_total", {"stage": "room"}) >= 1
+
+
+def test_incomplete_directory_fails_the_decode_at_the_register_stage(
+    decode: EngineProc,
+) -> None:
+    port = free_port()
+    directory = Proc.globalkv("bootstrap", "--host", "127.0.0.1", "--port", str(port), name="dir")
+    try:
+        directory.wait_http(f"http://127.0.0.1:{port}/health")
+        only_rank_0_of_2 = {
+            "attn_tp_size": 2, "attn_tp_rank": 0, "attn_cp_size": 1, "attn_cp_rank": 0,
+            "attn_dp_size": 1, "attn_dp_rank": 0, "pp_size": 1, "pp_rank": 0,
+            "system_dp_size": 1, "system_dp_rank": 0, "rank_ip": "127.0.0.1",
+            "rank_port": free_port(), "page_size": 16, "kv_cache_dtype": "auto",
+        }  # fmt: skip
+        put = httpx.put(f"http://127.0.0.1:{port}/route", json=only_rank_0_of_2)
+        assert put.status_code == 200
+        body = {
+            "text": "hi",
+            "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": port,
+            "bootstrap_room": 7,
+        }
+        answer = httpx.post(f"{decode.url}/generate", json=body, timeout=30)
+    finally:
+        directory.stop()
+    assert answer.status_code == 500
+    error = error_of(answer)
+    assert error["stage"] == "register"
+    assert f"127.0.0.1:{port}" in error["message"]
+    assert "not fully registered yet (1 workers registered)" in error["message"], error
+
+
+async def test_failed_prefill_fails_its_decode_at_once_with_the_reason(decode: EngineProc) -> None:
+    with engines(("prefill", ["--fault-fail-rate", "1"])) as (prefill,):
+        body = pd_body(prefill, 5151, text="doomed", sampling_params={"max_new_tokens": 2})
+        prefill_answer, decode_answer = await pd_request(prefill, decode, "/generate", body)
+        assert (
+            prefill.metric("globalkv_engine_faults_injected_total", {"kind": "fail_request"}) == 1
+        )
+    assert prefill_answer.status_code == 500
+    assert error_of(prefill_answer)["stage"] == "fault"
+    assert decode_answer.status_code == 500
+    error = error_of(decode_answer)
+    assert error["stage"] in {"connect", "transfer"}
+    assert "injected failure" in error["message"]
+
+
+def test_prefill_without_a_decode_fails_at_the_handshake_stage() -> None:
+    prefill = start_engine("prefill", "--handshake-timeout", "0.3")
+    try:
+        body = pd_body(prefill, 99, text="alone")
+        answer = httpx.post(f"{prefill.url}/generate", json=body, timeout=10)
+        failures = prefill.metric("globalkv_engine_request_failures_total", {"stage": "handshake"})
+    finally:
+        prefill.stop()
+    assert failures == 1
+    assert answer.status_code == 500
+    error = error_of(answer)
+    assert error["stage"] == "handshake"
+    assert "no decode handshake for bootstrap_room 99" in error["message"]
+
+
+async def test_dead_prefill_ranks_fail_the_connect_stage(decode: EngineProc) -> None:
+    prefill = start_engine("prefill", "--keepalive-interval", "60")
+    body = pd_body(prefill, 31337, text="warm the resolver cache")
+    _, decode_ok = await pd_request(prefill, decode, "/generate", body)
+    assert decode_ok.status_code == 200
+    prefill.proc.kill()
+    async with httpx.AsyncClient(timeout=30) as client:
+        answer = await client.post(f"{decode.url}/generate", json={**body, "bootstrap_room": 31338})
+    prefill.stop()
+    assert answer.status_code == 500
+    error = error_of(answer)
+    assert error["stage"] == "connect"
+    assert "no answer for bootstrap_room 31338" in error["message"]

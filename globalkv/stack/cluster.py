@@ -202,7 +202,11 @@ class LocalCluster:
                 for s in self.components
             ],
         }
-        (self.run_dir / "cluster.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        # Written whole, then renamed: its appearance is the readiness signal others watch.
+        path = self.run_dir / "cluster.json"
+        partial = path.with_suffix(".json.partial")
+        partial.write_text(json.dumps(manifest, indent=2) + "\n")
+        os.replace(partial, path)
 
     # ------------------------------------------------------------------ views
 

@@ -266,4 +266,5 @@ def _parse_quietly(argv: Sequence[str]) -> argparse.Namespace:
             return parse(argv, {})
     except SystemExit:
         lines = [line for line in errors.getvalue().splitlines() if line.strip()]
-        raise ValueError(lines[-1] if lines else "invalid arguments") from None
+        message = lines[-1].partition(": error: ")[2] or lines[-1] if lines else ""
+        raise ValueError(message or "invalid arguments") from None

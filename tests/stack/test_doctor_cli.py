@@ -1,0 +1,49 @@
+"""`globalkv doctor` arguments, the run directory of `up`, and exit statuses."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from globalkv.cli import main
+from tests.support.net import free_port
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([], "give --gateway and/or --indexer"),
+        (["--gateway", "ftp://gw:1"], "gateway: Value error, 'ftp://gw:1' is not an http(s) URL"),
+        (["--indexer", "http://ix:1", "--timeout", "0"], "timeout"),
+    ],
+)
+def test_check_refuses_unusable_arguments(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--check", "doctor", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_check_takes_a_run_directory_without_reading_it() -> None:
+    assert main(["--check", "doctor", "--run-dir", "/nonexistent"]) == 0
+
+
+def test_a_run_directory_without_its_manifest_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["doctor", "--run-dir", str(tmp_path)]) == 2
+    assert "cannot read" in capsys.readouterr().err
+
+
+def test_a_cluster_that_does_not_answer_exits_1_naming_the_gateway(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    gateway = f"http://127.0.0.1:{free_port()}"
+    (tmp_path / "cluster.json").write_text(json.dumps({"gateway_url": gateway}))
+    assert main(["doctor", "--run-dir", str(tmp_path), "--json", "--timeout", "2"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["first_failing_stage"] == "gateway"
+    gateway_stage = report["stages"][0]
+    assert gateway_stage["findings"][0]["message"].startswith(f"{gateway}/health unreachable")

@@ -154,18 +154,20 @@ class RedisIndex:
     async def lookup(self, keys: Sequence[BlockKey]) -> list[Hit]:
         if not keys:
             return []
-        names = self.keys.chain(keys)
+        head, digits = self.keys.chain(keys)
         with _reachable("looking up"):
             try:
-                rows, live = await self._lookup_round_trip(names)
+                rows, live = await self._lookup_round_trip(head, digits)
             except redis_errors.NoScriptError:
                 await self._redis.script_load(_LOOKUP.source)
-                rows, live = await self._lookup_round_trip(names)
+                rows, live = await self._lookup_round_trip(head, digits)
         return ranked(self._hits(rows, live))
 
-    async def _lookup_round_trip(self, names: list[str]) -> tuple[list[int], dict[bytes, bytes]]:
+    async def _lookup_round_trip(
+        self, head: str, digits: str
+    ) -> tuple[list[int], dict[bytes, bytes]]:
         pipe = self._redis.pipeline(transaction=False)
-        pipe.evalsha(_LOOKUP.sha, len(names), *names)
+        pipe.evalsha(_LOOKUP.sha, 1, head + digits[:16], head, digits)
         pipe.hgetall(self.keys.live)
         rows, live = await pipe.execute()
         return rows, live
@@ -174,8 +176,9 @@ class RedisIndex:
         i, end = 0, len(rows)
         while i < end:
             gen, pairs = rows[i], rows[i + 1]
-            flat = rows[i + 2 : i + 2 + 2 * pairs]
-            counts = dict(zip(flat[::2], flat[1::2], strict=True))
+            counts: dict[int, int] = {}
+            for j in range(i + 2, i + 2 + 2 * pairs, 2):
+                counts[rows[j]] = counts.get(rows[j], 0) + rows[j + 1]
             i += 2 + 2 * pairs
             name = live.get(b"%d" % gen)
             if name is not None:

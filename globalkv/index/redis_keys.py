@@ -19,6 +19,7 @@ Per source (one generation per source life; a reset or clear starts a new one):
 from __future__ import annotations
 
 import re
+import struct
 from collections.abc import Sequence
 
 from globalkv.index.base import Source
@@ -47,10 +48,13 @@ class RedisKeys:
     def block(self, root: BlockKey, key: BlockKey) -> str:
         return f"{self.block_prefix}{{{root:016x}}}{key:016x}"
 
-    def chain(self, keys: Sequence[BlockKey]) -> list[str]:
-        """Names of a looked-up chain's keys, all tagged by its first block."""
-        head = f"{self.block_prefix}{{{keys[0]:016x}}}"
-        return [f"{head}{key:016x}" for key in keys]
+    def chain(self, keys: Sequence[BlockKey]) -> tuple[str, str]:
+        """A looked-up chain as (head, digits): key i is named head + digits[16i:16i+16].
+
+        The same names as `block(keys[0], key)`, built once as one string, because a
+        lookup sends hundreds of them and per-name formatting is most of its Python cost.
+        """
+        return f"{self.block_prefix}{{{keys[0]:016x}}}", struct.pack(f">{len(keys)}Q", *keys).hex()
 
     def blocks(self, gen: int) -> str:
         return f"{self.prefix}:index:gen:{gen}:blocks"

@@ -146,16 +146,14 @@ def _build(
     ]
 
 
-def _split(items: Sequence[Any], what: str) -> tuple[list[list[int]], list[str], bool]:
-    """A prompt field's items as token lists, texts, and whether it was a list of prompts."""
+def _split(items: Sequence[Any]) -> tuple[list[list[int]], list[str], bool]:
+    """A validated prompt field (all ids, all texts or all id lists) as token lists, texts,
+    and whether it was a list of prompts."""
     lists = [item for item in items if isinstance(item, list)]
     texts = [item for item in items if isinstance(item, str)]
-    ids = [item for item in items if isinstance(item, int)]
-    if sum(1 for kind in (lists, texts, ids) if kind) > 1:
-        raise BadRequest(f"{what} mixes token ids, token lists and texts")
-    if ids or not items:
-        return [ids], [], False
-    return lists, texts, True
+    if lists or texts:
+        return lists, texts, True
+    return [list(items)], [], False
 
 
 def _sample_rids(rid: str | None, count: int) -> list[str | None]:
@@ -168,7 +166,7 @@ def generate_prompts(body: GenerateRequest, tokenizer: Tokenizer, default_new: i
     if (body.text is None) == (body.input_ids is None):
         raise BadRequest("give exactly one of text and input_ids")
     if body.input_ids is not None:
-        token_lists, _, batch = _split(body.input_ids, "input_ids")
+        token_lists, _, batch = _split(body.input_ids)
     elif isinstance(body.text, list):
         token_lists, batch = [tokenizer.encode(text) for text in body.text], True
     else:
@@ -186,7 +184,7 @@ def completion_prompts(body: CompletionRequest, tokenizer: Tokenizer) -> list[Pr
     if isinstance(body.prompt, str):
         token_lists = [tokenizer.encode(body.prompt)]
     else:
-        token_lists, texts, _ = _split(body.prompt, "prompt")
+        token_lists, texts, _ = _split(body.prompt)
         if texts:
             token_lists = [tokenizer.encode(text) for text in texts]
     samples = [ids for ids in token_lists for _ in range(body.n)]

@@ -1,0 +1,214 @@
+"""The HTTP surface over a scripted engine: shapes, streaming, errors, cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry
+
+from enginesim.app import create_app
+from enginesim.engine import EngineError, Generation, Prompt
+from enginesim.metrics import EngineMetrics
+from enginesim.textgen import ReplyWriter
+from globalkv.tokenize import ByteTokenizer
+
+TOKENIZER = ByteTokenizer()
+WRITER = ReplyWriter(TOKENIZER)
+
+
+async def tokens(ids: list[int]) -> AsyncIterator[int]:
+    for token in ids:
+        await asyncio.sleep(0)
+        yield token
+
+
+class ScriptedEngine:
+    """Answers from the prompt: a `fail` token fails it, a `hang` token never returns."""
+
+    role = "prefill"
+
+    def __init__(self) -> None:
+        self.seen: list[Prompt] = []
+        self.cancelled = 0
+        self.restarts = 0
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None
+
+    async def generate(self, prompt: Prompt) -> Generation:
+        self.seen.append(prompt)
+        if ord("!") in prompt.input_ids:
+            raise EngineError("room", "bootstrap_room mismatch")
+        if ord("~") in prompt.input_ids:
+            try:
+                await asyncio.Event().wait()
+            finally:
+                self.cancelled += 1
+        output = WRITER.tokens(prompt.max_new_tokens)
+        return Generation(
+            prompt_tokens=len(prompt.input_ids),
+            cached_tokens=2,
+            tokens=tokens(output),
+            finish_length=len(output),
+            meta={"prefill_ms": 1.5},
+        )
+
+    def server_info(self) -> dict[str, Any]:
+        return {"disaggregation_mode": "prefill", "kv_events": None}
+
+    async def restart(self) -> None:
+        self.restarts += 1
+
+    async def flush_cache(self) -> None:
+        return None
+
+
+@pytest.fixture
+def engine() -> ScriptedEngine:
+    return ScriptedEngine()
+
+
+@pytest.fixture
+def registry() -> CollectorRegistry:
+    return CollectorRegistry()
+
+
+@pytest.fixture
+async def client(
+    engine: ScriptedEngine, registry: CollectorRegistry
+) -> AsyncIterator[httpx.AsyncClient]:
+    app = create_app(
+        engine,
+        tokenizer=TOKENIZER,
+        writer=WRITER,
+        metrics=EngineMetrics(registry),
+        max_new_tokens=3,
+        model="sim",
+        server_info=lambda: {"pod_id": "p", "dp_size": 1},
+    )
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://engine") as http:
+        yield http
+
+
+def sse_payloads(text: str) -> list[Any]:
+    lines = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+async def test_generate_answers_in_sglang_shape(client: httpx.AsyncClient) -> None:
+    answer = (await client.post("/generate", json={"text": "hello"})).json()
+    assert answer["text"] == WRITER.text(WRITER.tokens(3))
+    assert answer["output_ids"] == WRITER.tokens(3)
+    meta = answer["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 3}
+    assert (meta["prompt_tokens"], meta["completion_tokens"], meta["cached_tokens"]) == (6, 3, 2)
+    assert meta["prefill_ms"] == 1.5
+
+
+async def test_batch_generate_answers_a_list_with_indexes(client: httpx.AsyncClient) -> None:
+    answer = (await client.post("/generate", json={"input_ids": [[1, 2], [3]]})).json()
+    assert [a["index"] for a in answer] == [0, 1]
+    assert [a["meta_info"]["prompt_tokens"] for a in answer] == [2, 1]
+
+
+async def test_streamed_generate_text_is_cumulative(client: httpx.AsyncClient) -> None:
+    response = await client.post("/generate", json={"text": "hello", "stream": True})
+    chunks = sse_payloads(response.text)
+    assert [c["text"] for c in chunks][-1] == WRITER.text(WRITER.tokens(3))
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+
+
+async def test_completion_usage_counts_cached_tokens_once_per_prompt(
+    client: httpx.AsyncClient,
+) -> None:
+    body = {"prompt": ["ab", "cd"], "n": 2, "max_tokens": 2}
+    answer = (await client.post("/v1/completions", json=body)).json()
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2, 3]
+    assert answer["usage"] == {
+        "prompt_tokens": 6,
+        "completion_tokens": 8,
+        "total_tokens": 14,
+        "prompt_tokens_details": {"cached_tokens": 4},
+    }
+
+
+async def test_streamed_chat_sends_deltas_then_usage(client: httpx.AsyncClient) -> None:
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": 4,
+    }
+    chunks = sse_payloads((await client.post("/v1/chat/completions", json=body)).text)
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert deltas[0]["role"] == "assistant"
+    assert "".join(d["content"] for d in deltas) == WRITER.text(WRITER.tokens(4))
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 2}
+
+
+async def test_engine_error_answers_its_status_and_stage(
+    client: httpx.AsyncClient, registry: CollectorRegistry
+) -> None:
+    answer = await client.post("/generate", json={"text": "bad!"})
+    assert answer.status_code == 500
+    assert answer.json()["error"]["stage"] == "room"
+    assert answer.json()["error"]["message"] == "bootstrap_room mismatch"
+    openai = await client.post("/v1/completions", json={"prompt": "bad!"})
+    assert openai.json()["object"] == "error"
+    assert openai.json()["stage"] == "room"
+    failures = registry.get_sample_value(
+        "globalkv_engine_request_failures_total", {"stage": "room"}
+    )
+    assert failures == 2
+
+
+async def test_first_failure_cancels_the_other_prompts_of_the_request(
+    client: httpx.AsyncClient, engine: ScriptedEngine
+) -> None:
+    answer = await client.post("/generate", json={"text": ["wait~", "bad!"]})
+    assert answer.status_code == 500
+    assert engine.cancelled == 1
+
+
+async def test_malformed_bodies_answer_422_naming_the_field(client: httpx.AsyncClient) -> None:
+    answer = await client.post("/generate", json={"text": "a", "bootstrap_room": "x"})
+    assert answer.status_code == 422
+    assert "bootstrap_room" in answer.json()["error"]["message"]
+    answer = await client.post("/v1/chat/completions", json={"messages": []})
+    assert answer.status_code == 422
+    assert "messages" in answer.json()["message"]
+    answer = await client.post("/v1/chat/completions", json={"messages": [{"content": "x"}]})
+    assert answer.status_code == 400
+    assert "role" in answer.json()["message"]
+
+
+async def test_info_endpoints_and_restart(
+    client: httpx.AsyncClient, engine: ScriptedEngine
+) -> None:
+    assert (await client.get("/health")).status_code == 200
+    info = (await client.get("/server_info")).json()
+    assert info == {
+        "pod_id": "p",
+        "dp_size": 1,
+        "disaggregation_mode": "prefill",
+        "kv_events": None,
+    }
+    assert (await client.get("/get_server_info")).json() == info
+    assert (await client.get("/v1/models")).json()["data"][0]["id"] == "sim"
+    assert (await client.get("/get_model_info")).json()["model_path"] == "sim"
+    assert (await client.post("/_sim/restart")).json()["restarted"] is True
+    assert engine.restarts == 1
+    metrics = (await client.get("/metrics")).text
+    assert "globalkv_engine_requests_total" in metrics

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 
+from globalkv.tokenize import load_tokenizer
 from tests.enginesim.cluster import EngineProc, engines, pd_body, pd_request
 
 pytestmark = pytest.mark.integration
@@ -137,3 +139,49 @@ async def test_bad_requests_get_4xx_with_a_message(pair: tuple[EngineProc, Engin
         )
         assert half.status_code == 400
         assert "together" in half.json()["error"]["message"]
+
+
+async def test_round_robin_prefill_registers_rooms_and_every_tp_rank_sends_kv() -> None:
+    prefill_args = ["--dp", "2", "--tp", "2", "--load-balance-method", "round_robin"]
+    with engines(("prefill", prefill_args), ("decode", ["--tp", "1"])) as (prefill, decode):
+        ranks = []
+        for room in (60, 62, 64):
+            body = pd_body(prefill, room, text="round robin", sampling_params={"max_new_tokens": 1})
+            prefill_answer, decode_answer = await pd_request(prefill, decode, "/generate", body)
+            assert decode_answer.status_code == 200, decode_answer.text
+            prefill_rank = prefill_answer.json()["meta_info"]["dp_rank"]
+            assert decode_answer.json()["meta_info"]["prefill_dp_rank"] == prefill_rank
+            ranks.append(prefill_rank)
+        assert ranks == [0, 1, 0], "even rooms, yet both DP ranks: the decode queried them"
+
+
+async def test_hugging_face_tokenizer_is_used_for_text_and_chat(tmp_path: Path) -> None:
+    tokenizer_dir = write_tokenizer(tmp_path)
+    args = ["--tokenizer", str(tokenizer_dir)]
+    with engines(("prefill", args), ("decode", args)) as (prefill, decode):
+        messages = [{"role": "user", "content": "hello world hello"}]
+        body = pd_body(prefill, 77, messages=messages, max_tokens=3)
+        _, answer = await pd_request(prefill, decode, "/v1/chat/completions", body)
+    assert answer.status_code == 200, answer.text
+    expected = load_tokenizer(str(tokenizer_dir)).apply_chat_template(messages)
+    assert answer.json()["usage"]["prompt_tokens"] == len(expected)
+    assert answer.json()["choices"][0]["message"]["content"].strip()
+
+
+def write_tokenizer(directory: Path) -> Path:
+    """A small real tokenizer.json (word level) with a chat template, built offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    core = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    words = "the quick brown fox jumps over lazy dog while prefill computes and decode streams"
+    trainer = trainers.WordLevelTrainer(special_tokens=["<unk>", "<s>", "</s>"])
+    core.train_from_iterator([words, "hello world user assistant . : , ( )"], trainer)
+    core.save(str(directory / "tokenizer.json"))
+    template = (
+        "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} . {% endfor %}"
+        "{% if add_generation_prompt %}assistant : {% endif %}"
+    )
+    config = {"bos_token": "<s>", "eos_token": "</s>", "chat_template": template}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory

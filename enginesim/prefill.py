@@ -229,6 +229,7 @@ class PrefillEngine:
         async for token in paced(output, self.config.latency.decode_tokens_per_s):
             yield token
         rank.commit(rank.cache.insert([*prompt.input_ids, *output]))
+        await rank.drain()
 
     async def _disaggregated(
         self, prompt: Prompt, bootstrap: Bootstrap, rank: DPRank

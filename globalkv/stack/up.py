@@ -56,13 +56,18 @@ def register(subparsers: Any) -> None:
     add("--tokenizer", default=defaults.tokenizer, help="'byte', tokenizer.json or model dir")
     add("--policy", choices=POLICIES, help="the gateway's prefill policy (default: prefix)")
     add("--kv-capacity", type=int, help="KV pages per prefill DP rank")
-    for role in ("prefill", "decode", "gateway", "indexer"):
+    for role, whom in (
+        ("prefill", "every prefill engine"),
+        ("decode", "every decode engine"),
+        ("gateway", "the gateway"),
+        ("indexer", "the indexer"),
+    ):
         add(
             f"--{role}-args",
             action="append",
             default=[],
             metavar="ARGS",
-            help=f"extra flags for every {role}, one shell-quoted string (repeatable)",
+            help=f"extra flags for {whom}, as one string (repeatable); they override up's",
         )
     add(
         "--health-check-interval",

@@ -1,0 +1,58 @@
+"""The reference docs cannot drift from the code they describe.
+
+docs/configuration.md must list every flag of every `globalkv` command in that command's
+section, with the environment variable the dispatcher reads for it; docs/operations.md
+must name every Prometheus metric the packages define.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from globalkv.cli import build_parser, env_var_name
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGURATION = (ROOT / "docs" / "configuration.md").read_text()
+OPERATIONS = (ROOT / "docs" / "operations.md").read_text()
+_, COMMANDS = build_parser()
+
+
+def _section(command: str) -> str:
+    match = re.search(
+        rf"^### `globalkv {command}`\n(.*?)(?=^#{{2,3}} |\Z)", CONFIGURATION, re.S | re.M
+    )
+    assert match is not None, f"docs/configuration.md has no section for globalkv {command}"
+    return match.group(1)
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_flag_is_documented_with_its_variable(command: str) -> None:
+    rows = {
+        line.split("|")[1].strip(): line
+        for line in _section(command).splitlines()
+        if line.startswith("| `--")
+    }
+    for action in COMMANDS[command]._actions:
+        longs = [o for o in action.option_strings if o.startswith("--")]
+        if not longs or longs[0] == "--help":
+            continue
+        key = f"`{' / '.join(action.option_strings)}`"
+        assert key in rows, f"globalkv {command} {longs[0]} is not in docs/configuration.md"
+        assert f"`{env_var_name(command, longs[0])}`" in rows[key]
+
+
+def test_every_metric_is_documented() -> None:
+    names = set()
+    for package in ("bootstrap", "globalkv", "gateway", "enginesim"):
+        for path in (ROOT / package).rglob("*.py"):
+            names.update(re.findall(r'"(globalkv_[a-z_]+)"', path.read_text()))
+    assert len(names) > 40
+    missing = sorted({n.removesuffix("_total") for n in names} - set(_metric_names()))
+    assert missing == [], f"metrics not in docs/operations.md: {missing}"
+
+
+def _metric_names() -> list[str]:
+    return re.findall(r"`(globalkv_[a-z_]+)`", OPERATIONS)

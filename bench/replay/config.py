@@ -25,6 +25,10 @@ Defaults and why (the Markdown report repeats the values used):
 - `event_delay_s` 10 ms between a pod caching blocks and the index seeing it (ZMQ +
   ingest on a LAN); the sensitivity study varies it.
 - `arrivals` "spread": the Mooncake trace's timestamps are rounded to ~3 s steps.
+- `max_output_tokens`: unset, every request decodes its traced output; live mode caps
+  it (16 by default on the command line) because streaming hundreds of tokens per
+  request through Python processes would load the machine and change the prefill
+  timings it measures; output length changes neither hit rate nor TTFT.
 - `time_scale`: wall seconds per trace second. Arrivals, modelled durations and delays
   are multiplied by it (rates divided), and reported times divided back, so a live run
   can replay an hour of trace in a minute and still be compared with the simulation.
@@ -98,6 +102,9 @@ class ReplaySettings(BaseModel):
     prefix: PrefixWeights = Field(default_factory=PrefixWeights)
     cache_aware: CacheAwareConfig = Field(default_factory=CacheAwareConfig)
     decode_policy: PolicyName = Field("power_of_two", description="The gateway's default.")
+    max_output_tokens: int | None = Field(
+        None, ge=1, description="Cap on each request's output tokens; None: as traced."
+    )
     oracle: bool = Field(True, description="Compute the pooled LRU and Belady lines.")
     bucket_s: float = Field(60.0, gt=0, description="Width of the hit-rate-over-time buckets.")
 
@@ -107,7 +114,15 @@ class ReplaySettings(BaseModel):
             raise ValueError("the prefix policy reads prefill caches; choose another for decode")
         if len(set(self.policies)) != len(self.policies):
             raise ValueError("a policy is listed twice")
+        if self.mode == "live":
+            if self.cluster.attention_tokens is not None:
+                raise ValueError("live mode: the emulated engines have no attention term")
+            if self.cluster.kv_transfer_tokens_per_s is not None:
+                raise ValueError("live mode: the emulated engines model no KV transfer time")
         return self
+
+    def output_tokens(self, traced: int) -> int:
+        return traced if self.max_output_tokens is None else min(traced, self.max_output_tokens)
 
 
 class ResolvedCluster(BaseModel):

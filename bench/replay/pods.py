@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from bench.replay.record import PodStats
 from enginesim.kvcache import Match, PagedKVCache
 from enginesim.publisher import wire_events
 from globalkv.index.base import Source, SourceBatch
@@ -76,9 +77,14 @@ class PrefillPod:
         self.computed_tokens = 0
         self.cached_tokens = 0
 
-    @property
-    def busy(self) -> bool:
-        return bool(self._step)
+    def stats(self) -> PodStats:
+        return PodStats(
+            pod=self.name,
+            computed_tokens=self.computed_tokens,
+            cached_tokens=self.cached_tokens,
+            evicted_blocks=self.cache.stats().evicted_pages,
+            busy_s=self.busy_s,
+        )
 
     def admit(self, request: int, tokens: Sequence[int], now: float) -> PrefillJob:
         """Match the prompt against the cache now, as the engine does on arrival."""

@@ -14,9 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.replay.pods import PrefillPod
 from gateway.policies import Choice
-from globalkv.index.base import ApplyResult
 
 _NAN = math.nan
 
@@ -33,11 +31,11 @@ class Progress:
 @dataclass(frozen=True, slots=True)
 class PodStats:
     pod: str
-    busy_s: float
     computed_tokens: int
     cached_tokens: int
     evicted_blocks: int
-    capacity_blocks: int
+    busy_s: float | None = None
+    """Simulated busy time (wall seconds); a live run does not measure it."""
 
 
 @dataclass(slots=True)
@@ -94,26 +92,9 @@ class RunRecord:
     def decoded(self, i: int, now: float) -> None:
         self.done[i] = now
 
-    def close(self, pods: Iterable[PrefillPod], totals: ApplyResult, *, wall_s: float) -> None:
-        self.pods = [
-            PodStats(
-                pod=p.name,
-                busy_s=p.busy_s,
-                computed_tokens=p.computed_tokens,
-                cached_tokens=p.cached_tokens,
-                evicted_blocks=p.cache.stats().evicted_pages,
-                capacity_blocks=p.cache.capacity,
-            )
-            for p in pods
-        ]
-        self.index = {
-            "stored": totals.stored,
-            "removed": totals.removed,
-            "orphans": totals.orphans,
-            "partial": totals.partial,
-            "over_capacity": totals.over_capacity,
-            "invalid": totals.invalid,
-        }
+    def close(self, pods: Iterable[PodStats], index: dict[str, int], *, wall_s: float) -> None:
+        self.pods = list(pods)
+        self.index = dict(index)
         self.wall_s = wall_s
 
 
@@ -122,7 +103,13 @@ def _pct(values: np.ndarray[Any, np.dtype[np.float64]], q: float) -> float:
 
 
 def summarize(record: RunRecord, bucket_s: float) -> dict[str, Any]:
-    """The per-policy JSON object; every time in trace seconds."""
+    """The per-policy JSON object; every time in trace seconds.
+
+    `hit_rate` is cached prompt tokens over prompt tokens, as the engines count them;
+    `throughput_tok_s` output tokens over the span from the first arrival to the last
+    token; `load_imbalance` the busiest prefill pod's computed (uncached) tokens over
+    the mean; `utilisation` the pods' simulated busy share of that span.
+    """
     scale = record.time_scale
     ttft = np.asarray(record.ttft, dtype=np.float64) / scale
     served = ttft[~np.isnan(ttft)]
@@ -133,8 +120,9 @@ def summarize(record: RunRecord, bucket_s: float) -> dict[str, Any]:
     finished = ~np.isnan(done)
     makespan = float(np.nanmax(done) - np.nanmin(arrival)) if finished.any() else _NAN
     output_tokens = int(np.asarray(record.output, dtype=np.int64)[finished].sum())
-    busy = np.asarray([p.busy_s for p in record.pods], dtype=np.float64) / scale
-    mean_busy = float(busy.mean()) if busy.size else 0.0
+    computed = np.asarray([p.computed_tokens for p in record.pods], dtype=np.float64)
+    mean_computed = float(computed.mean()) if computed.size else 0.0
+    busy = np.asarray([p.busy_s for p in record.pods if p.busy_s is not None]) / scale
     return {
         "policy": record.policy,
         "requests": len(record.prompt),
@@ -154,7 +142,7 @@ def summarize(record: RunRecord, bucket_s: float) -> dict[str, Any]:
         if makespan and makespan > 0
         else _NAN,
         "makespan_s": makespan,
-        "load_imbalance": float(busy.max() / mean_busy) if mean_busy > 0 else _NAN,
+        "load_imbalance": float(computed.max() / mean_computed) if mean_computed > 0 else _NAN,
         "utilisation": float(busy.sum() / (busy.size * makespan))
         if busy.size and makespan > 0
         else _NAN,

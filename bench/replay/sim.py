@@ -48,6 +48,17 @@ def decode_names(count: int) -> list[str]:
     return [f"decode-{i}" for i in range(count)]
 
 
+def index_counts(totals: ApplyResult) -> dict[str, int]:
+    return {
+        "stored": totals.stored,
+        "removed": totals.removed,
+        "orphans": totals.orphans,
+        "partial": totals.partial,
+        "over_capacity": totals.over_capacity,
+        "invalid": totals.invalid,
+    }
+
+
 def make_policies(settings: ReplaySettings, name: PolicyName) -> tuple[Policy, Policy]:
     """The gateway's own objects, seeded alike for every policy compared."""
     prefill = build_policy(
@@ -169,9 +180,9 @@ class Simulation:
                 loads.start(choice.worker, choice.uncached_tokens),
                 loads.start(decode),
                 decode,
-                req.output_length,
+                settings.output_tokens(req.output_length),
             )
-            record.routed(i, now, choice, tokens=len(tokens), output=req.output_length)
+            record.routed(i, now, choice, tokens=len(tokens), output=flights[i].output_length)
             pod = self.pods[choice.worker]
             pod.admit(i, tokens, now)
             push(now, _KICK, pod)
@@ -206,7 +217,9 @@ class Simulation:
                 loads.finish(flight.decode)
                 record.decoded(payload, now)
         record.close(
-            self.pods.values(), self.apply_totals, wall_s=time.perf_counter() - started_wall
+            [pod.stats() for pod in self.pods.values()],
+            index_counts(self.apply_totals),
+            wall_s=time.perf_counter() - started_wall,
         )
         if self.progress is not None:
             self.progress(self._progress(total, total, started_wall, arrivals))

@@ -1,0 +1,231 @@
+"""Live mode: the trace through real processes (`globalkv.stack.cluster.LocalCluster`).
+
+Per policy a fresh local stack is started (gateway, indexer, emulated prefill and decode
+engines, each a `python -m globalkv …` child) with the same capacities and rates as the
+simulation, time-scaled: the engines' rates are divided by the time scale and the
+arrivals multiplied by it. Each request is sent at its (scaled) arrival time to the
+gateway's `/generate` with `input_ids` (the deterministic expansion) and `stream: true`;
+TTFT is measured at the first streamed chunk, and the cached tokens, queue and prefill
+times are read from the answer's `meta_info`, as the engines report them. After the run,
+every prefill's `/metrics` gives its computed and cached tokens and evictions.
+
+What differs from the simulation: real overheads (HTTP, JSON bodies of thousands of ids,
+ZMQ events and the indexer) that do not shrink with the time scale, and a real event
+delay instead of the modelled one. The emulated engines model neither attention's
+superlinear cost nor KV transfer time, so live mode refuses the first and the sim twin
+must be configured without them (the settings refuse a live run that has either).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.replay.config import ReplaySettings, ResolvedCluster
+from bench.replay.record import PodStats, Progress, RunRecord
+from bench.replay.tokens import expand
+from bench.replay.trace import Trace, arrival_times
+from gateway.config import PolicyName
+from gateway.policies import Choice
+from globalkv.stack.cluster import LocalCluster, StackConfig
+
+log = logging.getLogger(__name__)
+
+ProgressHook = Callable[[Progress], None]
+
+
+def _flag(value: float) -> str:
+    return repr(float(value))
+
+
+def stack_config(
+    settings: ReplaySettings, cluster: ResolvedCluster, policy: PolicyName
+) -> StackConfig:
+    """The local stack that emulates `cluster`, routing prefills with `policy`."""
+    scale = settings.time_scale
+    prefill = ["--kv-capacity", str(cluster.capacity_blocks)]
+    prefill += ["--prefill-tokens-per-s", _flag(cluster.prefill_tokens_per_s / scale)]
+    prefill += ["--prefill-overhead-ms", _flag(cluster.prefill_overhead_s * scale * 1000)]
+    prefill += ["--max-batch-tokens", str(cluster.max_batch_tokens)]
+    decode = ["--decode-tokens-per-s", _flag(cluster.decode_tokens_per_s / scale)]
+    w, ca = settings.prefix, settings.cache_aware
+    gateway = ["--prefill-policy", policy, "--decode-policy", settings.decode_policy]
+    gateway += ["--seed", str(settings.seed)]
+    gateway += ["--prefix-uncached-weight", _flag(w.uncached_weight)]
+    gateway += ["--prefix-queued-weight", _flag(w.queued_weight)]
+    gateway += ["--prefix-request-cost", _flag(w.request_cost)]
+    gateway += ["--cache-threshold", _flag(ca.cache_threshold)]
+    gateway += ["--balance-abs-threshold", str(ca.balance_abs_threshold)]
+    gateway += ["--balance-rel-threshold", _flag(ca.balance_rel_threshold)]
+    gateway += ["--eviction-interval-secs", _flag(ca.eviction_interval_secs)]
+    gateway += ["--max-tree-size", str(ca.max_tree_size)]
+    return StackConfig(
+        prefill=cluster.pods,
+        decode=cluster.decode_pods,
+        model=settings.model,
+        block_size=cluster.block_size,
+        tokenizer="byte",
+        log_level="WARNING",
+        prefill_args=prefill,
+        decode_args=decode,
+        gateway_args=gateway,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Answer:
+    ttft: float
+    done: float
+    meta: dict[str, Any]
+
+
+class LiveRequestError(RuntimeError):
+    """A request the stack did not answer properly; the run records it as not served."""
+
+
+async def _send(
+    client: httpx.AsyncClient, url: str, tokens: list[int], max_new_tokens: int
+) -> _Answer:
+    body = {
+        "input_ids": tokens,
+        "sampling_params": {"max_new_tokens": max_new_tokens},
+        "stream": True,
+    }
+    sent = time.perf_counter()
+    first: float | None = None
+    meta: dict[str, Any] = {}
+    async with client.stream("POST", f"{url}/generate", json=body) as response:
+        if response.status_code != 200:
+            text = (await response.aread()).decode(errors="replace")[:200]
+            raise LiveRequestError(f"/generate answered {response.status_code}: {text}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == "[DONE]":
+                break
+            if first is None:
+                first = time.perf_counter()
+            chunk = json.loads(payload)
+            if isinstance(chunk, dict) and isinstance(chunk.get("meta_info"), dict):
+                meta = chunk["meta_info"]
+    if first is None or "cached_tokens" not in meta:
+        raise LiveRequestError("the stream ended without a token and its meta_info")
+    return _Answer(first - sent, time.perf_counter() - sent, meta)
+
+
+async def replay_through(
+    url: str,
+    settings: ReplaySettings,
+    trace: Trace,
+    policy: PolicyName,
+    progress: ProgressHook | None = None,
+) -> RunRecord:
+    """Send the trace to a running gateway at its scaled arrival times."""
+    scale = settings.time_scale
+    requests = trace.requests
+    arrivals = [t * scale for t in arrival_times(requests, settings.arrivals)]
+    record = RunRecord.empty(policy, len(requests), scale)
+    failures: list[str] = []
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    timeout = httpx.Timeout(None, connect=10.0)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        started = time.perf_counter()
+
+        async def one(i: int) -> None:
+            req = requests[i]
+            tokens = expand(req.hash_ids, req.input_length, trace.block_size, settings.vocab)
+            output = settings.output_tokens(req.output_length)
+            at = arrivals[i]
+            record.routed(i, at, Choice(""), tokens=len(tokens), output=output)
+            delay = started + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            sent = time.perf_counter() - started
+            try:
+                answer = await _send(client, url, tokens, max(output, 1))
+            except (httpx.HTTPError, LiveRequestError, ValueError) as exc:
+                failures.append(f"request {i}: {exc!r}")
+                return
+            meta = answer.meta
+            record.served(
+                i,
+                cached=int(meta["cached_tokens"]),
+                queue=float(meta.get("queue_ms", 0.0)) / 1000,
+                prefill=float(meta.get("prefill_ms", 0.0)) / 1000,
+                ttft=sent - at + answer.ttft,
+            )
+            record.decoded(i, sent + answer.done)
+            if progress is not None:
+                done = sum(1 for d in record.done if not math.isnan(d))
+                wall = time.perf_counter() - started
+                progress(Progress(policy, done, len(requests), at / scale, wall))
+
+        await asyncio.gather(*(one(i) for i in range(len(requests))))
+        wall = time.perf_counter() - started
+    if failures:
+        log.warning(
+            "%d of %d live requests failed; first: %s", len(failures), len(requests), failures[0]
+        )
+    record.close([], {"failed_requests": len(failures)}, wall_s=wall)
+    return record
+
+
+def _counter(text: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+def pod_stats(cluster: LocalCluster) -> list[PodStats]:
+    """Each prefill's computed and cached tokens and evictions, from its own metrics."""
+    stats: list[PodStats] = []
+    with httpx.Client(timeout=10.0) as client:
+        for component in cluster.components:
+            if component.role != "prefill":
+                continue
+            text = client.get(f"{component.url}/metrics").text
+            stats.append(
+                PodStats(
+                    pod=component.pod or component.name,
+                    computed_tokens=int(
+                        _counter(text, "globalkv_engine_prompt_tokens_total", kind="computed")
+                    ),
+                    cached_tokens=int(
+                        _counter(text, "globalkv_engine_prompt_tokens_total", kind="cached")
+                    ),
+                    evicted_blocks=int(_counter(text, "globalkv_engine_kv_cache_evictions_total")),
+                )
+            )
+    return stats
+
+
+def run_live(
+    settings: ReplaySettings,
+    trace: Trace,
+    cluster: ResolvedCluster,
+    progress: ProgressHook | None = None,
+) -> dict[str, RunRecord]:
+    """Every policy through its own fresh stack (empty caches, fresh index)."""
+    records: dict[str, RunRecord] = {}
+    for policy in settings.policies:
+        with LocalCluster(stack_config(settings, cluster, policy)) as stack:
+            record = asyncio.run(
+                replay_through(stack.gateway_url, settings, trace, policy, progress)
+            )
+            failed = record.index.get("failed_requests", 0)
+            record.close(pod_stats(stack), {"failed_requests": failed}, wall_s=record.wall_s)
+        records[policy] = record
+    return records

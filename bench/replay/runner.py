@@ -1,0 +1,191 @@
+"""One replay from settings to summaries: every policy, the oracle lines, sweeps.
+
+A *point* is one resolved cluster with its oracle lines and one record per policy; a plain
+run is one point, `--sweep NAME=V1,V2,…` one point per value (every other parameter
+unchanged, the policies compared side by side at each). Live mode runs each policy
+through a real local stack and, for comparison, the simulation of the same settings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from bench.replay.config import ReplaySettings, ResolvedCluster, resolve
+from bench.replay.oracle import OracleLines, oracle_lines
+from bench.replay.record import Progress, RunRecord, summarize
+from bench.replay.sim import Simulation
+from bench.replay.trace import Trace, TraceStats, read_trace, trace_stats
+
+ProgressHook = Callable[[Progress], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Sweepable:
+    """A parameter `--sweep` may vary: where it lives and how a value is read."""
+
+    section: str
+    """"cluster", "prefix" or "" (a top-level replay setting)."""
+    field: str
+    parse: Callable[[str], object]
+    overrides: str | None = None
+    """A field that would take precedence over this one, cleared while sweeping."""
+
+
+def _number_or_none(text: str) -> float | None:
+    return None if text.lower() in {"none", "off"} else float(text)
+
+
+SWEEPABLE: dict[str, Sweepable] = {
+    "event-delay-s": Sweepable("cluster", "event_delay_s", float),
+    "capacity-blocks": Sweepable("cluster", "capacity_blocks", int),
+    "capacity-fraction": Sweepable("cluster", "capacity_fraction", float, "capacity_blocks"),
+    "utilisation": Sweepable("cluster", "utilisation", float, "prefill_tokens_per_s"),
+    "prefill-tokens-per-s": Sweepable("cluster", "prefill_tokens_per_s", float),
+    "attention-tokens": Sweepable("cluster", "attention_tokens", _number_or_none),
+    "pods": Sweepable("cluster", "pods", int),
+    "prefix-uncached-weight": Sweepable("prefix", "uncached_weight", float),
+    "prefix-queued-weight": Sweepable("prefix", "queued_weight", float),
+    "prefix-request-cost": Sweepable("prefix", "request_cost", float),
+    "arrivals": Sweepable("", "arrivals", str),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Sweep:
+    parameter: str
+    values: tuple[str, ...]
+
+    @classmethod
+    def parse(cls, text: str) -> Sweep:
+        name, sep, values = text.partition("=")
+        if not sep or name not in SWEEPABLE:
+            raise ValueError(
+                f"--sweep {text!r}: expected NAME=V1,V2,… with NAME one of "
+                + ", ".join(sorted(SWEEPABLE))
+            )
+        items = tuple(v.strip() for v in values.split(",") if v.strip())
+        if not items:
+            raise ValueError(f"--sweep {text!r} gives no values")
+        return cls(name, items)
+
+    def apply(self, settings: ReplaySettings, value: str) -> ReplaySettings:
+        """The settings with this value; pydantic validates it like a flag."""
+        spec = SWEEPABLE[self.parameter]
+        try:
+            parsed = spec.parse(value)
+        except ValueError:
+            raise ValueError(f"--sweep {self.parameter}: {value!r} is not a valid value") from None
+        data: dict[str, Any] = settings.model_dump()
+        target = data[spec.section] if spec.section else data
+        target[spec.field] = parsed
+        if spec.overrides is not None:
+            target[spec.overrides] = None
+        return ReplaySettings.model_validate(data)
+
+
+@dataclass(slots=True)
+class Point:
+    value: str | None
+    settings: ReplaySettings
+    cluster: ResolvedCluster
+    oracle: OracleLines | None
+    records: dict[str, RunRecord] = field(default_factory=dict)
+    summaries: dict[str, dict[str, Any]] = field(default_factory=dict)
+    sim_records: dict[str, RunRecord] = field(default_factory=dict)
+    """Live mode: the simulation of the same settings, policy by policy."""
+    sim_summaries: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Replay:
+    settings: ReplaySettings
+    trace: Trace
+    stats: TraceStats
+    points: list[Point]
+    sweep: Sweep | None = None
+
+
+def resolve_for(settings: ReplaySettings, trace: Trace, stats: TraceStats) -> ResolvedCluster:
+    return resolve(
+        settings.cluster,
+        block_size=trace.block_size,
+        unique_blocks=stats.unique_blocks,
+        offered_tokens_per_s=stats.offered_tokens_per_s,
+    )
+
+
+def load(settings: ReplaySettings) -> tuple[Trace, TraceStats]:
+    trace = read_trace(settings.trace, block_size=settings.block_size, limit=settings.limit)
+    return trace, trace_stats(trace)
+
+
+async def simulate(
+    settings: ReplaySettings,
+    trace: Trace,
+    cluster: ResolvedCluster,
+    progress: ProgressHook | None = None,
+) -> dict[str, RunRecord]:
+    records: dict[str, RunRecord] = {}
+    for name in settings.policies:
+        records[name] = await Simulation(trace, settings, cluster, name, progress).run()
+    return records
+
+
+def _summaries(records: dict[str, RunRecord], bucket_s: float) -> dict[str, dict[str, Any]]:
+    return {name: summarize(record, bucket_s) for name, record in records.items()}
+
+
+def run_point(
+    settings: ReplaySettings,
+    trace: Trace,
+    stats: TraceStats,
+    *,
+    value: str | None = None,
+    progress: ProgressHook | None = None,
+    oracles: dict[int, OracleLines] | None = None,
+) -> Point:
+    cluster = resolve_for(settings, trace, stats)
+    oracle = None
+    if settings.oracle:
+        total = cluster.capacity_blocks * cluster.pods
+        cache = oracles if oracles is not None else {}
+        oracle = cache.get(total) or oracle_lines(trace, total)
+        cache[total] = oracle
+    point = Point(value, settings, cluster, oracle)
+    bucket = settings.bucket_s
+    if settings.mode == "live":
+        from bench.replay.live import run_live
+
+        point.records = run_live(settings, trace, cluster, progress)
+        point.sim_records = asyncio.run(simulate(settings, trace, cluster, progress))
+        point.sim_summaries = _summaries(point.sim_records, bucket)
+    else:
+        point.records = asyncio.run(simulate(settings, trace, cluster, progress))
+    point.summaries = _summaries(point.records, bucket)
+    return point
+
+
+def run_replay(
+    settings: ReplaySettings,
+    *,
+    sweep: Sweep | None = None,
+    progress: ProgressHook | None = None,
+) -> Replay:
+    trace, stats = load(settings)
+    values: Sequence[str | None] = sweep.values if sweep else [None]
+    oracles: dict[int, OracleLines] = {}
+    points = [
+        run_point(
+            sweep.apply(settings, value) if sweep and value is not None else settings,
+            trace,
+            stats,
+            value=value,
+            progress=progress,
+            oracles=oracles,
+        )
+        for value in values
+    ]
+    return Replay(settings, trace, stats, points, sweep)

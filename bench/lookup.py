@@ -73,41 +73,54 @@ def _chains(prompt_tokens: int, pods: int, rng: random.Random) -> list[list[list
     return per_pod
 
 
+def _engine_hashes(chains: list[list[list[int]]]) -> list[list[list[int]]]:
+    """Per pod and chain, its blocks' engine hashes: equal for equal prefixes across pods
+    (the prompt, chain 0), as engines hash them; unique for background chains."""
+    out = []
+    unique = 1 << 40
+    for pod_chains in chains[:-1]:
+        hashes = [list(range(1, len(pod_chains[0]) // BLOCK + 1))]
+        for tokens in pod_chains[1:]:
+            hashes.append(list(range(unique, unique + len(tokens) // BLOCK)))
+            unique += len(tokens) // BLOCK
+        out.append(hashes)
+    return out
+
+
 async def _fill(index: Index, chains: list[list[list[int]]]) -> None:
     namespace = root_key(MODEL)
-    next_hash = 1
-    for pod, pod_chains in enumerate(chains[:-1]):
+    for pod, pod_hashes in enumerate(_engine_hashes(chains)):
         source = Source(f"pod{pod}")
         seq = 0
-        for tokens in pod_chains:
+        for tokens, hashes in zip(chains[pod], pod_hashes, strict=True):
             parent: EngineHash | None = None
-            for start in range(0, len(tokens), STORE_BATCH * BLOCK):
-                part = tokens[start : start + STORE_BATCH * BLOCK]
-                hashes = [EngineHash(next_hash + j) for j in range(len(part) // BLOCK)]
-                next_hash += len(hashes)
-                event = StoreBlocks(hashes, parent, part, BLOCK, Tier.GPU, namespace)
+            for start in range(0, len(hashes), STORE_BATCH):
+                part = [EngineHash(h) for h in hashes[start : start + STORE_BATCH]]
+                part_tokens = tokens[start * BLOCK : (start + len(part)) * BLOCK]
+                event = StoreBlocks(part, parent, part_tokens, BLOCK, Tier.GPU, namespace)
                 await index.apply(SourceBatch(source, seq, 0.0, [event]))
                 seq += 1
-                parent = hashes[-1]
+                parent = part[-1]
 
 
 def _fill_dynamo(tree: Any, chains: list[list[list[int]]]) -> None:
-    next_hash = 1
-    for pod, pod_chains in enumerate(chains[:-1]):
-        for tokens in pod_chains:
+    event_id = 0
+    for pod, pod_hashes in enumerate(_engine_hashes(chains)):
+        for tokens, hashes in zip(chains[pod], pod_hashes, strict=True):
             local = compute_block_hash_for_seq(tokens, BLOCK)
             parent = None
-            for start in range(0, len(local), STORE_BATCH):
+            for start in range(0, len(hashes), STORE_BATCH):
                 blocks = [
-                    {"block_hash": next_hash + j, "tokens_hash": h}
-                    for j, h in enumerate(local[start : start + STORE_BATCH])
+                    {"block_hash": h, "tokens_hash": t}
+                    for h, t in zip(
+                        hashes[start : start + STORE_BATCH], local[start:], strict=False
+                    )
                 ]
-                next_hash += len(blocks)
-                event = {
-                    "event_id": next_hash,
-                    "data": {"stored": {"parent_hash": parent, "blocks": blocks}},
-                }
-                tree.apply_event(pod, json.dumps(event).encode())
+                event_id += 1
+                stored = {"parent_hash": parent, "blocks": blocks}
+                tree.apply_event(
+                    pod, json.dumps({"event_id": event_id, "data": {"stored": stored}}).encode()
+                )
                 parent = blocks[-1]["block_hash"]
 
 

@@ -154,59 +154,77 @@ class MemoryIndex:
     # -------------------------------------------------------------------- reads
 
     async def lookup(self, keys: Sequence[BlockKey]) -> list[Hit]:
-        if not keys:
+        if not keys or not self._held.get(keys[0]):
             return []
+        if self._mixed:
+            return self._lookup_mixed(keys)
+        ends = self._ends(keys)
+        # Every holder has every hit block on the GPU only: the score is the depth times
+        # one weight, and `ends` is ordered by depth already.
+        weight = self._weights.by_mask[_GPU_ONLY]
+        by_slot = self._by_slot
+        hits: list[Hit] = []
+        for depth, slots in reversed(ends):
+            score = weight * depth
+            if not slots & (slots - 1):  # one source: no generator, no sort
+                source = by_slot[slots.bit_length() - 1]
+                assert source is not None
+                hits.append(Hit(source, depth, score))
+                continue
+            group = sorted(s for s in map(by_slot.__getitem__, _bits(slots)) if s is not None)
+            hits.extend(Hit(source, depth, score) for source in group)
+        return hits
+
+    def _ends(self, keys: Sequence[BlockKey]) -> list[tuple[int, int]]:
+        """(depth, slots whose contiguous run ends there), by increasing depth.
+
+        One dict probe and one AND per block, whatever the number of sources. (A C-level
+        `accumulate` over chunks measured slower than this loop on CPython 3.11.)
+        """
         held = self._held.get
         active = held(keys[0], 0)
-        if not active:
-            return []
         ends: list[tuple[int, int]] = []
-        """(depth, slots whose contiguous run ends there)"""
-        mixed_hits: list[tuple[BlockKey, int]] = []
-        """(key, slots scoring it from their own mask)"""
-        if self._mixed:
-            mixed = self._mixed.get
-            for depth, key in enumerate(keys):
-                now = held(key, 0) & active
-                if now != active:
-                    ends.append((depth, active ^ now))
-                    active = now
-                    if not now:
-                        break
-                off_gpu = mixed(key, 0) & now
-                if off_gpu:
-                    mixed_hits.append((key, off_gpu))
-        else:
-            for depth, key in enumerate(keys):
-                now = held(key, 0) & active
-                if now != active:
-                    ends.append((depth, active ^ now))
-                    active = now
-                    if not now:
-                        break
-        if active:
-            ends.append((len(keys), active))
-        return ranked(self._hits(ends, mixed_hits))
+        for depth, key in enumerate(keys):
+            now = held(key, 0) & active
+            if now != active:
+                ends.append((depth, active ^ now))
+                active = now
+                if not now:
+                    return ends
+        ends.append((len(keys), active))
+        return ends
 
-    def _hits(
-        self, ends: list[tuple[int, int]], mixed_hits: list[tuple[BlockKey, int]]
-    ) -> Iterable[Hit]:
-        by_slot = self._by_slot
+    def _lookup_mixed(self, keys: Sequence[BlockKey]) -> list[Hit]:
+        """A lookup where some holders hold some keys in other tiers than the GPU alone."""
+        held, mixed = self._held.get, self._mixed.get
+        active = held(keys[0], 0)
+        ends: list[tuple[int, int]] = []
         off_gpu: dict[int, dict[int, int]] = {}
-        for key, slots in mixed_hits:
-            for slot in _bits(slots):
-                source = by_slot[slot]
+        """slot -> {mask -> hit blocks it holds under that mask, other than GPU only}"""
+        for depth, key in enumerate(keys):
+            now = held(key, 0) & active
+            if now != active:
+                ends.append((depth, active ^ now))
+                active = now
+                if not now:
+                    break
+            for slot in _bits(mixed(key, 0) & now):
+                source = self._by_slot[slot]
                 assert source is not None
                 mask = self._states[source].masks[key]
                 counts = off_gpu.setdefault(slot, {})
                 counts[mask] = counts.get(mask, 0) + 1
+        if active:
+            ends.append((len(keys), active))
+        hits = []
         for depth, slots in ends:
             for slot in _bits(slots):
-                source = by_slot[slot]
+                source = self._by_slot[slot]
                 assert source is not None
                 counts = off_gpu.get(slot, {})
                 gpu_only = depth - sum(counts.values())
-                yield make_hit(source, {_GPU_ONLY: gpu_only, **counts}, self._weights)
+                hits.append(make_hit(source, {_GPU_ONLY: gpu_only, **counts}, self._weights))
+        return ranked(hits)
 
     async def stats(self, pod: str | None = None) -> list[SourceStats]:
         return [

@@ -33,17 +33,15 @@ The client must use `decode_responses=False`: the reverse entries are packed byt
 from __future__ import annotations
 
 import asyncio
-import hashlib
+import logging
 import secrets
 import struct
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from importlib.resources import files
 from typing import Any
 
 import redis.asyncio as aioredis
-import xxhash
 from redis import exceptions as redis_errors
 
 from globalkv.index.base import (
@@ -57,33 +55,22 @@ from globalkv.index.base import (
     Tier,
 )
 from globalkv.index.redis_keys import RedisKeys, parse_source_name, source_name
-from globalkv.index.scoring import ALL_TIERS, TierWeights, make_hit, ranked
+from globalkv.index.redis_scripts import (
+    APPLY,
+    DROP,
+    HASH,
+    LOOKUP,
+    fingerprints,
+    pack_block,
+    unpack_block,
+)
+from globalkv.index.scoring import TierWeights, make_hit, ranked
 from globalkv.index.state import BatchChanges, EngineBlock, SourceState
 from globalkv.keys import BlockKey, EngineHash
 
-_HASH = struct.Struct("<Q")
+log = logging.getLogger(__name__)
 _DROP_CHUNK = 1000
 _UNAVAILABLE_REPLIES = ("OOM", "LOADING", "MASTERDOWN", "READONLY", "BUSY", "NOREPLICAS")
-
-
-class _Script:
-    """A Lua file of this package, run by SHA and loaded again when Redis lost it."""
-
-    def __init__(self, filename: str) -> None:
-        self.source = (files("globalkv.index") / filename).read_bytes()
-        self.sha = hashlib.sha1(self.source).hexdigest()
-
-    async def run(self, client: aioredis.Redis, keys: Sequence[Any], args: Sequence[Any]) -> Any:
-        try:
-            return await client.evalsha(self.sha, len(keys), *keys, *args)
-        except redis_errors.NoScriptError:
-            await client.script_load(self.source)
-            return await client.evalsha(self.sha, len(keys), *keys, *args)
-
-
-_LOOKUP = _Script("redis_lookup.lua")
-_APPLY = _Script("redis_apply.lua")
-_DROP = _Script("redis_drop.lua")
 
 
 @contextmanager
@@ -97,24 +84,6 @@ def _reachable(what: str) -> Iterator[None]:
         if str(exc).startswith(_UNAVAILABLE_REPLIES):
             raise IndexUnavailable(f"redis cannot serve {what}: {exc}") from exc
         raise
-
-
-def fingerprints(gen: int) -> tuple[int, ...]:
-    """Per tier mask (index), the fingerprint contribution of generation `gen` holding a key."""
-    digest = xxhash.xxh3_64_intdigest
-    return (0, *(digest(f"{gen}:{mask}".encode()) >> 16 for mask in range(1, ALL_TIERS + 1)))
-
-
-def pack_block(block: EngineBlock) -> bytes:
-    return struct.pack(f"<BQ{len(block.keys)}Q", block.tiers, block.root, *block.keys)
-
-
-def unpack_block(raw: bytes) -> EngineBlock:
-    count, rest = divmod(len(raw) - 9, 8)
-    if count <= 0 or rest:
-        raise ValueError(f"packed engine block of {len(raw)} bytes")
-    tiers, root, *keys = struct.unpack(f"<BQ{count}Q", raw)
-    return EngineBlock(tuple(BlockKey(k) for k in keys), BlockKey(root), tiers)
 
 
 @dataclass(slots=True)
@@ -159,7 +128,7 @@ class RedisIndex:
             try:
                 rows, live = await self._lookup_round_trip(head, digits)
             except redis_errors.NoScriptError:
-                await self._redis.script_load(_LOOKUP.source)
+                await self._redis.script_load(LOOKUP.source)
                 rows, live = await self._lookup_round_trip(head, digits)
         return ranked(self._hits(rows, live))
 
@@ -167,7 +136,7 @@ class RedisIndex:
         self, head: str, digits: str
     ) -> tuple[list[int], dict[bytes, bytes]]:
         pipe = self._redis.pipeline(transaction=False)
-        pipe.evalsha(_LOOKUP.sha, 1, head + digits[:16], head, digits)
+        pipe.evalsha(LOOKUP.sha, 1, head + digits[:16], head, digits)
         pipe.hgetall(self.keys.live)
         rows, live = await pipe.execute()
         return rows, live
@@ -219,7 +188,7 @@ class RedisIndex:
                 writer.gen, writer.version, state.epoch = target, 1, target
             state.last_seq, state.last_ts = batch.seq, batch.ts
             if target is not None and old is not None:
-                await self._drop_dead()
+                await self._drop_dead_later_if_down()
             return result
 
     async def reset_source(self, source: Source) -> None:
@@ -238,7 +207,7 @@ class RedisIndex:
             with _reachable("resetting a source"):
                 await self._run_apply(args)
             self._writers[source] = _Writer(state, target, 1)
-            await self._drop_dead()
+            await self._drop_dead_later_if_down()
 
     async def remove_pod(self, pod: str) -> None:
         with _reachable("removing a pod"):
@@ -258,7 +227,7 @@ class RedisIndex:
             self._locks.pop(source, None)
         for source in [s for s in self._writers if s.pod == pod]:
             del self._writers[source]
-        await self._drop_dead()
+        await self._drop_dead_later_if_down()
 
     async def close(self) -> None:
         """Forget the writer caches; the injected client belongs to its creator."""
@@ -306,7 +275,7 @@ class RedisIndex:
         blocks: list[tuple[EngineHash, EngineBlock]] = []
         try:
             async for field, value in self._redis.hscan_iter(self.keys.blocks(gen), count=1000):
-                blocks.append((EngineHash(_HASH.unpack(field)[0]), unpack_block(value)))
+                blocks.append((EngineHash(HASH.unpack(field)[0]), unpack_block(value)))
         except (ValueError, struct.error) as exc:
             raise IndexDataLost(f"generation {gen} has corrupt reverse data: {exc}") from exc
         state = SourceState.restore(blocks, epoch=gen, resets=int(info.get(b"resets", 0)))
@@ -360,9 +329,9 @@ class RedisIndex:
             for engine_hash in changes.blocks:
                 block = state.blocks.get(engine_hash)
                 if block is not None:
-                    puts += (_HASH.pack(engine_hash), pack_block(block))
+                    puts += (HASH.pack(engine_hash), pack_block(block))
                 elif not fresh:
-                    dels.append(_HASH.pack(engine_hash))
+                    dels.append(HASH.pack(engine_hash))
         args += (len(forward) // 3, *forward, len(puts) // 2, *puts, len(dels), *dels)
         counts = state.counts
         args += (
@@ -373,7 +342,7 @@ class RedisIndex:
         return args
 
     async def _run_apply(self, args: list[Any]) -> None:
-        status = await _APPLY.run(self._redis, (), args)
+        status = await APPLY.run(self._redis, (), args)
         if status == b"ok":
             return
         self._writers.clear()
@@ -381,6 +350,14 @@ class RedisIndex:
         if status == b"lost":
             raise IndexDataLost("redis lost the index (restarted empty or flushed)")
         raise IndexDataLost("redis holds another history for this source (lost writes?)")
+
+    async def _drop_dead_later_if_down(self) -> None:
+        """After a generation was retired: it is hidden already, so a failure to drop its
+        blocks now must not fail the call; the dead set keeps it for the next attempt."""
+        try:
+            await self._drop_dead()
+        except IndexUnavailable as exc:
+            log.warning("retired generations stay in redis until it answers again: %s", exc)
 
     async def _drop_dead(self) -> None:
         """Drop the blocks of every retired generation, in chunks, then the generation."""
@@ -398,10 +375,10 @@ class RedisIndex:
                 continue  # unreadable: its keys cannot be named; the block hash dies below
             names.update(self.keys.block(block.root, key) for key in block.keys)
             if len(names) >= _DROP_CHUNK:
-                await _DROP.run(self._redis, (), [gen, *undo, *names])
+                await DROP.run(self._redis, (), [gen, *undo, *names])
                 names.clear()
         if names:
-            await _DROP.run(self._redis, (), [gen, *undo, *names])
+            await DROP.run(self._redis, (), [gen, *undo, *names])
         pipe = self._redis.pipeline(transaction=True)
         pipe.delete(self.keys.blocks(gen), self.keys.info(gen))
         pipe.srem(self.keys.dead, gen)

@@ -34,7 +34,8 @@ from globalkv.index.base import (
     Tier,
 )
 from globalkv.index.memory import MemoryIndex
-from globalkv.index.redis import RedisIndex, fingerprints
+from globalkv.index.redis import RedisIndex
+from globalkv.index.redis_scripts import fingerprints
 from globalkv.keys import BlockKey, EngineHash, chain_keys, root_key
 from tests.support.redis import RedisServer
 

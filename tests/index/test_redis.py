@@ -10,7 +10,8 @@ import redis.asyncio as aioredis
 from redis.cluster import key_slot
 
 from globalkv.index.base import ApplyResult, IndexDataLost, IndexUnavailable, Tier
-from globalkv.index.redis import RedisIndex, fingerprints
+from globalkv.index.redis import RedisIndex
+from globalkv.index.redis_scripts import fingerprints
 from tests.index.events import BS, P0, P0_DP1, P1, Feeder, depths, keys, remove, store, tokens
 from tests.support.redis import RedisServer
 

@@ -160,8 +160,15 @@ def run(args: argparse.Namespace) -> int:
         return 2
     # Imported here: the dispatcher registers every command on each start, and the
     # engine's server stack should load only when an engine runs.
+    import zmq
+
+    from bootstrap.registrar import RegistrationFailed
     from enginesim.runtime import run_engine
 
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(run_engine(config))
+    try:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(run_engine(config))
+    except (OSError, zmq.ZMQError, RegistrationFailed) as exc:
+        log.error("engine could not start: %s", exc)
+        return 1
     return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 
 import httpx
@@ -138,3 +139,15 @@ async def test_dead_prefill_ranks_fail_the_connect_stage(decode: EngineProc) -> 
     error = error_of(answer)
     assert error["stage"] == "connect"
     assert "no answer for bootstrap_room 31338" in error["message"]
+
+
+def test_a_taken_port_stops_the_engine_with_a_clear_error() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as held:
+        port = held.getsockname()[1]
+        clash = Proc.globalkv("engine", "--role", "decode", "--port", str(port), name="clash")
+        try:
+            assert clash.popen.wait(30) == 1
+        finally:
+            clash.stop()
+    assert "engine could not start" in clash.log()
+    assert "Address already in use" in clash.log()

@@ -124,15 +124,20 @@ def _fill_dynamo(tree: Any, chains: list[list[list[int]]]) -> None:
                 parent = blocks[-1]["block_hash"]
 
 
-async def _time(call: Callable[[], Awaitable[int]], count: int, expect: int) -> list[float]:
-    for _ in range(min(20, count)):
-        assert await call() == expect
-    samples = []
+async def _time(
+    calls: dict[str, Callable[[], Awaitable[int]]], count: int, expect: int
+) -> dict[str, list[float]]:
+    """Milliseconds per lookup; backends take turns, so machine load hits them alike."""
+    for call in calls.values():
+        for _ in range(min(20, count)):
+            assert await call() == expect
+    samples: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(count):
-        start = time.perf_counter_ns()
-        depth = await call()
-        samples.append((time.perf_counter_ns() - start) / 1e6)
-        assert depth == expect
+        for name, call in calls.items():
+            start = time.perf_counter_ns()
+            depth = await call()
+            samples[name].append((time.perf_counter_ns() - start) / 1e6)
+            assert depth == expect
     return samples
 
 
@@ -169,7 +174,7 @@ async def _row(prompt_tokens: int, pods: int, count: int, redis_port: int) -> Ro
             return int(max(scores.values()))
 
         calls["dynamo"] = ask_dynamo
-    samples = {name: await _time(call, count, expect) for name, call in calls.items()}
+    samples = await _time(calls, count, expect)
     await client.aclose()
     return Row(
         prompt_tokens,

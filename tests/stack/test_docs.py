@@ -1,12 +1,14 @@
 """The reference docs cannot drift from the code they describe.
 
 docs/configuration.md must list every flag of every `globalkv` command in that command's
-section, with the environment variable the dispatcher reads for it; docs/operations.md
+section, with the environment variable the dispatcher reads for it, and name a command's
+nested commands (`globalkv bench replay`); docs/operations.md
 must name every Prometheus metric the packages define.
 """
 
 from __future__ import annotations
 
+import argparse
 import re
 from pathlib import Path
 
@@ -30,12 +32,17 @@ def _section(command: str) -> str:
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_every_flag_is_documented_with_its_variable(command: str) -> None:
+    section = _section(command)
     rows = {
         line.split("|")[1].strip(): line
-        for line in _section(command).splitlines()
+        for line in section.splitlines()
         if line.startswith("| `--")
     }
     for action in COMMANDS[command]._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for nested in action.choices:
+                assert f"`globalkv {command} {nested}`" in section, f"{command} {nested}"
+            continue
         longs = [o for o in action.option_strings if o.startswith("--")]
         if not longs or longs[0] == "--help":
             continue

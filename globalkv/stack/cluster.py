@@ -7,9 +7,10 @@
         cluster.kill("decode-1")
 
 `start()` (called on entering the block) plans the cluster, checks every component's
-arguments with its own `check_config`, starts all of them at once and returns when the
-cluster is ready (`globalkv.stack.readiness`). A component that exits during the start
-or the wait raises `ClusterError` with the tail of its log, after everything else was
+arguments with its own `check_config` (`ValueError` naming the component, before any
+process starts), starts all of them at once and returns when the cluster is ready
+(`globalkv.stack.readiness`). A component that exits during the start, or a start that
+times out, raises `ClusterError` with the tail of its log, after everything else was
 stopped; later deaths are collected by `deaths()`. Leaving the block stops every process.
 
 Children see none of the `GLOBALKV_*` variables of this process: their configuration is

@@ -190,8 +190,8 @@ def run(args: argparse.Namespace) -> int:
             print("\n" + curl_lines(cluster, config.model) + "\n", file=out)
             print("Ctrl-C stops everything.", file=out, flush=True)
             status = supervise(cluster, out)
-    except _Interrupted as signum:
-        print(f"\nglobalkv up: {signum}: stopping…", file=out, flush=True)
+    except _Interrupted as interrupted:
+        print(f"\nglobalkv up: {interrupted}: stopping…", file=out, flush=True)
     finally:
         with _signals(_ignore):
             cluster.stop()

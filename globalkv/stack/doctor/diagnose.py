@@ -153,47 +153,54 @@ class Doctor:
         if first is None:
             routing.skip("probe routing", "the probe failed; see the probe stage")
             return
-        policy = None
         if delta is None:
             routing.warn("probe routing", "the gateway's /metrics could not be read")
-        else:
-            policy = judge_decision(routing, delta, "probe routing")
+        by_index = delta is not None and judge_decision(routing, delta, "probe routing")
         if self.config.indexer and pods is not None:
-            seen = await wait_applied(
-                self._reader,
-                self.config.indexer,
-                applied_counts(pods),
-                timeout=self.config.freshness_timeout,
-                clock=self._clock,
-                sleep=self._sleep,
+            await self._wait_visible(report.stage("index"), self.config.indexer, pods)
+        await self._repeat(report, prober, text, by_index=by_index)
+
+    async def _wait_visible(self, stage: Stage, indexer: str, pods: PodsView) -> None:
+        """The probe's KV events must reach the index: the freshness that matters."""
+        seen = await wait_applied(
+            self._reader,
+            indexer,
+            applied_counts(pods),
+            timeout=self.config.freshness_timeout,
+            clock=self._clock,
+            sleep=self._sleep,
+        )
+        if seen is None:
+            stage.fail(
+                "probe blocks",
+                f"no pod's KV events were applied within {self.config.freshness_timeout:.0f}s"
+                " of the probe: the index is not learning what the prefills cache",
             )
-            if seen is None:
-                report.stage("index").fail(
-                    "probe blocks",
-                    f"no pod's KV events were applied within {self.config.freshness_timeout:.0f}s"
-                    " of the probe: the index is not learning what the prefills cache",
-                )
-            else:
-                (pod, rank), waited = seen
-                report.stage("index").ok(
-                    "probe blocks",
-                    f"applied from pod {pod} dp{rank} within {waited * 1000:.0f} ms of the answer",
-                )
+            return
+        (pod, rank), waited = seen
+        stage.ok(
+            "probe blocks",
+            f"applied from pod {pod} dp{rank} within {waited * 1000:.0f} ms of the answer",
+        )
+
+    async def _repeat(self, report: Report, prober: Prober, text: str, *, by_index: bool) -> None:
+        """The same prompt again must be served from the cache the first one left."""
         response, elapsed = await prober.send(text)
         scratch = Stage("repeat", "repeated probe")
         again = interpret(scratch, response, elapsed)
         if again is None:
             for failure in scratch.failures:
-                probe.fail(f"repeated probe, {failure.subject}", failure.message)
+                report.stage("probe").fail(f"repeated probe, {failure.subject}", failure.message)
             return
         cached = again.cached_tokens or 0
         message = f"{cached} of {again.prompt_tokens} prompt tokens were cached on the prefill"
+        routing = report.stage("routing")
         if cached > 0:
             routing.ok("repeated probe", f"{message}: it went to the pod holding its prefix")
-        elif policy == "prefix":
+        elif by_index:
             routing.fail("repeated probe", f"{message}: routing did not follow the cache")
         else:
-            routing.warn("repeated probe", f"{message} (the prefill policy is not prefix)")
+            routing.warn("repeated probe", f"{message}: the index did not route the probe")
 
 
 def _retries(stage: Stage, delta: Samples) -> None:

@@ -63,24 +63,24 @@ async def check_lookup(stage: Stage, reader: Reader, indexer: str, model: str | 
         stage.warn("index tokenizer", f"a text lookup answered HTTP {text.status_code}")
 
 
-def judge_decision(stage: Stage, delta: Samples, subject: str) -> str | None:
-    """How the gateway routed the probe's prefill, from counter increases; returns the
-    prefill policy's name when one decided."""
-    decided = [
-        (labels, value) for labels, value in delta.matching(DECISIONS, role="prefill") if value > 0
-    ]
-    policy = decided[0][0].get("policy") if decided else None
+def judge_decision(stage: Stage, delta: Samples, subject: str) -> bool:
+    """How the gateway routed the probe's prefill, from counter increases; True when the
+    prefix policy decided over an index answer (no fallback)."""
     for labels, value in delta.matching(FALLBACKS):
         if value > 0:
             reason = labels.get("reason", "?")
             level, message = _FALLBACKS.get(reason, (Level.WARN, "routed by load"))
             stage.add(level, subject, f"fell back to load ({reason}): {message}")
-            return policy
-    if policy is None:
+            return False
+    decided = [labels for labels, value in delta.matching(DECISIONS, role="prefill") if value > 0]
+    policies = {labels.get("policy") for labels in decided}
+    if not decided:
         stage.warn(subject, "the gateway's routing counters did not move")
-    elif policy != "prefix":
-        stage.warn(subject, f"prefill policy is {policy}: the index is not consulted")
-    else:
-        outcomes = sorted(labels.get("outcome", "?") for labels, _ in decided)
-        stage.ok(subject, f"routed by the prefix policy over the index ({', '.join(outcomes)})")
-    return policy
+        return False
+    if policies != {"prefix"}:
+        shown = ", ".join(sorted(str(p) for p in policies))
+        stage.warn(subject, f"prefill policy is {shown}: the index is not consulted")
+        return False
+    outcomes = sorted(labels.get("outcome", "?") for labels in decided)
+    stage.ok(subject, f"routed by the prefix policy over the index ({', '.join(outcomes)})")
+    return True

@@ -57,11 +57,15 @@ Stage = Literal["topology", "rank", "dp_rank"]
 class ResolveError(Exception):
     """A decode could not find its producer; `stage` says which step failed."""
 
-    def __init__(self, stage: Stage, bootstrap_url: str, message: str) -> None:
+    def __init__(
+        self, stage: Stage, bootstrap_url: str, message: str, *, invalid: bool = False
+    ) -> None:
         super().__init__(f"bootstrap {stage} stage failed at {bootstrap_url}: {message}")
         self.stage: Stage = stage
         self.bootstrap_url = bootstrap_url
         self.message = message
+        self.invalid = invalid
+        """The directory answered, but with something a decode cannot use (vs. not yet)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,7 +196,7 @@ class DecodeResolver:
                 topology = Topology.model_validate_json(response.content)
             except ValidationError as exc:
                 message = f"invalid topology snapshot: {validation_message(exc)}"
-                raise ResolveError("topology", url, message) from None
+                raise ResolveError("topology", url, message, invalid=True) from None
             if self._generation.get(url, 0) == generation:
                 self._topologies[url] = topology
             log.debug("topology of %s: %s", url, topology)

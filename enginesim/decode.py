@@ -154,8 +154,7 @@ class DecodeEngine:
         try:
             await self.resolver.topology(url)
         except ResolveError as exc:
-            invalid = exc.message.startswith("invalid topology snapshot")
-            raise EngineError("topology" if invalid else "register", str(exc)) from None
+            raise EngineError("topology" if exc.invalid else "register", str(exc)) from None
         stages.mark("register")
         try:
             producers = await asyncio.gather(

@@ -140,6 +140,7 @@ async def test_an_unready_address_is_retried_each_interval_then_fails_naming_it(
         "last answer: HTTP 503: Prefill server not fully registered yet (1 workers registered)."
     )
     assert not resolver.cached(URL)
+    assert not info.value.invalid
 
 
 async def test_an_address_that_becomes_ready_while_retrying_resolves(
@@ -172,8 +173,9 @@ async def test_an_invalid_snapshot_fails_at_once(
 ) -> None:
     directory.fault = lambda r: httpx.Response(200, json={"attn_tp_size": "many"})
     resolver = resolver_for(client, time)
-    with pytest.raises(ResolveError, match="invalid topology snapshot: attn_tp_size"):
+    with pytest.raises(ResolveError, match="invalid topology snapshot: attn_tp_size") as info:
         await resolver.resolve(URL, DecodeTopology(1, 0), room=1)
+    assert info.value.invalid
     assert len(directory.requests) == 1
 
 

@@ -48,6 +48,8 @@ class FakeCluster:
     applied: int = 3
     probes: int = 0
     seen: list[str] = field(default_factory=list)
+    authorized: set[str] = field(default_factory=set)
+    """Base URLs that received an Authorization header."""
 
     def transport(self) -> httpx.MockTransport:
         return httpx.MockTransport(self.handle)
@@ -61,6 +63,8 @@ class FakeCluster:
         url = request.url
         base = f"{url.scheme}://{url.host}:{url.port}"
         self.seen.append(f"{request.method} {base}{url.path}")
+        if "authorization" in request.headers:
+            self.authorized.add(base)
         if base in self.dead:
             raise httpx.ConnectError("All connection attempts failed", request=request)
         routes = {

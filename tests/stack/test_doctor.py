@@ -21,12 +21,16 @@ class FakeTime:
 
 
 async def diagnose(
-    fake: FakeCluster, *, gateway: str | None = GATEWAY, indexer: str | None = INDEXER
+    fake: FakeCluster,
+    *,
+    gateway: str | None = GATEWAY,
+    indexer: str | None = INDEXER,
+    api_key: str | None = None,
 ) -> Report:
     time = FakeTime()
     async with httpx.AsyncClient(transport=fake.transport()) as client:
         doctor = Doctor(
-            DoctorConfig(gateway=gateway, indexer=indexer),
+            DoctorConfig(gateway=gateway, indexer=indexer, api_key=api_key),
             client,
             connect=fake.connect,
             clock=time.clock,
@@ -215,3 +219,10 @@ async def test_an_unreachable_gateway_fails_first_and_the_probe_too() -> None:
     assert findings(report.stage("probe"))["gateway"][0] is Level.FAIL
     # The prefills are still found, through the pods the index follows.
     assert findings(report.stage("directories"))["pod p0"][0] is Level.OK
+
+
+async def test_the_api_key_goes_to_the_gateway_only() -> None:
+    fake = FakeCluster()
+    report = await diagnose(fake, api_key="secret")
+    assert report.healthy
+    assert fake.authorized == {GATEWAY}

@@ -85,9 +85,10 @@ class Doctor:
     ) -> None:
         self.config = config
         headers = {"authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-        self._reader = Reader(client, timeout=config.timeout, headers=headers)
+        self._gateway_reader = Reader(client, timeout=config.timeout, headers=headers)
+        self._reader = Reader(client, timeout=config.timeout)
         self._directories = DirectoryCheck(
-            Reader(client, timeout=config.timeout),
+            self._reader,
             directory_probe or DirectoryReader(client, timeout=config.timeout),
             connect,
             timeout=config.timeout,
@@ -103,7 +104,9 @@ class Doctor:
         workers: WorkersView | None = None
         pods: PodsView | None = None
         if config.gateway:
-            workers = await check_pools(report.stage("gateway"), self._reader, config.gateway)
+            workers = await check_pools(
+                report.stage("gateway"), self._gateway_reader, self._reader, config.gateway
+            )
         else:
             report.stage("gateway").skip("gateway", "no --gateway given")
         if config.indexer:
@@ -134,13 +137,16 @@ class Doctor:
         return report
 
     async def _samples(self, gateway: str) -> Samples | None:
-        samples = await self._reader.samples(f"{gateway}/metrics")
+        samples = await self._gateway_reader.samples(f"{gateway}/metrics")
         return samples if isinstance(samples, Samples) else None
 
     async def _probe(self, report: Report, gateway: str, pods: PodsView | None) -> None:
         probe, routing = report.stage("probe"), report.stage("routing")
         prober = Prober(
-            self._reader, gateway, max_new_tokens=self.config.max_new_tokens, clock=self._clock
+            self._gateway_reader,
+            gateway,
+            max_new_tokens=self.config.max_new_tokens,
+            clock=self._clock,
         )
         text = probe_text(self._nonce)
         before = await self._samples(gateway)

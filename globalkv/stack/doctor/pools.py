@@ -45,13 +45,18 @@ def _errors(worker: WorkerView) -> str:
     return "; ".join(errors)
 
 
-async def check_pools(stage: Stage, reader: Reader, gateway: str) -> WorkersView | None:
-    """Judge every worker; returns the gateway's listing for the later stages."""
-    live = await reader.healthy(f"{gateway}/health")
+async def check_pools(
+    stage: Stage, gateway_reader: Reader, reader: Reader, gateway: str
+) -> WorkersView | None:
+    """Judge every worker; returns the gateway's listing for the later stages.
+
+    `gateway_reader` carries the gateway's API key; the workers are asked without it.
+    """
+    live = await gateway_reader.healthy(f"{gateway}/health")
     if live is not None:
         stage.fail("gateway", f"{gateway}/health {live}")
         return None
-    listing = await reader.view(f"{gateway}/workers", WorkersView)
+    listing = await gateway_reader.view(f"{gateway}/workers", WorkersView)
     if isinstance(listing, str):
         stage.fail("gateway", f"{gateway}/workers {listing}")
         return None
@@ -76,7 +81,7 @@ async def check_pools(stage: Stage, reader: Reader, gateway: str) -> WorkersView
             stage.fail(f"{role} pool", f"none of {len(workers)} eligible: requests get 503")
         else:
             stage.ok(f"{role} pool", f"{eligible} of {len(workers)} eligible")
-    samples = await reader.samples(f"{gateway}/metrics")
+    samples = await gateway_reader.samples(f"{gateway}/metrics")
     if isinstance(samples, Samples):
         report_upstream_failures(stage, samples)
     return listing

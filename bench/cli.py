@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import shlex
 import sys
@@ -215,6 +216,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"globalkv bench replay: {exc}", file=sys.stderr)
         return 2
+    # One INFO line per live request would bury the progress and the table.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     started = time.perf_counter()
     try:
         replay = run_replay(

@@ -8,10 +8,12 @@ Defaults and why (the Markdown report repeats the values used):
   is shared evenly by the pods. 20 % of the Mooncake trace is 2,284 blocks of 512 tokens
   per pod = 1.17 M tokens, 357 GiB of LLaMA-2-70B KV (320 KiB/token): the HBM an 8×A800
   node has left after the weights. The cache is the engine's own `PagedKVCache`.
-- `prefill_tokens_per_s`; unset, it follows from `utilisation`: the rate at which the pods,
-  computing every prompt token with no cache at all, would be busy that share of the
-  time. The Mooncake paper's TTFTs (random 19.65 s vs load-balancing 5.27 s) mean a
-  loaded cluster; see bench/results/README-routing.md for the calibration.
+- `prefill_tokens_per_s`; unset, it follows from `utilisation` (0.7): the rate at which
+  the pods, computing every prompt token with no cache at all, would be busy that share
+  of the time. 0.7 is where random routing's mean TTFT is 3.7× load balancing's on the
+  Mooncake trace, the ratio of the paper's Fig. 5 (19.65 s / 5.27 s): loaded enough that
+  random routing queues, not so loaded that balancing does (3,655 tokens/s per pod; see
+  bench/results/README-routing.md for the calibration sweep).
 - `prefill_overhead_s` 5 ms per request and `max_batch_tokens` 8192 (SGLang's chunked
   prefill size): the emulated engine's defaults, so sim and live step the same way.
 - `attention_tokens`: attention's superlinear cost. A token at context position p costs
@@ -71,7 +73,7 @@ class ClusterModel(BaseModel):
         None, gt=0, allow_inf_nan=False, description="Uncached tokens per second per pod."
     )
     utilisation: float = Field(
-        0.85, gt=0, allow_inf_nan=False, description="Unset rate: no-cache busy share."
+        0.7, gt=0, allow_inf_nan=False, description="Unset rate: no-cache busy share."
     )
     prefill_overhead_s: float = Field(0.005, ge=0, description="Fixed cost per prefill.")
     max_batch_tokens: int = Field(8192, ge=1, description="Prefill tokens per engine step.")
@@ -138,7 +140,7 @@ class ResolvedCluster(BaseModel):
     """Cluster capacity over the trace's unique blocks (what was asked or what follows)."""
     prefill_tokens_per_s: float
     utilisation: float
-    """No-cache busy share at this rate (what was asked or what follows)."""
+    """No-cache busy share at this rate (what was asked or what follows), overheads aside."""
     prefill_overhead_s: float
     max_batch_tokens: int
     attention_tokens: float | None
@@ -148,9 +150,13 @@ class ResolvedCluster(BaseModel):
 
 
 def resolve(
-    cluster: ClusterModel, *, block_size: int, unique_blocks: int, offered_tokens_per_s: float
+    cluster: ClusterModel, *, block_size: int, unique_blocks: int, offered_work_per_s: float
 ) -> ResolvedCluster:
-    """Fill in capacity and rate from the trace; everything is in trace seconds."""
+    """Fill in capacity and rate from the trace; everything is in trace seconds.
+
+    `offered_work_per_s` is the trace's prompt work with no cache (tokens, weighted by
+    the attention term when there is one), so utilisation means the same with it.
+    """
     pods = cluster.pods
     if cluster.capacity_blocks is not None:
         capacity = cluster.capacity_blocks
@@ -159,7 +165,7 @@ def resolve(
     if cluster.prefill_tokens_per_s is not None:
         rate = cluster.prefill_tokens_per_s
     else:
-        rate = offered_tokens_per_s / (pods * cluster.utilisation)
+        rate = offered_work_per_s / (pods * cluster.utilisation)
     return ResolvedCluster(
         pods=pods,
         decode_pods=cluster.decode_pods or pods,
@@ -167,7 +173,7 @@ def resolve(
         capacity_blocks=capacity,
         capacity_fraction=capacity * pods / unique_blocks,
         prefill_tokens_per_s=rate,
-        utilisation=offered_tokens_per_s / (pods * rate),
+        utilisation=offered_work_per_s / (pods * rate),
         prefill_overhead_s=cluster.prefill_overhead_s,
         max_batch_tokens=cluster.max_batch_tokens,
         attention_tokens=cluster.attention_tokens,

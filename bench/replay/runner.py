@@ -17,7 +17,7 @@ from bench.replay.config import ReplaySettings, ResolvedCluster, resolve
 from bench.replay.oracle import OracleLines, oracle_lines
 from bench.replay.record import Progress, RunRecord, summarize
 from bench.replay.sim import Simulation
-from bench.replay.trace import Trace, TraceStats, read_trace, trace_stats
+from bench.replay.trace import Trace, TraceStats, offered_work_per_s, read_trace, trace_stats
 
 ProgressHook = Callable[[Progress], None]
 
@@ -27,7 +27,7 @@ class Sweepable:
     """A parameter `--sweep` may vary: where it lives and how a value is read."""
 
     section: str
-    """"cluster", "prefix" or "" (a top-level replay setting)."""
+    """"cluster", "prefix", "cache_aware" or "" (a top-level replay setting)."""
     field: str
     parse: Callable[[str], object]
     overrides: str | None = None
@@ -49,6 +49,8 @@ SWEEPABLE: dict[str, Sweepable] = {
     "prefix-uncached-weight": Sweepable("prefix", "uncached_weight", float),
     "prefix-queued-weight": Sweepable("prefix", "queued_weight", float),
     "prefix-request-cost": Sweepable("prefix", "request_cost", float),
+    "cache-threshold": Sweepable("cache_aware", "cache_threshold", float),
+    "balance-abs-threshold": Sweepable("cache_aware", "balance_abs_threshold", int),
     "arrivals": Sweepable("", "arrivals", str),
 }
 
@@ -113,7 +115,7 @@ def resolve_for(settings: ReplaySettings, trace: Trace, stats: TraceStats) -> Re
         settings.cluster,
         block_size=trace.block_size,
         unique_blocks=stats.unique_blocks,
-        offered_tokens_per_s=stats.offered_tokens_per_s,
+        offered_work_per_s=offered_work_per_s(trace, settings.cluster.attention_tokens),
     )
 
 

@@ -60,11 +60,12 @@ def index_counts(totals: ApplyResult) -> dict[str, int]:
 
 
 def make_policies(settings: ReplaySettings, name: PolicyName) -> tuple[Policy, Policy]:
-    """The gateway's own objects, seeded alike for every policy compared."""
-    prefill = build_policy(
-        name, Random(settings.seed), prefix=settings.prefix, cache_aware=settings.cache_aware
-    )
-    decode = build_policy(settings.decode_policy, Random(settings.seed + 1))
+    """The gateway's own objects, built as `gateway.service.build_gateway` builds them:
+    prefill and decode policy share one RNG seeded with the gateway's `--seed`, so a live
+    gateway given the same seed and candidates draws the same choices."""
+    rng = Random(settings.seed)
+    prefill = build_policy(name, rng, prefix=settings.prefix, cache_aware=settings.cache_aware)
+    decode = build_policy(settings.decode_policy, rng)
     return prefill, decode
 
 

@@ -203,6 +203,23 @@ BUNDLED_MOONCAKE = Path(__file__).parent / "traces" / "mooncake_conversation_tra
 """The Mooncake conversation trace, bundled (see traces/README.md)."""
 
 
+def offered_work_per_s(trace: Trace, attention_tokens: float | None = None) -> float:
+    """Prompt work per second with no cache, in linear-token units.
+
+    A token at context position p weighs `1 + p / attention_tokens` (see
+    `bench.replay.pods`), so a prompt of L tokens weighs `L + L (L - 1) / (2 A)`.
+    """
+    first, last = trace.requests[0].timestamp_ms, trace.requests[-1].timestamp_ms
+    work = 0.0
+    for req in trace.requests:
+        length = req.input_length
+        work += length
+        if attention_tokens is not None:
+            work += length * (length - 1) / (2 * attention_tokens)
+    duration = (last - first) / 1000
+    return work / duration if duration > 0 else math.inf
+
+
 def arrival_times(requests: Iterable[TraceRequest], arrivals: Arrivals) -> list[float]:
     """Seconds from the first request, with equal timestamps spread or kept as bursts."""
     stamps = [r.timestamp_ms / 1000 for r in requests]

@@ -12,7 +12,7 @@ from bench.replay.config import ALL_POLICIES, ClusterModel, ReplaySettings, reso
 from bench.replay.pods import PrefillPod, StepModel
 from bench.replay.record import RunRecord, summarize
 from bench.replay.sim import Simulation, make_policies
-from bench.replay.trace import read_trace, trace_stats
+from bench.replay.trace import offered_work_per_s, read_trace, trace_stats
 from enginesim.kvcache import PagedKVCache
 from enginesim.latency import PrefillModel, PrefillScheduler
 from gateway import policies as gateway_policies
@@ -43,7 +43,7 @@ async def replay(
         settings.cluster,
         block_size=trace.block_size,
         unique_blocks=stats.unique_blocks,
-        offered_tokens_per_s=stats.offered_tokens_per_s,
+        offered_work_per_s=offered_work_per_s(trace),
     )
     return await Simulation(trace, settings, resolved, policy).run()
 
@@ -213,3 +213,25 @@ async def test_the_pod_steps_exactly_like_the_engine_s_prefill_scheduler() -> No
         assert job.started is not None
         assert job.started - job.arrived == pytest.approx(timing.queue_s)
         assert ends[job.request] - job.started == pytest.approx(timing.prefill_s)
+
+
+def test_attention_weighs_each_token_by_its_position_in_steps_and_in_the_load() -> None:
+    model = StepModel(tokens_per_s=100.0, overhead_s=0.0, max_batch_tokens=30, attention_tokens=50)
+    pod = PrefillPod("p", PagedKVCache(16, 100), model, index_model="m")
+    pod.admit(0, list(range(100)), 0.0)
+    end = pod.start_step(0.0)
+    steps = 0
+    while end is not None:
+        finished = pod.end_step(end)
+        steps += 1
+        last, end = end, pod.start_step(end)
+    assert steps == 4
+    assert finished[0].end == pytest.approx(last)
+    assert last == pytest.approx((100 + 100 * 99 / (2 * 50)) / 100)
+
+
+def test_the_offered_work_counts_the_attention_term(tmp_path: Path) -> None:
+    path = write_trace(tmp_path / "t.jsonl", [row(0, 8, [1, 2]), row(2_000, 4, [3])])
+    trace = read_trace(path, block_size=4)
+    assert offered_work_per_s(trace) == pytest.approx(12 / 2)
+    assert offered_work_per_s(trace, 10) == pytest.approx((8 + 8 * 7 / 20 + 4 + 4 * 3 / 20) / 2)

@@ -35,11 +35,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-import struct
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 from redis import exceptions as redis_errors
@@ -58,11 +57,11 @@ from globalkv.index.redis_keys import RedisKeys, parse_source_name, source_name
 from globalkv.index.redis_scripts import (
     APPLY,
     DROP,
-    HASH,
     LOOKUP,
     fingerprints,
-    pack_block,
-    unpack_block,
+    log_delete,
+    log_put,
+    replay_log,
 )
 from globalkv.index.scoring import TierWeights, make_hit, ranked
 from globalkv.index.state import BatchChanges, EngineBlock, SourceState
@@ -70,6 +69,13 @@ from globalkv.keys import BlockKey, EngineHash
 
 log = logging.getLogger(__name__)
 _DROP_CHUNK = 1000
+"""Block keys per call of the drop script."""
+_LOG_READ = 64
+"""Log entries per LRANGE when replaying a log."""
+_LOG_ENTRY = 4096
+"""Records per log entry (a snapshot of a large source is several entries)."""
+_LOG_SLACK = 1024
+"""Records a log may hold beyond twice the live blocks before it is compacted."""
 _UNAVAILABLE_REPLIES = ("OOM", "LOADING", "MASTERDOWN", "READONLY", "BUSY", "NOREPLICAS")
 
 
@@ -93,6 +99,8 @@ class _Writer:
     """The source's generation in Redis; None until its first batch creates it."""
     version: int
     """Batches applied to that generation (checked by the apply script)."""
+    log_records: int = 0
+    """Records in the generation's reverse log (it is compacted when it outgrows the state)."""
 
 
 class RedisIndex:
@@ -177,11 +185,14 @@ class RedisIndex:
             try:
                 with _reachable("applying a batch"):
                     target = await self._new_gen() if changes.cleared or old is None else None
-                    args = self._apply_args(source, writer, changes, target, batch.seq, batch.ts)
+                    args, logged = self._apply_args(
+                        source, writer, changes, target, batch.seq, batch.ts
+                    )
                     await self._run_apply(args)
             except BaseException:
                 self._writers.pop(source, None)  # Redis may hold the batch or not: reload
                 raise
+            writer.log_records = logged
             if target is None:
                 writer.version += 1
             else:
@@ -202,7 +213,7 @@ class RedisIndex:
             state = SourceState(epoch=target, resets=int(info.get(b"resets", 0)) + 1)
             state.last_seq, state.last_ts = _seq_ts(info)
             writer = _Writer(state, gen=None, version=0)
-            args = self._apply_args(source, writer, None, target, state.last_seq, state.last_ts)
+            args, _ = self._apply_args(source, writer, None, target, state.last_seq, state.last_ts)
             self._writers.pop(source, None)
             with _reachable("resetting a source"):
                 await self._run_apply(args)
@@ -272,15 +283,33 @@ class RedisIndex:
 
     async def _load(self, gen: int) -> _Writer:
         info = await self._redis.hgetall(self.keys.info(gen))
-        blocks: list[tuple[EngineHash, EngineBlock]] = []
+        blocks: dict[EngineHash, EngineBlock] = {}
+        records = 0
         try:
-            async for field, value in self._redis.hscan_iter(self.keys.blocks(gen), count=1000):
-                blocks.append((EngineHash(HASH.unpack(field)[0]), unpack_block(value)))
-        except (ValueError, struct.error) as exc:
-            raise IndexDataLost(f"generation {gen} has corrupt reverse data: {exc}") from exc
-        state = SourceState.restore(blocks, epoch=gen, resets=int(info.get(b"resets", 0)))
+            async for entries in self._log(gen):
+                for engine_hash, block in replay_log(entries):
+                    records += 1
+                    if block is None:
+                        blocks.pop(engine_hash, None)
+                    else:
+                        blocks[engine_hash] = block
+        except ValueError as exc:
+            raise IndexDataLost(f"generation {gen} has a corrupt reverse log: {exc}") from exc
+        state = SourceState.restore(blocks.items(), epoch=gen, resets=int(info.get(b"resets", 0)))
         state.last_seq, state.last_ts = _seq_ts(info)
-        return _Writer(state, gen, int(info.get(b"v", 0)))
+        return _Writer(state, gen, int(info.get(b"v", 0)), records)
+
+    async def _log(self, gen: int) -> AsyncIterator[list[bytes]]:
+        """A generation's reverse log, a few entries at a time."""
+        key, start = self.keys.log(gen), 0
+        while True:
+            # bytes: the client does not decode (checked in __init__)
+            entries = cast(list[bytes], await self._redis.lrange(key, start, start + _LOG_READ - 1))
+            if entries:
+                yield entries
+            if len(entries) < _LOG_READ:
+                return
+            start += _LOG_READ
 
     async def _new_gen(self) -> int:
         return await self._redis.incr(self.keys.next_gen)
@@ -293,8 +322,9 @@ class RedisIndex:
         target: int | None,
         seq: int | None,
         ts: float | None,
-    ) -> list[Any]:
-        """ARGV of redis_apply.lua (its header names the positions)."""
+    ) -> tuple[list[Any], int]:
+        """ARGV of redis_apply.lua (its header names the positions), and how many records
+        the generation's log holds once the script ran."""
         keys = self.keys
         state = writer.state
         gen = writer.gen
@@ -313,33 +343,48 @@ class RedisIndex:
         ]
         writing = target if target is not None else gen
         assert writing is not None
-        args += [keys.info(writing), keys.blocks(writing)]
+        args += [keys.info(writing), keys.log(writing)]
         fresh = target is not None
-        forward: list[Any] = []
-        puts: list[bytes] = []
-        dels: list[bytes] = []
+        names: list[str] = []
+        digits: list[str] = []
+        deltas: list[str] = []
+        records: list[bytes] = []
+        snapshot = False
         if changes is not None:
             prints = fingerprints(writing)
             masks = state.masks
+            name_of = keys.block
             for key, root in changes.keys.items():
                 old = 0 if fresh else changes.stored_mask(key)
                 new = masks.get(key, 0)
                 if old != new:
-                    forward += (keys.block(root, key), new, prints[new] - prints[old])
-            for engine_hash in changes.blocks:
-                block = state.blocks.get(engine_hash)
-                if block is not None:
-                    puts += (HASH.pack(engine_hash), pack_block(block))
-                elif not fresh:
-                    dels.append(HASH.pack(engine_hash))
-        args += (len(forward) // 3, *forward, len(puts) // 2, *puts, len(dels), *dels)
+                    names.append(name_of(root, key))
+                    digits.append(str(new))
+                    deltas.append(str(prints[new] - prints[old]))
+            logged = 0 if fresh else writer.log_records
+            if logged + len(changes.blocks) > 2 * len(state.blocks) + _LOG_SLACK:
+                snapshot = True
+                records = [log_put(h, block) for h, block in state.blocks.items()]
+            else:
+                for engine_hash in changes.blocks:
+                    block = state.blocks.get(engine_hash)
+                    if block is not None:
+                        records.append(log_put(engine_hash, block))
+                    elif not fresh:
+                        records.append(log_delete(engine_hash))
+        entries = [
+            b"".join(records[i : i + _LOG_ENTRY]) for i in range(0, len(records), _LOG_ENTRY)
+        ]
+        args += (len(names), "\n".join(names), "".join(digits), ",".join(deltas))
+        args += ("1" if snapshot else "0", len(entries), *entries)
+        logged_after = len(records) if snapshot or fresh else writer.log_records + len(records)
         counts = state.counts
         args += (
             "pod", source.pod, "dp", source.dp_rank, "resets", state.resets,
             "seq", "" if seq is None else seq, "ts", "" if ts is None else repr(ts),
             *(x for bit in sorted(counts) for x in (f"t{bit}", counts[bit])),
         )  # fmt: skip
-        return args
+        return args, logged_after
 
     async def _run_apply(self, args: list[Any]) -> None:
         status = await APPLY.run(self._redis, (), args)
@@ -368,19 +413,20 @@ class RedisIndex:
     async def _drop_generation(self, gen: int) -> None:
         undo = [-p for p in fingerprints(gen)[1:]]
         names: set[str] = set()
-        async for _, value in self._redis.hscan_iter(self.keys.blocks(gen), count=_DROP_CHUNK):
+        async for entries in self._log(gen):
             try:
-                block = unpack_block(value)
-            except ValueError:
-                continue  # unreadable: its keys cannot be named; the block hash dies below
-            names.update(self.keys.block(block.root, key) for key in block.keys)
+                for _, block in replay_log(entries):
+                    if block is not None:
+                        names.update(self.keys.block(block.root, key) for key in block.keys)
+            except ValueError as exc:  # what it named is kept: it cannot be found any more
+                log.error("retired generation %d has a corrupt reverse log: %s", gen, exc)
             if len(names) >= _DROP_CHUNK:
                 await DROP.run(self._redis, (), [gen, *undo, *names])
                 names.clear()
         if names:
             await DROP.run(self._redis, (), [gen, *undo, *names])
         pipe = self._redis.pipeline(transaction=True)
-        pipe.delete(self.keys.blocks(gen), self.keys.info(gen))
+        pipe.delete(self.keys.log(gen), self.keys.info(gen))
         pipe.srem(self.keys.dead, gen)
         await pipe.execute()
 

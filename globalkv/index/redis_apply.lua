@@ -9,15 +9,16 @@
 --   7     generation the writer holds: a number, '' (none yet) or '*' (a reset: any)
 --   8     batches the writer applied to it ('' = do not check)
 --   9     generation to switch to ('' = keep; the old one is retired: hidden, then dropped)
---   10    info key of the generation held; 11, 12: info and blocks keys written
---   then  n, n x (block key, new tier mask or 0, fingerprint delta)
---   then  n, n x (engine hash, packed engine block) to store
---   then  n, n x engine hash to delete
+--   10    info key of the generation held; 11, 12: info and log keys written
+--   then  n, then the n block keys joined by newlines, their new tier masks (one digit
+--         each, 0 = no longer held) and their fingerprint deltas joined by commas
+--   then  '1' when the log entries below replace the log (a snapshot), else '0'
+--   then  n, n x log entry to append (binary records of engine blocks stored or deleted)
 --   then  the info hash's field/value pairs
 
 local marker_key, token, sources_key, live_key, dead_key = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local name, gen, version, target = ARGV[6], ARGV[7], ARGV[8], ARGV[9]
-local old_info_key, info_key, blocks_key = ARGV[10], ARGV[11], ARGV[12]
+local old_info_key, info_key, log_key = ARGV[10], ARGV[11], ARGV[12]
 
 if redis.call('GET', marker_key) ~= token then
   return 'lost'
@@ -45,44 +46,46 @@ if target ~= '' then
   batches = 0
 end
 
+local call, find, sub = redis.call, string.find, string.sub
 local i = 13
 local n = tonumber(ARGV[i])
-i = i + 1
-for _ = 1, n do
-  local key, mask, delta = ARGV[i], ARGV[i + 1], ARGV[i + 2]
-  i = i + 3
+local names, digits, deltas = ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
+i = i + 4
+local at_name, at_delta = 1, 1
+for op = 1, n do
+  local stop = find(names, '\n', at_name, true) or #names + 1
+  local key = sub(names, at_name, stop - 1)
+  at_name = stop + 1
+  stop = find(deltas, ',', at_delta, true) or #deltas + 1
+  local delta = sub(deltas, at_delta, stop - 1)
+  at_delta = stop + 1
+  local mask = sub(digits, op, op)
   if mask == '0' then
-    redis.call('HDEL', key, gen)
-    if redis.call('HLEN', key) <= 1 then
-      redis.call('DEL', key)
+    call('HDEL', key, gen)
+    if call('HLEN', key) <= 1 then
+      call('DEL', key)
     else
-      redis.call('HINCRBY', key, '#', delta)
+      call('HINCRBY', key, '#', delta)
     end
   else
-    redis.call('HSET', key, gen, mask)
-    redis.call('HINCRBY', key, '#', delta)
+    call('HSET', key, gen, mask)
+    call('HINCRBY', key, '#', delta)
   end
 end
 
 local unpack = unpack or table.unpack
-local CHUNK = 1000
-n = tonumber(ARGV[i])
-i = i + 1
-local stop = i + 2 * n
-while i < stop do
-  local last = math.min(i + 2 * CHUNK, stop) - 1
-  redis.call('HSET', blocks_key, unpack(ARGV, i, last))
-  i = last + 1
+if ARGV[i] == '1' then
+  call('DEL', log_key)  -- the entries below are a snapshot of the whole state
 end
-
-n = tonumber(ARGV[i])
-i = i + 1
-stop = i + n
+n = tonumber(ARGV[i + 1])
+i = i + 2
+local CHUNK = 1000
+local stop = i + n
 while i < stop do
   local last = math.min(i + CHUNK, stop) - 1
-  redis.call('HDEL', blocks_key, unpack(ARGV, i, last))
+  call('RPUSH', log_key, unpack(ARGV, i, last))
   i = last + 1
 end
 
-redis.call('HSET', info_key, 'v', batches + 1, unpack(ARGV, i, #ARGV))
+call('HSET', info_key, 'v', batches + 1, unpack(ARGV, i, #ARGV))
 return 'ok'

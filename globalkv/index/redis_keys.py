@@ -11,7 +11,8 @@ Per source (one generation per source life; a reset or clear starts a new one):
     {p}:index:live             hash: generation -> "<pod>@<dp_rank>"; lookups trust only these
     {p}:index:dead             set: generations hidden, their blocks not yet dropped
     {p}:index:gen:next         counter of generation ids (never reused)
-    {p}:index:gen:<g>:blocks   hash: engine hash (8 bytes LE) -> packed engine block
+    {p}:index:gen:<g>:log      list: the reverse log, binary records of engine blocks
+                               stored and deleted (see redis_scripts.py)
     {p}:index:gen:<g>:info     hash: that generation's statistics and batch count
     {p}:index:marker           string: dataset token; gone when Redis lost its data
 """
@@ -56,8 +57,8 @@ class RedisKeys:
         """
         return f"{self.block_prefix}{{{keys[0]:016x}}}", struct.pack(f">{len(keys)}Q", *keys).hex()
 
-    def blocks(self, gen: int) -> str:
-        return f"{self.prefix}:index:gen:{gen}:blocks"
+    def log(self, gen: int) -> str:
+        return f"{self.prefix}:index:gen:{gen}:log"
 
     def info(self, gen: int) -> str:
         return f"{self.prefix}:index:gen:{gen}:info"

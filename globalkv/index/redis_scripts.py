@@ -1,15 +1,22 @@
 """The Lua scripts of the Redis index and the values Python and Lua exchange.
 
 Scripts are package files (`redis_*.lua`), run by SHA and loaded again when Redis lost
-them (a restart, SCRIPT FLUSH). The values: engine blocks packed for the reverse hash, and
-the fingerprint contributions that let the lookup script skip unchanged blocks.
+them (a restart, SCRIPT FLUSH). The values: records of the reverse log, and the
+fingerprint contributions that let the lookup script skip unchanged blocks.
+
+Reverse data is a log per generation: one Redis list entry per batch, holding binary
+records (an engine block stored, or deleted), replayed in order to rebuild a writer's
+state or to name the keys of a retired generation. One entry per batch costs Redis a
+single RPUSH where a hash field per engine block cost a field each, and the records are
+about a third of a hash field's size. The writer replaces the log with a snapshot of its
+state once the log outgrows it, so the log stays within a small factor of what is held.
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from importlib.resources import files
 from typing import Any
 
@@ -19,10 +26,7 @@ from redis import exceptions as redis_errors
 
 from globalkv.index.scoring import ALL_TIERS
 from globalkv.index.state import EngineBlock
-from globalkv.keys import BlockKey
-
-HASH = struct.Struct("<Q")
-"""An engine hash as a reverse-hash field."""
+from globalkv.keys import BlockKey, EngineHash
 
 
 class Script:
@@ -51,13 +55,48 @@ def fingerprints(gen: int) -> tuple[int, ...]:
     return (0, *(digest(f"{gen}:{mask}".encode()) >> 16 for mask in range(1, ALL_TIERS + 1)))
 
 
-def pack_block(block: EngineBlock) -> bytes:
-    return struct.pack(f"<BQ{len(block.keys)}Q", block.tiers, block.root, *block.keys)
+_PUT = struct.Struct("<cQBQH")
+"""b"P", engine hash, tiers, chain root, key count; then the keys."""
+_DELETE = struct.Struct("<cQ")
+"""b"D", engine hash."""
 
 
-def unpack_block(raw: bytes) -> EngineBlock:
-    count, rest = divmod(len(raw) - 9, 8)
-    if count <= 0 or rest:
-        raise ValueError(f"packed engine block of {len(raw)} bytes")
-    tiers, root, *keys = struct.unpack(f"<BQ{count}Q", raw)
-    return EngineBlock(tuple(BlockKey(k) for k in keys), BlockKey(root), tiers)
+def log_put(engine_hash: EngineHash, block: EngineBlock) -> bytes:
+    count = len(block.keys)
+    head = _PUT.pack(b"P", engine_hash, block.tiers, block.root, count)
+    return head + struct.pack(f"<{count}Q", *block.keys)
+
+
+def log_delete(engine_hash: EngineHash) -> bytes:
+    return _DELETE.pack(b"D", engine_hash)
+
+
+def replay_log(entries: Iterable[bytes]) -> Iterator[tuple[EngineHash, EngineBlock | None]]:
+    """The (engine hash, block or None for a delete) records of log entries, in order.
+
+    Raises ValueError on a record that cannot be read.
+    """
+    try:
+        yield from _records(entries)
+    except struct.error as exc:
+        raise ValueError(f"unreadable log record: {exc}") from exc
+
+
+def _records(entries: Iterable[bytes]) -> Iterator[tuple[EngineHash, EngineBlock | None]]:
+    for entry in entries:
+        at, end = 0, len(entry)
+        while at < end:
+            if entry[at : at + 1] == b"D":
+                _, engine_hash = _DELETE.unpack_from(entry, at)
+                at += _DELETE.size
+                yield EngineHash(engine_hash), None
+                continue
+            tag, engine_hash, tiers, root, count = _PUT.unpack_from(entry, at)
+            if tag != b"P":
+                raise ValueError(f"unknown log record {tag!r}")
+            at += _PUT.size
+            if not count:
+                raise ValueError("a stored block without keys")
+            keys = struct.unpack_from(f"<{count}Q", entry, at)
+            at += 8 * count
+            yield EngineHash(engine_hash), EngineBlock(tuple(map(BlockKey, keys)), root, tiers)

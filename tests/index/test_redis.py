@@ -11,7 +11,7 @@ from redis.cluster import key_slot
 
 from globalkv.index.base import ApplyResult, IndexDataLost, IndexUnavailable, Tier
 from globalkv.index.redis import RedisIndex
-from globalkv.index.redis_scripts import fingerprints
+from globalkv.index.redis_scripts import fingerprints, replay_log
 from tests.index.events import BS, P0, P0_DP1, P1, Feeder, depths, keys, remove, store, tokens
 from tests.support.redis import RedisServer
 
@@ -61,6 +61,24 @@ async def test_a_restarted_writer_rebuilds_its_sources_from_redis(
     (stats,) = await restarted.stats()
     assert stats.blocks == {Tier.GPU: 3, Tier.CPU: 1, Tier.DISK: 0}
     assert stats.resets == 0
+
+
+async def test_the_reverse_log_is_compacted_and_still_rebuilds(client: aioredis.Redis) -> None:
+    index = RedisIndex(client, BS)
+    feed = Feeder(index)
+    t = tokens(3)
+    await feed(P0, store([1], t[:BS]))
+    for _ in range(700):  # churn: two records per batch, nothing more held
+        await feed(P0, store([2, 3], t[BS:], parent=1), remove([2, 3]))
+    await feed(P0, store([2], t[BS : 2 * BS], parent=1, tier=Tier.CPU))
+    (stats,) = await index.stats()
+    logged = list(replay_log(await client.lrange(index.keys.log(stats.epoch), 0, -1)))
+    assert len(logged) <= 2 * 2 + 1024 + 2  # twice the blocks held, plus the slack
+    restarted = RedisIndex(client, BS)
+    assert await Feeder(restarted)(P0, store([3], t[2 * BS :], parent=2)) == ApplyResult(stored=1)
+    hits = await restarted.lookup(keys(t))
+    assert depths(hits) == {P0: 3}
+    assert hits[0].score == pytest.approx(2.8)
 
 
 async def test_a_gateway_reader_sees_writes_and_resets_at_once(client: aioredis.Redis) -> None:

@@ -114,8 +114,8 @@ async def _memory_index_bytes(population: Population) -> float:
 
 def _redis_benchmark_hset(port: int, requests: int) -> float:
     """Requests/s of pipelined HSET (-P 64), Redis's own write ceiling."""
-    argv = ["redis-benchmark", "-p", str(port), "-q", "-t", "hset", "-P", "64"]
-    out = subprocess.run(argv + ["-n", str(requests)], capture_output=True, text=True, check=True)
+    argv = ["redis-benchmark", "-p", str(port), "-q", "-t", "hset", "-P", "64", "-n", str(requests)]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True)
     match = re.search(r"HSET: ([\d.]+) requests per second", out.stdout.replace("\r", "\n"))
     if match is None:
         raise SystemExit(f"cannot read redis-benchmark output: {out.stdout!r}")

@@ -3,21 +3,22 @@
 Key names and layout: `redis_keys.py`. The choices, and why:
 
 - Lookup is one round trip to the chain's shard: a pipeline of one `EVALSHA` over the
-  chain's block keys (one hash slot, tagged by the chain's first block) and `HGETALL` of
+  chain's block keys (one hash slot, tagged by the chain's first block; sent as one hex
+  string, since one argument per key cost more Python time than the script) and `HGETALL` of
   the live generations (another slot, so it cannot be read inside the script). The
   script returns every generation's contiguous depth; generations not live are dropped
   here, so a reset source vanishes from lookups the moment its generation is retired.
 - Generations are the per-source epoch. A source's life (until a reset or a clear) has a
   fresh id; block hashes are keyed by it. Retiring one is O(1) (`live` loses it); its
-  blocks are then dropped in chunks through its own reverse hash, never by SCAN/KEYS.
+  blocks are then dropped in chunks named by its own reverse log, never by SCAN/KEYS.
 - Writes: one `EVALSHA` per batch with flat ARGV (block keys, small masks, fingerprint
-  deltas, packed reverse entries), so a batch is atomic and costs one round trip.
+  deltas, one binary reverse-log entry), so a batch is atomic and costs one round trip.
 - Fingerprints: each block hash keeps "#" = sum of a 48-bit hash of every (generation,
   mask) field, updated by the writer's `HINCRBY`. Equal fingerprints on adjacent blocks
   mean the same holders in the same tiers, which lets the lookup script skip reading the
   holders of most blocks (see redis_lookup.lua).
 - The writer keeps each source's state (engine hash map, masks) in memory, as it must to
-  key stores without reading Redis. It is rebuilt from the reverse hash the first time a
+  key stores without reading Redis. It is rebuilt from the reverse log the first time a
   source is written after a restart, so an indexer restart needs no reset.
 - Data loss: the apply script refuses to write when the dataset marker is not the
   writer's (Redis restarted empty or was flushed) or the source's generation or batch
@@ -27,7 +28,7 @@ Key names and layout: `redis_keys.py`. The choices, and why:
 - Redis Cluster: lookups already touch one slot; a batch's writes span slots and are
   atomic only on a single Redis (or a future per-slot split of the batch).
 
-The client must use `decode_responses=False`: the reverse entries are packed bytes.
+The client must use `decode_responses=False`: the reverse log is binary.
 """
 
 from __future__ import annotations

@@ -25,7 +25,6 @@ BlockKey = NewType("BlockKey", int)
 EngineHash = NewType("EngineHash", int)
 """An engine's block hash, normalised to an unsigned 64-bit int (see globalkv.wire)."""
 
-_U64 = struct.Struct("<Q")
 _NAMESPACE_SEP = "\x1f"
 _TOKEN_MAX = 0xFFFFFFFF
 
@@ -60,13 +59,15 @@ def chain_keys(parent: BlockKey, tokens: Sequence[int] | bytes, block_size: int)
     data = tokens if isinstance(tokens, bytes) else token_bytes(tokens)
     stride = block_size * 4
     digest = xxhash.xxh3_64_intdigest
-    pack = _U64.pack
-    keys: list[BlockKey] = []
-    prev = parent
+    keys: list[int] = []
+    append = keys.append
+    prev: int = parent
+    # The hot loop of every lookup: plain ints and local names (BlockKey is an int at run
+    # time, so the list needs no per-key conversion).
     for start in range(0, len(data) - stride + 1, stride):
-        prev = BlockKey(digest(pack(prev) + data[start : start + stride]))
-        keys.append(prev)
-    return keys
+        prev = digest(prev.to_bytes(8, "little") + data[start : start + stride])
+        append(prev)
+    return keys  # type: ignore[return-value]
 
 
 def request_keys(

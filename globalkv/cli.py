@@ -106,6 +106,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=args.log_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # httpx logs every request at INFO: health checks and keep-alives would drown the
+    # lines that matter. Our components log their own failures.
+    if args.log_level != "DEBUG":
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     if args.check:
         try:
             args.check_config(args)

@@ -6,7 +6,10 @@ one side only, a special token split into pieces) and every lookup misses. So bo
 share this module:
 
 - `encode(text)` is the engine's plain-text path (`/generate` `text`, a string `prompt`):
-  the tokenizer's own post-processor runs, so a BOS is added when the model adds one.
+  the post-processor runs, so a BOS is added when the model adds one. Which post-processor
+  depends on the engines' transformers (`TokenizerRules`): with 5.x (SGLang 0.5.x)
+  tokenizer.json's own; with 4.x, for Llama/Gemma-style classes, one rebuilt from
+  `add_bos_token`/`add_eos_token` in tokenizer_config.json.
 - `apply_chat_template(messages)` is the engine's chat path, done the way Hugging Face
   transformers does it: the template is rendered with jinja2 in a sandbox
   (`trim_blocks`, `lstrip_blocks`, `loopcontrols`, transformers' `tojson`,
@@ -14,7 +17,9 @@ share this module:
   (`bos_token`, `eos_token`, …) as variables, then encoded *without* adding special
   tokens, because the template already wrote them.
 - Special tokens written in text (`<|im_start|>`) become their single ids in both paths,
-  as in the engines (tokenizers' added-token matching).
+  as in the engines (tokenizers' added-token matching). Named special tokens of the
+  config that tokenizer.json does not list as added tokens are added, as transformers
+  adds them.
 
 `ByteTokenizer` is a self-contained stand-in for the emulated stack: one id per UTF-8
 byte, two special ids and a fixed chat format.
@@ -24,15 +29,18 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from datetime import datetime
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import jinja2
-import jinja2.ext
-import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, processors
 from tokenizers import Tokenizer as _HFCoreTokenizer
+
+from globalkv.chat_template import (
+    compile_chat_template,
+    select_template,
+    template_takes_content_parts,
+)
 
 __all__ = [
     "ByteTokenizer",
@@ -40,6 +48,7 @@ __all__ = [
     "NotTokenizable",
     "TokenizeError",
     "Tokenizer",
+    "TokenizerRules",
     "load_tokenizer",
 ]
 
@@ -176,113 +185,102 @@ def _token_content(value: object) -> str | None:
     return None
 
 
-class _GenerationTag(jinja2.ext.Extension):
-    """`{% generation %}…{% endgeneration %}` as transformers renders it: just the body.
+def _added_token(value: object) -> AddedToken | None:
+    """A config special token as transformers registers it: special, flags kept."""
+    content = _token_content(value)
+    if content is None:
+        return None
+    if not isinstance(value, Mapping):
+        return AddedToken(content, special=True, normalized=False)
+    flags = {
+        key: bool(value[key])
+        for key in ("single_word", "lstrip", "rstrip", "normalized")
+        if key in value
+    }
+    return AddedToken(content, special=True, **flags)
 
-    (transformers also records assistant-token masks there, which routing does not need.)
+
+def _add_missing_special_tokens(core: _HFCoreTokenizer, config: Mapping[str, Any]) -> None:
+    """Named and extra special tokens the config has and tokenizer.json does not add.
+
+    transformers adds each as a special token (a new id when it is not in the vocabulary),
+    so written in a prompt it is one id; without this it would be split into pieces here.
     """
+    extras = config.get("additional_special_tokens") or config.get("extra_special_tokens")
+    if isinstance(extras, Mapping):
+        extras = list(extras.values())
+    values = [config.get(key) for key in _SPECIAL_TOKEN_KEYS]
+    values += extras if isinstance(extras, list) else []
+    added = {token.content for token in core.get_added_tokens_decoder().values()}
+    missing: list[AddedToken] = []
+    for value in values:
+        token = _added_token(value)
+        if token is not None and token.content not in added:
+            added.add(token.content)
+            missing.append(token)
+    if missing:
+        core.add_special_tokens(missing)
 
-    tags = {"generation"}  # noqa: RUF012 - jinja2's Extension API declares it this way
 
-    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.Scope(body, lineno=lineno)
+TokenizerRules = Literal["transformers5", "transformers4"]
+"""Whose rules place BOS/EOS in `encode`: the transformers major version of the engines.
+
+transformers 5 (SGLang 0.5.10–0.5.23 pin 5.3–5.19) drops `add_bos_token`/`add_eos_token`
+from tokenizer_config.json whenever a tokenizer.json exists: tokenizer.json's own
+post-processor decides. transformers 4 (engines on 4.x) rebuilds the post-processor from
+those flags for the Llama/Gemma-style classes below, a missing flag taking the class
+default; every other class keeps tokenizer.json's.
+"""
+
+_TRANSFORMERS4_FLAG_DEFAULTS = {
+    "LlamaTokenizer": (True, False),
+    "LlamaTokenizerFast": (True, False),
+    "CodeLlamaTokenizer": (True, False),
+    "CodeLlamaTokenizerFast": (True, False),
+    "GemmaTokenizer": (True, False),
+    "GemmaTokenizerFast": (True, False),
+    "CohereTokenizerFast": (True, False),
+    "GPTNeoXTokenizerFast": (False, False),
+}
+"""tokenizer_class → (add_bos_token, add_eos_token) defaults, for the classes whose
+transformers 4 fast tokenizer calls `update_post_processor` on load."""
 
 
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
+def _flagged(
+    core: _HFCoreTokenizer, special: Mapping[str, str], key: str, on: bool
+) -> tuple[str, int] | None:
+    if not on:
+        return None
+    token = special.get(key)
+    if token is None:
+        raise ValueError(f"add_{key} is set but tokenizer_config.json names no {key}")
+    token_id = core.token_to_id(token)
+    assert token_id is not None, "named special tokens were added to the vocabulary"
+    return token, token_id
 
 
-def _tojson(
-    value: object,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+def _apply_bos_eos_flags(
+    core: _HFCoreTokenizer,
+    config: Mapping[str, Any],
+    special: Mapping[str, str],
+    rules: TokenizerRules,
+) -> None:
+    """transformers 4's `update_post_processor`: `[BOS] $A [EOS]` as the flags say."""
+    defaults = _TRANSFORMERS4_FLAG_DEFAULTS.get(str(config.get("tokenizer_class")))
+    if rules != "transformers4" or defaults is None:
+        return
+    bos = _flagged(core, special, "bos_token", bool(config.get("add_bos_token", defaults[0])))
+    eos = _flagged(core, special, "eos_token", bool(config.get("add_eos_token", defaults[1])))
+
+    def sequence(name: str, type_id: int) -> str:
+        ends = [f"{bos[0]}:{type_id}"] if bos else []
+        return " ".join([*ends, f"${name}:{type_id}", *([f"{eos[0]}:{type_id}"] if eos else [])])
+
+    core.post_processor = processors.TemplateProcessing(
+        single=sequence("A", 0),
+        pair=f"{sequence('A', 0)} {sequence('B', 1)}",
+        special_tokens=list(dict(t for t in (bos, eos) if t).items()),
     )
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-def compile_chat_template(source: str) -> jinja2.Template:
-    """The template compiled with transformers' environment, so it renders identically."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True,
-        lstrip_blocks=True,
-        extensions=[_GenerationTag, jinja2.ext.loopcontrols],
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    try:
-        return env.from_string(source)
-    except jinja2.exceptions.TemplateSyntaxError as exc:
-        raise ValueError(f"chat template does not compile: {exc}") from exc
-
-
-_MEDIA_WORDS = ("image", "audio", "video", "vision")
-
-
-def _subject(node: jinja2.nodes.Node) -> jinja2.nodes.Node:
-    """What a loop iterates over, under filters, tests and slices."""
-    while True:
-        filtered = isinstance(node, jinja2.nodes.Filter | jinja2.nodes.Test)
-        sliced = isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Slice)
-        inner = getattr(node, "node", None)
-        if not (filtered or sliced) or inner is None:
-            return node
-        node = inner
-
-
-def _is_content_of_message(node: jinja2.nodes.Node) -> bool:
-    if isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Const):
-        base, key = node.node, node.arg.value
-    elif isinstance(node, jinja2.nodes.Getattr):
-        base, key = node.node, node.attr
-    else:
-        return False
-    return (
-        key == "content"
-        and isinstance(base, jinja2.nodes.Name)
-        and base.name in ("message", "msg", "m")
-    )
-
-
-def template_takes_content_parts(template: jinja2.Template, source: str) -> bool:
-    """SGLang's content-format detection: does the template iterate over `content`?
-
-    True for templates naming media or looping over `message['content']` (also
-    `msg.content`, `m.content`): they get parts; all others get one string.
-    """
-    if any(word in source for word in _MEDIA_WORDS):
-        return True
-    tree = template.environment.parse(source)
-    return any(
-        _is_content_of_message(_subject(loop.iter)) for loop in tree.find_all(jinja2.nodes.For)
-    )
-
-
-def _select_template(raw: object, source: Path) -> str | None:
-    """tokenizer_config.json's chat_template: one string, or named ones (use `default`)."""
-    if raw is None or isinstance(raw, str):
-        return raw
-    if isinstance(raw, list):
-        named = {
-            t.get("name"): t.get("template")
-            for t in raw
-            if isinstance(t, Mapping) and isinstance(t.get("template"), str)
-        }
-        chosen = named.get("default")
-        if chosen is None:
-            raise ValueError(f"{source}: chat_template list has no 'default' entry")
-        return str(chosen)
-    raise ValueError(f"{source}: chat_template must be a string or a list of named templates")
 
 
 class HFTokenizer:
@@ -307,8 +305,11 @@ class HFTokenizer:
         self.eos_token_id: int | None = core.token_to_id(eos) if eos is not None else None
 
     @classmethod
-    def from_path(cls, path: str | Path) -> HFTokenizer:
-        """A model directory (tokenizer.json + tokenizer_config.json) or a tokenizer.json."""
+    def from_path(cls, path: str | Path, *, rules: TokenizerRules = "transformers5") -> HFTokenizer:
+        """A model directory (tokenizer.json + tokenizer_config.json) or a tokenizer.json.
+
+        `rules`: the transformers major version of the engines (see `TokenizerRules`).
+        """
         target = Path(path)
         directory = target if target.is_dir() else target.parent
         tokenizer_file = target / "tokenizer.json" if target.is_dir() else target
@@ -324,14 +325,14 @@ class HFTokenizer:
             for key in _SPECIAL_TOKEN_KEYS
             if (content := _token_content(config.get(key))) is not None
         }
-        template = _select_template(
-            config.get("chat_template"), directory / "tokenizer_config.json"
-        )
+        _add_missing_special_tokens(core, config)
+        _apply_bos_eos_flags(core, config, special, rules)
+        template = select_template(config.get("chat_template"), directory / "tokenizer_config.json")
         jinja_file = directory / "chat_template.jinja"
         if template is None and jinja_file.is_file():
             template = jinja_file.read_text()
         if template is None:
-            template = _select_template(
+            template = select_template(
                 _read_json(directory / "chat_template.json").get("chat_template"),
                 directory / "chat_template.json",
             )
@@ -388,11 +389,11 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def load_tokenizer(path: str | None) -> Tokenizer:
+def load_tokenizer(path: str | None, *, rules: TokenizerRules = "transformers5") -> Tokenizer:
     """None or "byte" → ByteTokenizer; a directory or a tokenizer.json path → HFTokenizer.
 
     Raises `ValueError` with the reason when the path holds no usable tokenizer.
     """
     if path is None or path == "byte":
         return ByteTokenizer()
-    return HFTokenizer.from_path(path)
+    return HFTokenizer.from_path(path, rules=rules)

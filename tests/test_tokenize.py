@@ -262,3 +262,68 @@ def test_byte_tokenizer_round_trip_and_chat() -> None:
 def test_byte_tokenizer_rejects_bad_messages(message: object, match: str) -> None:
     with pytest.raises(TokenizeError, match=match):
         ByteTokenizer().apply_chat_template([message])  # type: ignore[list-item]
+
+
+def _ids(tok: HFTokenizer, core: CoreTokenizer, text: str = "hello world") -> tuple[int, ...]:
+    """The special ids `tok` puts around `text`'s own ids, as (leading..., -1, trailing...)."""
+    plain = core.encode(text, add_special_tokens=False).ids
+    ids = tok.encode(text)
+    start = next(i for i in range(len(ids)) if ids[i : i + len(plain)] == plain)
+    return (*ids[:start], -1, *ids[start + len(plain) :])
+
+
+LLAMA = {"bos_token": "<s>", "eos_token": "</s>", "tokenizer_class": "LlamaTokenizerFast"}
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        ({}, ("<s>", -1)),  # the class default: BOS on, EOS off
+        ({"add_bos_token": True, "add_eos_token": True}, ("<s>", -1, "</s>")),
+        ({"add_bos_token": False}, (-1,)),  # drops the BOS tokenizer.json adds
+        ({"add_bos_token": False, "add_eos_token": True}, (-1, "</s>")),
+    ],
+)
+def test_transformers4_rebuilds_bos_eos_for_llama_style_classes(
+    tmp_path: Path, core: CoreTokenizer, flags: dict[str, bool], expected: tuple[object, ...]
+) -> None:
+    directory = write_model(tmp_path / "m", core, {**LLAMA, **flags})
+    tok = HFTokenizer.from_path(directory, rules="transformers4")
+    assert _ids(tok, core) == tuple(t if t == -1 else core.token_to_id(str(t)) for t in expected)
+    assert isinstance(load_tokenizer(str(directory)), HFTokenizer)
+
+
+@pytest.mark.parametrize("tokenizer_class", ["LlamaTokenizerFast", "PreTrainedTokenizerFast"])
+def test_transformers5_keeps_the_tokenizer_json_post_processor(
+    tmp_path: Path, core: CoreTokenizer, tokenizer_class: str
+) -> None:
+    config = {**LLAMA, "tokenizer_class": tokenizer_class}
+    config |= {"add_bos_token": False, "add_eos_token": True}
+    tok = HFTokenizer.from_path(write_model(tmp_path / "m", core, config))
+    assert _ids(tok, core) == (core.token_to_id("<s>"), -1)
+
+
+def test_transformers4_keeps_the_post_processor_of_other_classes(
+    tmp_path: Path, core: CoreTokenizer
+) -> None:
+    config = {**LLAMA, "tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False}
+    tok = HFTokenizer.from_path(write_model(tmp_path / "m", core, config), rules="transformers4")
+    assert _ids(tok, core) == (core.token_to_id("<s>"), -1)
+
+
+def test_a_flag_without_its_token_is_refused(tmp_path: Path, core: CoreTokenizer) -> None:
+    config = {"tokenizer_class": "GemmaTokenizerFast", "eos_token": "</s>"}
+    with pytest.raises(ValueError, match=r"add_bos_token is set but .* names no bos_token"):
+        HFTokenizer.from_path(write_model(tmp_path / "m", core, config), rules="transformers4")
+
+
+def test_named_special_tokens_missing_from_tokenizer_json_are_added(
+    tmp_path: Path, core: CoreTokenizer
+) -> None:
+    config = {"pad_token": "<pad>", "additional_special_tokens": ["<tool>"]}
+    tok = HFTokenizer.from_path(write_model(tmp_path / "m", core, config))
+    bos, pad, tool = tok.encode("<pad><tool>")
+    assert bos == core.token_to_id("<s>")
+    assert {pad, tool} == {core.get_vocab_size(), core.get_vocab_size() + 1}
+    assert tok.decode(tok.encode("a<pad>b")) == "ab"
+    assert core.token_to_id("<pad>") is None, "the fixture's tokenizer is not modified"

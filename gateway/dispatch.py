@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +40,7 @@ from gateway.retry import Backoff, is_retryable_status
 from gateway.router import RoutePlan, Router
 from gateway.workers import Worker
 
+log = logging.getLogger(__name__)
 Sleep = Callable[[float], Awaitable[None]]
 _UPSTREAM_HEADERS = {"content-type": "application/json", "accept-encoding": "identity"}
 _PASSED_HEADERS = ("content-type", "cache-control", "x-request-id")
@@ -128,6 +130,8 @@ class Dispatcher:
                 if last is not None:
                     return last.answer
                 return Answer(503, error_body(str(exc), "no_available_workers"))
+            if log.isEnabledFor(logging.DEBUG):
+                _log_plan(request, plan, attempt)
             outcome = await self._attempt(request, plan, path)
             if not isinstance(outcome, _Failure):
                 return outcome
@@ -286,6 +290,22 @@ class Dispatcher:
                 self._record("decode", decode, 200 if outcome == "done" else None, outcome)
 
         return close
+
+
+def _log_plan(request: ParsedRequest, plan: RoutePlan, attempt: int) -> None:
+    """One line per attempt, so an operator can follow a room to both engines' logs."""
+    choice = plan.prefill_choice
+    log.debug(
+        "%s attempt %d: prefill=%s pod=%s hit_tokens=%d dp_rank=%s decode=%s rooms=%s",
+        request.endpoint,
+        attempt + 1,
+        plan.prefill.id,
+        plan.prefill.pod,
+        choice.hit_tokens,
+        choice.dp_rank,
+        plan.decode.id,
+        ",".join(str(room) for room in plan.rooms),
+    )
 
 
 async def _next_chunk(chunks: AsyncIterator[bytes]) -> bytes:

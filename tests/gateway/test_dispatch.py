@@ -341,3 +341,20 @@ async def test_dp_aware_rooms_select_the_rank_holding_the_prefix() -> None:
         )
         == 1
     )
+
+
+async def test_each_attempt_is_logged_at_debug_with_its_pair_and_rooms(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    cluster = Cluster()
+    gateway = await make_gateway(cluster)
+    with caplog.at_level("DEBUG", logger="gateway.dispatch"):
+        answer = await send(gateway, {"text": ["a", "b"]})
+    await gateway.dispatcher.drain()
+    assert isinstance(answer, Answer)
+    body = cluster.inference("decode")[0].body
+    (line,) = [r.getMessage() for r in caplog.records if "attempt" in r.getMessage()]
+    assert line.startswith("generate attempt 1: prefill=")
+    assert f"prefill={cluster.inference('prefill')[0].worker} " in line
+    assert f"decode={cluster.inference('decode')[0].worker} " in line
+    assert line.endswith("rooms=" + ",".join(str(room) for room in body["bootstrap_room"]))

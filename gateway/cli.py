@@ -35,6 +35,7 @@ from gateway.config import (
 from gateway.monitor import PodRegistrar
 from gateway.pods import HttpPodRegistrar, RegistryPodRegistrar
 from gateway.service import build_gateway
+from gateway.transport import PooledTransport
 from globalkv.index.redis import RedisIndex
 from globalkv.lookup import HttpLookup, IndexLookup, PrefixLookup
 from globalkv.registry import RedisRegistry
@@ -258,9 +259,8 @@ async def _index_parts(
 
 async def serve(config: GatewayConfig, args: argparse.Namespace) -> None:
     tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer else None
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
     async with AsyncExitStack() as stack:
-        client = await stack.enter_async_context(httpx.AsyncClient(limits=limits))
+        client = await stack.enter_async_context(httpx.AsyncClient(transport=PooledTransport()))
         lookup, registrar = await _index_parts(config, client, stack, args)
         gateway = build_gateway(
             config,

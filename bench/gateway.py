@@ -1,0 +1,255 @@
+"""The gateway's own cost: requests/s and added latency against instant mock workers.
+
+    python -m bench.gateway [--sglang-router-python PATH] [--repeats 5] [--output FILE]
+
+Two prefill and two decode mocks (`bench.gateway_mocks`, answers prebuilt, one process)
+sit behind each router; the load generator (`bench.gateway_load`) calls the decode mock
+directly as the baseline, then each router, at every concurrency, streaming off and on.
+Both routers get the same flags where they share them: `--policy round_robin`, the same
+workers, warnings-only logs, no separate metrics listener in the way.
+
+Fairness on a small machine: with two or more CPUs, each router runs alone on CPU 1
+while the mocks and the load generator share CPU 0 (`os.sched_setaffinity`), so a router
+never competes with the load for its core and both routers get the same core. Runs are
+interleaved — every repetition measures every (concurrency, stream, target) once, the
+targets' order rotating — and the tables give medians over repetitions; the added
+latency is the median of the per-repetition differences to the direct call measured
+in the same repetition.
+
+The sglang-router columns appear only when `--sglang-router-python` names an interpreter
+with `sglang_router` installed (it is never imported here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from bench.gateway_load import RunResult, run_load
+
+HOST = "127.0.0.1"
+PROMPT = list(range(1000, 1064))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Child:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, 15)
+            try:
+                self.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.popen.pid, 9)
+                self.popen.wait(10)
+
+
+def _spawn(name: str, argv: Sequence[str], cpus: set[int] | None, logs: Path) -> Child:
+    log = logs / f"{name}.log"
+    with log.open("wb") as out:
+        popen = subprocess.Popen(
+            list(argv), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    if cpus is not None:
+        os.sched_setaffinity(popen.pid, cpus)
+    return Child(name, popen, log)
+
+
+def _wait_ok(child: Child, url: str, body: Mapping[str, object], timeout: float = 60.0) -> None:
+    """Until a request through `url` answers 200 (workers adopted, routes live)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if child.popen.poll() is not None:
+            raise RuntimeError(f"{child.name} exited:\n{child.log.read_text(errors='replace')}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.post(url, json=body, timeout=2).status_code == 200:
+                return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{child.name} not serving {url}; log: {child.log}")
+        time.sleep(0.1)
+
+
+def router_argv(
+    command: Sequence[str], prefills: Sequence[int], decodes: Sequence[int], port: int
+) -> list[str]:
+    """sglang-router's PD flags, which `globalkv gateway` accepts as they are."""
+    argv = [*command, "--pd-disaggregation", "--host", HOST, "--port", str(port)]
+    for p in prefills:
+        argv += ["--prefill", f"http://{HOST}:{p}", str(p)]
+    for d in decodes:
+        argv += ["--decode", f"http://{HOST}:{d}"]
+    return [*argv, "--policy", "round_robin"]
+
+
+@dataclass
+class Cell:
+    """One (target, stream, concurrency): a result per repetition."""
+
+    runs: list[RunResult] = field(default_factory=list)
+
+    def median(self, what: str) -> float:
+        return statistics.median(float(getattr(r, what)) for r in self.runs)
+
+
+Key = tuple[str, bool, int]
+
+
+def _body(stream: bool) -> bytes:
+    return json.dumps(
+        {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4}, "stream": stream}
+    ).encode()
+
+
+async def measure(
+    targets: dict[str, int], concurrencies: Sequence[int], repeats: int, duration: float
+) -> dict[Key, Cell]:
+    cells: dict[Key, Cell] = {}
+    names = list(targets)
+    for rep in range(repeats):
+        for concurrency in concurrencies:
+            for stream in (False, True):
+                order = names[rep % len(names) :] + names[: rep % len(names)]
+                for name in order:
+                    result = await run_load(
+                        HOST,
+                        targets[name],
+                        "/generate",
+                        _body(stream),
+                        concurrency=concurrency,
+                        duration=duration,
+                    )
+                    if result.errors:
+                        raise RuntimeError(f"{name}: {result.errors} answers were not 200")
+                    cells.setdefault((name, stream, concurrency), Cell()).runs.append(result)
+        print(f"repetition {rep + 1}/{repeats} done", file=sys.stderr, flush=True)
+    return cells
+
+
+def _added(cells: dict[Key, Cell], name: str, stream: bool, c: int, what: str) -> float:
+    target, direct = cells[(name, stream, c)].runs, cells[("direct", stream, c)].runs
+    return statistics.median(
+        float(getattr(t, what) - getattr(d, what)) for t, d in zip(target, direct, strict=True)
+    )
+
+
+def table(cells: dict[Key, Cell], routers: Sequence[str], concurrencies: Sequence[int]) -> str:
+    head = ["stream", "conc", "direct req/s"]
+    for r in routers:
+        head += [f"{r} req/s", f"{r} +p50 ms", f"{r} +p99 ms"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for stream in (False, True):
+        for c in concurrencies:
+            row = [
+                "on" if stream else "off",
+                str(c),
+                f"{cells[('direct', stream, c)].median('rps'):.0f}",
+            ]
+            for r in routers:
+                row += [
+                    f"{cells[(r, stream, c)].median('rps'):.0f}",
+                    f"{_added(cells, r, stream, c, 'p50') * 1000:.2f}",
+                    f"{_added(cells, r, stream, c, 'p99') * 1000:.2f}",
+                ]
+            lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def cluster(args: argparse.Namespace, logs: Path) -> Iterator[dict[str, int]]:
+    pin = (os.cpu_count() or 1) >= 2 and not args.no_pin
+    router_cpus, load_cpus = ({1}, {0}) if pin else (None, None)
+    prefills, decodes = [_free_port(), _free_port()], [_free_port(), _free_port()]
+    children: list[Child] = []
+    try:
+        mocks = _spawn(
+            "mocks",
+            [sys.executable, "-m", "bench.gateway_mocks", *map(str, prefills + decodes)],
+            load_cpus,
+            logs,
+        )
+        children.append(mocks)
+        probe = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1}}
+        _wait_ok(mocks, f"http://{HOST}:{decodes[0]}/generate", probe)
+        targets = {"direct": decodes[0]}
+        ours = [sys.executable, "-m", "globalkv", "gateway"]
+        routers = {"globalkv": (ours, ["--prometheus-port", "0", "--router-log-level", "warn"])}
+        if args.sglang_router_python:
+            command = [args.sglang_router_python, "-m", "sglang_router.launch_router"]
+            extra = ["--prometheus-port", str(_free_port()), "--log-level", "warn"]
+            routers["sglang-router"] = (command, extra)
+        for name, (command, extra) in routers.items():
+            port = _free_port()
+            argv = router_argv(command, prefills, decodes, port) + extra
+            child = _spawn(name, argv, router_cpus, logs)
+            children.append(child)
+            _wait_ok(child, f"http://{HOST}:{port}/generate", probe)
+            targets[name] = port
+        if load_cpus is not None:
+            os.sched_setaffinity(0, load_cpus)
+        yield targets
+    finally:
+        for child in reversed(children):
+            child.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.gateway", description=__doc__)
+    parser.add_argument("--sglang-router-python", help="interpreter with sglang_router")
+    parser.add_argument("--concurrency", default="1,16,64", help="comma-separated levels")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved repetitions")
+    parser.add_argument("--duration", type=float, default=2.0, help="seconds per run")
+    parser.add_argument("--no-pin", action="store_true", help="do not pin CPUs")
+    parser.add_argument("--output", type=Path, help="also write the Markdown table here")
+    parser.add_argument("--logs", type=Path, default=Path("/tmp/globalkv-bench-gateway"))
+    args = parser.parse_args(argv)
+    if args.sglang_router_python and not Path(args.sglang_router_python).is_file():
+        print(f"no interpreter at {args.sglang_router_python}: sglang-router skipped")
+        args.sglang_router_python = None
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    args.logs.mkdir(parents=True, exist_ok=True)
+    import uvloop
+
+    with cluster(args, args.logs) as targets:
+        cells = uvloop.run(measure(targets, concurrencies, args.repeats, args.duration))
+    routers = [name for name in targets if name != "direct"]
+    pinned = (
+        "routers on CPU 1, mocks and load on CPU 0"
+        if (os.cpu_count() or 1) >= 2 and not args.no_pin
+        else "not pinned"
+    )
+    text = (
+        f"{table(cells, routers, concurrencies)}\n\n"
+        f"Medians of {args.repeats} interleaved repetitions of {args.duration:g} s per cell; "
+        f"+p50/+p99: latency added over calling the decode mock directly; {pinned}.\n"
+    )
+    print(text)
+    if args.output:
+        args.output.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,113 @@
+"""A closed-loop HTTP load generator cheap enough to share a core with the mock workers.
+
+`concurrency` clients, one keep-alive connection each, send the same prebuilt request
+back to back for `duration` seconds after a short warm-up; each request's time is taken
+from its first byte written to its last byte read (a stream's `0` chunk), so a streamed
+answer counts whole. Raw asyncio streams rather than an HTTP client library, so the load
+generator's own cost stays small and identical for every target.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    requests: int
+    seconds: float
+    latencies: list[float]
+    errors: int
+
+    @property
+    def rps(self) -> float:
+        return self.requests / self.seconds
+
+    def percentile(self, q: float) -> float:
+        """Seconds; q in (0, 100)."""
+        ordered = sorted(self.latencies)
+        return ordered[min(len(ordered) - 1, int(len(ordered) * q / 100))]
+
+    @property
+    def p50(self) -> float:
+        return statistics.median(self.latencies)
+
+    @property
+    def p99(self) -> float:
+        return self.percentile(99)
+
+
+def request_bytes(host: str, port: int, path: str, body: bytes) -> bytes:
+    head = (
+        f"POST {path} HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+class BadAnswer(Exception):
+    pass
+
+
+async def _read_answer(reader: asyncio.StreamReader) -> int:
+    """Reads one response; returns its status."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    status = int(head[9:12])
+    lowered = head.lower()
+    at = lowered.find(b"\r\ncontent-length:")
+    if at >= 0:
+        stop = lowered.find(b"\r\n", at + 2)
+        await reader.readexactly(int(lowered[at + 17 : stop]))
+        return status
+    if b"transfer-encoding: chunked" not in lowered:
+        raise BadAnswer(f"neither content-length nor chunked: {head[:200]!r}")
+    while True:
+        size = int((await reader.readuntil(b"\r\n"))[:-2].split(b";")[0], 16)
+        await reader.readexactly(size + 2)
+        if size == 0:
+            return status
+
+
+async def _client(
+    host: str, port: int, payload: bytes, start: float, stop: float, out: list[float]
+) -> int:
+    """Requests until `stop`; latencies of those started after `start` go to `out`."""
+    reader, writer = await asyncio.open_connection(host, port)
+    errors = 0
+    clock = time.perf_counter
+    try:
+        while True:
+            began = clock()
+            if began >= stop:
+                return errors
+            writer.write(payload)
+            status = await _read_answer(reader)
+            if status != 200:
+                errors += 1
+            if began >= start:
+                out.append(clock() - began)
+    finally:
+        writer.close()
+
+
+async def run_load(
+    host: str,
+    port: int,
+    path: str,
+    body: bytes,
+    *,
+    concurrency: int,
+    duration: float,
+    warmup: float = 0.3,
+) -> RunResult:
+    payload = request_bytes(host, port, path, body)
+    now = time.perf_counter()
+    start, stop = now + warmup, now + warmup + duration
+    latencies: list[float] = []
+    errors = await asyncio.gather(
+        *(_client(host, port, payload, start, stop, latencies) for _ in range(concurrency))
+    )
+    return RunResult(len(latencies), duration, latencies, sum(errors))

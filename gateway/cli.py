@@ -35,7 +35,7 @@ from gateway.config import (
 from gateway.monitor import PodRegistrar
 from gateway.pods import HttpPodRegistrar, RegistryPodRegistrar
 from gateway.service import build_gateway
-from gateway.transport import PooledTransport
+from gateway.transport import upstream_client
 from globalkv.index.redis import RedisIndex
 from globalkv.lookup import HttpLookup, IndexLookup, PrefixLookup
 from globalkv.registry import RedisRegistry
@@ -260,7 +260,7 @@ async def _index_parts(
 async def serve(config: GatewayConfig, args: argparse.Namespace) -> None:
     tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer else None
     async with AsyncExitStack() as stack:
-        client = await stack.enter_async_context(httpx.AsyncClient(transport=PooledTransport()))
+        client = await stack.enter_async_context(upstream_client())
         lookup, registrar = await _index_parts(config, client, stack, args)
         gateway = build_gateway(
             config,

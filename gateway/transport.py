@@ -25,6 +25,7 @@ import ssl
 from collections import defaultdict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from http.cookiejar import CookieJar, DefaultCookiePolicy
 
 import httpx
 
@@ -281,3 +282,13 @@ def _parse_head(raw: bytes, request: httpx.Request) -> tuple[int, list[tuple[byt
             raise httpx.RemoteProtocolError(f"bad header line {line[:80]!r}", request=request)
         headers.append((name.strip(), value.strip()))
     return int(parts[1]), headers
+
+
+def upstream_client() -> httpx.AsyncClient:
+    """The gateway's one client: this transport, and a cookie jar that keeps nothing.
+
+    httpx's default jar would store a worker's Set-Cookie and send it on every later
+    request of every user to that worker; a router must pass no state between clients.
+    """
+    jar = CookieJar(policy=DefaultCookiePolicy(allowed_domains=[]))
+    return httpx.AsyncClient(transport=PooledTransport(), cookies=jar)

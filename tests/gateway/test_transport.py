@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import httpx
 import pytest
 
-from gateway.transport import PooledTransport
+from gateway.transport import PooledTransport, upstream_client
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -198,3 +198,14 @@ async def test_refused_and_silent_peers_raise_connect_and_read_errors() -> None:
     async with httpx.AsyncClient(transport=PooledTransport()) as client:
         with pytest.raises(httpx.ConnectError):
             await client.get(url)
+
+
+async def test_the_upstream_client_keeps_no_cookie_between_requests() -> None:
+    heads: list[bytes] = []
+    setter = keep_alive(lambda h, b: answer(b"ok", b"set-cookie: session=abc; Path=/"), heads)
+    async for server, _ in serving(setter):
+        async with upstream_client() as client:
+            for _ in range(2):
+                assert (await client.get(server.url)).headers["set-cookie"].startswith("session")
+            assert not client.cookies
+        assert all(b"cookie:" not in head.lower() for head in heads)

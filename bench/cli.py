@@ -100,6 +100,7 @@ def register(subparsers: Any) -> None:
         add(f"--prefix-{name.replace('_', '-')}", type=_PREFIX[name], help="gateway flag")
     for name in _CACHE_AWARE:
         add(f"--{name.replace('_', '-')}", type=_CACHE_AWARE[name], help="gateway flag")
+    add("--run-dir", help="live: the stacks' logs, one directory per policy (default runs/)")
     add("--sweep", help=f"NAME=V1,V2,… with NAME in {', '.join(sorted(SWEEPABLE))}")
     add("--bucket-s", type=float, help="hit-rate-over-time bucket width (60)")
     add("--no-oracle", action="store_true", help="skip the pooled LRU and Belady lines")
@@ -142,7 +143,8 @@ def build_settings(args: argparse.Namespace) -> tuple[ReplaySettings, Sweep | No
         "time_scale": args.time_scale,
         "oracle": not args.no_oracle,
     }
-    for name in ("block_size", "limit", "arrivals", "seed", "vocab", "model", "bucket_s"):
+    names = ("block_size", "limit", "arrivals", "seed", "vocab", "model", "bucket_s", "run_dir")
+    for name in names:
         if getattr(args, name) is not None:
             top[name] = getattr(args, name)
     if args.max_output_tokens is not None:

@@ -107,6 +107,9 @@ class ReplaySettings(BaseModel):
     max_output_tokens: int | None = Field(
         None, ge=1, description="Cap on each request's output tokens; None: as traced."
     )
+    run_dir: str | None = Field(
+        None, description="Live: where each stack's logs go, one directory per policy."
+    )
     oracle: bool = Field(True, description="Compute the pooled LRU and Belady lines.")
     bucket_s: float = Field(60.0, gt=0, description="Width of the hit-rate-over-time buckets.")
 

@@ -23,15 +23,15 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.replay.config import ReplaySettings, ResolvedCluster
-from bench.replay.record import PodStats, Progress, RunRecord
+from bench.replay.record import PodStats, Progress, ProgressHook, RunRecord
 from bench.replay.tokens import expand
 from bench.replay.trace import Trace, arrival_times
 from gateway.config import PolicyName
@@ -39,8 +39,6 @@ from gateway.policies import Choice
 from globalkv.stack.cluster import LocalCluster, StackConfig
 
 log = logging.getLogger(__name__)
-
-ProgressHook = Callable[[Progress], None]
 
 
 def _flag(value: float) -> str:
@@ -68,7 +66,9 @@ def stack_config(
     gateway += ["--balance-rel-threshold", _flag(ca.balance_rel_threshold)]
     gateway += ["--eviction-interval-secs", _flag(ca.eviction_interval_secs)]
     gateway += ["--max-tree-size", str(ca.max_tree_size)]
+    run_dir = None if settings.run_dir is None else Path(settings.run_dir) / policy
     return StackConfig(
+        run_dir=run_dir,
         prefill=cluster.pods,
         decode=cluster.decode_pods,
         model=settings.model,

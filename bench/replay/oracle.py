@@ -19,6 +19,11 @@ therefore *references* its whole blocks in order, of which the first `hittable` 
 
 Token rates weigh each hit by the block size over all input tokens (every hittable block
 is whole, so this is exact).
+
+`ttft_floor_s` is the mean TTFT no routing can beat on the simulated pods: each request
+served at once (no queue) with the longest prefix an unlimited cache could hold, paying
+the overhead, the prefill of the rest (with the attention term when modelled) and the
+KV transfer. The slowest policy's TTFT over it bounds every TTFT ratio.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
+from bench.replay.config import ResolvedCluster
 from bench.replay.trace import Trace
 from enginesim.kvcache import PagedKVCache
 
@@ -40,6 +46,7 @@ class OracleLines:
     unlimited: float
     pooled_lru: float
     belady: float
+    ttft_floor_s: float
 
 
 def _references(trace: Trace) -> tuple[list[int], list[bool]]:
@@ -122,10 +129,40 @@ def belady(trace: Trace, capacity: int) -> float:
     return hits * trace.block_size / _input_tokens(trace)
 
 
-def oracle_lines(trace: Trace, capacity: int) -> OracleLines:
+def _prefill_work(start: int, end: int, attention_tokens: float | None) -> float:
+    """Linear-token units of computing positions [start, end) (see bench.replay.pods)."""
+    work = float(end - start)
+    if attention_tokens is not None:
+        work += (end * (end - 1) - start * (start - 1)) / (2 * attention_tokens)
+    return work
+
+
+def ttft_floor(trace: Trace, cluster: ResolvedCluster) -> float:
+    bs = trace.block_size
+    seen: set[int] = set()
+    total = 0.0
+    for req in trace.requests:
+        length = req.input_length
+        cached = 0
+        for i in range((length - 1) // bs):
+            if req.hash_ids[i] not in seen:
+                break
+            cached += bs
+        seen.update(req.hash_ids[: length // bs])
+        work = _prefill_work(cached, length, cluster.attention_tokens)
+        total += cluster.prefill_overhead_s + work / cluster.prefill_tokens_per_s
+        if cluster.kv_transfer_tokens_per_s is not None:
+            total += length / cluster.kv_transfer_tokens_per_s
+    return total / len(trace.requests)
+
+
+def oracle_lines(trace: Trace, cluster: ResolvedCluster) -> OracleLines:
+    """The lines for the cluster's total capacity (pods × blocks per pod)."""
+    capacity = cluster.capacity_blocks * cluster.pods
     return OracleLines(
         capacity_blocks=capacity,
         unlimited=unlimited(trace),
         pooled_lru=pooled_lru(trace, capacity),
         belady=belady(trace, capacity),
+        ttft_floor_s=ttft_floor(trace, cluster),
     )

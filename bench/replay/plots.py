@@ -66,7 +66,9 @@ def _sweep(replay: Replay, title: str, path: Path) -> Path:
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     labels = [str(p.value) for p in replay.points]
     for name in replay.settings.policies:
-        left.plot(labels, [p.summaries[name]["ttft_mean_s"] for p in replay.points], "o-")
+        left.plot(
+            labels, [p.summaries[name]["ttft_mean_s"] for p in replay.points], "o-", label=name
+        )
         right.plot(
             labels,
             [p.summaries[name]["hit_rate"] * 100 for p in replay.points],
@@ -84,6 +86,7 @@ def _sweep(replay: Replay, title: str, path: Path) -> Path:
         ax.set_xlabel(replay.sweep.parameter)
         ax.set_ylabel(what)
         ax.grid(True, alpha=0.3)
+    left.legend(fontsize=8)
     right.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()

@@ -8,7 +8,7 @@ and reported in trace seconds (divided by the time scale).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +26,9 @@ class Progress:
     total: int
     trace_time_s: float
     wall_s: float
+
+
+ProgressHook = Callable[[Progress], None]
 
 
 @dataclass(frozen=True, slots=True)

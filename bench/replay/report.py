@@ -121,6 +121,7 @@ def _oracle_rows(point: Point, width: int) -> list[str]:
         _row(["oracle: Belady/MIN, pooled capacity", _pct(o.belady), *blank]),
         _row(["oracle: one pooled LRU cache", _pct(o.pooled_lru), *blank]),
         _row(["unlimited cache", _pct(o.unlimited), *blank]),
+        _row(["TTFT floor: unlimited cache, no queue", "", _s(o.ttft_floor_s), *blank[1:]]),
     ]
 
 
@@ -138,6 +139,12 @@ def ratios(point: Point) -> list[str]:
                 f"mean TTFT {other} / prefix = {theirs / prefix:.2f}× "
                 f"(prefix {(1 - prefix / theirs) * 100:.0f} % lower)"
             )
+    if point.oracle is not None and "random" in got:
+        lines.append(
+            "mean TTFT random / TTFT floor = "
+            f"{got['random']['ttft_mean_s'] / point.oracle.ttft_floor_s:.2f}× "
+            "(the largest ratio any policy could reach)"
+        )
     if point.oracle is not None and point.oracle.belady > 0:
         hit = got["prefix"]["hit_rate"]
         lines.append(
@@ -192,7 +199,10 @@ def markdown(replay: Replay, *, plots: Iterable[Path] = ()) -> str:
     title = f"### {name}: {replay.settings.mode} mode"
     if replay.sweep is not None:
         title += f", sweep of {replay.sweep.parameter}"
-    lines = [title, "", describe_cluster(first, replay), ""]
+    about = describe_cluster(first, replay)
+    if replay.sweep is not None:
+        about = f"At {replay.sweep.parameter} = {first.value} (the other points vary it): {about}"
+    lines = [title, "", about, ""]
     if replay.sweep is None:
         lines += _point_table(first)
         extra = ratios(first)

@@ -15,11 +15,9 @@ from typing import Any
 
 from bench.replay.config import ReplaySettings, ResolvedCluster, resolve
 from bench.replay.oracle import OracleLines, oracle_lines
-from bench.replay.record import Progress, RunRecord, summarize
+from bench.replay.record import ProgressHook, RunRecord, summarize
 from bench.replay.sim import Simulation
 from bench.replay.trace import Trace, TraceStats, offered_work_per_s, read_trace, trace_stats
-
-ProgressHook = Callable[[Progress], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,15 +145,15 @@ def run_point(
     *,
     value: str | None = None,
     progress: ProgressHook | None = None,
-    oracles: dict[int, OracleLines] | None = None,
+    oracles: dict[str, OracleLines] | None = None,
 ) -> Point:
     cluster = resolve_for(settings, trace, stats)
     oracle = None
     if settings.oracle:
-        total = cluster.capacity_blocks * cluster.pods
+        key = cluster.model_dump_json()
         cache = oracles if oracles is not None else {}
-        oracle = cache.get(total) or oracle_lines(trace, total)
-        cache[total] = oracle
+        oracle = cache.get(key) or oracle_lines(trace, cluster)
+        cache[key] = oracle
     point = Point(value, settings, cluster, oracle)
     bucket = settings.bucket_s
     if settings.mode == "live":
@@ -178,7 +176,7 @@ def run_replay(
 ) -> Replay:
     trace, stats = load(settings)
     values: Sequence[str | None] = sweep.values if sweep else [None]
-    oracles: dict[int, OracleLines] = {}
+    oracles: dict[str, OracleLines] = {}
     points = [
         run_point(
             sweep.apply(settings, value) if sweep and value is not None else settings,

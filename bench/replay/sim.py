@@ -20,13 +20,13 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from random import Random
 
 from bench.replay.config import ReplaySettings, ResolvedCluster
 from bench.replay.pods import Finished, PrefillPod, StepModel
-from bench.replay.record import Progress, RunRecord
+from bench.replay.record import Progress, ProgressHook, RunRecord
 from bench.replay.tokens import expand
 from bench.replay.trace import Trace, arrival_times
 from enginesim.kvcache import PagedKVCache
@@ -37,7 +37,6 @@ from globalkv.index.memory import MemoryIndex
 from globalkv.lookup import IndexLookup
 
 _INDEX, _KICK, _STEP, _ANSWERED, _DECODED = range(5)
-ProgressHook = Callable[[Progress], None]
 
 
 def prefill_names(count: int) -> list[str]:
@@ -73,7 +72,6 @@ def make_policies(settings: ReplaySettings, name: PolicyName) -> tuple[Policy, P
 class _InFlight:
     prefill: LoadTicket
     decode: LoadTicket
-    decode_worker: str
     output_length: int
 
 
@@ -180,7 +178,6 @@ class Simulation:
             flights[i] = _InFlight(
                 loads.start(choice.worker, choice.uncached_tokens),
                 loads.start(decode),
-                decode,
                 settings.output_tokens(req.output_length),
             )
             record.routed(i, now, choice, tokens=len(tokens), output=flights[i].output_length)

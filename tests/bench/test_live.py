@@ -32,7 +32,7 @@ def test_live_hit_rates_agree_with_the_simulation(tmp_path: Path) -> None:
         "--trace", str(_shared_prefix_trace(tmp_path / "shared.jsonl")),
         "--pods", "2", "--decode-pods", "1", "--capacity-blocks", "24",
         "--prefill-tokens-per-s", "3000", "--policies", "prefix,random",
-        "--out", str(out), "--no-plots",
+        "--out", str(out), "--no-plots", "--run-dir", str(tmp_path / "runs"),
     ]  # fmt: skip
     assert main(argv) == 0
     doc = json.loads(out.read_text())
@@ -42,3 +42,4 @@ def test_live_hit_rates_agree_with_the_simulation(tmp_path: Path) -> None:
         assert live["index"]["failed_requests"] == 0
         assert abs(live["hit_rate"] - sim["hit_rate"]) <= 0.05, (name, live, sim)
     assert doc["policies"]["prefix"]["hit_rate"] > doc["policies"]["random"]["hit_rate"]
+    assert (tmp_path / "runs" / "prefix" / "gateway.log").exists()

@@ -200,6 +200,9 @@ def cluster(args: argparse.Namespace, logs: Path) -> Iterator[dict[str, int]]:
             command = [args.sglang_router_python, "-m", "sglang_router.launch_router"]
             extra = ["--prometheus-port", str(_free_port()), "--log-level", "warn"]
             routers["sglang-router"] = (command, extra)
+        for mode in args.ceilings:
+            ceiling = [sys.executable, "-m", "bench.gateway_ceilings", mode]
+            routers[f"{mode}-ceiling"] = (ceiling, [])
         for name, (command, extra) in routers.items():
             port = _free_port()
             argv = router_argv(command, prefills, decodes, port) + extra
@@ -221,6 +224,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--concurrency", default="1,16,64", help="comma-separated levels")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved repetitions")
     parser.add_argument("--duration", type=float, default=2.0, help="seconds per run")
+    parser.add_argument(
+        "--ceilings",
+        type=lambda v: [m for m in v.split(",") if m],
+        default=[],
+        help="also measure these bench.gateway_ceilings modes (comma-separated: asgi,raw,proxy)",
+    )
     parser.add_argument("--no-pin", action="store_true", help="do not pin CPUs")
     parser.add_argument("--output", type=Path, help="also write the Markdown table here")
     parser.add_argument("--logs", type=Path, default=Path("/tmp/globalkv-bench-gateway"))

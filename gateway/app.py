@@ -1,36 +1,35 @@
-"""The gateway's HTTP surface, sglang-router's endpoints: inference, info, health, metrics.
+"""The gateway as an ASGI app: sglang-router's endpoints, inference, info, health, metrics.
 
-Inference (`/generate`, `/v1/completions`, `/v1/chat/completions`): size limit, API key,
-body checks (400 with the reason), tokens, one index lookup, then the dispatcher. A client
-that goes away cancels both upstream calls: non-streamed requests race the dispatcher
-against the ASGI disconnect message; streams listen for it while passing chunks on.
-The worker admin API lives in `gateway.admin`.
+Inference POSTs (`/generate`, `/v1/completions`, `/v1/chat/completions`) are answered by
+`_InferenceRoutes`, a plain ASGI layer in front of FastAPI: no routing table, no Request
+object, the work itself in `gateway.inference`. A client that goes away cancels both
+upstream calls: a non-streamed request races the work against the ASGI disconnect
+message; a stream listens for it while passing pieces on. The gateway's own server
+(`gateway.server`) answers inference itself and hands every other request to this app;
+under any ASGI server the app serves all of them. The worker admin API lives in
+`gateway.admin`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from typing import Any
 
-import anyio
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.admin import admin_routes
 from gateway.auth import bearer_ok
-from gateway.dispatch import Answer, Stream, error_body
+from gateway.inference import INFERENCE_PATHS, Inference, Relay, problem, too_large
 from gateway.inject import Endpoint
-from gateway.policies.base import RouteRequest
-from gateway.requests import BadRequest, parse_request, prompt_tokens
 from gateway.service import Gateway
-from globalkv.tokenize import TokenizeError
+from gateway.upstream import Answer
 
 
 class HTTPProblem(Exception):
@@ -40,8 +39,8 @@ class HTTPProblem(Exception):
         self.kind = kind
 
 
-def problem(status: int, message: str, kind: str = "invalid_request_error") -> Response:
-    return Response(error_body(message, kind), status, media_type="application/json")
+def _response(answer: Answer) -> Response:
+    return Response(answer.body, answer.status, media_type=answer.media_type.decode("latin-1"))
 
 
 def require_api_key(request: Request, gateway: Gateway) -> None:
@@ -49,42 +48,88 @@ def require_api_key(request: Request, gateway: Gateway) -> None:
         raise HTTPProblem(401, "missing or wrong API key (Authorization: Bearer …)", "auth_error")
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
+async def _send_answer(send: Send, answer: Answer) -> None:
+    headers = [(b"content-type", answer.media_type), (b"content-length", b"%d" % len(answer.body))]
+    await send({"type": "http.response.start", "status": answer.status, "headers": headers})
+    await send({"type": "http.response.body", "body": answer.body})
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _read_body(receive: Receive, declared: bytes | None, limit: int) -> bytes | None:
+    """The request body, or None when it exceeds `limit`."""
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise HTTPProblem(413, f"request body exceeds --max-payload-size ({limit} bytes)")
+        return None
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
+    more = True
+    while more:
+        message: Message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _ClientGone
+        chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
-            raise HTTPProblem(413, f"request body exceeds --max-payload-size ({limit} bytes)")
+            return None
         chunks.append(chunk)
+        more = message.get("more_body", False)
     return b"".join(chunks)
 
 
-class _PassThrough(StreamingResponse):
-    """A stream that notices a client leaving even while the decode is silent."""
+class _InferenceRoutes:
+    """Inference POSTs from ASGI messages to `Inference`; everything else to `app`."""
+
+    def __init__(self, app: ASGIApp, inference: Inference) -> None:
+        self.app = app
+        self.inference = inference
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async with anyio.create_task_group() as group:
+        endpoint = INFERENCE_PATHS.get(scope["path"]) if scope["type"] == "http" else None
+        if endpoint is None:
+            await self.app(scope, receive, send)
+        elif scope["method"] != "POST":
+            answer = problem(405, f"{scope['path']} takes POST")
+            await _send_answer(send, answer)
+        else:
+            with contextlib.suppress(_ClientGone):
+                await self._serve(endpoint, scope, receive, send)
 
-            async def stream() -> None:
-                with contextlib.suppress(OSError):
-                    await self.stream_response(send)
-                group.cancel_scope.cancel()
-
-            group.start_soon(stream)
-            await self.listen_for_disconnect(receive)
-            group.cancel_scope.cancel()
+    async def _serve(self, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = dict(scope["headers"])
+        limit = self.inference.max_payload_size
+        raw = await _read_body(receive, headers.get(b"content-length"), limit)
+        if raw is None:
+            await _send_answer(send, self.inference.refuse(endpoint, too_large(limit)))
+            return
+        authorization = headers.get(b"authorization")
+        work = self.inference.handle(
+            endpoint,
+            scope["path"],
+            None if authorization is None else authorization.decode("latin-1"),
+            raw,
+        )
+        outcome = await _until_disconnect(receive, work)
+        if outcome is None:
+            await _send_answer(send, Answer(499, b""))
+        elif isinstance(outcome, Relay):
+            await _stream(outcome, receive, send)
+        else:
+            await _send_answer(send, outcome)
 
 
 async def _until_disconnect(
-    request: Request, work: Awaitable[Answer | Stream]
-) -> Answer | Stream | None:
+    receive: Receive, work: Awaitable[Answer | Relay]
+) -> Answer | Relay | None:
     """`work`'s result, or None after cancelling it because the client went away."""
     task = asyncio.ensure_future(work)
-    waiter = asyncio.ensure_future(_disconnected(request))
+    waiter = asyncio.ensure_future(_disconnected(receive))
     try:
         await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -94,66 +139,33 @@ async def _until_disconnect(
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         outcome = await task
-        if isinstance(outcome, Stream):
-            await outcome.close("client_gone")
+        if isinstance(outcome, Relay):
+            await outcome.abandon()
     return None
 
 
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+async def _stream(relay: Relay, receive: Receive, send: Send) -> None:
+    """Pass the stream on, noticing a client that leaves even while the decode is silent."""
+    headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in relay.headers.items()]
+    await send({"type": "http.response.start", "status": relay.status, "headers": headers})
 
+    async def piece(chunk: bytes) -> None:
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
 
-def _stream_response(gateway: Gateway, endpoint: str, stream: Stream, started: float) -> Response:
-    metrics = gateway.metrics
+    async def run() -> None:
+        with contextlib.suppress(OSError):
+            await piece(relay.first)
+            await relay.run(piece)
+            await send({"type": "http.response.body", "body": b""})
 
-    async def body() -> AsyncIterator[bytes]:
-        outcome = "client_gone"
-        try:
-            yield stream.first
-            async for chunk in stream.rest:
-                yield chunk
-            outcome = "done"
-        except httpx.HTTPError:
-            outcome = "upstream_error"
-        finally:
-            await stream.close(outcome)
-            metrics.latency.labels(endpoint).observe(gateway.clock() - started)
-            metrics.requests.labels(endpoint, str(stream.status)).inc()
-
-    return _PassThrough(body(), status_code=stream.status, headers=stream.headers)
-
-
-async def inference(gateway: Gateway, request: Request, endpoint: Endpoint, path: str) -> Response:
-    started = gateway.clock()
-    metrics = gateway.metrics
+    passing = asyncio.ensure_future(run())
+    listening = asyncio.ensure_future(_disconnected(receive))
     try:
-        require_api_key(request, gateway)
-        raw = await read_body(request, gateway.config.max_payload_size)
-        try:
-            body: object = json.loads(raw)
-        except ValueError as exc:
-            raise HTTPProblem(400, f"the request body is not valid JSON: {exc}") from exc
-        parsed = parse_request(endpoint, body)
-        tokens = prompt_tokens(parsed, gateway.tokenizer)
-    except HTTPProblem as exc:
-        metrics.requests.labels(endpoint, str(exc.status)).inc()
-        return problem(exc.status, str(exc), exc.kind)
-    except (BadRequest, TokenizeError) as exc:
-        metrics.requests.labels(endpoint, "400").inc()
-        return problem(400, str(exc))
-    lookup = await gateway.router.lookup(tokens.tokens, tokens.missing)
-    route = RouteRequest(tokens.tokens, tokens.text, lookup, now=gateway.clock())
-    outcome = await _until_disconnect(request, gateway.dispatcher.forward(parsed, route, path))
-    metrics.ttfb.labels(endpoint).observe(gateway.clock() - started)
-    if outcome is None:
-        metrics.requests.labels(endpoint, "499").inc()
-        return Response(status_code=499)
-    if isinstance(outcome, Stream):
-        return _stream_response(gateway, endpoint, outcome, started)
-    metrics.latency.labels(endpoint).observe(gateway.clock() - started)
-    metrics.requests.labels(endpoint, str(outcome.status)).inc()
-    return Response(outcome.body, outcome.status, media_type=outcome.media_type)
+        await asyncio.wait({passing, listening}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        listening.cancel()
+        passing.cancel()
+        await asyncio.wait({passing, listening})
 
 
 async def _proxy_get(gateway: Gateway, request: Request, paths: tuple[str, ...]) -> Response:
@@ -161,36 +173,21 @@ async def _proxy_get(gateway: Gateway, request: Request, paths: tuple[str, ...])
     try:
         require_api_key(request, gateway)
     except HTTPProblem as exc:
-        return problem(exc.status, str(exc), exc.kind)
+        return _response(problem(exc.status, str(exc), exc.kind))
     workers = gateway.pool.eligible("decode") + gateway.pool.eligible("prefill")
     if not workers:
-        return problem(503, "no worker is available", "no_available_workers")
+        return _response(problem(503, "no worker is available", "no_available_workers"))
     worker = workers[0]
     for path in paths:
         try:
             response = await gateway.client.get(worker.url + path, timeout=10.0)
         except httpx.HTTPError as exc:
-            return problem(502, f"worker {worker.id} unreachable: {exc!r}", "upstream_error")
+            message = f"worker {worker.id} unreachable: {exc!r}"
+            return _response(problem(502, message, "upstream_error"))
         if response.status_code != 404 or path == paths[-1]:
             media = response.headers.get("content-type", "application/json")
             return Response(response.content, response.status_code, media_type=media)
     raise AssertionError("unreachable: paths is never empty")
-
-
-INFERENCE_PATHS: dict[str, Endpoint] = {
-    "/generate": "generate",
-    "/v1/completions": "completions",
-    "/v1/chat/completions": "chat",
-}
-
-
-def _inference_route(
-    gateway: Gateway, endpoint: Endpoint, path: str
-) -> Callable[[Request], Awaitable[Response]]:
-    async def route(request: Request) -> Response:
-        return await inference(gateway, request, endpoint, path)
-
-    return route
 
 
 def create_app(gateway: Gateway, *, run_monitor: bool = True) -> FastAPI:
@@ -210,12 +207,9 @@ def create_app(gateway: Gateway, *, run_monitor: bool = True) -> FastAPI:
 
     @app.exception_handler(HTTPProblem)
     async def _problem(_: Request, exc: HTTPProblem) -> Response:
-        return problem(exc.status, str(exc), exc.kind)
+        return _response(problem(exc.status, str(exc), exc.kind))
 
-    # Plain Starlette routes: FastAPI's per-request dependency solving is a measurable
-    # share of the gateway's cost (bench.gateway) and these handlers need none of it.
-    for path, endpoint in INFERENCE_PATHS.items():
-        app.add_route(path, _inference_route(gateway, endpoint, path), methods=["POST"])
+    app.add_middleware(_InferenceRoutes, inference=Inference(gateway))
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -248,15 +242,4 @@ def create_app(gateway: Gateway, *, run_monitor: bool = True) -> FastAPI:
         return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(admin_routes(gateway))
-    return app
-
-
-def metrics_app(gateway: Gateway) -> FastAPI:
-    """The separate `--prometheus-port` listener."""
-    app = FastAPI(docs_url=None, redoc_url=None)
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
     return app

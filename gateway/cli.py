@@ -32,10 +32,12 @@ from gateway.config import (
     RetryConfig,
     WorkerSpec,
 )
+from gateway.connections import ConnectionPool
 from gateway.monitor import PodRegistrar
 from gateway.pods import HttpPodRegistrar, RegistryPodRegistrar
 from gateway.service import build_gateway
 from gateway.transport import upstream_client
+from gateway.upstream import PooledUpstream
 from globalkv.index.redis import RedisIndex
 from globalkv.lookup import HttpLookup, IndexLookup, PrefixLookup
 from globalkv.registry import RedisRegistry
@@ -260,11 +262,13 @@ async def _index_parts(
 async def serve(config: GatewayConfig, args: argparse.Namespace) -> None:
     tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer else None
     async with AsyncExitStack() as stack:
-        client = await stack.enter_async_context(upstream_client())
+        pool = ConnectionPool()
+        client = await stack.enter_async_context(upstream_client(pool))
         lookup, registrar = await _index_parts(config, client, stack, args)
         gateway = build_gateway(
             config,
             client,
+            upstream=PooledUpstream(pool),
             lookup=lookup,
             registrar=registrar,
             probe=DirectoryReader(client, timeout=2.0),

@@ -1,9 +1,10 @@
 """Sending a request to its pair: both at once, the decode's answer back, retries.
 
-One attempt (`_attempt`): the same bound body is POSTed to the prefill and the decode
-concurrently through the one pooled client. The client gets the decode's answer; for a
-stream, chunks are passed on as they arrive (`aiter_raw`, no buffering). Until the
-decode's first body byte exists nothing is committed to the client, so:
+One attempt: the same bound body is POSTed to the prefill and the decode concurrently
+through the `gateway.upstream.Upstream` (the gateway's connection pool in production,
+httpx in tests). The client gets the decode's answer; for a stream, pieces are passed on
+as they arrive (no buffering). Until the decode's first body byte exists nothing is
+committed to the client, so:
 - a prefill failure (transport error or 5xx/408/429) in that window cancels the decode
   and the attempt is retried with a new pair and new rooms;
 - a prefill 4xx is the client's fault: the decode is cancelled and that answer returned;
@@ -16,6 +17,10 @@ request are avoided while others remain). Every finished upstream call is record
 its worker's circuit breaker; calls cancelled by the gateway are not. Cancelling
 `forward` (the client went away) cancels both upstream calls.
 
+The calls are futures raced through done-callbacks (`_first`), not tasks: with the
+connection pool, an attempt costs the task of the request that awaits it and nothing
+more.
+
 Load bookkeeping for the policies: the prefill's queued tokens are released when its
 call ends, each side's in-flight count when its call ends.
 """
@@ -27,6 +32,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import httpx
@@ -35,28 +41,22 @@ from gateway.breaker import is_failure_status
 from gateway.inject import inject_bootstrap
 from gateway.metrics import GatewayMetrics
 from gateway.policies.base import LoadTicket, NoCandidates, RouteRequest
-from gateway.requests import ParsedRequest
+from gateway.requests import ParsedRequest, encode_body
 from gateway.retry import Backoff, is_retryable_status
 from gateway.router import RoutePlan, Router
+from gateway.upstream import Answer, Reply, Upstream, Whole
 from gateway.workers import Worker
 
 log = logging.getLogger(__name__)
 Sleep = Callable[[float], Awaitable[None]]
-_UPSTREAM_HEADERS = {"content-type": "application/json", "accept-encoding": "identity"}
 _PASSED_HEADERS = ("content-type", "cache-control", "x-request-id")
+_JSON = b"application/json"
+
+__all__ = ["Answer", "Dispatcher", "Sleep", "Stream", "error_body"]
 
 
 def error_body(message: str, kind: str) -> bytes:
     return json.dumps({"error": {"message": message, "type": kind}}).encode()
-
-
-@dataclass(slots=True)
-class Answer:
-    """A complete answer for the client."""
-
-    status: int
-    body: bytes
-    media_type: str = "application/json"
 
 
 @dataclass(slots=True)
@@ -80,23 +80,57 @@ class _Failure:
     answer: Answer
 
 
-@dataclass(slots=True)
-class _PrefillCall:
-    task: asyncio.Task[Answer | None]
+Call = asyncio.Future[Whole]
+"""The prefill's call."""
 
-    @property
-    def failed(self) -> bool:
-        """Ended without a successful answer (transport error or status >= 400)."""
-        if not self.task.done() or self.task.cancelled():
-            return False
-        answer = self.task.result()
-        return answer is None or answer.status >= 400
+
+def _failed(call: Call) -> bool:
+    """Ended without a successful answer (transport error or status >= 400)."""
+    if not call.done() or call.cancelled():
+        return False
+    return call.exception() is not None or call.result().status >= 400
+
+
+async def _first(*futures: asyncio.Future[Any]) -> None:
+    """Until one of `futures` is done, without raising what it raised."""
+    waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def wake(_: asyncio.Future[Any]) -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    for future in futures:
+        future.add_done_callback(wake)
+    try:
+        await waiter
+    finally:
+        for future in futures:
+            future.remove_done_callback(wake)
+
+
+async def _race(step: asyncio.Future[Any], call: Call) -> bool:
+    """Wait for `step` unless the prefill fails first; True when `step` finished."""
+    if not step.done() and not call.done():
+        await _first(step, call)
+    if step.done():
+        return True
+    if _failed(call):
+        return False
+    await _first(step)
+    return True
+
+
+async def _settle(*futures: asyncio.Future[Any]) -> None:
+    """Until cancelled calls have finished cancelling (httpx's run as tasks)."""
+    pending = [f for f in futures if not f.done()]
+    if pending:
+        await asyncio.wait(pending)
 
 
 class Dispatcher:
     def __init__(
         self,
-        client: httpx.AsyncClient,
+        upstream: Upstream,
         router: Router,
         backoff: Backoff,
         metrics: GatewayMetrics,
@@ -104,13 +138,13 @@ class Dispatcher:
         timeout: float,
         sleep: Sleep = asyncio.sleep,
     ) -> None:
-        self._client = client
+        self._upstream = upstream
         self._router = router
         self._backoff = backoff
         self._metrics = metrics
         self._timeout = timeout
         self._sleep = sleep
-        self._background: set[asyncio.Task[Answer | None]] = set()
+        self._background: set[Call] = set()
 
     async def drain(self) -> None:
         """Wait for prefill calls that outlived their request (tests, shutdown)."""
@@ -150,62 +184,61 @@ class Dispatcher:
         if failed:
             self._metrics.upstream_failures.labels(role, error or str(status)).inc()
 
-    async def _call_prefill(self, worker: Worker, path: str, payload: bytes) -> Answer | None:
-        """The prefill's answer, or None when it failed in transport."""
-        try:
-            response = await self._client.post(
-                worker.url + path, content=payload, headers=_UPSTREAM_HEADERS, timeout=self._timeout
-            )
-        except httpx.HTTPError as exc:
-            self._record("prefill", worker, None, type(exc).__name__)
-            return None
-        self._record("prefill", worker, response.status_code, None)
-        return Answer(response.status_code, response.content, _media(response))
+    def _start_prefill(self, plan: RoutePlan, path: str, payload: bytes) -> Call:
+        ticket = self._router.loads.start(plan.prefill.id, plan.prefill_choice.uncached_tokens)
+        call = asyncio.ensure_future(
+            self._upstream.fetch(plan.prefill.url + path, payload, self._timeout)
+        )
+        self._background.add(call)
+        call.add_done_callback(partial(self._prefill_ended, plan.prefill, ticket))
+        return call
 
-    def _start_prefill(self, plan: RoutePlan, path: str, payload: bytes) -> _PrefillCall:
-        loads = self._router.loads
-        ticket = loads.start(plan.prefill.id, plan.prefill_choice.uncached_tokens)
-        task = asyncio.create_task(self._call_prefill(plan.prefill, path, payload))
-        self._background.add(task)
-
-        def ended(_: asyncio.Task[Answer | None]) -> None:
-            loads.finish(ticket)
-            self._background.discard(task)
-
-        task.add_done_callback(ended)
-        return _PrefillCall(task)
+    def _prefill_ended(self, worker: Worker, ticket: LoadTicket, call: Call) -> None:
+        self._router.loads.finish(ticket)
+        self._background.discard(call)
+        if call.cancelled():
+            return
+        error = call.exception()
+        if error is None:
+            self._record("prefill", worker, call.result().status, None)
+            return
+        if not isinstance(error, httpx.HTTPError):
+            log.error("the call to prefill %s failed unexpectedly", worker.id, exc_info=error)
+        self._record("prefill", worker, None, type(error).__name__)
 
     @staticmethod
-    async def _race(step: asyncio.Task[Any], call: _PrefillCall) -> bool:
-        """Wait for `step` unless the prefill fails first; True when `step` finished."""
-        if not call.task.done():
-            await asyncio.wait({step, call.task}, return_when=asyncio.FIRST_COMPLETED)
-        if step.done():
-            return True
-        if call.failed:
-            return False
-        await asyncio.wait({step})
-        return True
-
-    @staticmethod
-    def _prefill_failure(plan: RoutePlan, call: _PrefillCall) -> _Failure:
-        answer = call.task.result()
-        if answer is None:
+    def _prefill_failure(plan: RoutePlan, call: Call) -> _Failure:
+        if call.exception() is not None:
             message = f"prefill {plan.prefill.id} unreachable"
             return _Failure(
                 "prefill", plan.prefill, True, Answer(502, error_body(message, "upstream_error"))
             )
-        return _Failure("prefill", plan.prefill, is_retryable_status(answer.status), answer)
+        answer = call.result()
+        return _Failure(
+            "prefill",
+            plan.prefill,
+            is_retryable_status(answer.status),
+            Answer(answer.status, answer.body, answer.media_type),
+        )
 
     def _decode_error(self, decode: Worker, exc: httpx.HTTPError, when: str) -> _Failure:
         self._record("decode", decode, None, type(exc).__name__)
         message = f"decode {decode.id} failed {when}: {type(exc).__name__}"
         return _Failure("decode", decode, True, Answer(502, error_body(message, "upstream_error")))
 
+    def _decode_refused(self, plan: RoutePlan, call: Call, answer: Answer) -> _Failure:
+        """A decode status >= 400; a prefill that failed for good takes precedence."""
+        self._record("decode", plan.decode, answer.status, None)
+        if _failed(call):
+            failure = self._prefill_failure(plan, call)
+            if not failure.retryable:
+                return failure
+        return _Failure("decode", plan.decode, is_retryable_status(answer.status), answer)
+
     async def _attempt(
         self, request: ParsedRequest, plan: RoutePlan, path: str
     ) -> Answer | Stream | _Failure:
-        prefill, decode = plan.prefill, plan.decode
+        prefill = plan.prefill
         body = inject_bootstrap(
             request.body,
             request.endpoint,
@@ -213,79 +246,91 @@ class Dispatcher:
             port=prefill.bootstrap_port,
             rooms=plan.rooms,
         )
-        payload = json.dumps(body).encode()
+        payload = encode_body(body)
         call = self._start_prefill(plan, path, payload)
-        loads = self._router.loads
-        decode_ticket = loads.start(decode.id)
-        upstream = self._client.build_request(
-            "POST",
-            decode.url + path,
-            content=payload,
-            headers=_UPSTREAM_HEADERS,
-            timeout=self._timeout,
-        )
-        send = asyncio.create_task(self._client.send(upstream, stream=True))
-        step: asyncio.Task[Any] = send
-        response: httpx.Response | None = None
-        succeeded = committed = False
+        ticket = self._router.loads.start(plan.decode.id)
+        url = plan.decode.url + path
+        if request.stream:
+            return await self._streamed(plan, call, ticket, url, payload)
+        return await self._whole(plan, call, ticket, url, payload)
+
+    async def _whole(
+        self, plan: RoutePlan, call: Call, ticket: LoadTicket, url: str, payload: bytes
+    ) -> Answer | _Failure:
+        step = asyncio.ensure_future(self._upstream.fetch(url, payload, self._timeout))
+        succeeded = False
         try:
-            if not await self._race(send, call):
+            if not await _race(step, call):
                 return self._prefill_failure(plan, call)
             try:
-                response = send.result()
+                whole = step.result()
             except httpx.HTTPError as exc:
-                return self._decode_error(decode, exc, "to answer")
-            status = response.status_code
-            if status >= 400:
-                content = await response.aread()
-                self._record("decode", decode, status, None)
-                if call.failed and not self._prefill_failure(plan, call).retryable:
-                    return self._prefill_failure(plan, call)
-                answer = Answer(status, content, _media(response))
-                return _Failure("decode", decode, is_retryable_status(status), answer)
-            if not request.stream:
-                step = asyncio.create_task(response.aread())
-                if not await self._race(step, call):
-                    return self._prefill_failure(plan, call)
+                return self._decode_error(plan.decode, exc, "to answer")
+            answer = Answer(whole.status, whole.body, whole.media_type)
+            if answer.status >= 400:
+                return self._decode_refused(plan, call, answer)
+            self._record("decode", plan.decode, answer.status, None)
+            succeeded = True
+            return answer
+        finally:
+            self._router.loads.finish(ticket)
+            if not step.done():
+                step.cancel()
+                await _settle(step)
+            if not succeeded:
+                call.cancel()
+
+    async def _streamed(
+        self, plan: RoutePlan, call: Call, ticket: LoadTicket, url: str, payload: bytes
+    ) -> Stream | _Failure:
+        opening = asyncio.ensure_future(self._upstream.open(url, payload, self._timeout))
+        step: asyncio.Future[Any] = opening
+        reply: Reply | None = None
+        committed = False
+        try:
+            if not await _race(opening, call):
+                return self._prefill_failure(plan, call)
+            try:
+                reply = opening.result()
+            except httpx.HTTPError as exc:
+                return self._decode_error(plan.decode, exc, "to answer")
+            if reply.status >= 400:
                 try:
-                    content = step.result()
+                    content = await reply.read()
                 except httpx.HTTPError as exc:
-                    return self._decode_error(decode, exc, "mid-answer")
-                self._record("decode", decode, status, None)
-                succeeded = True
-                return Answer(status, content, _media(response))
-            chunks = response.aiter_raw()
-            step = asyncio.create_task(_next_chunk(chunks))
-            if not await self._race(step, call):
+                    return self._decode_error(plan.decode, exc, "mid-answer")
+                media = reply.header(b"content-type") or _JSON
+                return self._decode_refused(plan, call, Answer(reply.status, content, media))
+            step = asyncio.ensure_future(reply.next())
+            if not await _race(step, call):
                 return self._prefill_failure(plan, call)
             try:
-                head = step.result()
+                first = step.result()
             except httpx.HTTPError as exc:
-                return self._decode_error(decode, exc, "before its first byte")
-            succeeded = committed = True
-            closer = self._closer(response, decode, decode_ticket, call)
-            return Stream(status, _passed_headers(response), head, chunks, closer)
+                return self._decode_error(plan.decode, exc, "before its first byte")
+            committed = True
+            closer = self._closer(reply, plan.decode, ticket, call)
+            return Stream(reply.status, _passed_headers(reply), first, _rest(reply), closer)
         finally:
             if not committed:
                 step.cancel()
-                send.cancel()
-                await asyncio.wait({step, send})
-                if response is None and not send.cancelled() and send.exception() is None:
-                    response = send.result()
-                if response is not None:
-                    await response.aclose()
-                loads.finish(decode_ticket)
-            if not succeeded:
-                call.task.cancel()
+                opening.cancel()
+                await _settle(step, opening)
+                if reply is None and opening.done() and not opening.cancelled():
+                    reply = None if opening.exception() else opening.result()
+                if reply is not None:
+                    await reply.aclose()
+                self._router.loads.finish(ticket)
+                call.cancel()
 
     def _closer(
-        self, response: httpx.Response, decode: Worker, ticket: LoadTicket, call: _PrefillCall
+        self, reply: Reply, decode: Worker, ticket: LoadTicket, call: Call
     ) -> Callable[[str], Awaitable[None]]:
         async def close(outcome: str) -> None:
-            await response.aclose()
+            await reply.aclose()
             self._router.loads.finish(ticket)
             if outcome == "client_gone":
-                call.task.cancel()
+                call.cancel()
             else:
                 self._record("decode", decode, 200 if outcome == "done" else None, outcome)
 
@@ -308,17 +353,11 @@ def _log_plan(request: ParsedRequest, plan: RoutePlan, attempt: int) -> None:
     )
 
 
-async def _next_chunk(chunks: AsyncIterator[bytes]) -> bytes:
-    """The first non-empty chunk (an empty stream yields b"")."""
-    async for chunk in chunks:
-        if chunk:
-            return chunk
-    return b""
+async def _rest(reply: Reply) -> AsyncIterator[bytes]:
+    while piece := await reply.next():
+        yield piece
 
 
-def _media(response: httpx.Response) -> str:
-    return str(response.headers.get("content-type", "application/json"))
-
-
-def _passed_headers(response: httpx.Response) -> dict[str, str]:
-    return {k: response.headers[k] for k in _PASSED_HEADERS if k in response.headers}
+def _passed_headers(reply: Reply) -> dict[str, str]:
+    found = ((name, reply.header(name.encode())) for name in _PASSED_HEADERS)
+    return {name: value.decode("latin-1") for name, value in found if value is not None}

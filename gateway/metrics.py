@@ -1,6 +1,7 @@
 """The gateway's Prometheus metrics, in a registry owned by one app.
 
-Counters and histograms are updated on the request path; worker state (health, circuit,
+Counters and histograms are updated on the request path, through label children bound
+once (`EndpointMetrics`) rather than looked up per request; worker state (health, circuit,
 directory, load) is read from the pool at scrape time by a collector, so no code has to
 remember to update a gauge when state changes.
 """
@@ -135,3 +136,20 @@ class GatewayMetrics:
 
     def watch_pool(self, pool: WorkerPool, loads: LoadTracker) -> None:
         self.registry.register(_PoolCollector(pool, loads))
+
+
+class EndpointMetrics:
+    """One endpoint's request metrics, their label children bound once."""
+
+    def __init__(self, metrics: GatewayMetrics, endpoint: str) -> None:
+        self.latency = metrics.latency.labels(endpoint)
+        self.ttfb = metrics.ttfb.labels(endpoint)
+        self._requests = metrics.requests
+        self._endpoint = endpoint
+        self._by_status: dict[int, Counter] = {}
+
+    def answered(self, status: int) -> None:
+        counter = self._by_status.get(status)
+        if counter is None:
+            counter = self._by_status[status] = self._requests.labels(self._endpoint, str(status))
+        counter.inc()

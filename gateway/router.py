@@ -9,7 +9,9 @@ load; the reason is counted in `globalkv_gateway_routing_fallbacks` and logged o
 DP-aware rooms: when the chosen prefill's directory says `follow_bootstrap_room` and its
 DP size is above 1, and the choice names the DP rank holding the hit, every room is drawn
 so that `room % dp_size` is that rank: the decode then reads its KV from the rank that
-has the prefix cached. Otherwise rooms are uniform in [1, 2^63-1].
+has the prefix cached. Otherwise rooms are uniform in [1, 2^63-1]. Rooms come from a
+`random.Random` seeded by the OS: a room binds a prefill to a decode and must not repeat,
+but nothing is guarded by its secrecy (clients cannot set it), so it needs no system call.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from random import Random, SystemRandom
+from random import Random
 
 from gateway.breaker import Clock
 from gateway.inject import draw_room
@@ -63,8 +65,14 @@ class Router:
         self._lookup = lookup
         self._model = model
         self._lookup_timeout = lookup_timeout
-        self._rooms = room_rng or SystemRandom()
+        self._rooms = room_rng or Random()
         self._logged: set[str] = set()
+        decisions = metrics.decisions
+        self._decode_decision = decisions.labels("decode", decode_policy.name, "load")
+        self._prefill_decisions = {
+            outcome: decisions.labels("prefill", prefill_policy.name, outcome)
+            for outcome in ("hit", "miss", "fallback")
+        }
 
     @property
     def uses_index(self) -> bool:
@@ -144,13 +152,11 @@ class Router:
         return RoutePlan(prefill, decode, choice, rooms)
 
     def _record(self, choice: Choice, request: RouteRequest) -> None:
-        policy = self.prefill_policy.name
-        self._metrics.decisions.labels("decode", self.decode_policy.name, "load").inc()
+        self._decode_decision.inc()
         if choice.fallback is not None or (self.uses_index and request.lookup is None):
-            self._metrics.decisions.labels("prefill", policy, "fallback").inc()
+            self._prefill_decisions["fallback"].inc()
             return
-        outcome = "hit" if choice.hit_tokens > 0 else "miss"
-        self._metrics.decisions.labels("prefill", policy, outcome).inc()
+        self._prefill_decisions["hit" if choice.hit_tokens > 0 else "miss"].inc()
         if request.lookup is not None:
             self._metrics.chosen_hit.observe(choice.hit_tokens)
 

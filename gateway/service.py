@@ -1,8 +1,10 @@
 """One gateway's parts wired together: pool, load, policies, router, dispatcher, monitor.
 
 Built from the configuration and the collaborators the caller owns (the pooled httpx
-client, the index lookup, the pod registrar, the directory reader, the tokenizer, the
-clock), so tests swap any of them; `gateway.app` serves it, `gateway.cli` builds it.
+client, the upstream the dispatcher calls workers through — by default that same client —,
+the index lookup, the pod registrar, the directory reader, the tokenizer, the clock), so
+tests swap any of them; `gateway.server` and `gateway.app` serve it, `gateway.cli` builds
+it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from gateway.monitor import DirectoryProbe, Monitor, PodRegistrar
 from gateway.policies import LoadTracker, build_policy
 from gateway.retry import Backoff
 from gateway.router import Router
+from gateway.upstream import HttpxUpstream, Upstream
 from gateway.workers import Worker, WorkerPool
 from globalkv.lookup import PrefixLookup
 from globalkv.tokenize import Tokenizer
@@ -75,6 +78,7 @@ def build_gateway(
     config: GatewayConfig,
     client: httpx.AsyncClient,
     *,
+    upstream: Upstream | None = None,
     lookup: PrefixLookup | None = None,
     registrar: PodRegistrar | None = None,
     probe: DirectoryProbe | None = None,
@@ -118,7 +122,7 @@ def build_gateway(
         room_rng=room_rng,
     )
     dispatcher = Dispatcher(
-        client,
+        upstream or HttpxUpstream(client),
         router,
         Backoff(config.retry, rng),
         metrics,

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from gateway.config import GatewayConfig, HealthConfig, WorkerSpec
 from gateway.service import Gateway, build_gateway
+from gateway.upstream import Upstream
 from globalkv.index.base import IndexUnavailable
 from globalkv.lookup import LookupResult
 from globalkv.tokenize import Tokenizer
@@ -166,12 +167,17 @@ async def make_gateway(
     registrar: Any = None,
     clock: FakeClock | None = None,
     sleeps: Sleeps | None = None,
+    upstream: Upstream | None = None,
 ) -> Gateway:
-    """A gateway over the fake cluster, its monitor run once so workers are eligible."""
+    """A gateway over the fake cluster, its monitor run once so workers are eligible.
+
+    Inference goes through `upstream` when given (real sockets), else the fake cluster.
+    """
     client = httpx.AsyncClient(transport=httpx.MockTransport(cluster.handler))
     gateway = build_gateway(
         cfg or config(),
         client,
+        upstream=upstream,
         lookup=lookup,
         registrar=registrar,
         probe=probe or StubProbe(),

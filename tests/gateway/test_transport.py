@@ -1,73 +1,20 @@
-"""The gateway's pooled transport against a scripted raw-socket server on 127.0.0.1."""
+"""httpx's interface over the gateway's connection pool, against a scripted raw-socket server."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
 
 from gateway.transport import PooledTransport, upstream_client
-
-Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
-
-
-async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
-    head = await reader.readuntil(b"\r\n\r\n")
-    length = 0
-    for line in head.split(b"\r\n"):
-        if line.lower().startswith(b"content-length:"):
-            length = int(line.split(b":", 1)[1])
-    return head, await reader.readexactly(length)
-
-
-def answer(body: bytes, *extra: bytes) -> bytes:
-    headers = b"".join(h + b"\r\n" for h in extra)
-    return b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n%s\r\n%s" % (len(body), headers, body)
-
-
-class Server:
-    def __init__(self, handler: Handler) -> None:
-        self.handler = handler
-        self.connections = 0
-        self.requests: list[tuple[bytes, bytes]] = []
-        self.server: asyncio.Server | None = None
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.connections += 1
-        try:
-            await self.handler(reader, writer)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-
-    @property
-    def url(self) -> str:
-        assert self.server is not None
-        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+from tests.gateway.scripted import Handler, Server, answer, keep_alive, read_request, running
 
 
 async def serving(handler: Handler) -> AsyncIterator[tuple[Server, httpx.AsyncClient]]:
-    server = Server(handler)
-    server.server = await asyncio.start_server(server._serve, "127.0.0.1", 0)
-    async with httpx.AsyncClient(transport=PooledTransport()) as client:
+    async with running(handler) as server, httpx.AsyncClient(transport=PooledTransport()) as client:
         yield server, client
-    server.server.close()
-    await server.server.wait_closed()
-
-
-def keep_alive(make: Callable[[bytes, bytes], bytes], heads: list[bytes] | None = None) -> Handler:
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            head, body = await read_request(reader)
-            if heads is not None:
-                heads.append(head)
-            writer.write(make(head, body))
-            await writer.drain()
-
-    return handle
 
 
 async def test_requests_reuse_one_connection_and_carry_body_and_headers() -> None:

@@ -1,0 +1,467 @@
+"""The gateway's HTTP/1.1 client: keep-alive connections to the workers on asyncio protocols.
+
+Why not httpx's own machinery on the request path: each call through `httpx.AsyncClient`
+builds a `Request` (URL parsing and merging, header models, cookie extraction) and a
+`Response` with its stream wrappers, and a `StreamReader` per connection adds a task
+wake-up per read. py-spy at concurrency 64 (`bench.gateway`) put httpx's client layer at
+about a third of the gateway's CPU. Here a call is one `transport.write` of prebuilt
+bytes, and the answer is parsed by httptools (C) inside `data_received`, which resolves a
+future: no task, no stream object. `gateway.transport` puts httpx's interface on top of
+this for the calls off the hot path (health checks, directory reads, index lookups).
+
+Each origin keeps a stack of idle connections: taking one is a pop (one the peer closed
+while idle has seen EOF and is skipped without a system call), giving it back a push.
+A connection returns to its stack as soon as its answer has been read to the end (the
+rest of the body stays buffered in the `Response`) unless either side asked to close it.
+Cancelling a call's future before its answer ended closes the connection, so the worker
+sees the client go. A request written to a reused connection that the peer closed before
+any byte of an answer arrived (the keep-alive race) is sent once more on a new connection.
+
+Errors are httpx's exception types (`ConnectError`, `ReadTimeout`, `RemoteProtocolError`,
+…) so the dispatcher handles both clients alike. The read timeout is the longest silence
+allowed while an answer is awaited; a stream whose reader has paused it is not timed out.
+Not supported: HEAD answers are complete at their head (the connection is then closed),
+request bodies are whole bytes, and 1xx interim answers are not expected (none is asked).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections import deque
+from collections.abc import Sequence
+from typing import cast
+from urllib.parse import urlsplit
+
+import httptools
+import httpx
+
+Origin = tuple[str, str, int]
+Headers = Sequence[tuple[bytes, bytes]]
+
+_PAUSE_AT = 256 * 1024
+"""Bytes of a streamed body buffered unread before reading from the worker pauses."""
+_BODYLESS_STATUSES = frozenset({204, 304})
+_TARGETS_KEPT = 4096
+
+
+class Response:
+    """One call: its answer's status and headers, then its body as pieces or whole."""
+
+    __slots__ = (
+        "_buffered",
+        "_connecting",
+        "_connection",
+        "_data",
+        "_done",
+        "_error",
+        "_framed",
+        "_future",
+        "_head_only",
+        "_loop",
+        "_pieces",
+        "_reader",
+        "_received",
+        "_timeout",
+        "_whole",
+        "body",
+        "headers",
+        "status",
+    )
+
+    def __init__(
+        self, future: asyncio.Future[Response], data: bytes, timeout: float | None, whole: bool
+    ) -> None:
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.body = b""
+        """The whole body, once a `whole` call's future has resolved."""
+        self._future = future
+        self._data = data
+        self._timeout = timeout
+        self._whole = whole
+        self._head_only = data.startswith(b"HEAD ")
+        self._pieces: deque[bytes] = deque()
+        self._buffered = 0
+        self._done = False
+        self._error: BaseException | None = None
+        self._reader: asyncio.Future[bytes] | None = None
+        self._loop = future.get_loop()
+        self._connection: _Connection | None = None
+        self._connecting: asyncio.Task[None] | None = None
+        self._received = False
+        self._framed = False
+
+    def header(self, name: bytes) -> bytes | None:
+        """The value of header `name` (lowercase), or None."""
+        for key, value in self.headers:
+            if key.lower() == name:
+                return value
+        return None
+
+    @property
+    def media_type(self) -> bytes:
+        return self.header(b"content-type") or b"application/json"
+
+    def next(self) -> asyncio.Future[bytes]:
+        """The next piece of the body as it arrived; b"" once the body has ended."""
+        future: asyncio.Future[bytes] = self._loop.create_future()
+        if self._pieces or self._done or self._error is not None:
+            self._take(future)
+        else:
+            self._reader = future
+        return future
+
+    def _take(self, future: asyncio.Future[bytes]) -> None:
+        if self._pieces:
+            piece = self._pieces.popleft()
+            self._buffered -= len(piece)
+            connection = self._connection
+            if connection is not None and connection.paused and self._buffered < _PAUSE_AT // 2:
+                connection.resume()
+            future.set_result(piece)
+        elif self._error is not None:
+            future.set_exception(self._error)
+        else:
+            future.set_result(b"")
+
+    async def read(self) -> bytes:
+        """The rest of the body."""
+        pieces = []
+        while piece := await self.next():
+            pieces.append(piece)
+        return b"".join(pieces)
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Done with this answer: its connection is closed unless the answer was complete."""
+        self._done = True
+        self._pieces.clear()
+        if self._connecting is not None:
+            self._connecting.cancel()
+        if self._connection is not None:
+            self._connection.abort()
+
+    # Called by the connection.
+
+    def _on_head(self, status: int, headers: list[tuple[bytes, bytes]], framed: bool) -> None:
+        self._received = True
+        self.status, self.headers, self._framed = status, headers, framed
+        if not self._whole and not self._future.done():
+            self._future.set_result(self)
+
+    def _on_piece(self, piece: bytes) -> None:
+        if self._done:
+            return
+        self._pieces.append(piece)
+        self._buffered += len(piece)
+        if self._whole:
+            return
+        self._wake()
+        if self._buffered > _PAUSE_AT and self._connection is not None:
+            self._connection.pause()
+
+    def _on_end(self) -> None:
+        self._connection = None
+        if self._whole:
+            self.body = b"".join(self._pieces)
+            self._pieces.clear()
+            self._buffered = 0
+            if not self._future.done():
+                self._future.set_result(self)
+        self._done = True
+        self._wake()
+
+    def _on_error(self, error: BaseException) -> None:
+        self._connection = None
+        self._error = error
+        if not self._future.done():
+            self._future.set_exception(error)
+        self._wake()
+
+    def _wake(self) -> None:
+        reader, self._reader = self._reader, None
+        if reader is not None and not reader.done():
+            self._take(reader)
+
+    def _settled(self, future: asyncio.Future[Response]) -> None:
+        if future.cancelled():
+            self.close()
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection; carries one `Response` at a time."""
+
+    def __init__(self, pool: ConnectionPool, origin: Origin) -> None:
+        self._pool = pool
+        self._origin = origin
+        self._loop = asyncio.get_running_loop()
+        self._parser = httptools.HttpResponseParser(self)
+        self._transport: asyncio.Transport | None = None
+        self._response: Response | None = None
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._keep = False
+        self._last_read = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self.reused = False
+        self.closed = False
+        self.paused = False
+
+    def usable(self) -> bool:
+        return not self.closed and self._transport is not None and not self._transport.is_closing()
+
+    def send(self, response: Response) -> None:
+        assert self._transport is not None
+        self._response = response
+        response._connection = self
+        self._last_read = self._loop.time()
+        if response._timeout is not None:
+            self._timer = self._loop.call_later(response._timeout, self._check_timeout)
+        self._transport.write(response._data)
+
+    def pause(self) -> None:
+        if not self.paused and self._transport is not None:
+            self.paused = True
+            self._transport.pause_reading()
+
+    def resume(self) -> None:
+        if self.paused and self._transport is not None:
+            self.paused = False
+            self._last_read = self._loop.time()
+            self._transport.resume_reading()
+
+    def abort(self) -> None:
+        """Close now; the response being received, if any, ends with an error."""
+        self.closed = True
+        if self._transport is not None:
+            self._transport.close()
+        self._end(httpx.ReadError("the call was cancelled"))
+
+    def _check_timeout(self) -> None:
+        response = self._response
+        if response is None or response._timeout is None:
+            return
+        silent = self._loop.time() - self._last_read
+        if self.paused or silent < response._timeout:
+            wait = response._timeout - (0.0 if self.paused else silent)
+            self._timer = self._loop.call_later(wait, self._check_timeout)
+            return
+        self._timer = None
+        self.closed = True
+        if self._transport is not None:
+            self._transport.close()
+        self._end(httpx.ReadTimeout(f"no answer for {response._timeout:g} s"))
+
+    def _end(self, error: BaseException | None) -> None:
+        response, self._response = self._response, None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if response is None:
+            return
+        if error is None:
+            response._on_end()
+        else:
+            response._on_error(error)
+
+    # asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+
+    def data_received(self, data: bytes) -> None:
+        if self._response is None:
+            self.abort()  # bytes nobody asked for: the connection cannot be trusted
+            return
+        self._last_read = self._loop.time()
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self.closed = True
+            assert self._transport is not None
+            self._transport.close()
+            self._end(httpx.RemoteProtocolError(f"malformed answer from {self._name()}: {exc}"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        response = self._response
+        if response is None:
+            return
+        if not response._received and self.reused:
+            self._response = None
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            self._pool._resend(self._origin, response)
+        elif response.status and not response._framed and exc is None:
+            self._end(None)  # an answer delimited by the connection's close
+        elif response.status:
+            self._end(httpx.RemoteProtocolError(f"{self._name()} closed the connection mid-answer"))
+        elif exc is not None:
+            self._end(httpx.ReadError(f"{self._name()}: {exc!r}"))
+        else:
+            self._end(httpx.RemoteProtocolError(f"{self._name()} closed without answering"))
+
+    # httptools callbacks
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        response = self._response
+        if response is None:
+            return
+        status = self._parser.get_status_code()
+        headers, self._headers = self._headers, []
+        self._keep = self._parser.should_keep_alive()
+        framed = status in _BODYLESS_STATUSES or any(
+            name.lower() in (b"content-length", b"transfer-encoding") for name, _ in headers
+        )
+        response._on_head(status, headers, framed)
+        if response._head_only:
+            self._keep = False
+            self.closed = True
+            assert self._transport is not None
+            self._transport.close()
+            self._end(None)
+
+    def on_body(self, body: bytes) -> None:
+        if self._response is not None:
+            self._response._on_piece(body)
+
+    def on_message_complete(self) -> None:
+        if self._response is None:
+            return
+        self._end(None)
+        if self._keep and not self.closed:
+            self._pool._release(self._origin, self)
+        else:
+            self.closed = True
+            assert self._transport is not None
+            self._transport.close()
+
+    def _name(self) -> str:
+        return f"{self._origin[1]}:{self._origin[2]}"
+
+
+class ConnectionPool:
+    """Idle keep-alive connections per origin, and the calls made on them."""
+
+    def __init__(
+        self, *, max_idle_per_origin: int = 256, ssl_context: ssl.SSLContext | None = None
+    ) -> None:
+        self._idle: dict[Origin, list[_Connection]] = {}
+        self._max_idle = max_idle_per_origin
+        self._ssl = ssl_context
+        self._targets: dict[tuple[bytes, str], tuple[Origin, bytes]] = {}
+        self._connect_timeouts: dict[int, float | None] = {}
+
+    def request(
+        self,
+        method: bytes,
+        url: str,
+        body: bytes = b"",
+        *,
+        headers: Headers = (),
+        timeout: float | None,
+        connect_timeout: float | None = None,
+        whole: bool,
+    ) -> asyncio.Future[Response]:
+        """Send now; the future resolves at the answer's head, or with `whole` at its end.
+
+        `timeout` bounds each silence while the answer is awaited; `connect_timeout`
+        (default `timeout`) bounds opening a connection. Raises ValueError for a URL that
+        is not http(s).
+        """
+        origin, head = self._target(method, url)
+        lines = [head, *(name + b": " + value + b"\r\n" for name, value in headers)]
+        if body or method in (b"POST", b"PUT", b"PATCH"):
+            lines.append(b"Content-Length: %d\r\n" % len(body))
+        lines += (b"\r\n", body)
+        future: asyncio.Future[Response] = asyncio.get_running_loop().create_future()
+        response = Response(future, b"".join(lines), timeout, whole)
+        future.add_done_callback(response._settled)
+        self._send(origin, response, timeout if connect_timeout is None else connect_timeout)
+        return future
+
+    def _target(self, method: bytes, url: str) -> tuple[Origin, bytes]:
+        key = (method, url)
+        found = self._targets.get(key)
+        if found is not None:
+            return found
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"not an http(s) URL: {url!r}")
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        origin = (parts.scheme, parts.hostname, port)
+        path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        host = parts.netloc.rpartition("@")[2]
+        head = b"%s %s HTTP/1.1\r\nHost: %s\r\n" % (method, path.encode(), host.encode())
+        if len(self._targets) >= _TARGETS_KEPT:
+            self._targets.clear()
+        self._targets[key] = (origin, head)
+        return origin, head
+
+    def _send(self, origin: Origin, response: Response, connect_timeout: float | None) -> None:
+        idle = self._idle.get(origin)
+        while idle:
+            connection = idle.pop()
+            if connection.usable():
+                connection.send(response)
+                return
+        task = asyncio.get_running_loop().create_task(
+            self._connect_and_send(origin, response, connect_timeout)
+        )
+        response._connecting = task
+
+    def _resend(self, origin: Origin, response: Response) -> None:
+        """A reused connection closed before answering: once more on a new connection."""
+        response._connection = None
+        task = asyncio.get_running_loop().create_task(
+            self._connect_and_send(origin, response, response._timeout)
+        )
+        response._connecting = task
+
+    async def _connect_and_send(
+        self, origin: Origin, response: Response, timeout: float | None
+    ) -> None:
+        scheme, host, port = origin
+        context = (self._ssl or ssl.create_default_context()) if scheme == "https" else None
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(timeout):
+                _, connection = await loop.create_connection(
+                    lambda: _Connection(self, origin),
+                    host,
+                    port,
+                    ssl=context,
+                    server_hostname=host if context else None,
+                )
+        except TimeoutError:
+            response._on_error(httpx.ConnectTimeout(f"connecting to {host}:{port} timed out"))
+            return
+        except OSError as exc:
+            response._on_error(httpx.ConnectError(f"{host}:{port}: {exc}"))
+            return
+        finally:
+            response._connecting = None
+        if response._future.cancelled() or response._done:
+            self._release(origin, connection)  # unused: good for the next call
+            return
+        connection.send(response)
+
+    def _release(self, origin: Origin, connection: _Connection) -> None:
+        idle = self._idle.setdefault(origin, [])
+        if len(idle) >= self._max_idle:
+            connection.abort()
+            return
+        connection.reused = True
+        idle.append(connection)
+
+    async def aclose(self) -> None:
+        for idle in self._idle.values():
+            for connection in idle:
+                connection.abort()
+        self._idle.clear()

@@ -11,13 +11,15 @@ decode `power_of_two`. Flags are read here only; everything else takes `GatewayC
 from __future__ import annotations
 
 import argparse
+import asyncio
+import gc
 import logging
+import signal
 from contextlib import AsyncExitStack
 from typing import Any
 
 import httpx
 import redis.asyncio as aioredis
-import uvicorn
 from prometheus_client import start_http_server
 from pydantic import ValidationError
 
@@ -33,8 +35,10 @@ from gateway.config import (
     WorkerSpec,
 )
 from gateway.connections import ConnectionPool
+from gateway.inference import Inference
 from gateway.monitor import PodRegistrar
 from gateway.pods import HttpPodRegistrar, RegistryPodRegistrar
+from gateway.server import GatewayServer
 from gateway.service import build_gateway
 from gateway.transport import upstream_client
 from gateway.upstream import PooledUpstream
@@ -275,21 +279,41 @@ async def serve(config: GatewayConfig, args: argparse.Namespace) -> None:
             tokenizer=tokenizer,
         )
         if config.prometheus_port and config.prometheus_port != config.port:
-            server, _ = start_http_server(
+            metrics_server, _ = start_http_server(
                 config.prometheus_port, config.prometheus_host, gateway.metrics.registry
             )
-            stack.callback(server.shutdown)
+            stack.callback(metrics_server.shutdown)
         app = create_app(gateway)
-        uv = uvicorn.Config(
-            app,
-            host=config.host,
-            port=config.port,
-            loop="uvloop",
-            http="httptools",
-            log_level="warning",
-            access_log=False,
-        )
-        await uvicorn.Server(uv).serve()
+        server = GatewayServer(Inference(gateway), app)
+        async with app.router.lifespan_context(app):
+            await server.start(config.host, config.port)
+            _freeze_startup_objects()
+            await _until_signalled()
+            await server.shutdown()
+
+
+def _freeze_startup_objects() -> None:
+    """Keep the ~100k objects of imports and setup out of every later garbage collection.
+
+    Measured under `bench.gateway` at concurrency 64: full collections walked them all
+    every few hundred milliseconds, 30 ms each — about 15 % of the CPU and most of the
+    p99 (45 ms before, 15 ms after).
+    """
+    gc.collect()
+    gc.freeze()
+
+
+async def _until_signalled() -> None:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signals = (signal.SIGINT, signal.SIGTERM)
+    for sig in signals:
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -309,7 +333,11 @@ def run(args: argparse.Namespace) -> int:
     )
     import uvloop
 
-    uvloop.run(serve(config, args))
+    try:
+        uvloop.run(serve(config, args))
+    except OSError as exc:
+        log.error("gateway cannot serve on %s:%d: %s", config.host, config.port, exc)
+        return 1
     return 0
 
 

@@ -92,7 +92,7 @@ class PooledUpstream:
 class _HttpxReply:
     def __init__(self, response: httpx.Response) -> None:
         self._response = response
-        self._pieces: AsyncIterator[bytes] = response.aiter_raw()
+        self._pieces: AsyncIterator[bytes] = response.aiter_bytes()
 
     @property
     def status(self) -> int:

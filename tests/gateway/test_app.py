@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
@@ -12,14 +13,34 @@ import pytest
 
 from gateway.app import create_app
 from gateway.config import WorkerSpec
+from gateway.inference import Inference
+from gateway.server import GatewayServer
 from gateway.service import Gateway
 from globalkv.tokenize import ByteTokenizer
 from tests.gateway.fakes import DECODES, PREFILLS, Cluster, StubLookup, config, make_gateway, sample
 
 
-def client_for(gateway: Gateway) -> httpx.AsyncClient:
+@pytest.fixture(params=["asgi", "server"])
+def front(request: pytest.FixtureRequest) -> str:
+    """Every test through the ASGI app and through the gateway's own server."""
+    return str(request.param)
+
+
+@asynccontextmanager
+async def client_for(gateway: Gateway, front: str) -> AsyncIterator[httpx.AsyncClient]:
     app = create_app(gateway, run_monitor=False)
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")
+    if front == "asgi":
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+            yield client
+        return
+    server = GatewayServer(Inference(gateway), app)
+    await server.start("127.0.0.1", 0)
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}") as client:
+            yield client
+    finally:
+        await server.shutdown()
 
 
 @pytest.fixture
@@ -47,10 +68,10 @@ AUTH = {"authorization": "Bearer k"}
     ],
 )
 async def test_inference_endpoints_route_and_answer(
-    setup: tuple[Cluster, Gateway], path: str, body: dict[str, Any]
+    setup: tuple[Cluster, Gateway], path: str, body: dict[str, Any], front: str
 ) -> None:
     cluster, gateway = setup
-    async with client_for(gateway) as client:
+    async with client_for(gateway, front) as client:
         response = await client.post(path, json=body, headers=AUTH)
     assert response.status_code == 200
     assert cluster.inference("decode")[0].path == path
@@ -58,20 +79,20 @@ async def test_inference_endpoints_route_and_answer(
     assert sample(gateway, "globalkv_gateway_requests_total", endpoint=name, status="200") == 1
 
 
-async def test_text_is_tokenized_and_looked_up(setup: tuple[Cluster, Gateway]) -> None:
+async def test_text_is_tokenized_and_looked_up(setup: tuple[Cluster, Gateway], front: str) -> None:
     _, gateway = setup
     lookup = gateway.router._lookup
     assert isinstance(lookup, StubLookup)
-    async with client_for(gateway) as client:
+    async with client_for(gateway, front) as client:
         await client.post("/generate", json={"text": "hi"}, headers=AUTH)
         await client.post("/generate", json={"input_ids": [[5, 6], [7]]}, headers=AUTH)
     assert lookup.asked == [("m", ByteTokenizer().encode("hi")), ("m", [5, 6])]
 
 
-async def test_without_tokenizer_or_index_it_routes_by_load_and_counts_it() -> None:
+async def test_without_tokenizer_or_index_it_routes_by_load_and_counts_it(front: str) -> None:
     cluster = Cluster()
     gateway = await make_gateway(cluster, config(), lookup=StubLookup(down=True))
-    async with client_for(gateway) as client:
+    async with client_for(gateway, front) as client:
         assert (await client.post("/generate", json={"text": "x"})).status_code == 200
         assert (await client.post("/generate", json={"input_ids": [1]})).status_code == 200
     assert sample(gateway, "globalkv_gateway_routing_fallbacks_total", reason="no_tokenizer") == 1
@@ -109,19 +130,19 @@ async def test_without_tokenizer_or_index_it_routes_by_load_and_counts_it() -> N
     ],
 )
 async def test_bad_input_gets_a_clear_4xx(
-    setup: tuple[Cluster, Gateway], path: str, content: bytes, status: int, message: str
+    setup: tuple[Cluster, Gateway], path: str, content: bytes, status: int, message: str, front: str
 ) -> None:
     cluster, gateway = setup
-    async with client_for(gateway) as client:
+    async with client_for(gateway, front) as client:
         response = await client.post(path, content=content, headers=AUTH)
     assert response.status_code == status
     assert message in response.json()["error"]["message"]
     assert cluster.inference() == []
 
 
-async def test_api_key_is_required(setup: tuple[Cluster, Gateway]) -> None:
+async def test_api_key_is_required(setup: tuple[Cluster, Gateway], front: str) -> None:
     _, gateway = setup
-    async with client_for(gateway) as client:
+    async with client_for(gateway, front) as client:
         assert (await client.post("/generate", json={"text": "x"})).status_code == 401
         wrong = {"authorization": "Bearer nope"}
         assert (
@@ -131,7 +152,7 @@ async def test_api_key_is_required(setup: tuple[Cluster, Gateway]) -> None:
         assert (await client.get("/liveness")).status_code == 200
 
 
-async def test_streaming_through_the_app(setup: tuple[Cluster, Gateway]) -> None:
+async def test_streaming_through_the_app(setup: tuple[Cluster, Gateway], front: str) -> None:
     cluster, gateway = setup
 
     async def sse() -> AsyncIterator[bytes]:
@@ -143,7 +164,7 @@ async def test_streaming_through_the_app(setup: tuple[Cluster, Gateway]) -> None
 
     for url in DECODES:
         cluster.on(url, decode)
-    async with client_for(gateway) as client:
+    async with client_for(gateway, front) as client:
         response = await client.post("/generate", json={"text": "x", "stream": True}, headers=AUTH)
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/event-stream")
@@ -202,10 +223,10 @@ async def test_client_disconnect_cancels_both_upstreams(setup: tuple[Cluster, Ga
     )
 
 
-async def test_workers_admin_api(setup: tuple[Cluster, Gateway]) -> None:
+async def test_workers_admin_api(setup: tuple[Cluster, Gateway], front: str) -> None:
     _, gateway = setup
     admin = {"authorization": "Bearer admin"}
-    async with client_for(gateway) as client:
+    async with client_for(gateway, front) as client:
         listed = (await client.get("/workers", headers=AUTH)).json()["workers"]
         assert {w["id"] for w in listed} == {u.split("//")[1] for u in (*PREFILLS, *DECODES)}
         new = {"url": "http://10.0.0.3:30001", "worker_type": "prefill", "bootstrap_port": 9000}
@@ -231,9 +252,9 @@ async def test_workers_admin_api(setup: tuple[Cluster, Gateway]) -> None:
         assert gateway.pool.get("10.0.0.3:30001") is None
 
 
-async def test_readiness_and_metrics(setup: tuple[Cluster, Gateway]) -> None:
+async def test_readiness_and_metrics(setup: tuple[Cluster, Gateway], front: str) -> None:
     cluster, gateway = setup
-    async with client_for(gateway) as client:
+    async with client_for(gateway, front) as client:
         assert (await client.get("/readiness")).json() == {
             "ready": True,
             "eligible": {"prefill": 2, "decode": 2},
@@ -249,11 +270,11 @@ async def test_readiness_and_metrics(setup: tuple[Cluster, Gateway]) -> None:
     assert cluster.inference() == []
 
 
-async def test_info_endpoints_are_proxied(setup: tuple[Cluster, Gateway]) -> None:
+async def test_info_endpoints_are_proxied(setup: tuple[Cluster, Gateway], front: str) -> None:
     cluster, gateway = setup
     cluster.server_info[DECODES[0].split("//")[1]] = {"version": "x"}
     cluster.server_info[DECODES[1].split("//")[1]] = {"version": "x"}
-    async with client_for(gateway) as client:
+    async with client_for(gateway, front) as client:
         info = await client.get("/get_server_info", headers=AUTH)
         models = await client.get("/v1/models", headers=AUTH)
     assert info.json() == {"version": "x"}

@@ -1,0 +1,169 @@
+"""HTTP/1.1 on the wire for `gateway.server`: the parsed request, answer bytes, the ASGI bridge.
+
+The server answers inference itself; every other request (admin, info, health, metrics)
+goes through `serve_asgi` to the FastAPI app with its body already read, so those routes
+keep one implementation whichever server runs them. The bridge speaks the ASGI HTTP
+protocol (version 3.0, spec 2.3) as far as the app needs: one `http.request` message with
+the whole body, then `http.disconnect` once the client has gone; the answer framed by its
+Content-Length, else chunked (HTTP/1.0: ended by closing the connection).
+"""
+
+from __future__ import annotations
+
+import http
+import logging
+from typing import Any, Protocol
+from urllib.parse import unquote
+
+from starlette.types import ASGIApp, Message
+
+from gateway.inject import Endpoint
+from gateway.upstream import Answer
+
+log = logging.getLogger(__name__)
+
+_REASONS = {status.value: status.phrase.encode() for status in http.HTTPStatus}
+CLOSE = b"connection: close\r\n"
+LAST_CHUNK = b"0\r\n\r\n"
+
+
+def status_line(status: int) -> bytes:
+    return b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b""))
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def answer_bytes(answer: Answer, *, keep_alive: bool) -> bytes:
+    head = b"%scontent-type: %s\r\ncontent-length: %d\r\n%s\r\n" % (
+        status_line(answer.status),
+        answer.media_type,
+        len(answer.body),
+        b"" if keep_alive else CLOSE,
+    )
+    return head + answer.body
+
+
+class HttpRequest:
+    """One request as httptools parsed it, its body read whole."""
+
+    __slots__ = (
+        "authorization",
+        "body",
+        "expect",
+        "headers",
+        "keep_alive",
+        "length",
+        "method",
+        "path",
+        "query",
+        "refused",
+        "route",
+        "size",
+        "url",
+        "version",
+    )
+
+    def __init__(self) -> None:
+        self.url = b""
+        self.headers: list[tuple[bytes, bytes]] = []
+        """Names in lowercase, as ASGI wants them."""
+        self.body: list[bytes] = []
+        self.size = 0
+        self.authorization: bytes | None = None
+        self.length: bytes | None = None
+        """The Content-Length header, as sent."""
+        self.expect = False
+        """`Expect: 100-continue` was sent."""
+        self.method = b""
+        self.path = b""
+        self.query = b""
+        self.version = "1.1"
+        self.keep_alive = True
+        self.route: tuple[Endpoint, str] | None = None
+        """(endpoint, path) for an inference POST."""
+        self.refused = False
+        """Over the size limit: its body is dropped and a 413 closes the connection."""
+
+
+class Wire(Protocol):
+    """What the bridge needs of a connection."""
+
+    def write(self, data: bytes) -> None: ...
+
+    async def drain(self) -> None:
+        """Until the client has taken what was written (flow control)."""
+        ...
+
+    async def disconnected(self) -> None:
+        """Until the client has gone."""
+        ...
+
+
+async def serve_asgi(
+    app: ASGIApp, wire: Wire, request: HttpRequest, *, keep_alive: bool, client: Any, server: Any
+) -> bool:
+    """Answer `request` through `app`; True when the connection may serve another request."""
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": request.version,
+        "server": server,
+        "client": client,
+        "scheme": "http",
+        "method": request.method.decode("ascii"),
+        "root_path": "",
+        "path": unquote(request.path.decode("latin-1")),
+        "raw_path": request.path,
+        "query_string": request.query,
+        "headers": request.headers,
+    }
+    body: bytes | None = b"".join(request.body)
+    bodyless = request.method == b"HEAD"
+    state = {"started": False, "chunked": False, "complete": False, "keep": keep_alive}
+
+    async def receive() -> Message:
+        nonlocal body
+        if body is not None:
+            message: Message = {"type": "http.request", "body": body, "more_body": False}
+            body = None
+            return message
+        await wire.disconnected()
+        return {"type": "http.disconnect"}
+
+    async def send(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            status = message["status"]
+            headers = message.get("headers", [])
+            lines = [
+                status_line(status),
+                *(name + b": " + value + b"\r\n" for name, value in headers),
+            ]
+            sized = any(name.lower() == b"content-length" for name, _ in headers)
+            if not sized and not bodyless and status not in (204, 304):
+                if request.version == "1.0":
+                    state["keep"] = False  # the close ends the body
+                else:
+                    state["chunked"] = True
+                    lines.append(b"transfer-encoding: chunked\r\n")
+            lines.append((b"" if state["keep"] else CLOSE) + b"\r\n")
+            wire.write(b"".join(lines))
+            state["started"] = True
+        elif message["type"] == "http.response.body" and not state["complete"]:
+            data = b"" if bodyless else message.get("body", b"")
+            more = message.get("more_body", False)
+            if state["chunked"]:
+                data = (chunk(data) if data else b"") + (b"" if more else LAST_CHUNK)
+            wire.write(data)
+            state["complete"] = not more
+            await wire.drain()
+
+    try:
+        await app(scope, receive, send)
+    except Exception:
+        log.exception("error serving %s %s", scope["method"], scope["path"])
+    if not state["complete"] and not state["started"]:
+        message = "the app sent no answer"
+        wire.write(answer_bytes(Answer(500, message.encode(), b"text/plain"), keep_alive=False))
+    return state["complete"] and state["keep"]

@@ -1,0 +1,267 @@
+"""The gateway's own HTTP server on real sockets: what only a server can get right.
+
+Routes, bodies and answers are the same through the ASGI app and this server and are
+tested through both in `test_app.py`; here: keep-alive and pipelining, limits enforced
+before reading, `Expect: 100-continue`, clients that leave, streams piece by piece,
+HTTP/1.0, malformed requests, idle connections and a graceful shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.app import create_app
+from gateway.inference import Inference
+from gateway.server import GatewayServer
+from gateway.service import Gateway
+from tests.gateway.fakes import DECODES, PREFILLS, Cluster, config, make_gateway, sample
+from tests.support.net import await_for
+
+
+@asynccontextmanager
+async def serving(gateway: Gateway, **options: Any) -> AsyncIterator[GatewayServer]:
+    server = GatewayServer(Inference(gateway), create_app(gateway, run_monitor=False), **options)
+    await server.start("127.0.0.1", 0)
+    try:
+        yield server
+    finally:
+        await server.shutdown(grace=5)
+
+
+def post(path: str, body: dict[str, Any], *extra: str) -> bytes:
+    data = json.dumps(body).encode()
+    head = [f"POST {path} HTTP/1.1", "host: gw", f"content-length: {len(data)}", *extra]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + data
+
+
+GET_HEALTH = b"GET /health HTTP/1.1\r\nhost: gw\r\n\r\n"
+
+
+async def read_answer(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
+    head = (await reader.readuntil(b"\r\n\r\n")).decode()
+    lines = head.split("\r\n")
+    status = int(lines[0].split(" ")[1])
+    headers = {k.lower(): v.strip() for k, _, v in (x.partition(":") for x in lines[1:] if x)}
+    if "content-length" in headers:
+        return status, headers, await reader.readexactly(int(headers["content-length"]))
+    if headers.get("transfer-encoding") == "chunked":
+        body = b""
+        while size := int((await reader.readuntil(b"\r\n"))[:-2], 16):
+            body += (await reader.readexactly(size + 2))[:-2]
+        await reader.readexactly(2)
+        return status, headers, body
+    return status, headers, await reader.read()
+
+
+async def read_chunk(reader: asyncio.StreamReader) -> bytes:
+    size = int((await reader.readuntil(b"\r\n"))[:-2], 16)
+    return (await reader.readexactly(size + 2))[:-2]
+
+
+@asynccontextmanager
+async def connected(
+    server: GatewayServer,
+) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    try:
+        yield reader, writer
+    finally:
+        writer.close()
+
+
+async def until(check: Callable[[], bool], what: str) -> None:
+    async def condition() -> bool:
+        return check()
+
+    await await_for(condition, timeout=10, what=what)
+
+
+async def test_pipelined_requests_on_one_connection_are_answered_in_order() -> None:
+    gateway = await make_gateway(Cluster())
+    async with serving(gateway) as server, connected(server) as (reader, writer):
+        writer.write(
+            post("/generate", {"input_ids": [1]}) + GET_HEALTH + post("/generate", {"text": "x"})
+        )
+        answers = [await read_answer(reader) for _ in range(3)]
+        writer.write(GET_HEALTH)
+        answers.append(await read_answer(reader))
+    assert [a[0] for a in answers] == [200, 200, 200, 200]
+    assert "room" in json.loads(answers[0][2])
+    assert json.loads(answers[1][2]) == {"status": "ok"}
+    assert "room" in json.loads(answers[2][2])
+
+
+async def test_an_oversized_body_is_refused_before_it_is_read_and_counted() -> None:
+    gateway = await make_gateway(Cluster(), config(max_payload_size=100))
+    async with serving(gateway) as server:
+        async with connected(server) as (reader, writer):
+            writer.write(b"POST /generate HTTP/1.1\r\nhost: gw\r\ncontent-length: 1000000\r\n\r\n")
+            status, headers, body = await read_answer(reader)
+            assert (status, headers["connection"]) == (413, "close")
+            assert b"max-payload-size (100 bytes)" in body
+            assert await reader.read() == b"", "the connection is closed"
+        async with connected(server) as (reader, writer):
+            head = (
+                b"POST /v1/completions HTTP/1.1\r\nhost: gw\r\ntransfer-encoding: chunked\r\n\r\n"
+            )
+            writer.write(head + b"80\r\n" + b"x" * 128 + b"\r\n")
+            assert (await read_answer(reader))[0] == 413
+    assert sample(gateway, "globalkv_gateway_requests_total", endpoint="generate", status="413")
+    assert sample(gateway, "globalkv_gateway_requests_total", endpoint="completions", status="413")
+
+
+async def test_expect_100_continue_is_answered_before_the_body_is_sent() -> None:
+    gateway = await make_gateway(Cluster())
+    async with serving(gateway) as server, connected(server) as (reader, writer):
+        whole = post("/generate", {"input_ids": [1, 2]}, "expect: 100-continue")
+        head, _, body = whole.partition(b"\r\n\r\n")
+        writer.write(head + b"\r\n\r\n")
+        assert await reader.readuntil(b"\r\n\r\n") == b"HTTP/1.1 100 Continue\r\n\r\n"
+        writer.write(body)
+        assert (await read_answer(reader))[0] == 200
+
+
+async def test_a_client_that_leaves_cancels_both_upstream_calls() -> None:
+    cluster = Cluster()
+    hang = asyncio.Event()
+
+    async def hanging(_: httpx.Request, __: Any) -> httpx.Response:
+        await hang.wait()
+        raise AssertionError("unreachable")
+
+    for url in (*PREFILLS, *DECODES):
+        cluster.on(url, hanging)
+    gateway = await make_gateway(cluster)
+    async with serving(gateway) as server:
+        async with connected(server) as (_, writer):
+            writer.write(post("/generate", {"text": "x"}))
+            await cluster.wait_calls(2)
+
+        def gone() -> bool:
+            labels = {"endpoint": "generate", "status": "499"}
+            return sample(gateway, "globalkv_gateway_requests_total", **labels) == 1
+
+        await until(gone, "the request counted as 499")
+        await gateway.dispatcher.drain()
+    assert [c.cancelled for c in cluster.inference()] == [True, True]
+    assert all(w.breaker.stats().total_failures == 0 for w in gateway.pool)
+
+
+async def test_a_stream_arrives_piece_by_piece_and_a_client_leaving_mid_stream_ends_it() -> None:
+    cluster = Cluster()
+    queue: asyncio.Queue[bytes] = asyncio.Queue()
+    ended = asyncio.Event()
+
+    async def pieces() -> AsyncIterator[bytes]:
+        try:
+            while True:
+                yield await queue.get()
+        finally:
+            ended.set()
+
+    async def decode(_: httpx.Request, __: Any) -> httpx.Response:
+        return httpx.Response(200, content=pieces(), headers={"content-type": "text/event-stream"})
+
+    for url in DECODES:
+        cluster.on(url, decode)
+    gateway = await make_gateway(cluster)
+    async with serving(gateway) as server:
+        async with connected(server) as (reader, writer):
+            writer.write(post("/generate", {"text": "x", "stream": True}))
+            await queue.put(b"data: 1\n\n")
+            head = await reader.readuntil(b"\r\n\r\n")
+            assert b"transfer-encoding: chunked" in head
+            assert b"content-type: text/event-stream" in head
+            assert await read_chunk(reader) == b"data: 1\n\n"
+            await queue.put(b"data: 2\n\n")
+            assert await read_chunk(reader) == b"data: 2\n\n", "before piece 3 exists"
+        await asyncio.wait_for(ended.wait(), 10)
+        await gateway.dispatcher.drain()
+    assert all(v.in_flight == 0 for v in gateway.loads.loads.values())
+    assert all(w.breaker.stats().total_failures == 0 for w in gateway.pool)
+
+
+async def test_a_stream_cut_short_upstream_ends_without_its_last_chunk() -> None:
+    cluster = Cluster()
+
+    async def broken() -> AsyncIterator[bytes]:
+        yield b"data: 1\n\n"
+        raise httpx.ReadError("the decode died")
+
+    async def decode(_: httpx.Request, __: Any) -> httpx.Response:
+        return httpx.Response(200, content=broken(), headers={"content-type": "text/event-stream"})
+
+    for url in DECODES:
+        cluster.on(url, decode)
+    gateway = await make_gateway(cluster)
+    async with serving(gateway) as server, connected(server) as (reader, writer):
+        writer.write(post("/generate", {"text": "x", "stream": True}))
+        await reader.readuntil(b"\r\n\r\n")
+        assert await read_chunk(reader) == b"data: 1\n\n"
+        assert await reader.read() == b"", "closed, no 0-length chunk"
+
+
+async def test_http_1_0_gets_its_answer_and_a_closed_connection() -> None:
+    gateway = await make_gateway(Cluster())
+    async with serving(gateway) as server:
+        for body in ({"input_ids": [1]}, {"input_ids": [1], "stream": True}):
+            async with connected(server) as (reader, writer):
+                writer.write(post("/generate", body).replace(b"HTTP/1.1", b"HTTP/1.0", 1))
+                status, headers, content = await read_answer(reader)
+                assert (status, headers["connection"]) == (200, "close")
+                assert "transfer-encoding" not in headers
+                assert b"room" in content
+                assert await reader.read() == b""
+
+
+async def test_a_malformed_request_gets_400_and_a_closed_connection() -> None:
+    gateway = await make_gateway(Cluster())
+    async with serving(gateway) as server, connected(server) as (reader, writer):
+        writer.write(b"NOT HTTP AT ALL\r\n\r\n")
+        status, _, body = await read_answer(reader)
+        assert status == 400
+        assert b"malformed HTTP request" in body
+
+
+async def test_idle_keep_alive_connections_are_closed() -> None:
+    gateway = await make_gateway(Cluster())
+    async with (
+        serving(gateway, keep_alive_secs=0.1) as server,
+        connected(server) as (reader, writer),
+    ):
+        writer.write(GET_HEALTH)
+        assert (await read_answer(reader))[0] == 200
+        assert await asyncio.wait_for(reader.read(), 10) == b""
+
+
+async def test_shutdown_finishes_what_is_in_flight_and_takes_nothing_new() -> None:
+    cluster = Cluster()
+    release = asyncio.Event()
+
+    async def slow(_: httpx.Request, body: Any) -> httpx.Response:
+        await release.wait()
+        return httpx.Response(200, json={"room": body["bootstrap_room"]})
+
+    for url in DECODES:
+        cluster.on(url, slow)
+    gateway = await make_gateway(cluster)
+    async with serving(gateway) as server:
+        port = server.port
+        async with connected(server) as (reader, writer), connected(server) as (idle, _):
+            writer.write(post("/generate", {"input_ids": [1]}))
+            await cluster.wait_calls(2)
+            stopping = asyncio.ensure_future(server.shutdown(grace=10))
+            assert await asyncio.wait_for(idle.read(), 10) == b"", "idle connections close"
+            with pytest.raises(ConnectionRefusedError):
+                await asyncio.open_connection("127.0.0.1", port)
+            release.set()
+            status, headers, _ = await read_answer(reader)
+            assert (status, headers["connection"]) == (200, "close")
+            await asyncio.wait_for(stopping, 10)

@@ -51,6 +51,12 @@ class IngestConfig(BaseModel):
         description="Batches queued per source before "
         "back-pressure (connected engines) or drops (bound socket).",
     )
+    max_group: int = Field(
+        64,
+        ge=1,
+        description="Most consecutive queued batches of one source applied as one index "
+        "write (group commit under load).",
+    )
     rcvhwm: int = Field(100_000, ge=1, description="ZMQ receive high-water mark per SUB.")
     replay_reply_timeout: float = Field(1.0, gt=0, description="Wait for each replay reply.")
     replay_total_timeout: float = Field(30.0, gt=0, description="Bound on one whole replay.")
@@ -119,7 +125,7 @@ class IngestService:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         if self._own_context:
-            self.context.term()
+            self.context.destroy(linger=0)
 
     # ---------------------------------------------------------------- pods
 
@@ -200,6 +206,7 @@ class IngestService:
             metrics=self.metrics,
             hooks=self,
             queue_size=self.config.queue_size,
+            max_group=self.config.max_group,
             backoff=self.backoff,
             expected=expected,
         )

@@ -42,7 +42,7 @@ POD = {
 async def context() -> AsyncIterator[zmq.asyncio.Context]:
     ctx = zmq.asyncio.Context()
     yield ctx
-    ctx.term()
+    ctx.destroy(linger=0)
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from tests.ingest.publisher import Publisher
 async def context() -> AsyncIterator[zmq.asyncio.Context]:
     ctx = zmq.asyncio.Context()
     yield ctx
-    ctx.term()
+    ctx.destroy(linger=0)
 
 
 @pytest.fixture
@@ -48,7 +48,13 @@ async def make_service(
     services: list[IngestService] = []
 
     def make(**config: object) -> IngestService:
-        settings = {"replay_reply_timeout": 0.3, "retry_base": 0.005, "retry_cap": 0.02, **config}
+        settings = {
+            "replay_reply_timeout": 0.3,
+            "retry_base": 0.005,
+            "retry_cap": 0.02,
+            "max_group": 1,
+            **config,
+        }
         service = IngestService(
             index,
             registry,

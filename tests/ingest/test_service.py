@@ -339,3 +339,28 @@ async def test_remove_pod_stops_and_clears(
     assert index.removed_pods == ["p0"]
     assert service.pods() == []
     assert not await service.remove_pod("p0")
+
+
+async def test_queued_batches_are_applied_as_one_group(
+    make_service: ServiceFactory,
+    make_publisher: PublisherFactory,
+    index: RecordingIndex,
+    prom: CollectorRegistry,
+) -> None:
+    service, pub = make_service(max_group=3), make_publisher()
+    await follow(service, pub, pod_for(pub))
+    index.gate = asyncio.Event()
+    for n in range(6):
+        await pub.publish([store(n)])
+    await service.wait(P0, lambda state: state.queue_depth >= 3)
+    index.gate.set()
+    await service.applied(P0, 5)
+    sizes = [len(b.events) for b in index.batches]
+    assert sum(sizes) == 6
+    assert max(sizes) == 3
+    assert index.applied[P0][-1] == 5
+    stored = [e.hashes[0] for b in index.batches for e in b.events]  # type: ignore[union-attr]
+    assert stored == [1, 2, 3, 4, 5, 6]
+    assert sample(prom, "globalkv_ingest_batches_applied_total", pod="p0") == 6
+    assert service.states()["p0"].sources[0].applied == 6
+    await asyncio.wait_for(service.flush(), 5)

@@ -25,7 +25,7 @@ PROMPT = list(range(40, 56))
 async def context() -> AsyncIterator[zmq.asyncio.Context]:
     ctx = zmq.asyncio.Context()
     yield ctx
-    ctx.term()
+    ctx.destroy(linger=0)
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:

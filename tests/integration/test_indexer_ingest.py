@@ -33,7 +33,7 @@ PROMPT = list(range(100, 164))  # 16 blocks
 async def context() -> AsyncIterator[zmq.asyncio.Context]:
     ctx = zmq.asyncio.Context()
     yield ctx
-    ctx.term()
+    ctx.destroy(linger=0)
 
 
 @pytest.fixture

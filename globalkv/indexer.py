@@ -22,6 +22,7 @@ from pydantic import BaseModel, Field, model_validator
 
 from globalkv.api import ApiConfig, create_app
 from globalkv.index.base import Index, IndexUnavailable
+from globalkv.index.instrumented import InstrumentedIndex
 from globalkv.index.memory import MemoryIndex
 from globalkv.index.redis import RedisIndex
 from globalkv.ingest.podsync import PodSync
@@ -83,17 +84,21 @@ class Indexer:
         stop (backends never close a client they were handed)."""
         self.config = config
         self.redis = redis
-        self.index = index
         self.registry = registry
         self.metrics_registry = metrics_registry or CollectorRegistry()
+        self.index: Index = InstrumentedIndex(index, self.metrics_registry)
         self.ingest = IngestService(
-            index, registry, IngestMetrics(self.metrics_registry), config.ingest, context=context
+            self.index,
+            registry,
+            IngestMetrics(self.metrics_registry),
+            config.ingest,
+            context=context,
         )
         self.podsync = PodSync(registry, self.ingest, interval=config.reconcile_interval)
         self._podsync_task: asyncio.Task[None] | None = None
         self.app: FastAPI = create_app(
             config.api,
-            index=index,
+            index=self.index,
             registry=registry,
             ingest=self.ingest,
             metrics_registry=self.metrics_registry,

@@ -38,8 +38,9 @@ class IngestMetrics:
         )
         self.skipped = Counter(
             "globalkv_ingest_events_skipped_total",
-            "Events or blocks decoded but not indexed: not_for_index, group, medium, "
-            "extra_keys (translation); orphans, partial, over_capacity (index).",
+            "Engine events decoded but not turned into index events: not_for_index "
+            "(unknown type, remote), group, medium, extra_keys. Blocks the index itself "
+            "skips (orphans, partial, over capacity) are globalkv_index_skipped_blocks.",
             ["reason"],
             registry=registry,
         )

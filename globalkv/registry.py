@@ -92,6 +92,13 @@ class PodInfo(BaseModel):
 
     @model_validator(mode="after")
     def _model_from_topic(self) -> PodInfo:
+        if self.dp_size > 1 and self.kv_events.mode == "connect":
+            for endpoint in (self.kv_events.endpoint, self.kv_events.replay_endpoint):
+                if endpoint is not None and not endpoint.startswith("tcp://"):
+                    raise ValueError(
+                        f"dp_size {self.dp_size} needs tcp:// endpoints (rank r uses port + r), "
+                        f"not {endpoint!r}"
+                    )
         if not self.model:
             parsed = parse_topic(self.kv_events.topic)
             if parsed is not None:

@@ -303,10 +303,6 @@ class SourceWorker:
             self._m_stored.inc(result.stored)
         if result.removed:
             self._m_removed.inc(result.removed)
-        for reason in ("orphans", "partial", "over_capacity"):
-            count = getattr(result, reason)
-            if count:
-                self.metrics.skipped.labels(reason).inc(count)
 
     async def _apply(self, batch: SourceBatch, first_seq: int) -> ApplyResult:
         """Apply, holding the batch while the index is down; `first_seq` is the first

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -14,6 +15,7 @@ from globalkv.wire import BlockStored, live_frames
 from tests.ingest.conftest import PublisherFactory, ServiceFactory
 from tests.ingest.fakes import RecordingIndex
 from tests.ingest.publisher import Publisher
+from tests.support.net import free_port
 
 P0 = Source("p0", 0)
 
@@ -364,3 +366,50 @@ async def test_queued_batches_are_applied_as_one_group(
     assert sample(prom, "globalkv_ingest_batches_applied_total", pod="p0") == 6
     assert service.states()["p0"].sources[0].applied == 6
     await asyncio.wait_for(service.flush(), 5)
+
+
+def _consecutive_ports() -> int:
+    """A port p with p + 1 also free (a DP-2 engine publishes on both)."""
+    for _ in range(50):
+        port = free_port()
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no two consecutive free ports")
+
+
+async def test_dp_ranks_subscribe_on_port_plus_rank(
+    make_service: ServiceFactory,
+    make_publisher: PublisherFactory,
+    index: RecordingIndex,
+) -> None:
+    port, replay = _consecutive_ports(), _consecutive_ports()
+    ranks = [
+        make_publisher(
+            endpoint=f"tcp://127.0.0.1:{port + r}",
+            replay_endpoint=f"tcp://127.0.0.1:{replay + r}",
+        )
+        for r in range(2)
+    ]
+    service = make_service()
+    pod = PodInfo(
+        id="dp",
+        model="m",
+        dp_size=2,
+        kv_events=KvEventsConfig(
+            endpoint=f"tcp://127.0.0.1:{port}", replay_endpoint=f"tcp://127.0.0.1:{replay}"
+        ),
+    )
+    await service.add_pod(pod)
+    for pub in ranks:
+        await pub.wait_subscribed()
+    await ranks[0].publish([store(0)], dp_rank=0)
+    await ranks[1].publish([store(0)], dp_rank=1)
+    await ranks[1].publish([store(1)], send=False, dp_rank=1)
+    await ranks[1].publish([store(2)], dp_rank=1)
+    await service.applied(Source("dp", 0), 0)
+    await service.applied(Source("dp", 1), 2)
+    assert index.applied == {Source("dp", 0): [0], Source("dp", 1): [0, 1, 2]}

@@ -1,0 +1,111 @@
+"""Pod records: validation, and both registries' behaviour (memory; Redis on redis_url)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+from pydantic import ValidationError
+
+from globalkv.registry import (
+    KvEventsConfig,
+    MemoryRegistry,
+    PodInfo,
+    PodState,
+    RedisRegistry,
+    Registry,
+    SourceState,
+    parse_topic,
+)
+
+EVENTS = KvEventsConfig(endpoint="tcp://10.0.0.5:5557", replay_endpoint="tcp://10.0.0.5:5558")
+
+
+@pytest.mark.parametrize(
+    ("topic", "parsed"),
+    [
+        ("kv@p0@m", ("p0", "m")),
+        ("kv@p0@org/model@v2", ("p0", "org/model@v2")),
+        ("kv@@m", None),
+        ("kv@p0", None),
+        ("", None),
+        ("other@p0@m", None),
+    ],
+)
+def test_parse_topic(topic: str, parsed: tuple[str, str] | None) -> None:
+    assert parse_topic(topic) == parsed
+
+
+def test_model_defaults_to_the_topic_model() -> None:
+    pod = PodInfo(id="p0", kv_events=KvEventsConfig(endpoint="tcp://h:1", topic="kv@p0@llama"))
+    assert pod.model == "llama"
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"kv_events": {"endpoint": "ipc:///tmp/x"}, "dp_size": 2},
+        {"kv_events": {"endpoint": "tcp://*:5557"}},
+        {"kv_events": {"mode": "bind"}},
+        {"kv_events": {"endpoint": "tcp://h:1"}, "role": "router"},
+    ],
+)
+def test_invalid_pods(kw: dict[str, object]) -> None:
+    with pytest.raises(ValidationError):
+        PodInfo.model_validate({"id": "p0", **kw})
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def registry(request: pytest.FixtureRequest) -> AsyncIterator[Registry]:
+    if request.param == "memory":
+        yield MemoryRegistry()
+        return
+    client = aioredis.from_url(request.getfixturevalue("redis_url"))
+    yield RedisRegistry(client, prefix="test")
+    await client.aclose()
+
+
+async def test_put_get_list_remove_and_states(registry: Registry) -> None:
+    b = PodInfo(id="b", model="m", kv_events=EVENTS, dp_size=2)
+    a = PodInfo(id="a", model="m", kv_events=EVENTS)
+    await registry.put(b)
+    await registry.put(a)
+    assert await registry.get("b") == b
+    assert [p.id for p in await registry.list()] == ["a", "b"]
+    state = PodState(subscribed=True, sources=[SourceState(dp_rank=0, last_seq=3)])
+    await registry.put_states({"a": state})
+    assert (await registry.states())["a"] == state
+    assert await registry.remove("a")
+    assert not await registry.remove("a")
+    assert await registry.get("a") is None
+    assert "a" not in await registry.states()
+
+
+async def test_changes_are_notified(registry: Registry) -> None:
+    changes = registry.changes()
+    first = asyncio.ensure_future(anext(changes))
+    await asyncio.sleep(0)
+    pod = PodInfo(id="c", kv_events=EVENTS)
+
+    async def put_until_seen() -> str:
+        while not first.done():
+            await registry.put(pod)
+            await asyncio.wait([first], timeout=0.05)
+        return first.result()
+
+    assert await asyncio.wait_for(put_until_seen(), 5) == "c"
+    await changes.aclose()
+
+
+async def test_redis_registry_knows_when_it_lost_its_data(redis_url: str) -> None:
+    client = aioredis.from_url(redis_url)
+    registry = RedisRegistry(client, prefix="test")
+    assert not await registry.intact()
+    await registry.mark()
+    await registry.put(PodInfo(id="a", kv_events=EVENTS))
+    assert await registry.intact()
+    await client.flushall()
+    assert not await registry.intact()
+    await client.aclose()

@@ -72,7 +72,8 @@ class IngestMetrics:
         self.resets = Counter(
             "globalkv_ingest_resets_total",
             "Sources reset in the index: restart (seq went back), gap (replay could not "
-            "fill it), data_lost (index lost its data and replay could not rebuild it).",
+            "fill it), data_lost (index lost its data and replay could not rebuild it), "
+            "unknown (first batch while the index could not say what it held).",
             ["pod", "reason"],
             registry=registry,
         )

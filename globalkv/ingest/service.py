@@ -57,7 +57,12 @@ class IngestConfig(BaseModel):
         description="Most consecutive queued batches of one source applied as one index "
         "write (group commit under load).",
     )
-    rcvhwm: int = Field(100_000, ge=1, description="ZMQ receive high-water mark per SUB.")
+    rcvhwm: int = Field(
+        10_000,
+        ge=1,
+        description="ZMQ receive high-water mark per SUB, in batches: with the queue, the "
+        "bound on memory per source while the index is slow (the engine's PUB drops beyond).",
+    )
     replay_reply_timeout: float = Field(1.0, gt=0, description="Wait for each replay reply.")
     replay_total_timeout: float = Field(30.0, gt=0, description="Bound on one whole replay.")
     retry_base: float = Field(0.05, gt=0, description="First wait when the index is down.")
@@ -190,11 +195,16 @@ class IngestService:
         pod.tasks.append(asyncio.create_task(subscription.run(), name=f"sub {worker.source}"))
 
     async def _worker(self, pod: _Pod, rank: int, replay: str | None) -> SourceWorker:
-        expected = await self._resume_point(Source(pod.info.id, rank))
-        return self._new_worker(pod, rank, replay, expected)
+        expected, known = await self._resume_point(Source(pod.info.id, rank))
+        return self._new_worker(pod, rank, replay, expected, known)
 
     def _new_worker(
-        self, pod: _Pod, rank: int, replay: str | None, expected: int | None
+        self,
+        pod: _Pod,
+        rank: int,
+        replay: str | None,
+        expected: int | None,
+        known: bool = True,
     ) -> SourceWorker:
         source = Source(pod.info.id, rank)
         worker = SourceWorker(
@@ -209,6 +219,7 @@ class IngestService:
             max_group=self.config.max_group,
             backoff=self.backoff,
             expected=expected,
+            state_known=known,
         )
         pod.workers[rank] = worker
         pod.tasks.append(asyncio.create_task(worker.run(), name=f"ingest {source}"))
@@ -217,16 +228,17 @@ class IngestService:
         added.set()
         return worker
 
-    async def _resume_point(self, source: Source) -> int | None:
-        """Where a previous indexer left this source in a shared index (None: unknown)."""
+    async def _resume_point(self, source: Source) -> tuple[int | None, bool]:
+        """Where a previous indexer left this source in a shared index (the next seq, or
+        None), and whether the index could tell at all."""
         try:
             stats = await self.index.stats(source.pod)
         except IndexUnavailable:
-            return None
+            return None, False
         for s in stats:
             if s.source == source and s.last_seq is not None:
-                return s.last_seq + 1
-        return None
+                return s.last_seq + 1, True
+        return None, True
 
     def _refresh_subscribed(self) -> None:
         self.metrics.subscribed.set(sum(len(p.workers) for p in self._pods.values()))

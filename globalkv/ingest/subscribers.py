@@ -47,7 +47,7 @@ class EngineSubscription:
         worker: SourceWorker,
         metrics: IngestMetrics,
         *,
-        rcvhwm: int = 100_000,
+        rcvhwm: int = 10_000,
     ) -> None:
         self.context = context
         self.endpoint = endpoint
@@ -89,7 +89,7 @@ class BoundSubscriber:
         route: Callable[[Frame, float], None],
         metrics: IngestMetrics,
         *,
-        rcvhwm: int = 100_000,
+        rcvhwm: int = 10_000,
     ) -> None:
         self.context = context
         self.endpoints = list(endpoints)

@@ -84,6 +84,7 @@ class SourceWorker:
         max_group: int = 64,
         backoff: Backoff | None = None,
         expected: int | None = None,
+        state_known: bool = True,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.source = source
@@ -96,6 +97,9 @@ class SourceWorker:
         self.backoff = backoff or Backoff()
         self.max_group = max_group
         self.expected = expected
+        self.state_known = state_known
+        """False when the index could not tell what it holds for this source (it was
+        unreachable when we started): a first batch then cannot assume an empty source."""
         """Next seq to apply; None until the source has state (from the index or live)."""
         self.wall_clock = wall_clock
         self.queue: asyncio.Queue[Received | None] = asyncio.Queue(queue_size)
@@ -189,7 +193,7 @@ class SourceWorker:
             log.info("%s: gap, expected seq %d got %d", self.source, self.expected, item.seq)
             await self._recover(self.expected, item.seq, reset_reason="gap")
         elif step is Step.JOIN:
-            await self._recover(0, item.seq, reset_reason=None)
+            await self._recover(0, item.seq, reset_reason=None if self.state_known else "unknown")
         elif step is Step.RESTART:
             log.info("%s: seq went back to %d, engine restarted", self.source, item.seq)
             await self._reset("restart")
@@ -327,6 +331,7 @@ class SourceWorker:
 
     def _advance(self, seq: int, ts: float | None, batches: int) -> None:
         self.expected = seq + 1
+        self.state_known = True
         state = self.state
         state.last_seq = seq
         state.applied += batches

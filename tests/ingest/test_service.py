@@ -413,3 +413,20 @@ async def test_dp_ranks_subscribe_on_port_plus_rank(
     await service.applied(Source("dp", 0), 0)
     await service.applied(Source("dp", 1), 2)
     assert index.applied == {Source("dp", 0): [0], Source("dp", 1): [0, 1, 2]}
+
+
+async def test_first_batch_resets_when_the_index_could_not_say_what_it_held(
+    make_service: ServiceFactory,
+    make_publisher: PublisherFactory,
+    index: RecordingIndex,
+    prom: CollectorRegistry,
+) -> None:
+    service, pub = make_service(), make_publisher(buffer_steps=1)
+    await pub.publish([store(0)])
+    await pub.publish([store(1)])
+    index.unavailable = 1
+    await follow(service, pub, pod_for(pub))
+    await pub.publish([store(2)])
+    await service.applied(P0, 2)
+    assert index.applied[P0] == [-1, 2]
+    assert sample(prom, "globalkv_ingest_resets_total", pod="p0", reason="unknown") == 1

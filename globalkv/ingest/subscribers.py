@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import zmq
 import zmq.asyncio
@@ -24,6 +24,21 @@ from globalkv.metrics import IngestMetrics
 from globalkv.wire import Frame, WireError, parse_live
 
 log = logging.getLogger(__name__)
+
+
+async def drain(sock: zmq.asyncio.Socket) -> AsyncIterator[list[bytes]]:
+    """Every message of `sock`: wait until readable, then read all that is queued without
+    waiting. An awaited recv per message costs a future and a poller round (~15 µs);
+    reading a burst through a synchronous shadow of the same socket costs a C call."""
+    raw: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
+    while True:
+        await sock.poll()
+        while True:
+            try:
+                frames = raw.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            yield frames
 
 
 def offset_endpoint(endpoint: str, dp_rank: int) -> str:
@@ -66,8 +81,7 @@ class EngineSubscription:
             "subscribed to %s (topic %r) for %s", self.endpoint, self.topic, self.worker.source
         )
         try:
-            while True:
-                frames = await sock.recv_multipart()
+            async for frames in drain(sock):
                 try:
                     frame = parse_live(frames)
                 except WireError as exc:
@@ -111,8 +125,7 @@ class BoundSubscriber:
 
     async def run(self) -> None:
         try:
-            while True:
-                frames = await self.socket.recv_multipart()
+            async for frames in drain(self.socket):
                 try:
                     frame = parse_live(frames)
                 except WireError as exc:

@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 import zmq.asyncio
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from globalkv.api import ApiConfig, create_app
 from globalkv.index.base import Index, IndexUnavailable
@@ -54,6 +54,13 @@ class IndexerConfig(BaseModel):
     )
     api: ApiConfig = Field(default_factory=ApiConfig)
     ingest: IngestConfig = Field(default_factory=IngestConfig)
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"{value!r} is not a redis://, rediss:// or unix:// URL")
+        return value
 
     @model_validator(mode="after")
     def _keyable_pods(self) -> IndexerConfig:

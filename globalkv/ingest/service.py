@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq.asyncio
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from globalkv.index.base import Index, IndexUnavailable, Source
 from globalkv.ingest.replay import ReplayClient
@@ -67,6 +67,14 @@ class IngestConfig(BaseModel):
     replay_total_timeout: float = Field(30.0, gt=0, description="Bound on one whole replay.")
     retry_base: float = Field(0.05, gt=0, description="First wait when the index is down.")
     retry_cap: float = Field(2.0, gt=0, description="Longest wait between index retries.")
+
+    @field_validator("bind")
+    @classmethod
+    def _bind(cls, endpoints: list[str]) -> list[str]:
+        for endpoint in endpoints:
+            if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(f"--bind {endpoint!r} must be a tcp:// or ipc:// endpoint")
+        return endpoints
 
 
 @dataclass(slots=True)

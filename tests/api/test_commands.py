@@ -1,0 +1,96 @@
+"""The indexer, lookup and pods commands: flags and environment into typed configuration."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from globalkv.cli import parse
+from globalkv.commands.client import lookup_body, pod_rows, table
+from globalkv.commands.indexer import config_from_args
+
+POD = {"id": "p0", "block_size": 32, "kv_events": {"endpoint": "tcp://10.0.0.1:5557"}}
+
+
+def test_indexer_flags_become_one_config() -> None:
+    args = parse(
+        [
+            "indexer",
+            "--port",
+            "8101",
+            "--block-size",
+            "16",
+            "--bind",
+            "tcp://*:5557",
+            "--bind",
+            "tcp://*:5558",
+            "--pod",
+            json.dumps(POD),
+            "--admin-token",
+            "t",
+        ],
+        {},
+    )
+    config = config_from_args(args)
+    assert config.port == 8101
+    assert config.ingest.bind == ["tcp://*:5557", "tcp://*:5558"]
+    assert [p.id for p in config.pods] == ["p0"]
+    assert config.api.admin_token == "t"
+    assert config.redis_url is None
+
+
+def test_pods_file_through_the_environment(tmp_path: Path) -> None:
+    path = tmp_path / "pods.json"
+    path.write_text(json.dumps([POD, {**POD, "id": "p1"}]))
+    env = {"GLOBALKV_INDEXER_PODS_FILE": str(path), "GLOBALKV_INDEXER_REDIS_URL": "redis://r/0"}
+    config = config_from_args(parse(["indexer"], env))
+    assert [p.id for p in config.pods] == ["p0", "p1"]
+    assert config.redis_url == "redis://r/0"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["indexer", "--pod", "{"], "not JSON"),
+        (["indexer", "--pod", json.dumps({**POD, "block_size": 24})], "not a multiple"),
+        (["indexer", "--pod", json.dumps({"id": "p0"})], "kv_events"),
+        (["indexer", "--pods-file", "/nonexistent/pods.json"], "pods-file"),
+        (["indexer", "--bind", "5557"], "tcp://"),
+        (["indexer", "--redis-url", "localhost"], "redis://"),
+        (["indexer", "--block-size", "0"], "block_size"),
+    ],
+)
+def test_invalid_indexer_configuration(argv: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        config_from_args(parse(argv, {}))
+
+
+def test_lookup_body() -> None:
+    args = parse(["lookup", "--indexer", "http://x", "--model", "m", "--tokens", "1, 2,3"], {})
+    assert lookup_body(args) == {"model": "m", "token_ids": [1, 2, 3]}
+    args = parse(["lookup", "--indexer", "http://x", "--model", "m", "--text", "hi"], {})
+    assert lookup_body(args) == {"model": "m", "text": "hi"}
+
+
+def test_pod_rows_and_table() -> None:
+    pods = [
+        {
+            "id": "p0",
+            "model": "m",
+            "role": "prefill",
+            "kv_events": {"endpoint": "tcp://h:1"},
+            "state": {
+                "subscribed": True,
+                "sources": [{"dp_rank": 0, "last_seq": 7, "last_applied_at": 95.0, "resets": 1}],
+            },
+        },
+        {"id": "p1", "model": "", "role": "prefill", "kv_events": {"topic": "kv@p1@m"}},
+    ]
+    rows = pod_rows(pods, now=100.0)
+    assert rows == [
+        ("p0", "m", "prefill", 0, "tcp://h:1", "yes", 7, "5.0s", 1, 0),
+        ("p1", "-", "prefill", "-", "bind:kv@p1@m", "no", "-", "-", 0, 0),
+    ]
+    assert table(("A", "LONG"), [("xx", 1)]).splitlines() == ["A   LONG", "xx  1"]

@@ -63,6 +63,10 @@ class KvEventsConfig(BaseModel):
                 raise ValueError(f"kv_events.{name} {value!r} must be a tcp://, ipc:// URL")
             if value is not None and "*" in value:
                 raise ValueError(f"kv_events.{name} {value!r} is a bind address, not connectable")
+            if value is not None and value.startswith("tcp://"):
+                port = value.rpartition(":")[2]
+                if not port.isdigit() or not 0 < int(port) < 65536:
+                    raise ValueError(f"kv_events.{name} {value!r} needs a port")
         if self.mode == "connect" and self.endpoint is None:
             raise ValueError("kv_events.endpoint is required unless mode is 'bind'")
         if self.mode == "bind" and not self.topic:

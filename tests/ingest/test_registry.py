@@ -50,6 +50,8 @@ def test_model_defaults_to_the_topic_model() -> None:
         {"kv_events": {"endpoint": "tcp://*:5557"}},
         {"kv_events": {"mode": "bind"}},
         {"kv_events": {"endpoint": "tcp://h:1"}, "role": "router"},
+        {"kv_events": {"endpoint": "tcp://h"}, "dp_size": 2},
+        {"kv_events": {"endpoint": "tcp://h:1", "replay_endpoint": "tcp://h:99999"}},
     ],
 )
 def test_invalid_pods(kw: dict[str, object]) -> None:

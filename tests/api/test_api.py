@@ -9,6 +9,8 @@ from typing import Any, cast
 import httpx
 import pytest
 import zmq.asyncio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from globalkv.api import ApiConfig, create_app
@@ -305,3 +307,36 @@ async def test_health_and_metrics(client: httpx.AsyncClient) -> None:
 async def test_openapi_documents_the_endpoints(client: httpx.AsyncClient) -> None:
     paths = (await client.get("/openapi.json")).json()["paths"]
     assert {"/v1/lookup", "/v1/pods", "/v1/pods/{pod_id}", "/health", "/metrics"} <= set(paths)
+
+
+_json = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8),
+    lambda children: (
+        st.lists(children, max_size=5)
+        | st.dictionaries(
+            st.sampled_from(
+                ["id", "model", "token_ids", "text", "kv_events", "endpoint", "dp_size"]
+            )
+            | st.text(max_size=5),
+            children,
+            max_size=6,
+        )
+    ),
+    max_leaves=25,
+)
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(body=_json)
+async def test_any_json_body_is_answered_without_a_server_error(
+    client: httpx.AsyncClient, body: object
+) -> None:
+    for path in ("/v1/lookup", "/v1/pods"):
+        response = await client.post(path, json=body, headers=AUTH)
+        assert response.status_code < 500, (path, body, response.text)

@@ -41,7 +41,8 @@ def _death_signal_hook() -> Callable[[], None] | None:
     return hook
 
 
-_HOOK = _death_signal_hook()
+PARENT_DEATH_HOOK = _death_signal_hook()
+"""Pass as `preexec_fn` so the child is stopped when the thread that started it dies."""
 
 
 def tail(path: Path, lines: int = 20) -> str:
@@ -75,7 +76,7 @@ class Child:
                 stderr=subprocess.STDOUT,
                 env=dict(env),
                 start_new_session=True,
-                preexec_fn=_HOOK,
+                preexec_fn=PARENT_DEATH_HOOK,
             )
 
     @property

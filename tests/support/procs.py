@@ -10,6 +10,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from globalkv.stack.children import PARENT_DEATH_HOOK
 from tests.support.net import http_ok, wait_for
 
 
@@ -24,8 +25,11 @@ class Proc:
     ) -> None:
         self.name = name
         self.argv = list(argv)
-        self.log_path = Path(tempfile.mkstemp(prefix=f"globalkv-{name}-", suffix=".log")[1])
+        fd, path = tempfile.mkstemp(prefix=f"globalkv-{name}-", suffix=".log")
+        os.close(fd)
+        self.log_path = Path(path)
         self._log = self.log_path.open("wb")
+        self._final_log: str | None = None
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.popen = subprocess.Popen(
             self.argv,
@@ -33,6 +37,7 @@ class Proc:
             stderr=subprocess.STDOUT,
             env=full_env,
             start_new_session=True,
+            preexec_fn=PARENT_DEATH_HOOK,  # a killed test runner leaves no orphans
         )
 
     @classmethod
@@ -42,6 +47,8 @@ class Proc:
         return cls([sys.executable, "-m", "globalkv", *args], env=env, name=name)
 
     def log(self) -> str:
+        if self._final_log is not None:
+            return self._final_log
         return self.log_path.read_text(errors="replace")
 
     def alive(self) -> bool:
@@ -73,7 +80,10 @@ class Proc:
             except subprocess.TimeoutExpired:
                 self.signal(signal.SIGKILL)
                 self.popen.wait(timeout)
-        self._log.close()
+        if self._final_log is None:
+            self._log.close()
+            self._final_log = self.log()
+            self.log_path.unlink(missing_ok=True)
         return self.popen.returncode
 
     def kill(self) -> None:

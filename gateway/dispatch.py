@@ -93,7 +93,8 @@ def _failed(call: Call) -> bool:
 
 async def _first(*futures: asyncio.Future[Any]) -> None:
     """Until one of `futures` is done, without raising what it raised."""
-    waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    # Their loop, not asyncio.get_running_loop(): that one makes a getpid() system call.
+    waiter: asyncio.Future[None] = futures[0].get_loop().create_future()
 
     def wake(_: asyncio.Future[Any]) -> None:
         if not waiter.done():

@@ -17,6 +17,7 @@ NaN and Infinity, lone surrogates. Only the separators of the JSON sent upstream
 from __future__ import annotations
 
 import json
+from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +27,9 @@ import orjson
 from gateway.inject import Endpoint, batch_size
 from globalkv.tokenize import NotTokenizable, Tokenizer
 
-_TOKEN_MAX = 2**32 - 1
+if array("I").itemsize != 4:
+    raise ImportError("gateway.requests checks token ids with array('I'), 32-bit here")
+
 _DIGITS = bytes.maketrans(b"123456789", b"000000000")
 _LONG_NUMBER = b"0" * 20
 """Twenty digits in a row: maybe an integer beyond 64 bits."""
@@ -53,7 +56,7 @@ class BadRequest(ValueError):
     """The body cannot be routed; the message is what the client reads."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ParsedRequest:
     endpoint: Endpoint
     body: dict[str, Any]
@@ -67,7 +70,7 @@ class ParsedRequest:
     messages: list[dict[str, Any]] | None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PromptTokens:
     tokens: list[int] | None
     text: str | None
@@ -76,10 +79,18 @@ class PromptTokens:
 
 
 def _token_list(value: object, what: str) -> list[int]:
+    """`value` when it is a non-empty list of token ids, checked in C (prompts are long).
+
+    array("I") takes exactly the ints in [0, 2^32-1] (TypeError or OverflowError for
+    anything else) but bools too, which are ints: they are looked for separately.
+    """
     if not isinstance(value, list) or not value:
         raise BadRequest(f"{what} must be a non-empty list of token ids")
-    # One pass in C per check: `type(t) is int` leaves out bools, which are ints too.
-    if set(map(type, value)) != {int} or min(value) < 0 or max(value) > _TOKEN_MAX:
+    try:
+        array("I", value)
+    except (TypeError, OverflowError):
+        raise BadRequest(f"{what} must hold integer token ids in [0, 2^32-1]") from None
+    if bool in map(type, value):
         raise BadRequest(f"{what} must hold integer token ids in [0, 2^32-1]")
     return value
 

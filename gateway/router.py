@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from random import Random
 
 from gateway.breaker import Clock
+from gateway.config import Role
 from gateway.inject import draw_room
 from gateway.metrics import GatewayMetrics
 from gateway.policies.base import Candidate, Choice, LoadTracker, NoCandidates, Policy, RouteRequest
@@ -33,7 +34,7 @@ from globalkv.lookup import LookupResult, PrefixLookup
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RoutePlan:
     prefill: Worker
     decode: Worker
@@ -116,8 +117,10 @@ class Router:
         self._metrics.best_hit.observe(max((p.hit_tokens for p in result.pods), default=0))
         return result
 
-    def _candidates(self, role: str, avoid: Collection[str]) -> list[Candidate]:
-        every = self.pool.candidates("prefill" if role == "prefill" else "decode", self.loads)
+    def _candidates(self, role: Role, avoid: Collection[str]) -> list[Candidate]:
+        every = self.pool.candidates(role, self.loads)
+        if not avoid:
+            return every
         fresh = [c for c in every if c.worker not in avoid]
         return fresh or every
 

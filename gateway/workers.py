@@ -66,6 +66,9 @@ class DirectoryStatus(enum.Enum):
         return -1
 
 
+_ROUTABLE = frozenset({DirectoryStatus.READY, DirectoryStatus.UNKNOWN})
+
+
 @dataclass(slots=True)
 class Directory:
     status: DirectoryStatus = DirectoryStatus.PENDING
@@ -125,11 +128,7 @@ class Worker:
 
     @property
     def eligible(self) -> bool:
-        return (
-            self.health.healthy
-            and self.breaker.allows()
-            and self.directory.status in (DirectoryStatus.READY, DirectoryStatus.UNKNOWN)
-        )
+        return self.health.healthy and self.breaker.allows() and self.directory.status in _ROUTABLE
 
     def describe(self, loads: LoadTracker) -> dict[str, Any]:
         load = loads.load(self.id)
@@ -175,6 +174,8 @@ class WorkerPool:
         self._health = health
         self._clock = clock
         self._workers: dict[str, Worker] = {}
+        self._roles: dict[Role, list[Worker]] = {"prefill": [], "decode": []}
+        """The same workers by role: the request path reads these lists."""
 
     def add(self, spec: WorkerSpec) -> Worker:
         worker = Worker(
@@ -183,10 +184,14 @@ class WorkerPool:
         if worker.id in self._workers:
             raise DuplicateWorker(f"a worker at {worker.id} is already in the pool")
         self._workers[worker.id] = worker
+        self._roles[worker.role] = [*self._roles[worker.role], worker]
         return worker
 
     def remove(self, worker_id: str) -> Worker | None:
-        return self._workers.pop(worker_id, None)
+        worker = self._workers.pop(worker_id, None)
+        if worker is not None:
+            self._roles[worker.role] = [w for w in self._roles[worker.role] if w is not worker]
+        return worker
 
     def get(self, worker_id: str) -> Worker | None:
         return self._workers.get(worker_id)
@@ -195,10 +200,10 @@ class WorkerPool:
         return iter(list(self._workers.values()))
 
     def role(self, role: Role) -> list[Worker]:
-        return [w for w in self._workers.values() if w.role == role]
+        return list(self._roles[role])
 
     def eligible(self, role: Role) -> list[Worker]:
-        return [w for w in self._workers.values() if w.role == role and w.eligible]
+        return [w for w in self._roles[role] if w.eligible]
 
     def candidates(self, role: Role, loads: LoadTracker) -> list[Candidate]:
-        return [loads.candidate(w.id, w.pod) for w in self.eligible(role)]
+        return [loads.candidate(w.id, w.pod) for w in self._roles[role] if w.eligible]

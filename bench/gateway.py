@@ -1,6 +1,7 @@
 """The gateway's own cost: requests/s and added latency against instant mock workers.
 
     python -m bench.gateway [--sglang-router-python PATH] [--repeats 5] [--output FILE]
+        [--ceilings asgi,raw,proxy] [--variant LABEL=DIR …]
 
 Two prefill and two decode mocks (`bench.gateway_mocks`, answers prebuilt, one process)
 sit behind each router; the load generator (`bench.gateway_load`) calls the decode mock
@@ -17,7 +18,13 @@ latency is the median of the per-repetition differences to the direct call measu
 in the same repetition.
 
 The sglang-router columns appear only when `--sglang-router-python` names an interpreter
-with `sglang_router` installed (it is never imported here).
+with `sglang_router` installed (it is never imported here). `--ceilings` adds the bare
+servers of `bench.gateway_ceilings`; `--variant LABEL=DIR` adds the gateway as exported
+into DIR from an older revision, so before and after are measured in the same runs.
+
+"CPU µs/req" is the router process's CPU time (all threads, from /proc) over the run
+divided by the answers it gave: on a shared machine a router's requests/s also depend on
+how much of its core other processes leave it, its CPU per request does not.
 """
 
 from __future__ import annotations
@@ -67,11 +74,17 @@ class Child:
                 self.popen.wait(10)
 
 
-def _spawn(name: str, argv: Sequence[str], cpus: set[int] | None, logs: Path) -> Child:
+def _spawn(
+    name: str,
+    argv: Sequence[str],
+    cpus: set[int] | None,
+    logs: Path,
+    cwd: str | None = None,
+) -> Child:
     log = logs / f"{name}.log"
     with log.open("wb") as out:
         popen = subprocess.Popen(
-            list(argv), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            list(argv), stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd
         )
     if cpus is not None:
         os.sched_setaffinity(popen.pid, cpus)
@@ -104,11 +117,26 @@ def router_argv(
     return [*argv, "--policy", "round_robin"]
 
 
+@dataclass(frozen=True)
+class Target:
+    port: int
+    pid: int | None
+    """The router's process, whose CPU time is read around each run (None: not measured)."""
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of a process, all its threads (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @dataclass
 class Cell:
     """One (target, stream, concurrency): a result per repetition."""
 
     runs: list[RunResult] = field(default_factory=list)
+    cpu_us: list[float] = field(default_factory=list)
+    """The target's CPU microseconds per answer, per repetition."""
 
     def median(self, what: str) -> float:
         return statistics.median(float(getattr(r, what)) for r in self.runs)
@@ -124,7 +152,7 @@ def _body(stream: bool) -> bytes:
 
 
 async def measure(
-    targets: dict[str, int], concurrencies: Sequence[int], repeats: int, duration: float
+    targets: dict[str, Target], concurrencies: Sequence[int], repeats: int, duration: float
 ) -> dict[Key, Cell]:
     cells: dict[Key, Cell] = {}
     names = list(targets)
@@ -133,9 +161,11 @@ async def measure(
             for stream in (False, True):
                 order = names[rep % len(names) :] + names[: rep % len(names)]
                 for name in order:
+                    target = targets[name]
+                    before = cpu_seconds(target.pid) if target.pid else 0.0
                     result = await run_load(
                         HOST,
-                        targets[name],
+                        target.port,
                         "/generate",
                         _body(stream),
                         concurrency=concurrency,
@@ -143,7 +173,11 @@ async def measure(
                     )
                     if result.errors:
                         raise RuntimeError(f"{name}: {result.errors} answers were not 200")
-                    cells.setdefault((name, stream, concurrency), Cell()).runs.append(result)
+                    cell = cells.setdefault((name, stream, concurrency), Cell())
+                    cell.runs.append(result)
+                    if target.pid:
+                        spent = cpu_seconds(target.pid) - before
+                        cell.cpu_us.append(spent / max(result.answered, 1) * 1e6)
         print(f"repetition {rep + 1}/{repeats} done", file=sys.stderr, flush=True)
     return cells
 
@@ -158,7 +192,7 @@ def _added(cells: dict[Key, Cell], name: str, stream: bool, c: int, what: str) -
 def table(cells: dict[Key, Cell], routers: Sequence[str], concurrencies: Sequence[int]) -> str:
     head = ["stream", "conc", "direct req/s"]
     for r in routers:
-        head += [f"{r} req/s", f"{r} +p50 ms", f"{r} +p99 ms"]
+        head += [f"{r} req/s", f"{r} +p50 ms", f"{r} +p99 ms", f"{r} CPU µs/req"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for stream in (False, True):
         for c in concurrencies:
@@ -168,17 +202,19 @@ def table(cells: dict[Key, Cell], routers: Sequence[str], concurrencies: Sequenc
                 f"{cells[('direct', stream, c)].median('rps'):.0f}",
             ]
             for r in routers:
+                cell = cells[(r, stream, c)]
                 row += [
-                    f"{cells[(r, stream, c)].median('rps'):.0f}",
+                    f"{cell.median('rps'):.0f}",
                     f"{_added(cells, r, stream, c, 'p50') * 1000:.2f}",
                     f"{_added(cells, r, stream, c, 'p99') * 1000:.2f}",
+                    f"{statistics.median(cell.cpu_us):.0f}" if cell.cpu_us else "-",
                 ]
             lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
 
 @contextlib.contextmanager
-def cluster(args: argparse.Namespace, logs: Path) -> Iterator[dict[str, int]]:
+def cluster(args: argparse.Namespace, logs: Path) -> Iterator[dict[str, Target]]:
     pin = (os.cpu_count() or 1) >= 2 and not args.no_pin
     router_cpus, load_cpus = ({1}, {0}) if pin else (None, None)
     prefills, decodes = [_free_port(), _free_port()], [_free_port(), _free_port()]
@@ -193,29 +229,43 @@ def cluster(args: argparse.Namespace, logs: Path) -> Iterator[dict[str, int]]:
         children.append(mocks)
         probe = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1}}
         _wait_ok(mocks, f"http://{HOST}:{decodes[0]}/generate", probe)
-        targets = {"direct": decodes[0]}
+        targets = {"direct": Target(decodes[0], None)}
         ours = [sys.executable, "-m", "globalkv", "gateway"]
-        routers = {"globalkv": (ours, ["--prometheus-port", "0", "--router-log-level", "warn"])}
+        ours_flags = ["--prometheus-port", "0", "--router-log-level", "warn"]
+        # (command, flags, working directory): `python -m` puts the working directory
+        # first on sys.path, so a variant's gateway/ is found before the installed one.
+        routers: dict[str, tuple[list[str], list[str], str | None]] = {
+            "globalkv": (ours, ours_flags, None)
+        }
+        for label, path in args.variant:
+            routers[label] = (ours, ours_flags, path)
         if args.sglang_router_python:
             command = [args.sglang_router_python, "-m", "sglang_router.launch_router"]
             extra = ["--prometheus-port", str(_free_port()), "--log-level", "warn"]
-            routers["sglang-router"] = (command, extra)
+            routers["sglang-router"] = (command, extra, None)
         for mode in args.ceilings:
             ceiling = [sys.executable, "-m", "bench.gateway_ceilings", mode]
-            routers[f"{mode}-ceiling"] = (ceiling, [])
-        for name, (command, extra) in routers.items():
+            routers[f"{mode}-ceiling"] = (ceiling, [], None)
+        for name, (command, extra, cwd) in routers.items():
             port = _free_port()
             argv = router_argv(command, prefills, decodes, port) + extra
-            child = _spawn(name, argv, router_cpus, logs)
+            child = _spawn(name, argv, router_cpus, logs, cwd)
             children.append(child)
             _wait_ok(child, f"http://{HOST}:{port}/generate", probe)
-            targets[name] = port
+            targets[name] = Target(port, child.popen.pid)
         if load_cpus is not None:
             os.sched_setaffinity(0, load_cpus)
         yield targets
     finally:
         for child in reversed(children):
             child.stop()
+
+
+def _variant(value: str) -> tuple[str, str]:
+    label, sep, path = value.partition("=")
+    if not sep or not label or not Path(path, "gateway").is_dir():
+        raise argparse.ArgumentTypeError(f"want LABEL=DIR with DIR/gateway/, got {value!r}")
+    return label, path
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -229,6 +279,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=lambda v: [m for m in v.split(",") if m],
         default=[],
         help="also measure these bench.gateway_ceilings modes (comma-separated: asgi,raw,proxy)",
+    )
+    parser.add_argument(
+        "--variant",
+        type=_variant,
+        action="append",
+        default=[],
+        metavar="LABEL=DIR",
+        help="also measure `globalkv gateway` run from DIR, whose gateway/ (e.g. an older one, "
+        "`git archive REV gateway | tar -x -C DIR`) is then imported first; repeatable",
     )
     parser.add_argument("--no-pin", action="store_true", help="do not pin CPUs")
     parser.add_argument("--output", type=Path, help="also write the Markdown table here")

@@ -21,6 +21,8 @@ class RunResult:
     seconds: float
     latencies: list[float]
     errors: int
+    answered: int = 0
+    """Every answer, the warm-up's included (what the target's CPU time was spent on)."""
 
     @property
     def rps(self) -> float:
@@ -73,18 +75,22 @@ async def _read_answer(reader: asyncio.StreamReader) -> int:
 
 async def _client(
     host: str, port: int, payload: bytes, start: float, stop: float, out: list[float]
-) -> int:
-    """Requests until `stop`; latencies of those started after `start` go to `out`."""
+) -> tuple[int, int]:
+    """Requests until `stop`; latencies of those started after `start` go to `out`.
+
+    Returns (errors, answers).
+    """
     reader, writer = await asyncio.open_connection(host, port)
-    errors = 0
+    errors = answers = 0
     clock = time.perf_counter
     try:
         while True:
             began = clock()
             if began >= stop:
-                return errors
+                return errors, answers
             writer.write(payload)
             status = await _read_answer(reader)
+            answers += 1
             if status != 200:
                 errors += 1
             if began >= start:
@@ -107,7 +113,8 @@ async def run_load(
     now = time.perf_counter()
     start, stop = now + warmup, now + warmup + duration
     latencies: list[float] = []
-    errors = await asyncio.gather(
+    counts = await asyncio.gather(
         *(_client(host, port, payload, start, stop, latencies) for _ in range(concurrency))
     )
-    return RunResult(len(latencies), duration, latencies, sum(errors))
+    errors = sum(e for e, _ in counts)
+    return RunResult(len(latencies), duration, latencies, errors, sum(a for _, a in counts))

@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import math
 import ssl
-from collections import deque
 from collections.abc import Sequence
 from typing import cast
 from urllib.parse import urlsplit
@@ -37,170 +36,16 @@ from urllib.parse import urlsplit
 import httptools
 import httpx
 
+from gateway.calls import Response
+
 Origin = tuple[str, str, int]
 Headers = Sequence[tuple[bytes, bytes]]
 
-_PAUSE_AT = 256 * 1024
-"""Bytes of a streamed body buffered unread before reading from the worker pauses."""
 _BODYLESS_STATUSES = frozenset({204, 304})
 _TARGETS_KEPT = 4096
 
 
-class Response:
-    """One call: its answer's status and headers, then its body as pieces or whole."""
-
-    __slots__ = (
-        "_buffered",
-        "_connecting",
-        "_connection",
-        "_data",
-        "_done",
-        "_error",
-        "_framed",
-        "_future",
-        "_head_only",
-        "_loop",
-        "_pieces",
-        "_reader",
-        "_received",
-        "_timeout",
-        "_whole",
-        "body",
-        "headers",
-        "status",
-    )
-
-    def __init__(
-        self, future: asyncio.Future[Response], data: bytes, timeout: float | None, whole: bool
-    ) -> None:
-        self.status = 0
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.body = b""
-        """The whole body, once a `whole` call's future has resolved."""
-        self._future = future
-        self._data = data
-        self._timeout = timeout
-        self._whole = whole
-        self._head_only = data.startswith(b"HEAD ")
-        self._pieces: deque[bytes] = deque()
-        self._buffered = 0
-        self._done = False
-        self._error: BaseException | None = None
-        self._reader: asyncio.Future[bytes] | None = None
-        self._loop = future.get_loop()
-        self._connection: _Connection | None = None
-        self._connecting: asyncio.Task[None] | None = None
-        self._received = False
-        self._framed = False
-
-    def header(self, name: bytes) -> bytes | None:
-        """The value of header `name` (lowercase), or None."""
-        for key, value in self.headers:
-            if key.lower() == name:
-                return value
-        return None
-
-    @property
-    def media_type(self) -> bytes:
-        return self.header(b"content-type") or b"application/json"
-
-    def next(self) -> asyncio.Future[bytes]:
-        """The body that arrived since the last call, at once when there is some, else the
-        next piece as it arrives; b"" once the body has ended.
-
-        Pieces that arrived together go out together: a decode's SSE events read in one
-        system call are passed on in one write instead of one each (a streamed answer of
-        nine events cost ~50 % more CPU than a whole one before).
-        """
-        future: asyncio.Future[bytes] = self._loop.create_future()
-        if self._pieces or self._done or self._error is not None:
-            self._take(future)
-        else:
-            self._reader = future
-        return future
-
-    def _take(self, future: asyncio.Future[bytes]) -> None:
-        pieces = self._pieces
-        if pieces:
-            piece = pieces.popleft() if len(pieces) == 1 else b"".join(pieces)
-            pieces.clear()
-            self._buffered = 0
-            connection = self._connection
-            if connection is not None and connection.paused:
-                connection.resume()
-            future.set_result(piece)
-        elif self._error is not None:
-            future.set_exception(self._error)
-        else:
-            future.set_result(b"")
-
-    async def read(self) -> bytes:
-        """The rest of the body."""
-        pieces = []
-        while piece := await self.next():
-            pieces.append(piece)
-        return b"".join(pieces)
-
-    async def aclose(self) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Done with this answer: its connection is closed unless the answer was complete."""
-        self._done = True
-        self._pieces.clear()
-        if self._connecting is not None:
-            self._connecting.cancel()
-        if self._connection is not None:
-            self._connection.abort()
-
-    # Called by the connection.
-
-    def _on_head(self, status: int, headers: list[tuple[bytes, bytes]], framed: bool) -> None:
-        self._received = True
-        self.status, self.headers, self._framed = status, headers, framed
-        if not self._whole and not self._future.done():
-            self._future.set_result(self)
-
-    def _on_piece(self, piece: bytes) -> None:
-        if self._done:
-            return
-        self._pieces.append(piece)
-        self._buffered += len(piece)
-        if self._whole:
-            return
-        self._wake()
-        if self._buffered > _PAUSE_AT and self._connection is not None:
-            self._connection.pause()
-
-    def _on_end(self) -> None:
-        self._connection = None
-        if self._whole:
-            self.body = b"".join(self._pieces)
-            self._pieces.clear()
-            self._buffered = 0
-            if not self._future.done():
-                self._future.set_result(self)
-        self._done = True
-        self._wake()
-
-    def _on_error(self, error: BaseException) -> None:
-        self._connection = None
-        self._error = error
-        if not self._future.done():
-            self._future.set_exception(error)
-        self._wake()
-
-    def _wake(self) -> None:
-        reader, self._reader = self._reader, None
-        if reader is not None and not reader.done():
-            self._take(reader)
-
-    def _settled(self, future: asyncio.Future[Response]) -> None:
-        if future.cancelled():
-            self.close()
-
-
-class _Connection(asyncio.Protocol):
+class Connection(asyncio.Protocol):
     """One keep-alive connection; carries one `Response` at a time."""
 
     def __init__(self, pool: ConnectionPool, origin: Origin) -> None:
@@ -223,11 +68,11 @@ class _Connection(asyncio.Protocol):
     def send(self, response: Response) -> None:
         assert self._transport is not None
         self._response = response
-        response._connection = self
+        response.connection = self
         self._last_read = self._loop.time()
-        if response._timeout is not None:
-            self._pool._watch(self, self._last_read + response._timeout)
-        self._transport.write(response._data)
+        if response.timeout is not None:
+            self._pool._watch(self, self._last_read + response.timeout)
+        self._transport.write(response.data)
 
     def pause(self) -> None:
         if not self.paused and self._transport is not None:
@@ -250,16 +95,16 @@ class _Connection(asyncio.Protocol):
     def check_timeout(self, now: float) -> float | None:
         """Fail the call when silent for its timeout; else when to look again (None: done)."""
         response = self._response
-        if response is None or response._timeout is None:
+        if response is None or response.timeout is None:
             return None
         if self.paused:
             self._last_read = now  # the reader holds it back, not the worker
-        if now - self._last_read < response._timeout:
-            return self._last_read + response._timeout
+        if now - self._last_read < response.timeout:
+            return self._last_read + response.timeout
         self.closed = True
         if self._transport is not None:
             self._transport.close()
-        self._end(httpx.ReadTimeout(f"no answer for {response._timeout:g} s"))
+        self._end(httpx.ReadTimeout(f"no answer for {response.timeout:g} s"))
         return None
 
     def _end(self, error: BaseException | None) -> None:
@@ -268,9 +113,9 @@ class _Connection(asyncio.Protocol):
         if response is None:
             return
         if error is None:
-            response._on_end()
+            response.on_end()
         else:
-            response._on_error(error)
+            response.on_error(error)
 
     # asyncio.Protocol
 
@@ -295,11 +140,11 @@ class _Connection(asyncio.Protocol):
         response = self._response
         if response is None:
             return
-        if not response._received and self.reused:
+        if not response.received and self.reused:
             self._response = None
             self._pool._unwatch(self)
             self._pool._resend(self._origin, response)
-        elif response.status and not response._framed and exc is None:
+        elif response.status and not response.framed and exc is None:
             self._end(None)  # an answer delimited by the connection's close
         elif response.status:
             self._end(httpx.RemoteProtocolError(f"{self._name()} closed the connection mid-answer"))
@@ -323,8 +168,8 @@ class _Connection(asyncio.Protocol):
         framed = status in _BODYLESS_STATUSES or any(
             name.lower() in (b"content-length", b"transfer-encoding") for name, _ in headers
         )
-        response._on_head(status, headers, framed)
-        if response._head_only:
+        response.on_head(status, headers, framed)
+        if response.head_only:
             self._keep = False
             self.closed = True
             assert self._transport is not None
@@ -333,7 +178,7 @@ class _Connection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         if self._response is not None:
-            self._response._on_piece(body)
+            self._response.on_piece(body)
 
     def on_message_complete(self) -> None:
         if self._response is None:
@@ -356,7 +201,7 @@ class ConnectionPool:
     def __init__(
         self, *, max_idle_per_origin: int = 256, ssl_context: ssl.SSLContext | None = None
     ) -> None:
-        self._idle: dict[Origin, list[_Connection]] = {}
+        self._idle: dict[Origin, list[Connection]] = {}
         self._max_idle = max_idle_per_origin
         self._ssl = ssl_context
         self._targets: dict[object, tuple[Origin, bytes]] = {}
@@ -364,7 +209,7 @@ class ConnectionPool:
         """The loop of the first call, which every connection belongs to. Kept because
         `asyncio.get_running_loop()` costs a getpid() system call (fork detection): 15 %
         of the gateway's CPU at concurrency 64 when it was called per request."""
-        self._waiting: set[_Connection] = set()
+        self._waiting: set[Connection] = set()
         """Connections awaiting an answer that has a read timeout."""
         self._check: asyncio.TimerHandle | None = None
         self._check_at = math.inf
@@ -396,7 +241,7 @@ class ConnectionPool:
             loop = self._loop = asyncio.get_running_loop()
         future: asyncio.Future[Response] = loop.create_future()
         response = Response(future, b"".join(lines), timeout, whole)
-        future.add_done_callback(response._settled)
+        future.add_done_callback(response.settled)
         self._send(origin, response, timeout if connect_timeout is None else connect_timeout)
         return future
 
@@ -433,15 +278,15 @@ class ConnectionPool:
         task = asyncio.get_running_loop().create_task(
             self._connect_and_send(origin, response, connect_timeout)
         )
-        response._connecting = task
+        response.connecting = task
 
     def _resend(self, origin: Origin, response: Response) -> None:
         """A reused connection closed before answering: once more on a new connection."""
-        response._connection = None
+        response.connection = None
         task = asyncio.get_running_loop().create_task(
-            self._connect_and_send(origin, response, response._timeout)
+            self._connect_and_send(origin, response, response.timeout)
         )
-        response._connecting = task
+        response.connecting = task
 
     async def _connect_and_send(
         self, origin: Origin, response: Response, timeout: float | None
@@ -452,26 +297,26 @@ class ConnectionPool:
         try:
             async with asyncio.timeout(timeout):
                 _, connection = await loop.create_connection(
-                    lambda: _Connection(self, origin),
+                    lambda: Connection(self, origin),
                     host,
                     port,
                     ssl=context,
                     server_hostname=host if context else None,
                 )
         except TimeoutError:
-            response._on_error(httpx.ConnectTimeout(f"connecting to {host}:{port} timed out"))
+            response.on_error(httpx.ConnectTimeout(f"connecting to {host}:{port} timed out"))
             return
         except OSError as exc:
-            response._on_error(httpx.ConnectError(f"{host}:{port}: {exc}"))
+            response.on_error(httpx.ConnectError(f"{host}:{port}: {exc}"))
             return
         finally:
-            response._connecting = None
-        if response._future.cancelled() or response._done:
+            response.connecting = None
+        if response.future.cancelled() or response.done:
             self._release(origin, connection)  # unused: good for the next call
             return
         connection.send(response)
 
-    def _watch(self, connection: _Connection, deadline: float) -> None:
+    def _watch(self, connection: Connection, deadline: float) -> None:
         """Read timeouts: one timer for the pool, due at the earliest deadline, rather than
         a timer per call (creating and cancelling two per request cost ~5 % of the CPU)."""
         self._waiting.add(connection)
@@ -482,7 +327,7 @@ class ConnectionPool:
             self._check = self._loop.call_at(deadline, self._check_timeouts)
             self._check_at = deadline
 
-    def _unwatch(self, connection: _Connection) -> None:
+    def _unwatch(self, connection: Connection) -> None:
         self._waiting.discard(connection)
 
     def _check_timeouts(self) -> None:
@@ -495,7 +340,7 @@ class ConnectionPool:
             self._check_at = min(deadlines)
             self._check = self._loop.call_at(self._check_at, self._check_timeouts)
 
-    def _release(self, origin: Origin, connection: _Connection) -> None:
+    def _release(self, origin: Origin, connection: Connection) -> None:
         idle = self._idle.setdefault(origin, [])
         if len(idle) >= self._max_idle:
             connection.abort()

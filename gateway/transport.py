@@ -18,7 +18,8 @@ from http.cookiejar import CookieJar, DefaultCookiePolicy
 
 import httpx
 
-from gateway.connections import ConnectionPool, Response
+from gateway.calls import Response
+from gateway.connections import ConnectionPool
 
 _OWN_HEADERS = frozenset({b"host", b"content-length", b"transfer-encoding"})
 """Written by the pool from the URL and the body."""

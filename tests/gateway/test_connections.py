@@ -9,8 +9,9 @@ from collections.abc import Awaitable, Callable
 import httpx
 import pytest
 
+from gateway.calls import PAUSE_AT
 from gateway.config import WorkerSpec
-from gateway.connections import _PAUSE_AT, ConnectionPool
+from gateway.connections import ConnectionPool
 from gateway.dispatch import Stream
 from gateway.policies.base import RouteRequest
 from gateway.requests import parse_request
@@ -129,10 +130,10 @@ async def test_an_unread_stream_pauses_the_worker_and_resumes_as_it_is_read() ->
     async with running(flood) as server:
         pool = ConnectionPool()
         reply = await PooledUpstream(pool).open(f"{server.url}/x", b"{}", 5.0)
-        connection = reply._connection
+        connection = reply.connection
         assert connection is not None
         await await_for(_async(lambda: connection.paused), timeout=5, what="reading paused")
-        assert reply._buffered <= _PAUSE_AT + 2 * len(piece)
+        assert reply._buffered <= PAUSE_AT + 2 * len(piece)
         body = await reply.read()
         assert body == piece * total
         await pool.aclose()

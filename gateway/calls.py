@@ -1,0 +1,185 @@
+"""One call to a worker as `gateway.connections` carries it: the request bytes, then the
+answer's head and body as they arrive.
+
+The dispatcher sees a `Response` through `gateway.upstream` (`Whole` for an answer read to
+its end, `Reply` for one read piece by piece); the connection fills it (`on_head`,
+`on_piece`, `on_end`, `on_error`) from httptools' callbacks. A streamed body is buffered
+here until read; past `PAUSE_AT` unread bytes the connection stops reading from the
+worker until the reader catches up, so a slow client slows its decode instead of filling
+the gateway's memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gateway.connections import Connection
+
+PAUSE_AT = 256 * 1024
+"""Bytes of a streamed body buffered unread before reading from the worker pauses."""
+
+
+class Response:
+    """One call: its answer's status and headers, then its body as pieces or whole."""
+
+    __slots__ = (
+        "_buffered",
+        "_error",
+        "_loop",
+        "_pieces",
+        "_reader",
+        "body",
+        "connecting",
+        "connection",
+        "data",
+        "done",
+        "framed",
+        "future",
+        "head_only",
+        "headers",
+        "received",
+        "status",
+        "timeout",
+        "whole",
+    )
+
+    def __init__(
+        self, future: asyncio.Future[Response], data: bytes, timeout: float | None, whole: bool
+    ) -> None:
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.body = b""
+        """The whole body, once a `whole` call's future has resolved."""
+        # The pool's side.
+        self.future = future
+        """Resolves at the head (streamed) or at the end (`whole`) of the answer."""
+        self.data = data
+        """The request as written."""
+        self.timeout = timeout
+        """The longest silence allowed while the answer is awaited."""
+        self.whole = whole
+        self.head_only = data.startswith(b"HEAD ")
+        self.connection: Connection | None = None
+        """The connection carrying the call, until its answer ended."""
+        self.connecting: asyncio.Task[None] | None = None
+        self.received = False
+        """Some of the answer arrived (a call that got nothing may be sent again)."""
+        self.framed = False
+        """The body's end is marked (Content-Length, chunked), not the connection's close."""
+        self.done = False
+        # The reader's side.
+        self._pieces: deque[bytes] = deque()
+        self._buffered = 0
+        self._error: BaseException | None = None
+        self._reader: asyncio.Future[bytes] | None = None
+        self._loop = future.get_loop()
+
+    def header(self, name: bytes) -> bytes | None:
+        """The value of header `name` (lowercase), or None."""
+        for key, value in self.headers:
+            if key.lower() == name:
+                return value
+        return None
+
+    @property
+    def media_type(self) -> bytes:
+        return self.header(b"content-type") or b"application/json"
+
+    def next(self) -> asyncio.Future[bytes]:
+        """The body that arrived since the last call, at once when there is some, else the
+        next piece as it arrives; b"" once the body has ended.
+
+        Pieces that arrived together go out together: a decode's SSE events read in one
+        system call are passed on in one write instead of one each (a streamed answer of
+        nine events cost ~50 % more CPU than a whole one before).
+        """
+        future: asyncio.Future[bytes] = self._loop.create_future()
+        if self._pieces or self.done or self._error is not None:
+            self._take(future)
+        else:
+            self._reader = future
+        return future
+
+    def _take(self, future: asyncio.Future[bytes]) -> None:
+        pieces = self._pieces
+        if pieces:
+            piece = pieces.popleft() if len(pieces) == 1 else b"".join(pieces)
+            pieces.clear()
+            self._buffered = 0
+            connection = self.connection
+            if connection is not None and connection.paused:
+                connection.resume()
+            future.set_result(piece)
+        elif self._error is not None:
+            future.set_exception(self._error)
+        else:
+            future.set_result(b"")
+
+    async def read(self) -> bytes:
+        """The rest of the body."""
+        pieces = []
+        while piece := await self.next():
+            pieces.append(piece)
+        return b"".join(pieces)
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Done with this answer: its connection is closed unless the answer was complete."""
+        self.done = True
+        self._pieces.clear()
+        if self.connecting is not None:
+            self.connecting.cancel()
+        if self.connection is not None:
+            self.connection.abort()
+
+    # The connection's side: what it has read.
+
+    def on_head(self, status: int, headers: list[tuple[bytes, bytes]], framed: bool) -> None:
+        self.received = True
+        self.status, self.headers, self.framed = status, headers, framed
+        if not self.whole and not self.future.done():
+            self.future.set_result(self)
+
+    def on_piece(self, piece: bytes) -> None:
+        if self.done:
+            return
+        self._pieces.append(piece)
+        self._buffered += len(piece)
+        if self.whole:
+            return
+        self._wake()
+        if self._buffered > PAUSE_AT and self.connection is not None:
+            self.connection.pause()
+
+    def on_end(self) -> None:
+        self.connection = None
+        if self.whole:
+            self.body = b"".join(self._pieces)
+            self._pieces.clear()
+            self._buffered = 0
+            if not self.future.done():
+                self.future.set_result(self)
+        self.done = True
+        self._wake()
+
+    def on_error(self, error: BaseException) -> None:
+        self.connection = None
+        self._error = error
+        if not self.future.done():
+            self.future.set_exception(error)
+        self._wake()
+
+    def _wake(self) -> None:
+        reader, self._reader = self._reader, None
+        if reader is not None and not reader.done():
+            self._take(reader)
+
+    def settled(self, future: asyncio.Future[Response]) -> None:
+        """`future`'s done-callback: a cancelled call closes its connection."""
+        if future.cancelled():
+            self.close()

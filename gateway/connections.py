@@ -185,6 +185,7 @@ class Connection(asyncio.Protocol):
             return
         self._end(None)
         if self._keep and not self.closed:
+            self.resume()  # paused by this answer's reader, it must read the next one
             self._pool._release(self._origin, self)
         else:
             self.closed = True

@@ -278,3 +278,24 @@ async def test_dispatch_on_real_sockets_retries_a_failed_prefill_and_streams_the
     assert (
         sample(gateway, "globalkv_gateway_retries_total", endpoint="generate", role="prefill") == 1
     )
+
+
+async def test_a_connection_paused_for_its_last_answer_reads_the_next_one() -> None:
+    big = b"y" * (PAUSE_AT + 150_000)
+
+    async def large(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            await read_request(reader)
+            writer.write(STREAM_HEAD + chunk(big) + b"0\r\n\r\n")
+            await writer.drain()
+
+    async with running(large) as server:
+        pool = ConnectionPool()
+        upstream = PooledUpstream(pool)
+        reply = await upstream.open(f"{server.url}/x", b"{}", 5.0)
+        await await_for(_async(lambda: reply.done), timeout=5, what="the whole answer")
+        assert await reply.read() == big
+        again = await asyncio.wait_for(upstream.fetch(f"{server.url}/x", b"{}", 5.0), 10)
+        assert again.body == big
+        await pool.aclose()
+    assert server.connections == 1

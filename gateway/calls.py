@@ -54,8 +54,10 @@ class Response:
         self.body = b""
         """The whole body, once a `whole` call's future has resolved."""
         # The pool's side.
-        self.future = future
-        """Resolves at the head (streamed) or at the end (`whole`) of the answer."""
+        self.future: asyncio.Future[Response] | None = future
+        """Resolves at the head (streamed) or at the end (`whole`) of the answer; dropped
+        then, since its result is this object: kept, the pair would be a reference cycle
+        left for the garbage collector, two per request (~10 % of the gateway's CPU)."""
         self.data = data
         """The request as written."""
         self.timeout = timeout
@@ -142,8 +144,8 @@ class Response:
     def on_head(self, status: int, headers: list[tuple[bytes, bytes]], framed: bool) -> None:
         self.received = True
         self.status, self.headers, self.framed = status, headers, framed
-        if not self.whole and not self.future.done():
-            self.future.set_result(self)
+        if not self.whole:
+            self._resolve()
 
     def on_piece(self, piece: bytes) -> None:
         if self.done:
@@ -162,22 +164,27 @@ class Response:
             self.body = b"".join(self._pieces)
             self._pieces.clear()
             self._buffered = 0
-            if not self.future.done():
-                self.future.set_result(self)
+            self._resolve()
         self.done = True
         self._wake()
 
     def on_error(self, error: BaseException) -> None:
         self.connection = None
         self._error = error
-        if not self.future.done():
-            self.future.set_exception(error)
+        future, self.future = self.future, None
+        if future is not None and not future.done():
+            future.set_exception(error)
         self._wake()
 
     def _wake(self) -> None:
         reader, self._reader = self._reader, None
         if reader is not None and not reader.done():
             self._take(reader)
+
+    def _resolve(self) -> None:
+        future, self.future = self.future, None
+        if future is not None and not future.done():
+            future.set_result(self)
 
     def settled(self, future: asyncio.Future[Response]) -> None:
         """`future`'s done-callback: a cancelled call closes its connection."""

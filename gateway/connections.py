@@ -312,7 +312,7 @@ class ConnectionPool:
             return
         finally:
             response.connecting = None
-        if response.future.cancelled() or response.done:
+        if response.future is None or response.future.cancelled() or response.done:
             self._release(origin, connection)  # unused: good for the next call
             return
         connection.send(response)

@@ -19,5 +19,6 @@ def redis_server() -> Iterator[RedisServer]:
 def redis_url(redis_server: RedisServer) -> str:
     import redis
 
-    redis.Redis(port=redis_server.port).flushall()
+    with redis.Redis(port=redis_server.port) as client:
+        client.flushall()
     return redis_server.url

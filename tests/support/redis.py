@@ -53,7 +53,8 @@ class RedisServer:
         if self.popen.poll() is not None:
             raise RuntimeError(f"redis-server exited with {self.popen.returncode}")
         try:
-            return bool(redis.Redis(port=self.port, socket_timeout=0.5).ping())
+            with redis.Redis(port=self.port, socket_timeout=0.5) as client:
+                return bool(client.ping())
         except redis.ConnectionError:
             return False
 

@@ -14,7 +14,7 @@ from typing import Protocol
 import httpx
 
 from globalkv.index.base import Index, IndexUnavailable
-from globalkv.keys import request_keys
+from globalkv.keys import request_chain
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +61,7 @@ class IndexLookup:
         cache_salt: str | None = None,
     ) -> LookupResult:
         block_size = self.index.block_size
-        keys = request_keys(token_ids, block_size, model, lora_name, cache_salt)
+        keys = request_chain(token_ids, block_size, model, lora_name, cache_salt)
         hits = await self.index.lookup(keys) if keys else []
         return LookupResult(
             block_size=block_size,

@@ -22,7 +22,7 @@ counted as orphans, since their parent is then unknown.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import chain
 
 from globalkv.index.base import (
@@ -35,7 +35,7 @@ from globalkv.index.base import (
 )
 from globalkv.index.scoring import TierWeights, make_hit, ranked
 from globalkv.index.state import BatchChanges, SourceState
-from globalkv.keys import BlockKey
+from globalkv.keys import BlockKey, KeyChain
 
 _GPU_ONLY = int(Tier.GPU)
 
@@ -137,11 +137,21 @@ class MemoryIndex:
 
     def _index(self, slot: int, state: SourceState, changes: BatchChanges) -> None:
         bit = 1 << slot
-        masks, held, mixed = state.masks, self._held, self._mixed
-        for key in chain(changes.stale, changes.keys):
-            mask = masks.get(key, 0)
-            _set_bit(held, key, bit, mask != 0)
-            _set_bit(mixed, key, bit, mask != 0 and mask != _GPU_ONLY)
+        held, mixed = self._held, self._mixed
+        mask_of, holders, mixed_holders = state.masks.get, held.get, mixed.get
+        for key in chain(changes.stale, changes.keys) if changes.stale else changes.keys:
+            mask = mask_of(key, 0)
+            if not mask:
+                _set_bit(held, key, bit, False)
+                _set_bit(mixed, key, bit, False)
+                continue
+            slots = holders(key, 0)
+            if not slots & bit:
+                held[key] = slots | bit
+            if mask != _GPU_ONLY:
+                mixed[key] = mixed_holders(key, 0) | bit
+            elif mixed and mixed_holders(key, 0) & bit:
+                _set_bit(mixed, key, bit, False)
 
     def _drop_all(self, source: Source, state: SourceState) -> None:
         bit = 1 << self._slot_of[source]
@@ -154,11 +164,13 @@ class MemoryIndex:
     # -------------------------------------------------------------------- reads
 
     async def lookup(self, keys: Sequence[BlockKey]) -> list[Hit]:
-        if not keys or not self._held.get(keys[0]):
+        if not keys:
             return []
+        # A chain given lazily is hashed only as far as some source holds it.
+        walk = keys.hashed() if isinstance(keys, KeyChain) else iter(keys)
         if self._mixed:
-            return self._lookup_mixed(keys)
-        ends = self._ends(keys)
+            return self._lookup_mixed(walk)
+        ends = self._ends(walk)
         # Every holder has every hit block on the GPU only: the score is the depth times
         # one weight, and `ends` is ordered by depth already.
         weight = self._weights.by_mask[_GPU_ONLY]
@@ -175,33 +187,41 @@ class MemoryIndex:
             hits.extend(Hit(source, depth, score) for source in group)
         return hits
 
-    def _ends(self, keys: Sequence[BlockKey]) -> list[tuple[int, int]]:
+    def _ends(self, keys: Iterator[BlockKey]) -> list[tuple[int, int]]:
         """(depth, slots whose contiguous run ends there), by increasing depth.
 
         One dict probe and one AND per block, whatever the number of sources. (A C-level
         `accumulate` over chunks measured slower than this loop on CPython 3.11.)
         """
         held = self._held.get
-        active = held(keys[0], 0)
+        active = held(next(keys), 0)
         ends: list[tuple[int, int]] = []
-        for depth, key in enumerate(keys):
+        if not active:
+            return ends
+        depth = 1
+        for key in keys:
             now = held(key, 0) & active
             if now != active:
                 ends.append((depth, active ^ now))
                 active = now
                 if not now:
                     return ends
-        ends.append((len(keys), active))
+            depth += 1
+        ends.append((depth, active))
         return ends
 
-    def _lookup_mixed(self, keys: Sequence[BlockKey]) -> list[Hit]:
+    def _lookup_mixed(self, keys: Iterator[BlockKey]) -> list[Hit]:
         """A lookup where some holders hold some keys in other tiers than the GPU alone."""
         held, mixed = self._held.get, self._mixed.get
-        active = held(keys[0], 0)
+        first = next(keys)
+        active = held(first, 0)
+        if not active:
+            return []
         ends: list[tuple[int, int]] = []
         off_gpu: dict[int, dict[int, int]] = {}
         """slot -> {mask -> hit blocks it holds under that mask, other than GPU only}"""
-        for depth, key in enumerate(keys):
+        depth = 0
+        for key in chain((first,), keys):
             now = held(key, 0) & active
             if now != active:
                 ends.append((depth, active ^ now))
@@ -214,8 +234,9 @@ class MemoryIndex:
                 mask = self._states[source].masks[key]
                 counts = off_gpu.setdefault(slot, {})
                 counts[mask] = counts.get(mask, 0) + 1
+            depth += 1
         if active:
-            ends.append((len(keys), active))
+            ends.append((depth, active))
         hits = []
         for depth, slots in ends:
             for slot in _bits(slots):

@@ -365,10 +365,10 @@ class RedisIndex:
             logged = 0 if fresh else writer.log_records
             if logged + len(changes.blocks) > 2 * len(state.blocks) + _LOG_SLACK:
                 snapshot = True
-                records = [log_put(h, block) for h, block in state.blocks.items()]
+                records = [log_put(h, block) for h, block in state.engine_blocks()]
             else:
                 for engine_hash in changes.blocks:
-                    block = state.blocks.get(engine_hash)
+                    block = state.engine_block(engine_hash)
                     if block is not None:
                         records.append(log_put(engine_hash, block))
                     elif not fresh:

@@ -17,14 +17,21 @@ it, the tier mask of every key the source holds:
   stored again under another hash); a key stays held in a tier while any of them holds
   it there, so a remove never hides a block the source still has.
 
+Nothing per block is an object the garbage collector tracks: an indexer holds millions of
+blocks, and one tuple per block made every full collection walk all of them (45-60 ms
+pauses in lookups). Every map is int -> int, and an engine block is one int
+(`pack_block`): its tiers, chain root and last key, plus its other keys when it spans
+several index blocks.
+
 A batch is atomic: `apply` records enough to `rollback` an exception half-way, and
 reports what changed (`BatchChanges`) for the backend to store.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import NamedTuple
+import struct
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import NamedTuple, TypeVar
 
 from globalkv.index.base import (
     ApplyResult,
@@ -37,10 +44,15 @@ from globalkv.index.base import (
 from globalkv.keys import BlockKey, EngineHash, chain_keys, token_bytes
 
 TIER_BITS: tuple[int, ...] = tuple(int(t) for t in Tier)
+_KEY = (1 << 64) - 1
+_ROOT_AT = 3
+_LAST_AT = 67
+_REST_AT = 131
+_T = TypeVar("_T")
 
 
 class EngineBlock(NamedTuple):
-    """One engine block as the source stored it."""
+    """One engine block, unpacked: what the Redis reverse log records."""
 
     keys: tuple[BlockKey, ...]
     root: BlockKey
@@ -48,18 +60,47 @@ class EngineBlock(NamedTuple):
     tiers: int
 
 
+def pack_block(block: EngineBlock) -> int:
+    """`tiers | root << 3 | last key << 67`, and for k > 1 keys the first k - 1 above bit
+    131 under a marker bit (a key may be 0, so the marker tells how many there are)."""
+    keys = block.keys
+    word = block.tiers | block.root << _ROOT_AT | keys[-1] << _LAST_AT
+    if len(keys) > 1:
+        rest = struct.pack(f"<{len(keys) - 1}Q", *keys[:-1]) + b"\x01"
+        word |= int.from_bytes(rest, "little") << _REST_AT
+    return word
+
+
+def block_keys(word: int) -> tuple[BlockKey, ...]:
+    last = BlockKey(word >> _LAST_AT & _KEY)
+    rest = word >> _REST_AT
+    if not rest:
+        return (last,)
+    count = (rest.bit_length() - 1) // 64
+    others = (rest ^ 1 << 64 * count).to_bytes(8 * count, "little")
+    return (*struct.unpack(f"<{count}Q", others), last)
+
+
+def unpack_block(word: int) -> EngineBlock:
+    return EngineBlock(block_keys(word), BlockKey(word >> _ROOT_AT & _KEY), word & 7)
+
+
 class BatchChanges:
-    """What a batch changed, for the backend to store; also the batch's undo record."""
+    """What a batch changed, for the backend to store; also the batch's undo record.
+
+    The `*_before` maps and `blocks` hold the first value each entry had since the batch
+    began or, after a clear, since the clear; a clear keeps the maps it replaced, with
+    their undo, in `_before`.
+    """
 
     __slots__ = (
-        "_block_undo",
-        "_counts_undo",
-        "_extra_undo",
-        "_mask_undo",
-        "_snapshot",
+        "_before",
+        "_counts_before",
         "blocks",
         "cleared",
+        "extra_before",
         "keys",
+        "masks_before",
         "stale",
     )
 
@@ -68,26 +109,28 @@ class BatchChanges:
         """The source was cleared first; `keys` and `blocks` are relative to empty."""
         self.keys: dict[BlockKey, BlockKey] = {}
         """Keys whose mask may differ (since the last clear), with their chain root."""
-        self.blocks: set[EngineHash] = set()
-        """Engine blocks added, changed or dropped (since the last clear)."""
+        self.masks_before: dict[BlockKey, int] = {}
+        self.blocks: dict[EngineHash, int | None] = {}
+        """Engine blocks added, changed or dropped (since the last clear), packed as before."""
+        self.extra_before: dict[int, int] = {}
         self.stale: set[BlockKey] = set()
         """Keys held or touched before a clear of this batch (to un-index in memory)."""
-        self._mask_undo: dict[BlockKey, int] = {}
-        self._block_undo: dict[EngineHash, EngineBlock | None] = {}
-        self._extra_undo: dict[tuple[BlockKey, int], int] = {}
-        self._counts_undo = dict(counts)
-        self._snapshot: (
+        self._counts_before = dict(counts)
+        self._before: (
             tuple[
-                dict[EngineHash, EngineBlock],
+                dict[EngineHash, int],
                 dict[BlockKey, int],
-                dict[tuple[BlockKey, int], int],
+                dict[int, int],
+                dict[EngineHash, int | None],
+                dict[BlockKey, int],
+                dict[int, int],
             ]
             | None
         ) = None
 
     def stored_mask(self, key: BlockKey) -> int:
         """A changed key's mask before the batch, as the backend still stores it."""
-        return 0 if self.cleared else self._mask_undo[key]
+        return 0 if self.cleared else self.masks_before[key]
 
 
 class SourceState:
@@ -96,11 +139,12 @@ class SourceState:
     __slots__ = ("blocks", "counts", "epoch", "extra", "last_seq", "last_ts", "masks", "resets")
 
     def __init__(self, epoch: int = 0, resets: int = 0) -> None:
-        self.blocks: dict[EngineHash, EngineBlock] = {}
+        self.blocks: dict[EngineHash, int] = {}
+        """Engine hash -> the block, packed by `pack_block`."""
         self.masks: dict[BlockKey, int] = {}
         """Key -> tiers this source holds it in (the union over its engine blocks)."""
-        self.extra: dict[tuple[BlockKey, int], int] = {}
-        """(key, tier) -> engine blocks beyond the first holding the key in that tier."""
+        self.extra: dict[int, int] = {}
+        """key << 3 | tier bit -> engine blocks beyond the first holding the key there."""
         self.counts: dict[int, int] = dict.fromkeys(TIER_BITS, 0)
         """Tier bit -> keys held in that tier."""
         self.epoch = epoch
@@ -115,13 +159,20 @@ class SourceState:
         """Rebuild from stored engine blocks (a Redis writer after a restart)."""
         state = cls(epoch, resets)
         changes = BatchChanges(state.counts)
-        changes._snapshot = ({}, {}, {})  # nothing to undo: the state is new
         for engine_hash, block in blocks:
             for bit in TIER_BITS:
                 if block.tiers & bit:
-                    state._add(block.keys, block.root, bit, changes)
-            state.blocks[engine_hash] = block
+                    state.counts[bit] += state._hold(block.keys, block.root, bit, changes)
+            state.blocks[engine_hash] = pack_block(block)
         return state
+
+    def engine_block(self, engine_hash: EngineHash) -> EngineBlock | None:
+        word = self.blocks.get(engine_hash)
+        return None if word is None else unpack_block(word)
+
+    def engine_blocks(self) -> Iterator[tuple[EngineHash, EngineBlock]]:
+        for engine_hash, word in self.blocks.items():
+            yield engine_hash, unpack_block(word)
 
     # ------------------------------------------------------------------ batches
 
@@ -154,24 +205,14 @@ class SourceState:
 
     def rollback(self, changes: BatchChanges) -> None:
         """Undo a batch that could not be stored."""
-        if changes._snapshot is not None:
-            self.blocks, self.masks, self.extra = changes._snapshot
-        for key, mask in changes._mask_undo.items():
-            if mask:
-                self.masks[key] = mask
-            else:
-                self.masks.pop(key, None)
-        for engine_hash, block in changes._block_undo.items():
-            if block is None:
-                self.blocks.pop(engine_hash, None)
-            else:
-                self.blocks[engine_hash] = block
-        for ref, count in changes._extra_undo.items():
-            if count:
-                self.extra[ref] = count
-            else:
-                self.extra.pop(ref, None)
-        self.counts = changes._counts_undo
+        if changes._before is None:
+            blocks, masks, extra = changes.blocks, changes.masks_before, changes.extra_before
+        else:
+            self.blocks, self.masks, self.extra, blocks, masks, extra = changes._before
+        _restore(self.blocks, blocks)
+        _restore(self.masks, masks)
+        _restore(self.extra, extra)
+        self.counts = changes._counts_before
 
     def clear(self) -> None:
         """Forget every block (a reset); the caller hides and drops the stored copy."""
@@ -196,129 +237,177 @@ class SourceState:
         if per_block <= 0 or rest or len(event.token_ids) != count * event.block_size:
             result.partial += count
             return
-        root: BlockKey | None
+        blocks = self.blocks
+        parent: int
+        root: int | None
         if event.parent is None:
             parent, root = event.namespace, None
         else:
-            parent_block = self.blocks.get(event.parent)
-            if parent_block is None:
+            parent_word = blocks.get(event.parent)
+            if parent_word is None:
                 result.orphans += count
                 return
-            parent, root = parent_block.keys[-1], parent_block.root
+            parent, root = parent_word >> _LAST_AT & _KEY, parent_word >> _ROOT_AT & _KEY
         try:
             data = token_bytes(event.token_ids)
         except (ValueError, TypeError):  # ids outside u32: the wire should have refused them
             result.invalid += count
             return
-        keys = chain_keys(parent, data, block_size)
+        keys = chain_keys(BlockKey(parent), data, block_size)
         bit = int(event.tier)
-        stride = event.block_size * 4
+        # The loop every stored block takes: local names, no call per block for the usual
+        # engine block of one index block that the source did not hold.
+        masks = self.masks
+        held = masks.get
+        known_block = blocks.get
+        block_before = changes.blocks.setdefault
+        mask_before = changes.masks_before.setdefault
+        changed = changes.keys
+        high = 0 if root is None else bit | root << _ROOT_AT
+        added = stored = 0
         for j, engine_hash in enumerate(hashes):
-            start = j * per_block
-            known = self.blocks.get(engine_hash)
-            if known is not None:
-                if known.keys[-1] != keys[start + per_block - 1] and j + 1 < count:
+            word = known_block(engine_hash)
+            if word is not None:
+                last = word >> _LAST_AT & _KEY
+                if last != keys[(j + 1) * per_block - 1] and j + 1 < count:
                     # Stored earlier under another chain: children follow the stored keys.
-                    keys[start + per_block :] = chain_keys(
-                        known.keys[-1], data[(j + 1) * stride :], block_size
+                    stride = event.block_size * 4
+                    keys[(j + 1) * per_block :] = chain_keys(
+                        BlockKey(last), data[(j + 1) * stride :], block_size
                     )
-                root = known.root
-                if not known.tiers & bit:
-                    self._add(known.keys, known.root, bit, changes)
-                    self._set_block(engine_hash, known._replace(tiers=known.tiers | bit), changes)
-                result.stored += 1
+                root = word >> _ROOT_AT & _KEY
+                high = bit | root << _ROOT_AT
+                if not word & bit:
+                    added += self._hold(block_keys(word), BlockKey(root), bit, changes)
+                    block_before(engine_hash, word)
+                    blocks[engine_hash] = word | bit
+                stored += 1
                 continue
-            block_keys = tuple(keys[start : start + per_block])
-            if root is None:
-                root = block_keys[0]
-            if max_keys is not None:
-                masks = self.masks
-                new = sum(1 for key in block_keys if key not in masks)
-                if new and len(masks) + new > max_keys:
+            if per_block == 1:
+                key = keys[j]
+                if root is None:
+                    root = key
+                    high = bit | key << _ROOT_AT
+                mask = held(key, 0)
+                if max_keys is not None and not mask and len(masks) >= max_keys:
                     result.over_capacity += count - j
-                    return
-            self._add(block_keys, root, bit, changes)
-            self._set_block(engine_hash, EngineBlock(block_keys, root, bit), changes)
-            result.stored += 1
+                    break
+                if mask & bit:
+                    self._set_extra(key << 3 | bit, 1, changes)
+                else:
+                    mask_before(key, mask)
+                    masks[key] = mask | bit
+                    changed[key] = root  # type: ignore[assignment]
+                    added += 1
+                block_before(engine_hash, None)
+                blocks[engine_hash] = high | key << _LAST_AT
+            else:
+                new = tuple(keys[j * per_block : (j + 1) * per_block])
+                if root is None:
+                    root = new[0]
+                    high = bit | root << _ROOT_AT
+                if max_keys is not None:
+                    fresh = sum(1 for key in new if key not in masks)
+                    if fresh and len(masks) + fresh > max_keys:
+                        result.over_capacity += count - j
+                        break
+                added += self._hold(new, BlockKey(root), bit, changes)
+                block_before(engine_hash, None)
+                blocks[engine_hash] = pack_block(EngineBlock(new, BlockKey(root), bit))
+            stored += 1
+        self.counts[bit] += added
+        result.stored += stored
 
     def _remove(self, event: RemoveBlocks, result: ApplyResult, changes: BatchChanges) -> None:
         bit = int(event.tier)
+        blocks = self.blocks
+        released = 0
         for engine_hash in event.hashes:
-            block = self.blocks.get(engine_hash)
-            if block is None or not block.tiers & bit:
+            word = blocks.get(engine_hash)
+            if word is None or not word & bit:
                 continue
-            self._drop(block.keys, block.root, bit, changes)
-            tiers = block.tiers & ~bit
-            self._set_block(engine_hash, block._replace(tiers=tiers) if tiers else None, changes)
+            root = BlockKey(word >> _ROOT_AT & _KEY)
+            released += self._release(block_keys(word), root, bit, changes)
+            changes.blocks.setdefault(engine_hash, word)
+            if word & 7 == bit:
+                del blocks[engine_hash]
+            else:
+                blocks[engine_hash] = word ^ bit
             result.removed += 1
+        self.counts[bit] -= released
 
     def _clear(self, changes: BatchChanges) -> None:
         changes.stale.update(self.masks)
         changes.stale.update(changes.keys)
-        if changes._snapshot is None:
-            changes._snapshot = (self.blocks, self.masks, self.extra)
+        if changes._before is None:
+            changes._before = (
+                self.blocks,
+                self.masks,
+                self.extra,
+                changes.blocks,
+                changes.masks_before,
+                changes.extra_before,
+            )
         self.clear()
         changes.cleared = True
         changes.keys = {}
-        changes.blocks = set()
+        changes.blocks = {}
+        changes.masks_before = {}
+        changes.extra_before = {}
 
     # ---------------------------------------------------------------- mutations
 
-    def _add(
-        self, keys: tuple[BlockKey, ...], root: BlockKey, bit: int, changes: BatchChanges
-    ) -> None:
+    def _hold(
+        self, keys: Iterable[BlockKey], root: BlockKey, bit: int, changes: BatchChanges
+    ) -> int:
+        """One more engine block holds `keys` in tier `bit`; returns the keys newly held."""
         masks = self.masks
+        added = 0
         for key in keys:
             mask = masks.get(key, 0)
             if mask & bit:
-                ref = (key, bit)
-                self._set_extra(ref, self.extra.get(ref, 0) + 1, changes)
+                self._set_extra(key << 3 | bit, 1, changes)
             else:
-                self._set_mask(key, mask, mask | bit, root, changes)
+                changes.masks_before.setdefault(key, mask)
+                masks[key] = mask | bit
+                changes.keys[key] = root
+                added += 1
+        return added
 
-    def _drop(
-        self, keys: tuple[BlockKey, ...], root: BlockKey, bit: int, changes: BatchChanges
-    ) -> None:
-        masks = self.masks
+    def _release(
+        self, keys: Iterable[BlockKey], root: BlockKey, bit: int, changes: BatchChanges
+    ) -> int:
+        """One engine block less holds `keys` in tier `bit`; returns the keys no longer held."""
+        masks, extra = self.masks, self.extra
+        released = 0
         for key in keys:
-            ref = (key, bit)
-            others = self.extra.get(ref, 0)
-            if others:
-                self._set_extra(ref, others - 1, changes)
+            if extra and extra.get(key << 3 | bit):
+                self._set_extra(key << 3 | bit, -1, changes)
+                continue
+            mask = masks.get(key, 0)
+            if not mask & bit:
+                continue
+            changes.masks_before.setdefault(key, mask)
+            if mask == bit:
+                del masks[key]
             else:
-                mask = masks.get(key, 0)
-                self._set_mask(key, mask, mask & ~bit, root, changes)
+                masks[key] = mask ^ bit
+            changes.keys[key] = root
+            released += 1
+        return released
 
-    def _set_mask(
-        self, key: BlockKey, old: int, new: int, root: BlockKey, changes: BatchChanges
-    ) -> None:
-        if changes._snapshot is None and key not in changes._mask_undo:
-            changes._mask_undo[key] = old
-        if new:
-            self.masks[key] = new
-        else:
-            self.masks.pop(key, None)
-        flipped = old ^ new
-        for bit in TIER_BITS:
-            if flipped & bit:
-                self.counts[bit] += 1 if new & bit else -1
-        changes.keys[key] = root
-
-    def _set_block(
-        self, engine_hash: EngineHash, block: EngineBlock | None, changes: BatchChanges
-    ) -> None:
-        if changes._snapshot is None and engine_hash not in changes._block_undo:
-            changes._block_undo[engine_hash] = self.blocks.get(engine_hash)
-        if block is None:
-            del self.blocks[engine_hash]
-        else:
-            self.blocks[engine_hash] = block
-        changes.blocks.add(engine_hash)
-
-    def _set_extra(self, ref: tuple[BlockKey, int], count: int, changes: BatchChanges) -> None:
-        if changes._snapshot is None and ref not in changes._extra_undo:
-            changes._extra_undo[ref] = self.extra.get(ref, 0)
-        if count:
-            self.extra[ref] = count
+    def _set_extra(self, ref: int, step: int, changes: BatchChanges) -> None:
+        count = self.extra.get(ref, 0)
+        changes.extra_before.setdefault(ref, count)
+        if count + step:
+            self.extra[ref] = count + step
         else:
             del self.extra[ref]
+
+
+def _restore(table: dict[_T, int], before: Mapping[_T, int | None]) -> None:
+    for entry, value in before.items():
+        if value:
+            table[entry] = value
+        else:
+            table.pop(entry, None)

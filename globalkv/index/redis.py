@@ -11,12 +11,14 @@ Key names and layout: `redis_keys.py`. The choices, and why:
 - Generations are the per-source epoch. A source's life (until a reset or a clear) has a
   fresh id; block hashes are keyed by it. Retiring one is O(1) (`live` loses it); its
   blocks are then dropped in chunks named by its own reverse log, never by SCAN/KEYS.
-- Writes: one `EVALSHA` per batch with flat ARGV (block keys, small masks, fingerprint
+- Writes: one `EVALSHA` per batch with flat ARGV (block keys, field values, fingerprint
   deltas, one binary reverse-log entry), so a batch is atomic and costs one round trip.
-- Fingerprints: each block hash keeps "#" = sum of a 48-bit hash of every (generation,
-  mask) field, updated by the writer's `HINCRBY`. Equal fingerprints on adjacent blocks
-  mean the same holders in the same tiers, which lets the lookup script skip reading the
-  holders of most blocks (see redis_lookup.lua).
+- Fingerprints: a generation's field in a block hash holds a 48-bit hash of (generation,
+  mask) whose low bits are the mask, and "#" holds the sum of the fields, kept by the
+  writer's `HINCRBY`. Equal fingerprints on adjacent blocks mean the same holders in the
+  same tiers; a fingerprint that drops by one holder's value means that holder's run
+  ended. So the lookup script reads one small field per block, and the holders only where
+  anything else changed (see redis_lookup.lua).
 - The writer keeps each source's state (engine hash map, masks) in memory, as it must to
   key stores without reading Redis. It is rebuilt from the reverse log the first time a
   source is written after a restart, so an indexer restart needs no reset.
@@ -39,6 +41,7 @@ import secrets
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, cast
 
 import redis.asyncio as aioredis
@@ -139,7 +142,7 @@ class RedisIndex:
             except redis_errors.NoScriptError:
                 await self._redis.script_load(LOOKUP.source)
                 rows, live = await self._lookup_round_trip(head, digits)
-        return ranked(self._hits(rows, live))
+        return self._hits(rows, live)
 
     async def _lookup_round_trip(
         self, head: str, digits: str
@@ -150,17 +153,26 @@ class RedisIndex:
         rows, live = await pipe.execute()
         return rows, live
 
-    def _hits(self, rows: list[int], live: dict[bytes, bytes]) -> Iterator[Hit]:
+    def _hits(self, rows: list[int], live: dict[bytes, bytes]) -> list[Hit]:
+        """Hits of the live generations in the script's rows, best first."""
+        by_mask = self._weights.by_mask
+        hits = []
         i, end = 0, len(rows)
         while i < end:
             gen, pairs = rows[i], rows[i + 1]
-            counts: dict[int, int] = {}
-            for j in range(i + 2, i + 2 + 2 * pairs, 2):
-                counts[rows[j]] = counts.get(rows[j], 0) + rows[j + 1]
-            i += 2 + 2 * pairs
             name = live.get(b"%d" % gen)
-            if name is not None:
-                yield make_hit(parse_source_name(name.decode()), counts, self._weights)
+            if name is None:
+                pass
+            elif pairs == 1:  # one tier mask all the way: make_hit's sum, without the dict
+                mask, blocks = rows[i + 2], rows[i + 3]
+                hits.append(Hit(_source(name), blocks, by_mask[mask] * blocks))
+            else:
+                counts: dict[int, int] = {}
+                for j in range(i + 2, i + 2 + 2 * pairs, 2):
+                    counts[rows[j]] = counts.get(rows[j], 0) + rows[j + 1]
+                hits.append(make_hit(_source(name), counts, self._weights))
+            i += 2 + 2 * pairs
+        return ranked(hits)
 
     async def stats(self, pod: str | None = None) -> list[SourceStats]:
         with _reachable("reading statistics"):
@@ -347,7 +359,7 @@ class RedisIndex:
         args += [keys.info(writing), keys.log(writing)]
         fresh = target is not None
         names: list[str] = []
-        digits: list[str] = []
+        values: list[str] = []
         deltas: list[str] = []
         records: list[bytes] = []
         snapshot = False
@@ -360,7 +372,7 @@ class RedisIndex:
                 new = masks.get(key, 0)
                 if old != new:
                     names.append(name_of(root, key))
-                    digits.append(str(new))
+                    values.append(str(prints[new]))
                     deltas.append(str(prints[new] - prints[old]))
             logged = 0 if fresh else writer.log_records
             if logged + len(changes.blocks) > 2 * len(state.blocks) + _LOG_SLACK:
@@ -376,7 +388,7 @@ class RedisIndex:
         entries = [
             b"".join(records[i : i + _LOG_ENTRY]) for i in range(0, len(records), _LOG_ENTRY)
         ]
-        args += (len(names), "\n".join(names), "".join(digits), ",".join(deltas))
+        args += (len(names), "\n".join(names), ",".join(values), ",".join(deltas))
         args += ("1" if snapshot else "0", len(entries), *entries)
         logged_after = len(records) if snapshot or fresh else writer.log_records + len(records)
         counts = state.counts
@@ -412,7 +424,6 @@ class RedisIndex:
                 await self._drop_generation(int(raw))
 
     async def _drop_generation(self, gen: int) -> None:
-        undo = [-p for p in fingerprints(gen)[1:]]
         names: set[str] = set()
         async for entries in self._log(gen):
             try:
@@ -422,14 +433,20 @@ class RedisIndex:
             except ValueError as exc:  # what it named is kept: it cannot be found any more
                 log.error("retired generation %d has a corrupt reverse log: %s", gen, exc)
             if len(names) >= _DROP_CHUNK:
-                await DROP.run(self._redis, (), [gen, *undo, *names])
+                await DROP.run(self._redis, (), [gen, *names])
                 names.clear()
         if names:
-            await DROP.run(self._redis, (), [gen, *undo, *names])
+            await DROP.run(self._redis, (), [gen, *names])
         pipe = self._redis.pipeline(transaction=True)
         pipe.delete(self.keys.log(gen), self.keys.info(gen))
         pipe.srem(self.keys.dead, gen)
         await pipe.execute()
+
+
+@lru_cache(maxsize=4096)
+def _source(name: bytes) -> Source:
+    """Sources by their live-hash name: a lookup meets the same few every time."""
+    return parse_source_name(name.decode())
 
 
 def _text(raw: bytes | str) -> str:

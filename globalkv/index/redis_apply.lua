@@ -10,8 +10,8 @@
 --   8     batches the writer applied to it ('' = do not check)
 --   9     generation to switch to ('' = keep; the old one is retired: hidden, then dropped)
 --   10    info key of the generation held; 11, 12: info and log keys written
---   then  n, then the n block keys joined by newlines, their new tier masks (one digit
---         each, 0 = no longer held) and their fingerprint deltas joined by commas
+--   then  n, then the n block keys joined by newlines, their new field values (0 = no
+--         longer held) and their fingerprint deltas, both joined by commas
 --   then  '1' when the log entries below replace the log (a snapshot), else '0'
 --   then  n, n x log entry to append (binary records of engine blocks stored or deleted)
 --   then  the info hash's field/value pairs
@@ -49,18 +49,20 @@ end
 local call, find, sub = redis.call, string.find, string.sub
 local i = 13
 local n = tonumber(ARGV[i])
-local names, digits, deltas = ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
+local names, values, deltas = ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
 i = i + 4
-local at_name, at_delta = 1, 1
-for op = 1, n do
+local at_name, at_value, at_delta = 1, 1, 1
+for _ = 1, n do
   local stop = find(names, '\n', at_name, true) or #names + 1
   local key = sub(names, at_name, stop - 1)
   at_name = stop + 1
+  stop = find(values, ',', at_value, true) or #values + 1
+  local value = sub(values, at_value, stop - 1)
+  at_value = stop + 1
   stop = find(deltas, ',', at_delta, true) or #deltas + 1
   local delta = sub(deltas, at_delta, stop - 1)
   at_delta = stop + 1
-  local mask = sub(digits, op, op)
-  if mask == '0' then
+  if value == '0' then
     call('HDEL', key, gen)
     if call('HLEN', key) <= 1 then
       call('DEL', key)
@@ -68,7 +70,7 @@ for op = 1, n do
       call('HINCRBY', key, '#', delta)
     end
   else
-    call('HSET', key, gen, mask)
+    call('HSET', key, gen, value)
     call('HINCRBY', key, '#', delta)
   end
 end

@@ -1,22 +1,20 @@
 -- Drop a hidden generation's entries from some block keys (one chunk of its reverse
 -- data). Safe to repeat: a key already dropped is skipped.
--- ARGV: generation, then the negated fingerprint contributions of masks 1..7, then
--- block key names.
+-- ARGV: generation, then block key names.
+-- A field's value is its share of the key's "#" (see redis_scripts.fingerprints), so
+-- taking it out takes its value off "#"; it is passed on as the string it was read as
+-- (a Lua number would be formatted with too few digits).
 
 local gen = ARGV[1]
-local undo = {}
-for mask = 1, 7 do
-  undo[tostring(mask)] = ARGV[1 + mask]
-end
-for i = 9, #ARGV do
+for i = 2, #ARGV do
   local key = ARGV[i]
-  local mask = redis.call('HGET', key, gen)
-  if mask then
+  local value = redis.call('HGET', key, gen)
+  if value then
     redis.call('HDEL', key, gen)
     if redis.call('HLEN', key) <= 1 then
       redis.call('DEL', key)
     else
-      redis.call('HINCRBY', key, '#', undo[mask])
+      redis.call('HINCRBY', key, '#', '-' .. value)
     end
   end
 end

@@ -1,8 +1,9 @@
 """Every Redis key the index uses, named here and nowhere else (the scripts receive names).
 
 Block keys (millions; short):
-    {p}:b:{<chain's first key, hex>}<key, hex>   hash: generation -> tier mask,
-                                                  "#" -> fingerprint of those fields
+    {p}:b:{<chain's first key, hex>}<key, hex>   hash: generation -> tier mask under a
+                                                  48-bit hash (redis_scripts.fingerprints),
+                                                  "#" -> the sum of those fields
 The hash tag is the chain's first block, so every key a lookup walks sits in one slot and
 Redis Cluster shards by conversation root.
 

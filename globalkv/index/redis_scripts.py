@@ -2,7 +2,7 @@
 
 Scripts are package files (`redis_*.lua`), run by SHA and loaded again when Redis lost
 them (a restart, SCRIPT FLUSH). The values: records of the reverse log, and the
-fingerprint contributions that let the lookup script skip unchanged blocks.
+block fields whose sum lets the lookup script skip unchanged blocks.
 
 Reverse data is a log per generation: one Redis list entry per batch, holding binary
 records (an engine block stored, or deleted), replayed in order to rebuild a writer's
@@ -50,9 +50,17 @@ DROP = Script("redis_drop.lua")
 
 
 def fingerprints(gen: int) -> tuple[int, ...]:
-    """Per tier mask (index), the fingerprint contribution of generation `gen` holding a key."""
+    """Per tier mask (index), what generation `gen` holding a key stores in the key's hash.
+
+    A 48-bit hash of (generation, mask) whose low 3 bits are the mask: the key's "#" is the
+    sum of its fields, so a lookup that sees "#" drop by exactly one holder's value between
+    two blocks knows that holder's run ended there without reading the other holders.
+    """
     digest = xxhash.xxh3_64_intdigest
-    return (0, *(digest(f"{gen}:{mask}".encode()) >> 16 for mask in range(1, ALL_TIERS + 1)))
+    return (
+        0,
+        *(digest(f"{gen}:{mask}".encode()) >> 16 & ~7 | mask for mask in range(1, ALL_TIERS + 1)),
+    )
 
 
 _PUT = struct.Struct("<cQBQH")

@@ -243,3 +243,31 @@ async def test_long_chains_with_many_holders(index: Index, feed: Feeder) -> None
     assert depths(hits) == expected
     assert scores(hits)[sources[3]] == pytest.approx(49.0)
     assert [h.source for h in hits] == sorted(expected, key=lambda s: -expected[s])
+
+
+async def test_runs_that_end_alone_together_or_change_tier(index: Index, feed: Feeder) -> None:
+    t = tokens(12)
+    await feed(P0, store(range(1, 13), t))
+    await feed(P1, store(range(1, 7), t[: 6 * BS]))
+    await feed(P0_DP1, store(range(1, 7), t[: 6 * BS]))  # ends with P1
+    late = Source("late")
+    await feed(late, store(range(1, 10), t[: 9 * BS]), remove([4]))  # holds 5..9 past a hole
+    offload = Source("offload")
+    await feed(
+        offload,
+        store(range(1, 4), t[: 3 * BS]),
+        store(range(4, 9), t[3 * BS : 8 * BS], parent=3, tier=Tier.CPU),
+    )
+    hits = await index.lookup(keys(t))
+    assert depths(hits) == {P0: 12, P1: 6, P0_DP1: 6, late: 3, offload: 8}
+    assert scores(hits)[offload] == pytest.approx(3 + 5 * 0.8)
+
+
+async def test_fingerprints_of_many_holders_stay_exact(index: Index, feed: Feeder) -> None:
+    """Some hundred holders of a block sum their 48-bit fields past a double's 2^53."""
+    t = tokens(100)
+    sources = [Source(f"p{i}") for i in range(100)]
+    for i, source in enumerate(sources):
+        await feed(source, store(range(1, i + 2), t[: (i + 1) * BS]))
+    hits = await index.lookup(keys(t))
+    assert depths(hits) == {s: i + 1 for i, s in enumerate(sources)}

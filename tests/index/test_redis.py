@@ -9,10 +9,22 @@ import pytest
 import redis.asyncio as aioredis
 from redis.cluster import key_slot
 
-from globalkv.index.base import ApplyResult, IndexDataLost, IndexUnavailable, Tier
+from globalkv.index.base import ApplyResult, IndexDataLost, IndexUnavailable, Source, Tier
 from globalkv.index.redis import RedisIndex
 from globalkv.index.redis_scripts import fingerprints, replay_log
-from tests.index.events import BS, P0, P0_DP1, P1, Feeder, depths, keys, remove, store, tokens
+from tests.index.events import (
+    BS,
+    P0,
+    P0_DP1,
+    P1,
+    Feeder,
+    depths,
+    keys,
+    remove,
+    scores,
+    store,
+    tokens,
+)
 from tests.support.redis import RedisServer
 
 
@@ -214,8 +226,9 @@ async def test_fingerprints_match_the_holders_of_every_block(client: aioredis.Re
     await index.reset_source(P0_DP1)
     for name in await client.keys(f"{index.keys.block_prefix}*"):
         fields = await client.hgetall(name)
-        expected = sum(fingerprints(int(g))[int(m)] for g, m in fields.items() if g != b"#")
-        assert int(fields[b"#"]) == expected
+        holders = {int(g): int(v) for g, v in fields.items() if g != b"#"}
+        assert all(fingerprints(g)[v % 8] == v for g, v in holders.items())
+        assert int(fields[b"#"]) == sum(holders.values())
 
 
 async def test_scripts_are_reloaded_after_redis_forgot_them(client: aioredis.Redis) -> None:
@@ -241,3 +254,33 @@ async def test_configuration_is_checked() -> None:
         RedisIndex(plain, BS, tier_weights={Tier.GPU: -1.0})
     await decoding.aclose()
     await plain.aclose()
+
+
+async def test_runs_ending_one_by_one_cost_no_reads_of_the_holders(
+    client: aioredis.Redis,
+) -> None:
+    """The lookup script reads a block's holders only where "#" cannot tell what changed."""
+    index = RedisIndex(client, BS)
+    feed = Feeder(index)
+    t = tokens(40)
+    sources = [Source(f"p{i}") for i in range(20)]
+    for i, source in enumerate(sources):
+        await feed(source, store(range(1, 2 * i + 3), t[: (2 * i + 2) * BS]))
+    chain = keys(t)
+    assert depths(await index.lookup(chain)) == {s: 2 * i + 2 for i, s in enumerate(sources)}
+    await client.config_resetstat()
+    await index.lookup(chain)
+    calls = {k: v["calls"] for k, v in (await client.info("commandstats")).items()}
+    assert calls["cmdstat_hgetall"] == 2  # the first block, and the live generations
+    assert calls["cmdstat_hexists"] == 19  # one per run that ends before the chain does
+    # Two runs ending at one block: read there. A running holder whose tier changes for
+    # one block: read where it changes, and where it changes back.
+    twin = Source("twin")
+    await feed(twin, store(range(1, 7), t[: 6 * BS]))
+    await feed(sources[19], store([20], t[19 * BS : 20 * BS], tier=Tier.CPU))
+    await client.config_resetstat()
+    hits = await index.lookup(chain)
+    assert depths(hits)[twin] == depths(hits)[sources[2]] == 6
+    assert scores(hits)[sources[19]] == 40.0
+    calls = {k: v["calls"] for k, v in (await client.info("commandstats")).items()}
+    assert calls["cmdstat_hgetall"] == 2 + 1 + 2

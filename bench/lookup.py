@@ -1,13 +1,20 @@
 """Lookup latency of MemoryIndex, RedisIndex and NVIDIA Dynamo's RadixTree, side by side.
 
 Per prompt length (1k, 8k, 32k, 128k tokens; index block 16) and pod count (8, 64), the
-same data goes into every index: pod i holds the first (i+1)/pods of the prompt's chain
-(so a lookup walks the whole chain and a pod's run ends at every step of the way), plus
-background chains of its own. One lookup = keys computed from the tokens (our chained
-xxh3 keys; Dynamo's `compute_block_hash_for_seq`) + the index query. Each row reports
-p50/p99 over the same number of lookups per backend, and p50 ratios against Dynamo.
+same data goes into every index: pod i holds the first (i+1)/pods of the prompt's held
+part (so a lookup walks all of it and a pod's run ends at every step of the way), plus
+background chains of its own. With `--new-tail F` the last fraction F of the prompt is
+held by nobody (a conversation's new turn). One lookup = what `IndexLookup` does from the
+token ids (our chained xxh3 keys, hashed lazily as the memory index walks them) + the
+index query; Dynamo's = `compute_block_hash_for_seq` (tokens to u32 and hashed, in Rust)
++ `find_matches` + reading `.scores`, the same work from the same token list. Each row
+reports p50/p99 over the same number of lookups per backend, backends taking turns, and
+p50 ratios against Dynamo.
 
-    python -m bench.lookup [--quick]
+    python -m bench.lookup [--quick] [--new-tail 0.5] [--baseline REF]
+
+`--baseline REF` adds the memory and Redis indexes as of git ref REF (see bench.baseline),
+run turn by turn with today's: before and after in one run.
 
 Redis is a throw-away redis-server on a free port. Dynamo's columns need the
 `ai-dynamo-runtime` wheel (run from a venv that has it, e.g. /work/peers/venv with
@@ -29,11 +36,12 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from bench import baseline
 from bench.redis_process import redis_server
 from globalkv.index.base import Index, Source, SourceBatch, StoreBlocks, Tier
 from globalkv.index.memory import MemoryIndex
 from globalkv.index.redis import RedisIndex
-from globalkv.keys import BlockKey, EngineHash, request_keys, root_key
+from globalkv.keys import BlockKey, EngineHash, request_chain, root_key
 
 BLOCK = 16
 MODEL = "bench-model"
@@ -50,6 +58,8 @@ try:
 except ImportError as exc:
     DYNAMO = f"Dynamo columns absent: ai-dynamo-runtime is not installed here ({exc})"
 
+Keyer = Callable[[Sequence[int], int, str], Sequence[BlockKey]]
+
 
 @dataclass
 class Row:
@@ -59,12 +69,26 @@ class Row:
     p99: dict[str, float]
 
 
-def _chains(prompt_tokens: int, pods: int, rng: random.Random) -> list[list[list[int]]]:
+@dataclass
+class Backend:
+    """An index implementation and the key function its lookups start from."""
+
+    name: str
+    memory: Callable[[int], Index]
+    redis: Callable[[aioredis.Redis, int], Index]
+    keys: Keyer
+    db: int
+
+
+def _chains(
+    prompt_tokens: int, pods: int, new_tail: float, rng: random.Random
+) -> list[list[list[int]]]:
     """Per pod, the token lists of the chains it holds (first: its part of the prompt)."""
     prompt = [rng.randrange(50_000) for _ in range(prompt_tokens)]
+    held_part = int(prompt_tokens * (1 - new_tail))
     per_pod = []
     for i in range(pods):
-        held = prompt_tokens * (i + 1) // pods // BLOCK * BLOCK
+        held = held_part * (i + 1) // pods // BLOCK * BLOCK
         chains = [prompt[:held]]
         for _ in range(BACKGROUND_CHAINS):
             chains.append([rng.randrange(50_000) for _ in range(BACKGROUND_BLOCKS * BLOCK)])
@@ -145,26 +169,37 @@ def _p99(samples: Sequence[float]) -> float:
     return sorted(samples)[min(len(samples) - 1, int(len(samples) * 0.99))]
 
 
-async def _row(prompt_tokens: int, pods: int, count: int, redis_port: int) -> Row:
-    chains = _chains(prompt_tokens, pods, random.Random(prompt_tokens * 1000 + pods))
+async def _row(
+    prompt_tokens: int,
+    pods: int,
+    count: int,
+    new_tail: float,
+    redis_port: int,
+    backends: list[Backend],
+) -> Row:
+    chains = _chains(prompt_tokens, pods, new_tail, random.Random(prompt_tokens * 1000 + pods))
     prompt = chains[-1][0]
-    expect = prompt_tokens // BLOCK
-    memory = MemoryIndex(BLOCK)
-    client = aioredis.from_url(f"redis://127.0.0.1:{redis_port}/0")
-    await client.flushall()
-    redis_index = RedisIndex(client, BLOCK)
-    await _fill(memory, chains)
-    await _fill(redis_index, chains)
+    expect = len(chains[-2][0]) // BLOCK
+    calls: dict[str, Callable[[], Awaitable[int]]] = {}
+    clients = []
 
-    async def ask(index: Index) -> int:
-        keys: list[BlockKey] = request_keys(prompt, BLOCK, MODEL)
-        hits = await index.lookup(keys)
-        return hits[0].blocks
+    def ask(index: Index, keys: Keyer) -> Callable[[], Awaitable[int]]:
+        async def call() -> int:
+            hits = await index.lookup(keys(prompt, BLOCK, MODEL))
+            return hits[0].blocks
 
-    calls: dict[str, Callable[[], Awaitable[int]]] = {
-        "memory": lambda: ask(memory),
-        "redis": lambda: ask(redis_index),
-    }
+        return call
+
+    for backend in backends:
+        memory = backend.memory(BLOCK)
+        await _fill(memory, chains)
+        client = aioredis.from_url(f"redis://127.0.0.1:{redis_port}/{backend.db}")
+        clients.append(client)
+        await client.flushdb()
+        redis_index = backend.redis(client, BLOCK)
+        await _fill(redis_index, chains)
+        calls[f"memory{backend.name}"] = ask(memory, backend.keys)
+        calls[f"redis{backend.name}"] = ask(redis_index, backend.keys)
     if DYNAMO is None:
         tree = RadixTree()
         _fill_dynamo(tree, chains)
@@ -175,7 +210,8 @@ async def _row(prompt_tokens: int, pods: int, count: int, redis_port: int) -> Ro
 
         calls["dynamo"] = ask_dynamo
     samples = await _time(calls, count, expect)
-    await client.aclose()
+    for client in clients:
+        await client.aclose()
     return Row(
         prompt_tokens,
         pods,
@@ -186,31 +222,49 @@ async def _row(prompt_tokens: int, pods: int, count: int, redis_port: int) -> Ro
 
 def _print(rows: list[Row]) -> None:
     names = list(rows[0].p50)
-    head = f"{'tokens':>7} {'pods':>4} " + " ".join(f"{n + ' p50/p99 ms':>22}" for n in names)
-    if "dynamo" in names:
-        head += f" {'memory/dynamo':>13} {'redis/dynamo':>12}"
+    versus = [n for n in names if n != "dynamo"] if "dynamo" in names else []
+    head = f"{'tokens':>7} {'pods':>4} " + " ".join(f"{n + ' p50/p99 ms':>24}" for n in names)
+    head += "".join(f" {n + '/dynamo':>{max(12, len(n) + 7)}}" for n in versus)
     print(head)
     for row in rows:
         line = f"{row.tokens:>7} {row.pods:>4} "
-        line += " ".join(f"{row.p50[n]:>10.3f} / {row.p99[n]:>9.3f}" for n in names)
-        if "dynamo" in names:
-            dynamo = row.p50["dynamo"]
-            line += f" {row.p50['memory'] / dynamo:>13.2f} {row.p50['redis'] / dynamo:>12.2f}"
+        line += " ".join(f"{row.p50[n]:>12.3f} / {row.p99[n]:>9.3f}" for n in names)
+        for n in versus:
+            line += f" {row.p50[n] / row.p50['dynamo']:>{max(12, len(n) + 7)}.2f}"
         print(line)
+
+
+def _backends(ref: str | None) -> list[Backend]:
+    backends = [Backend("", MemoryIndex, RedisIndex, request_chain, 0)]
+    if ref is not None:
+        old = baseline.load(ref)
+        keys = old.keys.request_keys
+        backends.insert(
+            0, Backend(f"@{ref}", old.index.memory.MemoryIndex, old.index.redis.RedisIndex, keys, 1)
+        )
+    return backends
 
 
 async def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer lookups per row")
+    parser.add_argument(
+        "--new-tail", type=float, default=0.0, help="fraction of the prompt nobody holds"
+    )
+    parser.add_argument("--baseline", metavar="REF", help="also run the index as of git REF")
     args = parser.parse_args(argv)
+    if not 0 <= args.new_tail < 1:
+        parser.error("--new-tail must be in [0, 1)")
     if DYNAMO is not None:
         print(DYNAMO)
+    backends = _backends(args.baseline)
     rows = []
     with redis_server() as port:
         for tokens in PROMPTS:
             for pods in PODS:
                 count = max(20, (200_000 if not args.quick else 50_000) // (tokens // BLOCK))
-                rows.append(await _row(tokens, pods, min(count, 1000), port))
+                row = await _row(tokens, pods, min(count, 1000), args.new_tail, port, backends)
+                rows.append(row)
     _print(rows)
 
 

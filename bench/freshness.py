@@ -10,6 +10,12 @@ index notes when each batch's apply returned ("applied") and, for one batch in
 `--probe-every`, runs a real lookup of its chain right then ("visible": what a gateway
 would see). Both clocks are this machine's wall clock.
 
+`--gc tuned` runs the indexer side as `gateway.cli` runs the gateway: startup objects frozen
+out of the collector (`gc.freeze()`) and young collections at 10,000 allocations instead of
+700 (`--gc both` runs each index both ways). Every run reports the collections that ran and
+the longest pause per generation. `--baseline REF` adds the indexes as of git ref REF (see
+bench.baseline), run one after the other with today's.
+
 Goal (issue 3): publish → visible in lookup, p99, under 50k blocks/s.
 """
 
@@ -17,19 +23,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
 
 import redis.asyncio as aioredis
 import zmq
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
-from bench.ingest import BLOCK, free_port, redis_server
+from bench import baseline
+from bench.ingest import BLOCK, free_port
+from bench.redis_process import redis_server
 from globalkv.index.base import (
     ApplyResult,
     Hit,
@@ -123,6 +134,48 @@ class ProbeIndex:
         await self.inner.close()
 
 
+class GcWatch:
+    """Collections per generation and the longest pause of each, while installed."""
+
+    def __init__(self) -> None:
+        self.count = [0, 0, 0]
+        self.longest = [0.0, 0.0, 0.0]
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        generation = info["generation"]
+        self.count[generation] += 1
+        self.longest[generation] = max(
+            self.longest[generation], time.perf_counter() - self._started
+        )
+
+    def __str__(self) -> str:
+        return ", ".join(
+            f"gen{g} {self.count[g]} (longest {self.longest[g] * 1e3:.1f} ms)" for g in range(3)
+        )
+
+
+@contextmanager
+def collector(mode: str) -> Iterator[GcWatch]:
+    """The GC set up as `mode` says, watched, and put back as it was after."""
+    thresholds = gc.get_threshold()
+    watch = GcWatch()
+    gc.collect()  # nothing left over from an earlier run
+    if mode == "tuned":
+        gc.freeze()
+        gc.set_threshold(10_000, *thresholds[1:])
+    gc.callbacks.append(watch)
+    try:
+        yield watch
+    finally:
+        gc.callbacks.remove(watch)
+        gc.unfreeze()
+        gc.set_threshold(*thresholds)
+
+
 def percentiles(values: list[float]) -> str:
     if len(values) < 2:
         return "n/a"
@@ -131,7 +184,7 @@ def percentiles(values: list[float]) -> str:
     return f"p50 {p50:7.2f} ms   p99 {p99:7.2f} ms   max {top:7.2f} ms"
 
 
-async def measure(index: Index, args: argparse.Namespace) -> str:
+async def measure(index: Index, args: argparse.Namespace, gc_mode: str) -> str:
     probe = ProbeIndex(index, args.probe_every)
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     child = await asyncio.create_subprocess_exec(
@@ -156,11 +209,12 @@ async def measure(index: Index, args: argparse.Namespace) -> str:
         await child.stdout.readline()
         pod = PodInfo(id="fresh", model="m", kv_events=KvEventsConfig(endpoint=endpoint))
         await service.add_pod(pod)
-        child.stdin.write(b"go\n")
-        await child.stdin.drain()
-        report = json.loads(await child.stdout.readline())
-        sent = {int(k): v for k, v in report["sent"].items()}
-        await service.applied(Source("fresh"), max(sent), timeout=120)
+        with collector(gc_mode) as watch:
+            child.stdin.write(b"go\n")
+            await child.stdin.drain()
+            report = json.loads(await child.stdout.readline())
+            sent = {int(k): v for k, v in report["sent"].items()}
+            await service.applied(Source("fresh"), max(sent), timeout=120)
         child.stdin.write(b"done\n")
         await child.stdin.drain()
     finally:
@@ -173,7 +227,8 @@ async def measure(index: Index, args: argparse.Namespace) -> str:
     return (
         f"    published {achieved:,.0f} blocks/s for {report['elapsed']:.1f}s\n"
         f"    applied  ({len(applied):>6} batches)  {percentiles(applied)}\n"
-        f"    visible  ({len(visible):>6} lookups)  {percentiles(visible)}"
+        f"    visible  ({len(visible):>6} lookups)  {percentiles(visible)}\n"
+        f"    collections: {watch}"
     )
 
 
@@ -182,12 +237,23 @@ async def run(args: argparse.Namespace) -> None:
         f"freshness at {args.rate:,.0f} blocks/s, batches of {args.blocks_per_batch} blocks "
         f"of {BLOCK} tokens, publisher in another process"
     )
-    print("  MemoryIndex")
-    print(await measure(MemoryIndex(BLOCK), args))
+    versions: list[tuple[str, Callable[[int], Index], Callable[..., Index]]] = []
+    if args.baseline:
+        old = baseline.load(args.baseline).index
+        versions.append((f"@{args.baseline}", old.memory.MemoryIndex, old.redis.RedisIndex))
+    versions.append(("", MemoryIndex, RedisIndex))
+    modes = ["default", "tuned"] if args.gc == "both" else [args.gc]
+    for mode in modes:
+        for name, memory_index, _ in versions:
+            print(f"  MemoryIndex{name}, gc {mode}")
+            print(await measure(memory_index(BLOCK), args, mode))
     with redis_server() as port:
         client = aioredis.from_url(f"redis://127.0.0.1:{port}/0")
-        print("  RedisIndex")
-        print(await measure(RedisIndex(client, BLOCK), args))
+        for mode in modes:
+            for name, _, redis_index in versions:
+                await client.flushall()
+                print(f"  RedisIndex{name}, gc {mode}")
+                print(await measure(redis_index(client, BLOCK), args, mode))
         await client.aclose()
 
 
@@ -197,6 +263,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--blocks-per-batch", type=int, default=16)
     parser.add_argument("--probe-every", type=int, default=16, help="one lookup per N batches")
+    parser.add_argument("--gc", choices=["default", "tuned", "both"], default="default")
+    parser.add_argument("--baseline", metavar="REF", help="also run the index as of git REF")
     parser.add_argument("--publisher", metavar="ENDPOINT", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.publisher:

@@ -1,6 +1,6 @@
 """Ingest throughput: engine PUB → ZMQ → decode → translate → index, in blocks per second.
 
-    python -m bench.ingest [--batches 3000] [--blocks-per-batch 32] [--repeat 3]
+    python -m bench.ingest [--batches 3000] [--blocks-per-batch 32] [--repeat 3] [--baseline REF]
 
 A publisher child process (an engine stand-in) pre-encodes `--batches` vLLM batches, each
 one BlockStored of `--blocks-per-batch` 16-token blocks continuing one of 64
@@ -8,7 +8,8 @@ conversations, waits for the indexer's subscription, then sends them all as fast
 takes them. This process runs the real `IngestService` into `MemoryIndex` and into
 `RedisIndex` on a throw-away `redis-server`, and times first-applied → last-applied.
 The denominator for Redis is `redis-benchmark` pipelined HSET on the same server, same
-run: one HSET is the cheapest conceivable "record one block for one pod".
+run: one HSET is the cheapest conceivable "record one block for one pod". `--baseline REF`
+adds the indexes as of git ref REF (see bench.baseline), run in turn with today's.
 
 Goals (issue 3): ≥ 300k blocks/s into memory, ≥ 100k into Redis, from one process.
 """
@@ -17,16 +18,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import re
-import shutil
 import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import msgpack
@@ -35,6 +33,8 @@ import zmq
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
+from bench import baseline
+from bench.redis_process import redis_server
 from globalkv.index.base import ApplyResult, Hit, Index, Source, SourceBatch, SourceStats
 from globalkv.index.memory import MemoryIndex
 from globalkv.index.redis import RedisIndex
@@ -52,34 +52,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-@contextlib.contextmanager
-def redis_server() -> Iterator[int]:
-    """A throw-away redis-server on a free port (never the machine's own)."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("redis-server is not installed")
-    port = free_port()
-    workdir = tempfile.mkdtemp(prefix="bench-redis-")
-    argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
-    argv += ["--appendonly", "no", "--dir", workdir, "--maxmemory-policy", "noeviction"]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 10
-        while (
-            subprocess.run(
-                ["redis-cli", "-p", str(port), "ping"], capture_output=True, text=True
-            ).stdout.strip()
-            != "PONG"
-        ):
-            if time.monotonic() > deadline:
-                raise SystemExit("redis-server did not start")
-            time.sleep(0.05)
-        yield port
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 def redis_benchmark_hset(port: int, requests: int = 1_000_000) -> float:
@@ -230,7 +202,12 @@ async def script_time(client: aioredis.Redis) -> tuple[int, float]:
 
 
 async def run(args: argparse.Namespace) -> None:
-    rates: dict[str, list[Rate]] = {"null": [], "memory": [], "redis": []}
+    versions: list[tuple[str, Callable[[int], Index], Callable[..., Index]]] = []
+    if args.baseline:
+        old = baseline.load(args.baseline).index
+        versions.append((f"@{args.baseline}", old.memory.MemoryIndex, old.redis.RedisIndex))
+    versions.append(("", MemoryIndex, RedisIndex))
+    rates: dict[str, list[Rate]] = {"null": []}
     hset: list[float] = []
     scripts: list[tuple[int, float]] = []
     with redis_server() as port:
@@ -238,11 +215,16 @@ async def run(args: argparse.Namespace) -> None:
         for _ in range(args.repeat):
             n, b, p = args.batches, args.blocks_per_batch, args.pods
             rates["null"].append(await measure(NullIndex(), n, b, p))
-            rates["memory"].append(await measure(MemoryIndex(BLOCK), n, b, p))
-            await client.flushall()
-            await client.config_resetstat()
-            rates["redis"].append(await measure(RedisIndex(client, BLOCK), n, b, p))
-            scripts.append(await script_time(client))
+            for name, memory_index, _ in versions:
+                rate = await measure(memory_index(BLOCK), n, b, p)
+                rates.setdefault(f"memory{name}", []).append(rate)
+            for name, _, redis_index in versions:
+                await client.flushall()
+                await client.config_resetstat()
+                rate = await measure(redis_index(client, BLOCK), n, b, p)
+                rates.setdefault(f"redis{name}", []).append(rate)
+                if not name:
+                    scripts.append(await script_time(client))
             await client.flushall()
             hset.append(redis_benchmark_hset(port))
         await client.aclose()
@@ -251,16 +233,16 @@ async def run(args: argparse.Namespace) -> None:
         f"ingest, {args.pods} pods x {args.batches} batches x {args.blocks_per_batch} blocks "
         f"of {BLOCK} tokens, median of {args.repeat} runs side by side"
     )
-    print(f"  {'index':<30}{'blocks/s':>12}{'blocks/CPU-s':>15}")
-    labels = {
-        "null": "no-op index (ingest path only)",
-        "memory": "MemoryIndex (goal 300,000)",
-        "redis": "RedisIndex (goal 100,000)",
-    }
+    print(f"  {'index':<40}{'blocks/s':>12}{'blocks/CPU-s':>15}")
+    labels = {"null": "no-op index (ingest path only)"}
+    for name, _, _ in versions:
+        labels[f"memory{name}"] = f"MemoryIndex{name} (goal 300,000)"
+    for name, _, _ in versions:
+        labels[f"redis{name}"] = f"RedisIndex{name} (goal 100,000)"
     for name, label in labels.items():
         wall = med(r.wall for r in rates[name])
         cpu = med(r.cpu for r in rates[name])
-        print(f"  {label:<30}{wall:>12,.0f}{cpu:>15,.0f}")
+        print(f"  {label:<40}{wall:>12,.0f}{cpu:>15,.0f}")
     redis_wall = med(r.wall for r in rates["redis"])
     print(f"  redis-benchmark HSET -P64 -c1: {med(hset):,.0f} requests/s")
     print(f"  RedisIndex ingest / HSET ceiling: {redis_wall / med(hset):.3f}")
@@ -279,6 +261,7 @@ def main() -> None:
     parser.add_argument("--blocks-per-batch", type=int, default=32)
     parser.add_argument("--pods", type=int, default=1, help="publishers (sources) at once")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--baseline", metavar="REF", help="also run the index as of git REF")
     parser.add_argument("--publisher", metavar="ENDPOINT", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.publisher:

@@ -9,7 +9,9 @@ entries in a MemoryIndex (tracemalloc) are printed beside it. Throughput is engi
 blocks applied per second, set against `redis-benchmark` pipelined HSET on the same
 server in the same run (Redis's own write ceiling on this machine).
 
-    python -m bench.redis_memory [--blocks N]
+    python -m bench.redis_memory [--blocks N] [--baseline REF]
+
+`--baseline REF` adds rows for the indexes as of git ref REF (see bench.baseline).
 """
 
 from __future__ import annotations
@@ -22,11 +24,12 @@ import re
 import subprocess
 import time
 import tracemalloc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
+from bench import baseline
 from bench.redis_process import redis_server
 from globalkv.index.base import Index, Source, SourceBatch, StoreBlocks, Tier
 from globalkv.index.memory import MemoryIndex
@@ -99,11 +102,13 @@ async def _used_memory(client: aioredis.Redis) -> int:
     return int(info["used_memory"])
 
 
-async def _memory_index_bytes(population: Population) -> float:
+async def _memory_index_bytes(
+    population: Population, memory_index: Callable[[int], Index]
+) -> float:
     gc.collect()
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
-    index = MemoryIndex(BLOCK)
+    index = memory_index(BLOCK)
     await _write(index, population)
     gc.collect()
     used = tracemalloc.get_traced_memory()[0] - before
@@ -125,28 +130,36 @@ def _redis_benchmark_hset(port: int, requests: int) -> float:
 async def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--blocks", type=int, default=400_000, help="entries per population")
+    parser.add_argument("--baseline", metavar="REF", help="also run the index as of git REF")
     args = parser.parse_args(argv)
+    versions: list[tuple[str, Callable[[int], Index], Callable[..., Index]]] = []
+    if args.baseline:
+        old = baseline.load(args.baseline).index
+        versions.append((f"@{args.baseline}", old.memory.MemoryIndex, old.redis.RedisIndex))
+    versions.append(("", MemoryIndex, RedisIndex))
     rng = random.Random(7)
     chains = max(16, args.blocks // CHAIN)
     populations = [
         Population("unique", 16, _chains(chains, rng), shared=False),
         Population("shared x8", 8, _chains(max(1, chains // 8), rng), shared=True),
     ]
-    print(f"{'population':>10} {'entries':>9} {'redis B/entry':>13} {'memory B/entry':>14}", end="")
+    print(f"{'population':>20} {'entries':>9} {'redis B/entry':>13} {'memory B/entry':>14}", end="")
     print(f" {'apply blocks/s':>14} {'HSET -P64 /s':>13} {'ratio':>6}")
     for population in populations:
-        memory_bytes = await _memory_index_bytes(population)
-        with redis_server() as port:
-            client = aioredis.from_url(f"redis://127.0.0.1:{port}/0")
-            before = await _used_memory(client)
-            rate = await _write(RedisIndex(client, BLOCK), population)
-            used = await _used_memory(client) - before
-            ceiling = _redis_benchmark_hset(port, 2_000_000)
-            await client.aclose()
-        print(
-            f"{population.name:>10} {population.entries:>9} {used / population.entries:>13.1f}"
-            f" {memory_bytes:>14.1f} {rate:>14.0f} {ceiling:>13.0f} {rate / ceiling:>6.2f}"
-        )
+        for name, memory_index, redis_index in versions:
+            memory_bytes = await _memory_index_bytes(population, memory_index)
+            with redis_server() as port:
+                client = aioredis.from_url(f"redis://127.0.0.1:{port}/0")
+                before = await _used_memory(client)
+                rate = await _write(redis_index(client, BLOCK), population)
+                used = await _used_memory(client) - before
+                ceiling = _redis_benchmark_hset(port, 2_000_000)
+                await client.aclose()
+            print(
+                f"{population.name + name:>20} {population.entries:>9}"
+                f" {used / population.entries:>13.1f} {memory_bytes:>14.1f} {rate:>14.0f}"
+                f" {ceiling:>13.0f} {rate / ceiling:>6.2f}"
+            )
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ def redis_server() -> Iterator[int]:
     workdir = tempfile.mkdtemp(prefix="globalkv-bench-redis-")
     argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
     argv += ["--appendonly", "no", "--dir", workdir, "--loglevel", "warning"]
+    argv += ["--maxmemory-policy", "noeviction"]  # what RedisIndex requires
     process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 10

@@ -5,14 +5,16 @@ load from other processes hits both alike. `load(ref)` copies `globalkv/keys.py`
 `globalkv/index/` as of a git ref (`git show`, nothing checked out) into a temporary
 package and imports it. Their imports are pointed at that package, except `index.base`:
 events and results stay today's types, so the old index takes the batches today's ingest
-builds. A ref whose `index/base.py` differs from today's is refused, since that sharing
-would then be wrong.
+builds. A ref whose events or results had other fields than today's is refused, since that
+sharing would then be wrong.
 """
 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import importlib
+import importlib.util
 import re
 import shutil
 import subprocess
@@ -41,13 +43,35 @@ def _files(ref: str, folder: str) -> list[str]:
     return out.split()
 
 
+_SHARED = ("StoreBlocks", "RemoveBlocks", "ClearSource", "SourceBatch", "ApplyResult", "Source")
+
+
+def _check_shared_types(ref: str, folder: Path) -> None:
+    """Refuse a ref whose events and results had other fields than today's."""
+    path = folder / "base_at_ref.py"
+    path.write_bytes(_show(ref, "globalkv/index/base.py"))
+    spec = importlib.util.spec_from_file_location("globalkv_base_at_ref", path)
+    assert spec is not None
+    assert spec.loader is not None
+    old = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = old  # dataclasses look their module up while building
+    try:
+        spec.loader.exec_module(old)
+    finally:
+        del sys.modules[spec.name]
+    today = importlib.import_module("globalkv.index.base")
+    for name in _SHARED:
+        fields = [[f.name for f in dataclasses.fields(getattr(m, name))] for m in (old, today)]
+        if fields[0] != fields[1]:
+            raise SystemExit(f"{ref}: {name} had fields {fields[0]}, today {fields[1]}")
+
+
 def load(ref: str) -> ModuleType:
     """The package as of `ref`: `.keys`, `.index.memory`, `.index.redis` and the rest."""
-    if _show(ref, "globalkv/index/base.py") != (_ROOT / "globalkv/index/base.py").read_bytes():
-        raise SystemExit(f"{ref}: globalkv/index/base.py differs from today's; cannot share it")
     name = "globalkv_at_" + re.sub(r"\W", "_", ref)
     folder = tempfile.mkdtemp(prefix="globalkv-baseline-")
     atexit.register(shutil.rmtree, folder, True)
+    _check_shared_types(ref, Path(folder))
     package = Path(folder) / name
     (package / "index").mkdir(parents=True)
     (package / "__init__.py").write_text("")

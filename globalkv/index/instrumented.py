@@ -44,7 +44,8 @@ class InstrumentedIndex:
         self.block_size = inner.block_size
         self.lookup_seconds = Histogram(
             "globalkv_index_lookup_seconds",
-            "Time to answer one index lookup (keys already computed).",
+            "Time to answer one index lookup (with the hashing of keys a lazy chain leaves to "
+            "the walk).",
             buckets=_LATENCY_BUCKETS,
             registry=registry,
         )

@@ -160,13 +160,11 @@ class RedisIndex:
         i, end = 0, len(rows)
         while i < end:
             gen, pairs = rows[i], rows[i + 1]
-            name = live.get(b"%d" % gen)
-            if name is None:
-                pass
-            elif pairs == 1:  # one tier mask all the way: make_hit's sum, without the dict
+            name = live.get(b"%d" % gen)  # a generation not live is a retired source
+            if name is not None and pairs == 1:  # one tier mask all the way: no dict
                 mask, blocks = rows[i + 2], rows[i + 3]
                 hits.append(Hit(_source(name), blocks, by_mask[mask] * blocks))
-            else:
+            elif name is not None:
                 counts: dict[int, int] = {}
                 for j in range(i + 2, i + 2 + 2 * pairs, 2):
                     counts[rows[j]] = counts.get(rows[j], 0) + rows[j + 1]

@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import gc
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -235,7 +236,8 @@ async def measure(index: Index, args: argparse.Namespace, gc_mode: str) -> str:
 async def run(args: argparse.Namespace) -> None:
     print(
         f"freshness at {args.rate:,.0f} blocks/s, batches of {args.blocks_per_batch} blocks "
-        f"of {BLOCK} tokens, publisher in another process"
+        f"of {BLOCK} tokens, publisher in another process (load average "
+        f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} cores at the start)"
     )
     versions: list[tuple[str, Callable[[int], Index], Callable[..., Index]]] = []
     if args.baseline:

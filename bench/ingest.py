@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import re
 import socket
 import statistics
@@ -231,7 +232,8 @@ async def run(args: argparse.Namespace) -> None:
     med = statistics.median
     print(
         f"ingest, {args.pods} pods x {args.batches} batches x {args.blocks_per_batch} blocks "
-        f"of {BLOCK} tokens, median of {args.repeat} runs side by side"
+        f"of {BLOCK} tokens, median of {args.repeat} runs side by side "
+        f"(load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores at the end)"
     )
     print(f"  {'index':<40}{'blocks/s':>12}{'blocks/CPU-s':>15}")
     labels = {"null": "no-op index (ingest path only)"}

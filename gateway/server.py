@@ -1,14 +1,20 @@
 """The gateway's HTTP/1.1 server: inference on asyncio protocols, every other route by the app.
 
-Why not uvicorn, which DESIGN.md names: measured on this project's 2-CPU machine with
-`python -m bench.gateway --ceilings asgi,raw,proxy` (one core for the server, the mocks
-and load generator on the other), uvicorn with a bare ASGI app answering prebuilt bytes
-serves ~18k requests/s at concurrency 64, about 55 µs per request before any routing;
-a bare protocol server with the same parser (httptools) serves ~50k, about 20 µs.
-sglang-router does ~7.8k/s there, which leaves ~130 µs per request for everything, so
-uvicorn's share alone would have been 40 % of the budget; with the gateway's work on top,
-py-spy put uvicorn, the ASGI middleware stack and the task that listens for the client's
-disconnect at about a third of the gateway's CPU.
+Why not uvicorn, which DESIGN.md names: measured with `python -m bench.gateway` on this
+project's 2-CPU machine (router pinned alone on one core; CPU time per answered request,
+which on a shared machine is steadier than requests/s), the same gateway code costs
+
+    per request, concurrency 16 and 64   whole answer   streamed (9 SSE events)
+    served by uvicorn (uvloop, httptools)  138-143 µs      177-193 µs
+    served by this server                   87-89 µs      106-116 µs
+    sglang-router 0.3.2, for reference     106-115 µs      179-238 µs
+
+and on uvicorn it stayed below sglang-router's requests/s (5.2-5.6k against 6.0-6.8k
+whole), here above it (8.3-9.7k). The bare servers account for ~17 µs of the difference
+(`bench.gateway_ceilings`: uvicorn with a bare ASGI app 22-23 µs per request, this
+parser with a prebuilt answer 5-6 µs); the rest is the ASGI request path: message
+dicts, Starlette's middleware stack, and a task per request listening for the client's
+disconnect, which here is `connection_lost`, at no cost per request.
 
 What this server does instead, per connection: httptools parses requests in
 `data_received`; a POST to an inference path is answered by `gateway.inference` in one

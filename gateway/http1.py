@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 
 _REASONS = {status.value: status.phrase.encode() for status in http.HTTPStatus}
 CLOSE = b"connection: close\r\n"
+_KEEP_ALIVE = b"connection: keep-alive\r\n"
 LAST_CHUNK = b"0\r\n\r\n"
 
 
@@ -35,12 +36,19 @@ def chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
-def answer_bytes(answer: Answer, *, keep_alive: bool) -> bytes:
+def connection_header(keep_alive: bool, version: str = "1.1") -> bytes:
+    """The Connection header of an answer: close, or keep-alive where HTTP/1.0 needs it said."""
+    if not keep_alive:
+        return CLOSE
+    return _KEEP_ALIVE if version == "1.0" else b""
+
+
+def answer_bytes(answer: Answer, connection: bytes) -> bytes:
     head = b"%scontent-type: %s\r\ncontent-length: %d\r\n%s\r\n" % (
         status_line(answer.status),
         answer.media_type,
         len(answer.body),
-        b"" if keep_alive else CLOSE,
+        connection,
     )
     return head + answer.body
 
@@ -147,7 +155,7 @@ async def serve_asgi(
                 else:
                     state["chunked"] = True
                     lines.append(b"transfer-encoding: chunked\r\n")
-            lines.append((b"" if state["keep"] else CLOSE) + b"\r\n")
+            lines.append(connection_header(state["keep"], request.version) + b"\r\n")
             wire.write(b"".join(lines))
             state["started"] = True
         elif message["type"] == "http.response.body" and not state["complete"]:
@@ -165,5 +173,5 @@ async def serve_asgi(
         log.exception("error serving %s %s", scope["method"], scope["path"])
     if not state["complete"] and not state["started"]:
         message = "the app sent no answer"
-        wire.write(answer_bytes(Answer(500, message.encode(), b"text/plain"), keep_alive=False))
+        wire.write(answer_bytes(Answer(500, message.encode(), b"text/plain"), CLOSE))
     return state["complete"] and state["keep"]

@@ -47,6 +47,7 @@ from gateway.http1 import (
     HttpRequest,
     answer_bytes,
     chunk,
+    connection_header,
     serve_asgi,
     status_line,
 )
@@ -220,12 +221,12 @@ class _Connection(asyncio.Protocol):
         """
         self._closing = True
         if self._task is None and self._transport is not None:
-            self._write_answer(answer, keep_alive=False)
+            self._write_answer(answer, CLOSE)
             self._transport.close()
 
-    def _write_answer(self, answer: Answer, *, keep_alive: bool) -> None:
+    def _write_answer(self, answer: Answer, connection: bytes) -> None:
         self._answered = True
-        self.write(answer_bytes(answer, keep_alive=keep_alive))
+        self.write(answer_bytes(answer, connection))
 
     def _start(self, request: HttpRequest) -> None:
         self._answered = False
@@ -235,7 +236,7 @@ class _Connection(asyncio.Protocol):
         try:
             if request.refused:
                 self._closing = True
-                self._write_answer(self._oversized(request), keep_alive=False)
+                self._write_answer(self._oversized(request), CLOSE)
             elif request.route is not None:
                 await self._inference(request, request.route)
             else:
@@ -245,7 +246,7 @@ class _Connection(asyncio.Protocol):
         except Exception:
             log.exception("error serving %s %s", request.method.decode(), request.path.decode())
             if not self._answered:
-                self._write_answer(problem(500, "internal error"), keep_alive=False)
+                self._write_answer(problem(500, "internal error"), CLOSE)
             self._closing = True
         finally:
             self._task = None
@@ -276,7 +277,7 @@ class _Connection(asyncio.Protocol):
         )
         keep_alive = request.keep_alive and not self._closing
         if isinstance(outcome, Answer):
-            self._write_answer(outcome, keep_alive=keep_alive)
+            self._write_answer(outcome, connection_header(keep_alive, request.version))
         elif request.version == "1.0":
             await self._stream(outcome, chunked=False, keep_alive=False)
         else:
@@ -294,7 +295,7 @@ class _Connection(asyncio.Protocol):
         ]
         if chunked:
             head.append(b"transfer-encoding: chunked\r\n")
-        head.append((b"" if keep_alive else CLOSE) + b"\r\n")
+        head.append(connection_header(keep_alive) + b"\r\n")
         if relay.first:
             head.append(chunk(relay.first) if chunked else relay.first)
         self.write(b"".join(head))

@@ -221,6 +221,19 @@ async def test_http_1_0_gets_its_answer_and_a_closed_connection() -> None:
                 assert await reader.read() == b""
 
 
+async def test_http_1_0_keep_alive_is_answered_as_such_and_kept() -> None:
+    gateway = await make_gateway(Cluster())
+    requests = [
+        post("/generate", {"input_ids": [1]}, "connection: keep-alive"),
+        b"GET /health HTTP/1.1\r\nhost: gw\r\nconnection: keep-alive\r\n\r\n",
+    ]
+    async with serving(gateway) as server, connected(server) as (reader, writer):
+        for request in requests:
+            writer.write(request.replace(b"HTTP/1.1", b"HTTP/1.0", 1))
+            status, headers, _ = await read_answer(reader)
+            assert (status, headers["connection"]) == (200, "keep-alive")
+
+
 async def test_a_malformed_request_gets_400_and_a_closed_connection() -> None:
     gateway = await make_gateway(Cluster())
     async with serving(gateway) as server, connected(server) as (reader, writer):

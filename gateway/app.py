@@ -32,20 +32,8 @@ from gateway.service import Gateway
 from gateway.upstream import Answer
 
 
-class HTTPProblem(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status = status
-        self.kind = kind
-
-
 def _response(answer: Answer) -> Response:
     return Response(answer.body, answer.status, media_type=answer.media_type.decode("latin-1"))
-
-
-def require_api_key(request: Request, gateway: Gateway) -> None:
-    if not bearer_ok(request, gateway.config.api_key):
-        raise HTTPProblem(401, "missing or wrong API key (Authorization: Bearer …)", "auth_error")
 
 
 async def _send_answer(send: Send, answer: Answer) -> None:
@@ -170,10 +158,9 @@ async def _stream(relay: Relay, receive: Receive, send: Send) -> None:
 
 async def _proxy_get(gateway: Gateway, request: Request, paths: tuple[str, ...]) -> Response:
     """A GET answered by one eligible worker (decodes first), trying each path in turn."""
-    try:
-        require_api_key(request, gateway)
-    except HTTPProblem as exc:
-        return _response(problem(exc.status, str(exc), exc.kind))
+    if not bearer_ok(request, gateway.config.api_key):
+        message = "missing or wrong API key (Authorization: Bearer …)"
+        return _response(problem(401, message, "auth_error"))
     workers = gateway.pool.eligible("decode") + gateway.pool.eligible("prefill")
     if not workers:
         return _response(problem(503, "no worker is available", "no_available_workers"))
@@ -204,10 +191,6 @@ def create_app(gateway: Gateway, *, run_monitor: bool = True) -> FastAPI:
 
     app = FastAPI(title="globalkv gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.gateway = gateway
-
-    @app.exception_handler(HTTPProblem)
-    async def _problem(_: Request, exc: HTTPProblem) -> Response:
-        return _response(problem(exc.status, str(exc), exc.kind))
 
     app.add_middleware(_InferenceRoutes, inference=Inference(gateway))
 

@@ -49,6 +49,9 @@ from globalkv.tokenize import load_tokenizer
 
 log = logging.getLogger(__name__)
 POLICIES = ["prefix", "cache_aware", "power_of_two", "round_robin", "random", "least_load"]
+_SHUTDOWN_GRACE_SECS = 5.0
+"""Answers in flight get this long after SIGTERM, inside the 10 s that `globalkv up` and
+most supervisors allow before SIGKILL, leaving time for the rest of the shutdown."""
 
 
 def _add_flags(p: argparse.ArgumentParser) -> None:
@@ -289,7 +292,7 @@ async def serve(config: GatewayConfig, args: argparse.Namespace) -> None:
             await server.start(config.host, config.port)
             _tune_garbage_collection()
             await _until_signalled()
-            await server.shutdown()
+            await server.shutdown(grace=_SHUTDOWN_GRACE_SECS)
 
 
 def _tune_garbage_collection() -> None:

@@ -200,12 +200,14 @@ class MemoryIndex:
             return ends
         depth = 1
         for key in keys:
-            now = held(key, 0) & active
-            if now != active:
-                ends.append((depth, active ^ now))
-                active = now
-                if not now:
-                    return ends
+            slots = held(key, 0)
+            if slots != active:  # usually equal: no AND, which allocates past 2^8 (> 8 slots)
+                now = slots & active
+                if now != active:
+                    ends.append((depth, active ^ now))
+                    active = now
+                    if not now:
+                        return ends
             depth += 1
         ends.append((depth, active))
         return ends
@@ -222,13 +224,16 @@ class MemoryIndex:
         """slot -> {mask -> hit blocks it holds under that mask, other than GPU only}"""
         depth = 0
         for key in chain((first,), keys):
-            now = held(key, 0) & active
-            if now != active:
-                ends.append((depth, active ^ now))
-                active = now
-                if not now:
-                    break
-            for slot in _bits(mixed(key, 0) & now):
+            slots = held(key, 0)
+            if slots != active:
+                now = slots & active
+                if now != active:
+                    ends.append((depth, active ^ now))
+                    active = now
+                    if not now:
+                        break
+            off = mixed(key, 0) & active
+            for slot in _bits(off) if off else ():
                 source = self._by_slot[slot]
                 assert source is not None
                 mask = self._states[source].masks[key]

@@ -33,7 +33,7 @@ from globalkv.index.base import (
     SourceStats,
     Tier,
 )
-from globalkv.index.scoring import TierWeights, make_hit, ranked
+from globalkv.index.scoring import TierWeights, make_hit, ranked, source_order
 from globalkv.index.state import BatchChanges, SourceState
 from globalkv.keys import BlockKey, KeyChain
 
@@ -183,7 +183,8 @@ class MemoryIndex:
                 assert source is not None
                 hits.append(Hit(source, depth, score))
                 continue
-            group = sorted(s for s in map(by_slot.__getitem__, _bits(slots)) if s is not None)
+            group = [s for s in map(by_slot.__getitem__, _bits(slots)) if s is not None]
+            group.sort(key=source_order)
             hits.extend(Hit(source, depth, score) for source in group)
         return hits
 

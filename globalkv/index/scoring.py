@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from operator import attrgetter
 
 from globalkv.index.base import DEFAULT_TIER_WEIGHTS, Hit, Source, Tier
 
@@ -41,9 +42,14 @@ class TierWeights:
         return sum(by_mask[mask] * blocks_by_mask[mask] for mask in sorted(blocks_by_mask))
 
 
+source_order = attrgetter("pod", "dp_rank")
+"""`Source`'s own order as a tuple of str and int: sorting many sources by it stays in C
+(the dataclass's generated __lt__ builds two tuples in Python per comparison)."""
+
+
 def ranked(hits: Iterable[Hit]) -> list[Hit]:
     """Best first: score, then depth, then source for a stable order."""
-    return sorted(hits, key=lambda h: (-h.score, -h.blocks, h.source))
+    return sorted(hits, key=lambda h: (-h.score, -h.blocks, *source_order(h.source)))
 
 
 def make_hit(source: Source, blocks_by_mask: Mapping[int, int], weights: TierWeights) -> Hit:

@@ -271,3 +271,15 @@ async def test_fingerprints_of_many_holders_stay_exact(index: Index, feed: Feede
         await feed(source, store(range(1, i + 2), t[: (i + 1) * BS]))
     hits = await index.lookup(keys(t))
     assert depths(hits) == {s: i + 1 for i, s in enumerate(sources)}
+
+
+async def test_equal_hits_are_ordered_by_pod_then_dp_rank(index: Index, feed: Feeder) -> None:
+    t = tokens(2)
+    sources = [Source("b"), Source("a", 10), Source("a", 2), Source("a"), Source("c", 1)]
+    for source in sources:
+        await feed(source, store([1, 2], t))
+    hits = await index.lookup(keys(t))
+    assert [h.source for h in hits] == sorted(sources)
+    assert [(h.source.pod, h.source.dp_rank) for h in hits] == [
+        ("a", 0), ("a", 2), ("a", 10), ("b", 0), ("c", 1)
+    ]  # fmt: skip

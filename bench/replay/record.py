@@ -50,6 +50,9 @@ class RunRecord:
     prompt: list[int]
     output: list[int]
     expected_hit: list[int]
+    indexed_hit: list[int | None]
+    """The longest prefix any pod held in the index when the request was routed (None:
+    the policy did not ask the index)."""
     fallback: list[bool]
     cached: list[int]
     queue: list[float]
@@ -70,6 +73,7 @@ class RunRecord:
             prompt=[0] * size,
             output=[0] * size,
             expected_hit=[0] * size,
+            indexed_hit=[None] * size,
             fallback=[False] * size,
             cached=[0] * size,
             queue=[_NAN] * size,
@@ -78,12 +82,22 @@ class RunRecord:
             done=[_NAN] * size,
         )
 
-    def routed(self, i: int, now: float, choice: Choice, *, tokens: int, output: int) -> None:
+    def routed(
+        self,
+        i: int,
+        now: float,
+        choice: Choice,
+        *,
+        tokens: int,
+        output: int,
+        indexed_hit: int | None = None,
+    ) -> None:
         self.arrival[i] = now
         self.worker[i] = choice.worker
         self.prompt[i] = tokens
         self.output[i] = output
         self.expected_hit[i] = choice.hit_tokens
+        self.indexed_hit[i] = indexed_hit
         self.fallback[i] = choice.fallback is not None
 
     def served(self, i: int, *, cached: int, queue: float, prefill: float, ttft: float) -> None:
@@ -109,6 +123,8 @@ def summarize(record: RunRecord, bucket_s: float) -> dict[str, Any]:
     """The per-policy JSON object; every time in trace seconds.
 
     `hit_rate` is cached prompt tokens over prompt tokens, as the engines count them;
+    `hit_rate_indexed` the longest prefix the index showed on any pod at routing time (for
+    a policy that asks it), and `left_indexed_holder` how many requests went elsewhere;
     `throughput_tok_s` output tokens over the span from the first arrival to the last
     token; `load_imbalance` the busiest prefill pod's computed (uncached) tokens over
     the mean; `utilisation` the pods' simulated busy share of that span.
@@ -134,6 +150,7 @@ def summarize(record: RunRecord, bucket_s: float) -> dict[str, Any]:
         "hit_rate_expected": float(np.asarray(record.expected_hit).sum() / prompt.sum())
         if prompt.sum()
         else 0.0,
+        **_indexed(record, int(prompt.sum())),
         "ttft_mean_s": float(served.mean()) if served.size else _NAN,
         "ttft_p50_s": _pct(served, 50),
         "ttft_p90_s": _pct(served, 90),
@@ -154,6 +171,20 @@ def summarize(record: RunRecord, bucket_s: float) -> dict[str, Any]:
         "index": dict(record.index),
         "wall_s": record.wall_s,
         "hit_rate_over_time": hit_rate_over_time(arrival, prompt, cached, bucket_s),
+    }
+
+
+def _indexed(record: RunRecord, prompt_tokens: int) -> dict[str, Any]:
+    pairs = [
+        (best, chosen)
+        for best, chosen in zip(record.indexed_hit, record.expected_hit, strict=True)
+        if best is not None
+    ]
+    if not pairs or not prompt_tokens:
+        return {"hit_rate_indexed": None, "left_indexed_holder": None}
+    return {
+        "hit_rate_indexed": sum(best for best, _ in pairs) / prompt_tokens,
+        "left_indexed_holder": sum(1 for best, chosen in pairs if chosen < best),
     }
 
 

@@ -135,15 +135,24 @@ def ratios(point: Point) -> list[str]:
     for other in ("random", "least_load", "cache_aware"):
         if other in got and prefix > 0:
             theirs = got[other]["ttft_mean_s"]
+            change = "lower" if prefix <= theirs else "higher"
             lines.append(
                 f"mean TTFT {other} / prefix = {theirs / prefix:.2f}× "
-                f"(prefix {(1 - prefix / theirs) * 100:.0f} % lower)"
+                f"(prefix {abs(1 - prefix / theirs) * 100:.0f} % {change})"
             )
     if point.oracle is not None and "random" in got:
         lines.append(
             "mean TTFT random / TTFT floor = "
             f"{got['random']['ttft_mean_s'] / point.oracle.ttft_floor_s:.2f}× "
             "(the largest ratio any policy could reach)"
+        )
+    indexed, left = got["prefix"].get("hit_rate_indexed"), got["prefix"].get("left_indexed_holder")
+    if indexed is not None and left is not None:
+        share = left / got["prefix"]["requests"] * 100
+        lines.append(
+            f"prefix sent {left:,} requests ({share:.0f} %) elsewhere than the pod with the "
+            f"longest indexed prefix: the index offered {indexed * 100:.1f} % of prompt tokens, "
+            f"the choices counted on {got['prefix']['hit_rate_expected'] * 100:.1f} %"
         )
     if point.oracle is not None and point.oracle.belady > 0:
         hit = got["prefix"]["hit_rate"]

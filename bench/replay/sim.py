@@ -180,7 +180,17 @@ class Simulation:
                 loads.start(decode),
                 settings.output_tokens(req.output_length),
             )
-            record.routed(i, now, choice, tokens=len(tokens), output=flights[i].output_length)
+            indexed = (
+                None if answer is None else max((p.hit_tokens for p in answer.pods), default=0)
+            )
+            record.routed(
+                i,
+                now,
+                choice,
+                tokens=len(tokens),
+                output=flights[i].output_length,
+                indexed_hit=indexed,
+            )
             pod = self.pods[choice.worker]
             pod.admit(i, tokens, now)
             push(now, _KICK, pod)

@@ -105,11 +105,19 @@ async def test_the_prefix_policy_sees_a_pod_s_blocks_only_after_the_event_delay(
     path = write_trace(tmp_path / "t.jsonl", rows)
     kwargs: dict[str, Any] = {"pods": 4, "capacity_blocks": 8, "prefill_tokens_per_s": 100.0}
     prompt = await replay(path, "prefix", event_delay_s=0.5, **kwargs)
+    assert prompt.indexed_hit == [0, 8]
     assert prompt.expected_hit == [0, 8]
     assert prompt.cached == [0, 8]
     assert prompt.worker[1] == prompt.worker[0]
+    summary = summarize(prompt, bucket_s=60)
+    assert summary["hit_rate_indexed"] == pytest.approx(8 / 18)
+    assert summary["left_indexed_holder"] == 0
     late = await replay(path, "prefix", event_delay_s=5.0, **kwargs)
+    assert late.indexed_hit == [0, 0]
     assert late.expected_hit == [0, 0]
+    blind = await replay(path, "least_load", **kwargs)
+    assert blind.indexed_hit == [None, None]
+    assert summarize(blind, bucket_s=60)["hit_rate_indexed"] is None
 
 
 @pytest.mark.parametrize("name", ALL_POLICIES)
@@ -235,3 +243,20 @@ def test_the_offered_work_counts_the_attention_term(tmp_path: Path) -> None:
     trace = read_trace(path, block_size=4)
     assert offered_work_per_s(trace) == pytest.approx(12 / 2)
     assert offered_work_per_s(trace, 10) == pytest.approx((8 + 8 * 7 / 20 + 4 + 4 * 3 / 20) / 2)
+
+
+async def test_the_prefix_policy_leaves_a_busy_holder_and_the_record_counts_it(
+    tmp_path: Path,
+) -> None:
+    rows = [
+        row(0, 9, [1, 2, 3]),
+        row(10_000, 40, [1, 2, *range(10, 18)]),  # hits 8 on the holder, queues 32 there
+        row(12_000, 9, [1, 2, 4]),  # the holder has 32 queued: 1 + 32 > 9 elsewhere
+    ]
+    path = write_trace(tmp_path / "t.jsonl", rows)
+    record = await replay(path, "prefix", pods=2, capacity_blocks=16, prefill_tokens_per_s=1.0)
+    assert record.worker[1] == record.worker[0]
+    assert record.worker[2] != record.worker[0]
+    assert record.indexed_hit == [0, 8, 8]
+    assert record.expected_hit == [0, 8, 0]
+    assert summarize(record, bucket_s=60)["left_indexed_holder"] == 1

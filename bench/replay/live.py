@@ -85,11 +85,20 @@ def stack_config(
 class _Answer:
     ttft: float
     done: float
-    meta: dict[str, Any]
+    cached: int
+    queue_s: float
+    prefill_s: float
 
 
 class LiveRequestError(RuntimeError):
-    """A request the stack did not answer properly; the run records it as not served."""
+    """A request the stack did not answer properly; the run records it as failed."""
+
+
+def _number(meta: dict[str, Any], key: str, default: float | None = None) -> float:
+    value = meta.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise LiveRequestError(f"meta_info.{key} is {value!r}, not a number >= 0")
+    return float(value)
 
 
 async def _send(
@@ -115,12 +124,21 @@ async def _send(
                 break
             if first is None:
                 first = time.perf_counter()
-            chunk = json.loads(payload)
+            try:
+                chunk = json.loads(payload)
+            except json.JSONDecodeError as exc:
+                raise LiveRequestError(f"a streamed chunk is not JSON: {exc.msg}") from None
             if isinstance(chunk, dict) and isinstance(chunk.get("meta_info"), dict):
                 meta = chunk["meta_info"]
     if first is None or "cached_tokens" not in meta:
         raise LiveRequestError("the stream ended without a token and its meta_info")
-    return _Answer(first - sent, time.perf_counter() - sent, meta)
+    return _Answer(
+        ttft=first - sent,
+        done=time.perf_counter() - sent,
+        cached=int(_number(meta, "cached_tokens")),
+        queue_s=_number(meta, "queue_ms", 0.0) / 1000,
+        prefill_s=_number(meta, "prefill_ms", 0.0) / 1000,
+    )
 
 
 async def replay_through(
@@ -129,54 +147,73 @@ async def replay_through(
     trace: Trace,
     policy: PolicyName,
     progress: ProgressHook | None = None,
+    *,
+    client: httpx.AsyncClient | None = None,
 ) -> RunRecord:
-    """Send the trace to a running gateway at its scaled arrival times."""
+    """Send the trace to a running gateway at its scaled arrival times.
+
+    `client` is the one pooled client to use (tests pass one over `httpx.MockTransport`);
+    without it one is made for the run, with no connection limit: arrivals must not
+    wait for a free connection.
+    """
+    if client is None:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        timeout = httpx.Timeout(None, connect=10.0)
+        async with httpx.AsyncClient(limits=limits, timeout=timeout) as owned:
+            return await _replay(owned, url, settings, trace, policy, progress)
+    return await _replay(client, url, settings, trace, policy, progress)
+
+
+async def _replay(
+    client: httpx.AsyncClient,
+    url: str,
+    settings: ReplaySettings,
+    trace: Trace,
+    policy: PolicyName,
+    progress: ProgressHook | None,
+) -> RunRecord:
     scale = settings.time_scale
     requests = trace.requests
     arrivals = [t * scale for t in arrival_times(requests, settings.arrivals)]
     record = RunRecord.empty(policy, len(requests), scale)
     failures: list[str] = []
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-    timeout = httpx.Timeout(None, connect=10.0)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-        started = time.perf_counter()
+    started = time.perf_counter()
 
-        async def one(i: int) -> None:
-            req = requests[i]
-            tokens = expand(req.hash_ids, req.input_length, trace.block_size, settings.vocab)
-            output = settings.output_tokens(req.output_length)
-            at = arrivals[i]
-            record.routed(i, at, Choice(""), tokens=len(tokens), output=output)
-            delay = started + at - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            sent = time.perf_counter() - started
-            try:
-                answer = await _send(client, url, tokens, max(output, 1))
-            except (httpx.HTTPError, LiveRequestError, ValueError) as exc:
-                failures.append(f"request {i}: {exc!r}")
-                return
-            meta = answer.meta
-            record.served(
-                i,
-                cached=int(meta["cached_tokens"]),
-                queue=float(meta.get("queue_ms", 0.0)) / 1000,
-                prefill=float(meta.get("prefill_ms", 0.0)) / 1000,
-                ttft=sent - at + answer.ttft,
-            )
-            record.decoded(i, sent + answer.done)
-            if progress is not None:
-                done = sum(1 for d in record.done if not math.isnan(d))
-                wall = time.perf_counter() - started
-                progress(Progress(policy, done, len(requests), at / scale, wall))
+    async def one(i: int) -> None:
+        req = requests[i]
+        tokens = expand(req.hash_ids, req.input_length, trace.block_size, settings.vocab)
+        output = settings.output_tokens(req.output_length)
+        at = arrivals[i]
+        record.routed(i, at, Choice(""), tokens=len(tokens), output=output)
+        delay = started + at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        sent = time.perf_counter() - started
+        try:
+            answer = await _send(client, url, tokens, max(output, 1))
+        except (httpx.HTTPError, LiveRequestError) as exc:
+            failures.append(f"request {i}: {exc}")
+            return
+        record.served(
+            i,
+            cached=answer.cached,
+            queue=answer.queue_s,
+            prefill=answer.prefill_s,
+            ttft=sent - at + answer.ttft,
+        )
+        record.decoded(i, sent + answer.done)
+        if progress is not None:
+            done = sum(1 for d in record.done if not math.isnan(d))
+            wall = time.perf_counter() - started
+            progress(Progress(policy, done, len(requests), at / scale, wall))
 
-        await asyncio.gather(*(one(i) for i in range(len(requests))))
-        wall = time.perf_counter() - started
+    await asyncio.gather(*(one(i) for i in range(len(requests))))
     if failures:
         log.warning(
             "%d of %d live requests failed; first: %s", len(failures), len(requests), failures[0]
         )
-    record.close([], {"failed_requests": len(failures)}, wall_s=wall)
+    record.failed = len(failures)
+    record.close([], {}, wall_s=time.perf_counter() - started)
     return record
 
 
@@ -225,7 +262,6 @@ def run_live(
             record = asyncio.run(
                 replay_through(stack.gateway_url, settings, trace, policy, progress)
             )
-            failed = record.index.get("failed_requests", 0)
-            record.close(pod_stats(stack), {"failed_requests": failed}, wall_s=record.wall_s)
+            record.close(pod_stats(stack), {}, wall_s=record.wall_s)
         records[policy] = record
     return records

@@ -61,6 +61,9 @@ class RunRecord:
     done: list[float]
     pods: list[PodStats] = field(default_factory=list)
     index: dict[str, int] = field(default_factory=dict)
+    """What the simulated index applied (live mode: empty)."""
+    failed: int = 0
+    """Live requests the stack did not answer properly."""
     wall_s: float = 0.0
 
     @classmethod
@@ -146,6 +149,7 @@ def summarize(record: RunRecord, bucket_s: float) -> dict[str, Any]:
         "policy": record.policy,
         "requests": len(record.prompt),
         "served": int(served.size),
+        "failed_requests": record.failed,
         "hit_rate": float(cached.sum() / prompt.sum()) if prompt.sum() else 0.0,
         "hit_rate_expected": float(np.asarray(record.expected_hit).sum() / prompt.sum())
         if prompt.sum()

@@ -191,14 +191,20 @@ class MemoryIndex:
         hits: list[Hit] = []
         for depth, slots in reversed(ends):
             score = weight * depth
-            if not slots & (slots - 1):  # one source: no generator, no sort
+            if not slots & (slots - 1):  # one source: no sort
                 source = by_slot[slots.bit_length() - 1]
                 assert source is not None
                 hits.append(Hit(source, depth, score))
                 continue
-            group = [s for s in map(by_slot.__getitem__, _bits(slots)) if s is not None]
+            group = []
+            while slots:
+                low = slots & -slots
+                group.append(by_slot[low.bit_length() - 1])
+                slots ^= low
             group.sort(key=source_order)
-            hits.extend(Hit(source, depth, score) for source in group)
+            for source in group:
+                assert source is not None
+                hits.append(Hit(source, depth, score))
         return hits
 
     def _ends(self, keys: Iterator[BlockKey]) -> list[tuple[int, int]]:

@@ -1,11 +1,11 @@
 """The embedded index, and the reference every other backend is tested against.
 
 Each source gets a small slot number; each key maps to an int whose bits are the slots
-holding it. A lookup then walks the chain with one dict probe and one AND per block,
-whatever the number of sources, and stops when no source continues: the per-source work
-happens only where a source's run ends. Tiers cost nothing while every holder of a key
-has it on the GPU only; keys held otherwise are listed in a second, usually empty, map
-and scored from the holder's own mask.
+holding it. A lookup then walks the chain with one dict probe per block, whatever the
+number of sources, and stops when no source continues (hashing a lazy `KeyChain` no
+further): the per-source work happens only where a source's run ends. Tiers cost nothing
+while every holder of a key has it on the GPU only; keys held otherwise are listed in a
+second, usually empty, map and scored from the holder's own mask.
 
 Memory bound (`max_entries`, counted in (key, source) pairs): when a store would exceed
 it, that store and the rest of its event are skipped and counted as `over_capacity`,

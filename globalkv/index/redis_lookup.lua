@@ -39,7 +39,7 @@ for j = 1, #first, 2 do
     fingerprint = first[j + 1]
   else
     local k = #gens + 1
-    gens[k], values[k], since[k], runs[k] = first[j], first[j + 1], 1, {}
+    gens[k], values[k], since[k] = first[j], first[j + 1], 1
     by_value[tonumber(first[j + 1])] = k
   end
 end
@@ -57,20 +57,31 @@ local function limbs(s)
   return tonumber(sub(s, 1, cut)), tonumber(sub(s, cut + 1))
 end
 
--- A generation's run under one value ended before block `at`.
+-- A generation's run under one value ended before block `at` (the mask changed): kept
+-- in `runs`, which most generations never need.
 local function close(j, at)
   local r = runs[j]
+  if not r then
+    r = {}
+    runs[j] = r
+  end
   r[#r + 1] = tonumber(values[j]) % 8
   r[#r + 1] = at - since[j]
 end
 
 local function finish(j, at)
-  close(j, at)
+  local r = runs[j]
   out[#out + 1] = tonumber(gens[j])
-  out[#out + 1] = #runs[j] / 2
-  for _, v in ipairs(runs[j]) do
-    out[#out + 1] = v
+  if r then
+    out[#out + 1] = #r / 2 + 1
+    for _, v in ipairs(r) do
+      out[#out + 1] = v
+    end
+  else
+    out[#out + 1] = 1
   end
+  out[#out + 1] = tonumber(values[j]) % 8
+  out[#out + 1] = at - since[j]
 end
 
 -- Generation j's run ended: move the last one into its place.

@@ -48,8 +48,18 @@ source_order = attrgetter("pod", "dp_rank")
 
 
 def ranked(hits: Iterable[Hit]) -> list[Hit]:
-    """Best first: score, then depth, then source for a stable order."""
-    return sorted(hits, key=lambda h: (-h.score, -h.blocks, *source_order(h.source)))
+    """Best first: score, then depth, then source for a stable order.
+
+    Two stable sorts with C-level keys (source, then score and depth descending) instead of
+    one with a key tuple built in Python per hit.
+    """
+    order = sorted(hits, key=_by_source)
+    order.sort(key=_by_score_and_depth, reverse=True)
+    return order
+
+
+_by_source = attrgetter("source.pod", "source.dp_rank")
+_by_score_and_depth = attrgetter("score", "blocks")
 
 
 def make_hit(source: Source, blocks_by_mask: Mapping[int, int], weights: TierWeights) -> Hit:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 from collections.abc import AsyncIterator
@@ -146,6 +147,11 @@ class Indexer:
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: FastAPI) -> AsyncIterator[None]:
         await self.start()
+        # The ~74k objects of imports and setup never die; frozen, full collections stop
+        # walking them (16 ms each under load, measured by bench.freshness). The index's
+        # own blocks are plain ints the collector does not track.
+        gc.collect()
+        gc.freeze()
         try:
             yield
         finally:

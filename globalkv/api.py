@@ -168,8 +168,11 @@ def create_app(
     def admin(authorization: Annotated[str | None, Header()] = None) -> None:
         if config.admin_token is None:
             return
-        expected = f"Bearer {config.admin_token}"
-        if authorization is None or not hmac.compare_digest(authorization, expected):
+        # Compared as the bytes that came over the wire (headers arrive latin-1 decoded):
+        # compare_digest refuses str with non-ASCII characters, a 500 for any client.
+        expected = f"Bearer {config.admin_token}".encode()
+        given = None if authorization is None else authorization.encode("latin-1")
+        if given is None or not hmac.compare_digest(given, expected):
             raise HTTPException(401, "this endpoint needs `Authorization: Bearer <admin token>`")
 
     def unavailable(exc: IndexUnavailable) -> HTTPException:

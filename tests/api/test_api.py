@@ -242,6 +242,24 @@ async def test_pods_need_the_admin_token(client: httpx.AsyncClient) -> None:
     wrong = {"authorization": "Bearer nope"}
     assert (await client.post("/v1/pods", json=POD, headers=wrong)).status_code == 401
     assert (await client.delete("/v1/pods/p0")).status_code == 401
+    latin = {"authorization": "Bearer s\xe9cret".encode("latin-1")}
+    assert (await client.post("/v1/pods", json=POD, headers=latin)).status_code == 401
+
+
+async def test_a_non_ascii_admin_token_is_compared_as_utf8_bytes(index: MemoryIndex) -> None:
+    ingest = cast(IngestService, SimpleNamespace(ready=True, resyncing=0))
+    app = create_app(
+        ApiConfig(admin_token="s\xe9cret"),
+        index=index,
+        registry=MemoryRegistry(),
+        ingest=ingest,
+        metrics_registry=CollectorRegistry(),
+    )
+    async with await _client(app) as client:
+        right = {"authorization": "Bearer s\xe9cret".encode()}
+        wrong = {"authorization": "Bearer s\xe9cret".encode("latin-1")}
+        assert (await client.post("/v1/pods", json={}, headers=wrong)).status_code == 401
+        assert (await client.post("/v1/pods", json={}, headers=right)).status_code == 422
 
 
 async def test_add_list_and_delete_a_pod(

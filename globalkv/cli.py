@@ -4,7 +4,11 @@ Subcommands are found through the `globalkv.commands` entry-point group. Each en
 is a function `register(subparsers)` that adds one subparser and sets two defaults on it:
 `run(args) -> int` (starts the component) and `check_config(args) -> None` (builds and validates
 the component's configuration without starting anything, raising `ValueError` on bad
-input). This keeps the dispatcher free of imports of `gateway/` and `enginesim/`.
+input; `config_error` words a pydantic error the same way for every command). This keeps
+the dispatcher free of imports of `gateway/` and `enginesim/`.
+
+The dispatcher calls `check_config` before `run` too, so an invalid configuration ends
+every command the same way, one line on stderr and exit status 2, before anything starts.
 
 Every flag of a subcommand can also come from the environment, which is how containers
 configure the same commands: `--foo-bar` of `globalkv gateway` reads
@@ -24,19 +28,23 @@ import sys
 from collections.abc import Mapping, Sequence
 from importlib.metadata import entry_points
 
+from pydantic import ValidationError
+
 ENTRY_POINT_GROUP = "globalkv.commands"
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
 
-def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+def build_parser(
+    env: Mapping[str, str] = os.environ,
+) -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     parser = argparse.ArgumentParser(
         prog="globalkv",
         description="KV-cache-aware control plane for prefill/decode disaggregated LLM serving.",
     )
     parser.add_argument(
         "--log-level",
-        default=os.environ.get("GLOBALKV_LOG_LEVEL", "INFO"),
+        default=env.get("GLOBALKV_LOG_LEVEL", "INFO"),
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
         help="logging level (env GLOBALKV_LOG_LEVEL)",
     )
@@ -49,6 +57,17 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
         ep.load()(sub)
     return parser, dict(sub.choices)
+
+
+def config_error(exc: ValidationError) -> ValueError:
+    """What `check_config` raises for an invalid configuration: one line that names every
+    offending field by its path, so the user can find the flag behind it."""
+    problems = []
+    for error in exc.errors(include_url=False):
+        where = ".".join(str(part) for part in error["loc"])
+        message = error["msg"].removeprefix("Value error, ")
+        problems.append(f"{where}: {message}" if where else message)
+    return ValueError("; ".join(problems))
 
 
 def env_var_name(command: str, option: str) -> str:
@@ -87,7 +106,7 @@ def env_argv(
 
 
 def parse(argv: Sequence[str], env: Mapping[str, str]) -> argparse.Namespace:
-    parser, commands = build_parser()
+    parser, commands = build_parser(env)
     args = list(argv)
     command_pos = next((i for i, tok in enumerate(args) if tok in commands), None)
     if command_pos is not None:
@@ -110,12 +129,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     # lines that matter. Our components log their own failures.
     if args.log_level != "DEBUG":
         logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        args.check_config(args)
+    except ValueError as exc:
+        print(f"globalkv {args.command}: invalid configuration: {exc}", file=sys.stderr)
+        return 2
     if args.check:
-        try:
-            args.check_config(args)
-        except ValueError as exc:
-            print(f"globalkv {args.command}: invalid configuration: {exc}", file=sys.stderr)
-            return 2
         print(f"globalkv {args.command}: configuration ok")
         return 0
     result: int = args.run(args)

@@ -13,18 +13,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
 from globalkv.api import ApiConfig
+from globalkv.cli import config_error
 from globalkv.indexer import IndexerConfig, run_indexer
 from globalkv.ingest.service import IngestConfig
 from globalkv.registry import PodInfo
-
-log = logging.getLogger(__name__)
 
 
 def register(subparsers: Any) -> None:
@@ -100,10 +98,7 @@ def config_from_args(args: argparse.Namespace) -> IndexerConfig:
             ingest=IngestConfig(bind=args.bind, queue_size=args.queue_size),
         )
     except ValidationError as exc:
-        errors = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or 'value'}: {e['msg']}" for e in exc.errors()
-        )
-        raise ValueError(errors) from None
+        raise config_error(exc) from None
 
 
 def check_config(args: argparse.Namespace) -> None:
@@ -111,9 +106,5 @@ def check_config(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        config = config_from_args(args)
-    except ValueError as exc:
-        log.error("invalid configuration: %s", exc)
-        return 2
-    return run_indexer(config)
+    """Called by the dispatcher once `check_config` passed."""
+    return run_indexer(config_from_args(args))

@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import ClientDisconnect
 
 from bootstrap.metrics import DirectoryMetrics
 from bootstrap.protocol import (
@@ -93,15 +94,24 @@ def _text(status: int, message: str) -> PlainTextResponse:
     return PlainTextResponse(message, status_code=status)
 
 
+def _refuse_constant(name: str) -> object:
+    """NaN and Infinity are not JSON: kept in a layout, they would break every later
+    JSON answer that shows it (`/v1/directory` renders strictly)."""
+    raise ValueError(f"{name} is not a JSON value")
+
+
 async def _json_body(request: Request, what: str, model: type[_Body]) -> _Body:
     """Read, parse and validate a body, or raise `_BadInput` with the status to answer."""
     chunks = bytearray()
-    async for chunk in request.stream():
-        chunks += chunk
-        if len(chunks) > MAX_BODY_BYTES:
-            raise _BadInput(413, f"{what}: body exceeds {MAX_BODY_BYTES} bytes")
     try:
-        data = json.loads(chunks)
+        async for chunk in request.stream():
+            chunks += chunk
+            if len(chunks) > MAX_BODY_BYTES:
+                raise _BadInput(413, f"{what}: body exceeds {MAX_BODY_BYTES} bytes")
+    except ClientDisconnect:
+        raise _BadInput(400, f"{what}: the client left before sending the whole body") from None
+    try:
+        data = json.loads(chunks, parse_constant=_refuse_constant)
     except (ValueError, RecursionError) as exc:
         raise _BadInput(400, f"{what}: body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):

@@ -10,11 +10,13 @@ from typing import Any
 
 import httpx
 import pytest
+from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bootstrap.protocol import COMPAT_VERSIONS, CompatVersion, snapshot_keys
 from bootstrap.server import MAX_BODY_BYTES, BootstrapConfig, create_app
+from tests.bootstrap.asgi import Exchange
 from tests.bootstrap.factories import SGLANG_0_5_23_PUT, FakeClock, body, instance
 
 SNAPSHOT = "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
@@ -29,6 +31,7 @@ def rank_url(dp: int, cp: int, tp: int, pp: int) -> str:
 
 @dataclass
 class Directory:
+    app: FastAPI
     client: httpx.AsyncClient
     clock: FakeClock
     registry: CollectorRegistry
@@ -60,7 +63,7 @@ async def open_directory(**config: Any) -> tuple[Directory, httpx.AsyncClient]:
     registry = CollectorRegistry()
     app = create_app(BootstrapConfig(**config), clock=clock, registry=registry)
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://directory")
-    return Directory(client, clock, registry), client
+    return Directory(app, client, clock, registry), client
 
 
 @pytest.fixture
@@ -136,6 +139,11 @@ BAD_BODIES: list[tuple[bytes, int, str]] = [
     (json.dumps({**SGLANG_0_5_23_PUT, "attn_tp_rank": 5}).encode(), 422, "attn_tp_rank=5"),
     (json.dumps({**SGLANG_0_5_23_PUT, "rank_port": "x"}).encode(), 422, "rank_port"),
     (json.dumps({"rank_ip": "10.0.0.1"}).encode(), 422, "attn_tp_size: Field required"),
+    (
+        json.dumps({**SGLANG_0_5_23_PUT, "dsv41_spec_layout": {"x": float("nan")}}).encode(),
+        400,
+        "NaN is not a JSON value",
+    ),
 ]
 
 
@@ -155,6 +163,15 @@ async def test_malformed_registrations_get_4xx_and_change_nothing(
 async def test_an_oversized_body_gets_413(directory: Directory) -> None:
     response = await directory.client.put("/route", content=b" " * (MAX_BODY_BYTES + 1))
     assert response.status_code == 413
+    assert (await directory.table())["registered"] == 0
+
+
+async def test_a_client_leaving_mid_body_gets_400_not_500(directory: Directory) -> None:
+    exchange = Exchange("PUT", "/route", [b'{"attn_tp_size": 2, '], complete=False)
+    exchange.leave()
+    await exchange.run(directory.app)
+    assert exchange.status == 400
+    assert b"left before sending the whole body" in exchange.body
     assert (await directory.table())["registered"] == 0
 
 

@@ -16,346 +16,34 @@ parser with a prebuilt answer 5-6 µs); the rest is the ASGI request path: messa
 dicts, Starlette's middleware stack, and a task per request listening for the client's
 disconnect, which here is `connection_lost`, at no cost per request.
 
-What this server does instead, per connection: httptools parses requests in
-`data_received`; a POST to an inference path is answered by `gateway.inference` in one
-task, the answer written as prebuilt bytes; every other request (admin, info, health,
-metrics) is handed to the ASGI app (FastAPI), so those routes keep their one
-implementation. A client that goes away is seen in `connection_lost`, which cancels the
-request's task — and with it both upstream calls — at no cost per request.
-
-HTTP/1.1 keep-alive with pipelined requests answered in order (reading pauses while a
-few wait), `Expect: 100-continue`, `--max-payload-size` enforced from Content-Length
-before reading (413, connection closed) and while reading chunked bodies, write flow
-control for streams, idle keep-alive connections closed after `keep_alive_secs`, and a
-graceful `shutdown` (stop accepting, finish what is in flight, then close).
+What this server does instead: each connection is a `gateway.client_connection`
+protocol, which parses requests with httptools in `data_received`, answers inference
+itself through `gateway.inference` (one task per request, the answer written as prebuilt
+bytes) and hands every other request (admin, info, health, metrics) to the ASGI app
+(FastAPI), so those routes keep their one implementation. Here: listening, idle
+keep-alive connections closed after `keep_alive_secs`, and a graceful `shutdown` (stop
+accepting, finish what is in flight, then close).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-from collections import deque
-from typing import Any, cast
 
-import httptools
 from starlette.types import ASGIApp
 
-from gateway.http1 import (
-    CLOSE,
-    LAST_CHUNK,
-    HttpRequest,
-    answer_bytes,
-    chunk,
-    connection_header,
-    serve_asgi,
-    status_line,
-)
-from gateway.inference import INFERENCE_PATHS, Inference, Relay, problem, too_large
-from gateway.inject import Endpoint
-from gateway.upstream import Answer
-
-log = logging.getLogger(__name__)
-
-_HOT: dict[bytes, tuple[Endpoint, str]] = {
-    path.encode(): (endpoint, path) for path, endpoint in INFERENCE_PATHS.items()
-}
-_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-_QUEUED_MAX = 8
-"""Pipelined requests held before reading from the client pauses."""
-
-
-class _Connection(asyncio.Protocol):
-    def __init__(self, server: GatewayServer) -> None:
-        self._server = server
-        self._loop = asyncio.get_running_loop()
-        self._parser = httptools.HttpRequestParser(self)
-        self._transport: asyncio.Transport | None = None
-        self._request: HttpRequest | None = None
-        self._queue: deque[HttpRequest] = deque()
-        self._task: asyncio.Task[None] | None = None
-        self._reading = True
-        self._write_paused = False
-        self._drained: asyncio.Future[None] | None = None
-        self._lost: asyncio.Future[None] | None = None
-        self._closing = False
-        self._answered = False
-        self.closed = False
-        self.last_active = self._loop.time()
-        self.peer: Any = None
-        self.local: Any = None
-
-    @property
-    def idle(self) -> bool:
-        return self._task is None and self._request is None and not self._queue
-
-    def close(self) -> None:
-        """Close now, or after the answer in progress when there is one."""
-        self._closing = True
-        if self.idle and self._transport is not None:
-            self._transport.close()
-
-    def abort(self) -> None:
-        if self._transport is not None:
-            self._transport.abort()
-
-    # asyncio.Protocol
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
-        self.peer = transport.get_extra_info("peername")
-        self.local = transport.get_extra_info("sockname")
-        self._server.connections.add(self)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        self._server.lost(self)
-        if self._task is not None:
-            self._task.cancel()
-        for waiter in (self._drained, self._lost):
-            if waiter is not None and not waiter.done():
-                waiter.set_result(None)
-
-    def data_received(self, data: bytes) -> None:
-        if self._closing:
-            return  # what follows an answer that closes the connection is not read
-        self.last_active = self._loop.time()
-        try:
-            self._parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._refuse(problem(400, "protocol upgrades are not supported"))
-        except httptools.HttpParserError as exc:
-            self._refuse(problem(400, f"malformed HTTP request: {exc}"))
-
-    def pause_writing(self) -> None:
-        self._write_paused = True
-
-    def resume_writing(self) -> None:
-        self._write_paused = False
-        if self._drained is not None and not self._drained.done():
-            self._drained.set_result(None)
-
-    # httptools callbacks
-
-    def on_message_begin(self) -> None:
-        self._request = HttpRequest()
-
-    def on_url(self, url: bytes) -> None:
-        assert self._request is not None
-        self._request.url += url
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        request = self._request
-        assert request is not None
-        name = name.lower()
-        request.headers.append((name, value))
-        if name == b"authorization":
-            request.authorization = value
-        elif name == b"content-length":
-            request.length = value
-        elif name == b"expect":
-            request.expect = value.lower() == b"100-continue"
-
-    def on_headers_complete(self) -> None:
-        request = self._request
-        assert request is not None
-        parser = self._parser
-        request.method = parser.get_method()
-        request.keep_alive = parser.should_keep_alive()
-        request.version = parser.get_http_version()
-        request.path, _, request.query = request.url.partition(b"?")
-        if request.method == b"POST":
-            request.route = _HOT.get(request.path)
-        length = request.length
-        if length is not None and length.isdigit() and int(length) > self._server.limit:
-            self._too_large(request)
-        elif request.expect and self.idle_but(request):
-            self.write(_CONTINUE)
-
-    def on_body(self, body: bytes) -> None:
-        request = self._request
-        assert request is not None
-        if request.refused:
-            return
-        request.size += len(body)
-        if request.size > self._server.limit:
-            self._too_large(request)
-        else:
-            request.body.append(body)
-
-    def on_message_complete(self) -> None:
-        request, self._request = self._request, None
-        assert request is not None
-        if request.refused and self._closing:
-            return  # answered already
-        if self._task is None:
-            self._start(request)
-            return
-        self._queue.append(request)
-        if len(self._queue) >= _QUEUED_MAX and self._reading and self._transport is not None:
-            self._reading = False
-            self._transport.pause_reading()
-
-    # serving
-
-    def idle_but(self, request: HttpRequest) -> bool:
-        """No answer in progress or waiting besides `request`'s."""
-        return self._task is None and not self._queue and self._request is request
-
-    def _too_large(self, request: HttpRequest) -> None:
-        request.refused = True
-        request.body = []
-        if self.idle_but(request):
-            self._refuse(self._oversized(request))
-
-    def _oversized(self, request: HttpRequest) -> Answer:
-        answer = too_large(self._server.limit)
-        if request.route is not None:
-            self._server.inference.refuse(request.route[0], answer)
-        return answer
-
-    def _refuse(self, answer: Answer) -> None:
-        """Answer now and close: what follows on this connection cannot be trusted.
-
-        With an answer in progress, that one is finished and the connection closed after.
-        """
-        self._closing = True
-        if self._task is None and self._transport is not None:
-            self._write_answer(answer, CLOSE)
-            self._transport.close()
-
-    def _write_answer(self, answer: Answer, connection: bytes) -> None:
-        self._answered = True
-        self.write(answer_bytes(answer, connection))
-
-    def _start(self, request: HttpRequest) -> None:
-        self._answered = False
-        self._task = self._loop.create_task(self._serve(request))
-
-    async def _serve(self, request: HttpRequest) -> None:
-        try:
-            if request.refused:
-                self._closing = True
-                self._write_answer(self._oversized(request), CLOSE)
-            elif request.route is not None:
-                await self._inference(request, request.route)
-            else:
-                await self._asgi(request)
-        except asyncio.CancelledError:
-            self._closing = True  # the client left, or the server is stopping
-        except Exception:
-            log.exception("error serving %s %s", request.method.decode(), request.path.decode())
-            if not self._answered:
-                self._write_answer(problem(500, "internal error"), CLOSE)
-            self._closing = True
-        finally:
-            self._task = None
-            self._next(request)
-
-    def _next(self, request: HttpRequest) -> None:
-        if self.closed or self._transport is None:
-            return
-        if self._closing or not request.keep_alive:
-            self._closing = True
-            self._transport.close()
-            return
-        self.last_active = self._loop.time()
-        if self._queue:
-            self._start(self._queue.popleft())
-        if not self._reading and len(self._queue) < _QUEUED_MAX:
-            self._reading = True
-            self._transport.resume_reading()
-
-    async def _inference(self, request: HttpRequest, route: tuple[Endpoint, str]) -> None:
-        endpoint, path = route
-        authorization = request.authorization
-        outcome = await self._server.inference.handle(
-            endpoint,
-            path,
-            None if authorization is None else authorization.decode("latin-1"),
-            b"".join(request.body),
-        )
-        keep_alive = request.keep_alive and not self._closing
-        if isinstance(outcome, Answer):
-            self._write_answer(outcome, connection_header(keep_alive, request.version))
-        elif request.version == "1.0":
-            await self._stream(outcome, chunked=False, keep_alive=False)
-        else:
-            await self._stream(outcome, chunked=True, keep_alive=keep_alive)
-
-    async def _stream(self, relay: Relay, *, chunked: bool, keep_alive: bool) -> None:
-        """Head and first piece in one write, then each piece as the decode sends it.
-
-        HTTP/1.0 has no chunked encoding: the body then ends with the connection.
-        """
-        self._answered = True
-        head = [status_line(relay.status)]
-        head += [
-            b"%s: %s\r\n" % (k.encode(), v.encode("latin-1")) for k, v in relay.headers.items()
-        ]
-        if chunked:
-            head.append(b"transfer-encoding: chunked\r\n")
-        head.append(connection_header(keep_alive) + b"\r\n")
-        if relay.first:
-            head.append(chunk(relay.first) if chunked else relay.first)
-        self.write(b"".join(head))
-        if await relay.run(self._piece if chunked else self._raw_piece) and chunked:
-            self.write(LAST_CHUNK)
-        else:
-            self._closing = True  # HTTP/1.0, or cut short upstream: the close ends the body
-
-    async def _piece(self, data: bytes) -> None:
-        if data:
-            self.write(chunk(data))
-            if self._write_paused:
-                await self.drain()
-
-    async def _raw_piece(self, data: bytes) -> None:
-        self.write(data)
-        if self._write_paused:
-            await self.drain()
-
-    # gateway.http1.Wire, for the ASGI bridge
-
-    def write(self, data: bytes) -> None:
-        if not self.closed and self._transport is not None:
-            self._transport.write(data)
-
-    async def drain(self) -> None:
-        if self._write_paused and not self.closed:
-            self._drained = self._loop.create_future()
-            await self._drained
-
-    async def disconnected(self) -> None:
-        if self.closed:
-            return
-        if self._lost is None:
-            self._lost = self._loop.create_future()
-        await asyncio.shield(self._lost)
-
-    async def _asgi(self, request: HttpRequest) -> None:
-        self._answered = True  # the bridge answers, whatever happens
-        keep_alive = request.keep_alive and not self._closing
-        kept = await serve_asgi(
-            self._server.app,
-            self,
-            request,
-            keep_alive=keep_alive,
-            client=self.peer,
-            server=self.local,
-        )
-        if not kept:
-            self._closing = True
+from gateway.client_connection import ClientConnection
+from gateway.inference import Inference
 
 
 class GatewayServer:
-    """Listens, serves each connection with `_Connection`, and stops gracefully."""
+    """Listens, serves each connection with a `ClientConnection`, and stops gracefully."""
 
     def __init__(self, inference: Inference, app: ASGIApp, *, keep_alive_secs: float = 5.0):
         self.inference = inference
         self.app = app
         self.limit = inference.max_payload_size
-        self.connections: set[_Connection] = set()
+        self.connections: set[ClientConnection] = set()
         self._keep_alive = keep_alive_secs
         self._server: asyncio.Server | None = None
         self._sweeper: asyncio.TimerHandle | None = None
@@ -364,7 +52,7 @@ class GatewayServer:
     async def start(self, host: str, port: int) -> None:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            lambda: _Connection(self), host, port, backlog=2048, reuse_address=True
+            lambda: ClientConnection(self), host, port, backlog=2048, reuse_address=True
         )
         self._sweeper = loop.call_later(self._keep_alive, self._sweep)
 
@@ -373,7 +61,7 @@ class GatewayServer:
         assert self._server is not None
         return int(self._server.sockets[0].getsockname()[1])
 
-    def lost(self, connection: _Connection) -> None:
+    def lost(self, connection: ClientConnection) -> None:
         self.connections.discard(connection)
         if not self.connections and self._emptied is not None and not self._emptied.done():
             self._emptied.set_result(None)

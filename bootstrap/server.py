@@ -3,8 +3,8 @@
 Answers a real SGLang decode reads are rendered exactly as SGLang renders them (same
 status, same keys, same `json.dumps` bytes, same content types). Where SGLang crashes
 into a 500 on malformed input, this server answers 400/422 naming what is wrong and
-leaves the table as it was. Our own views live at other paths (`/v1/directory`,
-`/metrics`) so they can never disturb a peer.
+leaves the table as it was. Our own paths (`/v1/directory` to read or reset the table,
+`/metrics`) are apart from SGLang's, so they can never disturb a peer.
 """
 
 from __future__ import annotations
@@ -276,6 +276,22 @@ def create_app(
                 "rooms": len(rooms),
             }
         )
+
+    @app.delete("/v1/directory")
+    async def reset_directory(request: Request) -> Response:
+        """Ours: empty the table and the rooms, so the next registration fixes a new
+        topology. Stop the old ranks first: their keep-alive would register them again.
+        Like every path of SGLang's directory, it asks for no credentials: whoever reaches
+        the port can already PUT any rank."""
+        ranks, room_entries = directory.reset(), rooms.clear()
+        client = request.client.host if request.client is not None else "unknown"
+        log.warning(
+            "directory reset by %s: dropped %d ranks and %d room entries",
+            client,
+            ranks,
+            room_entries,
+        )
+        return JSONResponse({"dropped_ranks": ranks, "dropped_rooms": room_entries})
 
     @app.get("/metrics")
     async def prometheus() -> Response:

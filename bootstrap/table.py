@@ -122,6 +122,16 @@ class Directory:
             return []
         return [c for c in self._topology.coordinates() if c not in self._ranks]
 
+    def reset(self) -> int:
+        """Forget the topology and every rank, as a restarted directory would; returns how
+        many ranks were dropped. The first registration that follows fixes the topology
+        anew, which is the only way to change it without restarting the process."""
+        dropped = len(self._ranks)
+        self._topology = None
+        self._ranks.clear()
+        self.accepted = 0
+        return dropped
+
 
 def _check_consistent(established: Topology, offered: Topology, reg: RankRegistration) -> None:
     for name in ("dsv41_spec_layout", "decode_allocation_policy"):
@@ -217,6 +227,12 @@ class RoomTable:
     def expire(self) -> None:
         """Drop what has outlived the TTL now (also done lazily by every call)."""
         self._expire(self._clock())
+
+    def clear(self) -> int:
+        """Drop every entry (counted neither as expired nor as evicted); returns how many."""
+        dropped = len(self._entries)
+        self._entries.clear()
+        return dropped
 
     def _expire(self, now: float) -> None:
         deadline = now - self.ttl

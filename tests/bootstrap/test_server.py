@@ -3,75 +3,14 @@
 from __future__ import annotations
 
 import json
-import logging
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Any
 
-import httpx
 import pytest
-from fastapi import FastAPI
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
 from bootstrap.protocol import COMPAT_VERSIONS, CompatVersion, snapshot_keys
-from bootstrap.server import MAX_BODY_BYTES, BootstrapConfig, create_app
+from bootstrap.server import MAX_BODY_BYTES
 from tests.bootstrap.asgi import Exchange
-from tests.bootstrap.factories import SGLANG_0_5_23_PUT, FakeClock, body, instance
-
-SNAPSHOT = "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
-NOT_READY = "Prefill server not fully registered yet ({} workers registered)."
-
-
-def rank_url(dp: int, cp: int, tp: int, pp: int) -> str:
-    return (
-        f"/route?prefill_dp_rank={dp}&prefill_cp_rank={cp}&target_tp_rank={tp}&target_pp_rank={pp}"
-    )
-
-
-@dataclass
-class Directory:
-    app: FastAPI
-    client: httpx.AsyncClient
-    clock: FakeClock
-    registry: CollectorRegistry
-
-    async def put_all(self, bodies: list[dict[str, Any]]) -> None:
-        for data in bodies:
-            response = await self.client.put("/route", json=data)
-            assert response.status_code == 200, response.text
-
-    async def table(self) -> dict[str, Any]:
-        view = (await self.client.get("/v1/directory")).json()
-        assert isinstance(view, dict)
-        return view
-
-    def metric(self, name: str, **labels: str) -> float:
-        for family in text_string_to_metric_families(_exposition(self.registry)):
-            for sample in family.samples:
-                if sample.name == name and sample.labels == labels:
-                    return sample.value
-        raise AssertionError(f"no sample {name}{labels}")
-
-
-def _exposition(registry: CollectorRegistry) -> str:
-    return generate_latest(registry).decode()
-
-
-async def open_directory(**config: Any) -> tuple[Directory, httpx.AsyncClient]:
-    clock = FakeClock()
-    registry = CollectorRegistry()
-    app = create_app(BootstrapConfig(**config), clock=clock, registry=registry)
-    client = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://directory")
-    return Directory(app, client, clock, registry), client
-
-
-@pytest.fixture
-async def directory() -> AsyncIterator[Directory]:
-    env, client = await open_directory()
-    async with client:
-        yield env
-
+from tests.bootstrap.factories import SGLANG_0_5_23_PUT, body, instance
+from tests.bootstrap.served import NOT_READY, SNAPSHOT, Directory, open_directory, rank_url
 
 # ---- /health and method handling ---------------------------------------------------------
 
@@ -348,82 +287,3 @@ async def test_malformed_room_bodies_get_4xx_and_change_nothing(
         )
         == 1
     )
-
-
-# ---- our extensions ------------------------------------------------------------------
-
-
-async def test_directory_view_reports_topology_missing_and_times(directory: Directory) -> None:
-    view = await directory.table()
-    assert view == {
-        "ready": False,
-        "sglang_compat": "0.5.23",
-        "topology": None,
-        "expected": None,
-        "registered": 0,
-        "missing": [],
-        "ranks": [],
-        "registrations_accepted": 0,
-        "rooms": 0,
-    }
-    await directory.put_all([body(tp=(1, 2), pp=(1, 2))])
-    directory.clock.advance(2.5)
-    await directory.put_all([body(tp=(1, 2), pp=(1, 2))])
-    view = await directory.table()
-    assert view["topology"]["attn_tp_size"] == 2
-    assert view["topology"]["pp_size"] == 2
-    assert (view["expected"], view["registered"], view["registrations_accepted"]) == (4, 1, 2)
-    assert view["missing"] == [[0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 1, 0]]
-    assert view["ranks"][0]["registered_at"] == directory.clock.now
-
-
-async def test_metrics_count_registrations_lookups_and_rooms(directory: Directory) -> None:
-    await directory.client.get(SNAPSHOT)
-    await directory.put_all(instance(tp=2))
-    await directory.put_all(instance(tp=2))
-    await directory.put_all([body(tp=(0, 2), port=1234)])
-    await directory.client.get(SNAPSHOT)
-    await directory.client.get(rank_url(0, 0, 1, 0))
-    await directory.client.get(rank_url(0, 0, 9, 0))
-    await directory.client.post("/query_dp_ranks", json={"bootstrap_rooms": [1, 2]})
-    response = await directory.client.get("/metrics")
-    assert response.status_code == 200
-    assert "globalkv_bootstrap_ready 1.0" in response.text
-    m = directory.metric
-    assert m("globalkv_bootstrap_registrations_total", outcome="new") == 2
-    assert m("globalkv_bootstrap_registrations_total", outcome="refreshed") == 2
-    assert m("globalkv_bootstrap_registrations_total", outcome="moved") == 1
-    assert m("globalkv_bootstrap_lookups_total", kind="snapshot", outcome="not_ready") == 1
-    assert m("globalkv_bootstrap_lookups_total", kind="snapshot", outcome="ok") == 1
-    assert m("globalkv_bootstrap_lookups_total", kind="rank", outcome="ok") == 1
-    assert m("globalkv_bootstrap_lookups_total", kind="rank", outcome="not_found") == 1
-    assert m("globalkv_bootstrap_rooms_queried_total", result="unknown") == 2
-    assert (m("globalkv_bootstrap_registered_ranks"), m("globalkv_bootstrap_expected_ranks")) == (
-        2,
-        2,
-    )
-
-
-async def test_logs_one_line_per_registration_and_one_when_ready(
-    directory: Directory, caplog: pytest.LogCaptureFixture
-) -> None:
-    caplog.set_level(logging.INFO, logger="bootstrap.server")
-    await directory.put_all(instance(tp=2))
-    await directory.put_all(instance(tp=2))  # refreshes log at DEBUG
-    await directory.put_all([body(tp=(0, 2), port=1234)])
-    lines = [r.getMessage() for r in caplog.records]
-    assert lines == [
-        "registered DP0 CP0 TP0 PP0 at 127.0.0.1:40000 (1/2 coordinates)",
-        "registered DP0 CP0 TP1 PP0 at 127.0.0.1:40010 (2/2 coordinates)",
-        "directory ready: all 2 coordinates registered",
-        "re-registered DP0 CP0 TP0 PP0 at 127.0.0.1:1234, was 127.0.0.1:40000 (2/2 coordinates)",
-    ]
-
-
-async def test_each_app_owns_its_metrics_registry() -> None:
-    first, c1 = await open_directory()
-    second, c2 = await open_directory()
-    async with c1, c2:
-        await first.put_all(instance())
-    assert first.metric("globalkv_bootstrap_registrations_total", outcome="new") == 1
-    assert second.metric("globalkv_bootstrap_registrations_total", outcome="new") == 0

@@ -129,6 +129,18 @@ def test_a_registration_agreeing_with_the_topology_is_accepted_after_a_refusal()
     assert directory.ready
 
 
+def test_reset_forgets_topology_and_ranks_so_the_next_registration_fixes_a_new_one() -> None:
+    directory = Directory()
+    fill(directory, instance(tp=2))
+    assert directory.reset() == 2
+    assert (directory.topology, directory.registered, directory.accepted) == (None, 0, 0)
+    assert not directory.ready
+    outcomes = [directory.register(registration(tp=(t, 4), page_size=16)) for t in range(4)]
+    assert [o.became_ready for o in outcomes] == [False, False, False, True]
+    assert directory.topology is not None
+    assert (directory.topology.attn_tp_size, directory.topology.page_size) == (4, 16)
+
+
 # ---- rooms ------------------------------------------------------------------------------
 
 
@@ -177,6 +189,14 @@ def test_the_cap_evicts_the_oldest_registrations_first_and_counts_them() -> None
     rooms.put(5, 0)
     assert rooms.query(range(10)) == {1: 1, 4: 0, 5: 0}
     assert (len(rooms), rooms.evicted, rooms.expired) == (3, 2, 0)
+
+
+def test_clear_drops_every_room_without_counting_expiry_or_eviction() -> None:
+    rooms = RoomTable(ttl=10, max_entries=10, clock=FakeClock())
+    rooms.put(1, 0)
+    rooms.put(2, 1)
+    assert rooms.clear() == 2
+    assert (len(rooms), rooms.get(1), rooms.expired, rooms.evicted) == (0, None, 0, 0)
 
 
 def test_unknown_rooms_are_left_out_of_answers() -> None:

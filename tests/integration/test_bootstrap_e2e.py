@@ -3,7 +3,8 @@
 Four rank processes ("nodes") register the eight ranks of a DP2 x TP4 instance to one
 leader directory; a decode-side resolver reads it back and reaches every rank's live
 socket; the directory is killed (the resolver's heartbeat drops the address), started
-again empty on the same port, and the ranks' keep-alive fills it without any restart.
+again empty on the same port, and the ranks' keep-alive fills it without any restart;
+emptied by `DELETE /v1/directory`, it is filled again the same way.
 """
 
 from __future__ import annotations
@@ -124,4 +125,8 @@ async def test_multi_node_instance_resolves_and_survives_a_directory_restart(
         for rank in range(TP):
             produced = await resolver.resolve(cluster.url, DecodeTopology(TP, rank), 1000 + rank)
             assert produced.ranks == before[rank]
+
+        reset = await client.delete(f"{cluster.url}/v1/directory")
+        assert reset.json()["dropped_ranks"] == 8
+        await await_for(ready, timeout=30, what="the keep-alive to refill the reset directory")
     assert all(proc.alive() for proc in cluster.procs[1:5]), "no rank process restarted"

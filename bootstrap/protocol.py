@@ -113,11 +113,13 @@ Room = Annotated[CoercedInt, Field(ge=0, le=MAX_ROOM)]
 
 
 def validation_message(exc: ValidationError) -> str:
-    """One line naming every offending field, for a 4xx body a human can act on."""
+    """One line naming every offending field, for a 4xx body or a refused setting a human
+    can act on (without pydantic's "Value error, " in front of our validators' own words)."""
     parts = []
     for err in exc.errors(include_url=False):
         where = ".".join(str(p) for p in err["loc"])
-        parts.append(f"{where}: {err['msg']}" if where else err["msg"])
+        message = err["msg"].removeprefix("Value error, ")
+        parts.append(f"{where}: {message}" if where else message)
     return "; ".join(parts)
 
 

@@ -16,6 +16,7 @@ from typing import Any, get_args
 import uvloop
 from pydantic import ValidationError
 
+from bootstrap.protocol import validation_message
 from enginesim.config import (
     EngineConfig,
     FaultSettings,
@@ -140,12 +141,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
             faults=FaultSettings(**_given(args, FaultSettings, _FAULTS)),
         )
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or 'config'}: "
-            f"{err['msg'].removeprefix('Value error, ')}"
-            for err in exc.errors()
-        )
-        raise ValueError(problems) from None
+        raise ValueError(validation_message(exc)) from None
 
 
 def check_config(args: argparse.Namespace) -> None:

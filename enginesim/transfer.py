@@ -148,7 +148,11 @@ class PrefillTransfer:
     async def wait_for_decode(
         self, room: int, ranks: Sequence[RankId], timeout: float
     ) -> dict[RankId, DecodeAddress]:
-        """Wait until the decode's per-room request reached every rank in `ranks`."""
+        """Wait until the decode's per-room request reached every rank in `ranks`.
+
+        The room stays known until `send_ready` or `fail` ends it, so a prefill that gives
+        up after (or during) the handshake tells every decode rank that reached it.
+        """
         arrival = self._arrival(room)
         try:
             async with asyncio.timeout(timeout):
@@ -162,13 +166,12 @@ class PrefillTransfer:
                 f"no decode handshake for bootstrap_room {room} on prefill ranks "
                 f"{', '.join(missing)} within {timeout:g}s",
             ) from None
-        finally:
-            self._arrivals.pop(room, None)
         return {rank: arrival.dests[rank] for rank in ranks}
 
     async def send_ready(
         self, room: int, dests: Mapping[RankId, DecodeAddress], metadata: KVMetadata
     ) -> None:
+        self._arrivals.pop(room, None)
         await asyncio.gather(
             *(
                 self._send_status(dest, StatusMessage(room, "success", rank, metadata=metadata))

@@ -117,6 +117,34 @@ async def test_prefill_failure_reaches_a_waiting_decode(pair: Pair) -> None:
     assert "injected failure" in str(info.value)
 
 
+async def test_prefill_failure_after_the_handshake_reaches_the_decode(pair: Pair) -> None:
+    decode = asyncio.create_task(pair.exchange(77))
+    await pair.prefill.wait_for_decode(77, RANKS, timeout=10)
+    await pair.prefill.fail(77, "prefill request cancelled")
+    with pytest.raises(TransferError) as info:
+        await decode
+    assert info.value.stage == "transfer"
+    assert "prefill request cancelled" in str(info.value)
+
+
+async def test_a_handshake_timeout_is_told_to_the_decode_ranks_that_did_arrive(
+    pair: Pair,
+) -> None:
+    one_rank = {RANKS[0]: pair.prefill.addresses[RANKS[0]]}
+    connected = asyncio.Event()
+    decode = asyncio.create_task(
+        pair.decode.exchange(
+            78, one_rank, connect_timeout=10, transfer_timeout=10, on_connected=connected.set
+        )
+    )
+    await connected.wait()
+    with pytest.raises(TransferError, match=r"on prefill ranks 0\.1\.0 within"):
+        await pair.prefill.wait_for_decode(78, RANKS, timeout=0.2)
+    await pair.prefill.fail(78, "prefill handshake stage: no decode")
+    with pytest.raises(TransferError, match="prefill handshake stage: no decode"):
+        await decode
+
+
 async def test_prefill_failure_reaches_a_late_decode_at_once(pair: Pair) -> None:
     await pair.prefill.fail(77, "prefill overloaded")
     with pytest.raises(TransferError) as info:

@@ -24,15 +24,13 @@ from starlette.types import ASGIApp
 
 from gateway.http1 import (
     CLOSE,
-    LAST_CHUNK,
     HttpRequest,
     answer_bytes,
-    chunk,
     connection_header,
     serve_asgi,
-    status_line,
+    write_relay,
 )
-from gateway.inference import INFERENCE_PATHS, Inference, Relay, problem, too_large
+from gateway.inference import INFERENCE_PATHS, Inference, problem, too_large
 from gateway.inject import Endpoint
 from gateway.upstream import Answer
 
@@ -70,7 +68,7 @@ class ClientConnection(asyncio.Protocol):
         self._queue: deque[HttpRequest] = deque()
         self._task: asyncio.Task[None] | None = None
         self._reading = True
-        self._write_paused = False
+        self.write_paused = False
         self._drained: asyncio.Future[None] | None = None
         self._lost: asyncio.Future[None] | None = None
         self._closing = False
@@ -123,10 +121,10 @@ class ClientConnection(asyncio.Protocol):
             self._refuse(problem(400, f"malformed HTTP request: {exc}"))
 
     def pause_writing(self) -> None:
-        self._write_paused = True
+        self.write_paused = True
 
     def resume_writing(self) -> None:
-        self._write_paused = False
+        self.write_paused = False
         if self._drained is not None and not self._drained.done():
             self._drained.set_result(None)
 
@@ -273,42 +271,10 @@ class ClientConnection(asyncio.Protocol):
         keep_alive = request.keep_alive and not self._closing
         if isinstance(outcome, Answer):
             self._write_answer(outcome, connection_header(keep_alive, request.version))
-        elif request.version == "1.0":
-            await self._stream(outcome, chunked=False, keep_alive=False)
-        else:
-            await self._stream(outcome, chunked=True, keep_alive=keep_alive)
-
-    async def _stream(self, relay: Relay, *, chunked: bool, keep_alive: bool) -> None:
-        """Head and first piece in one write, then each piece as the decode sends it.
-
-        HTTP/1.0 has no chunked encoding: the body then ends with the connection.
-        """
+            return
         self._answered = True
-        head = [status_line(relay.status)]
-        head += [
-            b"%s: %s\r\n" % (k.encode(), v.encode("latin-1")) for k, v in relay.headers.items()
-        ]
-        if chunked:
-            head.append(b"transfer-encoding: chunked\r\n")
-        head.append(connection_header(keep_alive) + b"\r\n")
-        if relay.first:
-            head.append(chunk(relay.first) if chunked else relay.first)
-        self.write(b"".join(head))
-        if await relay.run(self._piece if chunked else self._raw_piece) and chunked:
-            self.write(LAST_CHUNK)
-        else:
+        if not await write_relay(self, outcome, version=request.version, keep_alive=keep_alive):
             self._closing = True  # HTTP/1.0, or cut short upstream: the close ends the body
-
-    async def _piece(self, data: bytes) -> None:
-        if data:
-            self.write(chunk(data))
-            if self._write_paused:
-                await self.drain()
-
-    async def _raw_piece(self, data: bytes) -> None:
-        self.write(data)
-        if self._write_paused:
-            await self.drain()
 
     # gateway.http1.Wire, for the ASGI bridge
 
@@ -317,7 +283,7 @@ class ClientConnection(asyncio.Protocol):
             self._transport.write(data)
 
     async def drain(self) -> None:
-        if self._write_paused and not self.closed:
+        if self.write_paused and not self.closed:
             self._drained = self._loop.create_future()
             await self._drained
 

@@ -1,4 +1,4 @@
-"""HTTP/1.1 on the wire for `gateway.server`: the parsed request, answer bytes, the ASGI bridge.
+"""HTTP/1.1 on the wire for `gateway.server`: the parsed request, answers, the ASGI bridge.
 
 The server answers inference itself; every other request (admin, info, health, metrics)
 goes through `serve_asgi` to the FastAPI app with its body already read, so those routes
@@ -17,6 +17,7 @@ from urllib.parse import unquote
 
 from starlette.types import ASGIApp, Message
 
+from gateway.inference import Relay
 from gateway.inject import Endpoint
 from gateway.upstream import Answer
 
@@ -96,7 +97,10 @@ class HttpRequest:
 
 
 class Wire(Protocol):
-    """What the bridge needs of a connection."""
+    """What writing an answer needs of a connection."""
+
+    write_paused: bool
+    """The transport's buffer is full: `drain` before writing more."""
 
     def write(self, data: bytes) -> None: ...
 
@@ -107,6 +111,32 @@ class Wire(Protocol):
     async def disconnected(self) -> None:
         """Until the client has gone."""
         ...
+
+
+async def write_relay(wire: Wire, relay: Relay, *, version: str, keep_alive: bool) -> bool:
+    """A committed stream: head and first piece in one write, then each piece as the decode
+    sends it. True when the body ended properly (chunked), so the connection may be kept;
+    HTTP/1.0 has no chunked encoding, and there the close ends the body."""
+    chunked = version != "1.0"
+    head = [status_line(relay.status)]
+    head += [b"%s: %s\r\n" % (k.encode(), v.encode("latin-1")) for k, v in relay.headers.items()]
+    if chunked:
+        head.append(b"transfer-encoding: chunked\r\n")
+    head.append(connection_header(keep_alive and chunked) + b"\r\n")
+    if relay.first:
+        head.append(chunk(relay.first) if chunked else relay.first)
+    wire.write(b"".join(head))
+
+    async def piece(data: bytes) -> None:
+        if data:
+            wire.write(chunk(data) if chunked else data)
+            if wire.write_paused:
+                await wire.drain()
+
+    if await relay.run(piece) and chunked:
+        wire.write(LAST_CHUNK)
+        return True
+    return False
 
 
 async def serve_asgi(

@@ -42,6 +42,9 @@ _HOT: dict[bytes, tuple[Endpoint, str]] = {
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _QUEUED_MAX = 8
 """Pipelined requests held before reading from the client pauses."""
+HEAD_MAX = 64 * 1024
+"""Bytes of a request line and headers still arriving past which 431 closes the connection
+(the chunk a head starts in is not counted: it is bounded by the transport's read size)."""
 
 
 class Server(Protocol):
@@ -83,10 +86,25 @@ class ClientConnection(asyncio.Protocol):
         return self._task is None and self._request is None and not self._queue
 
     def close(self) -> None:
-        """Close now, or after the answer in progress when there is one."""
+        """Close now, or after the answer in progress when there is one (a request still
+        arriving is dropped)."""
         self._closing = True
-        if self.idle and self._transport is not None:
+        if self._task is None and self._transport is not None:
             self._transport.close()
+
+    def expire(self, now: float, idle_secs: float, read_secs: float) -> None:
+        """Close the connection if it waits on a silent or slow client: idle between
+        requests for `idle_secs`; or, with a request arriving (408), its head not complete
+        `read_secs` after its first byte or its body silent for `read_secs`. An answer in
+        progress has its own timeouts (the upstream call's)."""
+        if self._task is not None or self._transport is None or self._closing:
+            return
+        request = self._request
+        if request is None:
+            if now - self.last_active > idle_secs:
+                self.close()
+        elif now - (self.last_active if request.method else request.started) > read_secs:
+            self._refuse(problem(408, f"the request did not arrive within {read_secs:g} s"))
 
     def abort(self) -> None:
         if self._transport is not None:
@@ -113,12 +131,27 @@ class ClientConnection(asyncio.Protocol):
         if self._closing:
             return  # what follows an answer that closes the connection is not read
         self.last_active = self._loop.time()
+        arriving = self._request
+        if arriving is not None and arriving.method:
+            arriving = None  # only a head still arriving is watched
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._refuse(problem(400, "protocol upgrades are not supported"))
+        except httptools.HttpParserCallbackError:
+            log.exception("error parsing a request from %s", self.peer)
+            self._refuse(problem(500, "internal error", "internal_error"))
         except httptools.HttpParserError as exc:
             self._refuse(problem(400, f"malformed HTTP request: {exc}"))
+        else:
+            if arriving is not None and self._request is arriving and not arriving.method:
+                self._head_grew(arriving, len(data))  # the whole chunk was more of its head
+
+    def _head_grew(self, request: HttpRequest, size: int) -> None:
+        request.head_size += size
+        if request.head_size > HEAD_MAX:
+            message = f"the request line and headers exceed {HEAD_MAX // 1024} KiB"
+            self._refuse(problem(431, message))
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -131,7 +164,7 @@ class ClientConnection(asyncio.Protocol):
     # httptools callbacks
 
     def on_message_begin(self) -> None:
-        self._request = HttpRequest()
+        self._request = HttpRequest(self.last_active)
 
     def on_url(self, url: bytes) -> None:
         assert self._request is not None
@@ -255,9 +288,15 @@ class ClientConnection(asyncio.Protocol):
         self.last_active = self._loop.time()
         if self._queue:
             self._start(self._queue.popleft())
+        elif self._request is not None:
+            self._next_arriving(self._request)
         if not self._reading and len(self._queue) < _QUEUED_MAX:
             self._reading = True
             self._transport.resume_reading()
+
+    def _next_arriving(self, request: HttpRequest) -> None:
+        """The request still arriving is next: its time to arrive starts now."""
+        request.started = self.last_active
 
     async def _inference(self, request: HttpRequest, route: tuple[Endpoint, str]) -> None:
         endpoint, path = route

@@ -61,6 +61,7 @@ class HttpRequest:
         "authorization",
         "body",
         "expect",
+        "head_size",
         "headers",
         "keep_alive",
         "length",
@@ -70,11 +71,16 @@ class HttpRequest:
         "refused",
         "route",
         "size",
+        "started",
         "url",
         "version",
     )
 
-    def __init__(self) -> None:
+    def __init__(self, started: float) -> None:
+        self.started = started
+        """Loop time of its first byte (or of when it became next in line)."""
+        self.head_size = 0
+        """Bytes of its head received after the chunk it began in (see client_connection)."""
         self.url = b""
         self.headers: list[tuple[bytes, bytes]] = []
         """Names in lowercase, as ASGI wants them."""
@@ -86,6 +92,7 @@ class HttpRequest:
         self.expect = False
         """`Expect: 100-continue` was sent."""
         self.method = b""
+        """b"" until the head is complete."""
         self.path = b""
         self.query = b""
         self.version = "1.1"

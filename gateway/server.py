@@ -20,9 +20,12 @@ What this server does instead: each connection is a `gateway.client_connection`
 protocol, which parses requests with httptools in `data_received`, answers inference
 itself through `gateway.inference` (one task per request, the answer written as prebuilt
 bytes) and hands every other request (admin, info, health, metrics) to the ASGI app
-(FastAPI), so those routes keep their one implementation. Here: listening, idle
-keep-alive connections closed after `keep_alive_secs`, and a graceful `shutdown` (stop
-accepting, finish what is in flight, then close).
+(FastAPI), so those routes keep their one implementation. Here: listening, timeouts for
+clients that make a connection wait (idle keep-alive connections closed after
+`keep_alive_secs`; a request whose head takes longer than `read_timeout_secs` to arrive,
+or whose body stalls that long, answered 408 and closed — a few slow clients must not hold
+connections forever), and a graceful `shutdown` (stop accepting, finish what is in
+flight, then close).
 """
 
 from __future__ import annotations
@@ -39,12 +42,21 @@ from gateway.inference import Inference
 class GatewayServer:
     """Listens, serves each connection with a `ClientConnection`, and stops gracefully."""
 
-    def __init__(self, inference: Inference, app: ASGIApp, *, keep_alive_secs: float = 5.0):
+    def __init__(
+        self,
+        inference: Inference,
+        app: ASGIApp,
+        *,
+        keep_alive_secs: float = 5.0,
+        read_timeout_secs: float = 30.0,
+    ):
         self.inference = inference
         self.app = app
         self.limit = inference.max_payload_size
         self.connections: set[ClientConnection] = set()
         self._keep_alive = keep_alive_secs
+        self._read_timeout = read_timeout_secs
+        self._sweep_every = max(min(keep_alive_secs, read_timeout_secs) / 2, 0.05)
         self._server: asyncio.Server | None = None
         self._sweeper: asyncio.TimerHandle | None = None
         self._emptied: asyncio.Future[None] | None = None
@@ -54,7 +66,7 @@ class GatewayServer:
         self._server = await loop.create_server(
             lambda: ClientConnection(self), host, port, backlog=2048, reuse_address=True
         )
-        self._sweeper = loop.call_later(self._keep_alive, self._sweep)
+        self._sweeper = loop.call_later(self._sweep_every, self._sweep)
 
     @property
     def port(self) -> int:
@@ -67,13 +79,15 @@ class GatewayServer:
             self._emptied.set_result(None)
 
     def _sweep(self) -> None:
-        """Close keep-alive connections idle for longer than `keep_alive_secs`."""
         loop = asyncio.get_running_loop()
-        stale = loop.time() - self._keep_alive
+        self.expire(loop.time())
+        self._sweeper = loop.call_later(self._sweep_every, self._sweep)
+
+    def expire(self, now: float) -> None:
+        """Close the connections that waited on their client too long at loop time `now`
+        (called every `min(keep_alive_secs, read_timeout_secs) / 2`; tests call it)."""
         for connection in list(self.connections):
-            if connection.idle and connection.last_active < stale:
-                connection.close()
-        self._sweeper = loop.call_later(max(self._keep_alive / 2, 0.05), self._sweep)
+            connection.expire(now, self._keep_alive, self._read_timeout)
 
     async def shutdown(self, grace: float = 10.0) -> None:
         """Stop accepting, let answers in progress finish for up to `grace` s, close all."""

@@ -3,7 +3,8 @@
 Routes, bodies and answers are the same through the ASGI app and this server and are
 tested through both in `test_app.py`; here: keep-alive and pipelining, limits enforced
 before reading, `Expect: 100-continue`, clients that leave, streams piece by piece,
-HTTP/1.0, malformed requests, idle connections and a graceful shutdown.
+HTTP/1.0, malformed requests, idle and slow clients (time passed to
+`GatewayServer.expire`, not waited for), and a graceful shutdown.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import httpx
 import pytest
 
 from gateway.app import create_app
+from gateway.client_connection import HEAD_MAX
 from gateway.inference import Inference
 from gateway.server import GatewayServer
 from gateway.service import Gateway
@@ -278,3 +280,68 @@ async def test_shutdown_finishes_what_is_in_flight_and_takes_nothing_new() -> No
             status, headers, _ = await read_answer(reader)
             assert (status, headers["connection"]) == (200, "close")
             await asyncio.wait_for(stopping, 10)
+
+
+def arriving(server: GatewayServer) -> bool:
+    """Some connection holds a request that has not fully arrived."""
+    return any(not c.idle for c in server.connections)
+
+
+async def test_a_request_that_stops_arriving_gets_408_and_a_closed_connection() -> None:
+    gateway = await make_gateway(Cluster())
+    async with serving(gateway, read_timeout_secs=30) as server:
+        for partial in (
+            b"POST /generate HTTP/1.1\r\nhost: gw\r\n",  # a head that never ends
+            b"POST /generate HTTP/1.1\r\nhost: gw\r\ncontent-length: 10\r\n\r\n{",
+        ):
+            async with connected(server) as (reader, writer):
+                writer.write(partial)
+                await until(lambda: arriving(server), "the request begun")
+                now = asyncio.get_running_loop().time()
+                server.expire(now + 29)
+                assert arriving(server), "still within its time"
+                server.expire(now + 31)
+                status, headers, body = await read_answer(reader)
+                assert (status, headers["connection"]) == (408, "close")
+                assert b"did not arrive within 30 s" in body
+                assert await reader.read() == b""
+
+
+async def test_a_head_trickled_in_is_timed_from_its_first_byte() -> None:
+    gateway = await make_gateway(Cluster())
+    async with (
+        serving(gateway, read_timeout_secs=30) as server,
+        connected(server) as (reader, writer),
+    ):
+        writer.write(b"GET /health HTTP/1.1\r\n")
+        await until(lambda: arriving(server), "the request begun")
+        first = asyncio.get_running_loop().time()
+        (connection,) = server.connections
+        writer.write(b"x-slow: 1\r\n")
+        await until(lambda: connection.last_active > first, "the second piece read")
+        server.expire(first + 31)
+        assert (await read_answer(reader))[0] == 408
+
+
+async def test_a_head_larger_than_the_limit_gets_431_and_a_closed_connection() -> None:
+    gateway = await make_gateway(Cluster())
+    async with serving(gateway) as server, connected(server) as (reader, writer):
+        writer.write(b"GET /health HTTP/1.1\r\nx-big: ")
+        await until(lambda: arriving(server), "the request begun")
+        for _ in range(2 * HEAD_MAX // 4096 + 2):
+            writer.write(b"a" * 4096)
+            await writer.drain()
+            await asyncio.sleep(0)
+        status, headers, body = await read_answer(reader)
+        assert (status, headers["connection"]) == (431, "close")
+        assert b"exceed 64 KiB" in body
+
+
+async def test_shutdown_drops_a_request_still_arriving_at_once() -> None:
+    gateway = await make_gateway(Cluster())
+    async with serving(gateway) as server, connected(server) as (reader, writer):
+        writer.write(b"POST /generate HTTP/1.1\r\nhost: gw\r\n")
+        await until(lambda: arriving(server), "the request begun")
+        stopping = asyncio.ensure_future(server.shutdown(grace=60))
+        assert await asyncio.wait_for(reader.read(), 10) == b"", "closed, not kept for the grace"
+        await asyncio.wait_for(stopping, 10)

@@ -281,21 +281,36 @@ async def test_dispatch_on_real_sockets_retries_a_failed_prefill_and_streams_the
 
 
 async def test_a_connection_paused_for_its_last_answer_reads_the_next_one() -> None:
-    big = b"y" * (PAUSE_AT + 150_000)
+    """The piece that crosses PAUSE_AT also ends the answer: the connection goes back to
+    the pool paused and must read the next answer. The server sends that last piece only
+    once the rest is buffered, so it arrives in one read whatever the kernel's chunking."""
+    first, last = b"y" * (PAUSE_AT - 500), b"z" * 1000
+    buffered = asyncio.Event()
+    calls = 0
 
     async def large(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal calls
         while True:
             await read_request(reader)
-            writer.write(STREAM_HEAD + chunk(big) + b"0\r\n\r\n")
+            calls += 1
+            writer.write(STREAM_HEAD + chunk(first))
+            await writer.drain()
+            if calls == 1:
+                await buffered.wait()
+            writer.write(chunk(last) + b"0\r\n\r\n")
             await writer.drain()
 
     async with running(large) as server:
         pool = ConnectionPool()
         upstream = PooledUpstream(pool)
         reply = await upstream.open(f"{server.url}/x", b"{}", 5.0)
+        await await_for(_async(lambda: reply._buffered >= len(first)), timeout=5, what="1st")
+        buffered.set()
         await await_for(_async(lambda: reply.done), timeout=5, what="the whole answer")
-        assert await reply.read() == big
+        (connection,) = pool._idle[("http", "127.0.0.1", int(server.url.rsplit(":", 1)[1]))]
+        assert not connection.paused, "resumed when given back to the pool"
+        assert await reply.read() == first + last
         again = await asyncio.wait_for(upstream.fetch(f"{server.url}/x", b"{}", 5.0), 10)
-        assert again.body == big
+        assert again.body == first + last
         await pool.aclose()
     assert server.connections == 1

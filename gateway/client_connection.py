@@ -76,6 +76,7 @@ class ClientConnection(asyncio.Protocol):
         self._lost: asyncio.Future[None] | None = None
         self._closing = False
         self._answered = False
+        self._lingering_since: float | None = None
         self.closed = False
         self.last_active = self._loop.time()
         self.peer: Any = None
@@ -97,7 +98,11 @@ class ClientConnection(asyncio.Protocol):
         requests for `idle_secs`; or, with a request arriving (408), its head not complete
         `read_secs` after its first byte or its body silent for `read_secs`. An answer in
         progress has its own timeouts (the upstream call's)."""
-        if self._task is not None or self._transport is None or self._closing:
+        if self._task is not None or self._transport is None:
+            return
+        if self._closing:
+            if self._lingering_since is not None and now - self._lingering_since > idle_secs:
+                self._transport.close()
             return
         request = self._request
         if request is None:
@@ -248,7 +253,22 @@ class ClientConnection(asyncio.Protocol):
         self._closing = True
         if self._task is None and self._transport is not None:
             self._write_answer(answer, CLOSE)
-            self._transport.close()
+            self._linger()
+
+    def _linger(self) -> None:
+        """Close the writing side only, and drop what the client still sends until it
+        closes too (or `expire` does): closed at once with unread bytes (a body refused
+        before it was read), the socket would reset and the client lose the refusal."""
+        transport = self._transport
+        assert transport is not None
+        if not transport.can_write_eof():
+            transport.close()
+            return
+        self._lingering_since = self._loop.time()
+        if not self._reading:
+            self._reading = True
+            transport.resume_reading()
+        transport.write_eof()
 
     def _write_answer(self, answer: Answer, connection: bytes) -> None:
         self._answered = True
@@ -283,7 +303,10 @@ class ClientConnection(asyncio.Protocol):
             return
         if self._closing or not request.keep_alive:
             self._closing = True
-            self._transport.close()
+            if request.refused:
+                self._linger()
+            else:
+                self._transport.close()
             return
         self.last_active = self._loop.time()
         if self._queue:

@@ -345,3 +345,14 @@ async def test_shutdown_drops_a_request_still_arriving_at_once() -> None:
         stopping = asyncio.ensure_future(server.shutdown(grace=60))
         assert await asyncio.wait_for(reader.read(), 10) == b"", "closed, not kept for the grace"
         await asyncio.wait_for(stopping, 10)
+
+
+async def test_a_large_body_refused_unread_still_gets_its_413() -> None:
+    gateway = await make_gateway(Cluster(), config(max_payload_size=100))
+    async with (
+        serving(gateway) as server,
+        httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}") as client,
+    ):
+        for _ in range(3):
+            response = await client.post("/generate", content=b"x" * 4_000_000)
+            assert response.status_code == 413

@@ -76,6 +76,9 @@ class ClientConnection(asyncio.Protocol):
         self._lost: asyncio.Future[None] | None = None
         self._closing = False
         self._answered = False
+        self._upgrading: HttpRequest | None = None
+        """A request that asked for a protocol upgrade, waiting for its body."""
+        self._body_left = 0
         self._lingering_since: float | None = None
         self.closed = False
         self.last_active = self._loop.time()
@@ -84,7 +87,12 @@ class ClientConnection(asyncio.Protocol):
 
     @property
     def idle(self) -> bool:
-        return self._task is None and self._request is None and not self._queue
+        return (
+            self._task is None
+            and self._request is None
+            and self._upgrading is None
+            and not self._queue
+        )
 
     def close(self) -> None:
         """Close now, or after the answer in progress when there is one (a request still
@@ -104,7 +112,7 @@ class ClientConnection(asyncio.Protocol):
             if self._lingering_since is not None and now - self._lingering_since > idle_secs:
                 self._transport.close()
             return
-        request = self._request
+        request = self._request or self._upgrading
         if request is None:
             if now - self.last_active > idle_secs:
                 self.close()
@@ -136,13 +144,15 @@ class ClientConnection(asyncio.Protocol):
         if self._closing:
             return  # what follows an answer that closes the connection is not read
         self.last_active = self._loop.time()
+        if self._upgrading is not None:
+            data = self._upgrade_body(data)
         arriving = self._request
         if arriving is not None and arriving.method:
             arriving = None  # only a head still arriving is watched
         try:
             self._parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._refuse(problem(400, "protocol upgrades are not supported"))
+        except httptools.HttpParserUpgrade as upgrade:
+            self._skip_upgrade(data[upgrade.args[0] :])
         except httptools.HttpParserCallbackError:
             log.exception("error parsing a request from %s", self.peer)
             self._refuse(problem(500, "internal error", "internal_error"))
@@ -219,6 +229,12 @@ class ClientConnection(asyncio.Protocol):
         assert request is not None
         if request.refused and self._closing:
             return  # answered already
+        if self._parser.should_upgrade():
+            self._upgrading = request  # httptools raises HttpParserUpgrade next
+            return
+        self._complete(request)
+
+    def _complete(self, request: HttpRequest) -> None:
         if self._task is None:
             self._start(request)
             return
@@ -320,6 +336,43 @@ class ClientConnection(asyncio.Protocol):
     def _next_arriving(self, request: HttpRequest) -> None:
         """The request still arriving is next: its time to arrive starts now."""
         request.started = self.last_active
+
+    # Upgrade: ignored (RFC 9110 §7.8), the request served over HTTP/1.1
+
+    def _skip_upgrade(self, rest: bytes) -> None:
+        """httptools stops at the head of a request asking to upgrade (`curl --http2` asks
+        for h2c), so its body is taken by Content-Length here and a new parser reads what
+        follows."""
+        request = self._upgrading
+        if request is None:
+            return  # refused already
+        if request.method == b"CONNECT":
+            self._upgrading = None
+            self._refuse(problem(405, "CONNECT is not supported"))
+            return
+        if any(name == b"transfer-encoding" for name, _ in request.headers):
+            self._upgrading = None
+            self._refuse(problem(400, "a chunked body with an Upgrade header is not supported"))
+            return
+        self._parser = httptools.HttpRequestParser(self)
+        self._body_left = int(request.length or b"0")  # llhttp checked it is a number
+        rest = self._upgrade_body(rest)
+        if rest and not self._closing:
+            self.data_received(rest)
+
+    def _upgrade_body(self, data: bytes) -> bytes:
+        """Take the upgrading request's body from `data`; returns what follows it."""
+        request = self._upgrading
+        assert request is not None
+        taken, rest = data[: self._body_left], data[self._body_left :]
+        self._body_left -= len(taken)
+        if taken and not request.refused:
+            request.body.append(taken)
+            request.size += len(taken)
+        if self._body_left == 0:
+            self._upgrading = None
+            self._complete(request)
+        return rest
 
     async def _inference(self, request: HttpRequest, route: tuple[Endpoint, str]) -> None:
         endpoint, path = route

@@ -3,7 +3,7 @@
 Routes, bodies and answers are the same through the ASGI app and this server and are
 tested through both in `test_app.py`; here: keep-alive and pipelining, limits enforced
 before reading, `Expect: 100-continue`, clients that leave, streams piece by piece,
-HTTP/1.0, malformed requests, idle and slow clients (time passed to
+HTTP/1.0, malformed requests, Upgrade headers, idle and slow clients (time passed to
 `GatewayServer.expire`, not waited for), and a graceful shutdown.
 """
 
@@ -335,6 +335,27 @@ async def test_a_head_larger_than_the_limit_gets_431_and_a_closed_connection() -
         status, headers, body = await read_answer(reader)
         assert (status, headers["connection"]) == (431, "close")
         assert b"exceed 64 KiB" in body
+
+
+async def test_an_upgrade_request_is_served_over_http_1_1_with_its_body() -> None:
+    gateway = await make_gateway(Cluster())
+    upgrade = "connection: Upgrade, HTTP2-Settings", "upgrade: h2c", "http2-settings: AAMAAABk"
+    async with serving(gateway) as server, connected(server) as (reader, writer):
+        head, _, body = post("/generate", {"input_ids": [1, 2]}, *upgrade).partition(b"\r\n\r\n")
+        writer.write(head + b"\r\n\r\n" + body[:3])
+        await until(lambda: arriving(server), "the head read")
+        writer.write(body[3:] + GET_HEALTH)
+        status, _, answer = await read_answer(reader)
+        assert (status, "room" in json.loads(answer)) == (200, True)
+        assert (await read_answer(reader))[:3:2] == (200, b'{"status":"ok"}')
+    async with serving(gateway) as server, connected(server) as (reader, writer):
+        writer.write(b"CONNECT gw:443 HTTP/1.1\r\nhost: gw:443\r\n\r\n")
+        assert (await read_answer(reader))[0] == 405
+    async with serving(gateway) as server, connected(server) as (reader, writer):
+        chunked = b"POST /generate HTTP/1.1\r\nhost: gw\r\nconnection: upgrade\r\nupgrade: h2c\r\n"
+        writer.write(chunked + b"transfer-encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n")
+        status, _, answer = await read_answer(reader)
+        assert (status, b"chunked body with an Upgrade header" in answer) == (400, True)
 
 
 async def test_shutdown_drops_a_request_still_arriving_at_once() -> None:

@@ -303,6 +303,8 @@ class ClientConnection(asyncio.Protocol):
                 await self._inference(request, request.route)
             else:
                 await self._asgi(request)
+            if self.write_paused:
+                await self.drain()  # a client not reading its answers gets no more of them
         except asyncio.CancelledError:
             self._closing = True  # the client left, or the server is stopping
         except Exception:
@@ -334,8 +336,12 @@ class ClientConnection(asyncio.Protocol):
             self._transport.resume_reading()
 
     def _next_arriving(self, request: HttpRequest) -> None:
-        """The request still arriving is next: its time to arrive starts now."""
+        """The request still arriving is next: its time to arrive starts now, and it gets
+        the `100 Continue` it was waiting for."""
         request.started = self.last_active
+        if request.expect and request.method and not request.size:
+            request.expect = False
+            self.write(_CONTINUE)
 
     # Upgrade: ignored (RFC 9110 §7.8), the request served over HTTP/1.1
 

@@ -4,13 +4,15 @@ Routes, bodies and answers are the same through the ASGI app and this server and
 tested through both in `test_app.py`; here: keep-alive and pipelining, limits enforced
 before reading, `Expect: 100-continue`, clients that leave, streams piece by piece,
 HTTP/1.0, malformed requests, Upgrade headers, idle and slow clients (time passed to
-`GatewayServer.expire`, not waited for), and a graceful shutdown.
+`GatewayServer.expire`, not waited for), clients that do not read their answers, and a
+graceful shutdown.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -358,6 +360,36 @@ async def test_an_upgrade_request_is_served_over_http_1_1_with_its_body() -> Non
         assert (status, b"chunked body with an Upgrade header" in answer) == (400, True)
 
 
+async def test_a_client_not_reading_its_answers_is_sent_no_more_until_it_reads() -> None:
+    cluster = Cluster()
+    big = b"x" * (8 * 1024 * 1024)
+    servers: list[GatewayServer] = []
+    started_while_paused: list[bool] = []
+
+    async def large(_: httpx.Request, __: Any) -> httpx.Response:
+        started_while_paused.append(any(c.write_paused for c in servers[0].connections))
+        return httpx.Response(200, content=big, headers={"content-type": "text/plain"})
+
+    for url in DECODES:
+        cluster.on(url, large)
+    gateway = await make_gateway(cluster)
+    async with serving(gateway) as server:
+        servers.append(server)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", server.port))
+        sock.setblocking(False)
+        reader, writer = await asyncio.open_connection(sock=sock)
+        try:
+            writer.write(b"".join(post("/generate", {"input_ids": [i]}) for i in range(3)))
+            await until(lambda: any(c.write_paused for c in server.connections), "paused")
+            for _ in range(3):
+                assert (await read_answer(reader))[2] == big
+        finally:
+            writer.close()
+    assert started_while_paused == [False, False, False]
+
+
 async def test_shutdown_drops_a_request_still_arriving_at_once() -> None:
     gateway = await make_gateway(Cluster())
     async with serving(gateway) as server, connected(server) as (reader, writer):
@@ -377,3 +409,28 @@ async def test_a_large_body_refused_unread_still_gets_its_413() -> None:
         for _ in range(3):
             response = await client.post("/generate", content=b"x" * 4_000_000)
             assert response.status_code == 413
+
+
+async def test_a_pipelined_request_expecting_100_continue_gets_it_when_it_is_next() -> None:
+    cluster = Cluster()
+    release = asyncio.Event()
+
+    async def slow(_: httpx.Request, body: Any) -> httpx.Response:
+        await release.wait()
+        return httpx.Response(200, json={"room": body["bootstrap_room"]})
+
+    for url in DECODES:
+        cluster.on(url, slow)
+    gateway = await make_gateway(cluster)
+    async with serving(gateway) as server, connected(server) as (reader, writer):
+        head, _, body = post("/generate", {"input_ids": [2]}, "expect: 100-continue").partition(
+            b"\r\n\r\n"
+        )
+        writer.write(post("/generate", {"input_ids": [1]}) + head + b"\r\n\r\n")
+        await cluster.wait_calls(2)
+        release.set()
+        assert (await read_answer(reader))[0] == 200
+        continued = reader.readuntil(b"\r\n\r\n")
+        assert await asyncio.wait_for(continued, 10) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        writer.write(body)
+        assert (await read_answer(reader))[0] == 200

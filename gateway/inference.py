@@ -95,7 +95,7 @@ class Inference:
         return self._gateway.config.max_payload_size
 
     def refuse(self, endpoint: Endpoint, answer: Answer) -> Answer:
-        """An answer the server gives before `handle` (413), counted."""
+        """An answer given without calling a worker (401, 400, 413), counted."""
         self._metrics[endpoint].answered(answer.status)
         return answer
 
@@ -109,20 +109,19 @@ class Inference:
             message = "missing or wrong API key (Authorization: Bearer …)"
             return self.refuse(endpoint, problem(401, message, "auth_error"))
         try:
-            body = decode_body(raw)
-        except ValueError as exc:
-            message = f"the request body is not valid JSON: {exc}"
-            return self.refuse(endpoint, problem(400, message))
-        try:
-            parsed = parse_request(endpoint, body)
+            parsed = parse_request(endpoint, decode_body(raw))
             tokens = prompt_tokens(parsed, gateway.tokenizer)
         except (BadRequest, TokenizeError) as exc:
             return self.refuse(endpoint, problem(400, str(exc)))
         router = gateway.router
-        lookup = await router.lookup(tokens.tokens, tokens.missing) if router.uses_index else None
-        route = RouteRequest(tokens.tokens, tokens.text, lookup, now=gateway.clock())
         try:
+            lookup = None
+            if router.uses_index:
+                lookup = await router.lookup(tokens.tokens, tokens.missing)
+            route = RouteRequest(tokens.tokens, tokens.text, lookup, now=gateway.clock())
             outcome = await gateway.dispatcher.forward(parsed, route, path)
+        except BadRequest as exc:  # raised by the first attempt, before any call upstream
+            return self.refuse(endpoint, problem(400, str(exc)))
         except asyncio.CancelledError:
             metrics.ttfb.observe(gateway.clock() - started)
             metrics.answered(499)

@@ -16,6 +16,7 @@ from gateway.config import WorkerSpec
 from gateway.inference import Inference
 from gateway.server import GatewayServer
 from gateway.service import Gateway
+from gateway.upstream import Answer
 from globalkv.tokenize import ByteTokenizer
 from tests.gateway.fakes import DECODES, PREFILLS, Cluster, StubLookup, config, make_gateway, sample
 
@@ -137,6 +138,18 @@ async def test_bad_input_gets_a_clear_4xx(
         response = await client.post(path, content=content, headers=AUTH)
     assert response.status_code == status
     assert message in response.json()["error"]["message"]
+    assert cluster.inference() == []
+
+
+async def test_a_body_too_deep_to_write_gets_400_whichever_parser_read_it() -> None:
+    cluster = Cluster()
+    gateway = await make_gateway(cluster, config())
+    inference = Inference(gateway)
+    for depth in (1000, 3000, 200_000):
+        raw = b'{"input_ids": [1], "a": ' + b"[" * depth + b"]" * depth + b"}"
+        answer = await inference.handle("generate", "/generate", None, raw)
+        assert isinstance(answer, Answer)
+        assert (answer.status, b"nested too deeply" in answer.body) == (400, True)
     assert cluster.inference() == []
 
 

@@ -11,9 +11,10 @@ as one unit by its first element.
 Bodies are read and written with orjson (a 64-token body: 2.3 µs to read, 0.8 µs to write,
 against 8 µs each with the standard library), falling back to the standard library for
 what orjson would not keep exactly: integers beyond 64 bits (orjson reads them as floats),
-NaN and Infinity, lone surrogates, nesting deeper than orjson writes. Only the separators
-of the JSON sent upstream differ. A body nested too deeply for the standard library
-(about 900 levels) is refused with 400; nothing is checked for it on the common path.
+NaN and Infinity (orjson writes them as null), lone surrogates, nesting deeper than
+orjson writes. Only the separators of the JSON sent upstream differ. A body nested too
+deeply for the standard library (about 900 levels) is refused with 400; nothing is
+checked for it on the common path.
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ class BadRequest(ValueError):
     """The body cannot be routed; the message is what the client reads."""
 
 
+class _Constant(float):
+    """NaN or ±Infinity as the client wrote it: orjson refuses to write a float subclass,
+    so a body holding one is written back by the standard library, which keeps it."""
+
+
 _TOO_DEEP = "the request body is nested too deeply"
 
 
@@ -52,7 +58,7 @@ def decode_body(raw: bytes) -> object:
         except orjson.JSONDecodeError:
             pass
     try:
-        return json.loads(raw)
+        return json.loads(raw, parse_constant=_Constant)
     except RecursionError:
         raise BadRequest(_TOO_DEEP) from None
     except ValueError as exc:

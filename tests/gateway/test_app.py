@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -151,6 +152,18 @@ async def test_a_body_too_deep_to_write_gets_400_whichever_parser_read_it() -> N
         assert isinstance(answer, Answer)
         assert (answer.status, b"nested too deeply" in answer.body) == (400, True)
     assert cluster.inference() == []
+
+
+async def test_values_orjson_would_change_reach_the_workers_as_sent(front: str) -> None:
+    cluster = Cluster()
+    gateway = await make_gateway(cluster, config())
+    raw = b'{"input_ids": [1], "t": NaN, "u": -Infinity, "big": 123456789012345678901234567890}'
+    async with client_for(gateway, front) as client:
+        response = await client.post("/generate", content=raw)
+    assert response.status_code == 200
+    for call in cluster.inference():
+        assert math.isnan(call.body["t"])
+        assert (call.body["u"], call.body["big"]) == (-math.inf, 123456789012345678901234567890)
 
 
 async def test_api_key_is_required(setup: tuple[Cluster, Gateway], front: str) -> None:

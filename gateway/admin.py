@@ -54,7 +54,8 @@ def admin_routes(gateway: Gateway) -> APIRouter:
     async def list_workers(request: Request) -> Response:
         if not bearer_ok(request, gateway.config.api_key or gateway.config.admin_token):
             return _error(401, "missing or wrong token", "auth_error")
-        return JSONResponse({"workers": [w.describe(gateway.loads) for w in gateway.pool]})
+        now = gateway.clock()
+        return JSONResponse({"workers": [w.describe(gateway.loads, now) for w in gateway.pool]})
 
     @routes.post("/workers")
     async def add_worker(request: Request) -> Response:
@@ -70,7 +71,7 @@ def admin_routes(gateway: Gateway) -> APIRouter:
             worker = gateway.add_worker(spec)
         except DuplicateWorker as exc:
             return _error(409, str(exc), "conflict")
-        return JSONResponse(worker.describe(gateway.loads), status_code=201)
+        return JSONResponse(worker.describe(gateway.loads, gateway.clock()), status_code=201)
 
     @routes.get("/workers/{key:path}")
     async def get_worker(key: str, request: Request) -> Response:
@@ -79,7 +80,7 @@ def admin_routes(gateway: Gateway) -> APIRouter:
         worker = gateway.find(key)
         if worker is None:
             return _error(404, f"no worker {key!r}", "not_found")
-        return JSONResponse(worker.describe(gateway.loads))
+        return JSONResponse(worker.describe(gateway.loads, gateway.clock()))
 
     @routes.delete("/workers/{key:path}")
     async def delete_worker(key: str, request: Request) -> Response:

@@ -22,7 +22,8 @@ connection pool, an attempt costs the task of the request that awaits it and not
 more.
 
 Load bookkeeping for the policies: the prefill's queued tokens are released when its
-call ends, each side's in-flight count when its call ends.
+call ends, each side's in-flight count when its call ends. A failed call is also noted as
+its worker's last error (`/workers`, `globalkv doctor`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from typing import Any
 
 import httpx
 
-from gateway.breaker import is_failure_status
+from gateway.breaker import Clock, is_failure_status
 from gateway.inject import inject_bootstrap
 from gateway.metrics import GatewayMetrics
 from gateway.policies.base import LoadTicket, NoCandidates, RouteRequest
@@ -137,6 +138,7 @@ class Dispatcher:
         metrics: GatewayMetrics,
         *,
         timeout: float,
+        clock: Clock,
         sleep: Sleep = asyncio.sleep,
     ) -> None:
         self._upstream = upstream
@@ -144,6 +146,7 @@ class Dispatcher:
         self._backoff = backoff
         self._metrics = metrics
         self._timeout = timeout
+        self._clock = clock
         self._sleep = sleep
         self._background: set[Call] = set()
 
@@ -179,11 +182,22 @@ class Dispatcher:
         assert last is not None
         return last.answer
 
-    def _record(self, role: str, worker: Worker, status: int | None, error: str | None) -> None:
+    def _record(
+        self, role: str, worker: Worker, status: int | None, error: BaseException | str | None
+    ) -> None:
+        """One finished call in the worker's breaker; a failure (a transport error, a
+        stream broken off, or a failure status) counted and noted as its last error."""
         failed = status is None or is_failure_status(status)
         worker.breaker.record(not failed)
-        if failed:
-            self._metrics.upstream_failures.labels(role, error or str(status)).inc()
+        if not failed:
+            return
+        if isinstance(error, BaseException):
+            reason, detail = type(error).__name__, f"{type(error).__name__}: {error}"
+        else:
+            reason = detail = error or str(status)
+        self._metrics.upstream_failures.labels(role, reason).inc()
+        what = f"answered HTTP {status}" if status is not None else f"failed ({detail})"
+        worker.note_error(f"{role} call {what}", self._clock())
 
     def _start_prefill(self, plan: RoutePlan, path: str, payload: bytes) -> Call:
         ticket = self._router.loads.start(plan.prefill.id, plan.prefill_choice.uncached_tokens)
@@ -205,7 +219,7 @@ class Dispatcher:
             return
         if not isinstance(error, httpx.HTTPError):
             log.error("the call to prefill %s failed unexpectedly", worker.id, exc_info=error)
-        self._record("prefill", worker, None, type(error).__name__)
+        self._record("prefill", worker, None, error)
 
     @staticmethod
     def _prefill_failure(plan: RoutePlan, call: Call) -> _Failure:
@@ -223,7 +237,7 @@ class Dispatcher:
         )
 
     def _decode_error(self, decode: Worker, exc: httpx.HTTPError, when: str) -> _Failure:
-        self._record("decode", decode, None, type(exc).__name__)
+        self._record("decode", decode, None, exc)
         message = f"decode {decode.id} failed {when}: {type(exc).__name__}"
         return _Failure("decode", decode, True, Answer(502, error_body(message, "upstream_error")))
 

@@ -249,7 +249,7 @@ class Monitor:
                 worker.url + "/server_info", timeout=self._config.timeout_secs
             )
         except httpx.HTTPError as exc:
-            worker.last_error = f"/server_info: {exc!r}"
+            worker.note_error(f"/server_info: {exc!r}", self._clock())
             return
         worker.discovered = True
         info: object = None
@@ -257,8 +257,9 @@ class Monitor:
             with contextlib.suppress(ValueError):
                 info = response.json()
         if not isinstance(info, dict):
-            worker.last_error = f"/server_info answered {response.status_code} without JSON"
-            log.warning("prefill %s: %s; nothing discovered", worker.id, worker.last_error)
+            error = f"/server_info answered {response.status_code} without JSON"
+            worker.note_error(error, self._clock())
+            log.warning("prefill %s: %s; nothing discovered", worker.id, error)
             info = {}
         found = parse_server_info(info, worker.host)
         if worker.kv_events is None:
@@ -299,7 +300,7 @@ class Monitor:
         try:
             await self._registrar.register(pod)
         except Exception as exc:  # any registrar failure is retried next round, and shown
-            worker.last_error = f"pod registration: {exc!r}"
+            worker.note_error(f"pod registration: {exc!r}", self._clock())
             log.warning("prefill %s: registering pod %s failed: %r", worker.id, pod.id, exc)
             return
         worker.registered_pod = pod.id

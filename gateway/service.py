@@ -127,6 +127,7 @@ def build_gateway(
         Backoff(config.retry, rng),
         metrics,
         timeout=config.request_timeout_secs,
+        clock=clock,
         sleep=sleep,
     )
     gateway = Gateway(

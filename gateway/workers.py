@@ -67,6 +67,7 @@ class DirectoryStatus(enum.Enum):
 
 
 _ROUTABLE = frozenset({DirectoryStatus.READY, DirectoryStatus.UNKNOWN})
+_ERROR_CHARS = 300
 
 
 @dataclass(slots=True)
@@ -97,6 +98,8 @@ class Worker:
     registered_pod: str | None = None
     """The pod id registered with the index, once done."""
     last_error: str | None = None
+    """The latest failure seen with it: discovery, pod registration, or a request's call."""
+    last_error_at: float | None = None
 
     def __post_init__(self) -> None:
         self.id = worker_id(self.spec.url)
@@ -130,9 +133,14 @@ class Worker:
     def eligible(self) -> bool:
         return self.health.healthy and self.breaker.allows() and self.directory.status in _ROUTABLE
 
-    def describe(self, loads: LoadTracker) -> dict[str, Any]:
+    def note_error(self, error: str, now: float) -> None:
+        self.last_error, self.last_error_at = error[:_ERROR_CHARS], now
+
+    def describe(self, loads: LoadTracker, now: float) -> dict[str, Any]:
+        """What `/workers` shows; `now` on the clock of `note_error`, for the error's age."""
         load = loads.load(self.id)
         stats = self.breaker.stats()
+        at = self.last_error_at
         out: dict[str, Any] = {
             "id": self.id,
             "url": self.url,
@@ -144,6 +152,8 @@ class Worker:
             "consecutive_failures": stats.consecutive_failures,
             "in_flight": load.in_flight,
             "queued_prefill_tokens": load.queued_prefill_tokens,
+            "last_error": self.last_error,
+            "last_error_age_secs": None if at is None else round(now - at, 1),
         }
         if self.role == "prefill":
             out.update(

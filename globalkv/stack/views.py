@@ -36,7 +36,8 @@ class WorkerView(_Lenient):
     registered_pod: str | None = None
     served_model: str | None = None
     last_error: str | None = None
-    """Discovery or pod-registration error, when the gateway reports one."""
+    """The latest discovery, pod-registration or request failure the gateway saw."""
+    last_error_age_secs: float | None = None
 
 
 class WorkersView(_Lenient):

@@ -32,6 +32,8 @@ class FakeCluster:
     unreachable_ranks: set[tuple[str, int]] = field(default_factory=set)
     directory_ready: bool = True
     decode_eligible: bool = True
+    decode_last_error: tuple[str, float] | None = None
+    """(message, age in seconds) the gateway reports for the decode."""
     policy: str = "prefix"
     fallback: str | None = None
     """A routing fallback reason each probe counts, or None."""
@@ -108,6 +110,8 @@ class FakeCluster:
                 "circuit": "closed",
                 "consecutive_failures": 0 if self.decode_eligible else 3,
                 "in_flight": 0,
+                "last_error": self.decode_last_error and self.decode_last_error[0],
+                "last_error_age_secs": self.decode_last_error and self.decode_last_error[1],
             },
         ]
 

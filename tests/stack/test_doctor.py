@@ -91,6 +91,17 @@ async def test_a_pool_without_eligible_workers_fails() -> None:
     assert "none of 1 eligible" in message
 
 
+async def test_a_worker_s_last_error_warns_while_recent_and_is_shown_after() -> None:
+    error = "decode call answered HTTP 503"
+    recent = await diagnose(FakeCluster(decode_last_error=(error, 12.0)))
+    level, message = findings(recent.stage("gateway"))["decode d0.test:30000"]
+    assert (level, message.endswith(f"; last error (12s ago): {error}")) == (Level.WARN, True)
+    assert recent.healthy
+    old = await diagnose(FakeCluster(decode_last_error=(error, 4000.0)))
+    level, message = findings(old.stage("gateway"))["decode d0.test:30000"]
+    assert (level, f"last error (4000s ago): {error}" in message) == (Level.OK, True)
+
+
 async def test_an_incomplete_directory_names_its_missing_ranks() -> None:
     report = await diagnose(FakeCluster(directory_ready=False))
     level, message = findings(report.stage("directories"))["prefill p0.test:30000 (pod p0)"]

@@ -1,9 +1,11 @@
 """Stage 1: the gateway's worker pools — who can take traffic, and who cannot and why.
 
-The gateway's own view (`GET /workers`: health, circuit, failures, directory state) lags
-by design: a worker that died a second ago is still `healthy` until enough checks fail.
-So every worker's `/health` is also asked directly, and a worker that does not answer
-is reported even while the gateway still routes to it (it then relies on retries).
+The gateway's own view (`GET /workers`: health, circuit, failures, directory state, the
+last error and its age) lags by design: a worker that died a second ago is still
+`healthy` until enough checks fail. So every worker's `/health` is also asked directly,
+and a worker that does not answer is reported even while the gateway still routes to it
+(it then relies on retries). A last error younger than `RECENT_SECS` is a warning; an
+older one is only shown.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from globalkv.stack.doctor.report import Stage
 from globalkv.stack.views import WorkersView, WorkerView
 
 ROLES = ("prefill", "decode")
+RECENT_SECS = 300.0
 
 
 def _subject(worker: WorkerView) -> str:
@@ -32,13 +35,20 @@ def _state(worker: WorkerView) -> str:
     return state
 
 
+def _recent_error(worker: WorkerView) -> bool:
+    age = worker.last_error_age_secs
+    return worker.last_error is not None and (age is None or age < RECENT_SECS)
+
+
 def _errors(worker: WorkerView) -> str:
+    age = worker.last_error_age_secs
+    last = "last error" + ("" if age is None else f" ({age:.0f}s ago)")
     errors = [
         f"{what}: {error}"
         for what, error in (
             ("health check", worker.health_error),
             ("directory", worker.directory_error),
-            ("last error", worker.last_error),
+            (last, worker.last_error),
         )
         if error
     ]
@@ -68,7 +78,12 @@ async def check_pools(
             stage.fail(_subject(worker), f"/health {problem}; {detail}")
         elif not worker.eligible:
             stage.fail(_subject(worker), f"not eligible for traffic: {detail}")
-        elif worker.consecutive_failures or errors:
+        elif (
+            worker.consecutive_failures
+            or worker.health_error
+            or worker.directory_error
+            or _recent_error(worker)
+        ):
             stage.warn(_subject(worker), detail)
         else:
             stage.ok(_subject(worker), detail)

@@ -17,6 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
+from bootstrap.protocol import validation_message
 from gateway.auth import bearer_ok
 from gateway.config import WorkerSpec
 from gateway.workers import DuplicateWorker
@@ -40,12 +41,6 @@ def _spec(body: object) -> WorkerSpec:
     return WorkerSpec.model_validate(data)
 
 
-def _validation_message(exc: ValidationError) -> str:
-    return "; ".join(
-        f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}" for err in exc.errors()
-    )
-
-
 def admin_routes(gateway: Gateway) -> APIRouter:
     routes = APIRouter()
     admin_secret = gateway.config.admin_token or gateway.config.api_key
@@ -64,7 +59,7 @@ def admin_routes(gateway: Gateway) -> APIRouter:
         try:
             spec = _spec(json.loads(await request.body()))
         except ValidationError as exc:
-            return _error(400, _validation_message(exc))
+            return _error(400, validation_message(exc))
         except ValueError as exc:
             return _error(400, f"invalid worker: {exc}")
         try:

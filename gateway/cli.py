@@ -23,6 +23,7 @@ import redis.asyncio as aioredis
 from prometheus_client import start_http_server
 from pydantic import ValidationError
 
+from bootstrap.protocol import validation_message
 from bootstrap.reader import DirectoryReader
 from gateway.app import create_app
 from gateway.config import (
@@ -45,7 +46,7 @@ from gateway.upstream import PooledUpstream
 from globalkv.index.redis import RedisIndex
 from globalkv.lookup import HttpLookup, IndexLookup, PrefixLookup
 from globalkv.registry import RedisRegistry
-from globalkv.tokenize import load_tokenizer
+from globalkv.tokenize import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 POLICIES = ["prefix", "cache_aware", "power_of_two", "round_robin", "random", "least_load"]
@@ -228,7 +229,9 @@ def build_config(args: argparse.Namespace) -> GatewayConfig:
             request_timeout_secs=args.request_timeout_secs,
             max_payload_size=args.max_payload_size,
             redis_url=args.redis_url,
+            redis_prefix=args.redis_prefix,
             indexer_url=args.indexer_url,
+            indexer_token=args.indexer_token,
             model=args.model,
             tokenizer=args.tokenizer or args.model_path,
             block_size=args.block_size,
@@ -236,13 +239,7 @@ def build_config(args: argparse.Namespace) -> GatewayConfig:
             seed=args.seed,
         )
     except ValidationError as exc:
-        raise ValueError(_messages(exc)) from None
-
-
-def _messages(exc: ValidationError) -> str:
-    return "; ".join(
-        f"{'.'.join(str(p) for p in e['loc']) or 'config'}: {e['msg']}" for e in exc.errors()
-    )
+        raise ValueError(validation_message(exc)) from None
 
 
 def check_config(args: argparse.Namespace) -> None:
@@ -250,28 +247,27 @@ def check_config(args: argparse.Namespace) -> None:
 
 
 async def _index_parts(
-    config: GatewayConfig, client: httpx.AsyncClient, stack: AsyncExitStack, args: Any
+    config: GatewayConfig, client: httpx.AsyncClient, stack: AsyncExitStack
 ) -> tuple[PrefixLookup | None, PodRegistrar | None]:
     if config.indexer_url:
         lookup = HttpLookup(client, config.indexer_url, timeout=config.lookup_timeout_secs)
-        registrar = HttpPodRegistrar(client, config.indexer_url, token=args.indexer_token)
+        registrar = HttpPodRegistrar(client, config.indexer_url, token=config.indexer_token)
         return lookup, registrar
     if config.redis_url:
         redis = aioredis.Redis.from_url(config.redis_url)
         stack.push_async_callback(redis.aclose)
-        registry = RedisRegistry(redis, prefix=args.redis_prefix)
+        registry = RedisRegistry(redis, prefix=config.redis_prefix)
         assert config.block_size is not None  # GatewayConfig requires it with redis_url
-        index = RedisIndex(redis, config.block_size, prefix=args.redis_prefix)
+        index = RedisIndex(redis, config.block_size, prefix=config.redis_prefix)
         return IndexLookup(index), RegistryPodRegistrar(registry)
     return None, None
 
 
-async def serve(config: GatewayConfig, args: argparse.Namespace) -> None:
-    tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer else None
+async def serve(config: GatewayConfig, tokenizer: Tokenizer | None) -> None:
     async with AsyncExitStack() as stack:
         pool = ConnectionPool()
         client = await stack.enter_async_context(upstream_client(pool))
-        lookup, registrar = await _index_parts(config, client, stack, args)
+        lookup, registrar = await _index_parts(config, client, stack)
         gateway = build_gateway(
             config,
             client,
@@ -340,10 +336,15 @@ def run(args: argparse.Namespace) -> int:
         config.decode_policy,
         config.indexer_url or config.redis_url or "none",
     )
+    try:
+        tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer else None
+    except ValueError as exc:
+        log.error("gateway: cannot load the tokenizer: %s", exc)
+        return 1
     import uvloop
 
     try:
-        uvloop.run(serve(config, args))
+        uvloop.run(serve(config, tokenizer))
     except OSError as exc:
         log.error("gateway cannot serve on %s:%d: %s", config.host, config.port, exc)
         return 1

@@ -171,7 +171,13 @@ class GatewayConfig(BaseModel):
     request_timeout_secs: float = Field(1800, gt=0, description="Timeout of one upstream call.")
     max_payload_size: int = Field(512 * 1024 * 1024, ge=1, description="Request body limit.")
     redis_url: str | None = Field(None, description="Read index and pod registry from Redis.")
+    redis_prefix: str = Field(
+        "gkv", min_length=1, description="Key prefix of the index and registry in Redis."
+    )
     indexer_url: str | None = Field(None, description="Ask the indexer's HTTP API instead.")
+    indexer_token: str | None = Field(
+        None, description="The indexer's admin token, sent when registering pods."
+    )
     model: str | None = Field(
         None, description="Model name keyed in the index; default: the prefills' served name."
     )

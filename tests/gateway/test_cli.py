@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import re
+from pathlib import Path
 
 import pytest
 
-from gateway.cli import build_config, check_config, register
+from gateway.cli import build_config, check_config, register, run
 from gateway.config import GatewayConfig
 from globalkv.cli import env_argv
 
@@ -70,6 +71,24 @@ def test_router_flags_map_to_the_config() -> None:
     assert (cfg.health.interval_secs, cfg.health.endpoint) == (7, "/healthz")
     assert (cfg.api_key, cfg.admin_token, cfg.max_payload_size) == ("k", "a", 100)
     assert (cfg.prefix.queued_weight, cfg.tokenizer, cfg.prometheus_port) == (0.5, "byte", None)
+
+
+def test_index_flags_are_part_of_the_config() -> None:
+    cfg = config_of(
+        "--redis-url", "redis://r:6379/0", "--block-size", "16", "--redis-prefix", "a",
+    )  # fmt: skip
+    assert (cfg.redis_url, cfg.block_size, cfg.redis_prefix) == ("redis://r:6379/0", 16, "a")
+    cfg = config_of("--indexer-url", "http://i:8100", "--indexer-token", "t")
+    assert (cfg.indexer_url, cfg.indexer_token, cfg.redis_prefix) == ("http://i:8100", "t", "gkv")
+
+
+def test_a_tokenizer_that_cannot_be_loaded_stops_the_start_with_the_reason(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    args = parse_gateway(["--decode", "http://d:1", "--tokenizer", str(tmp_path)], {})
+    with caplog.at_level("ERROR", logger="gateway.cli"):
+        assert run(args) == 1
+    assert f"no tokenizer.json at {tmp_path}" in caplog.text
 
 
 def test_environment_supplies_repeatable_flags() -> None:

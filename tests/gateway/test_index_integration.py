@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 from contextlib import AsyncExitStack
 from random import Random
 
@@ -55,10 +54,9 @@ async def test_prefix_policy_on_a_memory_index_in_simulated_time() -> None:
 
 
 async def test_redis_url_wires_the_redis_index_and_the_shared_registry(redis_url: str) -> None:
-    cfg = config(redis_url=redis_url, block_size=4)
-    args = argparse.Namespace(redis_prefix="gkvtest", indexer_token=None)
+    cfg = config(redis_url=redis_url, block_size=4, redis_prefix="gkvtest")
     async with AsyncExitStack() as stack, httpx.AsyncClient() as client:
-        lookup, registrar = await _index_parts(cfg, client, stack, args)
+        lookup, registrar = await _index_parts(cfg, client, stack)
         assert lookup is not None
         assert registrar is not None
         result = await lookup.lookup("m", list(range(9)))

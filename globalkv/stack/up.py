@@ -28,6 +28,7 @@ from typing import Any, TextIO
 
 from pydantic import ValidationError
 
+from bootstrap.protocol import validation_message
 from globalkv.stack.cluster import ClusterError, LocalCluster
 from globalkv.stack.plan import StackConfig, check_plan, plan_stack, ports_needed
 from globalkv.stack.render import curl_lines, table
@@ -110,9 +111,7 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
             indexer_args=_split(args.indexer_args),
         )
     except ValidationError as exc:
-        raise ValueError(
-            "; ".join(f"{'.'.join(map(str, e['loc'])) or 'up'}: {e['msg']}" for e in exc.errors())
-        ) from None
+        raise ValueError(validation_message(exc)) from None
 
 
 def check_config(args: argparse.Namespace) -> None:

@@ -15,7 +15,7 @@ from tests.support.net import free_port
     ("argv", "message"),
     [
         ([], "give --gateway and/or --indexer"),
-        (["--gateway", "ftp://gw:1"], "gateway: Value error, 'ftp://gw:1' is not an http(s) URL"),
+        (["--gateway", "ftp://gw:1"], "gateway: 'ftp://gw:1' is not an http(s) URL"),
         (["--indexer", "http://ix:1", "--timeout", "0"], "timeout"),
     ],
 )

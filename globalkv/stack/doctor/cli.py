@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 from pydantic import ValidationError
 
+from bootstrap.protocol import validation_message
 from globalkv.stack.doctor.diagnose import Doctor, DoctorConfig
 from globalkv.stack.doctor.report import Report, render_text
 
@@ -66,9 +67,7 @@ def config_from_args(args: argparse.Namespace, manifest: dict[str, Any]) -> Doct
             freshness_timeout=args.freshness_timeout,
         )
     except ValidationError as exc:
-        raise ValueError(
-            "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        ) from None
+        raise ValueError(validation_message(exc)) from None
 
 
 def read_manifest(run_dir: Path) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from bootstrap.protocol import validation_message
 from gateway.auth import bearer_ok
 from gateway.config import WorkerSpec
+from gateway.monitor import RegistrationFailed
 from gateway.workers import DuplicateWorker
 
 if TYPE_CHECKING:
@@ -86,7 +87,7 @@ def admin_routes(gateway: Gateway) -> APIRouter:
             return _error(404, f"no worker {key!r}", "not_found")
         try:
             await gateway.remove_worker(worker.id)
-        except Exception as exc:  # the worker is gone from routing; only the index kept it
+        except RegistrationFailed as exc:  # gone from routing; only the index kept it
             log.warning("worker %s removed, but unregistering its pod failed: %r", worker.id, exc)
             return JSONResponse(
                 {"removed": worker.id, "unregister_error": repr(exc)}, status_code=200

@@ -73,12 +73,18 @@ class PodRegistration:
     dp_size: int
 
 
+class RegistrationFailed(RuntimeError):
+    """A pod could not be registered or unregistered; the message says why."""
+
+
 class PodRegistrar(Protocol):
     async def register(self, pod: PodRegistration) -> None:
-        """Raises on failure; the monitor retries on its next round."""
+        """Raises `RegistrationFailed`; the monitor retries on its next round."""
         ...
 
-    async def unregister(self, pod_id: str) -> None: ...
+    async def unregister(self, pod_id: str) -> None:
+        """Raises `RegistrationFailed`."""
+        ...
 
 
 def _endpoint_for(endpoint: str | None, host: str) -> str | None:
@@ -299,7 +305,7 @@ class Monitor:
         )
         try:
             await self._registrar.register(pod)
-        except Exception as exc:  # any registrar failure is retried next round, and shown
+        except RegistrationFailed as exc:  # retried next round, and shown
             worker.note_error(f"pod registration: {exc!r}", self._clock())
             log.warning("prefill %s: registering pod %s failed: %r", worker.id, pod.id, exc)
             return

@@ -11,33 +11,36 @@ from __future__ import annotations
 from urllib.parse import quote
 
 import httpx
+from pydantic import ValidationError
 
-from gateway.monitor import PodRegistration
+from bootstrap.protocol import validation_message
+from gateway.monitor import PodRegistration, RegistrationFailed
+from globalkv.index.base import IndexUnavailable
 from globalkv.registry import KvEventsConfig, PodInfo, Registry
 
 
 def pod_info(pod: PodRegistration) -> PodInfo:
-    """The registry's record; raises `ValueError` (pydantic) for what it cannot hold."""
-    return PodInfo(
-        id=pod.id,
-        model=pod.model or "",
-        block_size=pod.block_size,
-        role="prefill",
-        url=pod.url,
-        bootstrap_host=pod.bootstrap_host,
-        bootstrap_port=pod.bootstrap_port,
-        kv_events=KvEventsConfig(
-            endpoint=pod.kv_events.endpoint,
-            replay_endpoint=pod.kv_events.replay_endpoint,
-            topic=pod.kv_events.topic,
-            mode=pod.kv_events.mode,
-        ),
-        dp_size=pod.dp_size,
-    )
-
-
-class RegistrationFailed(RuntimeError):
-    pass
+    """The registry's record; `RegistrationFailed` for what it cannot hold (an endpoint
+    the worker advertised that the indexer could not connect to, say)."""
+    try:
+        return PodInfo(
+            id=pod.id,
+            model=pod.model or "",
+            block_size=pod.block_size,
+            role="prefill",
+            url=pod.url,
+            bootstrap_host=pod.bootstrap_host,
+            bootstrap_port=pod.bootstrap_port,
+            kv_events=KvEventsConfig(
+                endpoint=pod.kv_events.endpoint,
+                replay_endpoint=pod.kv_events.replay_endpoint,
+                topic=pod.kv_events.topic,
+                mode=pod.kv_events.mode,
+            ),
+            dp_size=pod.dp_size,
+        )
+    except ValidationError as exc:
+        raise RegistrationFailed(f"pod {pod.id}: {validation_message(exc)}") from None
 
 
 class HttpPodRegistrar:
@@ -89,7 +92,14 @@ class RegistryPodRegistrar:
         self._registry = registry
 
     async def register(self, pod: PodRegistration) -> None:
-        await self._registry.put(pod_info(pod))
+        info = pod_info(pod)
+        try:
+            await self._registry.put(info)
+        except IndexUnavailable as exc:
+            raise RegistrationFailed(str(exc)) from exc
 
     async def unregister(self, pod_id: str) -> None:
-        await self._registry.remove(pod_id)
+        try:
+            await self._registry.remove(pod_id)
+        except IndexUnavailable as exc:
+            raise RegistrationFailed(str(exc)) from exc

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.config import HealthConfig, KvEventsSpec, WorkerSpec
-from gateway.monitor import PodRegistration, parse_server_info
+from gateway.monitor import PodRegistration, RegistrationFailed, parse_server_info
 from gateway.pods import pod_info
 from gateway.workers import DirectoryStatus, pod_from_topic, worker_id
 from tests.gateway.fakes import Cluster, FakeClock, Reading, StubProbe, config, make_gateway
@@ -31,7 +31,7 @@ class Registrar:
 
     async def register(self, pod: PodRegistration) -> None:
         if self.fail:
-            raise RuntimeError("indexer down")
+            raise RegistrationFailed("indexer down")
         self.pods.append(pod)
 
     async def unregister(self, pod_id: str) -> None:

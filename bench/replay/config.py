@@ -5,7 +5,7 @@ Defaults and why (the Markdown report repeats the values used):
 
 - `pods` 16 prefill pods: the Mooncake paper's Fig. 5 setting.
 - `capacity_blocks` per pod; unset, `capacity_fraction` (0.2) of the trace's unique blocks
-  is shared evenly by the pods. 20 % of the Mooncake trace is 2,284 blocks of 512 tokens
+  is shared evenly by the pods. 20 % of the Mooncake trace is 2,285 blocks of 512 tokens
   per pod = 1.17 M tokens, 357 GiB of LLaMA-2-70B KV (320 KiB/token): the HBM an 8×A800
   node has left after the weights. The cache is the engine's own `PagedKVCache`.
 - `prefill_tokens_per_s`; unset, it follows from `utilisation` (0.7): the rate at which

@@ -1,7 +1,9 @@
-"""The worker admin API: `GET|POST /workers`, `GET|DELETE /workers/{id}`.
+"""The operators' API: the workers (`GET|POST /workers`, `GET|DELETE /workers/{id}`) and
+the settings in force (`GET /v1/config`).
 
-Mutations need `Authorization: Bearer <--admin-token>` when one is set (else the API key
-when that is set). A worker is named by its id (`host:port`) or its URL. The body of
+Reads need the API key or the admin token when one is set; mutations need
+`Authorization: Bearer <--admin-token>` when one is set (else the API key when that is
+set). A worker is named by its id (`host:port`) or its URL. The body of
 `POST /workers` is a `WorkerSpec`; sglang-router's `worker_type` is accepted for `role`.
 Adding a prefill registers it as a pod with the index once its KV-event endpoints are
 known (given here, or discovered by the monitor from its /server_info).
@@ -45,10 +47,20 @@ def _spec(body: object) -> WorkerSpec:
 def admin_routes(gateway: Gateway) -> APIRouter:
     routes = APIRouter()
     admin_secret = gateway.config.admin_token or gateway.config.api_key
+    read_secrets = [s for s in (gateway.config.api_key, gateway.config.admin_token) if s]
+
+    def may_read(request: Request) -> bool:
+        return not read_secrets or any(bearer_ok(request, s) for s in read_secrets)
+
+    @routes.get("/v1/config")
+    async def settings(request: Request) -> Response:
+        if not may_read(request):
+            return _error(401, "missing or wrong token", "auth_error")
+        return JSONResponse(gateway.effective_config())
 
     @routes.get("/workers")
     async def list_workers(request: Request) -> Response:
-        if not bearer_ok(request, gateway.config.api_key or gateway.config.admin_token):
+        if not may_read(request):
             return _error(401, "missing or wrong token", "auth_error")
         now = gateway.clock()
         return JSONResponse({"workers": [w.describe(gateway.loads, now) for w in gateway.pool]})
@@ -71,7 +83,7 @@ def admin_routes(gateway: Gateway) -> APIRouter:
 
     @routes.get("/workers/{key:path}")
     async def get_worker(key: str, request: Request) -> Response:
-        if not bearer_ok(request, gateway.config.api_key or gateway.config.admin_token):
+        if not may_read(request):
             return _error(401, "missing or wrong token", "auth_error")
         worker = gateway.find(key)
         if worker is None:

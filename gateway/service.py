@@ -14,6 +14,8 @@ import logging
 import time
 from dataclasses import dataclass
 from random import Random
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 from prometheus_client import CollectorRegistry
@@ -32,6 +34,9 @@ from globalkv.lookup import PrefixLookup
 from globalkv.tokenize import Tokenizer
 
 log = logging.getLogger(__name__)
+
+_NOT_SHOWN = {"prefill", "decode", "api_key", "admin_token", "indexer_token", "redis_url"}
+"""Left out of `effective_config`: the workers (`/workers` lists them) and secrets."""
 
 
 @dataclass(slots=True)
@@ -69,9 +74,35 @@ class Gateway:
             return found
         return next((w for w in self.pool if w.url == key.rstrip("/")), None)
 
+    def effective_config(self) -> dict[str, Any]:
+        """The settings in force, for `GET /v1/config` and `globalkv doctor`: what routing
+        uses (policies and weights, the index, the model and tokenizer), which would
+        otherwise have to be guessed from the metrics. Secrets are only said to be set;
+        a Redis URL is shown without its credentials."""
+        config = self.config
+        shown = config.model_dump(mode="json", exclude=_NOT_SHOWN)
+        index = "indexer" if config.indexer_url else "redis" if config.redis_url else None
+        shown.update(
+            index=index,
+            redis_url=_without_credentials(config.redis_url),
+            model_in_use=self.monitor.served_model(),
+            tokenizer_loaded=self.tokenizer is not None,
+            api_key_set=config.api_key is not None,
+            admin_token_set=config.admin_token is not None,
+            indexer_token_set=config.indexer_token is not None,
+        )
+        return shown
+
     async def close(self) -> None:
         await self.monitor.stop()
         await self.dispatcher.drain()
+
+
+def _without_credentials(url: str | None) -> str | None:
+    if url is None:
+        return None
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
 
 
 def build_gateway(

@@ -44,6 +44,20 @@ class WorkersView(_Lenient):
     workers: list[WorkerView] = Field(default_factory=list)
 
 
+class GatewaySettingsView(_Lenient):
+    """The gateway's `GET /v1/config`: the settings routing uses."""
+
+    prefill_policy: str = "unknown"
+    index: str | None = None
+    """indexer, redis, or None."""
+    indexer_url: str | None = None
+    redis_url: str | None = None
+    lookup_timeout_secs: float | None = None
+    model_in_use: str | None = None
+    tokenizer: str | None = None
+    tokenizer_loaded: bool = False
+
+
 class SourceView(_Lenient):
     """One (pod, DP rank) event source in the indexer's `GET /v1/pods`."""
 

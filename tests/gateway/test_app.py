@@ -278,6 +278,44 @@ async def test_workers_admin_api(setup: tuple[Cluster, Gateway], front: str) -> 
         assert gateway.pool.get("10.0.0.3:30001") is None
 
 
+async def test_the_settings_in_force_are_shown_without_secrets(
+    setup: tuple[Cluster, Gateway], front: str
+) -> None:
+    _, gateway = setup
+    async with client_for(gateway, front) as client:
+        assert (await client.get("/v1/config")).status_code == 401
+        shown = await client.get("/v1/config", headers={"authorization": "Bearer admin"})
+        assert (await client.get("/v1/config", headers=AUTH)).json() == shown.json()
+    settings = shown.json()
+    assert (settings["prefill_policy"], settings["decode_policy"]) == ("prefix", "power_of_two")
+    assert settings["prefix"] == {"uncached_weight": 1.0, "queued_weight": 1.0, "request_cost": 0.0}
+    assert (settings["index"], settings["model"], settings["model_in_use"]) == (None, "m", "m")
+    assert (settings["tokenizer"], settings["tokenizer_loaded"]) == (None, True)
+    assert (settings["api_key_set"], settings["admin_token_set"]) == (True, True)
+    assert "prefill" not in settings
+    assert '"k"' not in shown.text
+    assert '"admin"' not in shown.text
+
+
+async def test_the_index_is_shown_by_kind_and_redis_without_credentials() -> None:
+    cfg = config(redis_url="redis://:secret@r:6379/0", block_size=16, tokenizer="byte")
+    redis = (await make_gateway(Cluster(), cfg)).effective_config()
+    assert (redis["index"], redis["redis_url"], redis["redis_prefix"]) == (
+        "redis",
+        "redis://r:6379/0",
+        "gkv",
+    )
+    assert redis["tokenizer"] == "byte"
+    cfg = config(indexer_url="http://ix:8100", indexer_token="t")
+    indexer = (await make_gateway(Cluster(), cfg)).effective_config()
+    assert (indexer["index"], indexer["indexer_url"], indexer["indexer_token_set"]) == (
+        "indexer",
+        "http://ix:8100",
+        True,
+    )
+    assert "indexer_token" not in indexer
+
+
 async def test_readiness_and_metrics(setup: tuple[Cluster, Gateway], front: str) -> None:
     cluster, gateway = setup
     async with client_for(gateway, front) as client:

@@ -23,6 +23,14 @@ DECODE = "http://d0.test:30000"
 RANK = ("10.0.0.1", 40000)
 MODEL = "m"
 TIMINGS = {"register": 1.5, "rank": 0.5, "connect": 2.0, "transfer": 10.0, "room": 0.1}
+SETTINGS = {
+    "index": "indexer",
+    "indexer_url": INDEXER,
+    "tokenizer": "byte",
+    "tokenizer_loaded": True,
+    "model_in_use": MODEL,
+}
+"""The gateway's /v1/config besides its prefill policy, when all is well."""
 
 
 @dataclass
@@ -46,6 +54,8 @@ class FakeCluster:
     resets: int = 0
     retries_per_probe: int = 0
     index_tokenizer: bool = True
+    settings: dict[str, Any] | None = field(default_factory=lambda: dict(SETTINGS))
+    """What the gateway's /v1/config shows besides the policy; None: it has no /v1/config."""
     counters: dict[tuple[str, tuple[tuple[str, str], ...]], float] = field(default_factory=dict)
     applied: int = 3
     probes: int = 0
@@ -133,6 +143,8 @@ class FakeCluster:
             return httpx.Response(200, json={"status": "ok"})
         if path == "/workers":
             return httpx.Response(200, json={"workers": self.workers()})
+        if path == "/v1/config" and self.settings is not None:
+            return httpx.Response(200, json={"prefill_policy": self.policy, **self.settings})
         if path == "/metrics":
             return httpx.Response(200, text=self.metrics_text())
         if path == "/generate":

@@ -6,7 +6,15 @@ import httpx
 
 from globalkv.stack.doctor.diagnose import Doctor, DoctorConfig
 from globalkv.stack.doctor.report import Level, Report, Stage, render_text
-from tests.stack.fake_cluster import DECODE, DIRECTORY, GATEWAY, INDEXER, RANK, FakeCluster
+from tests.stack.fake_cluster import (
+    DECODE,
+    DIRECTORY,
+    GATEWAY,
+    INDEXER,
+    RANK,
+    SETTINGS,
+    FakeCluster,
+)
 
 
 class FakeTime:
@@ -26,11 +34,12 @@ async def diagnose(
     gateway: str | None = GATEWAY,
     indexer: str | None = INDEXER,
     api_key: str | None = None,
+    probe: bool = True,
 ) -> Report:
     time = FakeTime()
     async with httpx.AsyncClient(transport=fake.transport()) as client:
         doctor = Doctor(
-            DoctorConfig(gateway=gateway, indexer=indexer, api_key=api_key),
+            DoctorConfig(gateway=gateway, indexer=indexer, api_key=api_key, probe=probe),
             client,
             connect=fake.connect,
             clock=time.clock,
@@ -66,6 +75,9 @@ async def test_a_healthy_cluster_passes_every_stage() -> None:
     assert routing["probe routing"][0] is Level.OK
     assert routing["repeated probe"][0] is Level.OK
     assert routing["index lookups"][0] is Level.OK
+    assert routing["gateway index"] == (Level.OK, f"the indexer at {INDEXER}")
+    assert routing["gateway tokenizer"] == (Level.OK, "byte")
+    assert routing["gateway model"] == (Level.OK, "lookups keyed by m")
     assert render_text(report).startswith("globalkv doctor: healthy\n")
 
 
@@ -153,6 +165,29 @@ async def test_a_gateway_without_tokenizer_is_a_warning() -> None:
     assert report.healthy
 
 
+async def test_the_gateway_s_settings_are_judged_without_a_probe() -> None:
+    bare = {"index": None, "tokenizer": None, "tokenizer_loaded": False, "model_in_use": None}
+    report = await diagnose(FakeCluster(settings=bare), probe=False)
+    routing = findings(report.stage("routing"))
+    assert routing["gateway index"][0] is Level.WARN
+    assert "routed by load (start it with --tokenizer)" in routing["gateway tokenizer"][1]
+    assert routing["gateway model"][0] is Level.WARN
+    other = {**SETTINGS, "indexer_url": "http://other:8100"}
+    routing = findings((await diagnose(FakeCluster(settings=other))).stage("routing"))
+    assert routing["gateway index"] == (
+        Level.WARN,
+        f"it asks the indexer at http://other:8100, not {INDEXER}",
+    )
+
+
+async def test_a_gateway_without_v1_config_is_judged_by_its_counters() -> None:
+    report = await diagnose(FakeCluster(settings=None))
+    routing = findings(report.stage("routing"))
+    assert routing["gateway settings"][0] is Level.SKIP
+    assert routing["probe routing"][0] is Level.OK
+    assert report.healthy
+
+
 async def test_events_that_never_reach_the_index_fail_freshness() -> None:
     report = await diagnose(FakeCluster(events_flow=False))
     level, message = findings(report.stage("index"))["probe blocks"]
@@ -173,6 +208,10 @@ async def test_another_prefill_policy_is_only_a_warning() -> None:
     assert routing["probe routing"] == (
         Level.WARN,
         "prefill policy is round_robin: the index is not consulted",
+    )
+    assert routing["gateway prefill policy"] == (
+        Level.WARN,
+        "round_robin: the index is not consulted",
     )
     assert routing["repeated probe"][0] is Level.WARN
     assert report.healthy

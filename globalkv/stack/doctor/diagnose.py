@@ -30,7 +30,7 @@ from globalkv.stack.doctor.pools import check_pools
 from globalkv.stack.doctor.probe import Prober, interpret, probe_text, wait_applied
 from globalkv.stack.doctor.reading import Connect, Reader, Samples, tcp_connect
 from globalkv.stack.doctor.report import Report, Stage
-from globalkv.stack.doctor.routing import check_lookup, judge_decision
+from globalkv.stack.doctor.routing import check_lookup, check_settings, judge_decision
 from globalkv.stack.views import PodsView, WorkersView
 
 
@@ -127,6 +127,8 @@ class Doctor:
         else:
             await self._directories.run(report.stage("directories"), targets)
         routing = report.stage("routing")
+        if config.gateway and workers is not None:
+            await check_settings(routing, self._gateway_reader, config.gateway, config.indexer)
         if config.indexer:
             await check_lookup(routing, self._reader, config.indexer, _model(workers, pods))
         if config.gateway and config.probe:

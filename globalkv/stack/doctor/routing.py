@@ -1,16 +1,19 @@
 """Stage 4: can the prefix policy work — is the index answering, is the prompt tokenizable?
 
-Two kinds of evidence. The index API is asked directly (a token lookup must answer; a
-text lookup shows whether the indexer has a tokenizer). The gateway's own counters, read
-before and after the probe request, say how the probe was routed: which prefill policy
-decided, whether it fell back to load and for what reason (no tokenizer, no index, index
-unavailable…), and whether the repeated probe was a cache hit.
+Three kinds of evidence. The gateway's settings (`GET /v1/config`) say what it routes
+prefills with: the policy, which index, the tokenizer and the model name it keys lookups
+with. The index API is asked directly (a token lookup must answer; a text lookup shows
+whether the indexer has a tokenizer). The gateway's own counters, read before and after
+the probe request, say how the probe was routed: which prefill policy decided, whether it
+fell back to load and for what reason (no tokenizer, no index, index unavailable…), and
+whether the repeated probe was a cache hit.
 """
 
 from __future__ import annotations
 
 from globalkv.stack.doctor.reading import Reader, Samples
 from globalkv.stack.doctor.report import Level, Stage
+from globalkv.stack.views import GatewaySettingsView
 
 _FALLBACKS = {
     "no_tokenizer": (
@@ -34,6 +37,47 @@ _FALLBACKS = {
 }
 DECISIONS = "globalkv_gateway_routing_decisions_total"
 FALLBACKS = "globalkv_gateway_routing_fallbacks_total"
+
+
+async def check_settings(stage: Stage, reader: Reader, gateway: str, indexer: str | None) -> None:
+    """What the gateway routes prefills with; `indexer` is the one doctor was given."""
+    url = f"{gateway}/v1/config"
+    settings = await reader.view(url, GatewaySettingsView)
+    if isinstance(settings, str):
+        stage.skip("gateway settings", f"{url} {settings}: judged from its counters only")
+        return
+    if settings.prefill_policy != "prefix":
+        policy = settings.prefill_policy
+        stage.warn("gateway prefill policy", f"{policy}: the index is not consulted")
+        return
+    stage.ok("gateway prefill policy", "prefix: prefills chosen by cached prefix and load")
+    if settings.index == "indexer":
+        asked = settings.indexer_url or "?"
+        if indexer is not None and asked.rstrip("/") != indexer:
+            stage.warn("gateway index", f"it asks the indexer at {asked}, not {indexer}")
+        else:
+            stage.ok("gateway index", f"the indexer at {asked}")
+    elif settings.index == "redis":
+        stage.ok("gateway index", f"read from Redis at {settings.redis_url}")
+    else:
+        stage.warn(
+            "gateway index",
+            "none (no --indexer-url or --redis-url): prefills are chosen by load",
+        )
+    if settings.tokenizer_loaded:
+        stage.ok("gateway tokenizer", settings.tokenizer or "loaded")
+    else:
+        stage.warn(
+            "gateway tokenizer",
+            "none: text and chat prompts are routed by load (start it with --tokenizer)",
+        )
+    if settings.model_in_use:
+        stage.ok("gateway model", f"lookups keyed by {settings.model_in_use}")
+    else:
+        stage.warn(
+            "gateway model",
+            "unknown: no --model and no prefill advertised one; routed by load until then",
+        )
 
 
 async def check_lookup(stage: Stage, reader: Reader, indexer: str, model: str | None) -> None:

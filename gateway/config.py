@@ -125,6 +125,13 @@ class HealthConfig(BaseModel):
         5, gt=0, description="How often each prefill's bootstrap directory is read."
     )
 
+    @field_validator("endpoint")
+    @classmethod
+    def _path(cls, value: str) -> str:
+        if not value.startswith("/"):
+            raise ValueError(f"{value!r} is not a path (it must start with /)")
+        return value
+
 
 class PrefixWeights(BaseModel):
     """Weights of the prefix policy's time-to-first-token estimate (see gateway.policies.prefix)."""

@@ -10,7 +10,9 @@ One loop per gateway. For each worker, when due:
 - registration of the prefill as a pod with the index once its KV-event endpoint is known;
 - the bootstrap directory's readiness and topology (dp_size, follow_bootstrap_room) via the
   `bootstrap/` control-plane reader, every `directory_refresh_secs`.
-`run_once(force=True)` does every check now; tests and start-up await it.
+`run_once(force=True)` does every check now; tests and start-up await it. A round that
+fails unexpectedly is logged and the loop goes on: a monitor that died would leave every
+worker's state frozen, silently.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ log = logging.getLogger(__name__)
 
 Sleep = Callable[[float], Awaitable[None]]
 _WILDCARD_HOSTS = {"*", "0.0.0.0", "::", "[::]", ""}
+_NO_SERVER_INFO = frozenset({404, 405})
+"""Statuses saying a worker has no /server_info: nothing to discover. Any other failure
+(an engine still starting, say) is asked again at the next round."""
 
 
 class DirectoryReading(Protocol):
@@ -198,7 +203,10 @@ class Monitor:
     async def _run(self) -> None:
         while True:
             self._wake.clear()
-            await self.run_once()
+            try:
+                await self.run_once()
+            except Exception:
+                log.exception("a monitor round failed; the next one runs as planned")
             due = [*self._next_health.values(), *self._next_directory.values()]
             pause = max(0.0, min(due) - self._clock()) if due else self._config.interval_secs
             with contextlib.suppress(TimeoutError):
@@ -255,18 +263,21 @@ class Monitor:
                 worker.url + "/server_info", timeout=self._config.timeout_secs
             )
         except httpx.HTTPError as exc:
-            worker.note_error(f"/server_info: {exc!r}", self._clock())
+            self._discovery_failed(worker, f"/server_info: {exc!r}")
             return
-        worker.discovered = True
         info: object = None
         if response.status_code == 200:
             with contextlib.suppress(ValueError):
                 info = response.json()
         if not isinstance(info, dict):
             error = f"/server_info answered {response.status_code} without JSON"
+            if response.status_code not in _NO_SERVER_INFO:
+                self._discovery_failed(worker, f"{error}; asked again next round")
+                return
             worker.note_error(error, self._clock())
             log.warning("prefill %s: %s; nothing discovered", worker.id, error)
             info = {}
+        worker.discovered = True
         found = parse_server_info(info, worker.host)
         if worker.kv_events is None:
             worker.kv_events = found.kv_events
@@ -283,6 +294,12 @@ class Monitor:
                 "is unknown and it stays eligible",
                 worker.id,
             )
+
+    def _discovery_failed(self, worker: Worker, error: str) -> None:
+        """Noted each time, logged when it is news (discovery is retried every round)."""
+        if worker.last_error != error:
+            log.warning("prefill %s: %s", worker.id, error)
+        worker.note_error(error, self._clock())
 
     async def _register(self, worker: Worker) -> None:
         events = worker.kv_events

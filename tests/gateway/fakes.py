@@ -55,6 +55,7 @@ class Cluster:
         self.behaviour: dict[str, Behaviour] = {}
         self.health: dict[str, int] = {}
         self.server_info: dict[str, Any] = {}
+        """host:port → its /server_info JSON, or an int: the status it answers instead."""
         self._arrived = asyncio.Condition()
 
     async def wait_calls(self, count: int) -> list[Call]:
@@ -79,7 +80,10 @@ class Cluster:
             if request.url.path == "/health":
                 return httpx.Response(self.health.get(key, 200), text="OK")
             if request.url.path == "/server_info" and key in self.server_info:
-                return httpx.Response(200, json=self.server_info[key])
+                info = self.server_info[key]
+                if isinstance(info, int):
+                    return httpx.Response(info, text="not now")
+                return httpx.Response(200, json=info)
             return httpx.Response(404, json={"detail": "Not Found"})
         body = json.loads(request.content) if request.content else None
         call = Call(key, request.method, request.url.path, body)

@@ -117,6 +117,7 @@ def test_environment_supplies_repeatable_flags() -> None:
         (["--indexer-url", "http://i:1", "--redis-url", "redis://r"], "redis"),
         (["--decode-policy", "prefix"], "prefill caches"),
         (["--retry-jitter-factor", "2"], "jitter_factor"),
+        (["--health-check-endpoint", "health"], "endpoint: 'health' is not a path"),
     ],
 )
 def test_invalid_flags_are_refused_with_the_reason(argv: list[str], message: str) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 import pytest
 
 from gateway.config import HealthConfig, KvEventsSpec, WorkerSpec
@@ -9,6 +11,7 @@ from gateway.monitor import PodRegistration, RegistrationFailed, parse_server_in
 from gateway.pods import pod_info
 from gateway.workers import DirectoryStatus, pod_from_topic, worker_id
 from tests.gateway.fakes import Cluster, FakeClock, Reading, StubProbe, config, make_gateway
+from tests.support.net import await_for
 
 EMULATOR_INFO = {
     "served_model_name": "tiny",
@@ -114,6 +117,52 @@ async def test_without_bootstrap_port_the_directory_is_unknown_and_eligible() ->
     assert worker.eligible
 
 
+async def test_a_server_info_that_fails_is_asked_again_and_one_that_is_missing_is_not() -> None:
+    cluster = Cluster()
+    cluster.server_info["10.0.0.1:30001"] = 503
+    cfg = config(prefill=[WorkerSpec(url="http://10.0.0.1:30001", role="prefill")])
+    gateway = await make_gateway(cluster, cfg, registrar=Registrar())
+    worker = gateway.pool.get("10.0.0.1:30001")
+    assert worker is not None
+    assert not worker.discovered
+    assert worker.last_error == "/server_info answered 503 without JSON; asked again next round"
+    cluster.server_info["10.0.0.1:30001"] = EMULATOR_INFO
+    await gateway.monitor.run_once()
+    assert (worker.discovered, worker.pod, worker.registered_pod) == (True, "pod-a", "pod-a")
+    cluster.server_info["10.0.0.2:30001"] = 404
+    missing = gateway.add_worker(WorkerSpec(url="http://10.0.0.2:30001", role="prefill"))
+    await gateway.monitor.run_once()
+    assert (missing.discovered, missing.kv_events) == (True, None)
+    cluster.server_info["10.0.0.2:30001"] = EMULATOR_INFO
+    await gateway.monitor.run_once()
+    assert missing.kv_events is None, "a worker without /server_info is not asked again"
+
+
+async def test_a_round_that_fails_unexpectedly_does_not_stop_the_monitor() -> None:
+    class Flaky(StubProbe):
+        fail = False
+
+        async def read(self, bootstrap_url: str) -> Reading:
+            if self.fail:
+                self.fail = False
+                raise RuntimeError("a bug in a reader")
+            return await super().read(bootstrap_url)
+
+    flaky, clock = Flaky(), FakeClock()
+    gateway = await make_gateway(Cluster(), config(), probe=flaky, clock=clock)
+    flaky.fail, clock.now = True, clock.now + 100  # every check due; the first read raises
+    before = len(flaky.reads)
+    gateway.monitor.start()
+    try:
+        await await_for(
+            _async(lambda: len(flaky.reads) >= before + 2 and not flaky.fail),
+            timeout=10,
+            what="a round after the failed one",
+        )
+    finally:
+        await gateway.monitor.stop()
+
+
 async def test_failed_registration_is_retried_and_shown() -> None:
     cluster = Cluster()
     cluster.server_info["10.0.0.1:30001"] = EMULATOR_INFO
@@ -170,3 +219,10 @@ async def test_health_checks_follow_the_interval_and_thresholds() -> None:
     assert not decode.health.healthy
     assert decode.health.last_error == "HTTP 500"
     assert not decode.eligible
+
+
+def _async(check: Callable[[], bool]) -> Callable[[], Awaitable[bool]]:
+    async def condition() -> bool:
+        return check()
+
+    return condition

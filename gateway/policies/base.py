@@ -4,11 +4,11 @@ A policy never sends, sleeps, reads a clock or the network. Everything it may lo
 comes in the call, so the same objects serve the live gateway and a discrete-event
 simulator replaying traces against a real `MemoryIndex` in simulated time:
 
-    policy = build_policy("prefix", PolicySettings(...), rng=Random(7))
+    policy = build_policy("prefix", Random(7), prefix=PrefixWeights())
     loads = LoadTracker()
     lookup = await IndexLookup(index).lookup(model, tokens)     # or None: index down
     request = RouteRequest(tokens=tokens, text=None, lookup=lookup, now=sim_time)
-    choice = policy.choose(request, loads.candidates(pods))      # Candidate per worker
+    choice = policy.choose(request, loads.candidates(pods))      # (worker, pod) pairs
     ticket = loads.start(choice.worker, prefill_tokens=choice.uncached_tokens)
     ...                                                          # simulated prefill
     loads.prefill_done(ticket)                                   # KV computed

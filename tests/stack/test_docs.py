@@ -1,9 +1,10 @@
 """The reference docs cannot drift from the code they describe.
 
 docs/configuration.md must list every flag of every `globalkv` command in that command's
-section, with the environment variable the dispatcher reads for it, and name a command's
-nested commands (`globalkv bench replay`); docs/operations.md
-must name every Prometheus metric the packages define.
+section, in a well-formed row with the environment variable the dispatcher reads for it
+and its default (any words where the parser's default is None, since the meaning then
+comes from elsewhere), and name a command's nested commands (`globalkv bench replay`);
+docs/operations.md must name every Prometheus metric the packages define.
 """
 
 from __future__ import annotations
@@ -48,7 +49,24 @@ def test_every_flag_is_documented_with_its_variable(command: str) -> None:
             continue
         key = f"`{' / '.join(action.option_strings)}`"
         assert key in rows, f"globalkv {command} {longs[0]} is not in docs/configuration.md"
-        assert f"`{env_var_name(command, longs[0])}`" in rows[key]
+        cells = [cell.strip() for cell in rows[key].split("|")[1:-1]]
+        assert len(cells) == 4, f"{key}: flag, variable, default, meaning: {rows[key]}"
+        assert cells[1] == f"`{env_var_name(command, longs[0])}`", key
+        documented = _documented_default(action)
+        assert documented is None or cells[2] == f"`{documented}`", f"{key}: {cells[2]}"
+
+
+def _documented_default(action: argparse.Action) -> str | None:
+    """What the default cell must say, or None when the parser's default is None."""
+    if action.nargs == 0:
+        return "on" if action.default else "off"
+    if action.required:
+        return "required"
+    if action.default is None:
+        return None
+    if action.default == []:
+        return "—"
+    return str(action.default)
 
 
 def test_every_metric_is_documented() -> None:

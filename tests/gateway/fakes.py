@@ -67,6 +67,16 @@ class Cluster:
     def on(self, url: str, behaviour: Behaviour) -> None:
         self.behaviour[url.split("//", 1)[1]] = behaviour
 
+    def hang_every_worker(self) -> None:
+        """Every worker takes calls and never answers: only a cancellation ends them."""
+
+        async def hanging(_: httpx.Request, __: Any) -> httpx.Response:
+            await asyncio.Event().wait()
+            raise AssertionError("unreachable")
+
+        for url in (*PREFILLS, *DECODES):
+            self.on(url, hanging)
+
     def inference(self, role: str | None = None) -> list[Call]:
         calls = [c for c in self.calls if c.method == "POST"]
         if role is None:

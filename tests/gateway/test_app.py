@@ -201,14 +201,7 @@ async def test_streaming_through_the_app(setup: tuple[Cluster, Gateway], front: 
 
 async def test_client_disconnect_cancels_both_upstreams(setup: tuple[Cluster, Gateway]) -> None:
     cluster, gateway = setup
-    hang = asyncio.Event()
-
-    async def hanging(_: httpx.Request, __: Any) -> httpx.Response:
-        await hang.wait()
-        raise AssertionError("unreachable")
-
-    for url in (*PREFILLS, *DECODES):
-        cluster.on(url, hanging)
+    cluster.hang_every_worker()
     app = create_app(gateway, run_monitor=False)
     gone = asyncio.Event()
     messages = [{"type": "http.request", "body": json.dumps({"text": "x"}).encode()}]

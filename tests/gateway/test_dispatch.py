@@ -314,14 +314,7 @@ async def test_stream_prefill_failure_before_first_byte_is_retried() -> None:
 
 async def test_cancelling_forward_cancels_both_upstream_calls() -> None:
     cluster = Cluster()
-    hang = asyncio.Event()
-
-    async def hanging(_: httpx.Request, __: Any) -> httpx.Response:
-        await hang.wait()
-        raise AssertionError("unreachable")
-
-    for url in (*PREFILLS, *DECODES):
-        cluster.on(url, hanging)
+    cluster.hang_every_worker()
     gateway = await make_gateway(cluster)
     task = asyncio.ensure_future(send(gateway, {"text": "x"}))
     await cluster.wait_calls(2)

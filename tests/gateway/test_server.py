@@ -25,7 +25,7 @@ from gateway.client_connection import HEAD_MAX
 from gateway.inference import Inference
 from gateway.server import GatewayServer
 from gateway.service import Gateway
-from tests.gateway.fakes import DECODES, PREFILLS, Cluster, config, make_gateway, sample
+from tests.gateway.fakes import DECODES, Cluster, config, make_gateway, sample
 from tests.support.net import await_for
 
 
@@ -134,14 +134,7 @@ async def test_expect_100_continue_is_answered_before_the_body_is_sent() -> None
 
 async def test_a_client_that_leaves_cancels_both_upstream_calls() -> None:
     cluster = Cluster()
-    hang = asyncio.Event()
-
-    async def hanging(_: httpx.Request, __: Any) -> httpx.Response:
-        await hang.wait()
-        raise AssertionError("unreachable")
-
-    for url in (*PREFILLS, *DECODES):
-        cluster.on(url, hanging)
+    cluster.hang_every_worker()
     gateway = await make_gateway(cluster)
     async with serving(gateway) as server:
         async with connected(server) as (_, writer):

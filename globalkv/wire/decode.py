@@ -1,0 +1,173 @@
+"""Every batch and event shape the peers have shipped (PROTOCOLS.md §4.2), decoded.
+
+Batches of 2 or 3 elements or a map; events as arrays (vLLM ≤ 0.23, SGLang ≤ 0.5.19) or
+maps (newer); unknown fields and extra positions ignored. Token ids are validated here,
+in C, by packing them into an `array("I")`, so nothing downstream meets a float or a
+negative token.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from collections.abc import Mapping
+from typing import Any
+
+import msgpack
+
+from globalkv.keys import EngineHash
+from globalkv.wire.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    EventBatch,
+    WireError,
+)
+
+_U64_MASK = 2**64 - 1
+
+_ARRAY_STORED = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+)
+_ARRAY_REMOVED = ("block_hashes", "medium", "group_idx")
+_UNPACK_ERRORS = (
+    msgpack.UnpackException,
+    ValueError,
+    TypeError,
+    UnicodeDecodeError,
+    OverflowError,
+    RecursionError,
+)
+
+
+def decode_batch(payload: bytes) -> EventBatch:
+    """One publisher batch from its msgpack payload; raises `WireError` if malformed."""
+    try:
+        raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except _UNPACK_ERRORS as exc:
+        raise WireError("not_msgpack", f"{type(exc).__name__}: {exc}"[:200]) from None
+    if isinstance(raw, list):
+        if len(raw) < 2:
+            raise WireError("bad_batch", f"batch array has {len(raw)} elements, need 2 or 3")
+        ts, events = raw[0], raw[1]
+        dp_rank = raw[2] if len(raw) > 2 else None
+    elif isinstance(raw, dict):
+        ts, events = raw.get("ts"), raw.get("events")
+        dp_rank = raw.get("data_parallel_rank", raw.get("dp_rank"))
+    else:
+        raise WireError("bad_batch", f"batch is a {type(raw).__name__}, not an array or map")
+    if type(ts) not in (float, int) or not math.isfinite(ts):
+        raise WireError("bad_batch", f"ts {ts!r:.40} is not a finite number")
+    if not isinstance(events, list):
+        raise WireError("bad_batch", f"events is a {type(events).__name__}, not a list")
+    if dp_rank is not None and (type(dp_rank) is not int or dp_rank < 0):
+        raise WireError("bad_batch", f"dp_rank {dp_rank!r} is not a non-negative int")
+    decoded: list[Event] = []
+    skipped = 0
+    for position, item in enumerate(events):
+        event = _decode_event(item, position)
+        if event is None:
+            skipped += 1
+        else:
+            decoded.append(event)
+    return EventBatch(ts=float(ts), events=decoded, dp_rank=dp_rank, skipped=skipped)
+
+
+def _decode_event(item: object, position: int) -> Event | None:
+    if isinstance(item, list):
+        if not item:
+            raise WireError("bad_event", f"event {position} is an empty array")
+        tag = item[0]
+        names = _ARRAY_STORED if tag == "BlockStored" else _ARRAY_REMOVED
+        fields: Mapping[Any, Any] = dict(zip(names, item[1:], strict=False))
+    elif isinstance(item, dict):
+        tag = item.get("type")
+        fields = item
+    else:
+        raise WireError("bad_event", f"event {position} is a {type(item).__name__}")
+    if not isinstance(tag, str):
+        raise WireError("bad_event", f"event {position} has tag {tag!r}")
+    if tag == "BlockStored":
+        if fields.get("locality") == "REMOTE":
+            return None
+        return _stored(fields, position)
+    if tag == "BlockRemoved":
+        return BlockRemoved(
+            block_hashes=_hashes(fields.get("block_hashes"), position),
+            medium=_opt_str(fields.get("medium"), "medium", position),
+            group_idx=_group(fields.get("group_idx"), position),
+        )
+    if tag == "AllBlocksCleared":
+        return AllBlocksCleared()
+    return None
+
+
+def _stored(fields: Mapping[Any, Any], position: int) -> BlockStored:
+    block_size = fields.get("block_size")
+    if type(block_size) is not int or block_size <= 0:
+        raise WireError("bad_field", f"event {position}: block_size {block_size!r}")
+    lora_id = fields.get("lora_id")
+    if lora_id is not None and type(lora_id) is not int:
+        raise WireError("bad_field", f"event {position}: lora_id {lora_id!r}")
+    parent = fields.get("parent_block_hash")
+    extra_keys = fields.get("extra_keys")
+    if extra_keys is not None and not isinstance(extra_keys, list):
+        raise WireError("bad_field", f"event {position}: extra_keys is not a list")
+    return BlockStored(
+        block_hashes=_hashes(fields.get("block_hashes"), position),
+        parent_block_hash=None if parent is None else _hash(parent, position),
+        token_ids=_tokens(fields.get("token_ids"), position),
+        block_size=block_size,
+        lora_id=lora_id,
+        medium=_opt_str(fields.get("medium"), "medium", position),
+        lora_name=_opt_str(fields.get("lora_name"), "lora_name", position),
+        extra_keys=extra_keys,
+        group_idx=_group(fields.get("group_idx"), position),
+        cache_salt=_opt_str(fields.get("cache_salt"), "cache_salt", position),
+    )
+
+
+def _hash(value: object, position: int) -> EngineHash:
+    if type(value) is int:
+        return EngineHash(value & _U64_MASK)
+    if isinstance(value, bytes) and value:
+        return EngineHash(int.from_bytes(value[-8:], "big"))
+    raise WireError("bad_hash", f"event {position}: hash {value!r:.60}")
+
+
+def _hashes(value: object, position: int) -> list[EngineHash]:
+    if not isinstance(value, list):
+        raise WireError("bad_hash", f"event {position}: block_hashes is not a list")
+    return [_hash(h, position) for h in value]
+
+
+def _tokens(value: object, position: int) -> array[int]:
+    if not isinstance(value, list):
+        raise WireError("bad_tokens", f"event {position}: token_ids is not a list")
+    try:
+        return array("I", value)
+    except (OverflowError, TypeError):
+        raise WireError("bad_tokens", f"event {position}: token ids must be u32 integers") from None
+
+
+def _opt_str(value: object, name: str, position: int) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    raise WireError("bad_field", f"event {position}: {name} {value!r:.60}")
+
+
+def _group(value: object, position: int) -> int:
+    if value is None:
+        return 0
+    if type(value) is not int or value < 0:
+        raise WireError("bad_field", f"event {position}: group_idx {value!r:.60}")
+    return value

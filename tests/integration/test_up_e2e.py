@@ -237,6 +237,10 @@ def test_doctor_reports_a_healthy_cluster(up: Up) -> None:
     assert report["healthy"] is True
     levels = {stage["key"]: stage["level"] for stage in report["stages"]}
     assert levels == dict.fromkeys(["gateway", "directories", "index", "routing", "probe"], "ok")
+    routing = next(s for s in report["stages"] if s["key"] == "routing")
+    settings = {f["subject"]: f["message"] for f in routing["findings"]}
+    assert settings["gateway index"] == f"the indexer at {up.indexer}"
+    assert settings["gateway tokenizer"] == "byte"
     probe = next(s for s in report["stages"] if s["key"] == "probe")
     assert [f["subject"] for f in probe["findings"]][:5] == [
         "register",

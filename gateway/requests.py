@@ -6,7 +6,9 @@ route answers 400 with the reason, before anything is sent upstream.
 
 The prompt's tokens come from the request (`input_ids`, a token-list `prompt`) or from
 the configured tokenizer (`text`, a string `prompt`, chat `messages`). A batch is routed
-as one unit by its first element.
+as one unit by its first element, and holds at most `MAX_BATCH` elements: each gets its
+own room, so a chat asking for `n` = 10 million would otherwise have the gateway draw and
+send 10 million rooms.
 
 Bodies are read and written with orjson (a 64-token body: 2.3 µs to read, 0.8 µs to write,
 against 8 µs each with the standard library), falling back to the standard library for
@@ -33,6 +35,7 @@ from globalkv.tokenize import NotTokenizable, Tokenizer
 if array("I").itemsize != 4:
     raise ImportError("gateway.requests checks token ids with array('I'), 32-bit here")
 
+MAX_BATCH = 4096
 _DIGITS = bytes.maketrans(b"123456789", b"000000000")
 _LONG_NUMBER = b"0" * 20
 """Twenty digits in a row: maybe an integer beyond 64 bits."""
@@ -174,9 +177,11 @@ def parse_request(endpoint: Endpoint, body: object) -> ParsedRequest:
         messages = raw
     else:
         token_ids, text = _prompt(endpoint, body)
-    return ParsedRequest(
-        endpoint, body, stream, batch_size(endpoint, body), token_ids, text, messages
-    )
+    batch = batch_size(endpoint, body)
+    if batch is not None and batch > MAX_BATCH:
+        message = f"a batch holds at most {MAX_BATCH} elements ('n' or the list), not {batch}"
+        raise BadRequest(message)
+    return ParsedRequest(endpoint, body, stream, batch, token_ids, text, messages)
 
 
 def _chat_text(messages: list[dict[str, Any]]) -> str:

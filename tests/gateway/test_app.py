@@ -15,6 +15,7 @@ import pytest
 from gateway.app import create_app
 from gateway.config import WorkerSpec
 from gateway.inference import Inference
+from gateway.requests import MAX_BATCH
 from gateway.server import GatewayServer
 from gateway.service import Gateway
 from gateway.upstream import Answer
@@ -128,6 +129,7 @@ async def test_without_tokenizer_or_index_it_routes_by_load_and_counts_it(front:
         ("/v1/chat/completions", b'{"messages": []}', 400, "'messages'"),
         ("/v1/chat/completions", b'{"messages": [{"role": "u"}], "n": 0}', 400, "'n'"),
         ("/v1/chat/completions", b'{"messages": [{"content": "x"}]}', 400, "'role'"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "u"}], "n": 4097}', 400, "at most 4096"),
         ("/generate", b'{"text": "' + b"x" * 3000 + b'"}', 413, "max-payload-size"),
     ],
 )
@@ -151,6 +153,18 @@ async def test_a_body_too_deep_to_write_gets_400_whichever_parser_read_it() -> N
         answer = await inference.handle("generate", "/generate", None, raw)
         assert isinstance(answer, Answer)
         assert (answer.status, b"nested too deeply" in answer.body) == (400, True)
+    assert cluster.inference() == []
+
+
+async def test_a_batch_of_more_than_max_batch_elements_gets_400() -> None:
+    cluster = Cluster()
+    inference = Inference(await make_gateway(cluster, config()))
+    raw = b'{"input_ids": [' + b"[1]," * MAX_BATCH + b"[2]]}"
+    answer = await inference.handle("generate", "/generate", None, raw)
+    assert isinstance(answer, Answer)
+    assert answer.status == 400
+    message = json.loads(answer.body)["error"]["message"]
+    assert message == f"a batch holds at most {MAX_BATCH} elements ('n' or the list), not 4097"
     assert cluster.inference() == []
 
 

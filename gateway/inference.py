@@ -9,6 +9,11 @@ refusal through `refuse` so that it is counted like any other answer.
 
 A client that goes away is the server's to notice: it cancels `handle` (counted as 499)
 or, once a stream is committed, `Relay.run`, which then cancels a prefill still running.
+
+A prompt to tokenize in a body over `TOKENIZE_INLINE_MAX` bytes is tokenized in a worker
+thread: a long text took the event loop, and every other request with it, for as long as
+its tokenizer ran (Hugging Face's releases the GIL). Shorter ones are tokenized inline,
+where a thread would cost more than the work.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from gateway.service import Gateway
 from gateway.upstream import Answer
 from globalkv.tokenize import TokenizeError
 
+TOKENIZE_INLINE_MAX = 64 * 1024
 INFERENCE_PATHS: dict[str, Endpoint] = {
     "/generate": "generate",
     "/v1/completions": "completions",
@@ -108,19 +114,19 @@ class Inference:
         if not bearer_matches(authorization, gateway.config.api_key):
             message = "missing or wrong API key (Authorization: Bearer …)"
             return self.refuse(endpoint, problem(401, message, "auth_error"))
-        try:
-            parsed = parse_request(endpoint, decode_body(raw))
-            tokens = prompt_tokens(parsed, gateway.tokenizer)
-        except (BadRequest, TokenizeError) as exc:
-            return self.refuse(endpoint, problem(400, str(exc)))
         router = gateway.router
         try:
+            parsed = parse_request(endpoint, decode_body(raw))
+            if len(raw) > TOKENIZE_INLINE_MAX and parsed.token_ids is None:
+                tokens = await asyncio.to_thread(prompt_tokens, parsed, gateway.tokenizer)
+            else:
+                tokens = prompt_tokens(parsed, gateway.tokenizer)
             lookup = None
             if router.uses_index:
                 lookup = await router.lookup(tokens.tokens, tokens.missing)
             route = RouteRequest(tokens.tokens, tokens.text, lookup, now=gateway.clock())
             outcome = await gateway.dispatcher.forward(parsed, route, path)
-        except BadRequest as exc:  # raised by the first attempt, before any call upstream
+        except (BadRequest, TokenizeError) as exc:  # BadRequest also from the first attempt
             return self.refuse(endpoint, problem(400, str(exc)))
         except asyncio.CancelledError:
             metrics.ttfb.observe(gateway.clock() - started)

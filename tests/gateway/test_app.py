@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -14,7 +15,7 @@ import pytest
 
 from gateway.app import create_app
 from gateway.config import WorkerSpec
-from gateway.inference import Inference
+from gateway.inference import TOKENIZE_INLINE_MAX, Inference
 from gateway.requests import MAX_BATCH
 from gateway.server import GatewayServer
 from gateway.service import Gateway
@@ -166,6 +167,24 @@ async def test_a_batch_of_more_than_max_batch_elements_gets_400() -> None:
     message = json.loads(answer.body)["error"]["message"]
     assert message == f"a batch holds at most {MAX_BATCH} elements ('n' or the list), not 4097"
     assert cluster.inference() == []
+
+
+async def test_a_long_text_is_tokenized_off_the_event_loop() -> None:
+    threads: list[int] = []
+
+    class ThreadNoting(ByteTokenizer):
+        def encode(self, text: str) -> list[int]:
+            threads.append(threading.get_ident())
+            return super().encode(text)
+
+    tokenizer = ThreadNoting()
+    gateway = await make_gateway(Cluster(), config(), tokenizer=tokenizer)
+    inference = Inference(gateway)
+    for text in ("short", "x" * TOKENIZE_INLINE_MAX):
+        raw = json.dumps({"text": text}).encode()
+        assert (await inference.handle("generate", "/generate", None, raw)).status == 200
+    here = threading.get_ident()
+    assert (threads[0] == here, threads[1] != here) == (True, True)
 
 
 async def test_values_orjson_would_change_reach_the_workers_as_sent(front: str) -> None:

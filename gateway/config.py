@@ -20,6 +20,10 @@ def _frozen() -> ConfigDict:
 
 
 def check_http_url(url: str) -> str:
+    """`url` without its trailing slash; it is written into request lines as it is, so
+    whitespace and control characters are refused (urlsplit would drop CR/LF silently)."""
+    if any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in url):
+        raise ValueError(f"{url!r} contains whitespace or control characters")
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"{url!r} is not an http(s) URL with a host")

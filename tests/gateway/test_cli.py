@@ -111,6 +111,7 @@ def test_environment_supplies_repeatable_flags() -> None:
         (["--prefill", "http://p:1", "x"], "number or none"),
         (["--prefill", "http://p:1", "1", "2"], "URL [BOOTSTRAP_PORT|none]"),
         (["--prefill", "p:1"], "http(s) URL"),
+        (["--decode", "http://d:1/a b"], "whitespace or control characters"),
         (["--prefill", "http://p:1", "70000"], "less than or equal to 65535"),
         (["--decode", "http://d:1", "--decode", "http://d:1"], "listed twice"),
         (["--worker-urls", "http://w:1"], "regular mode"),

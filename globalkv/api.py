@@ -7,8 +7,8 @@ unreachable, or sources are still being rebuilt after it lost its data — the a
 
 Every outside input is validated: bodies by pydantic (422 with the field), oversized
 bodies (413) before they are read whole, token counts (413), an unknown pod (404), a pod
-whose block size the index cannot key (400), a missing or wrong admin token on a
-mutating endpoint (401).
+whose block size the index cannot key (400), a bound topic that already names another
+pod (409), a missing or wrong admin token on a mutating endpoint (401).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from globalkv.index.base import Index, IndexUnavailable
+from globalkv.ingest.followed import TopicTaken
 from globalkv.ingest.service import IngestService
 from globalkv.lookup import IndexLookup
 from globalkv.metrics import ApiMetrics
@@ -232,10 +233,13 @@ def create_app(
                 f"{index.block_size}: its blocks cannot be keyed",
             )
         try:
+            ingest.check_pod(pod)
             await registry.put(pod)
+            await ingest.add_pod(pod)
+        except TopicTaken as exc:
+            raise HTTPException(409, str(exc)) from exc
         except IndexUnavailable as exc:
             raise unavailable(exc) from exc
-        await ingest.add_pod(pod)
         return PodOut(**pod.model_dump(), state=ingest.states().get(pod.id))
 
     @app.get("/v1/pods", response_model=PodList)
@@ -252,9 +256,16 @@ def create_app(
     async def delete_pod(pod_id: str) -> dict[str, str]:
         try:
             known = await registry.remove(pod_id)
-            followed = await ingest.remove_pod(pod_id)
         except IndexUnavailable as exc:
             raise unavailable(exc) from exc
+        try:
+            followed = await ingest.remove_pod(pod_id)
+        except IndexUnavailable as exc:
+            raise HTTPException(
+                503,
+                f"pod {pod_id} is no longer followed; its blocks are cleared once the "
+                f"index answers again ({exc})",
+            ) from exc
         if not (known or followed):
             raise HTTPException(404, f"no pod {pod_id!r}")
         return {"removed": pod_id}

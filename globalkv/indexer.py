@@ -26,6 +26,7 @@ from globalkv.index.base import Index, IndexUnavailable
 from globalkv.index.instrumented import InstrumentedIndex
 from globalkv.index.memory import MemoryIndex
 from globalkv.index.redis import RedisIndex
+from globalkv.ingest.followed import TopicTaken
 from globalkv.ingest.podsync import PodSync
 from globalkv.ingest.service import IngestConfig, IngestService
 from globalkv.metrics import IngestMetrics
@@ -65,12 +66,23 @@ class IndexerConfig(BaseModel):
 
     @model_validator(mode="after")
     def _keyable_pods(self) -> IndexerConfig:
+        ids: set[str] = set()
+        topics: dict[str, str] = {}
         for pod in self.pods:
             if pod.block_size is not None and pod.block_size % self.block_size:
                 raise ValueError(
                     f"pod {pod.id}: block_size {pod.block_size} is not a multiple of the "
                     f"index block size {self.block_size}"
                 )
+            if pod.id in ids:
+                raise ValueError(f"pod {pod.id} is given twice")
+            ids.add(pod.id)
+            if pod.kv_events.mode == "bind":
+                holder = topics.setdefault(pod.kv_events.topic, pod.id)
+                if holder != pod.id:
+                    raise ValueError(
+                        f"pods {holder} and {pod.id} both name the topic {pod.kv_events.topic!r}"
+                    )
         return self
 
 
@@ -121,7 +133,10 @@ class Indexer:
                 await self.registry.put(pod)
             except IndexUnavailable as exc:
                 log.warning("could not write pod %s to the registry yet: %s", pod.id, exc)
-            await self.ingest.add_pod(pod)
+            try:
+                await self.ingest.add_pod(pod)
+            except TopicTaken as exc:  # a pod appeared on the bound socket first
+                log.error("not following pod %s: %s", pod.id, exc)
         with contextlib.suppress(IndexUnavailable):
             await self.registry.mark()
         self._podsync_task = asyncio.create_task(self.podsync.run(), name="podsync")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Annotated, Literal, Protocol
 
@@ -32,6 +33,10 @@ from globalkv.index.base import IndexUnavailable
 log = logging.getLogger(__name__)
 
 PodId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:\-]+$")]
+MAX_DP_SIZE = 1024
+"""DP ranks one pod may have: each is a publisher with its own worker and subscription,
+so a batch naming a rank beyond this is refused rather than followed."""
+_TCP_ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^\s\[\]/:*]+):(\d{1,5})")
 
 
 class KvEventsConfig(BaseModel):
@@ -64,9 +69,11 @@ class KvEventsConfig(BaseModel):
             if value is not None and "*" in value:
                 raise ValueError(f"kv_events.{name} {value!r} is a bind address, not connectable")
             if value is not None and value.startswith("tcp://"):
-                port = value.rpartition(":")[2]
-                if not port.isdigit() or not 0 < int(port) < 65536:
-                    raise ValueError(f"kv_events.{name} {value!r} needs a port")
+                # ZMQ refuses a malformed address only when the SUB connects, long after
+                # the pod was accepted: checked here, it is a 422 instead.
+                match = _TCP_ENDPOINT.fullmatch(value)
+                if match is None or not 0 < int(match[2]) < 65536:
+                    raise ValueError(f"kv_events.{name} {value!r} must be tcp://host:port")
         if self.mode == "connect" and self.endpoint is None:
             raise ValueError("kv_events.endpoint is required unless mode is 'bind'")
         if self.mode == "bind" and not self.topic:
@@ -92,7 +99,7 @@ class PodInfo(BaseModel):
     bootstrap_host: str | None = Field(None, max_length=255)
     bootstrap_port: int | None = Field(None, ge=1, le=65535)
     kv_events: KvEventsConfig
-    dp_size: int = Field(1, ge=1, le=1024, description="DP ranks, each its own publisher.")
+    dp_size: int = Field(1, ge=1, le=MAX_DP_SIZE, description="DP ranks, each its own publisher.")
 
     @model_validator(mode="after")
     def _model_from_topic(self) -> PodInfo:
@@ -102,6 +109,10 @@ class PodInfo(BaseModel):
                     raise ValueError(
                         f"dp_size {self.dp_size} needs tcp:// endpoints (rank r uses port + r), "
                         f"not {endpoint!r}"
+                    )
+                if endpoint is not None and int(endpoint.rpartition(":")[2]) + self.dp_size > 65536:
+                    raise ValueError(
+                        f"dp_size {self.dp_size} puts the last rank of {endpoint!r} past port 65535"
                     )
         if not self.model:
             parsed = parse_topic(self.kv_events.topic)
@@ -120,6 +131,8 @@ def parse_topic(topic: str) -> tuple[str, str] | None:
 
 class SourceState(BaseModel):
     dp_rank: int
+    received: int = 0
+    """Live batches of this source that reached the indexer (replayed ones are not)."""
     last_seq: int | None = None
     last_event_ts: float | None = None
     """The engine's timestamp of the last applied batch."""
@@ -133,6 +146,13 @@ class SourceState(BaseModel):
 
 class PodState(BaseModel):
     subscribed: bool = False
+    """The indexer listens where this pod's events arrive: a SUB connected to each DP rank's
+    PUB (connect mode), or its own bound SUB (bind mode; false when it binds none). ZMQ
+    connects silently in both directions, so this does not say that the engine is there."""
+    receiving: bool = False
+    """An event of this pod reached the indexer since it began following it: the only proof
+    that the engine's PUB and our SUB found each other. An idle engine publishes nothing,
+    so false alone is no fault; in bind mode the pod has no sources until it is true."""
     resyncing: bool = False
     sources: list[SourceState] = Field(default_factory=list)
     updated_at: float | None = None

@@ -135,6 +135,7 @@ def pod_rows(pods: Sequence[dict[str, Any]], now: float) -> list[tuple[object, .
                     source.get("dp_rank", "-"),
                     where,
                     "yes" if state.get("subscribed") else "no",
+                    "yes" if state.get("receiving") else "no",
                     "-" if source.get("last_seq") is None else source["last_seq"],
                     _age(source.get("last_applied_at"), now),
                     source.get("resets", 0),
@@ -153,6 +154,6 @@ def run_pods(args: argparse.Namespace) -> int:
     if not data["pods"]:
         print("no pods")
         return 0
-    headers = ("POD", "MODEL", "ROLE", "DP", "EVENTS", "SUBSCRIBED", "LAST SEQ", "AGE")
-    print(table((*headers, "RESETS", "DROPS"), pod_rows(data["pods"], time.time())))
+    headers = ("POD", "MODEL", "ROLE", "DP", "EVENTS", "SUBSCRIBED", "RECEIVING", "LAST SEQ")
+    print(table((*headers, "AGE", "RESETS", "DROPS"), pod_rows(data["pods"], time.time())))
     return 0

@@ -13,8 +13,9 @@ import asyncio
 import logging
 
 from globalkv.index.base import IndexUnavailable
+from globalkv.ingest.followed import TopicTaken
 from globalkv.ingest.service import IngestService
-from globalkv.registry import Registry
+from globalkv.registry import PodInfo, Registry
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +56,11 @@ class PodSync:
         followed = {p.id for p in self.service.pods()}
         pods = await self.registry.list()
         for pod in pods:
-            await self.service.add_pod(pod)
+            await self._follow(pod)
         for pod_id in followed - {p.id for p in pods}:
             log.info("pod %s left the registry; unsubscribing", pod_id)
             await self.service.remove_pod(pod_id)
+        await self.service.clear_removed()
         await self.service.publish_states()
 
     async def sync_one(self, pod_id: str) -> None:
@@ -68,7 +70,14 @@ class PodSync:
                 log.info("pod %s was removed from the registry; unsubscribing", pod_id)
                 await self.service.remove_pod(pod_id)
         else:
+            await self._follow(pod)
+
+    async def _follow(self, pod: PodInfo) -> None:
+        """A conflicting pod written by someone else is reported, and the others followed."""
+        try:
             await self.service.add_pod(pod)
+        except TopicTaken as exc:
+            log.warning("not following a pod of the registry: %s", exc)
 
     async def _watch(self) -> None:
         while True:

@@ -3,7 +3,9 @@
 Pods come and go through `add_pod` / `remove_pod` (called by the API, the CLI's `--pod`
 flags and `podsync`, all idempotent), or appear by themselves on the bound socket when a
 `kv@<pod>@<model>` topic names a pod nobody registered; such pods are written to the
-registry so every gateway sees them.
+registry so every gateway sees them. A removed pod's blocks are cleared from the index;
+if the index cannot answer then, `clear_removed` (run by podsync) tries again, so they
+do not stay behind in lookups.
 
 When the index reports lost data, every source is rebuilt and `ready` stays False until
 all are, so the API answers 503 instead of a lookup against a half-empty index.
@@ -16,18 +18,24 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Coroutine, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq.asyncio
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from globalkv.index.base import Index, IndexUnavailable, Source
+from globalkv.ingest.followed import FollowedPod, FollowedPods, watched
 from globalkv.ingest.replay import ReplayClient
-from globalkv.ingest.subscribers import BoundSubscriber, EngineSubscription, offset_endpoint
+from globalkv.ingest.subscribers import (
+    BoundSubscriber,
+    EngineSubscription,
+    offset_endpoint,
+    replay_endpoint,
+)
 from globalkv.ingest.worker import Backoff, Received, SourceWorker
 from globalkv.metrics import IngestMetrics
 from globalkv.registry import (
+    MAX_DP_SIZE,
     KvEventsConfig,
     PodInfo,
     PodState,
@@ -77,13 +85,6 @@ class IngestConfig(BaseModel):
         return endpoints
 
 
-@dataclass(slots=True)
-class _Pod:
-    info: PodInfo
-    workers: dict[int, SourceWorker] = field(default_factory=dict)
-    tasks: list[asyncio.Task[None]] = field(default_factory=list)
-
-
 class IngestService:
     def __init__(
         self,
@@ -106,10 +107,12 @@ class IngestService:
             total_timeout=self.config.replay_total_timeout,
         )
         self.backoff = Backoff(self.config.retry_base, self.config.retry_cap)
-        self._pods: dict[str, _Pod] = {}
-        self._by_topic: dict[str, str] = {}
+        self._pods = FollowedPods()
+        self._uncleared: set[str] = set()
+        """Removed pods whose blocks the index could not drop yet."""
         self._resyncing: set[Source] = set()
         self._bound: BoundSubscriber | None = None
+        self._bound_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._lock = asyncio.Lock()
         self._source_added = asyncio.Event()
@@ -128,11 +131,11 @@ class IngestService:
             )
             self.bound_endpoints = self._bound.bind()
             log.info("bound SUB on %s", ", ".join(self.bound_endpoints))
-            self._spawn(self._bound.run())
+            self._bound_task = self._spawn(self._bound.run(), "bound SUB")
 
     async def stop(self) -> None:
-        for pod_id in list(self._pods):
-            await self._stop_pod(pod_id)
+        for pod in self._pods:
+            await self._stop_pod(pod.info.id)
         tasks = list(self._background)
         for task in tasks:
             task.cancel()
@@ -143,38 +146,56 @@ class IngestService:
     # ---------------------------------------------------------------- pods
 
     def pods(self) -> list[PodInfo]:
-        return [p.info for p in self._pods.values()]
+        return [p.info for p in self._pods]
+
+    def check_pod(self, info: PodInfo) -> None:
+        """Raise `followed.TopicTaken` if `add_pod(info)` would: before writing it anywhere."""
+        self._pods.check(info)
 
     async def add_pod(self, info: PodInfo) -> None:
-        """Follow a pod (idempotent: a pod already followed with the same info is kept)."""
+        """Follow a pod (idempotent: a pod already followed with the same info is kept).
+
+        Raises `followed.TopicTaken` when its bound topic names another followed pod.
+        """
         async with self._lock:
             current = self._pods.get(info.id)
             if current is not None and current.info == info:
                 return
+            self._pods.check(info)
             if current is not None:
                 await self._stop_pod(info.id)
-            pod = _Pod(info)
-            self._pods[info.id] = pod
-            if info.kv_events.mode == "bind":
-                self._by_topic[info.kv_events.topic] = info.id
-            else:
+            self._uncleared.discard(info.id)
+            pod = self._pods.add(info)
+            if info.kv_events.mode == "connect":
                 for rank in range(info.dp_size):
                     await self._start_engine_source(pod, rank)
+            elif self._bound is None:
+                log.warning("pod %s publishes to a bound SUB, and this indexer binds none", info.id)
             self._refresh_subscribed()
 
     async def remove_pod(self, pod_id: str, *, clear: bool = True) -> bool:
-        """Stop following a pod; with `clear`, forget its blocks in the index too."""
+        """Stop following a pod; with `clear`, forget its blocks in the index too (when
+        the index cannot answer, `IndexUnavailable` is raised and `clear_removed` retries)."""
         async with self._lock:
             existed = await self._stop_pod(pod_id)
         if clear:
-            await self.index.remove_pod(pod_id)
+            self._uncleared.add(pod_id)
+            await self._clear(pod_id)
         return existed
 
+    async def clear_removed(self) -> None:
+        """Drop the blocks of removed pods that the index could not drop at the time."""
+        for pod_id in sorted(self._uncleared):
+            await self._clear(pod_id)
+
+    async def _clear(self, pod_id: str) -> None:
+        await self.index.remove_pod(pod_id)
+        self._uncleared.discard(pod_id)
+
     async def _stop_pod(self, pod_id: str) -> bool:
-        pod = self._pods.pop(pod_id, None)
+        pod = self._pods.pop(pod_id)
         if pod is None:
             return False
-        self._by_topic = {t: p for t, p in self._by_topic.items() if p != pod_id}
         for task in pod.tasks:
             task.cancel()
         await asyncio.gather(*pod.tasks, return_exceptions=True)
@@ -185,13 +206,11 @@ class IngestService:
         self._refresh_subscribed()
         return True
 
-    async def _start_engine_source(self, pod: _Pod, rank: int) -> None:
+    async def _start_engine_source(self, pod: FollowedPod, rank: int) -> None:
         events = pod.info.kv_events
         assert events.endpoint is not None
-        replay = events.replay_endpoint
-        worker = await self._worker(
-            pod, rank, None if replay is None else offset_endpoint(replay, rank)
-        )
+        expected, known = await self._resume_point(Source(pod.info.id, rank))
+        worker = self._new_worker(pod, rank, expected, known)
         subscription = EngineSubscription(
             self.context,
             offset_endpoint(events.endpoint, rank),
@@ -200,25 +219,16 @@ class IngestService:
             self.metrics,
             rcvhwm=self.config.rcvhwm,
         )
-        pod.tasks.append(asyncio.create_task(subscription.run(), name=f"sub {worker.source}"))
-
-    async def _worker(self, pod: _Pod, rank: int, replay: str | None) -> SourceWorker:
-        expected, known = await self._resume_point(Source(pod.info.id, rank))
-        return self._new_worker(pod, rank, replay, expected, known)
+        pod.tasks.append(watched(subscription.run(), f"subscription of {worker.source}"))
 
     def _new_worker(
-        self,
-        pod: _Pod,
-        rank: int,
-        replay: str | None,
-        expected: int | None,
-        known: bool = True,
+        self, pod: FollowedPod, rank: int, expected: int | None, known: bool = True
     ) -> SourceWorker:
         source = Source(pod.info.id, rank)
         worker = SourceWorker(
             source,
             pod.info.model,
-            replay,
+            replay_endpoint(pod.info, rank),
             index=self.index,
             replayer=self.replayer,
             metrics=self.metrics,
@@ -230,7 +240,7 @@ class IngestService:
             state_known=known,
         )
         pod.workers[rank] = worker
-        pod.tasks.append(asyncio.create_task(worker.run(), name=f"ingest {source}"))
+        pod.tasks.append(watched(worker.run(), f"ingest of {source}"))
         self._refresh_subscribed()
         added, self._source_added = self._source_added, asyncio.Event()
         added.set()
@@ -249,7 +259,7 @@ class IngestService:
         return None, True
 
     def _refresh_subscribed(self) -> None:
-        self.metrics.subscribed.set(sum(len(p.workers) for p in self._pods.values()))
+        self.metrics.subscribed.set(sum(len(p.workers) for p in self._pods))
 
     # ---------------------------------------------------------------- bound socket
 
@@ -271,16 +281,16 @@ class IngestService:
         rank = batch.dp_rank or 0
         worker = pod.workers.get(rank)
         if worker is None:
-            replay = pod.info.kv_events.replay_endpoint
-            worker = self._new_worker(
-                pod, rank, None if replay is None else offset_endpoint(replay, rank), None
-            )
+            if rank >= MAX_DP_SIZE:  # each rank costs a worker: not one per number sent
+                self.metrics.dropped.labels("bad_dp_rank").inc()
+                return
+            worker = self._new_worker(pod, rank, None)
         worker.offer(Received(frame.seq, batch, at))
 
-    def _bound_pod(self, topic: str) -> _Pod | None:
-        pod_id = self._by_topic.get(topic)
-        if pod_id is not None:
-            return self._pods.get(pod_id)
+    def _bound_pod(self, topic: str) -> FollowedPod | None:
+        pod = self._pods.by_topic(topic)
+        if pod is not None:
+            return pod
         parsed = parse_topic(topic)
         if parsed is None:
             return None
@@ -293,10 +303,8 @@ class IngestService:
         if info.id in self._pods:
             return None  # the id is taken by a pod configured differently
         log.info("pod %s appeared on the bound socket (topic %r)", info.id, topic)
-        pod = _Pod(info)
-        self._pods[info.id] = pod
-        self._by_topic[topic] = info.id
-        self._spawn(self._register(info))
+        pod = self._pods.add(info)
+        self._spawn(self._register(info), f"registering pod {info.id}")
         return pod
 
     async def _register(self, info: PodInfo) -> None:
@@ -323,7 +331,7 @@ class IngestService:
                 self._resyncing.add(worker.source)
                 worker.request_resync()
         self.metrics.resyncing.set(len(self._resyncing))
-        self._spawn(self.restore_registry())
+        self._spawn(self.restore_registry(), "restoring the pod registry")
 
     def resynced(self, source: Source) -> None:
         self._resyncing.discard(source)
@@ -343,7 +351,7 @@ class IngestService:
     # ---------------------------------------------------------------- observing
 
     def _workers(self) -> Iterable[SourceWorker]:
-        for pod in list(self._pods.values()):
+        for pod in self._pods:
             yield from list(pod.workers.values())
 
     def worker(self, source: Source) -> SourceWorker | None:
@@ -372,25 +380,17 @@ class IngestService:
 
     def states(self) -> dict[str, PodState]:
         now = time.time()
-        out: dict[str, PodState] = {}
-        for pod_id, pod in self._pods.items():
-            sources = []
-            for rank in sorted(pod.workers):
-                worker = pod.workers[rank]
-                worker.state.queue_depth = worker.queue.qsize()
-                sources.append(worker.state.model_copy())
-            out[pod_id] = PodState(
-                subscribed=bool(pod.workers) or pod.info.kv_events.mode == "bind",
-                resyncing=any(w.source in self._resyncing for w in pod.workers.values()),
-                sources=sources,
-                updated_at=now,
-            )
-        return out
+        listening = self._bound_task is not None and not self._bound_task.done()
+        return {
+            pod.info.id: pod.state(listening=listening, resyncing=self._resyncing, now=now)
+            for pod in self._pods
+        }
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.create_task(coro)
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        task = watched(coro, name)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
 
     async def publish_states(self) -> None:
         """Write our ingest state next to each pod in the registry (best effort)."""

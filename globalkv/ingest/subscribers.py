@@ -21,6 +21,7 @@ import zmq.asyncio
 
 from globalkv.ingest.worker import Received, SourceWorker
 from globalkv.metrics import IngestMetrics
+from globalkv.registry import PodInfo
 from globalkv.wire import Frame, WireError, parse_live
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,25 @@ def offset_endpoint(endpoint: str, dp_rank: int) -> str:
     host, _, port = endpoint.rpartition(":")
     if not port.isdigit():
         raise ValueError(f"endpoint {endpoint!r} has no port")
+    if int(port) + dp_rank > 65535:
+        raise ValueError(f"DP rank {dp_rank} of {endpoint!r} would be past port 65535")
     return f"{host}:{int(port) + dp_rank}"
+
+
+def replay_endpoint(info: PodInfo, rank: int) -> str | None:
+    """DP rank `rank`'s replay ROUTER; None (no replay: gaps reset) when it has none.
+
+    A bind-mode pod learns its ranks from its batches, so an endpoint that cannot be offset
+    (ipc://, a port too high) is found only then: that rank goes without replay.
+    """
+    replay = info.kv_events.replay_endpoint
+    if replay is None:
+        return None
+    try:
+        return offset_endpoint(replay, rank)
+    except ValueError as exc:
+        log.warning("pod %s DP rank %d has no replay endpoint: %s", info.id, rank, exc)
+        return None
 
 
 class EngineSubscription:

@@ -97,10 +97,12 @@ class SourceWorker:
         self.backoff = backoff or Backoff()
         self.max_group = max_group
         self.expected = expected
+        """Next seq to apply; None until the source has state (from the index or live)."""
         self.state_known = state_known
         """False when the index could not tell what it holds for this source (it was
         unreachable when we started): a first batch then cannot assume an empty source."""
-        """Next seq to apply; None until the source has state (from the index or live)."""
+        self.received = 0
+        """Live batches handed to this worker, queued or dropped (a plain int: per message)."""
         self.wall_clock = wall_clock
         self.queue: asyncio.Queue[Received | None] = asyncio.Queue(queue_size)
         self.state = SourceState(dp_rank=source.dp_rank)
@@ -119,6 +121,7 @@ class SourceWorker:
 
     async def put(self, item: Received) -> None:
         """Wait for room: back-pressure to the caller's socket."""
+        self.received += 1
         await self.queue.put(item)
         self._m_depth.set(self.queue.qsize())
         if self._waiters:
@@ -126,6 +129,7 @@ class SourceWorker:
 
     def offer(self, item: Received) -> bool:
         """Queue without waiting; a full queue drops the batch (seen later as a gap)."""
+        self.received += 1
         try:
             self.queue.put_nowait(item)
         except asyncio.QueueFull:
@@ -273,9 +277,13 @@ class SourceWorker:
     # ---------------------------------------------------------------- applying
 
     async def _apply_group(self, group: Sequence[Received]) -> None:
-        """Consecutive batches of this source, decoded, translated and applied as one."""
+        """Consecutive batches of this source, decoded, translated and applied as one.
+
+        A malformed batch is dropped but its seq still counts as handled (it is not a gap).
+        """
         events: list[IndexEvent] = []
         last_ts: float | None = None
+        arrivals: list[float] = []
         for item in group:
             if isinstance(item.payload, EventBatch):
                 batch = item.payload
@@ -291,16 +299,17 @@ class SourceWorker:
                 self.metrics.skipped.labels(reason).inc(count)
             events.extend(translated.events)
             last_ts = batch.ts
+            arrivals.append(item.at)
         last_seq = group[-1].seq
         if last_ts is not None:
             batch_out = SourceBatch(self.source, last_seq, last_ts, events)
             result = await self._apply(batch_out, group[0].seq)
             self._count(result)
             now = time.monotonic()
-            for item in group:
-                self.metrics.lag.observe(now - item.at)
-        self._m_batches.inc(len(group))
-        self._advance(last_seq, last_ts, len(group))
+            for at in arrivals:
+                self.metrics.lag.observe(now - at)
+            self._m_batches.inc(len(arrivals))
+        self._advance(last_seq, last_ts, len(arrivals))
 
     def _count(self, result: ApplyResult) -> None:
         if result.stored:

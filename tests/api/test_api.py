@@ -281,6 +281,42 @@ async def test_add_list_and_delete_a_pod(
     assert (await client.delete("/v1/pods/p0", headers=AUTH)).status_code == 404
 
 
+async def test_a_bound_topic_of_another_pod_is_409(client: httpx.AsyncClient) -> None:
+    bound = {"id": "b0", "kv_events": {"mode": "bind", "topic": "kv@b0@m"}}
+    assert (await client.post("/v1/pods", json=bound, headers=AUTH)).status_code == 201
+    response = await client.post("/v1/pods", json={**bound, "id": "b1"}, headers=AUTH)
+    assert response.status_code == 409
+    assert "already names pod b0" in response.json()["detail"]
+    assert [p["id"] for p in (await client.get("/v1/pods")).json()["pods"]] == ["b0"]
+
+
+async def test_a_pod_removed_while_the_index_is_down_is_503_then_cleared() -> None:
+    index = RecordingIndex()
+    registry = MemoryRegistry()
+    context = zmq.asyncio.Context()
+    ingest = IngestService(index, registry, IngestMetrics(CollectorRegistry()), context=context)
+    app = create_app(
+        ApiConfig(),
+        index=index,
+        registry=registry,
+        ingest=ingest,
+        metrics_registry=CollectorRegistry(),
+    )
+    try:
+        async with await _client(app) as client:
+            assert (await client.post("/v1/pods", json=POD)).status_code == 201
+            index.unavailable = 1
+            response = await client.delete("/v1/pods/p0")
+            assert response.status_code == 503
+            assert "cleared once the index answers" in response.json()["detail"]
+            assert (await client.get("/v1/pods")).json() == {"pods": []}
+            await ingest.clear_removed()
+            assert index.removed_pods == ["p0"]
+    finally:
+        await ingest.stop()
+        context.destroy(linger=0)
+
+
 async def test_minimal_pod_and_model_from_topic(client: httpx.AsyncClient) -> None:
     body = {"id": "p1", "kv_events": {"endpoint": "tcp://127.0.0.1:1", "topic": "kv@p1@llama"}}
     response = await client.post("/v1/pods", json=body, headers=AUTH)

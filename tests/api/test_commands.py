@@ -12,6 +12,7 @@ from globalkv.commands.client import lookup_body, pod_rows, table
 from globalkv.commands.indexer import config_from_args
 
 POD = {"id": "p0", "block_size": 32, "kv_events": {"endpoint": "tcp://10.0.0.1:5557"}}
+BOUND = {"id": "b0", "kv_events": {"mode": "bind", "topic": "kv@b0@m"}}
 
 
 def test_indexer_flags_become_one_config() -> None:
@@ -60,6 +61,11 @@ def test_pods_file_through_the_environment(tmp_path: Path) -> None:
         (["indexer", "--bind", "5557"], "tcp://"),
         (["indexer", "--redis-url", "localhost"], "redis://"),
         (["indexer", "--block-size", "0"], "block_size"),
+        (["indexer", "--pod", json.dumps(POD), "--pod", json.dumps(POD)], "given twice"),
+        (
+            ["indexer", "--pod", json.dumps(BOUND), "--pod", json.dumps({**BOUND, "id": "b1"})],
+            "both name the topic",
+        ),
     ],
 )
 def test_invalid_indexer_configuration(argv: list[str], message: str) -> None:
@@ -83,6 +89,7 @@ def test_pod_rows_and_table() -> None:
             "kv_events": {"endpoint": "tcp://h:1"},
             "state": {
                 "subscribed": True,
+                "receiving": True,
                 "sources": [{"dp_rank": 0, "last_seq": 7, "last_applied_at": 95.0, "resets": 1}],
             },
         },
@@ -90,7 +97,7 @@ def test_pod_rows_and_table() -> None:
     ]
     rows = pod_rows(pods, now=100.0)
     assert rows == [
-        ("p0", "m", "prefill", 0, "tcp://h:1", "yes", 7, "5.0s", 1, 0),
-        ("p1", "-", "prefill", "-", "bind:kv@p1@m", "no", "-", "-", 0, 0),
+        ("p0", "m", "prefill", 0, "tcp://h:1", "yes", "yes", 7, "5.0s", 1, 0),
+        ("p1", "-", "prefill", "-", "bind:kv@p1@m", "no", "no", "-", "-", 0, 0),
     ]
     assert table(("A", "LONG"), [("xx", 1)]).splitlines() == ["A   LONG", "xx  1"]

@@ -52,11 +52,23 @@ def test_model_defaults_to_the_topic_model() -> None:
         {"kv_events": {"endpoint": "tcp://h:1"}, "role": "router"},
         {"kv_events": {"endpoint": "tcp://h"}, "dp_size": 2},
         {"kv_events": {"endpoint": "tcp://h:1", "replay_endpoint": "tcp://h:99999"}},
+        {"kv_events": {"endpoint": "tcp://a b:1"}},
+        {"kv_events": {"endpoint": "tcp://:1"}},
+        {"kv_events": {"endpoint": "tcp://h:1/x"}},
+        {"kv_events": {"endpoint": "tcp://h:65535"}, "dp_size": 2},
+        {"kv_events": {"endpoint": "tcp://h:1"}, "dp_size": 1025},
     ],
 )
 def test_invalid_pods(kw: dict[str, object]) -> None:
     with pytest.raises(ValidationError):
         PodInfo.model_validate({"id": "p0", **kw})
+
+
+@pytest.mark.parametrize(
+    "endpoint", ["tcp://10.0.0.5:5557", "tcp://[::1]:5557", "tcp://engine-0.svc:1", "ipc:///t"]
+)
+def test_connectable_endpoints(endpoint: str) -> None:
+    assert KvEventsConfig(endpoint=endpoint).endpoint == endpoint
 
 
 @pytest.fixture(params=["memory", "redis"])

@@ -216,6 +216,8 @@ async def test_garbage_frames_are_counted_and_dropped(
     assert sample(prom, "globalkv_ingest_dropped_total", reason="bad_frames") == 1
     assert sample(prom, "globalkv_ingest_dropped_total", reason="not_msgpack") == 1
     assert sample(prom, "globalkv_ingest_gaps_total", pod="p0") == 0
+    assert service.states()["p0"].sources[0].applied == 2, "the malformed batch is not applied"
+    assert sample(prom, "globalkv_ingest_batches_applied_total", pod="p0") == 2
 
 
 async def test_index_unavailable_holds_and_retries(

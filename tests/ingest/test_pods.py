@@ -1,0 +1,153 @@
+"""Following pods: honest states, bad input on the bound socket, topic conflicts, removal."""
+
+from __future__ import annotations
+
+import logging
+
+import msgpack
+import pytest
+import zmq
+from prometheus_client import CollectorRegistry
+
+from globalkv.index.base import IndexUnavailable, Source
+from globalkv.ingest.followed import TopicTaken
+from globalkv.ingest.podsync import PodSync
+from globalkv.registry import KvEventsConfig, MemoryRegistry, PodInfo
+from globalkv.wire import live_frames
+from tests.ingest.conftest import PublisherFactory, ServiceFactory
+from tests.ingest.fakes import RecordingIndex
+from tests.ingest.test_service import follow, pod_for, sample, store
+
+P0 = Source("p0", 0)
+
+
+def bind_pod(pod_id: str, topic: str, replay: str | None = None) -> PodInfo:
+    events = KvEventsConfig(mode="bind", topic=topic, replay_endpoint=replay)
+    return PodInfo(id=pod_id, model="m", kv_events=events)
+
+
+async def test_a_connected_pod_is_subscribed_and_says_when_events_arrive(
+    make_service: ServiceFactory, make_publisher: PublisherFactory
+) -> None:
+    service, pub = make_service(), make_publisher()
+    await follow(service, pub, pod_for(pub))
+    before = service.states()["p0"]
+    assert (before.subscribed, before.receiving) == (True, False)
+    assert before.sources[0].received == 0
+    await pub.publish([store(0)])
+    await service.applied(P0, 0)
+    after = service.states()["p0"]
+    assert (after.subscribed, after.receiving) == (True, True)
+    assert after.sources[0].received == 1
+
+
+async def test_a_bind_pod_listens_but_receives_nothing_before_its_first_event(
+    make_service: ServiceFactory, make_publisher: PublisherFactory
+) -> None:
+    service = make_service(bind=["tcp://127.0.0.1:0"])
+    await service.start()
+    await service.add_pod(bind_pod("b0", "kv@b0@m"))
+    before = service.states()["b0"]
+    assert (before.subscribed, before.receiving, before.sources) == (True, False, [])
+    pub = make_publisher(
+        endpoint=service.bound_endpoints[0], connect=True, replay_endpoint=None, topic="kv@b0@m"
+    )
+    await pub.wait_subscribed()
+    await pub.publish([store(0)])
+    await service.applied(Source("b0"), 0)
+    after = service.states()["b0"]
+    assert (after.subscribed, after.receiving) == (True, True)
+    assert [s.received for s in after.sources] == [1]
+
+
+async def test_a_bind_pod_is_not_subscribed_where_nothing_is_bound(
+    make_service: ServiceFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    service = make_service()
+    await service.add_pod(bind_pod("b0", "kv@b0@m"))
+    state = service.states()["b0"]
+    assert (state.subscribed, state.receiving) == (False, False)
+    assert "binds none" in caplog.text
+
+
+async def test_a_subscription_that_dies_is_logged_and_no_longer_subscribed(
+    make_service: ServiceFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An address ZMQ refuses only when connecting (validation keeps such pods out of the
+    API: this one is built around it)."""
+    service = make_service()
+    events = KvEventsConfig.model_construct(
+        endpoint="tcp://a b:1", replay_endpoint=None, topic="", mode="connect"
+    )
+    pod = PodInfo.model_construct(id="p0", model="m", kv_events=events, dp_size=1)
+    with caplog.at_level(logging.ERROR):
+        await service.add_pod(pod)
+        followed = service._pods.get("p0")
+        assert followed is not None
+        (subscription,) = [t for t in followed.tasks if "subscription" in t.get_name()]
+        with pytest.raises(zmq.ZMQError, match="Invalid argument"):
+            await subscription
+    assert not service.states()["p0"].subscribed
+    assert "subscription of Source(pod='p0', dp_rank=0) stopped" in caplog.text
+
+
+async def test_bad_input_on_the_bound_socket_is_counted_and_the_socket_keeps_serving(
+    make_service: ServiceFactory,
+    make_publisher: PublisherFactory,
+    index: RecordingIndex,
+    prom: CollectorRegistry,
+) -> None:
+    service = make_service(bind=["tcp://127.0.0.1:0"])
+    await service.start()
+    await service.add_pod(bind_pod("b0", "kv@b0@m", replay="ipc:///tmp/globalkv-no-offset"))
+    pub = make_publisher(
+        endpoint=service.bound_endpoints[0], connect=True, replay_endpoint=None, topic="kv@b0@m"
+    )
+    await pub.wait_subscribed()
+    await pub.raw(live_frames(b"\xff\xfe", 0, msgpack.packb([0.0, [], 0])))
+    await pub.publish([store(0)], dp_rank=4096)
+    pub.seq = 0
+    await pub.publish([store(0)], dp_rank=1)  # rank 1 of an ipc:// replay: no replay for it
+    pub.seq = 0
+    await pub.publish([store(0)], dp_rank=0)
+    await service.applied(Source("b0", 0), 0)
+    await service.applied(Source("b0", 1), 0)
+    assert index.applied == {Source("b0", 0): [0], Source("b0", 1): [0]}
+    assert sample(prom, "globalkv_ingest_dropped_total", reason="unknown_topic") == 1
+    assert sample(prom, "globalkv_ingest_dropped_total", reason="bad_dp_rank") == 1
+    assert service.worker(Source("b0", 1)).replay_endpoint is None  # type: ignore[union-attr]
+    assert service.states()["b0"].subscribed
+
+
+async def test_a_bound_topic_names_one_pod(
+    make_service: ServiceFactory, registry: MemoryRegistry, caplog: pytest.LogCaptureFixture
+) -> None:
+    service = make_service(bind=["tcp://127.0.0.1:0"])
+    await service.start()
+    await service.add_pod(bind_pod("a", "kv@a@m"))
+    with pytest.raises(TopicTaken, match="already names pod a"):
+        await service.add_pod(bind_pod("b", "kv@a@m"))
+    renamed = bind_pod("a", "kv@a@m").model_copy(update={"model": "other"})
+    await service.add_pod(renamed)
+    await registry.put(renamed)
+    await registry.put(bind_pod("c", "kv@a@m"))
+    await registry.put(bind_pod("d", "kv@d@m"))
+    await PodSync(registry, service).reconcile()
+    assert [p.id for p in service.pods()] == ["a", "d"]
+    assert "topic 'kv@a@m' already names pod a" in caplog.text
+
+
+async def test_blocks_of_a_removed_pod_are_cleared_once_the_index_answers(
+    make_service: ServiceFactory, make_publisher: PublisherFactory, index: RecordingIndex
+) -> None:
+    service, pub = make_service(), make_publisher()
+    await follow(service, pub, pod_for(pub))
+    index.unavailable = 1
+    with pytest.raises(IndexUnavailable):
+        await service.remove_pod("p0")
+    assert service.pods() == []
+    assert index.removed_pods == []
+    await PodSync(MemoryRegistry(), service).reconcile()
+    assert index.removed_pods == ["p0"]
+    await service.clear_removed()
+    assert index.removed_pods == ["p0"], "cleared once"

@@ -36,8 +36,9 @@ def _response(answer: Answer) -> Response:
     return Response(answer.body, answer.status, media_type=answer.media_type.decode("latin-1"))
 
 
-async def _send_answer(send: Send, answer: Answer) -> None:
+async def _send_answer(send: Send, answer: Answer, *extra: tuple[bytes, bytes]) -> None:
     headers = [(b"content-type", answer.media_type), (b"content-length", b"%d" % len(answer.body))]
+    headers += extra
     await send({"type": "http.response.start", "status": answer.status, "headers": headers})
     await send({"type": "http.response.body", "body": answer.body})
 
@@ -84,7 +85,7 @@ class _InferenceRoutes:
             await self.app(scope, receive, send)
         elif scope["method"] != "POST":
             answer = problem(405, f"{scope['path']} takes POST")
-            await _send_answer(send, answer)
+            await _send_answer(send, answer, (b"allow", b"POST"))
         else:
             with contextlib.suppress(_ClientGone):
                 await self._serve(endpoint, scope, receive, send)

@@ -199,6 +199,14 @@ async def test_values_orjson_would_change_reach_the_workers_as_sent(front: str) 
         assert (call.body["u"], call.body["big"]) == (-math.inf, 123456789012345678901234567890)
 
 
+async def test_inference_paths_take_post_only(front: str) -> None:
+    gateway = await make_gateway(Cluster(), config())
+    async with client_for(gateway, front) as client:
+        response = await client.get("/v1/chat/completions")
+    assert (response.status_code, response.headers["allow"]) == (405, "POST")
+    assert "takes POST" in response.json()["error"]["message"]
+
+
 async def test_api_key_is_required(setup: tuple[Cluster, Gateway], front: str) -> None:
     _, gateway = setup
     async with client_for(gateway, front) as client:

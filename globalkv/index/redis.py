@@ -29,6 +29,9 @@ Key names and layout: `redis_keys.py`. The choices, and why:
   `maxmemory-policy noeviction`: an evicted key would be silent loss.
 - Redis Cluster: lookups already touch one slot; a batch's writes span slots and are
   atomic only on a single Redis (or a future per-slot split of the batch).
+- Layout: the first lookup and the first write of a process check the prefix's layout
+  version (`redis_keys.check_layout`), so processes of different versions sharing a Redis
+  refuse each other's data (`LayoutMismatch`, an `IndexUnavailable`) instead of misreading.
 
 The client must use `decode_responses=False`: the reverse log is binary.
 """
@@ -57,7 +60,7 @@ from globalkv.index.base import (
     SourceStats,
     Tier,
 )
-from globalkv.index.redis_keys import RedisKeys, parse_source_name, source_name
+from globalkv.index.redis_keys import RedisKeys, check_layout, parse_source_name, source_name
 from globalkv.index.redis_scripts import (
     APPLY,
     DROP,
@@ -129,12 +132,17 @@ class RedisIndex:
         self._writers: dict[Source, _Writer] = {}
         self._locks: dict[Source, asyncio.Lock] = {}
         self._token: bytes | None = None
+        self._layout_checked = False
 
     # -------------------------------------------------------------------- reads
 
     async def lookup(self, keys: Sequence[BlockKey]) -> list[Hit]:
         if not keys:
             return []
+        if not self._layout_checked:
+            with _reachable("checking the layout"):
+                await check_layout(self._redis, self.keys)
+            self._layout_checked = True
         head, digits = self.keys.chain(keys)
         with _reachable("looking up"):
             try:
@@ -268,6 +276,8 @@ class RedisIndex:
         if self._token is not None:
             return
         with _reachable("reading the dataset marker"):
+            await check_layout(self._redis, self.keys)
+            self._layout_checked = True
             for _ in range(3):
                 await self._redis.set(self.keys.marker, secrets.token_hex(8), nx=True)
                 token = await self._redis.get(self.keys.marker)

@@ -213,7 +213,7 @@ async def test_resets_and_removals_drop_everything_without_scanning_the_keyspace
     stats = await client.info("commandstats")
     assert not {"cmdstat_scan", "cmdstat_keys"} & set(stats)
     left = {k.decode() for k in await client.keys("*")}
-    assert left == {index.keys.marker, index.keys.next_gen}
+    assert left == {index.keys.marker, index.keys.next_gen, index.keys.layout}
 
 
 async def test_fingerprints_match_the_holders_of_every_block(client: aioredis.Redis) -> None:

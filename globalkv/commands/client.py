@@ -100,19 +100,25 @@ def run_lookup(args: argparse.Namespace) -> int:
     try:
         url = _url(args.indexer, "/v1/lookup")
         data = _request("POST", url, args.timeout, lookup_body(args))
+        print(_lookup_text(data))
     except (ValueError, RuntimeError) as exc:
         print(f"globalkv lookup: {exc}", file=sys.stderr)
         return 1
-    print(f"block size {data['block_size']}, prompt blocks {data['blocks']}")
-    if not data["pods"]:
-        print("no pod holds any prefix of this prompt")
-        return 0
-    rows = [
-        (p["pod"], p["dp_rank"], p["hit_blocks"], p["hit_tokens"], f"{p['score']:.2f}")
-        for p in data["pods"]
-    ]
-    print(table(("POD", "DP", "HIT BLOCKS", "HIT TOKENS", "SCORE"), rows))
     return 0
+
+
+def _lookup_text(data: Any) -> str:
+    try:
+        head = f"block size {data['block_size']}, prompt blocks {data['blocks']}"
+        if not data["pods"]:
+            return f"{head}\nno pod holds any prefix of this prompt"
+        rows = [
+            (p["pod"], p["dp_rank"], p["hit_blocks"], p["hit_tokens"], f"{p['score']:.2f}")
+            for p in data["pods"]
+        ]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"the indexer's answer is not a lookup result ({exc!r})") from None
+    return f"{head}\n{table(('POD', 'DP', 'HIT BLOCKS', 'HIT TOKENS', 'SCORE'), rows)}"
 
 
 def _age(timestamp: float | None, now: float) -> str:
@@ -148,12 +154,19 @@ def pod_rows(pods: Sequence[dict[str, Any]], now: float) -> list[tuple[object, .
 def run_pods(args: argparse.Namespace) -> int:
     try:
         data = _request("GET", _url(args.indexer, "/v1/pods"), args.timeout)
+        print(_pods_text(data, time.time()))
     except (ValueError, RuntimeError) as exc:
         print(f"globalkv pods: {exc}", file=sys.stderr)
         return 1
-    if not data["pods"]:
-        print("no pods")
-        return 0
-    headers = ("POD", "MODEL", "ROLE", "DP", "EVENTS", "SUBSCRIBED", "RECEIVING", "LAST SEQ")
-    print(table((*headers, "AGE", "RESETS", "DROPS"), pod_rows(data["pods"], time.time())))
     return 0
+
+
+def _pods_text(data: Any, now: float) -> str:
+    try:
+        if not data["pods"]:
+            return "no pods"
+        rows = pod_rows(data["pods"], now)
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:
+        raise ValueError(f"the indexer's answer is not a pod list ({exc!r})") from None
+    headers = ("POD", "MODEL", "ROLE", "DP", "EVENTS", "SUBSCRIBED", "RECEIVING", "LAST SEQ")
+    return table((*headers, "AGE", "RESETS", "DROPS"), rows)

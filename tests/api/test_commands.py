@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
-from globalkv.cli import parse
+from globalkv.cli import main, parse
 from globalkv.commands.client import lookup_body, pod_rows, table
 from globalkv.commands.indexer import config_from_args
 
@@ -101,3 +104,44 @@ def test_pod_rows_and_table() -> None:
         ("p1", "-", "prefill", "-", "bind:kv@p1@m", "no", "no", "-", "-", 0, 0),
     ]
     assert table(("A", "LONG"), [("xx", 1)]).splitlines() == ["A   LONG", "xx  1"]
+
+
+class _Odd(BaseHTTPRequestHandler):
+    """An indexer answering 200 with JSON of the wrong outline."""
+
+    def _answer(self) -> None:
+        body = json.dumps({"block_size": 4} if self.path == "/v1/lookup" else {"pods": [7]})
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+    do_GET = do_POST = _answer
+
+    def log_message(self, format: str, *args: object) -> None:
+        return None
+
+
+@pytest.fixture
+def odd_indexer() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Odd)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+    thread.join(5)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["lookup", "--model", "m", "--tokens", "1"], "not a lookup result"),
+        (["pods"], "not a pod list"),
+    ],
+)
+def test_an_unexpected_answer_is_reported_not_a_traceback(
+    odd_indexer: str, argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([*argv, "--indexer", odd_indexer]) == 1
+    assert message in capsys.readouterr().err

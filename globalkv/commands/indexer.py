@@ -3,6 +3,7 @@
     globalkv indexer --host 0.0.0.0 --port 8100 [--redis-url redis://…] [--block-size 16]
         [--bind tcp://*:5557]... [--pod '{"id": "p0", "kv_events": {…}}']...
         [--pods-file pods.json] [--admin-token T] [--tokenizer PATH|byte]
+        [--max-tokens N] [--max-body-bytes N] [--queue-size N] [--reconcile-interval S]
 
 Every flag also reads `GLOBALKV_INDEXER_<FLAG>`. A repeatable flag's environment value is
 split at commas, which JSON pods contain: give pods through the environment with
@@ -22,7 +23,6 @@ from globalkv.api import ApiConfig
 from globalkv.cli import config_error
 from globalkv.indexer import IndexerConfig, run_indexer
 from globalkv.ingest.service import IngestConfig
-from globalkv.registry import PodInfo
 
 
 def register(subparsers: Any) -> None:
@@ -52,7 +52,9 @@ def register(subparsers: Any) -> None:
     add("--pods-file", metavar="PATH", help="a JSON list of pods to follow")
     add("--admin-token", help="required as 'Authorization: Bearer T' on mutating endpoints")
     add("--tokenizer", metavar="PATH", help="tokenizer.json, its directory, or 'byte'")
-    add("--max-tokens", type=int, default=ApiConfig().max_tokens, help="tokens per lookup")
+    api = ApiConfig()
+    add("--max-tokens", type=int, default=api.max_tokens, help="tokens per lookup")
+    add("--max-body-bytes", type=int, default=api.max_body_bytes, help="largest request body")
     add("--queue-size", type=int, default=IngestConfig().queue_size, help="batches per source")
     add(
         "--reconcile-interval",
@@ -83,19 +85,27 @@ def _pods(args: argparse.Namespace) -> list[Any]:
 
 
 def config_from_args(args: argparse.Namespace) -> IndexerConfig:
+    """Nested parts are validated as one object, so an error names its full path
+    (`pods.1.kv_events`, `api.max_tokens`)."""
     try:
-        return IndexerConfig(
-            host=args.host,
-            port=args.port,
-            redis_url=args.redis_url,
-            redis_prefix=args.redis_prefix,
-            block_size=args.block_size,
-            max_entries=args.max_entries,
-            tokenizer=args.tokenizer,
-            pods=[PodInfo.model_validate(p) for p in _pods(args)],
-            reconcile_interval=args.reconcile_interval,
-            api=ApiConfig(admin_token=args.admin_token, max_tokens=args.max_tokens),
-            ingest=IngestConfig(bind=args.bind, queue_size=args.queue_size),
+        return IndexerConfig.model_validate(
+            {
+                "host": args.host,
+                "port": args.port,
+                "redis_url": args.redis_url,
+                "redis_prefix": args.redis_prefix,
+                "block_size": args.block_size,
+                "max_entries": args.max_entries,
+                "tokenizer": args.tokenizer,
+                "pods": _pods(args),
+                "reconcile_interval": args.reconcile_interval,
+                "api": {
+                    "admin_token": args.admin_token,
+                    "max_tokens": args.max_tokens,
+                    "max_body_bytes": args.max_body_bytes,
+                },
+                "ingest": {"bind": args.bind, "queue_size": args.queue_size},
+            }
         )
     except ValidationError as exc:
         raise config_error(exc) from None

@@ -34,10 +34,13 @@ def test_indexer_flags_become_one_config() -> None:
             json.dumps(POD),
             "--admin-token",
             "t",
+            "--max-body-bytes",
+            "65536",
         ],
         {},
     )
     config = config_from_args(args)
+    assert config.api.max_body_bytes == 65536
     assert config.port == 8101
     assert config.ingest.bind == ["tcp://*:5557", "tcp://*:5558"]
     assert [p.id for p in config.pods] == ["p0"]
@@ -64,6 +67,7 @@ def test_pods_file_through_the_environment(tmp_path: Path) -> None:
         (["indexer", "--bind", "5557"], "tcp://"),
         (["indexer", "--redis-url", "localhost"], "redis://"),
         (["indexer", "--block-size", "0"], "block_size"),
+        (["indexer", "--max-body-bytes", "10"], "api.max_body_bytes"),
         (["indexer", "--pod", json.dumps(POD), "--pod", json.dumps(POD)], "given twice"),
         (
             ["indexer", "--pod", json.dumps(BOUND), "--pod", json.dumps({**BOUND, "id": "b1"})],

@@ -47,7 +47,7 @@ class IngestMetrics:
         self.dropped = Counter(
             "globalkv_ingest_dropped_total",
             "Messages dropped before the index: wire reasons (not_msgpack, bad_batch, ...), "
-            "bad_frames, bad_seq, unknown_topic, queue_full.",
+            "bad_frames, bad_seq, unknown_topic, bad_dp_rank, queue_full.",
             ["reason"],
             registry=registry,
         )
@@ -59,7 +59,7 @@ class IngestMetrics:
         )
         self.replays = Counter(
             "globalkv_ingest_replays_total",
-            "Replay requests by outcome: complete, short, timeout, malformed, no_endpoint.",
+            "Replay requests by outcome: complete, short, timeout, malformed, limit, no_endpoint.",
             ["pod", "outcome"],
             registry=registry,
         )

@@ -12,7 +12,8 @@ from typing import Any
 import httpx
 from prometheus_client import CollectorRegistry
 
-from gateway.config import GatewayConfig, HealthConfig, WorkerSpec
+from gateway.config import GatewayConfig, HealthConfig, KvEventsSpec, WorkerSpec
+from gateway.monitor import PodRegistration
 from gateway.service import Gateway, build_gateway
 from gateway.upstream import Upstream
 from globalkv.index.base import IndexUnavailable
@@ -23,6 +24,18 @@ Behaviour = Callable[[httpx.Request, Any], Awaitable[httpx.Response]]
 
 PREFILLS = ("http://10.0.0.1:30001", "http://10.0.0.2:30001")
 DECODES = ("http://10.0.1.1:30011", "http://10.0.1.2:30011")
+POD = PodRegistration(
+    id="pod-a",
+    model="m",
+    block_size=16,
+    role="prefill",
+    url=PREFILLS[0],
+    bootstrap_host="10.0.0.1",
+    bootstrap_port=8998,
+    kv_events=KvEventsSpec(endpoint="tcp://10.0.0.1:5557", topic="kv@pod-a@m"),
+    dp_size=2,
+)
+"""A prefill pod as the monitor registers it."""
 
 
 class FakeClock:
@@ -66,6 +79,16 @@ class Cluster:
 
     def on(self, url: str, behaviour: Behaviour) -> None:
         self.behaviour[url.split("//", 1)[1]] = behaviour
+
+    def hold_decodes(self, release: asyncio.Event) -> None:
+        """The decodes answer (with the room they got) once `release` is set."""
+
+        async def held(_: httpx.Request, body: Any) -> httpx.Response:
+            await release.wait()
+            return httpx.Response(200, json={"room": body["bootstrap_room"]})
+
+        for url in DECODES:
+            self.on(url, held)
 
     def hang_every_worker(self) -> None:
         """Every worker takes calls and never answers: only a cancellation ends them."""

@@ -139,7 +139,7 @@ async def test_prefill_client_error_is_returned_without_retry() -> None:
     assert prefill.breaker.stats().total_failures == 0
 
 
-async def test_decode_failure_is_retried_on_the_other_decode() -> None:
+async def test_decode_failure_is_retried_on_the_other_decode_and_noted_on_the_worker() -> None:
     cluster = Cluster()
 
     async def unavailable(_: httpx.Request, __: Any) -> httpx.Response:
@@ -149,11 +149,18 @@ async def test_decode_failure_is_retried_on_the_other_decode() -> None:
         raise httpx.ConnectError("connection refused")
 
     cluster.on(DECODES[0], unavailable)
-    gateway = await make_gateway(cluster, config(decode_policy="round_robin"))
+    clock = FakeClock()
+    gateway = await make_gateway(cluster, config(decode_policy="round_robin"), clock=clock)
     answer = await send(gateway, {"input_ids": [1, 2, 3]})
     assert isinstance(answer, Answer)
     assert answer.status == 200
     assert [c.worker for c in cluster.inference("decode")] == [host(DECODES[0]), host(DECODES[1])]
+    clock.now += 12.5
+    shown = gateway.pool.role("decode")[0].describe(gateway.loads, clock())
+    assert (shown["last_error"], shown["last_error_age_secs"]) == (
+        "decode call answered HTTP 503",
+        12.5,
+    )
     cluster.on(DECODES[1], refused)
     cluster.on(DECODES[0], unavailable)
     answer = await send(gateway, {"input_ids": [1, 2, 3]})
@@ -168,31 +175,8 @@ async def test_decode_failure_is_retried_on_the_other_decode() -> None:
         )
         >= 1
     )
-
-
-async def test_a_failed_call_is_its_worker_s_last_error_with_its_age() -> None:
-    cluster = Cluster()
-
-    async def unavailable(_: httpx.Request, __: Any) -> httpx.Response:
-        return httpx.Response(503, text="overloaded")
-
-    async def refused(_: httpx.Request, __: Any) -> httpx.Response:
-        raise httpx.ConnectError("connection refused")
-
-    cluster.on(DECODES[0], unavailable)
-    cluster.on(DECODES[1], refused)
-    clock = FakeClock()
-    cfg = config(decode_policy="round_robin", retry=RetryConfig(max_retries=2))
-    gateway = await make_gateway(cluster, cfg, clock=clock)
-    await send(gateway, {"input_ids": [1, 2, 3]})
-    clock.now += 12.5
-    shown = {w.id: w.describe(gateway.loads, clock()) for w in gateway.pool if w.role == "decode"}
-    first, second = shown[host(DECODES[0])], shown[host(DECODES[1])]
-    assert (first["last_error"], first["last_error_age_secs"]) == (
-        "decode call answered HTTP 503",
-        12.5,
-    )
-    assert second["last_error"] == "decode call failed (ConnectError: connection refused)"
+    shown = gateway.pool.role("decode")[1].describe(gateway.loads, clock())
+    assert shown["last_error"] == "decode call failed (ConnectError: connection refused)"
 
 
 async def test_attempts_stop_at_the_limit_with_backoff_between() -> None:

@@ -9,15 +9,13 @@ import httpx
 import redis.asyncio as aioredis
 
 from gateway.cli import _index_parts
-from gateway.config import KvEventsSpec
-from gateway.monitor import PodRegistration
 from gateway.policies import LoadTracker, RouteRequest, build_policy
 from globalkv.index.base import Source, SourceBatch, StoreBlocks, Tier
 from globalkv.index.memory import MemoryIndex
 from globalkv.keys import EngineHash, root_key
 from globalkv.lookup import IndexLookup
 from globalkv.registry import RedisRegistry
-from tests.gateway.fakes import config
+from tests.gateway.fakes import POD, config
 
 
 async def store(index: MemoryIndex, pod: str, dp_rank: int, tokens: list[int]) -> None:
@@ -61,18 +59,7 @@ async def test_redis_url_wires_the_redis_index_and_the_shared_registry(redis_url
         assert registrar is not None
         result = await lookup.lookup("m", list(range(9)))
         assert (result.block_size, result.blocks, result.pods) == (4, 2, [])
-        pod = PodRegistration(
-            id="pod-a",
-            model="m",
-            block_size=16,
-            role="prefill",
-            url="http://10.0.0.1:30001",
-            bootstrap_host="10.0.0.1",
-            bootstrap_port=8998,
-            kv_events=KvEventsSpec(endpoint="tcp://10.0.0.1:5557", topic="kv@pod-a@m"),
-            dp_size=2,
-        )
-        await registrar.register(pod)
+        await registrar.register(POD)
         redis = aioredis.Redis.from_url(redis_url)
         try:
             stored = await RedisRegistry(redis, prefix="gkvtest").get("pod-a")

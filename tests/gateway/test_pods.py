@@ -14,19 +14,7 @@ from gateway.monitor import PodRegistration, RegistrationFailed
 from gateway.pods import HttpPodRegistrar, RegistryPodRegistrar, pod_info
 from globalkv.index.base import IndexUnavailable
 from globalkv.registry import MemoryRegistry, PodInfo
-from tests.gateway.fakes import Cluster, config, make_gateway
-
-POD = PodRegistration(
-    id="pod-a",
-    model="m",
-    block_size=16,
-    role="prefill",
-    url="http://10.0.0.1:30001",
-    bootstrap_host="10.0.0.1",
-    bootstrap_port=8998,
-    kv_events=KvEventsSpec(endpoint="tcp://10.0.0.1:5557", topic="kv@pod-a@m"),
-    dp_size=2,
-)
+from tests.gateway.fakes import POD, Cluster, config, make_gateway
 
 
 async def test_the_http_registrar_posts_the_pod_with_the_token_and_deletes_it() -> None:

@@ -254,13 +254,7 @@ async def test_idle_keep_alive_connections_are_closed() -> None:
 async def test_shutdown_finishes_what_is_in_flight_and_takes_nothing_new() -> None:
     cluster = Cluster()
     release = asyncio.Event()
-
-    async def slow(_: httpx.Request, body: Any) -> httpx.Response:
-        await release.wait()
-        return httpx.Response(200, json={"room": body["bootstrap_room"]})
-
-    for url in DECODES:
-        cluster.on(url, slow)
+    cluster.hold_decodes(release)
     gateway = await make_gateway(cluster)
     async with serving(gateway) as server:
         port = server.port
@@ -407,13 +401,7 @@ async def test_a_large_body_refused_unread_still_gets_its_413() -> None:
 async def test_a_pipelined_request_expecting_100_continue_gets_it_when_it_is_next() -> None:
     cluster = Cluster()
     release = asyncio.Event()
-
-    async def slow(_: httpx.Request, body: Any) -> httpx.Response:
-        await release.wait()
-        return httpx.Response(200, json={"room": body["bootstrap_room"]})
-
-    for url in DECODES:
-        cluster.on(url, slow)
+    cluster.hold_decodes(release)
     gateway = await make_gateway(cluster)
     async with serving(gateway) as server, connected(server) as (reader, writer):
         head, _, body = post("/generate", {"input_ids": [2]}, "expect: 100-continue").partition(

@@ -150,8 +150,13 @@ class Dispatcher:
         self._sleep = sleep
         self._background: set[Call] = set()
 
-    async def drain(self) -> None:
-        """Wait for prefill calls that outlived their request (tests, shutdown)."""
+    async def drain(self, timeout: float | None = None) -> None:
+        """Wait for prefill calls that outlived their request (tests, shutdown); those
+        still running after `timeout` seconds are cancelled."""
+        if self._background and timeout is not None:
+            await asyncio.wait(list(self._background), timeout=timeout)
+            for call in list(self._background):
+                call.cancel()
         while self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
 

@@ -93,9 +93,11 @@ class Gateway:
         )
         return shown
 
-    async def close(self) -> None:
+    async def close(self, drain_secs: float = 2.0) -> None:
+        """Stop the monitor; prefill calls still running after `drain_secs` are cancelled
+        (their requests were answered: a hung prefill must not hold the shutdown)."""
         await self.monitor.stop()
-        await self.dispatcher.drain()
+        await self.dispatcher.drain(drain_secs)
 
 
 def _without_credentials(url: str | None) -> str | None:

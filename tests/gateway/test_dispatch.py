@@ -315,6 +315,25 @@ async def test_cancelling_forward_cancels_both_upstream_calls() -> None:
     )
 
 
+async def test_closing_cancels_a_prefill_call_that_outlived_its_request() -> None:
+    cluster = Cluster()
+    never = asyncio.Event()
+
+    async def hung_prefill(_: httpx.Request, __: Any) -> httpx.Response:
+        await never.wait()
+        raise AssertionError("unreachable")
+
+    for url in PREFILLS:
+        cluster.on(url, hung_prefill)
+    gateway = await make_gateway(cluster)
+    answer = await send(gateway, {"input_ids": [1, 2]})
+    assert isinstance(answer, Answer)
+    assert answer.status == 200, "the decode answered; its prefill never did"
+    await gateway.close(drain_secs=0)
+    assert [c.cancelled for c in cluster.inference("prefill")] == [True]
+    assert all(v.in_flight == 0 for v in gateway.loads.loads.values())
+
+
 async def test_dp_aware_rooms_select_the_rank_holding_the_prefix() -> None:
     cluster = Cluster()
     probe = StubProbe()

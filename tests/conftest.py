@@ -3,6 +3,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+import zmq.asyncio
 
 from tests.support.redis import RedisServer
 
@@ -22,3 +23,11 @@ def redis_url(redis_server: RedisServer) -> str:
     with redis.Redis(port=redis_server.port) as client:
         client.flushall()
     return redis_server.url
+
+
+@pytest.fixture
+def context() -> Iterator[zmq.asyncio.Context]:
+    """A ZMQ context per test, destroyed without lingering on unsent messages."""
+    ctx = zmq.asyncio.Context()
+    yield ctx
+    ctx.destroy(linger=0)

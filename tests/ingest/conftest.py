@@ -14,13 +14,6 @@ from tests.ingest.publisher import Publisher
 
 
 @pytest.fixture
-async def context() -> AsyncIterator[zmq.asyncio.Context]:
-    ctx = zmq.asyncio.Context()
-    yield ctx
-    ctx.destroy(linger=0)
-
-
-@pytest.fixture
 def index() -> RecordingIndex:
     return RecordingIndex()
 

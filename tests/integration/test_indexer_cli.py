@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import AsyncIterator
 
 import httpx
 import pytest
@@ -19,13 +18,6 @@ pytestmark = pytest.mark.integration
 
 BS = 4
 PROMPT = list(range(40, 56))
-
-
-@pytest.fixture
-async def context() -> AsyncIterator[zmq.asyncio.Context]:
-    ctx = zmq.asyncio.Context()
-    yield ctx
-    ctx.destroy(linger=0)
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:

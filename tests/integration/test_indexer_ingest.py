@@ -30,13 +30,6 @@ PROMPT = list(range(100, 164))  # 16 blocks
 
 
 @pytest.fixture
-async def context() -> AsyncIterator[zmq.asyncio.Context]:
-    ctx = zmq.asyncio.Context()
-    yield ctx
-    ctx.destroy(linger=0)
-
-
-@pytest.fixture
 def prom() -> CollectorRegistry:
     return CollectorRegistry()
 

@@ -37,13 +37,6 @@ def block(n: int) -> dict[str, object]:
     )
 
 
-@pytest.fixture
-async def context() -> AsyncIterator[zmq.asyncio.Context]:
-    ctx = zmq.asyncio.Context()
-    yield ctx
-    ctx.destroy(linger=0)
-
-
 async def _indexer(url: str) -> Indexer:
     redis = aioredis.from_url(url)
     config = IndexerConfig(

@@ -9,12 +9,13 @@ from typing import Any, cast
 import httpx
 import pytest
 import zmq.asyncio
+from fastapi import FastAPI
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from globalkv.api import ApiConfig, create_app
-from globalkv.index.base import Source, SourceBatch, StoreBlocks, Tier
+from globalkv.index.base import Index, Source, SourceBatch, StoreBlocks, Tier
 from globalkv.index.memory import MemoryIndex
 from globalkv.ingest.service import IngestService
 from globalkv.keys import EngineHash, root_key
@@ -38,13 +39,6 @@ POD = {
     "url": "http://127.0.0.1:30001",
     "bootstrap_port": 8998,
 }
-
-
-@pytest.fixture
-async def context() -> AsyncIterator[zmq.asyncio.Context]:
-    ctx = zmq.asyncio.Context()
-    yield ctx
-    ctx.destroy(linger=0)
 
 
 @pytest.fixture
@@ -73,6 +67,20 @@ async def index() -> MemoryIndex:
 
 async def _client(app: Any) -> httpx.AsyncClient:
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://indexer")
+
+
+def _app(
+    index: Index, *, config: ApiConfig | None = None, ready: bool = True, resyncing: int = 0
+) -> FastAPI:
+    """The API over `index`, with a stand-in ingest that only says whether it is ready."""
+    ingest = SimpleNamespace(ready=ready, resyncing=resyncing, pods=list)
+    return create_app(
+        config or ApiConfig(),
+        index=index,
+        registry=MemoryRegistry(),
+        ingest=cast(IngestService, ingest),
+        metrics_registry=CollectorRegistry(),
+    )
 
 
 @pytest.fixture
@@ -136,14 +144,7 @@ async def test_text_lookup_uses_the_tokenizer(client: httpx.AsyncClient) -> None
 
 
 async def test_text_without_tokenizer_is_400(index: MemoryIndex) -> None:
-    ingest = cast(IngestService, SimpleNamespace(ready=True, resyncing=0))
-    app = create_app(
-        ApiConfig(),
-        index=index,
-        registry=MemoryRegistry(),
-        ingest=ingest,
-        metrics_registry=CollectorRegistry(),
-    )
+    app = _app(index)
     async with await _client(app) as client:
         response = await client.post("/v1/lookup", json={"model": "m", "text": "abc"})
     assert response.status_code == 400
@@ -205,14 +206,7 @@ async def test_oversized_body_is_413_by_header_and_by_stream(client: httpx.Async
 
 async def test_index_unavailable_is_503() -> None:
     index = RecordingIndex(unavailable=1)
-    ingest = cast(IngestService, SimpleNamespace(ready=True, resyncing=0))
-    app = create_app(
-        ApiConfig(),
-        index=index,
-        registry=MemoryRegistry(),
-        ingest=ingest,
-        metrics_registry=CollectorRegistry(),
-    )
+    app = _app(index)
     async with await _client(app) as client:
         response = await client.post("/v1/lookup", json={"model": "m", "token_ids": [1] * 8})
     assert response.status_code == 503
@@ -220,14 +214,7 @@ async def test_index_unavailable_is_503() -> None:
 
 
 async def test_resyncing_index_is_503_on_lookup_and_health(index: MemoryIndex) -> None:
-    ingest = cast(IngestService, SimpleNamespace(ready=False, resyncing=3, pods=list))
-    app = create_app(
-        ApiConfig(),
-        index=index,
-        registry=MemoryRegistry(),
-        ingest=ingest,
-        metrics_registry=CollectorRegistry(),
-    )
+    app = _app(index, ready=False, resyncing=3)
     async with await _client(app) as client:
         response = await client.post("/v1/lookup", json={"model": "m", "token_ids": [1] * 8})
         assert response.status_code == 503
@@ -247,14 +234,7 @@ async def test_pods_need_the_admin_token(client: httpx.AsyncClient) -> None:
 
 
 async def test_a_non_ascii_admin_token_is_compared_as_utf8_bytes(index: MemoryIndex) -> None:
-    ingest = cast(IngestService, SimpleNamespace(ready=True, resyncing=0))
-    app = create_app(
-        ApiConfig(admin_token="s\xe9cret"),
-        index=index,
-        registry=MemoryRegistry(),
-        ingest=ingest,
-        metrics_registry=CollectorRegistry(),
-    )
+    app = _app(index, config=ApiConfig(admin_token="s\xe9cret"))
     async with await _client(app) as client:
         right = {"authorization": "Bearer s\xe9cret".encode()}
         wrong = {"authorization": "Bearer s\xe9cret".encode("latin-1")}
@@ -290,10 +270,11 @@ async def test_a_bound_topic_of_another_pod_is_409(client: httpx.AsyncClient) ->
     assert [p["id"] for p in (await client.get("/v1/pods")).json()["pods"]] == ["b0"]
 
 
-async def test_a_pod_removed_while_the_index_is_down_is_503_then_cleared() -> None:
+async def test_a_pod_removed_while_the_index_is_down_is_503_then_cleared(
+    context: zmq.asyncio.Context,
+) -> None:
     index = RecordingIndex()
     registry = MemoryRegistry()
-    context = zmq.asyncio.Context()
     ingest = IngestService(index, registry, IngestMetrics(CollectorRegistry()), context=context)
     app = create_app(
         ApiConfig(),
@@ -314,7 +295,6 @@ async def test_a_pod_removed_while_the_index_is_down_is_503_then_cleared() -> No
             assert index.removed_pods == ["p0"]
     finally:
         await ingest.stop()
-        context.destroy(linger=0)
 
 
 async def test_minimal_pod_and_model_from_topic(client: httpx.AsyncClient) -> None:

@@ -19,6 +19,7 @@ from globalkv.registry import (
     SourceState,
     parse_topic,
 )
+from tests.support.net import await_for
 
 EVENTS = KvEventsConfig(endpoint="tcp://10.0.0.5:5557", replay_endpoint="tcp://10.0.0.5:5558")
 
@@ -100,17 +101,23 @@ async def test_put_get_list_remove_and_states(registry: Registry) -> None:
 async def test_changes_are_notified(registry: Registry) -> None:
     changes = registry.changes()
     first = asyncio.ensure_future(anext(changes))
-    await asyncio.sleep(0)
-    pod = PodInfo(id="c", kv_events=EVENTS)
-
-    async def put_until_seen() -> str:
-        while not first.done():
-            await registry.put(pod)
-            await asyncio.wait([first], timeout=0.05)
-        return first.result()
-
-    assert await asyncio.wait_for(put_until_seen(), 5) == "c"
+    await _listening(registry)
+    await registry.put(PodInfo(id="c", kv_events=EVENTS))
+    assert await asyncio.wait_for(first, 5) == "c"
     await changes.aclose()
+
+
+async def _listening(registry: Registry) -> None:
+    """Return once `changes()` is subscribed: pub/sub drops what is published before."""
+    await asyncio.sleep(0)  # the generator runs up to its subscription
+    if isinstance(registry, RedisRegistry):
+        channel = registry.channel.encode()
+
+        async def subscribed() -> bool:
+            counts = dict(await registry.redis.pubsub_numsub(channel))
+            return bool(counts.get(channel))
+
+        await await_for(subscribed, timeout=5, what="the registry's subscription")
 
 
 async def test_redis_registry_knows_when_it_lost_its_data(redis_url: str) -> None:

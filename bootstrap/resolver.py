@@ -168,7 +168,13 @@ class DecodeResolver:
             )
             self._fetching[bootstrap_url] = task
             task.add_done_callback(partial(self._fetch_done, bootstrap_url))
-        return await asyncio.shield(task)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            waiter = asyncio.current_task()
+            if task.cancelled() and waiter is not None and not waiter.cancelling():
+                raise ResolveError("topology", bootstrap_url, "the resolver stopped") from None
+            raise
 
     def _fetch_done(self, bootstrap_url: str, task: asyncio.Task[Topology]) -> None:
         if self._fetching.get(bootstrap_url) is task:

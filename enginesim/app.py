@@ -2,7 +2,8 @@
 
 Every generating endpoint runs one path: validate the body, expand it into prompts, start
 them all (the first failure cancels the rest and answers with its stage and status), then
-answer whole or as SSE while tokens arrive. `/server_info` (and `/get_server_info`)
+answer whole or as SSE while tokens arrive. A client that disconnects first has its
+prompts cancelled at once (`enginesim.guards`). `/server_info` (and `/get_server_info`)
 advertises what a control plane needs to adopt the engine: its role, DP size, page size,
 bootstrap port and, for a prefill, the `kv_events` block to subscribe to.
 """
@@ -19,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.background import BackgroundTask
 
 from enginesim.api_models import (
     MAX_PROMPT_TOKENS,
@@ -31,6 +33,7 @@ from enginesim.api_models import (
     generate_prompts,
 )
 from enginesim.engine import Engine, EngineError, Prompt
+from enginesim.guards import CLIENT_GONE_STATUS, ClientGone, unless_client_leaves
 from enginesim.metrics import EngineMetrics
 from enginesim.responses import (
     SSE_DONE,
@@ -74,6 +77,11 @@ async def _pump(element: Element, queue: asyncio.Queue[tuple[Element, bool]]) ->
             queue.put_nowait((element, False))
     finally:
         queue.put_nowait((element, True))
+
+
+async def _complete(elements: Sequence[Element]) -> None:
+    async for _ in progress(elements):
+        continue
 
 
 async def progress(elements: Sequence[Element]) -> AsyncIterator[Element]:
@@ -123,31 +131,38 @@ def create_app(
         return fail(422, f"invalid request body: {problems}", "request", request.url.path)
 
     async def serve(
-        endpoint: str, build: Callable[[], list[Prompt]], fmt: Format, stream: bool
+        request: Request,
+        endpoint: str,
+        build: Callable[[], list[Prompt]],
+        fmt: Format,
+        stream: bool,
     ) -> Response:
         try:
             prompts = build()
         except (BadRequest, TokenizeError, NotTokenizable) as exc:
             return fail(400, str(exc), "request", endpoint)
         metrics.running_requests.inc(len(prompts))
+        streaming = False
         try:
-            elements = await start_all(engine, prompts)
+            elements = await unless_client_leaves(request.receive, start_all(engine, prompts))
+            if stream:
+                streaming = True
+                return StreamingResponse(
+                    _stream(endpoint, elements, fmt),
+                    media_type="text/event-stream",
+                    background=BackgroundTask(_stream_ended, len(prompts)),
+                )
+            await unless_client_leaves(request.receive, _complete(elements))
         except EngineError as exc:
-            metrics.running_requests.dec(len(prompts))
             log.warning("%s failed at stage %s: %s", endpoint, exc.stage, exc.message)
             return fail(exc.status, exc.message, exc.stage, endpoint)
-        except BaseException:
-            metrics.running_requests.dec(len(prompts))
-            raise
-        if stream:
-            return StreamingResponse(
-                _stream(endpoint, elements, fmt), media_type="text/event-stream"
-            )
-        try:
-            async for _ in progress(elements):
-                pass
+        except ClientGone:
+            metrics.requests.labels(endpoint, "cancelled").inc()
+            log.info("%s: the client left before its answer; its prompts were cancelled", endpoint)
+            return Response(status_code=CLIENT_GONE_STATUS)
         finally:
-            metrics.running_requests.dec(len(prompts))
+            if not streaming:
+                metrics.running_requests.dec(len(prompts))
         finish(endpoint, elements)
         return JSONResponse(fmt.body(elements))
 
@@ -156,6 +171,7 @@ def create_app(
         metrics.generated_tokens.inc(sum(len(e.output_ids) for e in elements))
 
     async def _stream(endpoint: str, elements: list[Element], fmt: Format) -> AsyncIterator[bytes]:
+        complete = False
         try:
             async for element in progress(elements):
                 for payload in fmt.chunks(element):
@@ -163,16 +179,24 @@ def create_app(
             for payload in fmt.tail(elements):
                 yield sse(payload)
             yield SSE_DONE
-            finish(endpoint, elements)
+            complete = True
         finally:
-            metrics.running_requests.dec(len(elements))
+            if complete:
+                finish(endpoint, elements)
+            else:
+                metrics.requests.labels(endpoint, "cancelled").inc()
+
+    async def _stream_ended(prompts: int) -> None:
+        """Run by Starlette after the stream, even one that never started (client gone)."""
+        metrics.running_requests.dec(prompts)
 
     @app.post("/generate")
-    async def generate(body: GenerateRequest) -> Response:
+    async def generate(request: Request, body: GenerateRequest) -> Response:
         batch = isinstance(body.text, list) or bool(
             body.input_ids and isinstance(body.input_ids[0], list)
         )
         return await serve(
+            request,
             "/generate",
             lambda: generate_prompts(body, tokenizer, max_new_tokens),
             GenerateFormat(writer, batch=batch),
@@ -180,7 +204,7 @@ def create_app(
         )
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Response:
+    async def completions(request: Request, body: CompletionRequest) -> Response:
         options = body.stream_options
         fmt = OpenAIFormat(
             writer,
@@ -190,11 +214,15 @@ def create_app(
             include_usage=options is not None and options.include_usage,
         )
         return await serve(
-            "/v1/completions", lambda: completion_prompts(body, tokenizer), fmt, body.stream
+            request,
+            "/v1/completions",
+            lambda: completion_prompts(body, tokenizer),
+            fmt,
+            body.stream,
         )
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest) -> Response:
+    async def chat(request: Request, body: ChatRequest) -> Response:
         options = body.stream_options
         fmt = OpenAIFormat(
             writer,
@@ -204,6 +232,7 @@ def create_app(
             include_usage=options is not None and options.include_usage,
         )
         return await serve(
+            request,
             "/v1/chat/completions",
             lambda: chat_prompts(body, tokenizer, max_new_tokens),
             fmt,

@@ -82,6 +82,7 @@ class DecodeEngine:
             for pp in range(config.pp)
         ]
         self._urls: OrderedDict[str, None] = OrderedDict()
+        self._closing = False
 
     async def start(self) -> None:
         await self.transfer.start()
@@ -91,7 +92,20 @@ class DecodeEngine:
         await self.resolver.stop()
         await self.transfer.stop()
 
+    async def begin_shutdown(self) -> None:
+        self._closing = True
+        self.transfer.stop_waiting()
+        await self.resolver.stop()
+
     async def generate(self, prompt: Prompt) -> Generation:
+        try:
+            return await self._generate(prompt)
+        except EngineError as exc:
+            if self._closing and exc.status >= 500:
+                raise EngineError(exc.stage, exc.message, status=503) from None
+            raise
+
+    async def _generate(self, prompt: Prompt) -> Generation:
         if prompt.bootstrap is None:
             raise EngineError(
                 "request",

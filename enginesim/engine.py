@@ -65,6 +65,11 @@ class Engine(Protocol):
 
     async def stop(self) -> None: ...
 
+    async def begin_shutdown(self) -> None:
+        """Fail every prompt waiting on a peer now, with 503, and each new one: the server
+        is about to stop, and a wait for a decode or a prefill could outlast its grace."""
+        ...
+
     async def generate(self, prompt: Prompt) -> Generation:
         """Run the prompt up to its first token; raises `EngineError`."""
         ...

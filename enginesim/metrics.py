@@ -17,7 +17,8 @@ class EngineMetrics:
         self.registry = registry
         self.requests = Counter(
             "globalkv_engine_requests_total",
-            "Requests answered, by endpoint and outcome (ok, error).",
+            "Requests by endpoint and outcome: ok, error, or cancelled (the client left "
+            "before the whole answer).",
             ["endpoint", "outcome"],
             registry=registry,
         )

@@ -103,6 +103,7 @@ class PrefillEngine:
         self._clock = clock
         self._round_robin = itertools.count()
         self._keepalive: KeepAlive | None = None
+        self._closing = False
         for rank in self.ranks:
             label = str(rank.index)
             metrics.queued_prefill_tokens.labels(label).set_function(rank.queued_tokens)
@@ -135,6 +136,10 @@ class PrefillEngine:
         await self.transfer.stop()
         for rank in self.ranks:
             await rank.scheduler.stop()
+
+    async def begin_shutdown(self) -> None:
+        self._closing = True
+        self.transfer.stop_waiting()
 
     def _registration(self, rank: RankId) -> RankRegistration:
         ip, port = self.transfer.addresses[rank]
@@ -169,6 +174,8 @@ class PrefillEngine:
         except EngineError as exc:
             if room is not None:
                 await self.transfer.fail(room, f"prefill {exc.stage} stage: {exc.message}")
+            if self._closing and exc.status >= 500:
+                raise EngineError(exc.stage, exc.message, status=503) from None
             raise
         except asyncio.CancelledError:
             if room is not None:

@@ -10,10 +10,13 @@ rule that subscribers rely on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import signal
 import socket
 import uuid
+from collections.abc import Iterator
 from contextlib import AsyncExitStack
 from importlib.metadata import version
 from typing import Any
@@ -75,6 +78,7 @@ def _has_free_port(*endpoints: str | None) -> bool:
 
 
 _PORT_TRIES = 20
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class EngineProcess:
@@ -287,7 +291,7 @@ class EngineProcess:
         )
 
     async def serve(self) -> None:
-        """Serve HTTP until SIGINT/SIGTERM (uvicorn's handlers), then close everything."""
+        """Serve HTTP until SIGINT/SIGTERM; `run_engine` then closes everything."""
         if self.engine is None or self.http_socket is None:
             raise RuntimeError("EngineProcess.start() must succeed before serve()")
         app = create_app(
@@ -299,7 +303,7 @@ class EngineProcess:
             model=self.config.model,
             server_info=lambda: dict(self.info),
         )
-        server = uvicorn.Server(
+        server = _EngineServer(
             uvicorn.Config(
                 app,
                 http="httptools",
@@ -308,12 +312,45 @@ class EngineProcess:
                 access_log=False,
                 log_config=None,
                 timeout_graceful_shutdown=5,
-            )
+            ),
+            self.engine,
         )
         await server.serve(sockets=[self.http_socket])
 
     async def close(self) -> None:
         await self._stack.aclose()
+
+
+class _EngineServer(uvicorn.Server):
+    """uvicorn, which tells the engine first when it starts to shut down, and does not
+    kill the process once it has.
+
+    uvicorn lets requests in flight finish within its graceful timeout, then cancels them.
+    A prompt waiting on a peer (a prefill for the decode's handshake, a decode for the KV)
+    could wait far longer, so the engine fails those at once with a 503 the router can
+    retry elsewhere; answers already generating keep the grace period. uvicorn's own
+    signal handling raises SIGTERM again after its shutdown, which killed the process
+    before the engine closed its sockets and tasks; these handlers only ask it to stop.
+    """
+
+    def __init__(self, config: uvicorn.Config, engine: Engine) -> None:
+        super().__init__(config)
+        self._engine = engine
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        loop = asyncio.get_running_loop()
+        for sig in _STOP_SIGNALS:
+            loop.add_signal_handler(sig, self.handle_exit, sig, None)
+        try:
+            yield
+        finally:
+            for sig in _STOP_SIGNALS:
+                loop.remove_signal_handler(sig)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await self._engine.begin_shutdown()
+        await super().shutdown(sockets)
 
 
 async def run_engine(config: EngineConfig) -> None:

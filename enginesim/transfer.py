@@ -125,6 +125,7 @@ class PrefillTransfer:
         self._sessions: dict[RankId, OrderedDict[str, None]] = {r: OrderedDict() for r in ranks}
         self._socks: list[zmq.asyncio.Socket] = []
         self._tasks: list[asyncio.Task[None]] = []
+        self._closing = False
         self.addresses: dict[RankId, tuple[str, int]] = {}
         """Where each rank listens, as registered in the bootstrap directory."""
 
@@ -157,6 +158,8 @@ class PrefillTransfer:
         try:
             async with asyncio.timeout(timeout):
                 while not all(rank in arrival.dests for rank in ranks):
+                    if self._closing:
+                        raise TransferError("handshake", "the prefill is shutting down")
                     arrival.event.clear()
                     await arrival.event.wait()
         except TimeoutError:
@@ -167,6 +170,12 @@ class PrefillTransfer:
                 f"{', '.join(missing)} within {timeout:g}s",
             ) from None
         return {rank: arrival.dests[rank] for rank in ranks}
+
+    def stop_waiting(self) -> None:
+        """End every handshake wait now, and refuse new ones: the engine is shutting down."""
+        self._closing = True
+        for arrival in self._arrivals.values():
+            arrival.event.set()
 
     async def send_ready(
         self, room: int, dests: Mapping[RankId, DecodeAddress], metadata: KVMetadata
@@ -281,8 +290,10 @@ class DecodeTransfer:
         self._pool = PushPool(context, timeout=send_timeout)
         self._sock: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
-        self._rooms: dict[int, asyncio.Queue[StatusMessage]] = {}
+        self._rooms: dict[int, asyncio.Queue[StatusMessage | None]] = {}
+        """Each in-flight room's messages; None in it means: stop waiting, shutting down."""
         self._registered: set[tuple[str, int]] = set()
+        self._closing = False
         self.address: DecodeAddress | None = None
 
     async def start(self) -> None:
@@ -298,6 +309,12 @@ class DecodeTransfer:
             self._sock.close(linger=0)
         self._pool.close()
         self._task = self._sock = None
+
+    def stop_waiting(self) -> None:
+        """End every exchange in flight now, and refuse new ones: the engine is shutting down."""
+        self._closing = True
+        for inbox in self._rooms.values():
+            inbox.put_nowait(None)
 
     def forget_registrations(self) -> None:
         """Send step 1 again to every rank next time, as a restarted decode process would."""
@@ -315,9 +332,11 @@ class DecodeTransfer:
         """Steps 1–3 with every target rank; returns each rank's KV metadata, unchecked."""
         if self.address is None:
             raise RuntimeError("DecodeTransfer.start() was not called")
+        if self._closing:
+            raise TransferError("connect", "the decode is shutting down")
         if room in self._rooms:
             raise TransferError("connect", f"bootstrap_room {room} is already in flight here")
-        inbox: asyncio.Queue[StatusMessage] = asyncio.Queue()
+        inbox: asyncio.Queue[StatusMessage | None] = asyncio.Queue()
         self._rooms[room] = inbox
         try:
             for address in targets.values():
@@ -349,7 +368,7 @@ class DecodeTransfer:
     async def _collect(
         self,
         room: int,
-        inbox: asyncio.Queue[StatusMessage],
+        inbox: asyncio.Queue[StatusMessage | None],
         targets: Mapping[RankId, tuple[str, int]],
         status: str,
         timeout: float,
@@ -360,6 +379,8 @@ class DecodeTransfer:
             async with asyncio.timeout(timeout):
                 while len(got) < len(targets):
                     message = await inbox.get()
+                    if message is None:
+                        raise TransferError(stage, "the decode is shutting down")
                     if message.rank not in targets:
                         self._metrics.transfer_dropped.labels("unexpected_rank").inc()
                         continue

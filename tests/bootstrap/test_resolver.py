@@ -303,6 +303,25 @@ async def test_stopping_the_resolver_fails_waiting_rooms(
         await waiting
 
 
+async def test_stopping_the_resolver_fails_a_waiting_topology_fetch(
+    directory: Directory, client: httpx.AsyncClient
+) -> None:
+    await directory.put([body(tp=(0, 2))])
+    retrying = asyncio.Event()
+
+    async def sleep(delay: float) -> None:
+        retrying.set()
+        await asyncio.Event().wait()
+
+    resolver = DecodeResolver(client, sleep=sleep)
+    waiting = asyncio.create_task(resolver.resolve(URL, DecodeTopology(1, 0), room=1))
+    await retrying.wait()
+    await resolver.stop()
+    with pytest.raises(ResolveError, match="the resolver stopped") as info:
+        await waiting
+    assert info.value.stage == "topology"
+
+
 async def test_two_failed_heartbeats_drop_the_cache_and_report_the_address(
     directory: Directory, client: httpx.AsyncClient, time: Clocked
 ) -> None:

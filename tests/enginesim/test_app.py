@@ -9,6 +9,7 @@ from typing import Any
 
 import httpx
 import pytest
+from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from enginesim.app import create_app
@@ -16,19 +17,25 @@ from enginesim.engine import EngineError, Generation, Prompt
 from enginesim.metrics import EngineMetrics
 from enginesim.textgen import ReplyWriter
 from globalkv.tokenize import ByteTokenizer
+from tests.bootstrap.asgi import Exchange
 
 TOKENIZER = ByteTokenizer()
 WRITER = ReplyWriter(TOKENIZER)
 
 
-async def tokens(ids: list[int]) -> AsyncIterator[int]:
+async def tokens(ids: list[int], stall: asyncio.Event | None = None) -> AsyncIterator[int]:
+    """The ids, each after one yield to the loop; with `stall`, set it and stop after one."""
     for token in ids:
         await asyncio.sleep(0)
         yield token
+        if stall is not None:
+            stall.set()
+            await asyncio.Event().wait()
 
 
 class ScriptedEngine:
-    """Answers from the prompt: a `fail` token fails it, a `hang` token never returns."""
+    """Answers from the prompt: `!` fails it, `~` never returns from `generate`, `^` stalls
+    its tokens after the first; `waiting` is set once either hang is reached."""
 
     role = "prefill"
 
@@ -36,11 +43,15 @@ class ScriptedEngine:
         self.seen: list[Prompt] = []
         self.cancelled = 0
         self.restarts = 0
+        self.waiting = asyncio.Event()
 
     async def start(self) -> None:
         return None
 
     async def stop(self) -> None:
+        return None
+
+    async def begin_shutdown(self) -> None:
         return None
 
     async def generate(self, prompt: Prompt) -> Generation:
@@ -49,14 +60,16 @@ class ScriptedEngine:
             raise EngineError("room", "bootstrap_room mismatch")
         if ord("~") in prompt.input_ids:
             try:
+                self.waiting.set()
                 await asyncio.Event().wait()
             finally:
                 self.cancelled += 1
         output = WRITER.tokens(prompt.max_new_tokens)
+        stall = self.waiting if ord("^") in prompt.input_ids else None
         return Generation(
             prompt_tokens=len(prompt.input_ids),
             cached_tokens=2,
-            tokens=tokens(output),
+            tokens=tokens(output, stall),
             finish_length=len(output),
             meta={"prefill_ms": 1.5},
         )
@@ -82,10 +95,8 @@ def registry() -> CollectorRegistry:
 
 
 @pytest.fixture
-async def client(
-    engine: ScriptedEngine, registry: CollectorRegistry
-) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(
+def app(engine: ScriptedEngine, registry: CollectorRegistry) -> FastAPI:
+    return create_app(
         engine,
         tokenizer=TOKENIZER,
         writer=WRITER,
@@ -94,6 +105,10 @@ async def client(
         model="sim",
         server_info=lambda: {"pod_id": "p", "dp_size": 1},
     )
+
+
+@pytest.fixture
+async def client(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://engine") as http:
         yield http
@@ -212,3 +227,45 @@ async def test_info_endpoints_and_restart(
     assert engine.restarts == 1
     metrics = (await client.get("/metrics")).text
     assert "globalkv_engine_requests_total" in metrics
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/generate", {"text": "wait~"}),
+        ("/v1/completions", {"prompt": "wait~", "n": 2}),
+        ("/generate", {"text": "first token, then stall^"}),
+    ],
+)
+async def test_a_client_leaving_cancels_its_prompts_at_once(
+    app: FastAPI,
+    engine: ScriptedEngine,
+    registry: CollectorRegistry,
+    path: str,
+    body: dict[str, Any],
+) -> None:
+    exchange = Exchange("POST", path, [json.dumps(body).encode()])
+    served = asyncio.create_task(exchange.run(app))
+    await engine.waiting.wait()
+    exchange.leave()
+    await asyncio.wait_for(served, timeout=10)
+    assert exchange.status == 499
+    assert engine.cancelled == (body.get("n", 1) if "~" in json.dumps(body) else 0)
+    sample = registry.get_sample_value
+    assert sample("globalkv_engine_requests_total", {"endpoint": path, "outcome": "cancelled"}) == 1
+    assert sample("globalkv_engine_running_requests") == 0
+
+
+async def test_a_client_leaving_mid_stream_is_counted_and_frees_its_prompts(
+    app: FastAPI, engine: ScriptedEngine, registry: CollectorRegistry
+) -> None:
+    exchange = Exchange("POST", "/generate", [b'{"text": "stall^", "stream": true}'])
+    served = asyncio.create_task(exchange.run(app))
+    await engine.waiting.wait()
+    exchange.leave()
+    await asyncio.wait_for(served, timeout=10)
+    assert exchange.status == 200
+    assert exchange.body.startswith(b"data: ")
+    labels = {"endpoint": "/generate", "outcome": "cancelled"}
+    assert registry.get_sample_value("globalkv_engine_requests_total", labels) == 1
+    assert registry.get_sample_value("globalkv_engine_running_requests") == 0

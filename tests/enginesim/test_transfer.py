@@ -200,3 +200,26 @@ async def test_garbage_and_unregistered_sessions_are_dropped_and_ranks_keep_work
     assert pair.dropped("bad_frames") == 1
     push.close()
     listener.close()
+
+
+async def test_stop_waiting_ends_the_prefills_handshake_waits_and_refuses_new_ones(
+    pair: Pair,
+) -> None:
+    waiting = asyncio.create_task(pair.prefill.wait_for_decode(5, RANKS, timeout=600))
+    await asyncio.sleep(0)
+    pair.prefill.stop_waiting()
+    for wait in (waiting, pair.prefill.wait_for_decode(6, RANKS, timeout=600)):
+        with pytest.raises(TransferError, match="the prefill is shutting down") as info:
+            await wait
+        assert info.value.stage == "handshake"
+
+
+async def test_stop_waiting_ends_the_decodes_exchanges_and_refuses_new_ones(pair: Pair) -> None:
+    exchanging = asyncio.create_task(pair.exchange(77, transfer_timeout=600))
+    await pair.any_connected.wait()
+    pair.decode.stop_waiting()
+    with pytest.raises(TransferError, match="the decode is shutting down") as info:
+        await exchanging
+    assert info.value.stage == "transfer"
+    with pytest.raises(TransferError, match="the decode is shutting down"):
+        await pair.exchange(78)

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import signal
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
 from tests.enginesim.cluster import EngineProc, engines, pd_body, pd_request, start_engine
-from tests.support.net import free_port
+from tests.support.net import free_port, wait_for
 from tests.support.procs import Proc
 
 pytestmark = pytest.mark.integration
@@ -139,6 +142,59 @@ async def test_dead_prefill_ranks_fail_the_connect_stage(decode: EngineProc) -> 
     error = error_of(answer)
     assert error["stage"] == "connect"
     assert "no answer for bootstrap_room 31338" in error["message"]
+
+
+def running(engine: EngineProc, count: int) -> Callable[[], bool]:
+    return lambda: engine.metric("globalkv_engine_running_requests") == count
+
+
+def test_a_client_leaving_ends_the_prefills_wait_and_a_late_decode_learns_why(
+    decode: EngineProc,
+) -> None:
+    prefill = start_engine("prefill", "--handshake-timeout", "600")
+    try:
+        body = json.dumps(pd_body(prefill, 4711, text="abandoned")).encode()
+        head = "POST /generate HTTP/1.1\r\nHost: engine\r\nContent-Type: application/json\r\n"
+        head += f"Content-Length: {len(body)}\r\n\r\n"
+        port = int(prefill.url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as client:
+            client.sendall(head.encode() + body)
+            wait_for(running(prefill, 1), timeout=10, what="the prefill to wait for its decode")
+        cancelled = {"endpoint": "/generate", "outcome": "cancelled"}
+        wait_for(
+            lambda: prefill.metric("globalkv_engine_requests_total", cancelled) == 1,
+            timeout=10,
+            what="the prefill to cancel the abandoned request",
+        )
+        assert running(prefill, 0)()
+        late = httpx.post(
+            f"{decode.url}/generate", json=pd_body(prefill, 4711, text="x"), timeout=30
+        )
+    finally:
+        prefill.stop()
+    assert late.status_code == 500
+    error = error_of(late)
+    assert error["stage"] == "connect"
+    assert "prefill request cancelled" in error["message"]
+
+
+def test_shutdown_answers_a_prefill_waiting_for_its_decode_at_once() -> None:
+    prefill = start_engine("prefill", "--handshake-timeout", "600")
+    body = pd_body(prefill, 4712, text="interrupted")
+    with ThreadPoolExecutor(1) as pool:
+        try:
+            answer = pool.submit(httpx.post, f"{prefill.url}/generate", json=body, timeout=30)
+            wait_for(running(prefill, 1), timeout=10, what="the prefill to wait for its decode")
+            prefill.proc.signal(signal.SIGTERM)
+            response = answer.result(timeout=30)
+        finally:
+            code = prefill.proc.stop()
+    assert response.status_code == 503
+    error = error_of(response)
+    assert error["stage"] == "handshake"
+    assert "the prefill is shutting down" in error["message"]
+    assert code == 0
+    assert "graceful shutdown exceeded" not in prefill.proc.log()
 
 
 def test_a_taken_port_stops_the_engine_with_a_clear_error() -> None:

@@ -7,9 +7,12 @@ request (admin, info, health, metrics) is handed to the ASGI app through
 cancels the request's task — and with it both upstream calls — at no cost per request.
 
 HTTP/1.1 keep-alive with pipelined requests answered in order (reading pauses while a few
-wait), `Expect: 100-continue`, `--max-payload-size` enforced from Content-Length before
-reading (413, connection closed) and while reading chunked bodies, and write flow control
-for streams. `gateway.server.GatewayServer` listens, times connections out and shuts down.
+wait, and the next starts once the client has taken the last answer), `Expect:
+100-continue`, `--max-payload-size` enforced from Content-Length before reading (413) and
+while reading chunked bodies, a bound on heads (431), Upgrade headers ignored, and write
+flow control for streams. A refusal half-closes the connection so that the client reads
+it. `gateway.server.GatewayServer` listens, asks each connection to `expire` a client too
+slow or silent (408), and shuts down.
 """
 
 from __future__ import annotations
@@ -87,12 +90,7 @@ class ClientConnection(asyncio.Protocol):
 
     @property
     def idle(self) -> bool:
-        return (
-            self._task is None
-            and self._request is None
-            and self._upgrading is None
-            and not self._queue
-        )
+        return not (self._task or self._request or self._upgrading or self._queue)
 
     def close(self) -> None:
         """Close now, or after the answer in progress when there is one (a request still
@@ -112,11 +110,13 @@ class ClientConnection(asyncio.Protocol):
             if self._lingering_since is not None and now - self._lingering_since > idle_secs:
                 self._transport.close()
             return
-        request = self._request or self._upgrading
-        if request is None:
+        if self.idle:
             if now - self.last_active > idle_secs:
                 self.close()
-        elif now - (self.last_active if request.method else request.started) > read_secs:
+            return
+        request = self._request or self._upgrading
+        assert request is not None
+        if now - (self.last_active if request.method else request.started) > read_secs:
             self._refuse(problem(408, f"the request did not arrive within {read_secs:g} s"))
 
     def abort(self) -> None:
@@ -277,6 +277,8 @@ class ClientConnection(asyncio.Protocol):
         before it was read), the socket would reset and the client lose the refusal."""
         transport = self._transport
         assert transport is not None
+        if self._lingering_since is not None or transport.is_closing():
+            return
         if not transport.can_write_eof():
             transport.close()
             return

@@ -13,6 +13,7 @@ pod (409), a missing or wrong admin token on a mutating endpoint (401).
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 from collections.abc import Callable
@@ -192,7 +193,9 @@ def create_app(
             if tokenizer is None:
                 raise HTTPException(400, "no tokenizer is configured: send token_ids")
             try:
-                token_ids = tokenizer.encode(body.text)
+                # Off the loop: megabytes of text take seconds to encode, and ingest and
+                # every other request share this loop (the Rust encoder releases the GIL).
+                token_ids = await asyncio.to_thread(tokenizer.encode, body.text)
             except ValueError as exc:
                 raise HTTPException(400, f"cannot tokenize text: {exc}") from exc
         else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any, cast
@@ -22,7 +23,7 @@ from globalkv.keys import EngineHash, root_key
 from globalkv.lookup import HttpLookup, IndexLookup
 from globalkv.metrics import IngestMetrics
 from globalkv.registry import MemoryRegistry
-from globalkv.tokenize import ByteTokenizer
+from globalkv.tokenize import ByteTokenizer, Tokenizer
 from tests.ingest.fakes import RecordingIndex
 
 TOKEN = "s3cret"
@@ -70,7 +71,12 @@ async def _client(app: Any) -> httpx.AsyncClient:
 
 
 def _app(
-    index: Index, *, config: ApiConfig | None = None, ready: bool = True, resyncing: int = 0
+    index: Index,
+    *,
+    config: ApiConfig | None = None,
+    ready: bool = True,
+    resyncing: int = 0,
+    tokenizer: Tokenizer | None = None,
 ) -> FastAPI:
     """The API over `index`, with a stand-in ingest that only says whether it is ready."""
     ingest = SimpleNamespace(ready=ready, resyncing=resyncing, pods=list)
@@ -80,6 +86,7 @@ def _app(
         registry=MemoryRegistry(),
         ingest=cast(IngestService, ingest),
         metrics_registry=CollectorRegistry(),
+        tokenizer=tokenizer,
     )
 
 
@@ -141,6 +148,25 @@ async def test_text_lookup_uses_the_tokenizer(client: httpx.AsyncClient) -> None
     response = await client.post("/v1/lookup", json={"model": "m", "text": "abcdefg"})
     assert response.status_code == 200
     assert [p["pod"] for p in response.json()["pods"]] == ["p1"]
+
+
+class _ThreadRecordingTokenizer(ByteTokenizer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: list[int] = []
+
+    def encode(self, text: str) -> list[int]:
+        self.threads.append(threading.get_ident())
+        return super().encode(text)
+
+
+async def test_text_is_tokenized_off_the_event_loop(index: MemoryIndex) -> None:
+    tokenizer = _ThreadRecordingTokenizer()
+    async with await _client(_app(index, tokenizer=tokenizer)) as client:
+        response = await client.post("/v1/lookup", json={"model": "m", "text": "abcdefg"})
+    assert [p["pod"] for p in response.json()["pods"]] == ["p1"]
+    assert len(tokenizer.threads) == 1
+    assert tokenizer.threads[0] != threading.get_ident()
 
 
 async def test_text_without_tokenizer_is_400(index: MemoryIndex) -> None:

@@ -10,9 +10,11 @@ Next to each pod the indexer writes its ingest state (subscribed, last seq, last
 time, resets, drops), so `globalkv pods` and `doctor` read freshness from any process.
 
 Redis keys, all here: `{prefix}:registry:pods` (hash id → PodInfo JSON),
-`{prefix}:registry:state` (hash id → PodState JSON), `{prefix}:registry:marker` (absent
-after a Redis restart or flush, so the indexer can tell "everyone deleted their pods"
-from "Redis lost them" and write back what it knows), channel `{prefix}:registry:changed`.
+`{prefix}:registry:state` (hash id → PodState JSON, written only beside a listed pod, so
+a state published just after its pod was removed does not outlive it),
+`{prefix}:registry:marker` (absent after a Redis restart or flush, so the indexer can tell
+"everyone deleted their pods" from "Redis lost them" and write back what it knows),
+channel `{prefix}:registry:changed`.
 """
 
 from __future__ import annotations
@@ -242,11 +244,21 @@ class MemoryRegistry:
         return None
 
 
+_PUT_STATES = """
+for i = 1, #ARGV, 2 do
+  if redis.call('HEXISTS', KEYS[1], ARGV[i]) == 1 then
+    redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1])
+  end
+end
+"""
+
+
 class RedisRegistry:
     """Pods in the index's Redis, readable and writable by every gateway."""
 
     def __init__(self, redis: aioredis.Redis, *, prefix: str = "gkv") -> None:
         self.redis = redis
+        self._put_states = redis.register_script(_PUT_STATES)
         self.pods_key = f"{prefix}:registry:pods"
         self.state_key = f"{prefix}:registry:state"
         self.marker_key = f"{prefix}:registry:marker"
@@ -281,9 +293,9 @@ class RedisRegistry:
     async def put_states(self, states: dict[str, PodState]) -> None:
         if not states:
             return
-        mapping = {k: v.model_dump_json() for k, v in states.items()}
+        pairs = [x for pod_id, state in states.items() for x in (pod_id, state.model_dump_json())]
         async with self._errors():
-            await self.redis.hset(self.state_key, mapping=mapping)  # type: ignore[arg-type]
+            await self._put_states(keys=[self.pods_key, self.state_key], args=pairs)
 
     async def states(self) -> dict[str, PodState]:
         async with self._errors():

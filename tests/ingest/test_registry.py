@@ -90,8 +90,8 @@ async def test_put_get_list_remove_and_states(registry: Registry) -> None:
     assert await registry.get("b") == b
     assert [p.id for p in await registry.list()] == ["a", "b"]
     state = PodState(subscribed=True, sources=[SourceState(dp_rank=0, last_seq=3)])
-    await registry.put_states({"a": state})
-    assert (await registry.states())["a"] == state
+    await registry.put_states({"a": state, "gone": state})
+    assert await registry.states() == {"a": state}, "a state is kept only beside its pod"
     assert await registry.remove("a")
     assert not await registry.remove("a")
     assert await registry.get("a") is None

@@ -23,6 +23,8 @@ from globalkv.tokenize import Tokenizer
 MAX_PROMPT_TOKENS = 1 << 20
 MAX_ELEMENTS = 1024
 MAX_NEW_TOKENS = 1 << 16
+MAX_BODY_BYTES = 64 << 20
+"""Largest request body read: a prompt of MAX_PROMPT_TOKENS ids is about 8 MB of JSON."""
 
 TokenId = Annotated[int, Field(ge=0, le=2**32 - 1)]
 TokenList = Annotated[list[TokenId], Field(max_length=MAX_PROMPT_TOKENS)]

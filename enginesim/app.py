@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 
 from enginesim.api_models import (
+    MAX_BODY_BYTES,
     MAX_PROMPT_TOKENS,
     BadRequest,
     ChatRequest,
@@ -33,7 +34,7 @@ from enginesim.api_models import (
     generate_prompts,
 )
 from enginesim.engine import Engine, EngineError, Prompt
-from enginesim.guards import CLIENT_GONE_STATUS, ClientGone, unless_client_leaves
+from enginesim.guards import CLIENT_GONE_STATUS, BodyLimit, ClientGone, unless_client_leaves
 from enginesim.metrics import EngineMetrics
 from enginesim.responses import (
     SSE_DONE,
@@ -48,6 +49,8 @@ from enginesim.textgen import ReplyWriter
 from globalkv.tokenize import NotTokenizable, TokenizeError, Tokenizer
 
 log = logging.getLogger(__name__)
+
+_GENERATING = ("/generate", "/v1/completions", "/v1/chat/completions")
 
 
 async def start_all(engine: Engine, prompts: Sequence[Prompt]) -> list[Element]:
@@ -113,6 +116,7 @@ def create_app(
     max_new_tokens: int,
     model: str,
     server_info: Callable[[], dict[str, Any]],
+    max_body_bytes: int = MAX_BODY_BYTES,
 ) -> FastAPI:
     """`server_info` gives the static part of `/server_info` (addresses, sizes)."""
     app = FastAPI(title=f"enginesim {engine.role}", docs_url=None, redoc_url=None)
@@ -122,6 +126,12 @@ def create_app(
         metrics.failures.labels(stage).inc()
         openai = endpoint.startswith("/v1/")
         return JSONResponse(error_body(status, message, stage, openai=openai), status_code=status)
+
+    def too_large(path: str) -> Response:
+        endpoint = path if path in _GENERATING else "other"  # no label per unknown path
+        return fail(413, f"request body larger than {max_body_bytes} bytes", "request", endpoint)
+
+    app.add_middleware(BodyLimit, limit=max_body_bytes, refuse=too_large)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -1,4 +1,9 @@
-"""What the engine's HTTP layer enforces around each request: the client is still there.
+"""What the engine's HTTP layer enforces around each request: a bounded body, and a
+client that is still there.
+
+A body is read whole before FastAPI parses it into a model, so its size is checked first,
+by Content-Length when announced and by counting as it streams otherwise: a limit met
+inside FastAPI's own parsing would surface as a generic 400.
 
 A prompt can wait long on its peer (a prefill for the decode's handshake, a decode for
 the KV) and a whole answer can take minutes to generate. FastAPI does not cancel a
@@ -12,15 +17,50 @@ runs each engine's own clean-up (a prefill tells the decode the room failed).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from starlette.types import Receive
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 T = TypeVar("T")
 
 CLIENT_GONE_STATUS = 499
 """nginx's "client closed request": never seen by the client, it marks the answer in logs."""
+
+
+class BodyLimit:
+    """ASGI middleware: bodies over `limit` bytes get `refuse(path)` (a 413) unread."""
+
+    def __init__(self, app: ASGIApp, *, limit: int, refuse: Callable[[str], Response]) -> None:
+        self.app = app
+        self.limit = limit
+        self.refuse = refuse
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            await self.refuse(scope["path"])(scope, receive, send)
+            return
+        read: list[Message] = []
+        size = 0
+        while not read or read[-1].get("more_body", False):
+            message = await receive()
+            read.append(message)
+            if message["type"] != "http.request":
+                break
+            size += len(message.get("body", b""))
+            if size > self.limit:
+                await self.refuse(scope["path"])(scope, receive, send)
+                return
+
+        async def replay() -> Message:
+            return read.pop(0) if read else await receive()
+
+        await self.app(scope, replay, send)
 
 
 class ClientGone(Exception):

@@ -94,8 +94,7 @@ def registry() -> CollectorRegistry:
     return CollectorRegistry()
 
 
-@pytest.fixture
-def app(engine: ScriptedEngine, registry: CollectorRegistry) -> FastAPI:
+def build_app(engine: ScriptedEngine, registry: CollectorRegistry, **options: Any) -> FastAPI:
     return create_app(
         engine,
         tokenizer=TOKENIZER,
@@ -104,7 +103,13 @@ def app(engine: ScriptedEngine, registry: CollectorRegistry) -> FastAPI:
         max_new_tokens=3,
         model="sim",
         server_info=lambda: {"pod_id": "p", "dp_size": 1},
+        **options,
     )
+
+
+@pytest.fixture
+def app(engine: ScriptedEngine, registry: CollectorRegistry) -> FastAPI:
+    return build_app(engine, registry)
 
 
 @pytest.fixture
@@ -269,3 +274,26 @@ async def test_a_client_leaving_mid_stream_is_counted_and_frees_its_prompts(
     labels = {"endpoint": "/generate", "outcome": "cancelled"}
     assert registry.get_sample_value("globalkv_engine_requests_total", labels) == 1
     assert registry.get_sample_value("globalkv_engine_running_requests") == 0
+
+
+async def test_a_body_over_the_limit_gets_413_unparsed_announced_or_not(
+    engine: ScriptedEngine, registry: CollectorRegistry
+) -> None:
+    async def chunked() -> AsyncIterator[bytes]:
+        for part in (b'{"prompt": "', b"x" * 100, b'"}'):
+            yield part
+
+    app = build_app(engine, registry, max_body_bytes=64)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://e") as http:
+        announced = await http.post("/generate", json={"text": "x" * 100})
+        streamed = await http.post("/v1/completions", content=chunked())
+        elsewhere = await http.post("/nowhere", content=b"x" * 100)
+        fits = await http.post("/generate", json={"text": "hi"})
+    assert "content-length" not in streamed.request.headers
+    assert (announced.status_code, streamed.status_code, elsewhere.status_code) == (413, 413, 413)
+    assert announced.json()["error"]["message"] == "request body larger than 64 bytes"
+    assert streamed.json()["stage"] == "request"
+    assert fits.status_code == 200
+    assert len(engine.seen) == 1
+    labels = {"endpoint": "other", "outcome": "error"}
+    assert registry.get_sample_value("globalkv_engine_requests_total", labels) == 1

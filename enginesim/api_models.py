@@ -26,6 +26,10 @@ MAX_NEW_TOKENS = 1 << 16
 MAX_BODY_BYTES = 64 << 20
 """Largest request body read: a prompt of MAX_PROMPT_TOKENS ids is about 8 MB of JSON."""
 
+Host = Annotated[
+    str, Field(min_length=1, max_length=253, pattern=r"^(\[?[0-9A-Fa-f:.]+\]?|[A-Za-z0-9._-]+)$")
+]
+"""A host name or an IP address, nothing that could reshape the decode's bootstrap URL."""
 TokenId = Annotated[int, Field(ge=0, le=2**32 - 1)]
 TokenList = Annotated[list[TokenId], Field(max_length=MAX_PROMPT_TOKENS)]
 Room = Annotated[int, Field(ge=1, le=MAX_ROOM)]
@@ -44,7 +48,7 @@ class _Body(BaseModel):
 
 
 class PDFields(_Body):
-    bootstrap_host: Annotated[str, Field(min_length=1)] | list[str] | None = None
+    bootstrap_host: Host | list[Host] | None = None
     bootstrap_port: Port | list[Port | None] | None = None
     bootstrap_room: Room | list[Room] | None = None
     routed_dp_rank: DPRank | None = None
@@ -127,6 +131,8 @@ def _build(
     fields: PDFields,
     rids: Sequence[str | None],
 ) -> list[Prompt]:
+    if not token_lists:
+        raise BadRequest("the request holds no prompt")
     if len(token_lists) > MAX_ELEMENTS:
         raise BadRequest(f"{len(token_lists)} prompts in one request; the limit is {MAX_ELEMENTS}")
     for ids in token_lists:
@@ -174,7 +180,8 @@ def generate_prompts(body: GenerateRequest, tokenizer: Tokenizer, default_new: i
     else:
         token_lists, batch = [tokenizer.encode(body.text or "")], False
     count = len(token_lists)
-    params = _per_element(body.sampling_params or SamplingParams(), count, "sampling_params")
+    sampling = SamplingParams() if body.sampling_params is None else body.sampling_params
+    params = _per_element(sampling, count, "sampling_params")
     max_new = [p.max_new_tokens if p.max_new_tokens is not None else default_new for p in params]
     rids = _per_element(body.rid, count, "rid")
     if not batch and isinstance(body.bootstrap_room, list):

@@ -88,6 +88,8 @@ def test_chat_uses_the_template_and_max_completion_tokens_first() -> None:
             {"input_ids": [[1], [2]], "bootstrap_host": "h", "bootstrap_room": 2**63 - 1},
             r"exceeds 2\^63",
         ),
+        ({"text": []}, "holds no prompt"),
+        ({"text": "a", "sampling_params": []}, "0 entries for 1 prompts"),
     ],
 )
 def test_inconsistent_generate_bodies_are_bad_requests(
@@ -107,11 +109,25 @@ def test_inconsistent_generate_bodies_are_bad_requests(
         {"input_ids": [2**32]},
         {"text": "a", "sampling_params": {"max_new_tokens": -1}},
         {"text": "a", "routed_dp_rank": -1},
+        {"text": "a", "bootstrap_room": 1, "bootstrap_host": "prefill/route?x="},
+        {"text": "a", "bootstrap_room": 1, "bootstrap_host": "user@prefill"},
+        {"text": "a", "bootstrap_room": 1, "bootstrap_host": "prefill:8998"},
+        {"text": "a", "bootstrap_room": 1, "bootstrap_host": "[zz::1]"},
+        {"input_ids": [[1]], "bootstrap_room": [1], "bootstrap_host": ["two words"]},
     ],
 )
 def test_out_of_range_fields_fail_validation(body: dict[str, object]) -> None:
     with pytest.raises(ValidationError):
         GenerateRequest.model_validate(body)
+
+
+@pytest.mark.parametrize("host", ["10.0.0.5", "::1", "[fd00::5]", "prefill-0.pd.svc.cluster.local"])
+def test_host_names_and_addresses_are_bootstrap_hosts(host: str) -> None:
+    body = GenerateRequest.model_validate(
+        {"text": "a", "bootstrap_room": 3, "bootstrap_host": host}
+    )
+    [prompt] = generate_prompts(body, TOKENIZER, 1)
+    assert prompt.bootstrap == Bootstrap(host, None, 3)
 
 
 def test_mixed_prompt_kinds_are_refused() -> None:

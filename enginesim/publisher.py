@@ -210,7 +210,6 @@ class KVEventPublisher:
             self._metrics.events.labels(self._rank, type(event).__name__).inc()
         if self._drop():
             self._metrics.event_batches.labels(self._rank, "dropped_fault").inc()
-            self._metrics.faults.labels("drop_event").inc()
             log.info("dp %s: fault dropped KV-event batch seq=%d (live only)", self._rank, seq)
             return seq
         self._outbox.put_nowait(live_frames(self._topic, seq, payload))

@@ -9,6 +9,8 @@ import zmq
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
+from enginesim.config import FaultSettings
+from enginesim.faults import Faults
 from enginesim.kvcache import PagedKVCache
 from enginesim.metrics import EngineMetrics
 from enginesim.publisher import (
@@ -219,6 +221,20 @@ async def test_malformed_replay_request_is_counted_and_the_router_keeps_serving(
     assert malformed == 2
     bad.close()
     await harness.stop()
+
+
+def test_a_batch_dropped_by_fault_injection_is_counted_once_as_a_fault(
+    context: zmq.asyncio.Context, registry: CollectorRegistry
+) -> None:
+    metrics = EngineMetrics(registry)
+    faults = Faults(FaultSettings(drop_event_rate=1.0), metrics)
+    settings = PublisherSettings("tcp://*:0", None, TOPIC, "sglang", dp_rank=0)
+    publisher = KVEventPublisher(settings, context, metrics, drop=faults.drop_event_batch)
+    assert publisher.publish([AllBlocksCleared()]) == 0
+    sample = registry.get_sample_value
+    assert sample("globalkv_engine_faults_injected_total", {"kind": "drop_event"}) == 1
+    dropped = {"dp_rank": "0", "outcome": "dropped_fault"}
+    assert sample("globalkv_engine_kv_event_batches_total", dropped) == 1
 
 
 def test_empty_batches_are_not_published(

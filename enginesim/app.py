@@ -14,6 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from functools import partial
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -213,41 +214,25 @@ def create_app(
             body.stream,
         )
 
-    @app.post("/v1/completions")
-    async def completions(request: Request, body: CompletionRequest) -> Response:
+    def openai(body: CompletionRequest | ChatRequest) -> OpenAIFormat:
         options = body.stream_options
-        fmt = OpenAIFormat(
+        return OpenAIFormat(
             writer,
-            chat=False,
+            chat=isinstance(body, ChatRequest),
             model=body.model or model,
             samples=body.n,
             include_usage=options is not None and options.include_usage,
         )
-        return await serve(
-            request,
-            "/v1/completions",
-            lambda: completion_prompts(body, tokenizer),
-            fmt,
-            body.stream,
-        )
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, body: CompletionRequest) -> Response:
+        prompts = partial(completion_prompts, body, tokenizer)
+        return await serve(request, "/v1/completions", prompts, openai(body), body.stream)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request, body: ChatRequest) -> Response:
-        options = body.stream_options
-        fmt = OpenAIFormat(
-            writer,
-            chat=True,
-            model=body.model or model,
-            samples=body.n,
-            include_usage=options is not None and options.include_usage,
-        )
-        return await serve(
-            request,
-            "/v1/chat/completions",
-            lambda: chat_prompts(body, tokenizer, max_new_tokens),
-            fmt,
-            body.stream,
-        )
+        prompts = partial(chat_prompts, body, tokenizer, max_new_tokens)
+        return await serve(request, "/v1/chat/completions", prompts, openai(body), body.stream)
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:

@@ -159,11 +159,16 @@ def run(args: argparse.Namespace) -> int:
     import zmq
 
     from bootstrap.registrar import RegistrationFailed
-    from enginesim.runtime import run_engine
+    from enginesim.runtime import EngineProcess, run_engine
 
     try:
+        process = EngineProcess(config)
+    except ValueError as exc:
+        log.error("engine could not start: %s", exc)
+        return 1
+    try:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            runner.run(run_engine(config))
+            runner.run(run_engine(process))
     except (OSError, zmq.ZMQError, RegistrationFailed) as exc:
         log.error("engine could not start: %s", exc)
         return 1

@@ -82,7 +82,11 @@ _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class EngineProcess:
-    """Owns everything one `globalkv engine` process runs, and closes it in reverse."""
+    """Owns everything one `globalkv engine` process runs, and closes it in reverse.
+
+    Building it opens nothing yet raises `ValueError` for a tokenizer that cannot be
+    loaded, so a bad path is reported before any port is taken.
+    """
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -114,8 +118,8 @@ class EngineProcess:
             engine: Engine = await self._prefill(context, client, port, advertise, pod)
         else:
             engine = self._decode(context, client, advertise, pod)
+        self._stack.push_async_callback(engine.stop)  # also undoes a start that failed halfway
         await engine.start()
-        self._stack.push_async_callback(engine.stop)
         self.engine = engine
         self.info.update(
             engine="enginesim",
@@ -353,8 +357,7 @@ class _EngineServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-async def run_engine(config: EngineConfig) -> None:
-    process = EngineProcess(config)
+async def run_engine(process: EngineProcess) -> None:
     try:
         await process.start()
         await process.serve()

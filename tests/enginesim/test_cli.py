@@ -1,9 +1,11 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from prometheus_client import CollectorRegistry
 
-from enginesim.cli import config_from_args
+from enginesim.cli import config_from_args, run
 from enginesim.config import EngineConfig, FaultSettings
 from enginesim.faults import Faults
 from enginesim.metrics import EngineMetrics
@@ -59,6 +61,14 @@ def test_invalid_configurations_raise_value_error_naming_the_problem(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         config(*argv)
+
+
+def test_a_missing_tokenizer_stops_the_engine_with_a_clear_error(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    args = parse(["engine", "--role", "decode", "--port", "0", "--tokenizer", str(tmp_path)], {})
+    assert run(args) == 1
+    assert f"engine could not start: no tokenizer.json at {tmp_path}" in caplog.text
 
 
 def test_check_mode_validates_without_starting(capsys: pytest.CaptureFixture[str]) -> None:

@@ -26,9 +26,10 @@ from globalkv.index.base import Index, IndexUnavailable
 from globalkv.index.instrumented import InstrumentedIndex
 from globalkv.index.memory import MemoryIndex
 from globalkv.index.redis import RedisIndex
+from globalkv.ingest.config import IngestConfig
 from globalkv.ingest.followed import TopicTaken
 from globalkv.ingest.podsync import PodSync
-from globalkv.ingest.service import IngestConfig, IngestService
+from globalkv.ingest.service import IngestService
 from globalkv.metrics import IngestMetrics
 from globalkv.registry import MemoryRegistry, PodInfo, RedisRegistry, Registry
 from globalkv.tokenize import Tokenizer, load_tokenizer

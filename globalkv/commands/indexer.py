@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from globalkv.api import ApiConfig
 from globalkv.cli import config_error
 from globalkv.indexer import IndexerConfig, run_indexer
-from globalkv.ingest.service import IngestConfig
+from globalkv.ingest.config import IngestConfig
 
 
 def register(subparsers: Any) -> None:

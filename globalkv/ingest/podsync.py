@@ -53,6 +53,7 @@ class PodSync:
         if not await self.registry.intact():
             log.warning("the pod registry lost its data; writing back the pods we follow")
             await self.service.restore_registry()
+        await self.service.register_discovered()
         followed = {p.id for p in self.service.pods()}
         pods = await self.registry.list()
         for pod in pods:

@@ -3,9 +3,10 @@
 Pods come and go through `add_pod` / `remove_pod` (called by the API, the CLI's `--pod`
 flags and `podsync`, all idempotent), or appear by themselves on the bound socket when a
 `kv@<pod>@<model>` topic names a pod nobody registered; such pods are written to the
-registry so every gateway sees them. A removed pod's blocks are cleared from the index;
-if the index cannot answer then, `clear_removed` (run by podsync) tries again, so they
-do not stay behind in lookups.
+registry so every gateway sees them (until written, `register_discovered`, run by
+podsync before it reads the registry, tries again: an unwritten pod must not read as
+deleted). A removed pod's blocks are cleared from the index; if the index cannot answer
+then, `clear_removed` (run by podsync) tries again, so they do not linger in lookups.
 
 When the index reports lost data, every source is rebuilt and `ready` stays False until
 all are, so the API answers 503 instead of a lookup against a half-empty index.
@@ -21,9 +22,10 @@ from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
 import zmq.asyncio
-from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic import ValidationError
 
 from globalkv.index.base import Index, IndexUnavailable, Source
+from globalkv.ingest.config import IngestConfig
 from globalkv.ingest.followed import FollowedPod, FollowedPods, watched
 from globalkv.ingest.replay import ReplayClient
 from globalkv.ingest.subscribers import (
@@ -45,44 +47,9 @@ from globalkv.registry import (
 )
 from globalkv.wire import Frame, WireError, decode_batch
 
+__all__ = ["IngestConfig", "IngestService"]  # the config lives in ingest.config, used with this
+
 log = logging.getLogger(__name__)
-
-
-class IngestConfig(BaseModel):
-    bind: list[str] = Field(
-        default_factory=list,
-        description="Endpoints to bind one SUB on, for engines that connect to the indexer.",
-    )
-    queue_size: int = Field(
-        1024,
-        ge=1,
-        description="Batches queued per source before "
-        "back-pressure (connected engines) or drops (bound socket).",
-    )
-    max_group: int = Field(
-        64,
-        ge=1,
-        description="Most consecutive queued batches of one source applied as one index "
-        "write (group commit under load).",
-    )
-    rcvhwm: int = Field(
-        10_000,
-        ge=1,
-        description="ZMQ receive high-water mark per SUB, in batches: with the queue, the "
-        "bound on memory per source while the index is slow (the engine's PUB drops beyond).",
-    )
-    replay_reply_timeout: float = Field(1.0, gt=0, description="Wait for each replay reply.")
-    replay_total_timeout: float = Field(30.0, gt=0, description="Bound on one whole replay.")
-    retry_base: float = Field(0.05, gt=0, description="First wait when the index is down.")
-    retry_cap: float = Field(2.0, gt=0, description="Longest wait between index retries.")
-
-    @field_validator("bind")
-    @classmethod
-    def _bind(cls, endpoints: list[str]) -> list[str]:
-        for endpoint in endpoints:
-            if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
-                raise ValueError(f"--bind {endpoint!r} must be a tcp:// or ipc:// endpoint")
-        return endpoints
 
 
 class IngestService:
@@ -110,6 +77,8 @@ class IngestService:
         self._pods = FollowedPods()
         self._uncleared: set[str] = set()
         """Removed pods whose blocks the index could not drop yet."""
+        self._unregistered: set[str] = set()
+        """Pods that appeared on the bound socket and are not in the registry yet."""
         self._resyncing: set[Source] = set()
         self._bound: BoundSubscriber | None = None
         self._bound_task: asyncio.Task[None] | None = None
@@ -140,6 +109,8 @@ class IngestService:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self._bound is not None:
+            self._bound.close()
         if self._own_context:
             self.context.destroy(linger=0)
 
@@ -304,14 +275,24 @@ class IngestService:
             return None  # the id is taken by a pod configured differently
         log.info("pod %s appeared on the bound socket (topic %r)", info.id, topic)
         pod = self._pods.add(info)
-        self._spawn(self._register(info), f"registering pod {info.id}")
+        self._unregistered.add(info.id)
+        self._spawn(self._register_now(), f"registering pod {info.id}")
         return pod
 
-    async def _register(self, info: PodInfo) -> None:
+    async def register_discovered(self) -> None:
+        """Write the pods found on the bound socket to the registry (IndexUnavailable
+        when it cannot be written: they are tried again on the next call)."""
+        for pod_id in sorted(self._unregistered):
+            pod = self._pods.get(pod_id)
+            if pod is not None:
+                await self.registry.put(pod.info)
+            self._unregistered.discard(pod_id)
+
+    async def _register_now(self) -> None:
         try:
-            await self.registry.put(info)
+            await self.register_discovered()
         except IndexUnavailable as exc:
-            log.warning("could not write discovered pod %s to the registry: %s", info.id, exc)
+            log.warning("could not write discovered pods to the registry yet: %s", exc)
 
     # ---------------------------------------------------------------- resync
 

@@ -137,10 +137,18 @@ class BoundSubscriber:
     def bind(self) -> list[str]:
         """Bind every endpoint now (so a bad address fails at start); returns the bound
         addresses, with the real port for `tcp://127.0.0.1:0`-style requests."""
-        for endpoint in self.endpoints:
-            self.socket.bind(endpoint)
-            self.bound.append(self.socket.getsockopt_string(zmq.LAST_ENDPOINT))
+        try:
+            for endpoint in self.endpoints:
+                self.socket.bind(endpoint)
+                self.bound.append(self.socket.getsockopt_string(zmq.LAST_ENDPOINT))
+        except zmq.ZMQError:
+            self.close()
+            raise
         return self.bound
+
+    def close(self) -> None:
+        """Also when `run` never started (a task cancelled before its first step)."""
+        self.socket.close(linger=0)
 
     async def run(self) -> None:
         try:

@@ -6,7 +6,8 @@ import pytest
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
-from globalkv.ingest.service import IngestConfig, IngestService
+from globalkv.ingest.config import IngestConfig
+from globalkv.ingest.service import IngestService
 from globalkv.metrics import IngestMetrics
 from globalkv.registry import MemoryRegistry
 from tests.ingest.fakes import RecordingIndex

@@ -7,11 +7,15 @@ import logging
 import msgpack
 import pytest
 import zmq
+import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
 from globalkv.index.base import IndexUnavailable, Source
+from globalkv.ingest.config import IngestConfig
 from globalkv.ingest.followed import TopicTaken
 from globalkv.ingest.podsync import PodSync
+from globalkv.ingest.service import IngestService
+from globalkv.metrics import IngestMetrics
 from globalkv.registry import KvEventsConfig, MemoryRegistry, PodInfo
 from globalkv.wire import live_frames
 from tests.ingest.conftest import PublisherFactory, ServiceFactory
@@ -151,3 +155,55 @@ async def test_blocks_of_a_removed_pod_are_cleared_once_the_index_answers(
     assert index.removed_pods == ["p0"]
     await service.clear_removed()
     assert index.removed_pods == ["p0"], "cleared once"
+
+
+class _FlakyRegistry(MemoryRegistry):
+    """Refuses the next `failures` writes, as a Redis that is briefly down."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+
+    async def put(self, pod: PodInfo) -> None:
+        if self.failures:
+            self.failures -= 1
+            raise IndexUnavailable("told to be down")
+        await super().put(pod)
+
+
+async def test_a_discovered_pod_the_registry_missed_is_written_not_dropped(
+    make_service: ServiceFactory,
+    make_publisher: PublisherFactory,
+    index: RecordingIndex,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    registry = _FlakyRegistry(failures=1)
+    service = make_service(bind=["tcp://127.0.0.1:0"])
+    service.registry = registry
+    await service.start()
+    pub = make_publisher(
+        endpoint=service.bound_endpoints[0], connect=True, replay_endpoint=None, topic="kv@d0@m"
+    )
+    await pub.wait_subscribed()
+    await pub.publish([store(0)])
+    await service.applied(Source("d0"), 0)
+    assert "could not write discovered pods" in caplog.text
+    await PodSync(registry, service).reconcile()
+    assert [p.id for p in service.pods()] == ["d0"]
+    assert await registry.get("d0") is not None
+    assert index.removed_pods == []
+
+
+async def test_a_bind_address_in_use_fails_at_start_and_leaves_no_socket(
+    make_service: ServiceFactory, index: RecordingIndex, context: zmq.asyncio.Context
+) -> None:
+    first = make_service(bind=["tcp://127.0.0.1:0"])
+    await first.start()
+    config = IngestConfig(bind=["tcp://127.0.0.1:0", first.bound_endpoints[0]])
+    metrics = IngestMetrics(CollectorRegistry())
+    second = IngestService(index, MemoryRegistry(), metrics, config, context=context)
+    with pytest.raises(zmq.ZMQError, match="in use"):
+        await second.start()
+    assert second._bound is not None
+    assert second._bound.socket.closed
+    await second.stop()

@@ -16,7 +16,8 @@ from prometheus_client import CollectorRegistry
 
 from globalkv.index.base import Source
 from globalkv.index.memory import MemoryIndex
-from globalkv.ingest.service import IngestConfig, IngestService
+from globalkv.ingest.config import IngestConfig
+from globalkv.ingest.service import IngestService
 from globalkv.lookup import IndexLookup
 from globalkv.metrics import IngestMetrics
 from globalkv.registry import KvEventsConfig, MemoryRegistry, PodInfo

@@ -18,7 +18,7 @@ import zmq.asyncio
 from globalkv.index.base import Source
 from globalkv.index.redis import RedisIndex
 from globalkv.indexer import Indexer, IndexerConfig
-from globalkv.ingest.service import IngestConfig
+from globalkv.ingest.config import IngestConfig
 from globalkv.keys import BlockKey, request_keys
 from globalkv.registry import KvEventsConfig, PodInfo, RedisRegistry
 from tests.ingest.publisher_proc import PublisherProc, chain

@@ -1,0 +1,42 @@
+"""How ingest runs: one typed object, its defaults and why, read from flags only by the CLI."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field, field_validator
+
+
+class IngestConfig(BaseModel):
+    bind: list[str] = Field(
+        default_factory=list,
+        description="Endpoints to bind one SUB on, for engines that connect to the indexer.",
+    )
+    queue_size: int = Field(
+        1024,
+        ge=1,
+        description="Batches queued per source before "
+        "back-pressure (connected engines) or drops (bound socket).",
+    )
+    max_group: int = Field(
+        64,
+        ge=1,
+        description="Most consecutive queued batches of one source applied as one index "
+        "write (group commit under load).",
+    )
+    rcvhwm: int = Field(
+        10_000,
+        ge=1,
+        description="ZMQ receive high-water mark per SUB, in batches: with the queue, the "
+        "bound on memory per source while the index is slow (the engine's PUB drops beyond).",
+    )
+    replay_reply_timeout: float = Field(1.0, gt=0, description="Wait for each replay reply.")
+    replay_total_timeout: float = Field(30.0, gt=0, description="Bound on one whole replay.")
+    retry_base: float = Field(0.05, gt=0, description="First wait when the index is down.")
+    retry_cap: float = Field(2.0, gt=0, description="Longest wait between index retries.")
+
+    @field_validator("bind")
+    @classmethod
+    def _bind(cls, endpoints: list[str]) -> list[str]:
+        for endpoint in endpoints:
+            if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(f"--bind {endpoint!r} must be a tcp:// or ipc:// endpoint")
+        return endpoints

@@ -158,20 +158,28 @@ async def _stream(relay: Relay, receive: Receive, send: Send) -> None:
 
 
 async def _proxy_get(gateway: Gateway, request: Request, paths: tuple[str, ...]) -> Response:
-    """A GET answered by one eligible worker (decodes first), trying each path in turn."""
+    """A GET answered by an eligible worker (decodes first), trying each path in turn; a
+    worker that cannot be reached hands over to the next (health checks notice it late)."""
     if not bearer_ok(request, gateway.config.api_key):
         message = "missing or wrong API key (Authorization: Bearer …)"
         return _response(problem(401, message, "auth_error"))
     workers = gateway.pool.eligible("decode") + gateway.pool.eligible("prefill")
     if not workers:
         return _response(problem(503, "no worker is available", "no_available_workers"))
-    worker = workers[0]
-    for path in paths:
+    unreachable = []
+    for worker in workers:
         try:
-            response = await gateway.client.get(worker.url + path, timeout=10.0)
+            return await _first_found(gateway.client, worker.url, paths)
         except httpx.HTTPError as exc:
-            message = f"worker {worker.id} unreachable: {exc!r}"
-            return _response(problem(502, message, "upstream_error"))
+            unreachable.append(f"{worker.id} ({type(exc).__name__})")
+    message = f"no worker could be reached: {', '.join(unreachable)}"
+    return _response(problem(502, message, "upstream_error"))
+
+
+async def _first_found(client: httpx.AsyncClient, url: str, paths: tuple[str, ...]) -> Response:
+    """The worker's answer at the first of `paths` it has (its 404 for the last)."""
+    for path in paths:
+        response = await client.get(url + path, timeout=10.0)
         if response.status_code != 404 or path == paths[-1]:
             media = response.headers.get("content-type", "application/json")
             return Response(response.content, response.status_code, media_type=media)

@@ -67,6 +67,8 @@ class Cluster:
         self.calls: list[Call] = []
         self.behaviour: dict[str, Behaviour] = {}
         self.health: dict[str, int] = {}
+        self.down: set[str] = set()
+        """host:port of workers whose every call fails to connect."""
         self.server_info: dict[str, Any] = {}
         """host:port → its /server_info JSON, or an int: the status it answers instead."""
         self._arrived = asyncio.Condition()
@@ -109,6 +111,8 @@ class Cluster:
 
     async def handler(self, request: httpx.Request) -> httpx.Response:
         key = f"{request.url.host}:{request.url.port}"
+        if key in self.down:
+            raise httpx.ConnectError("connection refused")
         if request.method == "GET":
             if request.url.path == "/health":
                 return httpx.Response(self.health.get(key, 200), text="OK")

@@ -379,6 +379,21 @@ async def test_info_endpoints_are_proxied(setup: tuple[Cluster, Gateway], front:
     assert models.status_code == 404, "the fake decode has no /v1/models: its answer is passed on"
 
 
+async def test_an_info_endpoint_skips_a_worker_it_cannot_reach(front: str) -> None:
+    cluster = Cluster()
+    gateway = await make_gateway(cluster, config())
+    first, second = (w.id for w in gateway.pool.eligible("decode"))
+    cluster.server_info[second] = {"version": "x"}
+    cluster.down.add(first)
+    async with client_for(gateway, front) as client:
+        assert (await client.get("/get_server_info")).json() == {"version": "x"}
+        cluster.down.update(w.id for w in gateway.pool)
+        answer = await client.get("/get_server_info")
+    assert answer.status_code == 502
+    message = answer.json()["error"]["message"]
+    assert message.startswith(f"no worker could be reached: {first} (ConnectError), {second}")
+
+
 async def test_added_worker_is_checked_before_traffic() -> None:
     cluster = Cluster()
     gateway = await make_gateway(cluster, config(prefill=[], decode=[]))

@@ -37,6 +37,7 @@ from enginesim.handshake import (
     status_frames,
 )
 from enginesim.metrics import EngineMetrics
+from enginesim.peer_sockets import PushPool, bind_pull
 
 log = logging.getLogger(__name__)
 
@@ -47,47 +48,6 @@ class TransferError(RuntimeError):
     def __init__(self, stage: str, message: str) -> None:
         super().__init__(message)
         self.stage = stage
-
-
-def bind_pull(
-    context: zmq.asyncio.Context, host: str, port: int = 0
-) -> tuple[zmq.asyncio.Socket, int]:
-    sock = context.socket(zmq.PULL)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.bind(f"tcp://{host}:{port or '*'}")
-    bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-    return sock, int(bound.rsplit(":", 1)[1])
-
-
-class PushPool:
-    """One PUSH socket per peer, the least recently used closed beyond `max_peers`."""
-
-    def __init__(
-        self, context: zmq.asyncio.Context, *, timeout: float, max_peers: int = 256
-    ) -> None:
-        self._ctx = context
-        self._timeout = timeout
-        self._max = max_peers
-        self._socks: OrderedDict[tuple[str, int], zmq.asyncio.Socket] = OrderedDict()
-
-    async def send(self, ip: str, port: int, frames: list[bytes]) -> None:
-        key = (ip, port)
-        sock = self._socks.pop(key, None)
-        if sock is None:
-            sock = self._ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, 10_000)
-            host = f"[{ip}]" if ":" in ip else ip
-            sock.connect(f"tcp://{host}:{port}")
-        self._socks[key] = sock
-        while len(self._socks) > self._max:
-            self._socks.popitem(last=False)[1].close(linger=0)
-        await asyncio.wait_for(sock.send_multipart(frames), self._timeout)
-
-    def close(self) -> None:
-        for sock in self._socks.values():
-            sock.close(linger=0)
-        self._socks.clear()
 
 
 @dataclass(slots=True)

@@ -16,7 +16,8 @@ from enginesim.handshake import (
     room_request_frames,
 )
 from enginesim.metrics import EngineMetrics
-from enginesim.transfer import DecodeTransfer, PrefillTransfer, TransferError, bind_pull
+from enginesim.peer_sockets import bind_pull
+from enginesim.transfer import DecodeTransfer, PrefillTransfer, TransferError
 from tests.support.net import free_port
 
 RANKS = [RankId(0, 0, 0), RankId(0, 1, 0)]

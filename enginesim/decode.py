@@ -166,10 +166,18 @@ class DecodeEngine:
     ) -> list[ResolvedProducer]:
         assert prompt.bootstrap is not None
         try:
-            await self.resolver.topology(url)
+            topology = await self.resolver.topology(url)
         except ResolveError as exc:
             raise EngineError("topology" if exc.invalid else "register", str(exc)) from None
         stages.mark("register")
+        explicit = prompt.disagg_prefill_dp_rank
+        if explicit is not None and explicit >= topology.dp_size:
+            raise EngineError(
+                "dp_rank",
+                f"disagg_prefill_dp_rank {explicit} is outside [0, {topology.dp_size}) "
+                f"of the prefill at {url}",
+                status=400,
+            )
         try:
             producers = await asyncio.gather(
                 *(

@@ -139,6 +139,11 @@ async def test_bad_requests_get_4xx_with_a_message(pair: tuple[EngineProc, Engin
         )
         assert half.status_code == 400
         assert "together" in half.json()["error"]["message"]
+        pinned = pd_body(prefill, 6, text="hi", disagg_prefill_dp_rank=3)
+        beyond = await client.post(f"{decode.url}/generate", json=pinned)
+        assert beyond.status_code == 400
+        assert beyond.json()["error"]["stage"] == "dp_rank"
+        assert "disagg_prefill_dp_rank 3 is outside [0, 1)" in beyond.json()["error"]["message"]
 
 
 async def test_round_robin_prefill_registers_rooms_and_every_tp_rank_sends_kv() -> None:

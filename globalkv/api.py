@@ -247,12 +247,13 @@ def create_app(
 
     @app.get("/v1/pods", response_model=PodList)
     async def get_pods() -> PodList:
+        """Every registered pod with this indexer's own ingest state of it: none for a pod
+        it does not follow (the registry's copy of a state may be an older process's)."""
         try:
             pods = await registry.list()
-            states = await registry.states()
         except IndexUnavailable as exc:
             raise unavailable(exc) from exc
-        states.update(ingest.states())
+        states = ingest.states()
         return PodList(pods=[PodOut(**p.model_dump(), state=states.get(p.id)) for p in pods])
 
     @app.delete("/v1/pods/{pod_id}", dependencies=[Depends(admin)])

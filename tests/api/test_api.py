@@ -22,7 +22,7 @@ from globalkv.ingest.service import IngestService
 from globalkv.keys import EngineHash, root_key
 from globalkv.lookup import HttpLookup, IndexLookup
 from globalkv.metrics import IngestMetrics
-from globalkv.registry import MemoryRegistry
+from globalkv.registry import MemoryRegistry, PodInfo, PodState
 from globalkv.tokenize import ByteTokenizer, Tokenizer
 from tests.ingest.fakes import RecordingIndex
 
@@ -321,6 +321,27 @@ async def test_a_pod_removed_while_the_index_is_down_is_503_then_cleared(
             assert index.removed_pods == ["p0"]
     finally:
         await ingest.stop()
+
+
+async def test_a_pod_this_indexer_does_not_follow_has_no_state(
+    index: MemoryIndex, context: zmq.asyncio.Context
+) -> None:
+    """Not the registry's copy: that may be an earlier process's, saying subscribed."""
+    registry = MemoryRegistry()
+    await registry.put(PodInfo.model_validate(POD))
+    await registry.put_states({"p0": PodState(subscribed=True, receiving=True)})
+    ingest = IngestService(index, registry, IngestMetrics(CollectorRegistry()), context=context)
+    app = create_app(
+        ApiConfig(),
+        index=index,
+        registry=registry,
+        ingest=ingest,
+        metrics_registry=CollectorRegistry(),
+    )
+    async with await _client(app) as client:
+        (pod,) = (await client.get("/v1/pods")).json()["pods"]
+    assert (pod["id"], pod["state"]) == ("p0", None)
+    await ingest.stop()
 
 
 async def test_minimal_pod_and_model_from_topic(client: httpx.AsyncClient) -> None:

@@ -9,8 +9,7 @@ import zmq.asyncio
 from enginesim.peer_sockets import PushPool, bind_pull
 
 
-async def test_frames_to_one_peer_arrive_in_order() -> None:
-    context = zmq.asyncio.Context()
+async def test_frames_to_one_peer_arrive_in_order(context: zmq.asyncio.Context) -> None:
     inbox, port = bind_pull(context, "127.0.0.1")
     pool = PushPool(context, timeout=5.0)
     try:
@@ -20,11 +19,11 @@ async def test_frames_to_one_peer_arrive_in_order() -> None:
     finally:
         pool.close()
         inbox.close()
-        context.destroy(linger=0)
 
 
-async def test_an_address_zmq_cannot_dial_is_refused_without_leaking_a_socket() -> None:
-    context = zmq.asyncio.Context()
+async def test_an_address_zmq_cannot_dial_is_refused_without_leaking_a_socket(
+    context: zmq.asyncio.Context,
+) -> None:
     pool = PushPool(context, timeout=1.0)
     try:
         with pytest.raises(zmq.ZMQError, match="Invalid argument"):
@@ -32,4 +31,3 @@ async def test_an_address_zmq_cannot_dial_is_refused_without_leaking_a_socket() 
         gc.collect()  # an unclosed socket warns when collected; warnings are errors here
     finally:
         pool.close()
-        context.destroy(linger=0)

@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 
 import pytest
 import zmq
@@ -36,13 +35,6 @@ from globalkv.wire import (
 )
 
 TOPIC = "kv@pod-a@model"
-
-
-@pytest.fixture
-def context() -> Iterator[zmq.asyncio.Context]:
-    ctx = zmq.asyncio.Context()
-    yield ctx
-    ctx.destroy(linger=0)
 
 
 @pytest.fixture

@@ -66,15 +66,13 @@ class Pair:
 
 
 @pytest.fixture
-async def pair() -> AsyncIterator[Pair]:
-    context = zmq.asyncio.Context()
+async def pair(context: zmq.asyncio.Context) -> AsyncIterator[Pair]:
     pair = Pair(context)
     await pair.prefill.start()
     await pair.decode.start()
     yield pair
     await pair.decode.stop()
     await pair.prefill.stop()
-    context.destroy(linger=0)
 
 
 async def serve_room(pair: Pair, room: int, metadata: KVMetadata = META) -> None:

@@ -28,6 +28,12 @@ class IngestConfig(BaseModel):
         description="ZMQ receive high-water mark per SUB, in batches: with the queue, the "
         "bound on memory per source while the index is slow (the engine's PUB drops beyond).",
     )
+    max_message_bytes: int = Field(
+        64 << 20,
+        ge=1024,
+        description="Largest KV-event message accepted, live or replayed: anyone who can "
+        "reach a bound SUB can send one. A larger one closes the sender's connection.",
+    )
     replay_reply_timeout: float = Field(1.0, gt=0, description="Wait for each replay reply.")
     replay_total_timeout: float = Field(30.0, gt=0, description="Bound on one whole replay.")
     retry_base: float = Field(0.05, gt=0, description="First wait when the index is down.")

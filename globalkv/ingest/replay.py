@@ -35,17 +35,20 @@ class ReplayClient:
         reply_timeout: float = 1.0,
         total_timeout: float = 30.0,
         max_batches: int = 100_000,
+        max_message_bytes: int = 64 << 20,
     ) -> None:
         self.context = context
         self.reply_timeout = reply_timeout
         self.total_timeout = total_timeout
         self.max_batches = max_batches
+        self.max_message_bytes = max_message_bytes
 
     async def fetch(self, endpoint: str, start: int, stop: int) -> ReplayResult:
         """Buffered batches with `start <= seq < stop` from the replay ROUTER at `endpoint`."""
         result = ReplayResult()
         sock = self.context.socket(zmq.DEALER)
         sock.linger = 0
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         try:
             sock.connect(endpoint)
             await sock.send_multipart(replay_request(start))

@@ -31,6 +31,7 @@ from globalkv.ingest.replay import ReplayClient
 from globalkv.ingest.subscribers import (
     BoundSubscriber,
     EngineSubscription,
+    SubLimits,
     offset_endpoint,
     replay_endpoint,
 )
@@ -72,7 +73,9 @@ class IngestService:
             self.context,
             reply_timeout=self.config.replay_reply_timeout,
             total_timeout=self.config.replay_total_timeout,
+            max_message_bytes=self.config.max_message_bytes,
         )
+        self.limits = SubLimits(self.config.rcvhwm, self.config.max_message_bytes)
         self.backoff = Backoff(self.config.retry_base, self.config.retry_cap)
         self._pods = FollowedPods()
         self._uncleared: set[str] = set()
@@ -96,7 +99,7 @@ class IngestService:
                 self.config.bind,
                 self._route_bound,
                 self.metrics,
-                rcvhwm=self.config.rcvhwm,
+                self.limits,
             )
             self.bound_endpoints = self._bound.bind()
             log.info("bound SUB on %s", ", ".join(self.bound_endpoints))
@@ -188,7 +191,7 @@ class IngestService:
             events.topic,
             worker,
             self.metrics,
-            rcvhwm=self.config.rcvhwm,
+            self.limits,
         )
         pod.tasks.append(watched(subscription.run(), f"subscription of {worker.source}"))
 

@@ -7,7 +7,9 @@
   it is decoded here and handed to a router.
 
 Malformed frames (wrong count, a seq that is not 8 bytes) are counted and dropped here;
-malformed payloads are counted by the worker (or here, for the bound socket).
+malformed payloads are counted by the worker (or here, for the bound socket). Each SUB
+bounds what it holds (`SubLimits`): a message over the size limit makes ZMQ drop the
+sending connection, which the engine re-opens; the lost batch is a gap like any other.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
@@ -72,6 +75,22 @@ def replay_endpoint(info: PodInfo, rank: int) -> str | None:
         return None
 
 
+@dataclass(frozen=True, slots=True)
+class SubLimits:
+    rcvhwm: int = 10_000
+    """Messages a SUB queues before the engine's PUB drops (a gap, repaired by replay)."""
+    max_message_bytes: int = 64 << 20
+    """Largest message accepted: anyone who can reach a bound SUB can send one."""
+
+    def socket(self, context: zmq.asyncio.Context, topic: bytes) -> zmq.asyncio.Socket:
+        sock = context.socket(zmq.SUB)
+        sock.linger = 0
+        sock.rcvhwm = self.rcvhwm
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        sock.setsockopt(zmq.SUBSCRIBE, topic)
+        return sock
+
+
 class EngineSubscription:
     def __init__(
         self,
@@ -80,21 +99,17 @@ class EngineSubscription:
         topic: str,
         worker: SourceWorker,
         metrics: IngestMetrics,
-        *,
-        rcvhwm: int = 10_000,
+        limits: SubLimits,
     ) -> None:
         self.context = context
         self.endpoint = endpoint
         self.topic = topic.encode()
         self.worker = worker
         self.metrics = metrics
-        self.rcvhwm = rcvhwm
+        self.limits = limits
 
     async def run(self) -> None:
-        sock = self.context.socket(zmq.SUB)
-        sock.linger = 0
-        sock.rcvhwm = self.rcvhwm
-        sock.setsockopt(zmq.SUBSCRIBE, self.topic)
+        sock = self.limits.socket(self.context, self.topic)
         sock.connect(self.endpoint)
         log.info(
             "subscribed to %s (topic %r) for %s", self.endpoint, self.topic, self.worker.source
@@ -121,17 +136,13 @@ class BoundSubscriber:
         endpoints: Sequence[str],
         route: Callable[[Frame, float], None],
         metrics: IngestMetrics,
-        *,
-        rcvhwm: int = 10_000,
+        limits: SubLimits,
     ) -> None:
         self.context = context
         self.endpoints = list(endpoints)
         self.route = route
         self.metrics = metrics
-        self.socket = context.socket(zmq.SUB)
-        self.socket.linger = 0
-        self.socket.rcvhwm = rcvhwm
-        self.socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self.socket = limits.socket(context, b"")
         self.bound: list[str] = []
 
     def bind(self) -> list[str]:

@@ -21,6 +21,7 @@ from globalkv.wire import live_frames
 from tests.ingest.conftest import PublisherFactory, ServiceFactory
 from tests.ingest.fakes import RecordingIndex
 from tests.ingest.test_service import follow, pod_for, sample, store
+from tests.support.net import await_for
 
 P0 = Source("p0", 0)
 
@@ -207,3 +208,29 @@ async def test_a_bind_address_in_use_fails_at_start_and_leaves_no_socket(
     assert second._bound is not None
     assert second._bound.socket.closed
     await second.stop()
+
+
+async def test_a_message_over_the_size_limit_never_reaches_ingest(
+    make_service: ServiceFactory,
+    make_publisher: PublisherFactory,
+    index: RecordingIndex,
+    prom: CollectorRegistry,
+) -> None:
+    """ZMQ closes the sender's connection instead; the PUB reconnects, and what it sends
+    meanwhile is lost, as in any gap: so batches are sent until one arrives."""
+    service = make_service(bind=["tcp://127.0.0.1:0"], max_message_bytes=1024)
+    await service.start()
+    pub = make_publisher(
+        endpoint=service.bound_endpoints[0], connect=True, replay_endpoint=None, topic="kv@b0@m"
+    )
+    await pub.wait_subscribed()
+    oversized = msgpack.packb([0.0, [], 0]) + b"\x00" * 2048  # not_msgpack, were it read
+    await pub.raw(live_frames(b"kv@b0@m", 10**6, oversized))
+
+    async def flowing() -> bool:
+        await pub.publish([store(0)])
+        return Source("b0") in index.applied
+
+    await await_for(flowing, timeout=10, what="batches after the oversized one")
+    assert max(index.applied[Source("b0")]) < 10**6
+    assert sample(prom, "globalkv_ingest_dropped_total", reason="not_msgpack") == 0

@@ -3,10 +3,11 @@
 Pods come and go through `add_pod` / `remove_pod` (called by the API, the CLI's `--pod`
 flags and `podsync`, all idempotent), or appear by themselves on the bound socket when a
 `kv@<pod>@<model>` topic names a pod nobody registered; such pods are written to the
-registry so every gateway sees them (until written, `register_discovered`, run by
-podsync before it reads the registry, tries again: an unwritten pod must not read as
-deleted). A removed pod's blocks are cleared from the index; if the index cannot answer
-then, `clear_removed` (run by podsync) tries again, so they do not linger in lookups.
+registry so every gateway sees them, a failed write being retried by
+`register_discovered`, which podsync runs before it reads the registry (an unwritten pod
+would read as deleted there). A removed pod's blocks are cleared from the index; if the
+index cannot answer then, `clear_removed` (run by podsync too) tries again, so they do
+not linger in lookups.
 
 When the index reports lost data, every source is rebuilt and `ready` stays False until
 all are, so the API answers 503 instead of a lookup against a half-empty index.

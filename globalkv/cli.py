@@ -4,8 +4,7 @@ Subcommands are found through the `globalkv.commands` entry-point group. Each en
 is a function `register(subparsers)` that adds one subparser and sets two defaults on it:
 `run(args) -> int` (starts the component) and `check_config(args) -> None` (builds and validates
 the component's configuration without starting anything, raising `ValueError` on bad
-input; `config_error` words a pydantic error the same way for every command). This keeps
-the dispatcher free of imports of `gateway/` and `enginesim/`.
+input). This keeps the dispatcher free of imports of `gateway/` and `enginesim/`.
 
 The dispatcher calls `check_config` before `run` too, so an invalid configuration ends
 every command the same way, one line on stderr and exit status 2, before anything starts.
@@ -27,8 +26,6 @@ import shlex
 import sys
 from collections.abc import Mapping, Sequence
 from importlib.metadata import entry_points
-
-from pydantic import ValidationError
 
 ENTRY_POINT_GROUP = "globalkv.commands"
 _TRUE = {"1", "true", "yes", "on"}
@@ -57,17 +54,6 @@ def build_parser(
     for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
         ep.load()(sub)
     return parser, dict(sub.choices)
-
-
-def config_error(exc: ValidationError) -> ValueError:
-    """What `check_config` raises for an invalid configuration: one line that names every
-    offending field by its path, so the user can find the flag behind it."""
-    problems = []
-    for error in exc.errors(include_url=False):
-        where = ".".join(str(part) for part in error["loc"])
-        message = error["msg"].removeprefix("Value error, ")
-        problems.append(f"{where}: {message}" if where else message)
-    return ValueError("; ".join(problems))
 
 
 def env_var_name(command: str, option: str) -> str:

@@ -19,8 +19,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from bootstrap.protocol import validation_message
 from globalkv.api import ApiConfig
-from globalkv.cli import config_error
 from globalkv.indexer import IndexerConfig, run_indexer
 from globalkv.ingest.config import IngestConfig
 
@@ -108,7 +108,7 @@ def config_from_args(args: argparse.Namespace) -> IndexerConfig:
             }
         )
     except ValidationError as exc:
-        raise config_error(exc) from None
+        raise ValueError(validation_message(exc)) from None
 
 
 def check_config(args: argparse.Namespace) -> None:

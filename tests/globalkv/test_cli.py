@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 
 import pytest
-from pydantic import BaseModel, Field, ValidationError, field_validator
 
-from globalkv.cli import config_error, env_argv, env_var_name, main, parse
+from globalkv.cli import env_argv, env_var_name, main, parse
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -47,28 +46,6 @@ def test_boolean_flags(value: str, expected: bool) -> None:
 def test_a_non_boolean_value_for_a_boolean_flag_is_refused() -> None:
     with pytest.raises(ValueError, match="GLOBALKV_GW_VERBOSE"):
         env_argv("gw", _parser(), [], {"GLOBALKV_GW_VERBOSE": "maybe"})
-
-
-class _Inner(BaseModel):
-    port: int = Field(ge=1)
-
-
-class _Config(BaseModel):
-    inner: _Inner
-    name: str
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, value: str) -> str:
-        raise ValueError(f"{value!r} is taken")
-
-
-def test_config_error_names_every_field_by_its_path() -> None:
-    with pytest.raises(ValidationError) as info:
-        _Config.model_validate({"inner": {"port": 0}, "name": "x"})
-    assert str(config_error(info.value)) == (
-        "inner.port: Input should be greater than or equal to 1; name: 'x' is taken"
-    )
 
 
 def test_the_log_level_default_comes_from_the_environment_given() -> None:

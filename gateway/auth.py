@@ -12,7 +12,21 @@ def bearer_matches(authorization: str | None, secret: str | None) -> bool:
     if secret is None:
         return True
     scheme, _, token = (authorization or "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip(), secret)
+    return scheme.lower() == "bearer" and hmac.compare_digest(
+        _octets(token.strip()), secret.encode("utf-8")
+    )
+
+
+def _octets(header_value: str) -> bytes:
+    """The header's bytes: servers decode them as latin-1, so a UTF-8 secret still matches.
+
+    Compared as bytes because `compare_digest` refuses str with non-ASCII characters
+    (a TypeError, which would be a 500 for any such header).
+    """
+    try:
+        return header_value.encode("latin-1")
+    except UnicodeEncodeError:
+        return header_value.encode("utf-8")
 
 
 def bearer_ok(request: Request, secret: str | None) -> bool:

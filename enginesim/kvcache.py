@@ -7,7 +7,9 @@ leaves: an inner page is the prefix of a longer cached sequence and cannot go wh
 children stay (that is what SGLang's `RadixCache.evict` and vLLM's free-block queue do).
 
 Pages a request is working on are locked between `match` and `release`, so eviction never
-takes a prefix out from under a running request. If the cache is full of locked pages, the
+takes a prefix out from under a running request; a request still waiting in the queue only
+`peek`s, as SGLang locks a prefix only once it admits the request into a prefill batch
+(`PrefillAdder._commit_prefill_admission`). If the cache is full of locked pages, the
 pages that do not fit are simply not cached: the request still completes (its KV was
 transient), nothing deadlocks.
 
@@ -129,19 +131,29 @@ class PagedKVCache:
         Like SGLang, the last prompt token is never served from cache: the engine must run
         at least one token to produce the first output's logits.
         """
-        limit = max(len(tokens) - 1, 0) // self.page_size * self.page_size
+        pages = self._prefix(tokens)
         now = next(self._tick)
+        for page in pages:
+            page.refs += 1
+            page.last_use = now
+        return Match(cached_tokens=len(pages) * self.page_size, pages=pages)
+
+    def peek(self, tokens: Sequence[int]) -> int:
+        """The cached tokens `match` would find now, without locking or touching them: what
+        a request waiting in the queue is expected to reuse."""
+        return len(self._prefix(tokens)) * self.page_size
+
+    def _prefix(self, tokens: Sequence[int]) -> list[_Page]:
+        limit = max(len(tokens) - 1, 0) // self.page_size * self.page_size
         pages: list[_Page] = []
         node = self._root
         for start in range(0, limit, self.page_size):
             child = node.children.get(tuple(tokens[start : start + self.page_size]))
             if child is None:
                 break
-            child.refs += 1
-            child.last_use = now
             pages.append(child)
             node = child
-        return Match(cached_tokens=len(pages) * self.page_size, pages=pages)
+        return pages
 
     def release(self, match: Match) -> None:
         if match.released:

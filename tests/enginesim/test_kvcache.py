@@ -93,6 +93,18 @@ def test_reset_clears_and_released_old_pages_never_evict_new_ones() -> None:
     assert changes[0] == Removed((page_hash(page_hash(None, [5, 6]), [7, 8]),))
 
 
+def test_peek_finds_what_match_would_without_locking_or_refreshing_it() -> None:
+    cache = PagedKVCache(page_size=2, capacity=4)
+    cache.insert([1, 2, 3, 4])
+    cache.insert([5, 6, 7, 8])
+    assert cache.peek([1, 2, 3, 4, 0]) == 4
+    assert cache.peek([1, 2, 3, 4]) == 2, "the last prompt token is never served from cache"
+    assert cache.stats().locked_pages == 0
+    changes = cache.insert([9, 10])
+    evicted_oldest = page_hash(page_hash(None, [1, 2]), [3, 4])
+    assert changes[0] == Removed((evicted_oldest,)), "a peek does not count as a use"
+
+
 def test_release_is_idempotent() -> None:
     cache = PagedKVCache(page_size=2, capacity=4)
     cache.insert([1, 2, 3])

@@ -10,6 +10,16 @@ so the time to first token grows with the uncached part of the prompt and with t
 work queued ahead. A request's queue time runs from its arrival to the start of its first
 chunk; its prefill time from there to the end of its last chunk.
 
+What a request costs is decided when its first chunk is planned, not when it arrives: SGLang
+matches the radix cache when it takes a waiting request into a prefill batch
+(`Req.init_next_round_input`, called from `Scheduler._get_new_batch_prefill_raw`), so a
+request queued behind another with the same prefix reuses what that one computed. Requests
+planned into the same step are matched before any of them is computed, and find nothing of
+each other, as in one SGLang batch. One simplification: a prompt's pages are stored when
+its last chunk ends, where SGLang also stores a chunked prompt's pages after each chunk
+(`mem_cache.common.checkpoint_kv_cache`), so a request sharing its holder's last step finds
+nothing here but the earlier chunks there.
+
 Decode emits tokens at a fixed per-request rate. Clock and sleep are injectable so tests
 drive the model without waiting.
 """
@@ -21,6 +31,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 Clock = Callable[[], float]
 Sleep = Callable[[float], Awaitable[None]]
@@ -39,9 +50,28 @@ class PrefillTiming:
     prefill_s: float
 
 
+class PrefillWork(Protocol):
+    """A request as the scheduler drives it: priced when its first chunk is planned, kept
+    when its last chunk ends.
+
+    `finish` runs before the next step is planned, so the `start` of a request planned
+    next already sees what this one stored.
+    """
+
+    def start(self) -> int:
+        """Match (and lock) the cached prefix; return the tokens left to compute, at least 1."""
+        ...
+
+    def finish(self) -> None:
+        """Keep what was computed (store the prompt's pages)."""
+        ...
+
+
 @dataclass(eq=False, slots=True)
 class _Job:
+    work: PrefillWork
     remaining: int
+    """Until the first chunk is planned, the estimate the request arrived with."""
     arrived: float
     done: asyncio.Future[PrefillTiming]
     started: float | None = None
@@ -64,7 +94,12 @@ class PrefillScheduler:
 
     @property
     def queued_tokens(self) -> int:
-        """Uncached tokens waiting or running: the load a router would want to know."""
+        """Uncached tokens waiting or running: the load a router would want to know.
+
+        A running request counts what it really has left; a waiting one the estimate it
+        arrived with (what the cache lacked then), which overstates a request that will
+        reuse the prefix of one ahead of it, as the gateway's own estimate does.
+        """
         return sum(job.remaining for job in self._queue if not job.done.done())
 
     @property
@@ -85,12 +120,13 @@ class PrefillScheduler:
                 job.done.cancel()
         self._queue.clear()
 
-    async def run(self, tokens: int) -> PrefillTiming:
-        if tokens <= 0:
+    async def run(self, work: PrefillWork, *, estimate: int) -> PrefillTiming:
+        """Queue `work`, counted as `estimate` uncached tokens until its first chunk."""
+        if estimate <= 0:
             raise ValueError("a prefill computes at least one token")
         if self._task is None:
             raise RuntimeError("PrefillScheduler.start() was not called")
-        job = _Job(tokens, self._clock(), asyncio.get_running_loop().create_future())
+        job = _Job(work, estimate, self._clock(), asyncio.get_running_loop().create_future())
         self._queue.append(job)
         self._wakeup.set()
         return await job.done
@@ -104,34 +140,59 @@ class PrefillScheduler:
             step = self._plan_step(now)
             if not step:
                 continue
-            await self._sleep(self._step_seconds(step, now))
+            await self._sleep(self._step_seconds(step))
             end = self._clock()
-            for job, chunk in step:
+            for job, chunk, _ in step:
                 job.remaining -= chunk
                 if job.remaining == 0 and not job.done.done():
-                    assert job.started is not None
-                    job.done.set_result(PrefillTiming(job.started - job.arrived, end - job.started))
+                    self._finish(job, end)
             self._queue = deque(job for job in self._queue if job.remaining > 0)
 
-    def _plan_step(self, now: float) -> list[tuple[_Job, int]]:
+    def _plan_step(self, now: float) -> list[tuple[_Job, int, bool]]:
+        """The step's chunks in queue order, each flagged when it is its request's first."""
         budget = self.model.max_batch_tokens
-        step: list[tuple[_Job, int]] = []
+        step: list[tuple[_Job, int, bool]] = []
         for job in list(self._queue):
             if job.done.done():
                 self._queue.remove(job)
                 continue
             if budget == 0:
                 break
+            first = job.started is None
+            if first and not self._start(job, now):
+                continue
             chunk = min(job.remaining, budget)
             budget -= chunk
-            step.append((job, chunk))
+            step.append((job, chunk, first))
         return step
 
-    def _step_seconds(self, step: Iterable[tuple[_Job, int]], now: float) -> float:
+    def _start(self, job: _Job, now: float) -> bool:
+        """Price the request now; a hook that fails fails its request, not the rank's loop."""
+        try:
+            tokens = job.work.start()
+            if tokens <= 0:
+                raise ValueError(f"a prefill computes at least one token, not {tokens}")
+        except Exception as exc:
+            job.done.set_exception(exc)
+            self._queue.remove(job)
+            return False
+        job.remaining = tokens
+        job.started = now
+        return True
+
+    def _finish(self, job: _Job, end: float) -> None:
+        assert job.started is not None
+        try:
+            job.work.finish()
+        except Exception as exc:
+            job.done.set_exception(exc)
+            return
+        job.done.set_result(PrefillTiming(job.started - job.arrived, end - job.started))
+
+    def _step_seconds(self, step: Iterable[tuple[_Job, int, bool]]) -> float:
         seconds = 0.0
-        for job, chunk in step:
-            if job.started is None:
-                job.started = now
+        for _, chunk, first in step:
+            if first:
                 seconds += self.model.per_request_overhead_s
             seconds += chunk / self.model.tokens_per_s
         return seconds

@@ -32,7 +32,7 @@ from enginesim.engine import Bootstrap, EngineError, Generation, Prompt
 from enginesim.faults import Faults
 from enginesim.handshake import DecodeAddress, KVMetadata, RankId
 from enginesim.kvcache import CacheChange, Match, PagedKVCache, Removed
-from enginesim.latency import PrefillScheduler, paced
+from enginesim.latency import PrefillScheduler, PrefillTiming, paced
 from enginesim.metrics import EngineMetrics
 from enginesim.publisher import KVEventPublisher, describe_kv_events, wire_events
 from enginesim.textgen import ReplyWriter
@@ -65,11 +65,55 @@ class DPRank:
         if self.publisher is not None:
             await self.publisher.drain()
 
+    async def prefill(self, tokens: Sequence[int]) -> Prefilled:
+        """Queue the prompt and compute what the cache lacks when its first chunk starts.
+
+        While it waits it counts as what the cache lacked on arrival; its events are on
+        their way to the PUB socket when this returns.
+        """
+        work = _CachedPrefill(self, tokens)
+        try:
+            estimate = len(tokens) - self.cache.peek(tokens)
+            timing = await self.scheduler.run(work, estimate=estimate)
+        finally:
+            if work.match is not None:
+                self.cache.release(work.match)  # a no-op unless it failed or was cancelled
+        await self.drain()
+        assert work.match is not None
+        return Prefilled(work.match.cached_tokens, timing)
+
     def queued_tokens(self) -> float:
         return self.scheduler.queued_tokens
 
     def cached_pages(self) -> float:
         return len(self.cache)
+
+
+@dataclass(frozen=True, slots=True)
+class Prefilled:
+    cached_tokens: int
+    """The prefix found in the cache when the prompt's first chunk was planned."""
+    timing: PrefillTiming
+
+
+@dataclass(eq=False, slots=True)
+class _CachedPrefill:
+    """A prompt as its rank's scheduler drives it (`enginesim.latency.PrefillWork`): its
+    prefix is matched and locked when its first chunk is planned, its pages stored and the
+    lock released when its last chunk ends, before the next step is planned."""
+
+    rank: DPRank
+    tokens: Sequence[int]
+    match: Match | None = None
+
+    def start(self) -> int:
+        self.match = self.rank.cache.match(self.tokens)
+        return len(self.tokens) - self.match.cached_tokens
+
+    def finish(self) -> None:
+        assert self.match is not None
+        self.rank.commit(self.rank.cache.insert(self.tokens))
+        self.rank.cache.release(self.match)
 
 
 class PrefillEngine:
@@ -201,19 +245,15 @@ class PrefillEngine:
 
     async def _prefill(self, prompt: Prompt, rank: DPRank) -> tuple[int, dict[str, Any]]:
         """Compute the uncached part of the prompt; returns (cached tokens, timing meta)."""
-        match: Match = rank.cache.match(prompt.input_ids)
-        try:
-            uncached = len(prompt.input_ids) - match.cached_tokens
-            timing = await rank.scheduler.run(uncached)
-            rank.commit(rank.cache.insert(prompt.input_ids))
-        finally:
-            rank.cache.release(match)
-        await rank.drain()
-        self._metrics.prompt_tokens.labels("cached").inc(match.cached_tokens)
-        self._metrics.prompt_tokens.labels("computed").inc(uncached)
+        done = await rank.prefill(prompt.input_ids)
+        timing = done.timing
+        self._metrics.prompt_tokens.labels("cached").inc(done.cached_tokens)
+        self._metrics.prompt_tokens.labels("computed").inc(
+            len(prompt.input_ids) - done.cached_tokens
+        )
         self._metrics.queue_seconds.observe(timing.queue_s)
         self._metrics.prefill_seconds.observe(timing.prefill_s)
-        return match.cached_tokens, {
+        return done.cached_tokens, {
             "queue_ms": round(timing.queue_s * 1000, 3),
             "prefill_ms": round(timing.prefill_s * 1000, 3),
             "dp_rank": rank.index,

@@ -1,9 +1,10 @@
 """A simulated prefill pod: the engine's cache, its step scheduler, and its KV events.
 
 The cache is `enginesim.kvcache.PagedKVCache` itself and a prompt goes through it as in
-`enginesim.prefill.PrefillEngine._prefill`: `match` when the request arrives (locking the
-prefix), compute the uncached part, `insert` the prompt and `release` the match when the
-prefill ends. The events the insert produces are turned into index events by the
+`enginesim.prefill.DPRank.prefill`: `match` when its first chunk is planned (locking the
+prefix, so it reuses what the requests ahead of it stored), compute the uncached part,
+`insert` the prompt and `release` the match when its last chunk ends, before the next
+step is planned. The events the insert produces are turned into index events by the
 emulated publisher's `wire_events` and the indexer's `translate`, the same two functions
 the live path runs (minus msgpack and ZMQ), so the index is fed what it would be fed.
 
@@ -43,14 +44,15 @@ class StepModel:
 class PrefillJob:
     request: int
     tokens: Sequence[int]
-    match: Match
-    remaining: int
     arrived: float
+    match: Match | None = None
+    """Taken, with `remaining`, when the first chunk is planned."""
+    remaining: int = 0
     started: float | None = None
 
     @property
     def cached(self) -> int:
-        return self.match.cached_tokens
+        return 0 if self.match is None else self.match.cached_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,9 +89,8 @@ class PrefillPod:
         )
 
     def admit(self, request: int, tokens: Sequence[int], now: float) -> PrefillJob:
-        """Match the prompt against the cache now, as the engine does on arrival."""
-        match = self.cache.match(tokens)
-        job = PrefillJob(request, tokens, match, len(tokens) - match.cached_tokens, now)
+        """Queue the prompt; the cache is matched when its first chunk is planned."""
+        job = PrefillJob(request, tokens, now)
         self._queue.append(job)
         return job
 
@@ -102,11 +103,13 @@ class PrefillPod:
         for job in self._queue:
             if budget == 0:
                 break
-            chunk = min(job.remaining, budget)
-            budget -= chunk
             if job.started is None:
+                job.match = self.cache.match(job.tokens)
+                job.remaining = len(job.tokens) - job.cached
                 job.started = now
                 seconds += self.model.overhead_s
+            chunk = min(job.remaining, budget)
+            budget -= chunk
             seconds += self._chunk_seconds(job, chunk)
             self._step.append((job, chunk))
         self.busy_s += seconds
@@ -128,10 +131,11 @@ class PrefillPod:
             if job.remaining == 0:
                 finished.append(self._finish(job, now))
         self._step = []
-        self._queue = deque(job for job in self._queue if job.remaining > 0)
+        self._queue = deque(job for job in self._queue if job.started is None or job.remaining)
         return finished
 
     def _finish(self, job: PrefillJob, now: float) -> Finished:
+        assert job.match is not None
         changes = self.cache.insert(job.tokens)
         self.cache.release(job.match)
         self.computed_tokens += len(job.tokens) - job.cached

@@ -6,6 +6,7 @@ from random import Random
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 import bench.replay.sim as sim_module
 from bench.replay.config import ALL_POLICIES, ClusterModel, ReplaySettings, resolve
@@ -15,6 +16,8 @@ from bench.replay.sim import Simulation, make_policies
 from bench.replay.trace import offered_work_per_s, read_trace, trace_stats
 from enginesim.kvcache import PagedKVCache
 from enginesim.latency import PrefillModel, PrefillScheduler
+from enginesim.metrics import EngineMetrics
+from enginesim.prefill import DPRank
 from gateway import policies as gateway_policies
 from gateway.config import PolicyName
 from tests.bench.traces import row, write_trace
@@ -186,41 +189,64 @@ async def test_the_time_scale_changes_the_clock_not_the_results(tmp_path: Path) 
         assert fast[key] == pytest.approx(base[key]), key
 
 
-async def test_the_pod_steps_exactly_like_the_engine_s_prefill_scheduler() -> None:
-    sizes = [5000, 12000, 300, 9000, 8192]
+async def test_the_pod_steps_and_matches_exactly_like_the_engine_s_prefill() -> None:
+    """The engine's own rank (cache, scheduler, hooks) against the pod: queued requests
+    reuse the prefixes of those ahead of them (2, 5, 6), one planned into its holder's
+    last step finds nothing yet (4), and the cache is small enough to evict."""
+    first, long, short = [1] * 5000, [8] * 12000, [15] * 300
+    prompts = [
+        first,
+        long,
+        [*first, *[2] * 3000],
+        short,
+        [*long, *[3] * 100],
+        [*long, *[4] * 50],
+        [*short, *[5] * 9000],
+    ]
     now = [0.0]
 
     async def sleep(seconds: float) -> None:
         now[0] += seconds
         await asyncio.sleep(0)
 
-    engine = PrefillScheduler(
-        PrefillModel(tokens_per_s=1000.0, per_request_overhead_s=0.005, max_batch_tokens=8192),
-        clock=lambda: now[0],
-        sleep=sleep,
+    rank = DPRank(
+        index=0,
+        cache=PagedKVCache(16, 1500),
+        scheduler=PrefillScheduler(
+            PrefillModel(tokens_per_s=1000.0, per_request_overhead_s=0.005, max_batch_tokens=8192),
+            clock=lambda: now[0],
+            sleep=sleep,
+        ),
+        publisher=None,
+        metrics=EngineMetrics(CollectorRegistry()),
     )
-    engine.start()
+    rank.scheduler.start()
     try:
-        timings = await asyncio.gather(*(engine.run(size) for size in sizes))
+        served = await asyncio.gather(*(rank.prefill(prompt) for prompt in prompts))
     finally:
-        await engine.stop()
+        await rank.scheduler.stop()
     pod = PrefillPod(
         "p",
-        PagedKVCache(16, 10_000),
+        PagedKVCache(16, 1500),
         StepModel(tokens_per_s=1000.0, overhead_s=0.005, max_batch_tokens=8192),
         index_model="m",
     )
-    jobs = [pod.admit(i, [i * 7 + 1] * size, 0.0) for i, size in enumerate(sizes)]
+    jobs = [pod.admit(i, prompt, 0.0) for i, prompt in enumerate(prompts)]
     ends: dict[int, float] = {}
     end = pod.start_step(0.0)
     while end is not None:
         for done in pod.end_step(end):
             ends[done.job.request] = done.end
         end = pod.start_step(end)
-    for job, timing in zip(jobs, timings, strict=True):
+    assert [job.cached for job in jobs] == [r.cached_tokens for r in served]
+    assert [r.cached_tokens for r in served] == [0, 0, 4992, 0, 0, 12000, 288]
+    for job, engine in zip(jobs, served, strict=True):
         assert job.started is not None
-        assert job.started - job.arrived == pytest.approx(timing.queue_s)
-        assert ends[job.request] - job.started == pytest.approx(timing.prefill_s)
+        assert job.started - job.arrived == pytest.approx(engine.timing.queue_s)
+        assert ends[job.request] - job.started == pytest.approx(engine.timing.prefill_s)
+    assert pod.cache.stats() == rank.cache.stats()
+    assert rank.cache.stats().evicted_pages > 0
+    assert [pod.cache.peek(p) for p in prompts] == [rank.cache.peek(p) for p in prompts]
 
 
 def test_attention_weighs_each_token_by_its_position_in_steps_and_in_the_load() -> None:

@@ -98,6 +98,7 @@ def register(subparsers: Any) -> None:
     add("--decode-policy", choices=list(get_args(PolicyName)), help="(power_of_two)")
     for name in _PREFIX:
         add(f"--prefix-{name.replace('_', '-')}", type=_PREFIX[name], help="gateway flag")
+    add("--prefix-pending-grace-secs", type=_optional_number, help="gateway flag; off: none")
     for name in _CACHE_AWARE:
         add(f"--{name.replace('_', '-')}", type=_CACHE_AWARE[name], help="gateway flag")
     add("--run-dir", help="live: the stacks' logs, one directory per policy (default runs/)")
@@ -153,11 +154,15 @@ def build_settings(args: argparse.Namespace) -> tuple[ReplaySettings, Sweep | No
         top["max_output_tokens"] = LIVE_MAX_OUTPUT_TOKENS
     if args.decode_policy is not None:
         top["decode_policy"] = args.decode_policy
+    prefix = _given(args, _PREFIX, "prefix_")
+    if args.prefix_pending_grace_secs is not None:
+        grace = args.prefix_pending_grace_secs
+        prefix["pending_grace_secs"] = None if math.isnan(grace) else grace
     try:
         settings = ReplaySettings(
             **top,
             cluster=cluster,
-            prefix=_given(args, _PREFIX, "prefix_"),
+            prefix=prefix,
             cache_aware=_given(args, _CACHE_AWARE),
         )
     except ValidationError as exc:

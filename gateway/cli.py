@@ -34,6 +34,7 @@ from gateway.config import (
     PrefixWeights,
     RetryConfig,
     WorkerSpec,
+    optional_float,
 )
 from gateway.connections import ConnectionPool
 from gateway.inference import Inference
@@ -102,6 +103,13 @@ def _add_flags(p: argparse.ArgumentParser) -> None:
         type=float,
         default=0.0,
         help="prefix policy: cost in tokens per request in flight on the pod",
+    )
+    add(
+        "--prefix-pending-grace-secs",
+        type=optional_float,
+        default=2.0,
+        help="prefix policy: a prompt sent to a prefill counts as held there until this long "
+        "after the prefill answered (the index shows it by then); off: only the index",
     )
     add("--api-key", help="require Authorization: Bearer <key> on inference endpoints")
     add("--admin-token", help="require Authorization: Bearer <token> on /workers mutations")
@@ -191,6 +199,7 @@ def build_config(args: argparse.Namespace) -> GatewayConfig:
                 uncached_weight=args.prefix_uncached_weight,
                 queued_weight=args.prefix_queued_weight,
                 request_cost=args.prefix_request_cost,
+                pending_grace_secs=args.prefix_pending_grace_secs,
             ),
             cache_aware=CacheAwareConfig(
                 cache_threshold=args.cache_threshold,

@@ -34,6 +34,11 @@ def check_http_url(url: str) -> str:
     return url.rstrip("/")
 
 
+def optional_float(text: str) -> float | None:
+    """A flag's number, or None for "none"/"off": the feature it sets is disabled."""
+    return None if text.lower() in {"none", "off"} else float(text)
+
+
 class KvEventsSpec(BaseModel):
     """Where a prefill pod publishes KV events, for the indexer to subscribe to."""
 
@@ -146,6 +151,12 @@ class PrefixWeights(BaseModel):
     queued_weight: float = Field(1.0, ge=0, description="Cost per prefill token queued there.")
     request_cost: float = Field(
         0.0, ge=0, description="Extra cost, in tokens, per request in flight there."
+    )
+    pending_grace_secs: float | None = Field(
+        2.0,
+        ge=0,
+        description="Count a prompt sent to a prefill as held there until this long after "
+        "its prefill answered; None: only what the index shows.",
     )
 
 

@@ -205,7 +205,9 @@ class Dispatcher:
         worker.note_error(f"{role} call {what}", self._clock())
 
     def _start_prefill(self, plan: RoutePlan, path: str, payload: bytes) -> Call:
-        ticket = self._router.loads.start(plan.prefill.id, plan.prefill_choice.uncached_tokens)
+        ticket = self._router.loads.start(
+            plan.prefill.id, plan.prefill_choice.uncached_tokens, plan.keys
+        )
         call = asyncio.ensure_future(
             self._upstream.fetch(plan.prefill.url + path, payload, self._timeout)
         )

@@ -124,7 +124,10 @@ class Inference:
             lookup = None
             if router.uses_index:
                 lookup = await router.lookup(tokens.tokens, tokens.missing)
-            route = RouteRequest(tokens.tokens, tokens.text, lookup, now=gateway.clock())
+            pending = router.loads.pending_blocks(lookup.keys) if lookup is not None else {}
+            route = RouteRequest(
+                tokens.tokens, tokens.text, lookup, now=gateway.clock(), pending=pending
+            )
             outcome = await gateway.dispatcher.forward(parsed, route, path)
         except (BadRequest, TokenizeError) as exc:  # BadRequest also from the first attempt
             return self.refuse(endpoint, problem(400, str(exc)))

@@ -64,7 +64,14 @@ class _PoolCollector(Collector):
             queued.add_metric(key, float(load.queued_prefill_tokens))
             if worker.role == "prefill":
                 directory.add_metric([worker.id, worker.pod], float(worker.directory.status.gauge))
-        yield from (healthy, eligible, breaker, directory, in_flight, queued)
+        pending = GaugeMetricFamily(
+            "globalkv_gateway_pending_prefix_keys",
+            "Block keys of prompts sent to prefills that the prefix policy counts as held "
+            "there until the index shows them (bounded; see --prefix-pending-grace-secs).",
+        )
+        table = self._loads.pending
+        pending.add_metric([], float(0 if table is None else table.keys))
+        yield from (healthy, eligible, breaker, directory, in_flight, queued, pending)
 
 
 class GatewayMetrics:

@@ -40,6 +40,8 @@ class RoutePlan:
     decode: Worker
     prefill_choice: Choice
     rooms: list[int]
+    keys: Sequence[int] = ()
+    """The prompt's block keys, recorded as pending on the prefill while it computes them."""
 
 
 class Router:
@@ -152,7 +154,8 @@ class Router:
         )
         count = 1 if batch is None else batch
         rooms = [draw_room(self._rooms, directory.dp_size, dp_rank) for _ in range(count)]
-        return RoutePlan(prefill, decode, choice, rooms)
+        keys = request.lookup.keys if request.lookup is not None else ()
+        return RoutePlan(prefill, decode, choice, rooms, keys)
 
     def _record(self, choice: Choice, request: RouteRequest) -> None:
         self._decode_decision.inc()

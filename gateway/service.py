@@ -26,6 +26,7 @@ from gateway.dispatch import Dispatcher, Sleep
 from gateway.metrics import GatewayMetrics
 from gateway.monitor import DirectoryProbe, Monitor, PodRegistrar
 from gateway.policies import LoadTracker, build_policy
+from gateway.policies.pending import PendingPrefixes
 from gateway.retry import Backoff
 from gateway.router import Router
 from gateway.upstream import HttpxUpstream, Upstream
@@ -125,7 +126,8 @@ def build_gateway(
     rng = rng or Random(config.seed)
     metrics = GatewayMetrics(registry or CollectorRegistry())
     pool = WorkerPool(config.breaker, config.health, clock)
-    loads = LoadTracker()
+    grace = config.prefix.pending_grace_secs
+    loads = LoadTracker(pending=None if grace is None else PendingPrefixes(grace), clock=clock)
     metrics.watch_pool(pool, loads)
     monitor = Monitor(
         pool,

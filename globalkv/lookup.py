@@ -8,7 +8,7 @@ The gateway and the index API both answer it: locally, by keying the tokens and 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import httpx
@@ -33,6 +33,9 @@ class LookupResult:
     """Whole index blocks in the prompt (what a perfect hit would cover)."""
     pods: list[PodHit]
     """Best first; sources with no hit are absent."""
+    keys: Sequence[int] = field(default=(), compare=False, repr=False)
+    """The prompt's block keys (hashed lazily): what the gateway records as sent
+    (`gateway.policies.pending`) and matches later prompts against."""
 
 
 class PrefixLookup(Protocol):
@@ -66,6 +69,7 @@ class IndexLookup:
         return LookupResult(
             block_size=block_size,
             blocks=len(keys),
+            keys=keys,
             pods=[
                 PodHit(
                     pod=h.source.pod,
@@ -109,9 +113,11 @@ class HttpLookup:
             )
         try:
             data = response.json()
+            block_size = int(data["block_size"])
             return LookupResult(
-                block_size=int(data["block_size"]),
+                block_size=block_size,
                 blocks=int(data["blocks"]),
+                keys=request_chain(token_ids, block_size, model, lora_name, cache_salt),
                 pods=[
                     PodHit(
                         pod=str(p["pod"]),

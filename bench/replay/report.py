@@ -76,6 +76,7 @@ def describe_cluster(point: Point, replay: Replay) -> str:
         if c.attention_tokens is None
         else (f"attention cost doubling at {c.attention_tokens:,.0f} tokens")
     )
+    grace = s.prefix.pending_grace_secs
     return (
         f"{c.pods} prefill pods × {c.capacity_blocks:,} blocks of {c.block_size} tokens "
         f"({c.capacity_fraction * 100:.1f} % of the {replay.stats.unique_blocks:,} unique "
@@ -83,7 +84,8 @@ def describe_cluster(point: Point, replay: Replay) -> str:
         f"utilisation {c.utilisation * 100:.0f} %, {attention}), {c.decode_pods} decode pods, "
         f"index event delay {delay}, arrivals {s.arrivals}, time scale {s.time_scale:g}, "
         f"seed {s.seed}, prefix weights uncached/queued/request "
-        f"{s.prefix.uncached_weight:g}/{s.prefix.queued_weight:g}/{s.prefix.request_cost:g}."
+        f"{s.prefix.uncached_weight:g}/{s.prefix.queued_weight:g}/{s.prefix.request_cost:g}, "
+        f"pending grace {'off' if grace is None else f'{grace:g} s'}."
     )
 
 

@@ -18,6 +18,7 @@ from bench.replay.oracle import OracleLines, oracle_lines
 from bench.replay.record import ProgressHook, RunRecord, summarize
 from bench.replay.sim import Simulation
 from bench.replay.trace import Trace, TraceStats, offered_work_per_s, read_trace, trace_stats
+from gateway.config import optional_float
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,21 +33,18 @@ class Sweepable:
     """A field that would take precedence over this one, cleared while sweeping."""
 
 
-def _number_or_none(text: str) -> float | None:
-    return None if text.lower() in {"none", "off"} else float(text)
-
-
 SWEEPABLE: dict[str, Sweepable] = {
     "event-delay-s": Sweepable("cluster", "event_delay_s", float),
     "capacity-blocks": Sweepable("cluster", "capacity_blocks", int),
     "capacity-fraction": Sweepable("cluster", "capacity_fraction", float, "capacity_blocks"),
     "utilisation": Sweepable("cluster", "utilisation", float, "prefill_tokens_per_s"),
     "prefill-tokens-per-s": Sweepable("cluster", "prefill_tokens_per_s", float),
-    "attention-tokens": Sweepable("cluster", "attention_tokens", _number_or_none),
+    "attention-tokens": Sweepable("cluster", "attention_tokens", optional_float),
     "pods": Sweepable("cluster", "pods", int),
     "prefix-uncached-weight": Sweepable("prefix", "uncached_weight", float),
     "prefix-queued-weight": Sweepable("prefix", "queued_weight", float),
     "prefix-request-cost": Sweepable("prefix", "request_cost", float),
+    "prefix-pending-grace-secs": Sweepable("prefix", "pending_grace_secs", optional_float),
     "cache-threshold": Sweepable("cache_aware", "cache_threshold", float),
     "balance-abs-threshold": Sweepable("cache_aware", "balance_abs_threshold", int),
     "arrivals": Sweepable("", "arrivals", str),

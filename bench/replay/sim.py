@@ -32,6 +32,7 @@ from bench.replay.trace import Trace, arrival_times
 from enginesim.kvcache import PagedKVCache
 from gateway.config import PolicyName
 from gateway.policies import LoadTicket, LoadTracker, Policy, RouteRequest, build_policy
+from gateway.policies.pending import PendingPrefixes
 from globalkv.index.base import ApplyResult, SourceBatch
 from globalkv.index.memory import MemoryIndex
 from globalkv.lookup import IndexLookup
@@ -110,7 +111,12 @@ class Simulation:
     async def run(self) -> RunRecord:
         settings, c, scale = self.settings, self.cluster, self.settings.time_scale
         policy, decode_policy = make_policies(settings, self.policy_name)
-        loads = LoadTracker()
+        clock = [0.0]
+        grace = settings.prefix.pending_grace_secs
+        loads = LoadTracker(
+            pending=None if grace is None else PendingPrefixes(grace * scale),
+            clock=lambda: clock[0],
+        )
         lookup = IndexLookup(self.index)
         uses_index = policy.name == "prefix"
         requests = self.trace.requests
@@ -172,11 +178,14 @@ class Simulation:
             req = requests[i]
             tokens = expand(req.hash_ids, req.input_length, c.block_size, settings.vocab)
             answer = await lookup.lookup(settings.model, tokens) if uses_index else None
-            request = RouteRequest(tokens=tokens, lookup=answer, now=now)
+            keys = () if answer is None else answer.keys
+            request = RouteRequest(
+                tokens=tokens, lookup=answer, now=now, pending=loads.pending_blocks(keys)
+            )
             choice = policy.choose(request, loads.candidates(prefills))
             decode = decode_policy.choose(request, loads.candidates(decodes)).worker
             flights[i] = _InFlight(
-                loads.start(choice.worker, choice.uncached_tokens),
+                loads.start(choice.worker, choice.uncached_tokens, keys),
                 loads.start(decode),
                 settings.output_tokens(req.output_length),
             )
@@ -199,12 +208,14 @@ class Simulation:
         total = len(arrivals)
         while next_arrival < total or events:
             if next_arrival < total and (not events or arrivals[next_arrival] <= events[0][0]):
+                clock[0] = arrivals[next_arrival]
                 await arrive(next_arrival, arrivals[next_arrival])
                 next_arrival += 1
                 if self.progress is not None and next_arrival % 250 == 0:
                     self.progress(self._progress(next_arrival, total, started_wall, arrivals))
                 continue
             now, kind, _, payload = heapq.heappop(events)
+            clock[0] = now
             if kind == _INDEX:
                 assert isinstance(payload, SourceBatch)
                 await deliver(payload)

@@ -8,8 +8,9 @@ simulator replaying traces against a real `MemoryIndex` in simulated time:
     loads = LoadTracker()
     lookup = await IndexLookup(index).lookup(model, tokens)     # or None: index down
     request = RouteRequest(tokens=tokens, text=None, lookup=lookup, now=sim_time)
+    request.pending = loads.pending_blocks(lookup.keys)          # sent, not yet indexed
     choice = policy.choose(request, loads.candidates(pods))      # (worker, pod) pairs
-    ticket = loads.start(choice.worker, prefill_tokens=choice.uncached_tokens)
+    ticket = loads.start(choice.worker, choice.uncached_tokens, lookup.keys)
     ...                                                          # simulated prefill
     loads.prefill_done(ticket)                                   # KV computed
     ...                                                          # simulated decode
@@ -20,8 +21,10 @@ simulator replaying traces against a real `MemoryIndex` in simulated time:
   unhealthy, circuit-open and not-ready workers.
 - `RouteRequest` carries the prompt tokens (None when the gateway could not tokenize),
   the text (cache_aware's key when there are no tokens), the index's answer (None when
-  there was no index, no tokens, or the index failed) and `now` (simulated or monotonic
-  seconds) for policies that age state.
+  there was no index, no tokens, or the index failed), `pending` (per worker, the leading
+  blocks of the prompt this gateway sent it that the index may not show yet:
+  `gateway.policies.pending`) and `now` (simulated or monotonic seconds) for policies
+  that age state.
 - `Choice` names the worker, the DP rank the prompt's best hit is on (for DP-aware rooms),
   the hit it counted on, and `fallback` when the policy could not use what it prefers.
 - Randomness comes only from the `random.Random` given at construction: a seeded one
@@ -33,10 +36,12 @@ simulator replaying traces against a real `MemoryIndex` in simulated time:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from gateway.policies.pending import PendingEntry, PendingPrefixes
 from globalkv.lookup import LookupResult
 
 # The value types below are built several times per request, so they are not frozen: a
@@ -62,6 +67,8 @@ class RouteRequest:
     text: str | None = None
     lookup: LookupResult | None = None
     now: float = 0.0
+    pending: Mapping[str, int] = field(default_factory=dict)
+    """Worker id -> leading prompt blocks sent to it and not yet settled (in index blocks)."""
 
     @property
     def prompt_tokens(self) -> int:
@@ -112,25 +119,44 @@ class LoadTicket:
     load: WorkerLoad
     prefill_open: bool = True
     open: bool = True
+    pending: PendingEntry | None = None
 
 
 @dataclass(slots=True)
 class LoadTracker:
-    """Per-worker load that the dispatcher (or simulator) updates through explicit hooks."""
+    """Per-worker load that the dispatcher (or simulator) updates through explicit hooks,
+    and the prompts sent to each prefill that the index may not show yet.
+
+    `clock` is the one `RouteRequest.now` is read from (the simulator gives its own)."""
 
     loads: dict[str, WorkerLoad] = field(default_factory=dict)
+    pending: PendingPrefixes | None = field(default_factory=PendingPrefixes)
+    """None: nothing is counted as pending (`--prefix-pending-grace-secs off`)."""
+    clock: Callable[[], float] = time.monotonic
 
-    def start(self, worker: str, prefill_tokens: int = 0) -> LoadTicket:
+    def start(self, worker: str, prefill_tokens: int = 0, keys: Sequence[int] = ()) -> LoadTicket:
+        """`keys`: the prompt's block keys, held as pending on `worker` until its prefill ends."""
         load = self.loads.setdefault(worker, WorkerLoad())
         load.in_flight += 1
         load.queued_prefill_tokens += prefill_tokens
-        return LoadTicket(worker, prefill_tokens, load, prefill_open=prefill_tokens > 0)
+        return LoadTicket(
+            worker,
+            prefill_tokens,
+            load,
+            prefill_open=prefill_tokens > 0,
+            pending=self.pending.add(worker, keys) if keys and self.pending else None,
+        )
 
-    @staticmethod
-    def prefill_done(ticket: LoadTicket) -> None:
+    def pending_blocks(self, keys: Iterable[int]) -> Mapping[str, int]:
+        return {} if self.pending is None else self.pending.depths(keys, self.clock())
+
+    def prefill_done(self, ticket: LoadTicket) -> None:
         if ticket.prefill_open:
             ticket.prefill_open = False
             ticket.load.queued_prefill_tokens -= ticket.prefill_tokens
+        if ticket.pending is not None and self.pending is not None:
+            self.pending.settle(ticket.pending, self.clock())
+            ticket.pending = None
 
     def finish(self, ticket: LoadTicket) -> None:
         self.prefill_done(ticket)
@@ -141,6 +167,8 @@ class LoadTracker:
     def forget(self, worker: str) -> None:
         """A removed worker; tickets still open on it update a load nobody reads."""
         self.loads.pop(worker, None)
+        if self.pending is not None:
+            self.pending.forget(worker)
 
     def load(self, worker: str) -> WorkerLoad:
         return self.loads.get(worker) or WorkerLoad()

@@ -2,8 +2,10 @@
 
 Score of a candidate prefill worker `w` (lower is better), in token units:
 
-    hit(w)      = the longest cached prefix of the prompt on w's pod, in tokens, taken
-                  from the index lookup (the best of the pod's DP ranks); 0 without a hit
+    hit(w)      = the longest prefix of the prompt w holds, in tokens: the longer of what
+                  the index shows on w's pod (the best of its DP ranks) and what this
+                  gateway sent w that the index may not show yet (`RouteRequest.pending`,
+                  see `gateway.policies.pending`); 0 without either
     uncached(w) = max(prompt_tokens - hit(w), 0)
     cost(w)     = uncached_weight * uncached(w)                 (--prefix-uncached-weight, 1.0)
                 + queued_weight   * queued_prefill_tokens(w)    (--prefix-queued-weight, 1.0)
@@ -12,7 +14,7 @@ Score of a candidate prefill worker `w` (lower is better), in token units:
 `queued_prefill_tokens(w)` is the sum of `uncached` over requests this gateway sent to w
 whose prefill has not answered yet, so cost approximates the tokens w must compute before
 it reaches this prompt: a pod holding 6,000 cached tokens of an 8,000-token prompt
-(uncached 2,000) but with 10,000 tokens queued costs 12,000 and loses to an idle pod
+(uncached 2,000) but with 14,000 tokens queued costs 16,000 and loses to an idle pod
 holding 1,000 (cost 7,000). The lowest cost wins; equal costs are broken by the seeded
 RNG. The choice carries the DP rank of the counted hit, so the room can select it.
 
@@ -48,11 +50,17 @@ class PrefixPolicy:
             if held is None or pod_hit.hit_tokens > held.hit_tokens:
                 best[pod_hit.pod] = pod_hit
         prompt = request.prompt_tokens
+        block_size = request.lookup.block_size
+        pending = request.pending
         w = self._weights
         scored: list[tuple[float, Candidate, PodHit | None, int]] = []
         for candidate in candidates:
             hit = best.get(candidate.pod)
-            uncached = max(prompt - (hit.hit_tokens if hit else 0), 0)
+            hit_tokens = hit.hit_tokens if hit else 0
+            sent = pending.get(candidate.worker, 0) * block_size
+            if sent > hit_tokens:
+                hit, hit_tokens = None, sent
+            uncached = max(prompt - hit_tokens, 0)
             cost = (
                 w.uncached_weight * uncached
                 + w.queued_weight * candidate.queued_prefill_tokens

@@ -34,7 +34,7 @@ def test_flags_become_typed_settings() -> None:
         "--kv-transfer-tokens-per-s",
         "none",
         "--prefix-queued-weight",
-        "0.5",
+        "0.25",
         "--cache-threshold",
         "0.5",
         "--policies",
@@ -45,7 +45,7 @@ def test_flags_become_typed_settings() -> None:
     assert settings.cluster.capacity_blocks == 9
     assert settings.cluster.prefill_overhead_s == 0.002
     assert settings.cluster.kv_transfer_tokens_per_s is None
-    assert settings.prefix.queued_weight == 0.5
+    assert settings.prefix.queued_weight == 0.25
     assert settings.cache_aware.cache_threshold == 0.5
     assert settings.policies == ("prefix", "random")
 

@@ -19,7 +19,7 @@ from enginesim.latency import PrefillModel, PrefillScheduler
 from enginesim.metrics import EngineMetrics
 from enginesim.prefill import DPRank
 from gateway import policies as gateway_policies
-from gateway.config import PolicyName
+from gateway.config import PolicyName, PrefixWeights
 from tests.bench.traces import row, write_trace
 
 QUIET: dict[str, Any] = {
@@ -31,7 +31,11 @@ QUIET: dict[str, Any] = {
 
 
 async def replay(
-    path: Path, policy: PolicyName = "round_robin", time_scale: float = 1.0, **cluster: Any
+    path: Path,
+    policy: PolicyName = "round_robin",
+    time_scale: float = 1.0,
+    prefix: PrefixWeights | None = None,
+    **cluster: Any,
 ) -> RunRecord:
     settings = ReplaySettings(
         trace=str(path),
@@ -39,6 +43,7 @@ async def replay(
         arrivals="burst",
         time_scale=time_scale,
         cluster=ClusterModel(**{**QUIET, **cluster}),
+        prefix=prefix or PrefixWeights(),
     )
     trace = read_trace(path, block_size=4)
     stats = trace_stats(trace)
@@ -115,12 +120,31 @@ async def test_the_prefix_policy_sees_a_pod_s_blocks_only_after_the_event_delay(
     summary = summarize(prompt, bucket_s=60)
     assert summary["hit_rate_indexed"] == pytest.approx(8 / 18)
     assert summary["left_indexed_holder"] == 0
-    late = await replay(path, "prefix", event_delay_s=5.0, **kwargs)
+    index_only = PrefixWeights(pending_grace_secs=None)
+    late = await replay(path, "prefix", event_delay_s=5.0, prefix=index_only, **kwargs)
     assert late.indexed_hit == [0, 0]
     assert late.expected_hit == [0, 0]
     blind = await replay(path, "least_load", **kwargs)
     assert blind.indexed_hit == [None, None]
     assert summarize(blind, bucket_s=60)["hit_rate_indexed"] is None
+
+
+async def test_a_prompt_sent_to_a_pod_counts_as_held_there_until_the_grace_after_its_prefill(
+    tmp_path: Path,
+) -> None:
+    """The first prompt's prefill answers at 0.09 s; its events would reach the index at
+    5.09 s, the second prompt arrives at 1 s: only the pending record can send it along."""
+    rows = [row(0, 9, [1, 2, 3]), row(1_000, 9, [1, 2, 4])]
+    path = write_trace(tmp_path / "t.jsonl", rows)
+    kwargs: dict[str, Any] = {"pods": 4, "capacity_blocks": 8, "prefill_tokens_per_s": 100.0}
+    kept = await replay(path, "prefix", event_delay_s=5.0, **kwargs)
+    assert kept.indexed_hit == [0, 0]
+    assert kept.expected_hit == [0, 8]
+    assert kept.worker[1] == kept.worker[0]
+    assert kept.cached == [0, 8]
+    short = PrefixWeights(pending_grace_secs=0.5)
+    expired = await replay(path, "prefix", event_delay_s=5.0, prefix=short, **kwargs)
+    assert expired.expected_hit == [0, 0]
 
 
 @pytest.mark.parametrize("name", ALL_POLICIES)

@@ -322,7 +322,12 @@ async def test_the_settings_in_force_are_shown_without_secrets(
         assert (await client.get("/v1/config", headers=AUTH)).json() == shown.json()
     settings = shown.json()
     assert (settings["prefill_policy"], settings["decode_policy"]) == ("prefix", "power_of_two")
-    assert settings["prefix"] == {"uncached_weight": 1.0, "queued_weight": 1.0, "request_cost": 0.0}
+    assert settings["prefix"] == {
+        "uncached_weight": 1.0,
+        "queued_weight": 1.0,
+        "request_cost": 0.0,
+        "pending_grace_secs": 2.0,
+    }
     assert (settings["index"], settings["model"], settings["model_in_use"]) == (None, "m", "m")
     assert (settings["tokenizer"], settings["tokenizer_loaded"]) == (None, True)
     assert (settings["api_key_set"], settings["admin_token_set"]) == (True, True)

@@ -57,7 +57,7 @@ def test_router_flags_map_to_the_config() -> None:
         "--cb-failure-threshold", "4", "--cb-timeout-duration-secs", "9",
         "--health-check-interval-secs", "7", "--health-check-endpoint", "/healthz",
         "--api-key", "k", "--admin-token", "a", "--max-payload-size", "100",
-        "--prefix-queued-weight", "0.5", "--tokenizer-path", "byte", "--log-level", "debug",
+        "--prefix-queued-weight", "0.25", "--tokenizer-path", "byte", "--log-level", "debug",
         "--prometheus-port", "0",
     )  # fmt: skip
     assert (cfg.prefill_policy, cfg.decode_policy) == ("round_robin", "cache_aware")
@@ -70,7 +70,7 @@ def test_router_flags_map_to_the_config() -> None:
     assert (cfg.breaker.failure_threshold, cfg.breaker.timeout_duration_secs) == (4, 9)
     assert (cfg.health.interval_secs, cfg.health.endpoint) == (7, "/healthz")
     assert (cfg.api_key, cfg.admin_token, cfg.max_payload_size) == ("k", "a", 100)
-    assert (cfg.prefix.queued_weight, cfg.tokenizer, cfg.prometheus_port) == (0.5, "byte", None)
+    assert (cfg.prefix.queued_weight, cfg.tokenizer, cfg.prometheus_port) == (0.25, "byte", None)
 
 
 def test_index_flags_are_part_of_the_config() -> None:

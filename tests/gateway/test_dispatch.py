@@ -10,8 +10,9 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.config import BreakerConfig, RetryConfig
+from gateway.config import BreakerConfig, PrefixWeights, RetryConfig
 from gateway.dispatch import Answer, Stream
+from gateway.inference import Inference
 from gateway.policies.base import RouteRequest
 from gateway.requests import parse_request
 from gateway.service import Gateway
@@ -380,3 +381,40 @@ async def test_each_attempt_is_logged_at_debug_with_its_pair_and_rooms(
     assert f"prefill={cluster.inference('prefill')[0].worker} " in line
     assert f"decode={cluster.inference('decode')[0].worker} " in line
     assert line.endswith("rooms=" + ",".join(str(room) for room in body["bootstrap_room"]))
+
+
+async def test_a_prompt_in_flight_draws_the_next_one_sharing_it_until_the_grace_ends() -> None:
+    """The index shows nothing; the first prompt's prefill is held. The same prompt sent
+    meanwhile goes where the first went, although that prefill has work queued; once the
+    first answered and the grace passed, only load decides again."""
+    cluster = Cluster()
+    release = asyncio.Event()
+
+    async def held(_: httpx.Request, body: Any) -> httpx.Response:
+        await release.wait()
+        return httpx.Response(200, json={"room": body["bootstrap_room"]})
+
+    for url in PREFILLS:
+        cluster.on(url, held)
+    clock = FakeClock()
+    tokens = list(range(16))
+    lookup = StubLookup(LookupResult(block_size=4, blocks=4, pods=[], keys=[11, 12, 13, 14]))
+    cfg = config(prefix=PrefixWeights(queued_weight=0.5, pending_grace_secs=3.0))
+    gateway = await make_gateway(cluster, cfg, lookup=lookup, clock=clock)
+    inference = Inference(gateway)
+    body = json.dumps({"input_ids": tokens}).encode()
+    first = asyncio.ensure_future(inference.handle("generate", "/generate", None, body))
+    await cluster.wait_calls(2)
+    (call,) = cluster.inference("prefill")
+    second = asyncio.ensure_future(inference.handle("generate", "/generate", None, body))
+    await cluster.wait_calls(4)
+    assert [c.worker for c in cluster.inference("prefill")] == [call.worker, call.worker]
+    assert gateway.loads.pending_blocks([11, 12, 13, 14]) == {call.worker: 4}
+    assert sample(gateway, "globalkv_gateway_pending_prefix_keys") == 8
+    release.set()
+    await asyncio.gather(first, second)
+    await gateway.dispatcher.drain()
+    assert gateway.loads.pending_blocks([11, 12, 13, 14]) == {call.worker: 4}, "grace"
+    clock.now += 3.0
+    assert gateway.loads.pending_blocks([11, 12, 13, 14]) == {}
+    assert sample(gateway, "globalkv_gateway_pending_prefix_keys") == 0

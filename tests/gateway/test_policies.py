@@ -45,10 +45,10 @@ def test_prefix_prefers_the_longest_hit_when_idle() -> None:
 
 
 def test_prefix_long_hit_on_overloaded_pod_loses_to_short_hit_on_idle_pod() -> None:
-    """The docstring's example: 8,000-token prompt, 6,000 cached behind 10,000 queued."""
+    """The docstring's example: 8,000-token prompt, 6,000 cached behind 14,000 queued."""
     policy = build_policy("prefix", Random(0))
     request = RouteRequest(tokens=[1] * 8000, lookup=hits(("busy", 0, 6000), ("idle", 0, 1000)))
-    choice = policy.choose(request, [cand("busy", queued=10_000), cand("idle")])
+    choice = policy.choose(request, [cand("busy", queued=14_000), cand("idle")])
     assert choice.worker == "idle"
     assert choice.uncached_tokens == 7000
 
@@ -57,7 +57,7 @@ def test_prefix_weights_change_the_decision() -> None:
     weights = PrefixWeights(uncached_weight=1.0, queued_weight=0.1)
     policy = build_policy("prefix", Random(0), prefix=weights)
     request = RouteRequest(tokens=[1] * 8000, lookup=hits(("busy", 0, 6000), ("idle", 0, 1000)))
-    assert policy.choose(request, [cand("busy", queued=10_000), cand("idle")]).worker == "busy"
+    assert policy.choose(request, [cand("busy", queued=14_000), cand("idle")]).worker == "busy"
     costly = build_policy("prefix", Random(0), prefix=PrefixWeights(request_cost=10_000))
     no_hit = RouteRequest(tokens=[1] * 100, lookup=hits())
     assert costly.choose(no_hit, [cand("x", in_flight=1), cand("y")]).worker == "y"

@@ -95,7 +95,7 @@ def _add_flags(p: argparse.ArgumentParser) -> None:
     add(
         "--prefix-queued-weight",
         type=float,
-        default=1.0,
+        default=0.5,
         help="prefix policy: cost per prefill token already queued on the pod",
     )
     add(

@@ -148,7 +148,7 @@ class PrefixWeights(BaseModel):
     model_config = _frozen()
 
     uncached_weight: float = Field(1.0, ge=0, description="Cost per prompt token not cached.")
-    queued_weight: float = Field(1.0, ge=0, description="Cost per prefill token queued there.")
+    queued_weight: float = Field(0.5, ge=0, description="Cost per prefill token queued there.")
     request_cost: float = Field(
         0.0, ge=0, description="Extra cost, in tokens, per request in flight there."
     )

@@ -8,15 +8,23 @@ Score of a candidate prefill worker `w` (lower is better), in token units:
                   see `gateway.policies.pending`); 0 without either
     uncached(w) = max(prompt_tokens - hit(w), 0)
     cost(w)     = uncached_weight * uncached(w)                 (--prefix-uncached-weight, 1.0)
-                + queued_weight   * queued_prefill_tokens(w)    (--prefix-queued-weight, 1.0)
+                + queued_weight   * queued_prefill_tokens(w)    (--prefix-queued-weight, 0.5)
                 + request_cost    * in_flight(w)                (--prefix-request-cost, 0.0)
 
 `queued_prefill_tokens(w)` is the sum of `uncached` over requests this gateway sent to w
-whose prefill has not answered yet, so cost approximates the tokens w must compute before
-it reaches this prompt: a pod holding 6,000 cached tokens of an 8,000-token prompt
-(uncached 2,000) but with 14,000 tokens queued costs 16,000 and loses to an idle pod
-holding 1,000 (cost 7,000). The lowest cost wins; equal costs are broken by the seeded
-RNG. The choice carries the DP rank of the counted hit, so the room can select it.
+whose prefill has not answered yet: the work w must do before it reaches this prompt,
+over-counted by what it has already done of the one it is computing. A pod holding 6,000
+cached tokens of an 8,000-token prompt (uncached 2,000) but with 14,000 tokens queued
+costs 2,000 + 7,000 = 9,000 and loses to an idle pod holding 1,000 (cost 7,000). The
+lowest cost wins; equal costs are broken by the seeded RNG. The choice carries the DP
+rank of the counted hit, so the room can select it.
+
+Why the queue weighs half a token: at 1.0 the policy is the greedy estimate of this
+request's time to first token, and it leaves a prefix's holder as soon as its queue is
+longer than the prefix; the prompt's later turns or siblings then live on two pods and
+their copies evict other prefixes. Replaying the Mooncake trace and llm-d's shared-prefix
+workload (`bench/results/README-routing.md`), 0.5 gave lower mean TTFT and a higher hit
+rate on both, and no collapse when the cluster's cache holds a group's prefix only once.
 
 Without a lookup (no tokens, no index configured, index unreachable) the policy hands the
 choice to its load fallback (least_load) and marks it `fallback="no_lookup"`.

@@ -324,7 +324,7 @@ async def test_the_settings_in_force_are_shown_without_secrets(
     assert (settings["prefill_policy"], settings["decode_policy"]) == ("prefix", "power_of_two")
     assert settings["prefix"] == {
         "uncached_weight": 1.0,
-        "queued_weight": 1.0,
+        "queued_weight": 0.5,
         "request_cost": 0.0,
         "pending_grace_secs": 2.0,
     }

@@ -216,7 +216,8 @@ class Dispatcher:
         return call
 
     def _prefill_ended(self, worker: Worker, ticket: LoadTicket, call: Call) -> None:
-        self._router.loads.finish(ticket)
+        computed = not call.cancelled() and call.exception() is None and call.result().status < 300
+        self._router.loads.finish(ticket, computed)
         self._background.discard(call)
         if call.cancelled():
             return

@@ -150,16 +150,20 @@ class LoadTracker:
     def pending_blocks(self, keys: Iterable[int]) -> Mapping[str, int]:
         return {} if self.pending is None else self.pending.depths(keys, self.clock())
 
-    def prefill_done(self, ticket: LoadTicket) -> None:
+    def prefill_done(self, ticket: LoadTicket, computed: bool = True) -> None:
+        """`computed`: the prefill answered with success, so it holds the prompt's KV."""
         if ticket.prefill_open:
             ticket.prefill_open = False
             ticket.load.queued_prefill_tokens -= ticket.prefill_tokens
         if ticket.pending is not None and self.pending is not None:
-            self.pending.settle(ticket.pending, self.clock())
+            if computed:
+                self.pending.settle(ticket.pending, self.clock())
+            else:
+                self.pending.drop(ticket.pending)
             ticket.pending = None
 
-    def finish(self, ticket: LoadTicket) -> None:
-        self.prefill_done(ticket)
+    def finish(self, ticket: LoadTicket, computed: bool = True) -> None:
+        self.prefill_done(ticket, computed)
         if ticket.open:
             ticket.open = False
             ticket.load.in_flight -= 1

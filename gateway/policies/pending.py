@@ -6,9 +6,9 @@ arrive meanwhile (a group's other questions, a burst on one system prompt) would
 hit anywhere, be spread by load, and each compute the prefix again, although the engine,
 which matches its cache when it plans a request's first chunk, would have reused it had
 they gone to the same pod. So the gateway counts a routed prompt's blocks as held by its
-worker from the routing decision until `grace_s` after the prefill answered (or failed),
-by when the index shows what the engine really kept: events take milliseconds to arrive
-(`bench/freshness.py`), the grace is seconds.
+worker from the routing decision until `grace_s` after the prefill answered, by when the
+index shows what the engine really kept: events take milliseconds to arrive
+(`bench/freshness.py`), the grace is seconds. A prefill that failed drops them at once.
 
 Entries live only while their request is in flight plus the grace, so the table is bounded
 by the gateway's concurrency; `max_keys` bounds it in blocks as well (a prompt that does not
@@ -62,13 +62,13 @@ class PendingPrefixes:
     def settle(self, entry: PendingEntry, now: float) -> None:
         """The prefill answered at `now`: drop the entry once the index has caught up."""
         if self.grace_s == 0:
-            self._remove(entry)
+            self.drop(entry)
         else:
             self._settled.append((now + self.grace_s, entry))
 
     def forget(self, worker: str) -> None:
         for entry in list(self._by_worker.get(worker, ())):
-            self._remove(entry)
+            self.drop(entry)
 
     def depths(self, keys: Iterable[int], now: float) -> Mapping[str, int]:
         """Per worker, how many leading blocks of `keys` it was sent and may not show yet."""
@@ -98,9 +98,10 @@ class PendingPrefixes:
     def _expire(self, now: float) -> None:
         settled = self._settled
         while settled and settled[0][0] <= now:
-            self._remove(settled.popleft()[1])
+            self.drop(settled.popleft()[1])
 
-    def _remove(self, entry: PendingEntry) -> None:
+    def drop(self, entry: PendingEntry) -> None:
+        """At once: the prefill did not compute the prompt (it failed or was cancelled)."""
         if entry.removed:
             return
         entry.removed = True

@@ -418,3 +418,36 @@ async def test_a_prompt_in_flight_draws_the_next_one_sharing_it_until_the_grace_
     clock.now += 3.0
     assert gateway.loads.pending_blocks([11, 12, 13, 14]) == {}
     assert sample(gateway, "globalkv_gateway_pending_prefix_keys") == 0
+
+
+async def test_a_prefill_that_failed_holds_nothing_for_the_prefix_policy() -> None:
+    cluster = Cluster()
+
+    async def broken_prefill(_: httpx.Request, __: Any) -> httpx.Response:
+        return httpx.Response(500, json={"error": "kv pool exhausted"})
+
+    prefilled = asyncio.Event()
+
+    async def good_prefill(_: httpx.Request, __: Any) -> httpx.Response:
+        prefilled.set()
+        return httpx.Response(200, json={})
+
+    async def waiting_decode(_: httpx.Request, body: Any) -> httpx.Response:
+        await prefilled.wait()
+        return httpx.Response(200, json={"room": body["bootstrap_room"]})
+
+    cluster.on(PREFILLS[1], broken_prefill)
+    cluster.on(PREFILLS[0], good_prefill)
+    for url in DECODES:
+        cluster.on(url, waiting_decode)
+    keys = [21, 22, 23]
+    lookup = StubLookup(LookupResult(block_size=4, blocks=3, pods=[], keys=keys))
+    gateway = await make_gateway(cluster, lookup=lookup)
+    body = json.dumps({"input_ids": list(range(12))}).encode()
+    answer = await Inference(gateway).handle("generate", "/generate", None, body)
+    await gateway.dispatcher.drain()
+    assert isinstance(answer, Answer)
+    assert answer.status == 200
+    prefills = [c.worker for c in cluster.inference("prefill")]
+    assert prefills == [host(PREFILLS[1]), host(PREFILLS[0])], "the broken one went first"
+    assert gateway.loads.pending_blocks(keys) == {host(PREFILLS[0]): 3}

@@ -69,6 +69,9 @@ def test_the_tracker_records_keys_until_the_grace_after_prefill_done() -> None:
     assert loads.pending_blocks([5, 6]) == {"p": 2}
     now[0] = 4.0
     assert loads.pending_blocks([5, 6]) == {}
+    failed = loads.start("p", 100, keys=[5, 6])
+    loads.finish(failed, computed=False)
+    assert loads.pending_blocks([5, 6]) == {}, "a prefill that failed holds nothing"
     untracked = LoadTracker(pending=None)
     untracked.start("p", 100, keys=[5, 6])
     assert untracked.pending_blocks([5, 6]) == {}

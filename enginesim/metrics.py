@@ -66,7 +66,7 @@ class EngineMetrics:
         )
         self.queued_prefill_tokens = Gauge(
             "globalkv_engine_queued_prefill_tokens",
-            "Uncached prompt tokens waiting or running in prefill, per DP rank.",
+            "Prompt tokens left to prefill per DP rank (waiting requests: uncached on arrival).",
             ["dp_rank"],
             registry=registry,
         )

@@ -147,7 +147,7 @@ class LoadTracker:
             pending=self.pending.add(worker, keys) if keys and self.pending else None,
         )
 
-    def pending_blocks(self, keys: Iterable[int]) -> Mapping[str, int]:
+    def pending_blocks(self, keys: Sequence[int]) -> Mapping[str, int]:
         return {} if self.pending is None else self.pending.depths(keys, self.clock())
 
     def prefill_done(self, ticket: LoadTicket, computed: bool = True) -> None:

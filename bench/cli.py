@@ -27,7 +27,7 @@ from bench.replay.config import ALL_POLICIES, DEFAULT_POLICIES, ReplaySettings
 from bench.replay.record import Progress
 from bench.replay.runner import SWEEPABLE, Sweep
 from bench.replay.trace import TraceError
-from gateway.config import PolicyName
+from gateway.config import PolicyName, optional_float
 
 _CLUSTER = {
     "pods": int,
@@ -55,8 +55,13 @@ LIVE_MAX_OUTPUT_TOKENS = 16
 
 
 def _optional_number(text: str) -> float:
-    """A number, or NaN for "none"/"off" (the flag given, its feature disabled)."""
-    return math.nan if text.lower() in {"none", "off"} else float(text)
+    """A finite number, or NaN for "none"/"off" (the flag given, its feature disabled)."""
+    value = optional_float(text)
+    if value is None:
+        return math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r}: give a finite number, or 'off'")
+    return value
 
 
 def register(subparsers: Any) -> None:
@@ -98,7 +103,11 @@ def register(subparsers: Any) -> None:
     add("--decode-policy", choices=list(get_args(PolicyName)), help="(power_of_two)")
     for name in _PREFIX:
         add(f"--prefix-{name.replace('_', '-')}", type=_PREFIX[name], help="gateway flag")
-    add("--prefix-pending-grace-secs", type=_optional_number, help="gateway flag; off: none")
+    add(
+        "--prefix-pending-grace-secs",
+        type=_optional_number,
+        help="gateway flag, in trace seconds (scaled by --time-scale like every time); off: none",
+    )
     for name in _CACHE_AWARE:
         add(f"--{name.replace('_', '-')}", type=_CACHE_AWARE[name], help="gateway flag")
     add("--run-dir", help="live: the stacks' logs, one directory per policy (default runs/)")

@@ -109,7 +109,8 @@ def _add_flags(p: argparse.ArgumentParser) -> None:
         type=optional_float,
         default=2.0,
         help="prefix policy: a prompt sent to a prefill counts as held there until this long "
-        "after the prefill answered (the index shows it by then); off: only the index",
+        "after the prefill answered (the index shows it by then; a prefill that failed holds "
+        "nothing); off: only the index",
     )
     add("--api-key", help="require Authorization: Bearer <key> on inference endpoints")
     add("--admin-token", help="require Authorization: Bearer <token> on /workers mutations")

@@ -6,6 +6,7 @@ moving from it keeps the behaviour they know.
 
 from __future__ import annotations
 
+import argparse
 from typing import Literal
 from urllib.parse import urlsplit
 
@@ -16,7 +17,9 @@ Role = Literal["prefill", "decode"]
 
 
 def _frozen() -> ConfigDict:
-    return ConfigDict(frozen=True, extra="forbid")
+    """Settings are fixed once built, unknown ones are errors, and no number is infinite
+    or NaN (an infinite grace or timeout is a typo that would never end, not a choice)."""
+    return ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
 def check_http_url(url: str) -> str:
@@ -36,7 +39,12 @@ def check_http_url(url: str) -> str:
 
 def optional_float(text: str) -> float | None:
     """A flag's number, or None for "none"/"off": the feature it sets is disabled."""
-    return None if text.lower() in {"none", "off"} else float(text)
+    if text.lower() in {"none", "off"}:
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a number nor 'off'") from None
 
 
 class KvEventsSpec(BaseModel):

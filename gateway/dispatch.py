@@ -205,8 +205,9 @@ class Dispatcher:
         worker.note_error(f"{role} call {what}", self._clock())
 
     def _start_prefill(self, plan: RoutePlan, path: str, payload: bytes) -> Call:
+        choice = plan.prefill_choice
         ticket = self._router.loads.start(
-            plan.prefill.id, plan.prefill_choice.uncached_tokens, plan.keys
+            plan.prefill.id, choice.uncached_tokens, plan.keys, plan.dp_rank
         )
         call = asyncio.ensure_future(
             self._upstream.fetch(plan.prefill.url + path, payload, self._timeout)

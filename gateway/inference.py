@@ -124,10 +124,7 @@ class Inference:
             lookup = None
             if router.uses_index:
                 lookup = await router.lookup(tokens.tokens, tokens.missing)
-            pending = router.loads.pending_blocks(lookup.keys) if lookup is not None else {}
-            route = RouteRequest(
-                tokens.tokens, tokens.text, lookup, now=gateway.clock(), pending=pending
-            )
+            route = RouteRequest(tokens.tokens, tokens.text, lookup, now=gateway.clock())
             outcome = await gateway.dispatcher.forward(parsed, route, path)
         except (BadRequest, TokenizeError) as exc:  # BadRequest also from the first attempt
             return self.refuse(endpoint, problem(400, str(exc)))

@@ -69,8 +69,7 @@ class _PoolCollector(Collector):
             "Block keys of prompts sent to prefills that the prefix policy counts as held "
             "there until the index shows them (bounded; see --prefix-pending-grace-secs).",
         )
-        table = self._loads.pending
-        pending.add_metric([], float(0 if table is None else table.keys))
+        pending.add_metric([], float(self._loads.pending_keys()))
         yield from (healthy, eligible, breaker, directory, in_flight, queued, pending)
 
 

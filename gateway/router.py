@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from random import Random
 
 from gateway.breaker import Clock
@@ -42,6 +42,8 @@ class RoutePlan:
     rooms: list[int]
     keys: Sequence[int] = ()
     """The prompt's block keys, recorded as pending on the prefill while it computes them."""
+    dp_rank: int | None = None
+    """The prefill's DP rank that computes them (its room selects it), when that is known."""
 
 
 class Router:
@@ -136,6 +138,9 @@ class Router:
             raise NoCandidates("no prefill worker is available (healthy, circuit closed, ready)")
         if not decodes:
             raise NoCandidates("no decode worker is available (healthy, circuit closed)")
+        if request.lookup is not None:
+            pending = self.loads.pending_blocks(request.lookup.keys)
+            request = replace(request, pending=pending)
         choice = self.prefill_policy.choose(request, prefills)
         decode_choice = self.decode_policy.choose(request, decodes)
         prefill = self.pool.get(choice.worker)
@@ -144,18 +149,15 @@ class Router:
             raise NoCandidates("a chosen worker left the pool")
         self._record(choice, request)
         directory = prefill.directory
-        dp_rank = (
-            choice.dp_rank
-            if directory.follow_bootstrap_room
-            and directory.dp_size > 1
-            and choice.dp_rank is not None
-            and choice.dp_rank < directory.dp_size
-            else None
-        )
+        dp_size = directory.dp_size
+        follows = directory.follow_bootstrap_room and dp_size > 1
+        wanted = choice.dp_rank
+        dp_rank = wanted if follows and wanted is not None and wanted < dp_size else None
         count = 1 if batch is None else batch
-        rooms = [draw_room(self._rooms, directory.dp_size, dp_rank) for _ in range(count)]
+        rooms = [draw_room(self._rooms, dp_size, dp_rank) for _ in range(count)]
         keys = request.lookup.keys if request.lookup is not None else ()
-        return RoutePlan(prefill, decode, choice, rooms, keys)
+        computing = rooms[0] % dp_size if follows else 0 if dp_size <= 1 else None
+        return RoutePlan(prefill, decode, choice, rooms, keys, computing)
 
     def _record(self, choice: Choice, request: RouteRequest) -> None:
         self._decode_decision.inc()

@@ -5,14 +5,16 @@ comes in the call, so the same objects serve the live gateway and a discrete-eve
 simulator replaying traces against a real `MemoryIndex` in simulated time:
 
     policy = build_policy("prefix", Random(7), prefix=PrefixWeights())
-    loads = LoadTracker()
-    lookup = await IndexLookup(index).lookup(model, tokens)     # or None: index down
-    request = RouteRequest(tokens=tokens, text=None, lookup=lookup, now=sim_time)
-    request.pending = loads.pending_blocks(lookup.keys)          # sent, not yet indexed
+    loads = LoadTracker(clock=lambda: sim_time)                  # the clock of `now`
+    lookup = await IndexLookup(index).lookup(model, tokens)     # None if the index is down
+    keys = lookup.keys if lookup is not None else ()
+    request = RouteRequest(tokens=tokens, text=None, lookup=lookup, now=sim_time,
+                           pending=loads.pending_blocks(keys))   # sent, not yet indexed
     choice = policy.choose(request, loads.candidates(pods))      # (worker, pod) pairs
-    ticket = loads.start(choice.worker, choice.uncached_tokens, lookup.keys)
+    ticket = loads.start(choice.worker, choice.uncached_tokens, keys)
     ...                                                          # simulated prefill
-    loads.prefill_done(ticket)                                   # KV computed
+    loads.prefill_done(ticket)                                   # KV computed (or failed:
+                                                                 # computed=False)
     ...                                                          # simulated decode
     loads.finish(ticket)
 
@@ -41,7 +43,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from gateway.policies.pending import PendingEntry, PendingPrefixes
+from gateway.policies.pending import PendingEntry, PendingHit, PendingPrefixes
 from globalkv.lookup import LookupResult
 
 # The value types below are built several times per request, so they are not frozen: a
@@ -67,8 +69,8 @@ class RouteRequest:
     text: str | None = None
     lookup: LookupResult | None = None
     now: float = 0.0
-    pending: Mapping[str, int] = field(default_factory=dict)
-    """Worker id -> leading prompt blocks sent to it and not yet settled (in index blocks)."""
+    pending: Mapping[str, PendingHit] = field(default_factory=dict)
+    """Worker id -> leading prompt blocks sent to it and not yet settled (index blocks)."""
 
     @property
     def prompt_tokens(self) -> int:
@@ -134,8 +136,15 @@ class LoadTracker:
     """None: nothing is counted as pending (`--prefix-pending-grace-secs off`)."""
     clock: Callable[[], float] = time.monotonic
 
-    def start(self, worker: str, prefill_tokens: int = 0, keys: Sequence[int] = ()) -> LoadTicket:
-        """`keys`: the prompt's block keys, held as pending on `worker` until its prefill ends."""
+    def start(
+        self,
+        worker: str,
+        prefill_tokens: int = 0,
+        keys: Sequence[int] = (),
+        dp_rank: int | None = None,
+    ) -> LoadTicket:
+        """`keys`: the prompt's block keys, held as pending on `worker` (on `dp_rank`, when
+        known) until its prefill ends."""
         load = self.loads.setdefault(worker, WorkerLoad())
         load.in_flight += 1
         load.queued_prefill_tokens += prefill_tokens
@@ -144,11 +153,18 @@ class LoadTracker:
             prefill_tokens,
             load,
             prefill_open=prefill_tokens > 0,
-            pending=self.pending.add(worker, keys) if keys and self.pending else None,
+            pending=self.pending.add(worker, keys, dp_rank) if keys and self.pending else None,
         )
 
-    def pending_blocks(self, keys: Sequence[int]) -> Mapping[str, int]:
+    def pending_blocks(self, keys: Sequence[int]) -> Mapping[str, PendingHit]:
         return {} if self.pending is None else self.pending.depths(keys, self.clock())
+
+    def pending_keys(self) -> int:
+        """Keys in the pending table now (the metric), entries past their grace dropped."""
+        if self.pending is None:
+            return 0
+        self.pending.expire(self.clock())
+        return self.pending.keys
 
     def prefill_done(self, ticket: LoadTicket, computed: bool = True) -> None:
         """`computed`: the prefill answered with success, so it holds the prompt's KV."""

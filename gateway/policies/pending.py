@@ -25,9 +25,17 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 DEFAULT_GRACE_S = 2.0
 DEFAULT_MAX_KEYS = 1_000_000
+
+
+class PendingHit(NamedTuple):
+    blocks: int
+    """Leading blocks of the prompt sent to the worker."""
+    dp_rank: int | None
+    """The DP rank computing them, when the gateway knows it (its room selects it)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -36,6 +44,7 @@ class PendingEntry:
     keys: frozenset[int]
     first: int | None
     """None: nothing was kept (an empty prompt, or the table was full)."""
+    dp_rank: int | None = None
     removed: bool = False
 
 
@@ -55,12 +64,12 @@ class PendingPrefixes:
         """Keys held in the table (a key sent to two workers counts twice)."""
         return self._keys
 
-    def add(self, worker: str, keys: Sequence[int]) -> PendingEntry:
+    def add(self, worker: str, keys: Sequence[int], dp_rank: int | None = None) -> PendingEntry:
         room = max(self.max_keys - self._keys, 0)
         kept = keys if len(keys) <= room else keys[:room]
         if not kept:
             return PendingEntry(worker, frozenset(), None)
-        entry = PendingEntry(worker, frozenset(kept), kept[0])
+        entry = PendingEntry(worker, frozenset(kept), kept[0], dp_rank)
         self._by_first.setdefault(kept[0], set()).add(entry)
         self._by_worker.setdefault(worker, set()).add(entry)
         self._keys += len(entry.keys)
@@ -77,15 +86,16 @@ class PendingPrefixes:
         for entry in list(self._by_worker.get(worker, ())):
             self.drop(entry)
 
-    def depths(self, keys: Sequence[int], now: float) -> Mapping[str, int]:
-        """Per worker, how many leading blocks of `keys` it was sent and may not show yet."""
-        self._expire(now)
+    def depths(self, keys: Sequence[int], now: float) -> Mapping[str, PendingHit]:
+        """Per worker, how many leading blocks of `keys` it was sent and may not show yet
+        (the longest of its entries), and on which DP rank."""
+        self.expire(now)
         if not self._by_first or not keys:
             return {}
         entries = self._by_first.get(keys[0])
         if not entries:
             return {}
-        found: dict[str, int] = {}
+        found: dict[str, PendingHit] = {}
         keys = list(keys)  # a plain list: KeyChain's item access is a Python call
         last = len(keys)
         for entry in entries:
@@ -100,11 +110,13 @@ class PendingPrefixes:
                         depth = middle
                     else:
                         beyond = middle
-            if depth > found.get(entry.worker, 0):
-                found[entry.worker] = depth
+            held_before = found.get(entry.worker)
+            if held_before is None or depth > held_before.blocks:
+                found[entry.worker] = PendingHit(depth, entry.dp_rank)
         return found
 
-    def _expire(self, now: float) -> None:
+    def expire(self, now: float) -> None:
+        """Drop the entries whose grace has passed (lookups do it first, and so do scrapes)."""
         settled = self._settled
         while settled and settled[0][0] <= now:
             self.drop(settled.popleft()[1])

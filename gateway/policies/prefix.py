@@ -61,28 +61,28 @@ class PrefixPolicy:
         block_size = request.lookup.block_size
         pending = request.pending
         w = self._weights
-        scored: list[tuple[float, Candidate, PodHit | None, int]] = []
+        scored: list[tuple[float, Candidate, int | None, int]] = []
         for candidate in candidates:
             hit = best.get(candidate.pod)
-            hit_tokens = hit.hit_tokens if hit else 0
-            sent = pending.get(candidate.worker, 0) * block_size
-            if sent > hit_tokens:
-                hit, hit_tokens = None, sent
+            hit_tokens, dp_rank = (hit.hit_tokens, hit.dp_rank) if hit else (0, None)
+            sent = pending.get(candidate.worker)
+            if sent is not None and sent.blocks * block_size > hit_tokens:
+                hit_tokens, dp_rank = sent.blocks * block_size, sent.dp_rank
             uncached = max(prompt - hit_tokens, 0)
             cost = (
                 w.uncached_weight * uncached
                 + w.queued_weight * candidate.queued_prefill_tokens
                 + w.request_cost * candidate.in_flight
             )
-            scored.append((cost, candidate, hit, uncached))
+            scored.append((cost, candidate, dp_rank, uncached))
         lowest = min(s[0] for s in scored)
         tied = [s for s in scored if s[0] == lowest]
-        _, chosen, hit, uncached = (
+        _, chosen, dp_rank, uncached = (
             tied[self._rng.randrange(len(tied))] if len(tied) > 1 else tied[0]
         )
         return Choice(
             chosen.worker,
-            dp_rank=hit.dp_rank if hit else None,
+            dp_rank=dp_rank,
             hit_tokens=prompt - uncached,
             uncached_tokens=uncached,
         )

@@ -19,7 +19,7 @@ from globalkv.api import ApiConfig, create_app
 from globalkv.index.base import Index, Source, SourceBatch, StoreBlocks, Tier
 from globalkv.index.memory import MemoryIndex
 from globalkv.ingest.service import IngestService
-from globalkv.keys import EngineHash, root_key
+from globalkv.keys import EngineHash, request_keys, root_key
 from globalkv.lookup import HttpLookup, IndexLookup
 from globalkv.metrics import IngestMetrics
 from globalkv.registry import MemoryRegistry, PodInfo, PodState
@@ -130,7 +130,11 @@ async def test_http_lookup_reads_back_what_index_lookup_computes(
 ) -> None:
     tokens = list(range(1, 9))
     remote = await HttpLookup(client, "http://indexer").lookup("m", tokens)
-    assert remote == await IndexLookup(index).lookup("m", tokens)
+    local = await IndexLookup(index).lookup("m", tokens)
+    assert remote == local
+    assert list(remote.keys) == list(local.keys) == request_keys(tokens, 4, "m"), (
+        "the keys the gateway records as pending, keyed here with the indexer's block size"
+    )
 
 
 async def test_other_namespaces_miss(client: httpx.AsyncClient) -> None:

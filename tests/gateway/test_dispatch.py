@@ -14,6 +14,7 @@ from gateway.config import BreakerConfig, PrefixWeights, RetryConfig
 from gateway.dispatch import Answer, Stream
 from gateway.inference import Inference
 from gateway.policies.base import RouteRequest
+from gateway.policies.pending import PendingHit
 from gateway.requests import parse_request
 from gateway.service import Gateway
 from globalkv.lookup import LookupResult, PodHit
@@ -316,6 +317,23 @@ async def test_cancelling_forward_cancels_both_upstream_calls() -> None:
     )
 
 
+async def test_a_cancelled_request_leaves_nothing_pending() -> None:
+    cluster = Cluster()
+    cluster.hang_every_worker()
+    gateway = await make_gateway(cluster)
+    lookup = LookupResult(block_size=4, blocks=2, pods=[], keys=[31, 32])
+    parsed = parse_request("generate", {"input_ids": list(range(8))})
+    route = RouteRequest(list(range(8)), None, lookup)
+    task = asyncio.ensure_future(gateway.dispatcher.forward(parsed, route, "/generate"))
+    await cluster.wait_calls(2)
+    assert gateway.loads.pending_keys() == 2
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await gateway.dispatcher.drain()
+    assert gateway.loads.pending_keys() == 0
+
+
 async def test_closing_cancels_a_prefill_call_that_outlived_its_request() -> None:
     cluster = Cluster()
     never = asyncio.Event()
@@ -409,15 +427,15 @@ async def test_a_prompt_in_flight_draws_the_next_one_sharing_it_until_the_grace_
     second = asyncio.ensure_future(inference.handle("generate", "/generate", None, body))
     await cluster.wait_calls(4)
     assert [c.worker for c in cluster.inference("prefill")] == [call.worker, call.worker]
-    assert gateway.loads.pending_blocks([11, 12, 13, 14]) == {call.worker: 4}
+    assert gateway.loads.pending_blocks([11, 12, 13, 14]) == {call.worker: PendingHit(4, 0)}
     assert sample(gateway, "globalkv_gateway_pending_prefix_keys") == 8
     release.set()
     await asyncio.gather(first, second)
     await gateway.dispatcher.drain()
-    assert gateway.loads.pending_blocks([11, 12, 13, 14]) == {call.worker: 4}, "grace"
+    assert gateway.loads.pending_blocks([11, 12, 13, 14])[call.worker].blocks == 4, "grace"
     clock.now += 3.0
-    assert gateway.loads.pending_blocks([11, 12, 13, 14]) == {}
     assert sample(gateway, "globalkv_gateway_pending_prefix_keys") == 0
+    assert gateway.loads.pending_blocks([11, 12, 13, 14]) == {}
 
 
 async def test_a_prefill_that_failed_holds_nothing_for_the_prefix_policy() -> None:
@@ -450,4 +468,4 @@ async def test_a_prefill_that_failed_holds_nothing_for_the_prefix_policy() -> No
     assert answer.status == 200
     prefills = [c.worker for c in cluster.inference("prefill")]
     assert prefills == [host(PREFILLS[1]), host(PREFILLS[0])], "the broken one went first"
-    assert gateway.loads.pending_blocks(keys) == {host(PREFILLS[0]): 3}
+    assert gateway.loads.pending_blocks(keys) == {host(PREFILLS[0]): PendingHit(3, 0)}

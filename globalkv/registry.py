@@ -34,7 +34,9 @@ from globalkv.index.base import IndexUnavailable
 
 log = logging.getLogger(__name__)
 
-PodId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:\-]+$")]
+PodId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:\[\]\-]+$")]
+"""Letters, digits and `._:-[]`: host names, `host:port` and `[IPv6]:port` (the gateway's
+worker ids), nothing that would need escaping in a topic, a Redis key or a log line."""
 MAX_DP_SIZE = 1024
 """DP ranks one pod may have: each is a publisher with its own worker and subscription,
 so a batch naming a rank beyond this is refused rather than followed."""

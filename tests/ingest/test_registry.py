@@ -39,6 +39,17 @@ def test_parse_topic(topic: str, parsed: tuple[str, str] | None) -> None:
     assert parse_topic(topic) == parsed
 
 
+@pytest.mark.parametrize("pod_id", ["p0", "10.0.0.5:30000", "[fd00::5]:30000", "engine-0.svc"])
+def test_pod_ids_that_name_workers(pod_id: str) -> None:
+    assert PodInfo(id=pod_id, kv_events=EVENTS).id == pod_id
+
+
+@pytest.mark.parametrize("pod_id", ["", "a b", "p/0", "kv@p@m", "x" * 129])
+def test_pod_ids_refused(pod_id: str) -> None:
+    with pytest.raises(ValidationError, match="id"):
+        PodInfo(id=pod_id, kv_events=EVENTS)
+
+
 def test_model_defaults_to_the_topic_model() -> None:
     pod = PodInfo(id="p0", kv_events=KvEventsConfig(endpoint="tcp://h:1", topic="kv@p0@llama"))
     assert pod.model == "llama"

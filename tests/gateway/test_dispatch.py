@@ -10,11 +10,9 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.config import BreakerConfig, PrefixWeights, RetryConfig
+from gateway.config import BreakerConfig, RetryConfig
 from gateway.dispatch import Answer, Stream
-from gateway.inference import Inference
 from gateway.policies.base import RouteRequest
-from gateway.policies.pending import PendingHit
 from gateway.requests import parse_request
 from gateway.service import Gateway
 from globalkv.lookup import LookupResult, PodHit
@@ -317,23 +315,6 @@ async def test_cancelling_forward_cancels_both_upstream_calls() -> None:
     )
 
 
-async def test_a_cancelled_request_leaves_nothing_pending() -> None:
-    cluster = Cluster()
-    cluster.hang_every_worker()
-    gateway = await make_gateway(cluster)
-    lookup = LookupResult(block_size=4, blocks=2, pods=[], keys=[31, 32])
-    parsed = parse_request("generate", {"input_ids": list(range(8))})
-    route = RouteRequest(list(range(8)), None, lookup)
-    task = asyncio.ensure_future(gateway.dispatcher.forward(parsed, route, "/generate"))
-    await cluster.wait_calls(2)
-    assert gateway.loads.pending_keys() == 2
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    await gateway.dispatcher.drain()
-    assert gateway.loads.pending_keys() == 0
-
-
 async def test_closing_cancels_a_prefill_call_that_outlived_its_request() -> None:
     cluster = Cluster()
     never = asyncio.Event()
@@ -399,73 +380,3 @@ async def test_each_attempt_is_logged_at_debug_with_its_pair_and_rooms(
     assert f"prefill={cluster.inference('prefill')[0].worker} " in line
     assert f"decode={cluster.inference('decode')[0].worker} " in line
     assert line.endswith("rooms=" + ",".join(str(room) for room in body["bootstrap_room"]))
-
-
-async def test_a_prompt_in_flight_draws_the_next_one_sharing_it_until_the_grace_ends() -> None:
-    """The index shows nothing; the first prompt's prefill is held. The same prompt sent
-    meanwhile goes where the first went, although that prefill has work queued; once the
-    first answered and the grace passed, only load decides again."""
-    cluster = Cluster()
-    release = asyncio.Event()
-
-    async def held(_: httpx.Request, body: Any) -> httpx.Response:
-        await release.wait()
-        return httpx.Response(200, json={"room": body["bootstrap_room"]})
-
-    for url in PREFILLS:
-        cluster.on(url, held)
-    clock = FakeClock()
-    tokens = list(range(16))
-    lookup = StubLookup(LookupResult(block_size=4, blocks=4, pods=[], keys=[11, 12, 13, 14]))
-    cfg = config(prefix=PrefixWeights(queued_weight=0.5, pending_grace_secs=3.0))
-    gateway = await make_gateway(cluster, cfg, lookup=lookup, clock=clock)
-    inference = Inference(gateway)
-    body = json.dumps({"input_ids": tokens}).encode()
-    first = asyncio.ensure_future(inference.handle("generate", "/generate", None, body))
-    await cluster.wait_calls(2)
-    (call,) = cluster.inference("prefill")
-    second = asyncio.ensure_future(inference.handle("generate", "/generate", None, body))
-    await cluster.wait_calls(4)
-    assert [c.worker for c in cluster.inference("prefill")] == [call.worker, call.worker]
-    assert gateway.loads.pending_blocks([11, 12, 13, 14]) == {call.worker: PendingHit(4, 0)}
-    assert sample(gateway, "globalkv_gateway_pending_prefix_keys") == 8
-    release.set()
-    await asyncio.gather(first, second)
-    await gateway.dispatcher.drain()
-    assert gateway.loads.pending_blocks([11, 12, 13, 14])[call.worker].blocks == 4, "grace"
-    clock.now += 3.0
-    assert sample(gateway, "globalkv_gateway_pending_prefix_keys") == 0
-    assert gateway.loads.pending_blocks([11, 12, 13, 14]) == {}
-
-
-async def test_a_prefill_that_failed_holds_nothing_for_the_prefix_policy() -> None:
-    cluster = Cluster()
-
-    async def broken_prefill(_: httpx.Request, __: Any) -> httpx.Response:
-        return httpx.Response(500, json={"error": "kv pool exhausted"})
-
-    prefilled = asyncio.Event()
-
-    async def good_prefill(_: httpx.Request, __: Any) -> httpx.Response:
-        prefilled.set()
-        return httpx.Response(200, json={})
-
-    async def waiting_decode(_: httpx.Request, body: Any) -> httpx.Response:
-        await prefilled.wait()
-        return httpx.Response(200, json={"room": body["bootstrap_room"]})
-
-    cluster.on(PREFILLS[1], broken_prefill)
-    cluster.on(PREFILLS[0], good_prefill)
-    for url in DECODES:
-        cluster.on(url, waiting_decode)
-    keys = [21, 22, 23]
-    lookup = StubLookup(LookupResult(block_size=4, blocks=3, pods=[], keys=keys))
-    gateway = await make_gateway(cluster, lookup=lookup)
-    body = json.dumps({"input_ids": list(range(12))}).encode()
-    answer = await Inference(gateway).handle("generate", "/generate", None, body)
-    await gateway.dispatcher.drain()
-    assert isinstance(answer, Answer)
-    assert answer.status == 200
-    prefills = [c.worker for c in cluster.inference("prefill")]
-    assert prefills == [host(PREFILLS[1]), host(PREFILLS[0])], "the broken one went first"
-    assert gateway.loads.pending_blocks(keys) == {host(PREFILLS[0]): PendingHit(3, 0)}

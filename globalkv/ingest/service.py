@@ -175,6 +175,7 @@ class IngestService:
             task.cancel()
         await asyncio.gather(*pod.tasks, return_exceptions=True)
         for worker in pod.workers.values():
+            worker.stopped()
             self._resyncing.discard(worker.source)
             self.metrics.queue_depth.remove(pod_id, str(worker.source.dp_rank))
         self.metrics.resyncing.set(len(self._resyncing))

@@ -111,6 +111,8 @@ class SourceWorker:
         self._resync_requested = False
         self._pending: Received | None = None
         """Taken from the queue while grouping but not next in seq: handled next."""
+        self._stopped = asyncio.Event()
+        """Set when the service stops this worker: its queue is abandoned, not drained."""
         pod = source.pod
         self._m_batches = metrics.batches.labels(pod)
         self._m_stored = metrics.blocks_stored.labels(pod)
@@ -161,8 +163,21 @@ class SourceWorker:
             self._waiters = [(c, f) for c, f in self._waiters if f is not future]
 
     async def idle(self) -> None:
-        """Return once everything queued so far has been handled."""
-        await self.queue.join()
+        """Return once everything queued so far has been handled, or the worker stopped
+        (a pod removed or replaced while someone flushes must not hold them forever)."""
+        if self._stopped.is_set():
+            return
+        drained = asyncio.ensure_future(self.queue.join())
+        stopped = asyncio.ensure_future(self._stopped.wait())
+        try:
+            await asyncio.wait((drained, stopped), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            drained.cancel()
+            stopped.cancel()
+
+    def stopped(self) -> None:
+        """The service cancelled this worker's loop; whatever is still queued is dropped."""
+        self._stopped.set()
 
     # ---------------------------------------------------------------- the loop
 

@@ -326,6 +326,23 @@ async def test_remove_pod_stops_and_clears(
     assert not await service.remove_pod("p0")
 
 
+async def test_flush_returns_when_a_pod_is_removed_with_batches_still_queued(
+    make_service: ServiceFactory,
+    make_publisher: PublisherFactory,
+    index: RecordingIndex,
+) -> None:
+    service, pub = make_service(), make_publisher()
+    await follow(service, pub, pod_for(pub))
+    index.gate = asyncio.Event()
+    for n in range(3):
+        await pub.publish([store(n)])
+    await service.wait(P0, lambda state: state.queue_depth >= 2)
+    flushing = asyncio.ensure_future(service.flush())  # runs first: it holds the worker
+    removing = asyncio.ensure_future(service.remove_pod("p0"))
+    await asyncio.wait_for(asyncio.gather(flushing, removing), 5)
+    assert removing.result()
+
+
 async def test_queued_batches_are_applied_as_one_group(
     make_service: ServiceFactory,
     make_publisher: PublisherFactory,

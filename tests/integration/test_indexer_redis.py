@@ -103,7 +103,7 @@ async def test_redis_restart_while_ingesting_answers_503_then_resyncs(
 
             await pub.call(op="release_replay")
             await indexer.ingest.applied(Source("p0"), seq, timeout=20)
-            await indexer.ingest.flush()
+            await asyncio.wait_for(indexer.ingest.flush(), 20)
             assert indexer.ingest.ready
             assert depth(await lookup(client)) == 5
 

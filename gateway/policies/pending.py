@@ -122,7 +122,8 @@ class PendingPrefixes:
             self.drop(settled.popleft()[1])
 
     def drop(self, entry: PendingEntry) -> None:
-        """At once: the prefill did not compute the prompt (it failed or was cancelled)."""
+        """Remove the entry now: its grace passed, its worker left, or its prefill computed
+        nothing (it failed or was cancelled)."""
         if entry.removed or entry.first is None:
             return
         entry.removed = True

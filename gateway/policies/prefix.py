@@ -25,8 +25,8 @@ longer than the prefix; the prompt's later turns or siblings then live on two po
 their copies evict other prefixes. Replaying the Mooncake trace and llm-d's shared-prefix
 workload (README, "Routing quality"), 0.5 gave a lower mean TTFT and a higher hit rate
 than 1.0 on both (Mooncake: 2.45 against 2.48 s, 30.7 against 28.3 %; llm-d: 0.04
-against 0.06 s, 98.1 against 95.8 %); lower weights raise the hit rate further but make more prompts
-wait behind a busy holder.
+against 0.06 s, 98.1 against 95.8 %); lower weights raise the hit rate further but make
+more prompts wait behind a busy holder.
 
 Without a lookup (no tokens, no index configured, index unreachable) the policy hands the
 choice to its load fallback (least_load) and marks it `fallback="no_lookup"`.

@@ -69,11 +69,23 @@ def test_live_mode_drops_what_the_engines_cannot_emulate_and_caps_outputs() -> N
         (["--sweep", "event-delay-s="], "gives no values"),
         (["--sweep", "utilisation=0.5,lots"], "'lots' is not a valid value"),
         (["--sweep", "utilisation=0.5,-1"], "utilisation"),
+        (["--prefix-pending-grace-secs", "-2"], "pending_grace_secs"),
+        (["--sweep", "prefix-pending-grace-secs=off,-1"], "pending_grace_secs"),
     ],
 )
 def test_bad_flags_are_refused_by_check_config(flags: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         _settings(*flags)
+
+
+def test_the_pending_grace_is_seconds_or_off_never_infinite(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert _settings("--prefix-pending-grace-secs", "off")[0].prefix.pending_grace_secs is None
+    assert _settings("--prefix-pending-grace-secs", "3")[0].prefix.pending_grace_secs == 3.0
+    with pytest.raises(SystemExit):
+        _settings("--prefix-pending-grace-secs", "inf")
+    assert "give a finite number, or 'off'" in capsys.readouterr().err
 
 
 def test_check_mode_validates_without_running(capsys: pytest.CaptureFixture[str]) -> None:

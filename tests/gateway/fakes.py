@@ -92,6 +92,27 @@ class Cluster:
         for url in DECODES:
             self.on(url, held)
 
+    def one_prefill_fails(self, broken: str, good: str) -> None:
+        """`broken` answers 500; the decodes answer (with their room) only once `good`
+        has answered, so a pair with the broken prefill is retried while its decode waits."""
+        prefilled = asyncio.Event()
+
+        async def failing(_: httpx.Request, __: Any) -> httpx.Response:
+            return httpx.Response(500, json={"error": "kv pool exhausted"})
+
+        async def working(_: httpx.Request, __: Any) -> httpx.Response:
+            prefilled.set()
+            return httpx.Response(200, json={})
+
+        async def waiting(_: httpx.Request, body: Any) -> httpx.Response:
+            await prefilled.wait()
+            return httpx.Response(200, json={"room": body["bootstrap_room"]})
+
+        self.on(broken, failing)
+        self.on(good, working)
+        for url in DECODES:
+            self.on(url, waiting)
+
     def hang_every_worker(self) -> None:
         """Every worker takes calls and never answers: only a cancellation ends them."""
 

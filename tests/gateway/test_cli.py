@@ -119,11 +119,24 @@ def test_environment_supplies_repeatable_flags() -> None:
         (["--decode-policy", "prefix"], "prefill caches"),
         (["--retry-jitter-factor", "2"], "jitter_factor"),
         (["--health-check-endpoint", "health"], "endpoint: 'health' is not a path"),
+        (["--prefix-pending-grace-secs", "-1"], "greater than or equal to 0"),
+        (["--prefix-pending-grace-secs", "inf"], "finite number"),
+        (["--prefix-queued-weight", "nan"], "finite number"),
     ],
 )
 def test_invalid_flags_are_refused_with_the_reason(argv: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         config_of(*argv)
+
+
+def test_the_pending_grace_takes_seconds_or_off_and_says_so_otherwise(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert config_of("--prefix-pending-grace-secs", "0.5").prefix.pending_grace_secs == 0.5
+    assert config_of("--prefix-pending-grace-secs", "off").prefix.pending_grace_secs is None
+    with pytest.raises(SystemExit):
+        config_of("--prefix-pending-grace-secs", "soon")
+    assert "'soon' is neither a number nor 'off'" in capsys.readouterr().err
 
 
 def test_check_config_is_the_command_default() -> None:

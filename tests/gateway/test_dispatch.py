@@ -72,23 +72,7 @@ async def test_pair_gets_the_same_bound_body_and_client_gets_the_decode_answer()
 
 async def test_prefill_failure_while_decode_waits_retries_with_new_pair_and_rooms() -> None:
     cluster = Cluster()
-    released = asyncio.Event()
-
-    async def broken_prefill(_: httpx.Request, __: Any) -> httpx.Response:
-        return httpx.Response(500, json={"error": "kv pool exhausted"})
-
-    async def good_prefill(_: httpx.Request, __: Any) -> httpx.Response:
-        released.set()
-        return httpx.Response(200, json={})
-
-    async def waiting_decode(_: httpx.Request, body: Any) -> httpx.Response:
-        await released.wait()
-        return httpx.Response(200, json={"room": body["bootstrap_room"]})
-
-    cluster.on(PREFILLS[0], broken_prefill)
-    cluster.on(PREFILLS[1], good_prefill)
-    for url in DECODES:
-        cluster.on(url, waiting_decode)
+    cluster.one_prefill_fails(PREFILLS[0], PREFILLS[1])
     sleeps = Sleeps()
     # round_robin makes the first attempt go to the broken prefill.
     gateway = await make_gateway(cluster, config(prefill_policy="round_robin"), sleeps=sleeps)

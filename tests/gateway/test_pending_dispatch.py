@@ -18,7 +18,6 @@ from gateway.policies.pending import PendingHit
 from gateway.requests import parse_request
 from globalkv.lookup import LookupResult
 from tests.gateway.fakes import (
-    DECODES,
     PREFILLS,
     Cluster,
     FakeClock,
@@ -89,24 +88,7 @@ async def test_a_prompt_in_flight_draws_the_next_one_sharing_it_until_the_grace_
 
 async def test_a_prefill_that_failed_holds_nothing_for_the_prefix_policy() -> None:
     cluster = Cluster()
-
-    async def broken_prefill(_: httpx.Request, __: Any) -> httpx.Response:
-        return httpx.Response(500, json={"error": "kv pool exhausted"})
-
-    prefilled = asyncio.Event()
-
-    async def good_prefill(_: httpx.Request, __: Any) -> httpx.Response:
-        prefilled.set()
-        return httpx.Response(200, json={})
-
-    async def waiting_decode(_: httpx.Request, body: Any) -> httpx.Response:
-        await prefilled.wait()
-        return httpx.Response(200, json={"room": body["bootstrap_room"]})
-
-    cluster.on(PREFILLS[1], broken_prefill)
-    cluster.on(PREFILLS[0], good_prefill)
-    for url in DECODES:
-        cluster.on(url, waiting_decode)
+    cluster.one_prefill_fails(PREFILLS[1], PREFILLS[0])
     keys = [21, 22, 23]
     lookup = StubLookup(LookupResult(block_size=4, blocks=3, pods=[], keys=keys))
     gateway = await make_gateway(cluster, lookup=lookup)

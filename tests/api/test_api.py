@@ -90,6 +90,21 @@ def _app(
     )
 
 
+def _following_app(
+    index: Index, registry: MemoryRegistry, context: zmq.asyncio.Context
+) -> tuple[IngestService, FastAPI]:
+    """The API over a real ingest service (which the caller stops), default limits."""
+    ingest = IngestService(index, registry, IngestMetrics(CollectorRegistry()), context=context)
+    app = create_app(
+        ApiConfig(),
+        index=index,
+        registry=registry,
+        ingest=ingest,
+        metrics_registry=CollectorRegistry(),
+    )
+    return ingest, app
+
+
 @pytest.fixture
 async def setup(
     index: MemoryIndex, context: zmq.asyncio.Context
@@ -305,14 +320,7 @@ async def test_a_pod_removed_while_the_index_is_down_is_503_then_cleared(
 ) -> None:
     index = RecordingIndex()
     registry = MemoryRegistry()
-    ingest = IngestService(index, registry, IngestMetrics(CollectorRegistry()), context=context)
-    app = create_app(
-        ApiConfig(),
-        index=index,
-        registry=registry,
-        ingest=ingest,
-        metrics_registry=CollectorRegistry(),
-    )
+    ingest, app = _following_app(index, registry, context)
     try:
         async with await _client(app) as client:
             assert (await client.post("/v1/pods", json=POD)).status_code == 201
@@ -334,14 +342,7 @@ async def test_a_pod_this_indexer_does_not_follow_has_no_state(
     registry = MemoryRegistry()
     await registry.put(PodInfo.model_validate(POD))
     await registry.put_states({"p0": PodState(subscribed=True, receiving=True)})
-    ingest = IngestService(index, registry, IngestMetrics(CollectorRegistry()), context=context)
-    app = create_app(
-        ApiConfig(),
-        index=index,
-        registry=registry,
-        ingest=ingest,
-        metrics_registry=CollectorRegistry(),
-    )
+    ingest, app = _following_app(index, registry, context)
     async with await _client(app) as client:
         (pod,) = (await client.get("/v1/pods")).json()["pods"]
     assert (pod["id"], pod["state"]) == ("p0", None)

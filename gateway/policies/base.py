@@ -38,12 +38,14 @@ simulator replaying traces against a real `MemoryIndex` in simulated time:
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from gateway.policies.pending import PendingEntry, PendingHit, PendingPrefixes
+from gateway.policies.progress import PrefillProgress
 from globalkv.lookup import LookupResult
 
 # The value types below are built several times per request, so they are not frozen: a
@@ -61,6 +63,9 @@ class Candidate:
     """Requests sent to it and not finished."""
     queued_prefill_tokens: int = 0
     """Prompt tokens it was asked to prefill (beyond its cache) that it has not finished."""
+    remaining_prefill_tokens: int = 0
+    """The part of those it is estimated not to have computed yet
+    (`gateway.policies.progress`)."""
 
 
 @dataclass(slots=True)
@@ -109,7 +114,11 @@ class NoCandidates(LookupError):
 @dataclass(slots=True)
 class WorkerLoad:
     in_flight: int = 0
-    queued_prefill_tokens: int = 0
+    progress: PrefillProgress = field(default_factory=PrefillProgress)
+
+    @property
+    def queued_prefill_tokens(self) -> int:
+        return self.progress.open_tokens
 
 
 @dataclass(slots=True)
@@ -119,6 +128,7 @@ class LoadTicket:
     worker: str
     prefill_tokens: int
     load: WorkerLoad
+    serial: int
     prefill_open: bool = True
     open: bool = True
     pending: PendingEntry | None = None
@@ -135,6 +145,7 @@ class LoadTracker:
     pending: PendingPrefixes | None = field(default_factory=PendingPrefixes)
     """None: nothing is counted as pending (`--prefix-pending-grace-secs off`)."""
     clock: Callable[[], float] = time.monotonic
+    _serials: Iterator[int] = field(default_factory=itertools.count, repr=False)
 
     def start(
         self,
@@ -147,11 +158,14 @@ class LoadTracker:
         known) until its prefill ends."""
         load = self.loads.setdefault(worker, WorkerLoad())
         load.in_flight += 1
-        load.queued_prefill_tokens += prefill_tokens
+        serial = next(self._serials)
+        if prefill_tokens > 0:
+            load.progress.sent(serial, prefill_tokens, self.clock())
         return LoadTicket(
             worker,
             prefill_tokens,
             load,
+            serial,
             prefill_open=prefill_tokens > 0,
             pending=self.pending.add(worker, keys, dp_rank) if keys and self.pending else None,
         )
@@ -170,7 +184,7 @@ class LoadTracker:
         """`computed`: the prefill answered with success, so it holds the prompt's KV."""
         if ticket.prefill_open:
             ticket.prefill_open = False
-            ticket.load.queued_prefill_tokens -= ticket.prefill_tokens
+            ticket.load.progress.answered(ticket.serial, self.clock(), computed)
         if ticket.pending is not None and self.pending is not None:
             if computed:
                 self.pending.settle(ticket.pending, self.clock())
@@ -193,16 +207,24 @@ class LoadTracker:
     def load(self, worker: str) -> WorkerLoad:
         return self.loads.get(worker) or WorkerLoad()
 
-    def candidate(self, worker: str, pod: str | None = None) -> Candidate:
+    def candidate(self, worker: str, pod: str | None = None, now: float | None = None) -> Candidate:
         load = self.loads.get(worker)
         if load is None:
             return Candidate(worker, pod or worker)
-        return Candidate(worker, pod or worker, load.in_flight, load.queued_prefill_tokens)
+        progress = load.progress
+        return Candidate(
+            worker,
+            pod or worker,
+            load.in_flight,
+            progress.open_tokens,
+            progress.remaining(self.clock() if now is None else now),
+        )
 
     def candidates(self, workers: Iterable[str | tuple[str, str]]) -> list[Candidate]:
         """Snapshots of workers given as ids or (id, pod) pairs."""
+        now = self.clock()
         out: list[Candidate] = []
         for item in workers:
             worker, pod = (item, item) if isinstance(item, str) else item
-            out.append(self.candidate(worker, pod))
+            out.append(self.candidate(worker, pod, now))
         return out

@@ -8,16 +8,17 @@ Score of a candidate prefill worker `w` (lower is better), in token units:
                   see `gateway.policies.pending`); 0 without either
     uncached(w) = max(prompt_tokens - hit(w), 0)
     cost(w)     = uncached_weight * uncached(w)                 (--prefix-uncached-weight, 1.0)
-                + queued_weight   * queued_prefill_tokens(w)    (--prefix-queued-weight, 0.5)
+                + queued_weight   * remaining_prefill_tokens(w) (--prefix-queued-weight, 0.5)
                 + request_cost    * in_flight(w)                (--prefix-request-cost, 0.0)
 
-`queued_prefill_tokens(w)` is the sum of `uncached` over requests this gateway sent to w
-whose prefill has not answered yet: the work w must do before it reaches this prompt,
-over-counted by what it has already done of the one it is computing. A pod holding 6,000
-cached tokens of an 8,000-token prompt (uncached 2,000) but with 14,000 tokens queued
-costs 2,000 + 7,000 = 9,000 and loses to an idle pod holding 1,000 (cost 7,000). The
-lowest cost wins; equal costs are broken by the seeded RNG. The choice carries the DP
-rank of the counted hit, so the room can select it.
+`remaining_prefill_tokens(w)` is the work w must do before it reaches this prompt: of the
+uncached tokens of the prompts this gateway sent w whose prefill has not answered, the part
+not yet computed by w's measured prefill rate (`gateway.policies.progress`; all of them
+until w has answered once). A pod holding 6,000 cached tokens of an 8,000-token prompt
+(uncached 2,000) but with 14,000 tokens left to compute costs 2,000 + 7,000 = 9,000 and
+loses to an idle pod holding 1,000 (cost 7,000). The lowest cost wins; equal costs are
+broken by the seeded RNG. The choice carries the DP rank of the counted hit, so the room
+can select it.
 
 Why the queue weighs half a token: at 1.0 the policy is the greedy estimate of this
 request's time to first token, and it leaves a prefix's holder as soon as its queue is
@@ -73,7 +74,7 @@ class PrefixPolicy:
             uncached = max(prompt - hit_tokens, 0)
             cost = (
                 w.uncached_weight * uncached
-                + w.queued_weight * candidate.queued_prefill_tokens
+                + w.queued_weight * candidate.remaining_prefill_tokens
                 + w.request_cost * candidate.in_flight
             )
             scored.append((cost, candidate, dp_rank, uncached))

@@ -136,7 +136,7 @@ def test_prefix_counts_what_it_sent_where_the_index_shows_less() -> None:
     choice = policy.choose(request, candidates)
     assert (choice.worker, choice.hit_tokens, choice.uncached_tokens) == ("a", 640, 360)
     assert choice.dp_rank == 2, "the room must select the rank computing the prefix"
-    loaded = [Candidate("a", "pod-a", 1, 600), Candidate("b", "pod-b")]
+    loaded = [Candidate("a", "pod-a", 1, 600, 600), Candidate("b", "pod-b")]
     assert policy.choose(request, loaded).worker == "b", "what was sent weighs like a hit"
     lighter = build_policy("prefix", Random(0), prefix=PrefixWeights(queued_weight=0.5))
     assert lighter.choose(request, loaded).worker == "a"

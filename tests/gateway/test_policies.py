@@ -25,8 +25,16 @@ def hits(*pods: tuple[str, int, int], block_size: int = 16, blocks: int = 100) -
     )
 
 
-def cand(worker: str, in_flight: int = 0, queued: int = 0, pod: str | None = None) -> Candidate:
-    return Candidate(worker, pod or worker, in_flight, queued)
+def cand(
+    worker: str,
+    in_flight: int = 0,
+    queued: int = 0,
+    pod: str | None = None,
+    remaining: int | None = None,
+) -> Candidate:
+    """`remaining` defaults to all of `queued`: a worker whose prefill rate is not yet known."""
+    left = queued if remaining is None else remaining
+    return Candidate(worker, pod or worker, in_flight, queued, left)
 
 
 def test_prefix_prefers_the_longest_hit_when_idle() -> None:
@@ -51,6 +59,15 @@ def test_prefix_long_hit_on_overloaded_pod_loses_to_short_hit_on_idle_pod() -> N
     choice = policy.choose(request, [cand("busy", queued=14_000), cand("idle")])
     assert choice.worker == "idle"
     assert choice.uncached_tokens == 7000
+
+
+def test_prefix_weighs_the_estimated_rest_of_the_queue_not_all_that_was_sent() -> None:
+    """The same busy pod, estimated to have 2,000 of its 14,000 tokens left: 2,000 + 1,000
+    beats the idle pod's 7,000, so the prompt stays with its prefix."""
+    policy = build_policy("prefix", Random(0))
+    request = RouteRequest(tokens=[1] * 8000, lookup=hits(("busy", 0, 6000), ("idle", 0, 1000)))
+    choice = policy.choose(request, [cand("busy", queued=14_000, remaining=2000), cand("idle")])
+    assert (choice.worker, choice.uncached_tokens) == ("busy", 2000)
 
 
 def test_prefix_weights_change_the_decision() -> None:
@@ -185,7 +202,7 @@ def test_load_tracker_hooks_are_idempotent() -> None:
     loads = LoadTracker()
     ticket = loads.start("p", prefill_tokens=100)
     other = loads.start("p", prefill_tokens=20)
-    assert loads.candidate("p", "pod") == Candidate("p", "pod", 2, 120)
+    assert loads.candidate("p", "pod") == Candidate("p", "pod", 2, 120, 120), "no rate yet"
     loads.prefill_done(ticket)
     loads.prefill_done(ticket)
     assert loads.load("p").queued_prefill_tokens == 20

@@ -1,0 +1,106 @@
+"""The estimate of a prefill's remaining work: fluid backlog, measured rate, bounds."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.policies import LoadTracker
+from gateway.policies.progress import PrefillProgress
+
+
+def test_without_a_measured_rate_everything_sent_is_still_ahead() -> None:
+    progress = PrefillProgress()
+    progress.sent(1, 1000, now=0.0)
+    progress.sent(2, 500, now=1.0)
+    assert progress.tokens_per_s is None
+    assert progress.remaining(now=100.0) == 1500
+
+
+def test_the_rate_is_tokens_answered_over_time_busy() -> None:
+    """Idle time between prefills does not count: 1,000 tokens in 2 s busy, then an hour idle."""
+    progress = PrefillProgress()
+    progress.sent(1, 1000, now=10.0)
+    progress.answered(1, now=12.0, computed=True)
+    assert progress.tokens_per_s == pytest.approx(500.0)
+    progress.sent(2, 2000, now=3600.0)
+    assert progress.remaining(now=3601.0) == 1500
+    assert progress.remaining(now=3603.0) == 500
+    assert progress.tokens_per_s == pytest.approx(500.0), "reading does not change the rate"
+
+
+def test_after_an_answer_the_backlog_drains_on_from_where_it_was() -> None:
+    """Rate 1,000/s; prompts of 1,000 and 2,000 sent together; the first answers on time."""
+    progress = PrefillProgress()
+    progress.sent(0, 1000, now=0.0)
+    progress.answered(0, now=1.0, computed=True)
+    progress.sent(1, 1000, now=10.0)
+    progress.sent(2, 2000, now=10.0)
+    assert progress.remaining(now=10.5) == 2500
+    progress.answered(1, now=11.0, computed=True)
+    assert progress.tokens_per_s == pytest.approx(1000.0)
+    assert progress.remaining(now=11.0) == 2000
+    assert progress.remaining(now=11.5) == 1500
+
+
+def test_an_answer_caps_the_backlog_at_what_is_still_open() -> None:
+    """Measured slow (100/s): after the first of two 1,000-token prompts answers, no more
+    than the other's 1,000 can be left, whatever the fluid queue says."""
+    progress = PrefillProgress()
+    progress.sent(0, 100, now=0.0)
+    progress.answered(0, now=1.0, computed=True)
+    progress.sent(1, 1000, now=10.0)
+    progress.sent(2, 1000, now=10.0)
+    progress.answered(1, now=11.0, computed=True)
+    assert progress.remaining(now=11.0) == 1000
+
+
+def test_a_rate_too_high_still_counts_everything_behind_the_oldest_prompt() -> None:
+    """First come first served: only the oldest open prompt can be partly done, so an
+    over-estimated rate cannot make a worker with prompts waiting look idle."""
+    progress = PrefillProgress()
+    progress.sent(0, 10_000, now=0.0)
+    progress.answered(0, now=1.0, computed=True)
+    progress.sent(1, 4000, now=5.0)
+    progress.sent(2, 3000, now=5.0)
+    assert progress.remaining(now=60.0) == 3000
+    progress.answered(2, now=61.0, computed=True)
+    assert progress.remaining(now=61.0) == 0, "only the oldest is left; the rate says it is done"
+
+
+def test_a_failed_prefill_does_not_measure_the_rate() -> None:
+    progress = PrefillProgress()
+    progress.sent(1, 1000, now=0.0)
+    progress.answered(1, now=0.01, computed=False)
+    assert progress.tokens_per_s is None
+    assert progress.remaining(now=0.01) == 0
+    progress.answered(1, now=0.02, computed=True)
+    assert progress.tokens_per_s is None, "an answer for a prompt not open is ignored"
+
+
+def test_the_rate_follows_a_worker_that_slows_down() -> None:
+    progress = PrefillProgress()
+    now = 0.0
+    for serial in range(200):
+        progress.sent(serial, 1000, now)
+        now += 1.0 if serial < 100 else 4.0
+        progress.answered(serial, now, computed=True)
+    rate = progress.tokens_per_s
+    assert rate is not None
+    assert 250 <= rate < 300
+
+
+def test_load_tracker_candidates_carry_the_estimate_on_its_clock() -> None:
+    clock = [0.0]
+    loads = LoadTracker(clock=lambda: clock[0])
+    first = loads.start("p", prefill_tokens=1000)
+    clock[0] = 2.0
+    loads.prefill_done(first)
+    second = loads.start("p", prefill_tokens=3000)
+    loads.start("p", prefill_tokens=0)
+    clock[0] = 4.0
+    candidate = loads.candidate("p")
+    assert (candidate.queued_prefill_tokens, candidate.remaining_prefill_tokens) == (3000, 2000)
+    assert loads.candidates(["p", "idle"])[1].remaining_prefill_tokens == 0
+    loads.finish(second, computed=False)
+    assert loads.candidate("p").remaining_prefill_tokens == 0
+    assert loads.load("p").progress.tokens_per_s == pytest.approx(500.0)

@@ -54,6 +54,19 @@ class _PoolCollector(Collector):
             "Uncached prompt tokens sent to a prefill and not yet prefilled.",
             labels=labels,
         )
+        remaining = GaugeMetricFamily(
+            "globalkv_gateway_worker_remaining_prefill_tokens",
+            "The part of the queued prefill tokens estimated not yet computed (what the "
+            "prefix policy weighs), from the worker's measured prefill rate.",
+            labels=labels,
+        )
+        rate = GaugeMetricFamily(
+            "globalkv_gateway_worker_prefill_tokens_per_second",
+            "A prefill's rate as this gateway measures it: uncached tokens answered per "
+            "second with prefills open (absent until one answered).",
+            labels=labels,
+        )
+        now = self._loads.clock()
         for worker in self._pool:
             key = [worker.id, worker.role]
             load = self._loads.load(worker.id)
@@ -62,6 +75,10 @@ class _PoolCollector(Collector):
             breaker.add_metric(key, float(worker.breaker.state.gauge))
             in_flight.add_metric(key, float(load.in_flight))
             queued.add_metric(key, float(load.queued_prefill_tokens))
+            remaining.add_metric(key, float(load.progress.remaining(now)))
+            measured = load.progress.tokens_per_s
+            if measured is not None:
+                rate.add_metric(key, measured)
             if worker.role == "prefill":
                 directory.add_metric([worker.id, worker.pod], float(worker.directory.status.gauge))
         pending = GaugeMetricFamily(
@@ -70,7 +87,8 @@ class _PoolCollector(Collector):
             "there until the index shows them (bounded; see --prefix-pending-grace-secs).",
         )
         pending.add_metric([], float(self._loads.pending_keys()))
-        yield from (healthy, eligible, breaker, directory, in_flight, queued, pending)
+        yield from (healthy, eligible, breaker, directory, in_flight, queued, remaining, rate)
+        yield pending
 
 
 class GatewayMetrics:

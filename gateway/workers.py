@@ -152,6 +152,8 @@ class Worker:
             "consecutive_failures": stats.consecutive_failures,
             "in_flight": load.in_flight,
             "queued_prefill_tokens": load.queued_prefill_tokens,
+            "remaining_prefill_tokens": load.progress.remaining(loads.clock()),
+            "prefill_tokens_per_s": load.progress.tokens_per_s,
             "last_error": self.last_error,
             "last_error_age_secs": None if at is None else round(now - at, 1),
         }

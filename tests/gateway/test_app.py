@@ -21,7 +21,16 @@ from gateway.server import GatewayServer
 from gateway.service import Gateway
 from gateway.upstream import Answer
 from globalkv.tokenize import ByteTokenizer
-from tests.gateway.fakes import DECODES, PREFILLS, Cluster, StubLookup, config, make_gateway, sample
+from tests.gateway.fakes import (
+    DECODES,
+    PREFILLS,
+    Cluster,
+    FakeClock,
+    StubLookup,
+    config,
+    make_gateway,
+    sample,
+)
 
 
 @pytest.fixture(params=["asgi", "server"])
@@ -310,6 +319,35 @@ async def test_workers_admin_api(setup: tuple[Cluster, Gateway], front: str) -> 
         removed = await client.delete("/workers/10.0.0.3:30001", headers=admin)
         assert removed.json() == {"removed": "10.0.0.3:30001"}
         assert gateway.pool.get("10.0.0.3:30001") is None
+
+
+async def test_a_prefill_that_answered_shows_its_measured_rate(front: str) -> None:
+    """/workers and /metrics show what the prefix policy weighs: the rate a prefill was
+    measured at (the prompt's tokens in 0.5 s of the gateway's clock), and the tokens still
+    estimated ahead of it (none once it answered)."""
+    cluster, clock = Cluster(), FakeClock()
+
+    async def half_a_second(_: httpx.Request, __: Any) -> httpx.Response:
+        clock.now += 0.5
+        return httpx.Response(200, json={})
+
+    for url in PREFILLS:
+        cluster.on(url, half_a_second)
+    gateway = await make_gateway(
+        cluster, config(), lookup=StubLookup(), tokenizer=ByteTokenizer(), clock=clock
+    )
+    async with client_for(gateway, front) as client:
+        await client.post("/generate", json={"text": "hello"})
+        listed = (await client.get("/workers")).json()["workers"]
+        text = (await client.get("/metrics")).text
+    prefills = [w for w in listed if w["role"] == "prefill"]
+    measured = [w for w in prefills if w["prefill_tokens_per_s"] is not None]
+    expected = len(ByteTokenizer().encode("hello")) / 0.5
+    assert [w["prefill_tokens_per_s"] for w in measured] == [expected]
+    assert [w["remaining_prefill_tokens"] for w in prefills] == [0, 0]
+    rate = "globalkv_gateway_worker_prefill_tokens_per_second"
+    assert text.count(f"{rate}{{") == 1, "a worker never timed has no rate"
+    assert f'{rate}{{role="prefill",worker="{measured[0]["id"]}"}} {expected}' in text
 
 
 async def test_the_settings_in_force_are_shown_without_secrets(

@@ -65,13 +65,19 @@ class PodSync:
         await self.service.publish_states()
 
     async def sync_one(self, pod_id: str) -> None:
+        """A pod that is gone from a registry which lost its data was not removed: the
+        whole registry is written back instead (a Redis restart notifies too)."""
         pod = await self.registry.get(pod_id)
-        if pod is None:
-            if pod_id in {p.id for p in self.service.pods()}:
-                log.info("pod %s was removed from the registry; unsubscribing", pod_id)
-                await self.service.remove_pod(pod_id)
-        else:
+        if pod is not None:
             await self._follow(pod)
+            return
+        if pod_id not in {p.id for p in self.service.pods()}:
+            return
+        if not await self.registry.intact():
+            await self.reconcile()
+            return
+        log.info("pod %s was removed from the registry; unsubscribing", pod_id)
+        await self.service.remove_pod(pod_id)
 
     async def _follow(self, pod: PodInfo) -> None:
         """A conflicting pod written by someone else is reported, and the others followed."""

@@ -195,6 +195,46 @@ async def test_a_discovered_pod_the_registry_missed_is_written_not_dropped(
     assert index.removed_pods == []
 
 
+class _LosingRegistry(MemoryRegistry):
+    """Loses every pod at once, as a Redis that restarted empty."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lost = False
+
+    def lose_everything(self) -> None:
+        self._pods.clear()
+        self.lost = True
+
+    async def intact(self) -> bool:
+        return not self.lost
+
+    async def mark(self) -> None:
+        self.lost = False
+
+
+async def test_a_notification_after_the_registry_lost_its_data_restores_it_not_the_pod_removed(
+    make_service: ServiceFactory, make_publisher: PublisherFactory, index: RecordingIndex
+) -> None:
+    """A change notice arriving before the periodic reconcile must not read the lost
+    registry as "this pod was deleted", or the pod is never followed again."""
+    registry = _LosingRegistry()
+    service, pub = make_service(), make_publisher()
+    service.registry = registry
+    pod = pod_for(pub)
+    await registry.put(pod)
+    await follow(service, pub, pod)
+    registry.lose_everything()
+    await PodSync(registry, service).sync_one("p0")
+    assert [p.id for p in service.pods()] == ["p0"]
+    assert index.removed_pods == []
+    assert await registry.get("p0") == pod, "written back"
+    assert await registry.intact()
+    await registry.remove("p0")
+    await PodSync(registry, service).sync_one("p0")
+    assert service.pods() == [], "a pod deleted from an intact registry is unfollowed"
+
+
 async def test_a_bind_address_in_use_fails_at_start_and_leaves_no_socket(
     make_service: ServiceFactory, index: RecordingIndex, context: zmq.asyncio.Context
 ) -> None:

@@ -207,7 +207,11 @@ class Dispatcher:
     def _start_prefill(self, plan: RoutePlan, path: str, payload: bytes) -> Call:
         choice = plan.prefill_choice
         ticket = self._router.loads.start(
-            plan.prefill.id, choice.uncached_tokens, plan.keys, plan.dp_rank
+            plan.prefill.id,
+            choice.uncached_tokens,
+            plan.keys,
+            plan.dp_rank,
+            cached_tokens=choice.hit_tokens,
         )
         call = asyncio.ensure_future(
             self._upstream.fetch(plan.prefill.url + path, payload, self._timeout)

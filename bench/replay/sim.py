@@ -185,7 +185,9 @@ class Simulation:
             choice = policy.choose(request, loads.candidates(prefills))
             decode = decode_policy.choose(request, loads.candidates(decodes)).worker
             flights[i] = _InFlight(
-                loads.start(choice.worker, choice.uncached_tokens, keys),
+                loads.start(
+                    choice.worker, choice.uncached_tokens, keys, cached_tokens=choice.hit_tokens
+                ),
                 loads.start(decode),
                 settings.output_tokens(req.output_length),
             )

@@ -11,7 +11,8 @@ simulator replaying traces against a real `MemoryIndex` in simulated time:
     request = RouteRequest(tokens=tokens, text=None, lookup=lookup, now=sim_time,
                            pending=loads.pending_blocks(keys))   # sent, not yet indexed
     choice = policy.choose(request, loads.candidates(pods))      # (worker, pod) pairs
-    ticket = loads.start(choice.worker, choice.uncached_tokens, keys)
+    ticket = loads.start(choice.worker, choice.uncached_tokens, keys,
+                         cached_tokens=choice.hit_tokens)
     ...                                                          # simulated prefill
     loads.prefill_done(ticket)                                   # KV computed (or failed:
                                                                  # computed=False)
@@ -153,14 +154,16 @@ class LoadTracker:
         prefill_tokens: int = 0,
         keys: Sequence[int] = (),
         dp_rank: int | None = None,
+        cached_tokens: int = 0,
     ) -> LoadTicket:
         """`keys`: the prompt's block keys, held as pending on `worker` (on `dp_rank`, when
-        known) until its prefill ends."""
+        known) until its prefill ends. `cached_tokens`: the prefix it expects cached there,
+        which the `prefill_tokens` follow (their context, which makes them dearer)."""
         load = self.loads.setdefault(worker, WorkerLoad())
         load.in_flight += 1
         serial = next(self._serials)
         if prefill_tokens > 0:
-            load.progress.sent(serial, prefill_tokens, self.clock())
+            load.progress.sent(serial, prefill_tokens, self.clock(), cached_tokens)
         return LoadTicket(
             worker,
             prefill_tokens,

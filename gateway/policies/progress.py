@@ -8,87 +8,154 @@ for a wait that is mostly over. Replaying the Mooncake trace, this estimate rais
 policy's hit rate from 30.7 % to 33.2 % at the same mean TTFT, as much as giving it the
 simulated pods' exact remaining work did (33.1 %; README, "Routing quality").
 
-The estimate is a fluid queue per worker: sending a prompt adds its uncached tokens to a
-backlog that drains at the worker's measured prefill rate; every answer caps the backlog
-at what is still open. The rate is what the gateway observes: tokens answered over the
-time the worker had prefills open, decayed so a worker that slows down (longer contexts,
-a co-tenant) is followed within some tens of answers. Nothing is assumed about the engine.
-Where several gateways share a prefill, each sees the pod busy with the others' prompts
-too and measures a lower rate than the pod's, so its estimate errs toward the plain sum.
+The estimate is a fluid queue per worker, in *work*: sending a prompt adds its work to a
+backlog that drains at the worker's measured rate, and every answer caps the backlog at
+the work still open. A prompt's work is not just its uncached tokens: attention makes a
+token at context position p cost more the larger p is, so 5,000 tokens after a 60,000
+token cached prefix take far longer than the first 5,000 of a prompt. Each worker's time
+per prompt is therefore fitted as
 
-Two bounds keep a wrong rate from doing harm. The backlog never falls below the open work
+    seconds = a * tokens + b * tokens * position     (position: the uncached part's middle)
+
+by decayed least squares over its answers, each answer timed by the busy time since the
+previous one, and work is counted in tokens at the fitted linear cost (`tokens +
+(b / a) * tokens * position`), so on an engine whose cost is linear it is plain tokens.
+Replaying Mooncake with attention's cost (`--attention-tokens 52000`), draining every
+token at the average rate made followers wait behind long-context holders that were far
+from done: mean TTFT 2.26 s, against 2.15 s with the fit (README, "Routing quality").
+Nothing is assumed about the engine. Where several gateways share a prefill, each sees
+the pod busy with the others' prompts too and measures it slower than it is, so its
+estimate errs toward the plain sum.
+
+Two bounds keep a wrong fit from doing harm. The backlog never falls below the open work
 behind the oldest open prompt (prefill is first come first served, so only that one can
 be partly done), and never exceeds the open work. Before the first answer there is no
-rate and the estimate is the open work, as before.
+fit and the estimate is the open tokens.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# Weight kept by the rate's history at each answer: ~50 answers' memory.
-_RATE_DECAY = 0.98
+# Weight kept by the fit's history at each answer: ~50 answers' memory.
+_DECAY = 0.98
+# The two-term fit is used only when its normal equations are this far from singular
+# (prompts of one context length cannot tell the terms apart); else the linear one.
+_CONDITION = 1e-6
+
+
+@dataclass(slots=True)
+class CostFit:
+    """Decayed weighted least squares of `seconds = a * tokens + b * tokens * position`."""
+
+    uu: float = 0.0
+    uq: float = 0.0
+    qq: float = 0.0
+    us: float = 0.0
+    qs: float = 0.0
+
+    def add(self, tokens: int, spread: float, seconds: float) -> None:
+        """`spread`: tokens × their mean context position.
+
+        Each answer weighs 1 / tokens. The time between two answers is only roughly the
+        later prompt's (prompts share steps, and a long one is computed while shorter
+        ones answer); weighted so, the linear fit is total time over total tokens, which
+        those errors cannot bias, where plain least squares let the longest prompts'
+        misattributed times set the rate (fitted rates off by up to 3×)."""
+        u, q = float(tokens), spread
+        position = q / u
+        self.uu = self.uu * _DECAY + u
+        self.uq = self.uq * _DECAY + q
+        self.qq = self.qq * _DECAY + q * position
+        self.us = self.us * _DECAY + seconds
+        self.qs = self.qs * _DECAY + position * seconds
+
+    def coefficients(self) -> tuple[float, float] | None:
+        """(a, b) with a > 0 and b >= 0; None before a positive time was measured."""
+        det = self.uu * self.qq - self.uq * self.uq
+        if det > _CONDITION * self.uu * self.qq:
+            a = (self.qq * self.us - self.uq * self.qs) / det
+            b = (self.uu * self.qs - self.uq * self.us) / det
+            if a > 0 and b >= 0:
+                return a, b
+        if self.uu > 0 and self.us > 0:
+            return self.us / self.uu, 0.0
+        return None
 
 
 @dataclass(slots=True)
 class PrefillProgress:
-    """One worker's open prefills in send order and its estimated backlog, in tokens."""
+    """One worker's open prefills in send order and its estimated backlog of work."""
 
-    open: dict[int, int] = field(default_factory=dict)
-    """Ticket serial -> uncached tokens, oldest first."""
+    open: dict[int, tuple[int, float]] = field(default_factory=dict)
+    """Ticket serial -> (uncached tokens, tokens × mean context position), oldest first."""
     open_tokens: int = 0
+    open_spread: float = 0.0
     backlog: float = 0.0
+    """Seconds of work, each prompt's at the fit of the time it was sent."""
     at: float = 0.0
     """When `backlog` and the busy time were last brought up to date."""
-    answered_tokens: float = 0.0
-    busy_s: float = 0.0
-    """With `answered_tokens`, the decayed sums the rate is their ratio of."""
+    fit: CostFit = field(default_factory=CostFit)
+    fitted: tuple[float, float] | None = None
+    """The fit's (a, b) as of the last answer."""
     busy_unanswered_s: float = 0.0
-    """Busy time since the last computed answer, added to `busy_s` by the next one."""
+    """Busy time since the last answer: what the next computed answer is timed by."""
 
     @property
     def tokens_per_s(self) -> float | None:
-        """The measured prefill rate; None before an answer has been timed."""
-        if self.answered_tokens <= 0 or self.busy_s <= 0:
-            return None
-        return self.answered_tokens / self.busy_s
+        """The measured rate of context-free tokens; None before an answer was timed."""
+        return None if self.fitted is None else 1.0 / self.fitted[0]
 
-    def sent(self, serial: int, tokens: int, now: float) -> None:
+    def sent(self, serial: int, tokens: int, now: float, context: int = 0) -> None:
+        """`context`: the cached prefix the uncached `tokens` follow."""
         self._advance(now)
-        self.open[serial] = tokens
+        spread = tokens * (context + tokens / 2)
+        self.open[serial] = (tokens, spread)
         self.open_tokens += tokens
-        self.backlog += tokens
+        self.open_spread += spread
+        if self.fitted is not None:
+            a, b = self.fitted
+            self.backlog += a * tokens + b * spread
 
     def answered(self, serial: int, now: float, computed: bool) -> None:
-        """`computed`: the prefill did its work, so its tokens and time measure the rate."""
+        """`computed`: the prefill did its work, so its tokens and time measure the fit."""
         self._advance(now)
-        tokens = self.open.pop(serial, None)
-        if tokens is None:
+        sent = self.open.pop(serial, None)
+        if sent is None:
             return
+        tokens, spread = sent
         self.open_tokens -= tokens
-        if computed:
-            self.answered_tokens = self.answered_tokens * _RATE_DECAY + tokens
-            self.busy_s = self.busy_s * _RATE_DECAY + self.busy_unanswered_s
-            self.busy_unanswered_s = 0.0
-        self.backlog = min(self.backlog, float(self.open_tokens))
+        self.open_spread = self.open_spread - spread if self.open else 0.0
+        if computed and self.busy_unanswered_s > 0:
+            self.fit.add(tokens, spread, self.busy_unanswered_s)
+        self.busy_unanswered_s = 0.0
+        first = self.fitted is None
+        self.fitted = self.fit.coefficients()
+        if self.fitted is not None:
+            still_open = self._seconds(self.open_tokens, self.open_spread)
+            self.backlog = still_open if first else min(self.backlog, still_open)
 
     def remaining(self, now: float) -> int:
-        """Tokens still to compute of what was sent, as estimated at `now`."""
+        """Tokens still to compute of what was sent, as estimated at `now`, counted at
+        the worker's context-free rate (so a long-context prompt counts for more)."""
         if not self.open:
             return 0
-        rate = self.tokens_per_s
-        backlog = self.backlog
-        if rate is not None and now > self.at:
-            backlog -= rate * (now - self.at)
-        behind_oldest = self.open_tokens - next(iter(self.open.values()))
-        return int(max(backlog, behind_oldest))
+        if self.fitted is None:
+            return self.open_tokens
+        backlog = self.backlog - max(now - self.at, 0.0)
+        oldest, oldest_spread = next(iter(self.open.values()))
+        behind_oldest = self._seconds(self.open_tokens - oldest, self.open_spread - oldest_spread)
+        return round(max(backlog, behind_oldest) / self.fitted[0])
+
+    def _seconds(self, tokens: float, spread: float) -> float:
+        assert self.fitted is not None
+        a, b = self.fitted
+        return a * tokens + b * spread
 
     def _advance(self, now: float) -> None:
         elapsed = now - self.at
         if elapsed > 0:
             if self.open:
                 self.busy_unanswered_s += elapsed
-                rate = self.tokens_per_s
-                if rate is not None:
-                    self.backlog = max(self.backlog - rate * elapsed, 0.0)
+                self.backlog = max(self.backlog - elapsed, 0.0)
             self.at = now

@@ -1,11 +1,11 @@
-"""The estimate of a prefill's remaining work: fluid backlog, measured rate, bounds."""
+"""The estimate of a prefill's remaining work: fluid backlog, fitted cost, bounds."""
 
 from __future__ import annotations
 
 import pytest
 
 from gateway.policies import LoadTracker
-from gateway.policies.progress import PrefillProgress
+from gateway.policies.progress import CostFit, PrefillProgress
 
 
 def test_without_a_measured_rate_everything_sent_is_still_ahead() -> None:
@@ -43,15 +43,16 @@ def test_after_an_answer_the_backlog_drains_on_from_where_it_was() -> None:
 
 
 def test_an_answer_caps_the_backlog_at_what_is_still_open() -> None:
-    """Measured slow (100/s): after the first of two 1,000-token prompts answers, no more
-    than the other's 1,000 can be left, whatever the fluid queue says."""
+    """Measured slow (100/s), the worker answers the first of two 1,000-token prompts
+    after 1 s: whatever the slow fit predicted, no more than the other's 1,000 is left."""
     progress = PrefillProgress()
-    progress.sent(0, 100, now=0.0)
-    progress.answered(0, now=1.0, computed=True)
-    progress.sent(1, 1000, now=10.0)
-    progress.sent(2, 1000, now=10.0)
-    progress.answered(1, now=11.0, computed=True)
-    assert progress.remaining(now=11.0) == 1000
+    progress.sent(0, 1000, now=0.0)
+    progress.answered(0, now=10.0, computed=True)
+    progress.sent(1, 1000, now=20.0)
+    progress.sent(2, 1000, now=20.0)
+    assert progress.remaining(now=20.0) == 2000
+    progress.answered(1, now=21.0, computed=True)
+    assert progress.remaining(now=21.0) == 1000
 
 
 def test_a_rate_too_high_still_counts_everything_behind_the_oldest_prompt() -> None:
@@ -89,13 +90,44 @@ def test_the_rate_follows_a_worker_that_slows_down() -> None:
     assert 250 <= rate < 300
 
 
+def _attention_seconds(tokens: int, context: int) -> float:
+    """A worker at 4,000 tokens/s whose token at position p costs 1 + p / 50,000 tokens."""
+    return tokens * (1 + (context + tokens / 2) / 50_000) / 4000
+
+
+def test_a_cost_growing_with_context_is_fitted_and_long_contexts_count_for_more() -> None:
+    progress = PrefillProgress()
+    now = 0.0
+    for serial, context in enumerate([0, 20_000, 60_000, 5000, 100_000] * 4):
+        progress.sent(serial, 2000, now, context)
+        now += _attention_seconds(2000, context)
+        progress.answered(serial, now, computed=True)
+    assert progress.fitted is not None
+    a, b = progress.fitted
+    assert a == pytest.approx(1 / 4000, rel=1e-6)
+    assert b == pytest.approx(1 / 4000 / 50_000, rel=1e-6)
+    progress.sent(100, 2000, now, context=100_000)
+    assert progress.remaining(now) == pytest.approx(2000 * (1 + 101_000 / 50_000), abs=1)
+    now += _attention_seconds(2000, 100_000) / 2
+    assert progress.remaining(now) == pytest.approx(2000 * (1 + 101_000 / 50_000) / 2, abs=1)
+
+
+def test_prompts_of_one_context_fit_the_linear_cost_alone() -> None:
+    """The two terms cannot be told apart; the fit must not divide by next to nothing."""
+    fit = CostFit()
+    for _ in range(10):
+        fit.add(1000, 1000 * 3000.0, 0.5)
+    assert fit.coefficients() == pytest.approx((0.0005, 0.0))
+    assert CostFit().coefficients() is None
+
+
 def test_load_tracker_candidates_carry_the_estimate_on_its_clock() -> None:
     clock = [0.0]
     loads = LoadTracker(clock=lambda: clock[0])
     first = loads.start("p", prefill_tokens=1000)
     clock[0] = 2.0
     loads.prefill_done(first)
-    second = loads.start("p", prefill_tokens=3000)
+    second = loads.start("p", prefill_tokens=3000, cached_tokens=0)
     loads.start("p", prefill_tokens=0)
     clock[0] = 4.0
     candidate = loads.candidate("p")

@@ -5,8 +5,9 @@ prefill has not answered) but not how far the worker has got through it. Countin
 it as still to do over-states the wait on a busy worker by up to the whole prompt it is
 computing, and the prefix policy then moves prompts off the pod that holds their prefix
 for a wait that is mostly over. Replaying the Mooncake trace, this estimate raised the
-policy's hit rate from 30.7 % to 33.2 % at the same mean TTFT, as much as giving it the
-simulated pods' exact remaining work did (33.1 %; README, "Routing quality").
+policy's hit rate from 30.7 % to 32.9 % at the same mean TTFT (2.45 s), about as much as
+giving it the simulated pods' exact remaining work did (33.1 %; README, "Routing
+quality").
 
 The estimate is a fluid queue per worker, in *work*: sending a prompt adds its work to a
 backlog that drains at the worker's measured rate, and every answer caps the backlog at
@@ -18,8 +19,12 @@ per prompt is therefore fitted as
     seconds = a * tokens + b * tokens * position     (position: the uncached part's middle)
 
 by decayed least squares over its answers, each answer timed by the busy time since the
-previous one, and work is counted in tokens at the fitted linear cost (`tokens +
-(b / a) * tokens * position`), so on an engine whose cost is linear it is plain tokens.
+previous one. The backlog is kept in the seconds the fit predicts, and shown to the policy
+in tokens at the worker's average rate (tokens answered over seconds busy), so on an
+engine whose cost is linear it is plain tokens. Dividing by the fitted `a` instead blew
+the estimate up wherever a fixed cost per request (HTTP, the KV handshake) made short
+prompts after long contexts look slow: `b` took the overhead, `a` went towards zero, and
+in a live replay the policy fled every busy holder (hit rate 47 % against 68 %).
 Replaying Mooncake with attention's cost (`--attention-tokens 52000`), draining every
 token at the average rate made followers wait behind long-context holders that were far
 from done: mean TTFT 2.26 s, against 2.15 s with the fit (README, "Routing quality").
@@ -70,6 +75,10 @@ class CostFit:
         self.us = self.us * _DECAY + seconds
         self.qs = self.qs * _DECAY + position * seconds
 
+    def tokens_per_s(self) -> float | None:
+        """Tokens answered over seconds busy: the average rate, whatever the terms' split."""
+        return self.uu / self.us if self.us > 0 else None
+
     def coefficients(self) -> tuple[float, float] | None:
         """(a, b) with a > 0 and b >= 0; None before a positive time was measured."""
         det = self.uu * self.qq - self.uq * self.uq
@@ -103,8 +112,8 @@ class PrefillProgress:
 
     @property
     def tokens_per_s(self) -> float | None:
-        """The measured rate of context-free tokens; None before an answer was timed."""
-        return None if self.fitted is None else 1.0 / self.fitted[0]
+        """The measured average rate; None before an answer was timed."""
+        return self.fit.tokens_per_s()
 
     def sent(self, serial: int, tokens: int, now: float, context: int = 0) -> None:
         """`context`: the cached prefix the uncached `tokens` follow."""
@@ -136,16 +145,17 @@ class PrefillProgress:
             self.backlog = still_open if first else min(self.backlog, still_open)
 
     def remaining(self, now: float) -> int:
-        """Tokens still to compute of what was sent, as estimated at `now`, counted at
-        the worker's context-free rate (so a long-context prompt counts for more)."""
+        """The work still to do of what was sent, as estimated at `now`, in tokens at the
+        worker's average rate (so a long-context prompt counts for more than its tokens)."""
+        rate = self.fit.tokens_per_s()
         if not self.open:
             return 0
-        if self.fitted is None:
+        if self.fitted is None or rate is None:
             return self.open_tokens
         backlog = self.backlog - max(now - self.at, 0.0)
         oldest, oldest_spread = next(iter(self.open.values()))
         behind_oldest = self._seconds(self.open_tokens - oldest, self.open_spread - oldest_spread)
-        return round(max(backlog, behind_oldest) / self.fitted[0])
+        return round(max(backlog, behind_oldest) * rate)
 
     def _seconds(self, tokens: float, spread: float) -> float:
         assert self.fitted is not None

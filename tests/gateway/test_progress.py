@@ -106,10 +106,13 @@ def test_a_cost_growing_with_context_is_fitted_and_long_contexts_count_for_more(
     a, b = progress.fitted
     assert a == pytest.approx(1 / 4000, rel=1e-6)
     assert b == pytest.approx(1 / 4000 / 50_000, rel=1e-6)
+    rate = progress.tokens_per_s
+    assert rate is not None
+    seconds = _attention_seconds(2000, 100_000)
     progress.sent(100, 2000, now, context=100_000)
-    assert progress.remaining(now) == pytest.approx(2000 * (1 + 101_000 / 50_000), abs=1)
-    now += _attention_seconds(2000, 100_000) / 2
-    assert progress.remaining(now) == pytest.approx(2000 * (1 + 101_000 / 50_000) / 2, abs=1)
+    assert progress.remaining(now) == pytest.approx(seconds * rate, abs=1)
+    assert progress.remaining(now) > 2000 * 1.5, "tokens after a long context weigh more"
+    assert progress.remaining(now + seconds / 2) == pytest.approx(seconds * rate / 2, abs=1)
 
 
 def test_prompts_of_one_context_fit_the_linear_cost_alone() -> None:

@@ -20,14 +20,15 @@ loses to an idle pod holding 1,000 (cost 7,000). The lowest cost wins; equal cos
 broken by the seeded RNG. The choice carries the DP rank of the counted hit, so the room
 can select it.
 
-Why the queue weighs half a token: at 1.0 the policy is the greedy estimate of this
-request's time to first token, and it leaves a prefix's holder as soon as its queue is
+Why the queue weighs half a token: at 1.0 the cost is the greedy estimate of this
+request's time to first token, which leaves a prefix's holder as soon as its queue is
 longer than the prefix; the prompt's later turns or siblings then live on two pods and
 their copies evict other prefixes. Replaying the Mooncake trace and llm-d's shared-prefix
-workload (README, "Routing quality"), 0.5 gave a lower mean TTFT and a higher hit rate
-than 1.0 on both (Mooncake: 2.45 against 2.48 s, 30.7 against 28.3 %; llm-d: 0.04
-against 0.06 s, 98.1 against 95.8 %); lower weights raise the hit rate further but make
-more prompts wait behind a busy holder.
+workload (README, "Routing quality"): on Mooncake 1.0 is 1.2 % faster than 0.5 in mean
+TTFT with 1.7 points fewer hits (31.4 against 33.1 %); on the llm-d workload with a full
+cluster, where every copy of a group evicts another, 1.0 loses 1.1 points at the same
+TTFT. Lower weights raise the hit rate further but make more prompts wait behind a busy
+holder (0.25: 34.0 %, 4 % slower).
 
 Without a lookup (no tokens, no index configured, index unreachable) the policy hands the
 choice to its load fallback (least_load) and marks it `fallback="no_lookup"`.

@@ -5,7 +5,7 @@ prefill has not answered) but not how far the worker has got through it. Countin
 it as still to do over-states the wait on a busy worker by up to the whole prompt it is
 computing, and the prefix policy then moves prompts off the pod that holds their prefix
 for a wait that is mostly over. Replaying the Mooncake trace, this estimate raised the
-policy's hit rate from 30.7 % to 32.9 % at the same mean TTFT (2.45 s), about as much as
+policy's hit rate from 30.7 % to 33.1 % at the same mean TTFT (2.45 s), as much as
 giving it the simulated pods' exact remaining work did (33.1 %; README, "Routing
 quality").
 
@@ -27,7 +27,7 @@ prompts after long contexts look slow: `b` took the overhead, `a` went towards z
 in a live replay the policy fled every busy holder (hit rate 47 % against 68 %).
 Replaying Mooncake with attention's cost (`--attention-tokens 52000`), draining every
 token at the average rate made followers wait behind long-context holders that were far
-from done: mean TTFT 2.26 s, against 2.15 s with the fit (README, "Routing quality").
+from done: mean TTFT 2.26 s, against 2.21 s with the fit (README, "Routing quality").
 Nothing is assumed about the engine. Where several gateways share a prefill, each sees
 the pod busy with the others' prompts too and measures it slower than it is, so its
 estimate errs toward the plain sum.

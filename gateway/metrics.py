@@ -56,8 +56,8 @@ class _PoolCollector(Collector):
         )
         remaining = GaugeMetricFamily(
             "globalkv_gateway_worker_remaining_prefill_tokens",
-            "The part of the queued prefill tokens estimated not yet computed (what the "
-            "prefix policy weighs), from the worker's measured prefill rate.",
+            "The work estimated left of the queued prefill tokens, in tokens at the worker's "
+            "measured rate (what the prefix policy weighs; long contexts count for more).",
             labels=labels,
         )
         rate = GaugeMetricFamily(

@@ -65,7 +65,8 @@ class Candidate:
     queued_prefill_tokens: int = 0
     """Prompt tokens it was asked to prefill (beyond its cache) that it has not finished."""
     remaining_prefill_tokens: int = 0
-    """The part of those it is estimated not to have computed yet
+    """The work it is estimated to have left of those, in tokens at its average rate: a
+    prompt after a long cached context counts for more than its tokens
     (`gateway.policies.progress`)."""
 
 

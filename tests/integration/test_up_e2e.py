@@ -236,7 +236,8 @@ def test_doctor_reports_a_healthy_cluster(up: Up) -> None:
     assert status == 0, json.dumps(report, indent=1)
     assert report["healthy"] is True
     levels = {stage["key"]: stage["level"] for stage in report["stages"]}
-    assert levels == dict.fromkeys(["gateway", "directories", "index", "routing", "probe"], "ok")
+    expected = dict.fromkeys(["gateway", "directories", "index", "routing", "probe"], "ok")
+    assert levels == expected, json.dumps(report["stages"], indent=1)
     routing = next(s for s in report["stages"] if s["key"] == "routing")
     settings = {f["subject"]: f["message"] for f in routing["findings"]}
     assert settings["gateway index"] == f"the indexer at {up.indexer}"

@@ -147,9 +147,9 @@ class PrefillProgress:
     def remaining(self, now: float) -> int:
         """The work still to do of what was sent, as estimated at `now`, in tokens at the
         worker's average rate (so a long-context prompt counts for more than its tokens)."""
-        rate = self.fit.tokens_per_s()
         if not self.open:
             return 0
+        rate = self.fit.tokens_per_s()
         if self.fitted is None or rate is None:
             return self.open_tokens
         backlog = self.backlog - max(now - self.at, 0.0)

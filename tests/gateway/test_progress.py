@@ -8,6 +8,14 @@ from gateway.policies import LoadTracker
 from gateway.policies.progress import CostFit, PrefillProgress
 
 
+def _measured(tokens_per_s: float) -> PrefillProgress:
+    """A worker that computed one 1,000-token prompt from 0 s at this rate, idle since."""
+    progress = PrefillProgress()
+    progress.sent(0, 1000, now=0.0)
+    progress.answered(0, now=1000 / tokens_per_s, computed=True)
+    return progress
+
+
 def test_without_a_measured_rate_everything_sent_is_still_ahead() -> None:
     progress = PrefillProgress()
     progress.sent(1, 1000, now=0.0)
@@ -30,9 +38,7 @@ def test_the_rate_is_tokens_answered_over_time_busy() -> None:
 
 def test_after_an_answer_the_backlog_drains_on_from_where_it_was() -> None:
     """Rate 1,000/s; prompts of 1,000 and 2,000 sent together; the first answers on time."""
-    progress = PrefillProgress()
-    progress.sent(0, 1000, now=0.0)
-    progress.answered(0, now=1.0, computed=True)
+    progress = _measured(tokens_per_s=1000)
     progress.sent(1, 1000, now=10.0)
     progress.sent(2, 2000, now=10.0)
     assert progress.remaining(now=10.5) == 2500
@@ -45,9 +51,7 @@ def test_after_an_answer_the_backlog_drains_on_from_where_it_was() -> None:
 def test_an_answer_caps_the_backlog_at_what_is_still_open() -> None:
     """Measured slow (100/s), the worker answers the first of two 1,000-token prompts
     after 1 s: whatever the slow fit predicted, no more than the other's 1,000 is left."""
-    progress = PrefillProgress()
-    progress.sent(0, 1000, now=0.0)
-    progress.answered(0, now=10.0, computed=True)
+    progress = _measured(tokens_per_s=100)
     progress.sent(1, 1000, now=20.0)
     progress.sent(2, 1000, now=20.0)
     assert progress.remaining(now=20.0) == 2000
@@ -58,9 +62,7 @@ def test_an_answer_caps_the_backlog_at_what_is_still_open() -> None:
 def test_a_rate_too_high_still_counts_everything_behind_the_oldest_prompt() -> None:
     """First come first served: only the oldest open prompt can be partly done, so an
     over-estimated rate cannot make a worker with prompts waiting look idle."""
-    progress = PrefillProgress()
-    progress.sent(0, 10_000, now=0.0)
-    progress.answered(0, now=1.0, computed=True)
+    progress = _measured(tokens_per_s=10_000)
     progress.sent(1, 4000, now=5.0)
     progress.sent(2, 3000, now=5.0)
     assert progress.remaining(now=60.0) == 3000

@@ -211,7 +211,7 @@ async def serve(args: argparse.Namespace) -> None:
     control = Control(publisher)
     rep = context.socket(zmq.REP)
     rep.linger = 0
-    rep.bind(args.control)
+    rep.connect(args.control)
     try:
         while True:
             command = json.loads(await rep.recv())
@@ -226,7 +226,9 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--control", required=True)
+    parser.add_argument(
+        "--control", required=True, help="the driver's bound REQ socket, connected to"
+    )
     parser.add_argument("--endpoint", required=True)
     parser.add_argument("--connect", action="store_true", help="connect the PUB (bind mode)")
     parser.add_argument("--replay-endpoint")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 from collections.abc import Sequence
@@ -41,7 +42,11 @@ class PublisherProc:
         buffer_steps: int = 10_000,
         name: str = "publisher",
     ) -> None:
-        self.control = f"tcp://127.0.0.1:{free_port()}"
+        # The control socket is bound here and connected from the child: a port picked
+        # for the child to bind can be taken (by any ephemeral connect) before it does.
+        self.req = context.socket(zmq.REQ)
+        self.req.linger = 0
+        self.control = f"tcp://127.0.0.1:{self.req.bind_to_random_port('tcp://127.0.0.1')}"
         self.endpoint = connect_to or f"tcp://127.0.0.1:{free_port()}"
         self.replay_endpoint = f"tcp://127.0.0.1:{free_port()}" if replay else None
         argv = [
@@ -66,12 +71,15 @@ class PublisherProc:
         if self.replay_endpoint is not None:
             argv += ["--replay-endpoint", self.replay_endpoint]
         self.proc = Proc(argv, name=name)
-        self.req = context.socket(zmq.REQ)
-        self.req.linger = 0
-        self.req.connect(self.control)
 
     async def call(self, timeout: float = 15.0, **command: Any) -> dict[str, Any]:
-        await self.req.send(json.dumps(command).encode())
+        try:
+            # Until the child has connected, a REQ has no peer to send to.
+            await asyncio.wait_for(self.req.send(json.dumps(command).encode()), timeout)
+        except TimeoutError:
+            raise TimeoutError(
+                f"publisher never connected for {command['op']}:\n{self.proc.log()}"
+            ) from None
         if not await self.req.poll(int(timeout * 1000)):
             raise TimeoutError(f"publisher did not answer {command['op']}:\n{self.proc.log()}")
         reply: dict[str, Any] = json.loads(await self.req.recv())

@@ -19,15 +19,18 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TextIO, cast, get_args
+from typing import TYPE_CHECKING, Any, TextIO, cast, get_args
 
 from pydantic import ValidationError
 
 from bench.replay.config import ALL_POLICIES, DEFAULT_POLICIES, ReplaySettings
-from bench.replay.record import Progress
-from bench.replay.runner import SWEEPABLE, Sweep
+from bench.replay.sweep import SWEEPABLE, Sweep
 from bench.replay.trace import TraceError
 from gateway.config import PolicyName, optional_float
+from globalkv.extras import require
+
+if TYPE_CHECKING:
+    from bench.replay.record import Progress
 
 _CLUSTER = {
     "pods": int,
@@ -187,6 +190,9 @@ def build_settings(args: argparse.Namespace) -> tuple[ReplaySettings, Sweep | No
 
 
 def check_config(args: argparse.Namespace) -> None:
+    # numpy carries the simulation; matplotlib only draws the plots.
+    plotting = [] if args.no_plots else ["matplotlib"]
+    require("globalkv bench replay", "bench", "numpy", *plotting)
     build_settings(args)
 
 

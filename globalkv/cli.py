@@ -8,6 +8,10 @@ input). This keeps the dispatcher free of imports of `gateway/` and `enginesim/`
 
 The dispatcher calls `check_config` before `run` too, so an invalid configuration ends
 every command the same way, one line on stderr and exit status 2, before anything starts.
+A command whose optional dependencies are missing (`globalkv.extras`) ends the same way,
+naming the extra to install. A plugin that cannot even be imported (a broken install, a
+third-party command) is listed as unavailable with the reason, and every other command
+keeps working.
 
 Every flag of a subcommand can also come from the environment, which is how containers
 configure the same commands: `--foo-bar` of `globalkv gateway` reads
@@ -25,7 +29,10 @@ import os
 import shlex
 import sys
 from collections.abc import Mapping, Sequence
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
+from typing import Any
+
+from globalkv.extras import MissingExtra
 
 ENTRY_POINT_GROUP = "globalkv.commands"
 _TRUE = {"1", "true", "yes", "on"}
@@ -52,8 +59,25 @@ def build_parser(
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
-        ep.load()(sub)
+        _register(sub, ep)
     return parser, dict(sub.choices)
+
+
+def _register(sub: Any, ep: EntryPoint) -> None:
+    try:
+        register = ep.load()
+    except ImportError as exc:
+        reason = f"globalkv {ep.name} is unavailable: {exc}"
+        # No option prefix: whatever follows the command is taken, to be refused with the reason.
+        parser = sub.add_parser(ep.name, help=f"(unavailable: {exc})", prefix_chars="\0")
+        parser.add_argument("rest", nargs="*")
+
+        def unavailable(args: argparse.Namespace) -> None:
+            raise ValueError(reason)
+
+        parser.set_defaults(run=unavailable, check_config=unavailable)
+        return
+    register(sub)
 
 
 def env_var_name(command: str, option: str) -> str:
@@ -117,6 +141,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         args.check_config(args)
+    except MissingExtra as exc:
+        print(exc, file=sys.stderr)
+        return 2
     except ValueError as exc:
         print(f"globalkv {args.command}: invalid configuration: {exc}", file=sys.stderr)
         return 2

@@ -1,4 +1,4 @@
-"""Routing quality on request traces: `globalkv bench replay` (issue 7).
+"""Routing quality on request traces: `globalkv bench replay`.
 
 A Mooncake-format trace is replayed against the gateway's own routing policies, either in
 a discrete-event simulation of prefill and decode pods (whose caches are the emulated

@@ -42,9 +42,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from bench.replay.tokens import DEFAULT_VOCAB
 from bench.replay.trace import Arrivals
 from gateway.config import CacheAwareConfig, PolicyName, PrefixWeights
+
+DEFAULT_VOCAB = 256
+"""Byte tokens: why 256 is the default is told in `bench.replay.tokens`."""
 
 ALL_POLICIES: tuple[PolicyName, ...] = (
     "prefix",

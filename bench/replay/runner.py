@@ -9,7 +9,7 @@ through a real local stack and, for comparison, the simulation of the same setti
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,71 +17,8 @@ from bench.replay.config import ReplaySettings, ResolvedCluster, resolve
 from bench.replay.oracle import OracleLines, oracle_lines
 from bench.replay.record import ProgressHook, RunRecord, summarize
 from bench.replay.sim import Simulation
+from bench.replay.sweep import Sweep
 from bench.replay.trace import Trace, TraceStats, offered_work_per_s, read_trace, trace_stats
-from gateway.config import optional_float
-
-
-@dataclass(frozen=True, slots=True)
-class Sweepable:
-    """A parameter `--sweep` may vary: where it lives and how a value is read."""
-
-    section: str
-    """"cluster", "prefix", "cache_aware" or "" (a top-level replay setting)."""
-    field: str
-    parse: Callable[[str], object]
-    overrides: str | None = None
-    """A field that would take precedence over this one, cleared while sweeping."""
-
-
-SWEEPABLE: dict[str, Sweepable] = {
-    "event-delay-s": Sweepable("cluster", "event_delay_s", float),
-    "capacity-blocks": Sweepable("cluster", "capacity_blocks", int),
-    "capacity-fraction": Sweepable("cluster", "capacity_fraction", float, "capacity_blocks"),
-    "utilisation": Sweepable("cluster", "utilisation", float, "prefill_tokens_per_s"),
-    "prefill-tokens-per-s": Sweepable("cluster", "prefill_tokens_per_s", float),
-    "attention-tokens": Sweepable("cluster", "attention_tokens", optional_float),
-    "pods": Sweepable("cluster", "pods", int),
-    "prefix-uncached-weight": Sweepable("prefix", "uncached_weight", float),
-    "prefix-queued-weight": Sweepable("prefix", "queued_weight", float),
-    "prefix-request-cost": Sweepable("prefix", "request_cost", float),
-    "prefix-pending-grace-secs": Sweepable("prefix", "pending_grace_secs", optional_float),
-    "cache-threshold": Sweepable("cache_aware", "cache_threshold", float),
-    "balance-abs-threshold": Sweepable("cache_aware", "balance_abs_threshold", int),
-    "arrivals": Sweepable("", "arrivals", str),
-}
-
-
-@dataclass(frozen=True, slots=True)
-class Sweep:
-    parameter: str
-    values: tuple[str, ...]
-
-    @classmethod
-    def parse(cls, text: str) -> Sweep:
-        name, sep, values = text.partition("=")
-        if not sep or name not in SWEEPABLE:
-            raise ValueError(
-                f"--sweep {text!r}: expected NAME=V1,V2,… with NAME one of "
-                + ", ".join(sorted(SWEEPABLE))
-            )
-        items = tuple(v.strip() for v in values.split(",") if v.strip())
-        if not items:
-            raise ValueError(f"--sweep {text!r} gives no values")
-        return cls(name, items)
-
-    def apply(self, settings: ReplaySettings, value: str) -> ReplaySettings:
-        """The settings with this value; pydantic validates it like a flag."""
-        spec = SWEEPABLE[self.parameter]
-        try:
-            parsed = spec.parse(value)
-        except ValueError:
-            raise ValueError(f"--sweep {self.parameter}: {value!r} is not a valid value") from None
-        data: dict[str, Any] = settings.model_dump()
-        target = data[spec.section] if spec.section else data
-        target[spec.field] = parsed
-        if spec.overrides is not None:
-            target[spec.overrides] = None
-        return ReplaySettings.model_validate(data)
 
 
 @dataclass(slots=True)

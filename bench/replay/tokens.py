@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-DEFAULT_VOCAB = 256
+from bench.replay.config import DEFAULT_VOCAB
 
 _GAMMA = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)

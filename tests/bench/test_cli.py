@@ -7,7 +7,7 @@ import pytest
 
 from bench.cli import build_settings
 from bench.replay.config import ReplaySettings
-from bench.replay.runner import Sweep
+from bench.replay.sweep import Sweep
 from globalkv.cli import main, parse
 from tests.bench.traces import row, write_trace
 

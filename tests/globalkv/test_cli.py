@@ -1,8 +1,9 @@
-"""The dispatcher's environment mapping: the configuration path containers use."""
+"""The dispatcher: the environment mapping containers use, and commands that cannot run."""
 
 from __future__ import annotations
 
 import argparse
+from importlib.metadata import EntryPoint
 
 import pytest
 
@@ -57,3 +58,37 @@ def test_an_invalid_configuration_stops_before_run(capsys: pytest.CaptureFixture
     assert main(["indexer", "--block-size", "0", "--port", "1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("globalkv indexer: invalid configuration: block_size:")
+
+
+def test_a_plugin_that_cannot_be_imported_leaves_every_other_command_working(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import globalkv.cli as cli
+
+    real = cli.entry_points
+    broken = EntryPoint("broken", "no_such_module_for_globalkv:register", cli.ENTRY_POINT_GROUP)
+    monkeypatch.setattr(cli, "entry_points", lambda group: [*real(group=group), broken])
+    assert parse(["pods", "--indexer", "http://x"], {}).command == "pods"
+    assert main(["broken", "--any", "args"]) == 2
+    err = capsys.readouterr().err
+    assert "globalkv broken is unavailable: No module named 'no_such_module_for_globalkv'" in err
+
+
+def test_a_command_whose_extra_is_missing_names_the_extra(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+
+    def without_bench(name: str, package: str | None = None) -> object:
+        return None if name in {"numpy", "matplotlib"} else real(name, package)
+
+    monkeypatch.setattr(importlib.util, "find_spec", without_bench)
+    assert main(["bench", "replay", "--trace", "t.jsonl"]) == 2
+    assert capsys.readouterr().err == (
+        "globalkv bench replay needs numpy and matplotlib: pip install 'globalkv[bench]'\n"
+    )
+    assert main(["--check", "bench", "replay", "--trace", "t.jsonl", "--no-plots"]) == 2
+    assert "needs numpy: pip install 'globalkv[bench]'" in capsys.readouterr().err
+    assert main(["--check", "pods", "--indexer", "http://x"]) == 0

@@ -63,6 +63,23 @@ def advertised_host(config: EngineConfig) -> str:
         return "127.0.0.1"
 
 
+async def peer_address(host: str) -> str:
+    """The IP address ZMQ peers are given for `host` (rank addresses, KV-event endpoints).
+
+    libzmq resolves a host name on its I/O thread, so one lookup that hangs (the name of a
+    peer whose container went away, on a network whose DNS forwards it to a server that
+    does not answer) stalls every socket of the process, every peer included. Real engines
+    advertise addresses too (SGLang registers its `rank_ip`). A name that does not resolve
+    here is passed on as it is.
+    """
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        log.warning("advertising %s unresolved: %s", host, exc)
+        return host
+    return str(infos[0][4][0])
+
+
 def _rank_endpoint(base: str, rank: int, first_bound: str | None) -> str:
     """Rank r's endpoint; a port-0 base follows the port rank 0 actually got."""
     if rank and first_bound is not None and base.startswith("tcp://") and endpoint_port(base) == 0:
@@ -110,14 +127,15 @@ class EngineProcess:
         port = int(self.http_socket.getsockname()[1])
         advertise = advertised_host(config)
         pod = config.pod_id or f"{advertise}:{port}"
+        address = await peer_address(advertise)
         context = zmq.asyncio.Context()
         self._stack.callback(context.destroy, 0)
         client = httpx.AsyncClient(timeout=httpx.Timeout(5.0))
         self._stack.push_async_callback(client.aclose)
         if config.role == "prefill":
-            engine: Engine = await self._prefill(context, client, port, advertise, pod)
+            engine: Engine = await self._prefill(context, client, port, address, pod)
         else:
-            engine = self._decode(context, client, advertise, pod)
+            engine = self._decode(context, client, address, pod)
         self._stack.push_async_callback(engine.stop)  # also undoes a start that failed halfway
         await engine.start()
         self.engine = engine

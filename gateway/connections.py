@@ -9,6 +9,9 @@ bytes, and the answer is parsed by httptools (C) inside `data_received`, which r
 future: no task, no stream object. `gateway.transport` puts httpx's interface on top of
 this for the calls off the hot path (health checks, directory reads, index lookups).
 
+Host names are resolved by a `HostResolver` (one lookup in flight per name, its answer
+kept briefly), so a worker whose name stops resolving cannot stall the others' lookups.
+
 Each origin keeps a stack of idle connections: taking one is a pop (one the peer closed
 while idle has seen EOF and is skipped without a system call), giving it back a push.
 A connection returns to its stack as soon as its answer has been read to the end (the
@@ -37,6 +40,7 @@ import httptools
 import httpx
 
 from gateway.calls import Response
+from gateway.resolver import HostResolver
 
 Origin = tuple[str, str, int]
 Headers = Sequence[tuple[bytes, bytes]]
@@ -200,8 +204,13 @@ class ConnectionPool:
     """Idle keep-alive connections per origin, and the calls made on them."""
 
     def __init__(
-        self, *, max_idle_per_origin: int = 256, ssl_context: ssl.SSLContext | None = None
+        self,
+        *,
+        max_idle_per_origin: int = 256,
+        ssl_context: ssl.SSLContext | None = None,
+        resolver: HostResolver | None = None,
     ) -> None:
+        self._resolver = resolver or HostResolver()
         self._idle: dict[Origin, list[Connection]] = {}
         self._max_idle = max_idle_per_origin
         self._ssl = ssl_context
@@ -295,19 +304,25 @@ class ConnectionPool:
         scheme, host, port = origin
         context = (self._ssl or ssl.create_default_context()) if scheme == "https" else None
         loop = asyncio.get_running_loop()
+        address: str | None = None
         try:
             async with asyncio.timeout(timeout):
+                address = await self._resolver.resolve(host, port)
                 _, connection = await loop.create_connection(
                     lambda: Connection(self, origin),
-                    host,
+                    address,
                     port,
                     ssl=context,
                     server_hostname=host if context else None,
                 )
         except TimeoutError:
+            if address is not None:  # the address may be stale: resolve again next time
+                self._resolver.forget(host, port)
             response.on_error(httpx.ConnectTimeout(f"connecting to {host}:{port} timed out"))
             return
         except OSError as exc:
+            if address is not None:
+                self._resolver.forget(host, port)
             response.on_error(httpx.ConnectError(f"{host}:{port}: {exc}"))
             return
         finally:

@@ -8,7 +8,8 @@ wheel has every package, the Redis scripts, the health-check module and every co
 
 from __future__ import annotations
 
-import fnmatch
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -33,23 +34,58 @@ def _instructions() -> list[tuple[str, str]]:
     return out
 
 
+def _glob(pattern: str) -> re.Pattern[str]:
+    """A .dockerignore pattern as Docker reads it: `*` within a name, `**` across names."""
+    out = ""
+    i = 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out, i = out + "(?:.*/)?", i + 3
+        elif pattern.startswith("**", i):
+            out, i = out + ".*", i + 2
+        elif pattern[i] == "*":
+            out, i = out + "[^/]*", i + 1
+        elif pattern[i] == "?":
+            out, i = out + "[^/]", i + 1
+        else:
+            out, i = out + re.escape(pattern[i]), i + 1
+    return re.compile(out)
+
+
 def _ignored(rel: str, patterns: list[str]) -> bool:
+    """Docker's rule: the last pattern matching the path or one of its parents decides."""
+    parts = rel.split("/")
+    prefixes = ["/".join(parts[:k]) for k in range(1, len(parts) + 1)]
+    ignored = False
     for pattern in patterns:
-        candidates = [pattern] + ([pattern[3:]] if pattern.startswith("**/") else [])
-        parts = rel.split("/")
-        for candidate in candidates:
-            anywhere = candidate is not pattern
-            starts = range(len(parts)) if anywhere else [0]
-            for start in starts:
-                for end in range(start + 1, len(parts) + 1):
-                    if fnmatch.fnmatchcase("/".join(parts[start:end]), candidate):
-                        return True
-    return False
+        negated = pattern.startswith("!")
+        regex = _glob(pattern.lstrip("!").strip("/"))
+        if any(regex.fullmatch(prefix) for prefix in prefixes):
+            ignored = not negated
+    return ignored
 
 
 def _ignore_patterns() -> list[str]:
     lines = (ROOT / ".dockerignore").read_text().splitlines()
     return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+
+
+def _context() -> list[str]:
+    """Every file `docker build .` sends, as paths relative to the checkout."""
+    patterns = _ignore_patterns()
+    negations = [p.lstrip("!").strip("/") for p in patterns if p.startswith("!")]
+    files = []
+    for directory, dirs, names in os.walk(ROOT):
+        base = Path(directory).relative_to(ROOT).as_posix()
+        prefix = "" if base == "." else base + "/"
+        dirs[:] = [
+            d
+            for d in dirs
+            if not _ignored(prefix + d, patterns)
+            or any(n.startswith(f"{prefix}{d}/") for n in negations)
+        ]
+        files += [prefix + name for name in names if not _ignored(prefix + name, patterns)]
+    return sorted(files)
 
 
 def _copied_sources() -> list[str]:
@@ -84,28 +120,22 @@ def test_the_image_is_slim_non_root_and_runs_globalkv() -> None:
 
 
 def test_the_build_context_holds_every_package_and_the_readme() -> None:
-    sources = _copied_sources()
-    patterns = _ignore_patterns()
-    for source in sources:
-        assert (ROOT / source).exists(), f"COPY {source}: no such path"
-        assert not _ignored(source, patterns), f"COPY {source} is excluded by .dockerignore"
-    assert set(_packages()) <= set(sources)
+    context = set(_context())
+    for source in _copied_sources():
+        assert source == "." or source in context, f"COPY {source}: not in the build context"
+    for package in _packages():
+        assert f"{package}/__init__.py" in context
     readme = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["readme"]
-    assert readme in sources
-    assert "pyproject.toml" in sources
+    assert {readme, "pyproject.toml"} <= context
+    tops = {rel.split("/")[0] for rel in context}
+    assert tops <= {*_packages(), readme, "pyproject.toml"}, "only what the image needs"
 
 
 def test_the_context_builds_a_wheel_with_every_command(tmp_path: Path) -> None:
     context = tmp_path / "context"
-    patterns = _ignore_patterns()
-    for source in _copied_sources():
-        path = ROOT / source
-        files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
-        for file in files:
-            rel = file.relative_to(ROOT).as_posix()
-            if not _ignored(rel, patterns):
-                (context / rel).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(file, context / rel)
+    for rel in _context():
+        (context / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / rel, context / rel)
     result = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), "."],
         cwd=context,
@@ -131,7 +161,16 @@ def test_the_context_builds_a_wheel_with_every_command(tmp_path: Path) -> None:
 
 def test_dockerignore_keeps_caches_tests_and_runs_out() -> None:
     patterns = _ignore_patterns()
-    for rel in ("tests/conftest.py", "globalkv/__pycache__/cli.cpython-311.pyc", "runs/x.log"):
+    ignored = (
+        "tests/conftest.py",
+        "globalkv/__pycache__/cli.cpython-311.pyc",
+        "runs/x.log",
+        ".env",
+        ".venv/bin/python",
+        ".git/HEAD",
+        "bench/results/mooncake.json",
+    )
+    for rel in ignored:
         assert _ignored(rel, patterns), rel
     for rel in ("globalkv/index/redis_apply.lua", "globalkv/cli.py", "bench/__init__.py"):
         assert not _ignored(rel, patterns), rel

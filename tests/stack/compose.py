@@ -46,8 +46,12 @@ class Service:
     is_globalkv: bool = field(default=False)
 
 
+_DEFAULTED = re.compile(r"\$\{[A-Z0-9_]+:-([^}]*)\}")
+
+
 def _published(entry: object) -> tuple[int, int]:
-    host, _, container = str(entry).rpartition(":")
+    """`HOST:CONTAINER`, a `${VAR:-default}` read at its default."""
+    host, _, container = _DEFAULTED.sub(r"\1", str(entry)).rpartition(":")
     return int(host), int(container)
 
 

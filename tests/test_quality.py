@@ -29,11 +29,25 @@ def test_mypy_is_clean() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_ci_runs_the_readme_test_command() -> None:
+def _quick_start() -> list[str]:
     blocks = re.findall(r"```bash\n(.*?)\n```", (ROOT / "README.md").read_text(), re.S)
-    quick_start = blocks[:2]
-    assert len(quick_start) == 2
-    test_command = quick_start[1].strip()
+    return [block.strip() for block in blocks[:2]]
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    test_command = _quick_start()[1]
     assert "pytest" in test_command
     ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
     assert test_command in ci_lines
+
+
+def test_ci_installs_as_the_readme_first_command_then_smokes_up_before_the_tests() -> None:
+    install, up = _quick_start()[0].split(" && ")
+    assert up == "python -m globalkv up"
+    assert "[" not in install, "the first command installs no extras"
+    assert install in (ROOT / ".ci" / "fresh-machine").read_text().splitlines()
+    smoke = (ROOT / ".ci" / "smoke_up.py").read_text()
+    assert '[sys.executable, "-m", "globalkv", "up"' in smoke
+    ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
+    fresh = ci_lines.index("bash .ci/fresh-machine")
+    assert fresh < ci_lines.index(_quick_start()[1])

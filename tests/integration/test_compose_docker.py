@@ -1,0 +1,115 @@
+"""`docker compose up` for real: the project's image, the repository's compose file, a
+real Docker engine; requests through the published ports, `doctor` inside the compose
+network, a prefill container killed under traffic, then `down`.
+
+Skipped, with the reason, only where no engine can start (`tests.support.docker`). The
+published ports are moved to free ones through the compose file's own variables, and the
+project gets a name of its own, so a stack a developer runs beside it is left alone.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from globalkv.tokenize import ByteTokenizer
+from tests.support.docker import ComposeProject, build_image, compose_or_skip
+from tests.support.net import free_port, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
+
+SERVICES = {"redis", "indexer", "prefill-0", "prefill-1", "decode-0", "decode-1", "gateway"}
+MESSAGES = [
+    {"role": "system", "content": "You answer questions about the KV cache. " * 4},
+    {"role": "user", "content": "Which prefill holds the longest prefix of this prompt?"},
+]
+
+
+class Stack:
+    def __init__(self, project: ComposeProject, gateway: str, index: str) -> None:
+        self.project = project
+        self.gateway = gateway
+        self.index = index
+
+    def chat(self, messages: list[dict[str, str]]) -> dict[str, Any]:
+        body = {"model": "emulated-model", "messages": messages, "max_tokens": 8}
+        response = httpx.post(f"{self.gateway}/v1/chat/completions", json=body, timeout=30)
+        if response.status_code != 200:
+            logs = self.project.run("logs", "--no-color", "--tail", "60", "gateway").stdout
+            raise AssertionError(f"{response.status_code} {response.text}\n{logs}")
+        answer: dict[str, Any] = response.json()
+        return answer
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    command = compose_or_skip()
+    build_s = build_image()
+    ports = {name: free_port() for name in ("GATEWAY", "INDEX", "METRICS")}
+    project = ComposeProject(
+        command,
+        name=f"globalkv-test-{os.getpid()}",
+        env={f"GLOBALKV_PUBLISHED_{name}_PORT": str(port) for name, port in ports.items()},
+    )
+    try:
+        started = time.monotonic()
+        project.run("up", "-d", "--no-build", timeout=300)
+        project.wait_healthy(SERVICES, timeout=300)
+        up_s = time.monotonic() - started
+        print(f"\ncompose: image built in {build_s:.0f} s, every service healthy in {up_s:.0f} s")
+        yield Stack(
+            project, f"http://127.0.0.1:{ports['GATEWAY']}", f"http://127.0.0.1:{ports['INDEX']}"
+        )
+    finally:
+        project.down()
+
+
+def test_a_chat_twice_reuses_the_prefix_and_the_index_knows_where(stack: Stack) -> None:
+    first = stack.chat(MESSAGES)
+    assert first["choices"][0]["message"]["content"]
+    second = stack.chat(MESSAGES)
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 0, second["usage"]
+
+    token_ids = ByteTokenizer().apply_chat_template(MESSAGES)
+    body = {"model": "emulated-model", "token_ids": token_ids}
+
+    def indexed() -> bool:
+        answer = httpx.post(f"{stack.index}/v1/lookup", json=body, timeout=5).json()
+        return bool(answer["pods"]) and answer["pods"][0]["hit_tokens"] >= cached
+
+    wait_for(indexed, timeout=30, what="the index to hold the chat's prefix")
+
+
+def test_doctor_inside_the_compose_network_finds_a_healthy_cluster(stack: Stack) -> None:
+    result = stack.project.run(
+        "run",
+        "--rm",
+        "--no-deps",
+        "gateway",
+        "doctor",
+        "--gateway",
+        "http://gateway:30000",
+        "--indexer",
+        "http://indexer:8100",
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "✓ answer: 200" in result.stdout, result.stdout
+
+
+def test_requests_keep_succeeding_after_a_prefill_container_is_killed(stack: Stack) -> None:
+    stack.project.run("kill", "prefill-0")
+    assert stack.project.health()["prefill-0"] != "healthy"
+    for i in range(20):
+        messages = [{"role": "user", "content": f"Request {i} after prefill-0 was killed."}]
+        answer = stack.chat(messages)
+        assert answer["choices"][0]["message"]["content"]
+    logs = stack.project.run("logs", "--no-color", "gateway", "decode-0", "decode-1").stdout
+    assert "Traceback" not in logs, logs

@@ -21,13 +21,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO, cast, get_args
 
-from pydantic import ValidationError
-
 from bench.replay.config import ALL_POLICIES, DEFAULT_POLICIES, ReplaySettings
 from bench.replay.sweep import SWEEPABLE, Sweep
 from bench.replay.trace import TraceError
 from gateway.config import PolicyName, optional_float
 from globalkv.extras import require
+from kvplumbing.validation import validation_as_value_error
 
 if TYPE_CHECKING:
     from bench.replay.record import Progress
@@ -170,18 +169,13 @@ def build_settings(args: argparse.Namespace) -> tuple[ReplaySettings, Sweep | No
     if args.prefix_pending_grace_secs is not None:
         grace = args.prefix_pending_grace_secs
         prefix["pending_grace_secs"] = None if math.isnan(grace) else grace
-    try:
+    with validation_as_value_error():
         settings = ReplaySettings(
             **top,
             cluster=cluster,
             prefix=prefix,
             cache_aware=_given(args, _CACHE_AWARE),
         )
-    except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
-        )
-        raise ValueError(problems) from None
     sweep = Sweep.parse(args.sweep) if args.sweep else None
     if sweep is not None:
         for value in sweep.values:

@@ -13,10 +13,10 @@ import signal
 from typing import Any
 
 import uvloop
-from pydantic import ValidationError
 
-from bootstrap.protocol import COMPAT_VERSIONS, DEFAULT_COMPAT, validation_message
+from bootstrap.protocol import COMPAT_VERSIONS, DEFAULT_COMPAT
 from bootstrap.server import BootstrapConfig, BootstrapServer
+from kvplumbing.validation import validation_as_value_error
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def register(subparsers: Any) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> BootstrapConfig:
-    try:
+    with validation_as_value_error():
         return BootstrapConfig(
             host=args.host,
             port=args.port,
@@ -63,8 +63,6 @@ def config_from_args(args: argparse.Namespace) -> BootstrapConfig:
             room_ttl=args.room_ttl,
             max_rooms=args.max_rooms,
         )
-    except ValidationError as exc:
-        raise ValueError(validation_message(exc)) from None
 
 
 def check_config(args: argparse.Namespace) -> None:

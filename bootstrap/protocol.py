@@ -20,7 +20,6 @@ from pydantic import (
     StrictBool,
     StrictInt,
     StrictStr,
-    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -110,17 +109,6 @@ Port = Annotated[CoercedInt, Field(ge=1, le=65535)]
 Size = Annotated[StrictInt, Field(ge=1, le=MAX_RANKS)]
 Rank = Annotated[StrictInt, Field(ge=0, lt=MAX_RANKS)]
 Room = Annotated[CoercedInt, Field(ge=0, le=MAX_ROOM)]
-
-
-def validation_message(exc: ValidationError) -> str:
-    """One line naming every offending field, for a 4xx body or a refused setting a human
-    can act on (without pydantic's "Value error, " in front of our validators' own words)."""
-    parts = []
-    for err in exc.errors(include_url=False):
-        where = ".".join(str(p) for p in err["loc"])
-        message = err["msg"].removeprefix("Value error, ")
-        parts.append(f"{where}: {message}" if where else message)
-    return "; ".join(parts)
 
 
 class Coordinate(NamedTuple):

@@ -18,15 +18,16 @@ import httpx
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from bootstrap._http import describe_answer, describe_error
-from bootstrap.protocol import SNAPSHOT_QUERY, Topology, validation_message
+from bootstrap.protocol import SNAPSHOT_QUERY, Topology
+from kvplumbing.validation import validation_message
 
 Flavor = Literal["globalkv", "sglang"]
 _REGISTERED = re.compile(r"\((\d+) workers registered\)")
 
 
 @dataclass(frozen=True, slots=True)
-class DirectoryStatus:
-    """One reading; `topology` holds `Topology` fields (dp_size, follow_bootstrap_room, …)."""
+class DirectoryReport:
+    """What one read of a directory found; `topology` holds `Topology` fields (dp_size, …)."""
 
     url: str
     reachable: bool
@@ -50,8 +51,8 @@ class _DirectoryView(BaseModel):
     missing: list[tuple[int, int, int, int]]
 
 
-def _failed(url: str, error: str, *, reachable: bool, flavor: Flavor | None) -> DirectoryStatus:
-    return DirectoryStatus(url, reachable, False, None, 0, None, [], error, flavor)
+def _failed(url: str, error: str, *, reachable: bool, flavor: Flavor | None) -> DirectoryReport:
+    return DirectoryReport(url, reachable, False, None, 0, None, [], error, flavor)
 
 
 class DirectoryReader:
@@ -59,7 +60,7 @@ class DirectoryReader:
         self._client = client
         self._timeout = timeout
 
-    async def read(self, bootstrap_url: str) -> DirectoryStatus:
+    async def read(self, bootstrap_url: str) -> DirectoryReport:
         try:
             response = await self._client.get(
                 f"{bootstrap_url}/v1/directory", timeout=self._timeout
@@ -76,7 +77,7 @@ class DirectoryReader:
         except ValidationError as exc:
             error = f"invalid /v1/directory answer: {validation_message(exc)}"
             return _failed(bootstrap_url, error, reachable=True, flavor="globalkv")
-        return DirectoryStatus(
+        return DirectoryReport(
             url=bootstrap_url,
             reachable=True,
             ready=view.ready,
@@ -88,7 +89,7 @@ class DirectoryReader:
             flavor="globalkv",
         )
 
-    async def _read_snapshot(self, url: str) -> DirectoryStatus:
+    async def _read_snapshot(self, url: str) -> DirectoryReport:
         try:
             response = await self._client.get(
                 f"{url}/route", params=SNAPSHOT_QUERY, timeout=self._timeout
@@ -98,7 +99,7 @@ class DirectoryReader:
         if response.status_code == 503:
             match = _REGISTERED.search(response.text)
             registered = int(match.group(1)) if match else 0
-            return DirectoryStatus(url, True, False, None, registered, None, [], None, "sglang")
+            return DirectoryReport(url, True, False, None, registered, None, [], None, "sglang")
         if response.status_code != 200:
             error = f"topology snapshot: {describe_answer(response)}"
             return _failed(url, error, reachable=True, flavor="sglang")
@@ -107,7 +108,7 @@ class DirectoryReader:
         except ValidationError as exc:
             error = f"invalid topology snapshot: {validation_message(exc)}"
             return _failed(url, error, reachable=True, flavor="sglang")
-        return DirectoryStatus(
+        return DirectoryReport(
             url=url,
             reachable=True,
             ready=True,

@@ -13,19 +13,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import httpx
 
 from bootstrap._http import describe_answer, describe_error
 from bootstrap.protocol import RankRegistration, RoomRegistration
+from kvplumbing.backoff import Backoff
+from kvplumbing.clock import Sleep
 
 log = logging.getLogger(__name__)
 
-Sleep = Callable[[float], Awaitable[object]]
+SGLANG_JITTER = (0.75, 1.0)
+"""SGLang's prefill jitters each registration delay down by up to 25 %."""
 
 
-class RegistrationFailed(Exception):
+class DirectoryRegistrationFailed(Exception):
     """The directory at `bootstrap_url` did not take a registration."""
 
     def __init__(self, bootstrap_url: str, last_error: str, *, status: int | None = None) -> None:
@@ -34,11 +37,6 @@ class RegistrationFailed(Exception):
         self.last_error = last_error
         self.status = status
         """HTTP status of the last answer; None when the last try got no answer."""
-
-
-def backoff_delay(attempt: int, base_delay: float, max_delay: float, jitter: float) -> float:
-    """Delay after failed try `attempt` (0-based), `jitter` in [0, 1) as SGLang applies it."""
-    return min(base_delay * 2.0**attempt, max_delay) * (0.75 + 0.25 * jitter)
 
 
 async def _put_once(
@@ -66,11 +64,12 @@ async def register_rank(
     sleep: Sleep = asyncio.sleep,
     rand: Callable[[], float] = random.random,
 ) -> None:
-    """PUT /route until accepted; raise `RegistrationFailed` on a 4xx or when tries run out."""
+    """PUT /route until accepted; `DirectoryRegistrationFailed` on a 4xx or out of tries."""
     if attempts < 1:
         raise ValueError("attempts must be at least 1")
     url = f"{bootstrap_url}/route"
     body = registration.model_dump(mode="json")
+    backoff = Backoff(base_delay, max_delay, jitter=SGLANG_JITTER)
     last_error = "no attempt made"
     last_status: int | None = None
     for attempt in range(attempts):
@@ -80,7 +79,7 @@ async def register_rank(
             return
         last_status = status
         if status is not None and 400 <= status < 500:
-            raise RegistrationFailed(bootstrap_url, last_error, status=status)
+            raise DirectoryRegistrationFailed(bootstrap_url, last_error, status=status)
         log.warning(
             "registration of %s at %s, try %d/%d failed: %s",
             registration.coordinate,
@@ -90,8 +89,8 @@ async def register_rank(
             last_error,
         )
         if attempt + 1 < attempts:
-            await sleep(backoff_delay(attempt, base_delay, max_delay, rand()))
-    raise RegistrationFailed(
+            await sleep(backoff.delay(attempt, rand()))
+    raise DirectoryRegistrationFailed(
         bootstrap_url, f"{last_error} (after {attempts} tries)", status=last_status
     )
 
@@ -115,9 +114,9 @@ async def register_room_dp_rank(
             f"{bootstrap_url}/register_dp_rank", json=entry.model_dump(), timeout=timeout
         )
     except httpx.HTTPError as exc:
-        raise RegistrationFailed(bootstrap_url, describe_error(exc)) from exc
+        raise DirectoryRegistrationFailed(bootstrap_url, describe_error(exc)) from exc
     if response.status_code != 200:
-        raise RegistrationFailed(
+        raise DirectoryRegistrationFailed(
             bootstrap_url, describe_answer(response), status=response.status_code
         )
 

@@ -35,9 +35,10 @@ from bootstrap.protocol import (
     Coordinate,
     RankAddress,
     Topology,
-    validation_message,
 )
-from bootstrap.room_poller import RoomPoller, RoomWaitFailed, Sleep
+from bootstrap.room_poller import RoomPoller, RoomWaitFailed
+from kvplumbing.clock import Sleep
+from kvplumbing.validation import validation_message
 
 __all__ = [
     "DecodeResolver",

@@ -9,15 +9,16 @@ decode batches its pending requests, instead of one poll per request.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import httpx
 from pydantic import TypeAdapter, ValidationError
 
 from bootstrap._http import describe_answer, describe_error
-from bootstrap.protocol import MAX_QUERY_ROOMS, validation_message
+from bootstrap.protocol import MAX_QUERY_ROOMS
+from kvplumbing.clock import Sleep
+from kvplumbing.validation import validation_message
 
-Sleep = Callable[[float], Awaitable[object]]
 _ROOM_ANSWER = TypeAdapter(dict[int, int])
 
 

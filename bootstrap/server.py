@@ -36,9 +36,10 @@ from bootstrap.protocol import (
     RoomRegistration,
     not_found_text,
     not_ready_text,
-    validation_message,
 )
-from bootstrap.table import Clock, Directory, RegisterOutcome, RegistrationRefused, RoomTable
+from bootstrap.table import Directory, RegisterOutcome, RegistrationRefused, RoomTable
+from kvplumbing.clock import Clock
+from kvplumbing.validation import validation_message
 
 log = logging.getLogger(__name__)
 

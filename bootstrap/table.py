@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
 from bootstrap.protocol import Coordinate, RankAddress, RankRegistration, Topology
-
-Clock = Callable[[], float]
+from kvplumbing.clock import Clock
 
 
 class RegistrationRefused(Exception):

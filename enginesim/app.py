@@ -3,7 +3,7 @@
 Every generating endpoint runs one path: validate the body, expand it into prompts, start
 them all (the first failure cancels the rest and answers with its stage and status), then
 answer whole or as SSE while tokens arrive. A client that disconnects first has its
-prompts cancelled at once (`enginesim.guards`). `/server_info` (and `/get_server_info`)
+prompts cancelled at once (`kvplumbing.asgi`). `/server_info` (and `/get_server_info`)
 advertises what a control plane needs to adopt the engine: its role, DP size, page size,
 bootstrap port and, for a prefill, the `kv_events` block to subscribe to.
 """
@@ -35,7 +35,6 @@ from enginesim.api_models import (
     generate_prompts,
 )
 from enginesim.engine import Engine, EngineError, Prompt
-from enginesim.guards import CLIENT_GONE_STATUS, BodyLimit, ClientGone, unless_client_leaves
 from enginesim.metrics import EngineMetrics
 from enginesim.responses import (
     SSE_DONE,
@@ -48,6 +47,8 @@ from enginesim.responses import (
 )
 from enginesim.textgen import ReplyWriter
 from globalkv.tokenize import NotTokenizable, TokenizeError, Tokenizer
+from kvplumbing.asgi import CLIENT_GONE_STATUS, BodyLimit, ClientGone, unless_client_leaves
+from kvplumbing.validation import describe_errors
 
 log = logging.getLogger(__name__)
 
@@ -136,9 +137,7 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()[:5]
-        )
+        problems = describe_errors(exc.errors(), most=5)
         return fail(422, f"invalid request body: {problems}", "request", request.url.path)
 
     async def serve(

@@ -14,9 +14,7 @@ import logging
 from typing import Any, get_args
 
 import uvloop
-from pydantic import ValidationError
 
-from bootstrap.protocol import validation_message
 from enginesim.config import (
     EngineConfig,
     FaultSettings,
@@ -24,6 +22,7 @@ from enginesim.config import (
     LatencySettings,
 )
 from globalkv.wire import FLAVORS
+from kvplumbing.validation import validation_as_value_error
 
 log = logging.getLogger(__name__)
 
@@ -133,15 +132,13 @@ def _given(
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
-    try:
+    with validation_as_value_error():
         return EngineConfig(
             **_given(args, EngineConfig, _TOP),
             kv_events=KVEventsSettings(**_given(args, KVEventsSettings, _EVENTS)),
             latency=LatencySettings(**_given(args, LatencySettings, _LATENCY)),
             faults=FaultSettings(**_given(args, FaultSettings, _FAULTS)),
         )
-    except ValidationError as exc:
-        raise ValueError(validation_message(exc)) from None
 
 
 def check_config(args: argparse.Namespace) -> None:
@@ -158,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     # engine's server stack should load only when an engine runs.
     import zmq
 
-    from bootstrap.registrar import RegistrationFailed
+    from bootstrap.registrar import DirectoryRegistrationFailed
     from enginesim.runtime import EngineProcess, run_engine
 
     try:
@@ -169,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             runner.run(run_engine(process))
-    except (OSError, zmq.ZMQError, RegistrationFailed) as exc:
+    except (OSError, zmq.ZMQError, DirectoryRegistrationFailed) as exc:
         log.error("engine could not start: %s", exc)
         return 1
     return 0

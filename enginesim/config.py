@@ -12,8 +12,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from enginesim.publisher import endpoint_port, offset_endpoint
 from globalkv.wire import Flavor
+from kvplumbing.endpoints import endpoint_port, offset_endpoint
 
 Role = Literal["prefill", "decode"]
 WILDCARD_HOSTS = ("0.0.0.0", "::", "*", "")
@@ -153,17 +153,25 @@ class EngineConfig(BaseModel):
 def _check_endpoint(name: str, endpoint: str, dp: int) -> None:
     if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
         raise ValueError(f"{name} {endpoint!r} must be tcp://, ipc:// or inproc://")
-    if endpoint.startswith("tcp://"):
-        port = endpoint_port(endpoint)
-        if port and port + dp - 1 > 65535:
-            raise ValueError(f"{name} {endpoint!r}: port + dp rank exceeds 65535")
+    if _any_free_port(endpoint):
+        return  # each rank follows the port rank 0 was given (`runtime._rank_endpoint`)
+    try:
+        offset_endpoint(endpoint, dp - 1)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
+
+
+def _any_free_port(endpoint: str) -> bool:
+    return endpoint.startswith("tcp://") and endpoint_port(endpoint) == 0
 
 
 def _check_disjoint(endpoint: str, replay: str, dp: int) -> None:
     if not (endpoint.startswith("tcp://") and replay.startswith("tcp://")):
         return
-    live = {offset_endpoint(endpoint, r).rsplit(":", 1)[1] for r in range(dp)} - {"0"}
-    back = {offset_endpoint(replay, r).rsplit(":", 1)[1] for r in range(dp)} - {"0"}
+    if _any_free_port(endpoint) or _any_free_port(replay):
+        return
+    live = {offset_endpoint(endpoint, r).rsplit(":", 1)[1] for r in range(dp)}
+    back = {offset_endpoint(replay, r).rsplit(":", 1)[1] for r in range(dp)}
     if live & back:
         raise ValueError(
             f"kv_events endpoints overlap: PUB ports {sorted(live)} and replay ports "

@@ -29,12 +29,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-Clock = Callable[[], float]
-Sleep = Callable[[float], Awaitable[None]]
+from kvplumbing.clock import Clock, Sleep
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,12 @@ from typing import Any
 import httpx
 
 from bootstrap.protocol import RankRegistration
-from bootstrap.registrar import KeepAlive, RegistrationFailed, register_rank, register_room_dp_rank
+from bootstrap.registrar import (
+    DirectoryRegistrationFailed,
+    KeepAlive,
+    register_rank,
+    register_room_dp_rank,
+)
 from enginesim.config import EngineConfig
 from enginesim.engine import Bootstrap, EngineError, Generation, Prompt
 from enginesim.faults import Faults
@@ -285,7 +290,7 @@ class PrefillEngine:
         if self.config.load_balance_method != "follow_bootstrap_room" and self.config.dp > 1:
             try:
                 await register_room_dp_rank(self._client, self._bootstrap_url, room, rank.index)
-            except RegistrationFailed as exc:
+            except DirectoryRegistrationFailed as exc:
                 raise EngineError("register_room", str(exc)) from None
         started = self._clock()
         try:

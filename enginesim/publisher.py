@@ -21,7 +21,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 import zmq
 import zmq.asyncio
@@ -45,6 +44,7 @@ from globalkv.wire import (
     replay_end,
     replay_reply,
 )
+from kvplumbing.endpoints import endpoint_port
 
 log = logging.getLogger(__name__)
 
@@ -66,31 +66,6 @@ def endpoint_binds(endpoint: str) -> bool:
 def endpoint_host(endpoint: str) -> str:
     netloc = endpoint.split("://", 1)[-1]
     return netloc.rsplit(":", 1)[0]
-
-
-def endpoint_port(endpoint: str) -> int:
-    """The TCP port of `tcp://host:port`; `ValueError` with the endpoint named otherwise."""
-    if not endpoint.startswith("tcp://"):
-        raise ValueError(f"{endpoint!r} is not a tcp:// endpoint")
-    try:
-        port = urlsplit(endpoint.replace("*", "0.0.0.0", 1)).port
-    except ValueError as exc:
-        raise ValueError(f"{endpoint!r} has no valid port: {exc}") from None
-    if port is None:
-        raise ValueError(f"{endpoint!r} has no port")
-    return port
-
-
-def offset_endpoint(endpoint: str, offset: int) -> str:
-    """The endpoint of DP rank `offset`: port + offset for tcp, a suffix for inproc/ipc."""
-    if offset == 0:
-        return endpoint
-    if endpoint.startswith("tcp://"):
-        port = endpoint_port(endpoint)
-        if port == 0:
-            return endpoint
-        return f"{endpoint.rsplit(':', 1)[0]}:{port + offset}"
-    return f"{endpoint}_dp{offset}"
 
 
 def wire_events(changes: Sequence[CacheChange], page_size: int) -> list[Event]:

@@ -38,15 +38,12 @@ from enginesim.kvcache import PagedKVCache
 from enginesim.latency import PrefillModel, PrefillScheduler
 from enginesim.metrics import EngineMetrics
 from enginesim.prefill import DPRank, PrefillEngine
-from enginesim.publisher import (
-    KVEventPublisher,
-    PublisherSettings,
-    endpoint_port,
-    offset_endpoint,
-)
+from enginesim.publisher import KVEventPublisher, PublisherSettings
 from enginesim.textgen import ReplyWriter
 from enginesim.transfer import DecodeTransfer, PrefillTransfer
 from globalkv.tokenize import load_tokenizer
+from kvplumbing.endpoints import endpoint_port, offset_endpoint
+from kvplumbing.topics import kv_topic
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +184,7 @@ class EngineProcess:
         self._stack.push_async_callback(directory.stop)
         self.info["disaggregation_bootstrap_port"] = directory.port
         events = config.kv_events
-        topic = events.topic if events.topic is not None else f"kv@{pod}@{config.model}"
+        topic = events.topic if events.topic is not None else kv_topic(pod, config.model)
         self.info["kv_events_config"] = (
             None
             if events.endpoint is None

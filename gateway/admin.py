@@ -19,11 +19,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from bootstrap.protocol import validation_message
-from gateway.auth import bearer_ok
 from gateway.config import WorkerSpec
 from gateway.monitor import RegistrationFailed
 from gateway.workers import DuplicateWorker
+from kvplumbing.auth import bearer_ok
+from kvplumbing.validation import validation_message
 
 if TYPE_CHECKING:
     from gateway.service import Gateway

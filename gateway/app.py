@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -22,14 +22,22 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.admin import admin_routes
-from gateway.auth import bearer_ok
 from gateway.inference import INFERENCE_PATHS, Inference, Relay, problem, too_large
 from gateway.inject import Endpoint
 from gateway.service import Gateway
 from gateway.upstream import Answer
+from kvplumbing.asgi import (
+    CLIENT_GONE_STATUS,
+    BodyTooLarge,
+    ClientGone,
+    read_body,
+    unless_client_leaves,
+    until_disconnected,
+)
+from kvplumbing.auth import bearer_ok
 
 
 def _response(answer: Answer) -> Response:
@@ -41,35 +49,6 @@ async def _send_answer(send: Send, answer: Answer, *extra: tuple[bytes, bytes]) 
     headers += extra
     await send({"type": "http.response.start", "status": answer.status, "headers": headers})
     await send({"type": "http.response.body", "body": answer.body})
-
-
-async def _disconnected(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-class _ClientGone(Exception):
-    pass
-
-
-async def _read_body(receive: Receive, declared: bytes | None, limit: int) -> bytes | None:
-    """The request body, or None when it exceeds `limit`."""
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        return None
-    chunks: list[bytes] = []
-    size = 0
-    more = True
-    while more:
-        message: Message = await receive()
-        if message["type"] == "http.disconnect":
-            raise _ClientGone
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            return None
-        chunks.append(chunk)
-        more = message.get("more_body", False)
-    return b"".join(chunks)
 
 
 class _InferenceRoutes:
@@ -87,50 +66,38 @@ class _InferenceRoutes:
             answer = problem(405, f"{scope['path']} takes POST")
             await _send_answer(send, answer, (b"allow", b"POST"))
         else:
-            with contextlib.suppress(_ClientGone):
+            with contextlib.suppress(ClientGone):
                 await self._serve(endpoint, scope, receive, send)
 
     async def _serve(self, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send) -> None:
-        headers = dict(scope["headers"])
         limit = self.inference.max_payload_size
-        raw = await _read_body(receive, headers.get(b"content-length"), limit)
-        if raw is None:
+        try:
+            raw = await read_body(scope, receive, limit)
+        except BodyTooLarge:
             await _send_answer(send, self.inference.refuse(endpoint, too_large(limit)))
             return
-        authorization = headers.get(b"authorization")
+        authorization = dict(scope["headers"]).get(b"authorization")
         work = self.inference.handle(
             endpoint,
             scope["path"],
             None if authorization is None else authorization.decode("latin-1"),
             raw,
         )
-        outcome = await _until_disconnect(receive, work)
-        if outcome is None:
-            await _send_answer(send, Answer(499, b""))
-        elif isinstance(outcome, Relay):
+        try:
+            outcome = await unless_client_leaves(receive, work, abandon=_abandon)
+        except ClientGone:
+            await _send_answer(send, Answer(CLIENT_GONE_STATUS, b""))
+            return
+        if isinstance(outcome, Relay):
             await _stream(outcome, receive, send)
         else:
             await _send_answer(send, outcome)
 
 
-async def _until_disconnect(
-    receive: Receive, work: Awaitable[Answer | Relay]
-) -> Answer | Relay | None:
-    """`work`'s result, or None after cancelling it because the client went away."""
-    task = asyncio.ensure_future(work)
-    waiter = asyncio.ensure_future(_disconnected(receive))
-    try:
-        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        waiter.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        outcome = await task
-        if isinstance(outcome, Relay):
-            await outcome.abandon()
-    return None
+async def _abandon(outcome: Answer | Relay) -> None:
+    """An answer reached after its client left: a stream is released, unread."""
+    if isinstance(outcome, Relay):
+        await outcome.abandon()
 
 
 async def _stream(relay: Relay, receive: Receive, send: Send) -> None:
@@ -148,7 +115,7 @@ async def _stream(relay: Relay, receive: Receive, send: Send) -> None:
             await send({"type": "http.response.body", "body": b""})
 
     passing = asyncio.ensure_future(run())
-    listening = asyncio.ensure_future(_disconnected(receive))
+    listening = asyncio.ensure_future(until_disconnected(receive))
     try:
         await asyncio.wait({passing, listening}, return_when=asyncio.FIRST_COMPLETED)
     finally:

@@ -11,13 +11,10 @@ client's fault.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from gateway.config import BreakerConfig
-
-Clock = Callable[[], float]
-"""Monotonic seconds; tests and the simulator pass a fake one."""
+from kvplumbing.clock import Clock
 
 FAILURE_STATUSES = frozenset({408, 429})
 

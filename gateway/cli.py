@@ -23,7 +23,6 @@ import redis.asyncio as aioredis
 from prometheus_client import start_http_server
 from pydantic import ValidationError
 
-from bootstrap.protocol import validation_message
 from bootstrap.reader import DirectoryReader
 from gateway.app import create_app
 from gateway.config import (
@@ -48,6 +47,7 @@ from globalkv.index.redis import RedisIndex
 from globalkv.lookup import HttpLookup, IndexLookup, PrefixLookup
 from globalkv.registry import RedisRegistry
 from globalkv.tokenize import Tokenizer, load_tokenizer
+from kvplumbing.validation import validation_message
 
 log = logging.getLogger(__name__)
 POLICIES = ["prefix", "cache_aware", "power_of_two", "round_robin", "random", "least_load"]

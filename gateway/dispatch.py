@@ -12,7 +12,7 @@ committed to the client, so:
 After the first byte, a failure can only end the stream.
 
 The retry loop (`forward`) follows sglang-router: at most `max_retries` attempts in all,
-waiting `Backoff.delay(n)` between them, each with a new pair (workers that failed this
+waiting `RetrySchedule.delay(n)` between them, each with a new pair (workers that failed this
 request are avoided while others remain). Every finished upstream call is recorded in
 its worker's circuit breaker; calls cancelled by the gateway are not. Cancelling
 `forward` (the client went away) cancels both upstream calls.
@@ -38,22 +38,22 @@ from typing import Any
 
 import httpx
 
-from gateway.breaker import Clock, is_failure_status
+from gateway.breaker import is_failure_status
 from gateway.inject import inject_bootstrap
 from gateway.metrics import GatewayMetrics
 from gateway.policies.base import LoadTicket, NoCandidates, RouteRequest
 from gateway.requests import ParsedRequest, encode_body
-from gateway.retry import Backoff, is_retryable_status
+from gateway.retry import RetrySchedule, is_retryable_status
 from gateway.router import RoutePlan, Router
 from gateway.upstream import Answer, Reply, Upstream, Whole
 from gateway.workers import Worker
+from kvplumbing.clock import Clock, Sleep
 
 log = logging.getLogger(__name__)
-Sleep = Callable[[float], Awaitable[None]]
 _PASSED_HEADERS = ("content-type", "cache-control", "x-request-id")
 _JSON = b"application/json"
 
-__all__ = ["Answer", "Dispatcher", "Sleep", "Stream", "error_body"]
+__all__ = ["Answer", "Dispatcher", "Stream", "error_body"]
 
 
 def error_body(message: str, kind: str) -> bytes:
@@ -134,7 +134,7 @@ class Dispatcher:
         self,
         upstream: Upstream,
         router: Router,
-        backoff: Backoff,
+        retries: RetrySchedule,
         metrics: GatewayMetrics,
         *,
         timeout: float,
@@ -143,7 +143,7 @@ class Dispatcher:
     ) -> None:
         self._upstream = upstream
         self._router = router
-        self._backoff = backoff
+        self._retries = retries
         self._metrics = metrics
         self._timeout = timeout
         self._clock = clock
@@ -165,7 +165,7 @@ class Dispatcher:
     ) -> Answer | Stream:
         avoid: set[str] = set()
         last: _Failure | None = None
-        attempts = self._backoff.max_attempts
+        attempts = self._retries.max_attempts
         for attempt in range(attempts):
             try:
                 plan = self._router.plan(route, request.batch, avoid)
@@ -183,7 +183,7 @@ class Dispatcher:
             if not outcome.retryable or attempt + 1 >= attempts:
                 break
             self._metrics.retries.labels(request.endpoint, outcome.role).inc()
-            await self._sleep(self._backoff.delay(attempt))
+            await self._sleep(self._retries.delay(attempt))
         assert last is not None
         return last.answer
 

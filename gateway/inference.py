@@ -24,8 +24,6 @@ from dataclasses import dataclass
 
 import httpx
 
-from gateway.auth import bearer_matches
-from gateway.breaker import Clock
 from gateway.dispatch import Stream, error_body
 from gateway.inject import Endpoint
 from gateway.metrics import EndpointMetrics
@@ -34,6 +32,8 @@ from gateway.requests import BadRequest, decode_body, parse_request, prompt_toke
 from gateway.service import Gateway
 from gateway.upstream import Answer
 from globalkv.tokenize import TokenizeError
+from kvplumbing.auth import bearer_matches
+from kvplumbing.clock import Clock
 
 TOKENIZE_INLINE_MAX = 64 * 1024
 INFERENCE_PATHS: dict[str, Endpoint] = {

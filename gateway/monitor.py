@@ -21,21 +21,20 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
-from gateway.breaker import Clock
 from gateway.config import HealthConfig, KvEventsSpec
 from gateway.health import Health
 from gateway.workers import DirectoryStatus, Worker, WorkerPool
+from kvplumbing.clock import Clock, Sleep
 
 log = logging.getLogger(__name__)
 
-Sleep = Callable[[float], Awaitable[None]]
 _WILDCARD_HOSTS = {"*", "0.0.0.0", "::", "[::]", ""}
 _NO_SERVER_INFO = frozenset({404, 405})
 """Statuses saying a worker has no /server_info: nothing to discover. Any other failure
@@ -43,7 +42,7 @@ _NO_SERVER_INFO = frozenset({404, 405})
 
 
 class DirectoryReading(Protocol):
-    """What `bootstrap.reader.DirectoryStatus` tells about one directory."""
+    """What the monitor reads of a `bootstrap.reader.DirectoryReport`."""
 
     @property
     def reachable(self) -> bool: ...

@@ -13,10 +13,10 @@ from urllib.parse import quote
 import httpx
 from pydantic import ValidationError
 
-from bootstrap.protocol import validation_message
 from gateway.monitor import PodRegistration, RegistrationFailed
 from globalkv.index.base import IndexUnavailable
 from globalkv.registry import KvEventsConfig, PodInfo, Registry
+from kvplumbing.validation import validation_message
 
 
 def pod_info(pod: PodRegistration) -> PodInfo:

@@ -19,7 +19,8 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 
-Clock = Callable[[], float]
+from kvplumbing.clock import Clock
+
 Lookup = Callable[[str, int], Awaitable[str]]
 _KEPT = 4096
 """Names kept before the expired ones are swept (a gateway has a few dozen workers)."""

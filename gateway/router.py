@@ -22,7 +22,6 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 from random import Random
 
-from gateway.breaker import Clock
 from gateway.config import Role
 from gateway.inject import draw_room
 from gateway.metrics import GatewayMetrics
@@ -30,6 +29,7 @@ from gateway.policies.base import Candidate, Choice, LoadTracker, NoCandidates, 
 from gateway.workers import Worker, WorkerPool
 from globalkv.index.base import IndexUnavailable
 from globalkv.lookup import LookupResult, PrefixLookup
+from kvplumbing.clock import Clock
 
 log = logging.getLogger(__name__)
 

@@ -20,19 +20,19 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 from prometheus_client import CollectorRegistry
 
-from gateway.breaker import Clock
 from gateway.config import GatewayConfig, WorkerSpec
-from gateway.dispatch import Dispatcher, Sleep
+from gateway.dispatch import Dispatcher
 from gateway.metrics import GatewayMetrics
 from gateway.monitor import DirectoryProbe, Monitor, PodRegistrar
 from gateway.policies import LoadTracker, build_policy
 from gateway.policies.pending import PendingPrefixes
-from gateway.retry import Backoff
+from gateway.retry import RetrySchedule
 from gateway.router import Router
 from gateway.upstream import HttpxUpstream, Upstream
 from gateway.workers import Worker, WorkerPool
 from globalkv.lookup import PrefixLookup
 from globalkv.tokenize import Tokenizer
+from kvplumbing.clock import Clock, Sleep
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ def build_gateway(
     dispatcher = Dispatcher(
         upstream or HttpxUpstream(client),
         router,
-        Backoff(config.retry, rng),
+        RetrySchedule(config.retry, rng),
         metrics,
         timeout=config.request_timeout_secs,
         clock=clock,

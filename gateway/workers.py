@@ -26,10 +26,12 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from gateway.breaker import CircuitBreaker, Clock
+from gateway.breaker import CircuitBreaker
 from gateway.config import BreakerConfig, HealthConfig, KvEventsSpec, Role, WorkerSpec
 from gateway.health import HealthTracker
 from gateway.policies.base import Candidate, LoadTracker
+from kvplumbing.clock import Clock
+from kvplumbing.topics import parse_topic
 
 
 def worker_id(url: str) -> str:
@@ -37,14 +39,6 @@ def worker_id(url: str) -> str:
     port = parts.port or (443 if parts.scheme == "https" else 80)
     host = parts.hostname or ""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def pod_from_topic(topic: str) -> str | None:
-    """`kv@<pod>@<model>` (llm-d's convention) → `<pod>`; other topics name no pod."""
-    parts = topic.split("@")
-    if len(parts) >= 3 and parts[0] == "kv" and parts[1]:
-        return parts[1]
-    return None
 
 
 class DirectoryStatus(enum.Enum):
@@ -122,8 +116,8 @@ class Worker:
     def pod(self) -> str:
         if self.spec.pod_id:
             return self.spec.pod_id
-        topic_pod = pod_from_topic(self.kv_events.topic) if self.kv_events else None
-        return topic_pod or self.id
+        parsed = parse_topic(self.kv_events.topic) if self.kv_events else None
+        return self.id if parsed is None else parsed[0]
 
     @property
     def bootstrap_port(self) -> int | None:

@@ -14,17 +14,16 @@ pod (409), a missing or wrong admin token on a mutating endpoint (401).
 from __future__ import annotations
 
 import asyncio
-import hmac
 import time
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
+from functools import partial
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from globalkv.index.base import Index, IndexUnavailable
 from globalkv.ingest.followed import TopicTaken
@@ -33,6 +32,8 @@ from globalkv.lookup import IndexLookup
 from globalkv.metrics import ApiMetrics
 from globalkv.registry import PodInfo, PodState, Registry
 from globalkv.tokenize import Tokenizer
+from kvplumbing.asgi import BodyLimit
+from kvplumbing.auth import bearer_matches
 
 TokenId = Annotated[int, Field(ge=0, le=2**32 - 1)]
 
@@ -91,53 +92,8 @@ class Health(BaseModel):
     resyncing_sources: int
 
 
-class BodyLimit:
-    """413 for a body over the limit, counted as it streams (Content-Length can lie).
-
-    The body is read here, up to the limit, and handed on whole: a limit enforced inside
-    the app's own body parsing would surface as a generic 400.
-    """
-
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app = app
-        self.limit = limit
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        for name, value in scope.get("headers", []):
-            if name == b"content-length" and value.isdigit() and int(value) > self.limit:
-                await self._too_large(scope, send)
-                return
-        messages: list[Message] = []
-        size = 0
-        while True:
-            message = await receive()
-            messages.append(message)
-            if message["type"] != "http.request":
-                break
-            size += len(message.get("body", b""))
-            if size > self.limit:
-                await self._too_large(scope, send)
-                return
-            if not message.get("more_body", False):
-                break
-
-        async def replay() -> Message:
-            return messages.pop(0) if messages else await receive()
-
-        await self.app(scope, replay, send)
-
-    async def _too_large(self, scope: Scope, send: Send) -> None:
-        response = JSONResponse(
-            {"detail": f"request body larger than {self.limit} bytes"}, status_code=413
-        )
-        await response(scope, _no_receive, send)
-
-
-async def _no_receive() -> Message:
-    return {"type": "http.disconnect"}
+def _too_large(limit: int, path: str) -> Response:
+    return JSONResponse({"detail": f"request body larger than {limit} bytes"}, status_code=413)
 
 
 def create_app(
@@ -155,7 +111,9 @@ def create_app(
         description="Which pod holds how long a prefix of a prompt's KV cache.",
         lifespan=lifespan,
     )
-    app.add_middleware(BodyLimit, limit=config.max_body_bytes)
+    app.add_middleware(
+        BodyLimit, limit=config.max_body_bytes, refuse=partial(_too_large, config.max_body_bytes)
+    )
     metrics = ApiMetrics(metrics_registry)
     lookup = IndexLookup(index)
 
@@ -168,13 +126,7 @@ def create_app(
         return response
 
     def admin(authorization: Annotated[str | None, Header()] = None) -> None:
-        if config.admin_token is None:
-            return
-        # Compared as the bytes that came over the wire (headers arrive latin-1 decoded):
-        # compare_digest refuses str with non-ASCII characters, a 500 for any client.
-        expected = f"Bearer {config.admin_token}".encode()
-        given = None if authorization is None else authorization.encode("latin-1")
-        if given is None or not hmac.compare_digest(given, expected):
+        if not bearer_matches(authorization, config.admin_token):
             raise HTTPException(401, "this endpoint needs `Authorization: Bearer <admin token>`")
 
     def unavailable(exc: IndexUnavailable) -> HTTPException:

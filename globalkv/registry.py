@@ -31,6 +31,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from redis.exceptions import RedisError
 
 from globalkv.index.base import IndexUnavailable
+from kvplumbing.endpoints import offset_endpoint
+from kvplumbing.topics import parse_topic
 
 log = logging.getLogger(__name__)
 
@@ -107,17 +109,13 @@ class PodInfo(BaseModel):
 
     @model_validator(mode="after")
     def _model_from_topic(self) -> PodInfo:
-        if self.dp_size > 1 and self.kv_events.mode == "connect":
+        if self.kv_events.mode == "connect":
             for endpoint in (self.kv_events.endpoint, self.kv_events.replay_endpoint):
-                if endpoint is not None and not endpoint.startswith("tcp://"):
-                    raise ValueError(
-                        f"dp_size {self.dp_size} needs tcp:// endpoints (rank r uses port + r), "
-                        f"not {endpoint!r}"
-                    )
-                if endpoint is not None and int(endpoint.rpartition(":")[2]) + self.dp_size > 65536:
-                    raise ValueError(
-                        f"dp_size {self.dp_size} puts the last rank of {endpoint!r} past port 65535"
-                    )
+                if endpoint is not None:
+                    try:
+                        offset_endpoint(endpoint, self.dp_size - 1)
+                    except ValueError as exc:
+                        raise ValueError(f"dp_size {self.dp_size}: {exc}") from None
         if not self.model:
             parsed = parse_topic(self.kv_events.topic)
             if parsed is not None:
@@ -125,15 +123,9 @@ class PodInfo(BaseModel):
         return self
 
 
-def parse_topic(topic: str) -> tuple[str, str] | None:
-    """`kv@<pod>@<model>` → (pod, model), llm-d's convention; None for other topics."""
-    parts = topic.split("@", 2)
-    if len(parts) != 3 or parts[0] != "kv" or not parts[1]:
-        return None
-    return parts[1], parts[2]
+class SourceProgress(BaseModel):
+    """How far the indexer has got with one DP rank's events (`PodState.sources`)."""
 
-
-class SourceState(BaseModel):
     dp_rank: int
     received: int = 0
     """Live batches of this source that reached the indexer (replayed ones are not)."""
@@ -158,7 +150,7 @@ class PodState(BaseModel):
     that the engine's PUB and our SUB found each other. An idle engine publishes nothing,
     so false alone is no fault; in bind mode the pod has no sources until it is true."""
     resyncing: bool = False
-    sources: list[SourceState] = Field(default_factory=list)
+    sources: list[SourceProgress] = Field(default_factory=list)
     updated_at: float | None = None
 
 

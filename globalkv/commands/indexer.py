@@ -17,12 +17,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
-from bootstrap.protocol import validation_message
 from globalkv.api import ApiConfig
 from globalkv.indexer import IndexerConfig, run_indexer
 from globalkv.ingest.config import IngestConfig
+from kvplumbing.validation import validation_as_value_error
 
 
 def register(subparsers: Any) -> None:
@@ -87,7 +85,7 @@ def _pods(args: argparse.Namespace) -> list[Any]:
 def config_from_args(args: argparse.Namespace) -> IndexerConfig:
     """Nested parts are validated as one object, so an error names its full path
     (`pods.1.kv_events`, `api.max_tokens`)."""
-    try:
+    with validation_as_value_error():
         return IndexerConfig.model_validate(
             {
                 "host": args.host,
@@ -107,8 +105,6 @@ def config_from_args(args: argparse.Namespace) -> IndexerConfig:
                 "ingest": {"bind": args.bind, "queue_size": args.queue_size},
             }
         )
-    except ValidationError as exc:
-        raise ValueError(validation_message(exc)) from None
 
 
 def check_config(args: argparse.Namespace) -> None:

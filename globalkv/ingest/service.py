@@ -33,10 +33,9 @@ from globalkv.ingest.subscribers import (
     BoundSubscriber,
     EngineSubscription,
     SubLimits,
-    offset_endpoint,
     replay_endpoint,
 )
-from globalkv.ingest.worker import Backoff, Received, SourceWorker
+from globalkv.ingest.worker import Received, SourceWorker
 from globalkv.metrics import IngestMetrics
 from globalkv.registry import (
     MAX_DP_SIZE,
@@ -44,10 +43,12 @@ from globalkv.registry import (
     PodInfo,
     PodState,
     Registry,
-    SourceState,
-    parse_topic,
+    SourceProgress,
 )
 from globalkv.wire import Frame, WireError, decode_batch
+from kvplumbing.backoff import Backoff
+from kvplumbing.endpoints import offset_endpoint
+from kvplumbing.topics import parse_topic
 
 __all__ = ["IngestConfig", "IngestService"]  # the config lives in ingest.config, used with this
 
@@ -351,7 +352,7 @@ class IngestService:
         )
 
     async def wait(
-        self, source: Source, condition: Callable[[SourceState], bool], timeout: float = 10.0
+        self, source: Source, condition: Callable[[SourceProgress], bool], timeout: float = 10.0
     ) -> None:
         """Return once `condition` holds for `source`'s ingest state (TimeoutError after
         `timeout`); the source may appear later (bound socket)."""

@@ -26,6 +26,7 @@ from globalkv.ingest.worker import Received, SourceWorker
 from globalkv.metrics import IngestMetrics
 from globalkv.registry import PodInfo
 from globalkv.wire import Frame, WireError, parse_live
+from kvplumbing.endpoints import offset_endpoint
 
 log = logging.getLogger(__name__)
 
@@ -43,20 +44,6 @@ async def drain(sock: zmq.asyncio.Socket) -> AsyncIterator[list[bytes]]:
             except zmq.Again:
                 break
             yield frames
-
-
-def offset_endpoint(endpoint: str, dp_rank: int) -> str:
-    """DP rank r of an engine publishes on port + r (vLLM and SGLang alike)."""
-    if dp_rank == 0:
-        return endpoint
-    if not endpoint.startswith("tcp://"):
-        raise ValueError(f"cannot offset {endpoint!r} by a DP rank: only tcp:// has ports")
-    host, _, port = endpoint.rpartition(":")
-    if not port.isdigit():
-        raise ValueError(f"endpoint {endpoint!r} has no port")
-    if int(port) + dp_rank > 65535:
-        raise ValueError(f"DP rank {dp_rank} of {endpoint!r} would be past port 65535")
-    return f"{host}:{int(port) + dp_rank}"
 
 
 def replay_endpoint(info: PodInfo, rank: int) -> str | None:

@@ -19,9 +19,10 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from functools import partial
+from typing import Protocol, TypeVar
 
 from globalkv.index.base import (
     ApplyResult,
@@ -35,11 +36,14 @@ from globalkv.index.base import (
 from globalkv.ingest.replay import ReplayClient
 from globalkv.ingest.sequencer import Step, classify, contiguous_tail
 from globalkv.metrics import IngestMetrics
-from globalkv.registry import SourceState
+from globalkv.registry import SourceProgress
 from globalkv.translate import translate
 from globalkv.wire import EventBatch, Frame, WireError, decode_batch
+from kvplumbing.backoff import Backoff
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,10 +55,8 @@ class Received:
     """time.monotonic() on arrival, for the apply-lag histogram."""
 
 
-@dataclass(frozen=True, slots=True)
-class Backoff:
-    base: float = 0.05
-    cap: float = 2.0
+INDEX_BACKOFF = Backoff(base=0.05, cap=2.0)
+"""Waits while the index is unreachable: 50 ms doubling to 2 s (`IngestConfig.retry_*`)."""
 
 
 class WorkerHooks(Protocol):
@@ -94,7 +96,7 @@ class SourceWorker:
         self.replayer = replayer
         self.metrics = metrics
         self.hooks = hooks
-        self.backoff = backoff or Backoff()
+        self.backoff = backoff or INDEX_BACKOFF
         self.max_group = max_group
         self.expected = expected
         """Next seq to apply; None until the source has state (from the index or live)."""
@@ -105,9 +107,9 @@ class SourceWorker:
         """Live batches handed to this worker, queued or dropped (a plain int: per message)."""
         self.wall_clock = wall_clock
         self.queue: asyncio.Queue[Received | None] = asyncio.Queue(queue_size)
-        self.state = SourceState(dp_rank=source.dp_rank)
+        self.state = SourceProgress(dp_rank=source.dp_rank)
         self.state.last_seq = None if expected is None else expected - 1
-        self._waiters: list[tuple[Callable[[SourceState], bool], asyncio.Future[None]]] = []
+        self._waiters: list[tuple[Callable[[SourceProgress], bool], asyncio.Future[None]]] = []
         self._resync_requested = False
         self._pending: Received | None = None
         """Taken from the queue while grouping but not next in seq: handled next."""
@@ -151,7 +153,7 @@ class SourceWorker:
         """Return once batch `seq` (or a later one) of this source is visible in the index."""
         await self.wait(lambda state: state.last_seq is not None and state.last_seq >= seq)
 
-    async def wait(self, condition: Callable[[SourceState], bool]) -> None:
+    async def wait(self, condition: Callable[[SourceProgress], bool]) -> None:
         """Return once `condition` holds for the source's state, checked after each batch."""
         if condition(self.state):
             return
@@ -279,15 +281,8 @@ class SourceWorker:
     async def _reset(self, reason: str) -> None:
         self.metrics.resets.labels(self.source.pod, reason).inc()
         self.state.resets += 1
-        delay = self.backoff.base
-        while True:
-            try:
-                await self.index.reset_source(self.source)
-                return
-            except IndexDataLost:
-                return  # nothing of the source is left to hide
-            except IndexUnavailable as exc:
-                delay = await self._wait_for_index(exc, delay)
+        with contextlib.suppress(IndexDataLost):  # nothing of the source is left to hide
+            await self._while_index_unavailable(partial(self.index.reset_source, self.source))
 
     # ---------------------------------------------------------------- applying
 
@@ -335,23 +330,32 @@ class SourceWorker:
     async def _apply(self, batch: SourceBatch, first_seq: int) -> ApplyResult:
         """Apply, holding the batch while the index is down; `first_seq` is the first
         publisher batch it holds (a group), where a resync must stop."""
-        delay = self.backoff.base
         while True:
             try:
-                return await self.index.apply(batch)
+                return await self._while_index_unavailable(partial(self.index.apply, batch))
             except IndexDataLost:
                 log.warning("%s: the index lost its data; resyncing", self.source)
                 self.metrics.data_lost.inc()
                 self.hooks.data_lost(self.source)
                 await self._resync(first_seq)
-            except IndexUnavailable as exc:
-                delay = await self._wait_for_index(exc, delay)
 
-    async def _wait_for_index(self, exc: IndexUnavailable, delay: float) -> float:
-        self.metrics.index_unavailable.inc()
-        log.warning("%s: index unavailable (%s); retrying in %.2fs", self.source, exc, delay)
-        await asyncio.sleep(delay)
-        return min(delay * 2, self.backoff.cap)
+    async def _while_index_unavailable(self, call: Callable[[], Awaitable[T]]) -> T:
+        """`call()`'s result, tried again after `self.backoff` while the index is down;
+        `IndexDataLost` (an `IndexUnavailable` that retrying cannot mend) goes to the caller."""
+        attempt = 0
+        while True:
+            try:
+                return await call()
+            except IndexDataLost:
+                raise
+            except IndexUnavailable as exc:
+                delay = self.backoff.delay(attempt)
+                attempt += 1
+                self.metrics.index_unavailable.inc()
+                log.warning(
+                    "%s: index unavailable (%s); retrying in %.2fs", self.source, exc, delay
+                )
+                await asyncio.sleep(delay)
 
     def _advance(self, seq: int, ts: float | None, batches: int) -> None:
         self.expected = seq + 1

@@ -26,12 +26,10 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
-from pydantic import ValidationError
-
-from bootstrap.protocol import validation_message
 from globalkv.stack.cluster import ClusterError, LocalCluster
 from globalkv.stack.plan import StackConfig, check_plan, plan_stack, ports_needed
 from globalkv.stack.render import curl_lines, table
+from kvplumbing.validation import validation_as_value_error
 
 POLICIES = ["prefix", "cache_aware", "power_of_two", "round_robin", "random", "least_load"]
 _SUPERVISE_SECONDS = 0.5
@@ -91,7 +89,7 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
         prefill_args = ["--kv-capacity", str(args.kv_capacity), *prefill_args]
     if args.policy is not None:
         gateway_args = ["--prefill-policy", args.policy, *gateway_args]
-    try:
+    with validation_as_value_error():
         return StackConfig(
             prefill=args.prefill,
             decode=args.decode,
@@ -110,8 +108,6 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
             gateway_args=gateway_args,
             indexer_args=_split(args.indexer_args),
         )
-    except ValidationError as exc:
-        raise ValueError(validation_message(exc)) from None
 
 
 def check_config(args: argparse.Namespace) -> None:

@@ -18,8 +18,8 @@ from bootstrap.protocol import (
     RoomRegistration,
     Topology,
     snapshot_keys,
-    validation_message,
 )
+from kvplumbing.validation import validation_message
 from tests.bootstrap.factories import SGLANG_0_5_23_PUT, SGLANG_0_5_23_SNAPSHOT, body
 
 REQUIRED = [

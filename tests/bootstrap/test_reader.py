@@ -8,14 +8,14 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from bootstrap.reader import DirectoryReader, DirectoryStatus
+from bootstrap.reader import DirectoryReader, DirectoryReport
 from bootstrap.server import BootstrapConfig, create_app
 from tests.bootstrap.factories import SGLANG_0_5_23_SNAPSHOT, FakeClock, body, instance
 
 URL = "http://10.0.0.9:8998"
 
 
-async def read_app(*bodies: dict[str, object]) -> DirectoryStatus:
+async def read_app(*bodies: dict[str, object]) -> DirectoryReport:
     app = create_app(BootstrapConfig(), clock=FakeClock())
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app)) as client:
         for data in bodies:
@@ -23,7 +23,7 @@ async def read_app(*bodies: dict[str, object]) -> DirectoryStatus:
         return await DirectoryReader(client).read(URL)
 
 
-async def read_mock(handler: Callable[[httpx.Request], httpx.Response]) -> DirectoryStatus:
+async def read_mock(handler: Callable[[httpx.Request], httpx.Response]) -> DirectoryReport:
     async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
         return await DirectoryReader(client, timeout=0.5).read(URL)
 
@@ -47,7 +47,7 @@ def sglang(snapshot: httpx.Response) -> Callable[[httpx.Request], httpx.Response
 
 async def test_our_directory_reports_missing_ranks() -> None:
     status = await read_app(body(tp=(0, 2), dp=(1, 2)))
-    assert status == DirectoryStatus(
+    assert status == DirectoryReport(
         url=URL,
         reachable=True,
         ready=False,

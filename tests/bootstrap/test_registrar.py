@@ -11,13 +11,14 @@ import httpx
 import pytest
 
 from bootstrap.registrar import (
+    SGLANG_JITTER,
+    DirectoryRegistrationFailed,
     KeepAlive,
-    RegistrationFailed,
-    backoff_delay,
     register_rank,
     register_room_dp_rank,
 )
 from bootstrap.server import BootstrapConfig, create_app
+from kvplumbing.backoff import Backoff
 from tests.bootstrap.factories import SGLANG_0_5_23_PUT, FakeClock, registration
 
 URL = "http://10.0.0.1:8998"
@@ -54,7 +55,8 @@ def mock_client(handler: Handler) -> httpx.AsyncClient:
 
 
 def test_backoff_follows_sglang() -> None:
-    assert [backoff_delay(n, 1.0, 30.0, 0.0) for n in range(7)] == [
+    backoff = Backoff(1.0, 30.0, jitter=SGLANG_JITTER)
+    assert [backoff.delay(n, 0.0) for n in range(7)] == [
         0.75,
         1.5,
         3.0,
@@ -63,7 +65,7 @@ def test_backoff_follows_sglang() -> None:
         22.5,
         22.5,
     ]
-    assert backoff_delay(2, 1.0, 30.0, 0.999999) == pytest.approx(4.0, rel=1e-5)
+    assert backoff.delay(2, 0.999999) == pytest.approx(4.0, rel=1e-5)
 
 
 async def test_first_try_success_sends_the_whole_registration_once() -> None:
@@ -93,7 +95,7 @@ async def test_gives_up_after_the_attempts_naming_url_and_last_error() -> None:
     handler, requests = scripted(*[503] * 4, httpx.ConnectError)
     sleep = Recorder()
     async with mock_client(handler) as client:
-        with pytest.raises(RegistrationFailed) as info:
+        with pytest.raises(DirectoryRegistrationFailed) as info:
             await register_rank(client, URL, registration(), sleep=sleep, rand=lambda: 0.0)
     assert len(requests) == 5
     assert sleep.delays == [0.75, 1.5, 3.0, 6.0]  # no sleep after the last try
@@ -106,7 +108,7 @@ async def test_delays_are_capped() -> None:
     handler, _ = scripted(*[503] * 8)
     sleep = Recorder()
     async with mock_client(handler) as client:
-        with pytest.raises(RegistrationFailed, match="HTTP 503"):
+        with pytest.raises(DirectoryRegistrationFailed, match="HTTP 503"):
             await register_rank(
                 client, URL, registration(), attempts=8, sleep=sleep, rand=lambda: 1.0
             )
@@ -118,7 +120,7 @@ async def test_a_4xx_refusal_is_not_retried(status: int) -> None:
     handler, requests = scripted(status)
     sleep = Recorder()
     async with mock_client(handler) as client:
-        with pytest.raises(RegistrationFailed) as info:
+        with pytest.raises(DirectoryRegistrationFailed) as info:
             await register_rank(client, URL, registration(), sleep=sleep)
     assert len(requests) == 1
     assert sleep.delays == []
@@ -130,7 +132,7 @@ async def test_a_refusal_from_the_real_directory_names_the_field() -> None:
     app = create_app(BootstrapConfig())
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app)) as client:
         await register_rank(client, URL, registration(tp=(0, 2)))
-        with pytest.raises(RegistrationFailed, match="attn_tp_size=4") as info:
+        with pytest.raises(DirectoryRegistrationFailed, match="attn_tp_size=4") as info:
             await register_rank(client, URL, registration(tp=(1, 4)))
     assert info.value.status == 400
 
@@ -139,10 +141,10 @@ async def test_room_dp_rank_registration() -> None:
     handler, requests = scripted(200, 422, httpx.ConnectError)
     async with mock_client(handler) as client:
         await register_room_dp_rank(client, URL, 4611686018427387907, 1)
-        with pytest.raises(RegistrationFailed, match="HTTP 422") as info:
+        with pytest.raises(DirectoryRegistrationFailed, match="HTTP 422") as info:
             await register_room_dp_rank(client, URL, 5, 0)
         assert info.value.status == 422
-        with pytest.raises(RegistrationFailed, match="ConnectError"):
+        with pytest.raises(DirectoryRegistrationFailed, match="ConnectError"):
             await register_room_dp_rank(client, URL, 5, 0)
     assert str(requests[0].url) == f"{URL}/register_dp_rank"
     assert json.loads(requests[0].content) == {"bootstrap_room": 4611686018427387907, "dp_rank": 1}

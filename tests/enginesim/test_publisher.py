@@ -16,8 +16,6 @@ from enginesim.publisher import (
     KVEventPublisher,
     PublisherSettings,
     endpoint_binds,
-    endpoint_port,
-    offset_endpoint,
     wire_events,
 )
 from globalkv.wire import (
@@ -255,17 +253,6 @@ def test_empty_batches_are_not_published(
 )
 def test_bind_or_connect_follows_the_peers_rule(endpoint: str, binds: bool) -> None:
     assert endpoint_binds(endpoint) is binds
-
-
-def test_dp_rank_offsets_the_port_or_suffixes_the_name() -> None:
-    assert offset_endpoint("tcp://*:5557", 0) == "tcp://*:5557"
-    assert offset_endpoint("tcp://*:5557", 2) == "tcp://*:5559"
-    assert offset_endpoint("inproc://kv", 1) == "inproc://kv_dp1"
-    assert endpoint_port("tcp://*:5557") == 5557
-    with pytest.raises(ValueError, match="no port"):
-        endpoint_port("tcp://host")
-    with pytest.raises(ValueError, match="not a tcp"):
-        endpoint_port("ipc:///tmp/x")
 
 
 async def test_a_taken_port_fails_start_with_the_bind_error(

@@ -9,7 +9,7 @@ import pytest
 from gateway.config import HealthConfig, KvEventsSpec, WorkerSpec
 from gateway.monitor import PodRegistration, RegistrationFailed, parse_server_info
 from gateway.pods import pod_info
-from gateway.workers import DirectoryStatus, pod_from_topic, worker_id
+from gateway.workers import DirectoryStatus, worker_id
 from tests.gateway.fakes import Cluster, FakeClock, Reading, StubProbe, config, make_gateway
 from tests.support.net import await_for
 
@@ -69,8 +69,6 @@ def test_identity_helpers() -> None:
     assert worker_id("http://10.0.0.1:30001/") == "10.0.0.1:30001"
     assert worker_id("https://h") == "h:443"
     assert worker_id("http://[::1]:8") == "[::1]:8"
-    assert pod_from_topic("kv@pod-a@model@x") == "pod-a"
-    assert pod_from_topic("") is None
 
 
 async def test_discovery_registers_the_pod_and_reads_its_directory() -> None:

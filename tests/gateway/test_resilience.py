@@ -9,7 +9,7 @@ import pytest
 from gateway.breaker import BreakerState, CircuitBreaker, is_failure_status
 from gateway.config import BreakerConfig, HealthConfig, RetryConfig
 from gateway.health import Health, HealthTracker
-from gateway.retry import Backoff, is_retryable_status
+from gateway.retry import RetrySchedule, is_retryable_status
 
 
 class FakeClock:
@@ -83,15 +83,15 @@ def test_status_classes(status: int, failure: bool, retryable: bool) -> None:
 
 
 def test_backoff_grows_caps_and_jitters_within_twenty_percent() -> None:
-    backoff = Backoff(RetryConfig(), Random(1))
+    backoff = RetrySchedule(RetryConfig(), Random(1))
     assert backoff.max_attempts == 5
     for n, base in [(0, 0.05), (1, 0.075), (2, 0.1125), (30, 30.0)]:
         delays = [backoff.delay(n) for _ in range(200)]
         assert min(delays) >= base * 0.8 - 1e-9
         assert max(delays) <= base * 1.2 + 1e-9
         assert max(delays) - min(delays) > base * 0.2, "jitter is applied"
-    assert Backoff(RetryConfig(disabled=True), Random(0)).max_attempts == 1
-    still = Backoff(RetryConfig(jitter_factor=0), Random(0))
+    assert RetrySchedule(RetryConfig(disabled=True), Random(0)).max_attempts == 1
+    still = RetrySchedule(RetryConfig(jitter_factor=0), Random(0))
     assert still.delay(1) == pytest.approx(0.075)
 
 

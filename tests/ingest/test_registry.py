@@ -16,27 +16,11 @@ from globalkv.registry import (
     PodState,
     RedisRegistry,
     Registry,
-    SourceState,
-    parse_topic,
+    SourceProgress,
 )
 from tests.support.net import await_for
 
 EVENTS = KvEventsConfig(endpoint="tcp://10.0.0.5:5557", replay_endpoint="tcp://10.0.0.5:5558")
-
-
-@pytest.mark.parametrize(
-    ("topic", "parsed"),
-    [
-        ("kv@p0@m", ("p0", "m")),
-        ("kv@p0@org/model@v2", ("p0", "org/model@v2")),
-        ("kv@@m", None),
-        ("kv@p0", None),
-        ("", None),
-        ("other@p0@m", None),
-    ],
-)
-def test_parse_topic(topic: str, parsed: tuple[str, str] | None) -> None:
-    assert parse_topic(topic) == parsed
 
 
 @pytest.mark.parametrize("pod_id", ["p0", "10.0.0.5:30000", "[fd00::5]:30000", "engine-0.svc"])
@@ -100,7 +84,7 @@ async def test_put_get_list_remove_and_states(registry: Registry) -> None:
     await registry.put(a)
     assert await registry.get("b") == b
     assert [p.id for p in await registry.list()] == ["a", "b"]
-    state = PodState(subscribed=True, sources=[SourceState(dp_rank=0, last_seq=3)])
+    state = PodState(subscribed=True, sources=[SourceProgress(dp_rank=0, last_seq=3)])
     await registry.put_states({"a": state, "gone": state})
     assert await registry.states() == {"a": state}, "a state is kept only beside its pod"
     assert await registry.remove("a")

@@ -18,11 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from pydantic import ValidationError
 
-from bootstrap.protocol import validation_message
 from globalkv.stack.doctor.diagnose import Doctor, DoctorConfig
 from globalkv.stack.doctor.report import Report, render_text
+from kvplumbing.validation import validation_as_value_error
 
 MANIFEST = "cluster.json"
 
@@ -57,7 +56,7 @@ def config_from_args(args: argparse.Namespace, manifest: dict[str, Any]) -> Doct
     indexer = args.indexer or manifest.get("indexer_url")
     if not gateway and not indexer:
         raise ValueError("give --gateway and/or --indexer (or the --run-dir of `globalkv up`)")
-    try:
+    with validation_as_value_error():
         return DoctorConfig(
             gateway=gateway,
             indexer=indexer,
@@ -66,8 +65,6 @@ def config_from_args(args: argparse.Namespace, manifest: dict[str, Any]) -> Doct
             probe=not args.no_probe,
             freshness_timeout=args.freshness_timeout,
         )
-    except ValidationError as exc:
-        raise ValueError(validation_message(exc)) from None
 
 
 def read_manifest(run_dir: Path) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from pydantic import BaseModel, ValidationError
 
 from bootstrap.protocol import ROUTE_PARAMS
-from bootstrap.reader import DirectoryStatus
+from bootstrap.reader import DirectoryReport
 from globalkv.stack.doctor.reading import Connect, Reader
 from globalkv.stack.doctor.report import Level, Stage
 from globalkv.stack.views import PodsView, WorkersView
@@ -27,7 +27,7 @@ MAX_RANKS = 512
 
 
 class DirectoryProbe(Protocol):
-    async def read(self, bootstrap_url: str) -> DirectoryStatus: ...
+    async def read(self, bootstrap_url: str) -> DirectoryReport: ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,9 @@
-"""Bearer-token checks shared by the inference and admin endpoints."""
+"""Bearer-token checks: any header a client can send is a yes or a no, never an error.
+
+The scheme is matched case-insensitively and the token stripped (RFC 9110 makes the
+scheme case-insensitive; clients and proxies differ in both), and the token is compared in
+constant time, so the answer's timing tells nothing about the secret.
+"""
 
 from __future__ import annotations
 
@@ -30,4 +35,5 @@ def _octets(header_value: str) -> bytes:
 
 
 def bearer_ok(request: Request, secret: str | None) -> bool:
+    """`bearer_matches` for the request's `Authorization` header."""
     return bearer_matches(request.headers.get("authorization"), secret)

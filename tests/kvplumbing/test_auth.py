@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.auth import bearer_matches
+from kvplumbing.auth import bearer_matches
 
 
 @pytest.mark.parametrize(

@@ -109,6 +109,208 @@ async def progress(elements: Sequence[Element]) -> AsyncIterator[Element]:
                 log.error("token stream failed: %r", outcome)
 
 
+def _model_info(model: str, tokenizer: Tokenizer) -> dict[str, Any]:
+    return {
+        "model_path": model,
+        "tokenizer_path": tokenizer.name,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": "default",
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
+        "model_type": "enginesim",
+        "architectures": None,
+    }
+
+
+def _models(model: str) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": model,
+                "object": "model",
+                "created": int(time.time()),
+                "owned_by": "sglang",
+                "root": model,
+                "max_model_len": MAX_PROMPT_TOKENS,
+            }
+        ],
+    }
+
+
+class _EngineRoutes:
+    """SGLang's endpoints over one engine; `create_app` puts each on its path."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        tokenizer: Tokenizer,
+        writer: ReplyWriter,
+        metrics: EngineMetrics,
+        max_new_tokens: int,
+        model: str,
+        server_info: Callable[[], dict[str, Any]],
+        max_body_bytes: int,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.writer = writer
+        self.metrics = metrics
+        self.max_new_tokens = max_new_tokens
+        self.model = model
+        self.server_info = server_info
+        self.max_body_bytes = max_body_bytes
+
+    # ------------------------------------------------------------ failures
+
+    def fail(self, status: int, message: str, stage: str, endpoint: str) -> JSONResponse:
+        self.metrics.requests.labels(endpoint, "error").inc()
+        self.metrics.failures.labels(stage).inc()
+        openai = endpoint.startswith("/v1/")
+        return JSONResponse(error_body(status, message, stage, openai=openai), status_code=status)
+
+    def too_large(self, path: str) -> Response:
+        """`BodyLimit`'s answer to an oversized body."""
+        endpoint = path if path in _GENERATING else "other"  # no label per unknown path
+        message = f"request body larger than {self.max_body_bytes} bytes"
+        return self.fail(413, message, "request", endpoint)
+
+    async def invalid_body(self, request: Request, exc: RequestValidationError) -> Response:
+        """FastAPI's `RequestValidationError`, answered as SGLang's error body."""
+        problems = describe_errors(exc.errors(), most=5)
+        return self.fail(422, f"invalid request body: {problems}", "request", request.url.path)
+
+    # ------------------------------------------------------------ generating
+
+    async def generate(self, request: Request, body: GenerateRequest) -> Response:
+        batch = isinstance(body.text, list) or bool(
+            body.input_ids and isinstance(body.input_ids[0], list)
+        )
+        return await self._serve(
+            request,
+            "/generate",
+            lambda: generate_prompts(body, self.tokenizer, self.max_new_tokens),
+            GenerateFormat(self.writer, batch=batch),
+            body.stream,
+        )
+
+    async def completions(self, request: Request, body: CompletionRequest) -> Response:
+        prompts = partial(completion_prompts, body, self.tokenizer)
+        return await self._serve(
+            request, "/v1/completions", prompts, self._openai(body), body.stream
+        )
+
+    async def chat(self, request: Request, body: ChatRequest) -> Response:
+        prompts = partial(chat_prompts, body, self.tokenizer, self.max_new_tokens)
+        return await self._serve(
+            request, "/v1/chat/completions", prompts, self._openai(body), body.stream
+        )
+
+    def _openai(self, body: CompletionRequest | ChatRequest) -> OpenAIFormat:
+        options = body.stream_options
+        return OpenAIFormat(
+            self.writer,
+            chat=isinstance(body, ChatRequest),
+            model=body.model or self.model,
+            samples=body.n,
+            include_usage=options is not None and options.include_usage,
+        )
+
+    async def _serve(
+        self,
+        request: Request,
+        endpoint: str,
+        build: Callable[[], list[Prompt]],
+        fmt: Format,
+        stream: bool,
+    ) -> Response:
+        """Every generating endpoint: prompts built, started, answered whole or streamed."""
+        try:
+            prompts = build()
+        except (BadRequest, TokenizeError, NotTokenizable) as exc:
+            return self.fail(400, str(exc), "request", endpoint)
+        metrics = self.metrics
+        metrics.running_requests.inc(len(prompts))
+        streaming = False
+        try:
+            elements = await unless_client_leaves(request.receive, start_all(self.engine, prompts))
+            if stream:
+                streaming = True
+                return StreamingResponse(
+                    self._stream(endpoint, elements, fmt),
+                    media_type="text/event-stream",
+                    background=BackgroundTask(self._stream_ended, len(prompts)),
+                )
+            await unless_client_leaves(request.receive, _complete(elements))
+        except EngineError as exc:
+            log.warning("%s failed at stage %s: %s", endpoint, exc.stage, exc.message)
+            return self.fail(exc.status, exc.message, exc.stage, endpoint)
+        except ClientGone:
+            metrics.requests.labels(endpoint, "cancelled").inc()
+            log.info("%s: the client left before its answer; its prompts were cancelled", endpoint)
+            return Response(status_code=CLIENT_GONE_STATUS)
+        finally:
+            if not streaming:
+                metrics.running_requests.dec(len(prompts))
+        self._finish(endpoint, elements)
+        return JSONResponse(fmt.body(elements))
+
+    def _finish(self, endpoint: str, elements: Sequence[Element]) -> None:
+        self.metrics.requests.labels(endpoint, "ok").inc()
+        self.metrics.generated_tokens.inc(sum(len(e.output_ids) for e in elements))
+
+    async def _stream(
+        self, endpoint: str, elements: list[Element], fmt: Format
+    ) -> AsyncIterator[bytes]:
+        complete = False
+        try:
+            async for element in progress(elements):
+                for payload in fmt.chunks(element):
+                    yield sse(payload)
+            for payload in fmt.tail(elements):
+                yield sse(payload)
+            yield SSE_DONE
+            complete = True
+        finally:
+            if complete:
+                self._finish(endpoint, elements)
+            else:
+                self.metrics.requests.labels(endpoint, "cancelled").inc()
+
+    async def _stream_ended(self, prompts: int) -> None:
+        """Run by Starlette after the stream, even one that never started (client gone)."""
+        self.metrics.running_requests.dec(prompts)
+
+    # ------------------------------------------------------------ the rest
+
+    async def health(self) -> Response:
+        return Response(status_code=200)
+
+    async def info(self) -> dict[str, Any]:
+        return {**self.server_info(), **self.engine.server_info()}
+
+    async def model_info(self) -> dict[str, Any]:
+        return _model_info(self.model, self.tokenizer)
+
+    async def models(self) -> dict[str, Any]:
+        return _models(self.model)
+
+    async def prometheus(self) -> Response:
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def flush_cache(self) -> Response:
+        await self.engine.flush_cache()
+        return Response("Cache flushed.\n", media_type="text/plain")
+
+    async def restart(self) -> dict[str, Any]:
+        """Emulate an engine restart: KV gone, event seqs back to 0, a clear published."""
+        await self.engine.restart()
+        log.info("simulated restart: KV cache emptied, KV-event seq reset")
+        return {"restarted": True, **self.engine.server_info()}
+
+
 def create_app(
     engine: Engine,
     *,
@@ -121,172 +323,30 @@ def create_app(
     max_body_bytes: int = MAX_BODY_BYTES,
 ) -> FastAPI:
     """`server_info` gives the static part of `/server_info` (addresses, sizes)."""
+    routes = _EngineRoutes(
+        engine,
+        tokenizer=tokenizer,
+        writer=writer,
+        metrics=metrics,
+        max_new_tokens=max_new_tokens,
+        model=model,
+        server_info=server_info,
+        max_body_bytes=max_body_bytes,
+    )
     app = FastAPI(title=f"enginesim {engine.role}", docs_url=None, redoc_url=None)
-
-    def fail(status: int, message: str, stage: str, endpoint: str) -> JSONResponse:
-        metrics.requests.labels(endpoint, "error").inc()
-        metrics.failures.labels(stage).inc()
-        openai = endpoint.startswith("/v1/")
-        return JSONResponse(error_body(status, message, stage, openai=openai), status_code=status)
-
-    def too_large(path: str) -> Response:
-        endpoint = path if path in _GENERATING else "other"  # no label per unknown path
-        return fail(413, f"request body larger than {max_body_bytes} bytes", "request", endpoint)
-
-    app.add_middleware(BodyLimit, limit=max_body_bytes, refuse=too_large)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = describe_errors(exc.errors(), most=5)
-        return fail(422, f"invalid request body: {problems}", "request", request.url.path)
-
-    async def serve(
-        request: Request,
-        endpoint: str,
-        build: Callable[[], list[Prompt]],
-        fmt: Format,
-        stream: bool,
-    ) -> Response:
-        try:
-            prompts = build()
-        except (BadRequest, TokenizeError, NotTokenizable) as exc:
-            return fail(400, str(exc), "request", endpoint)
-        metrics.running_requests.inc(len(prompts))
-        streaming = False
-        try:
-            elements = await unless_client_leaves(request.receive, start_all(engine, prompts))
-            if stream:
-                streaming = True
-                return StreamingResponse(
-                    _stream(endpoint, elements, fmt),
-                    media_type="text/event-stream",
-                    background=BackgroundTask(_stream_ended, len(prompts)),
-                )
-            await unless_client_leaves(request.receive, _complete(elements))
-        except EngineError as exc:
-            log.warning("%s failed at stage %s: %s", endpoint, exc.stage, exc.message)
-            return fail(exc.status, exc.message, exc.stage, endpoint)
-        except ClientGone:
-            metrics.requests.labels(endpoint, "cancelled").inc()
-            log.info("%s: the client left before its answer; its prompts were cancelled", endpoint)
-            return Response(status_code=CLIENT_GONE_STATUS)
-        finally:
-            if not streaming:
-                metrics.running_requests.dec(len(prompts))
-        finish(endpoint, elements)
-        return JSONResponse(fmt.body(elements))
-
-    def finish(endpoint: str, elements: Sequence[Element]) -> None:
-        metrics.requests.labels(endpoint, "ok").inc()
-        metrics.generated_tokens.inc(sum(len(e.output_ids) for e in elements))
-
-    async def _stream(endpoint: str, elements: list[Element], fmt: Format) -> AsyncIterator[bytes]:
-        complete = False
-        try:
-            async for element in progress(elements):
-                for payload in fmt.chunks(element):
-                    yield sse(payload)
-            for payload in fmt.tail(elements):
-                yield sse(payload)
-            yield SSE_DONE
-            complete = True
-        finally:
-            if complete:
-                finish(endpoint, elements)
-            else:
-                metrics.requests.labels(endpoint, "cancelled").inc()
-
-    async def _stream_ended(prompts: int) -> None:
-        """Run by Starlette after the stream, even one that never started (client gone)."""
-        metrics.running_requests.dec(prompts)
-
-    @app.post("/generate")
-    async def generate(request: Request, body: GenerateRequest) -> Response:
-        batch = isinstance(body.text, list) or bool(
-            body.input_ids and isinstance(body.input_ids[0], list)
-        )
-        return await serve(
-            request,
-            "/generate",
-            lambda: generate_prompts(body, tokenizer, max_new_tokens),
-            GenerateFormat(writer, batch=batch),
-            body.stream,
-        )
-
-    def openai(body: CompletionRequest | ChatRequest) -> OpenAIFormat:
-        options = body.stream_options
-        return OpenAIFormat(
-            writer,
-            chat=isinstance(body, ChatRequest),
-            model=body.model or model,
-            samples=body.n,
-            include_usage=options is not None and options.include_usage,
-        )
-
-    @app.post("/v1/completions")
-    async def completions(request: Request, body: CompletionRequest) -> Response:
-        prompts = partial(completion_prompts, body, tokenizer)
-        return await serve(request, "/v1/completions", prompts, openai(body), body.stream)
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request, body: ChatRequest) -> Response:
-        prompts = partial(chat_prompts, body, tokenizer, max_new_tokens)
-        return await serve(request, "/v1/chat/completions", prompts, openai(body), body.stream)
-
-    @app.api_route("/health", methods=["GET", "HEAD"])
-    async def health() -> Response:
-        return Response(status_code=200)
-
-    @app.get("/server_info")
-    @app.get("/get_server_info")
-    async def info() -> dict[str, Any]:
-        return {**server_info(), **engine.server_info()}
-
-    @app.get("/get_model_info")
-    @app.get("/model_info")
-    async def model_info() -> dict[str, Any]:
-        return {
-            "model_path": model,
-            "tokenizer_path": tokenizer.name,
-            "is_generation": True,
-            "preferred_sampling_params": None,
-            "weight_version": "default",
-            "has_image_understanding": False,
-            "has_audio_understanding": False,
-            "model_type": "enginesim",
-            "architectures": None,
-        }
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": model,
-                    "object": "model",
-                    "created": int(time.time()),
-                    "owned_by": "sglang",
-                    "root": model,
-                    "max_model_len": MAX_PROMPT_TOKENS,
-                }
-            ],
-        }
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache() -> Response:
-        await engine.flush_cache()
-        return Response("Cache flushed.\n", media_type="text/plain")
-
-    @app.post("/_sim/restart")
-    async def restart() -> dict[str, Any]:
-        """Emulate an engine restart: KV gone, event seqs back to 0, a clear published."""
-        await engine.restart()
-        log.info("simulated restart: KV cache emptied, KV-event seq reset")
-        return {"restarted": True, **engine.server_info()}
-
+    app.add_middleware(BodyLimit, limit=max_body_bytes, refuse=routes.too_large)
+    app.exception_handler(RequestValidationError)(routes.invalid_body)
+    route = app.add_api_route
+    route("/generate", routes.generate, methods=["POST"])
+    route("/v1/completions", routes.completions, methods=["POST"])
+    route("/v1/chat/completions", routes.chat, methods=["POST"])
+    route("/health", routes.health, methods=["GET", "HEAD"])
+    for path in ("/server_info", "/get_server_info"):
+        route(path, routes.info, methods=["GET"])
+    for path in ("/get_model_info", "/model_info"):
+        route(path, routes.model_info, methods=["GET"])
+    route("/v1/models", routes.models, methods=["GET"])
+    route("/metrics", routes.prometheus, methods=["GET"])
+    route("/flush_cache", routes.flush_cache, methods=["GET", "POST"])
+    route("/_sim/restart", routes.restart, methods=["POST"])
     return app

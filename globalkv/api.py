@@ -1,4 +1,4 @@
-"""The indexer's HTTP API (issue 3 §5): pods, lookups, health, metrics.
+"""The indexer's HTTP API: pods, lookups, health, metrics.
 
 Lookups answer in `globalkv.lookup.LookupResult`'s shape, which `HttpLookup` (the
 gateway's client) reads back. When the index cannot answer truthfully — its backend is
@@ -96,6 +96,153 @@ def _too_large(limit: int, path: str) -> Response:
     return JSONResponse({"detail": f"request body larger than {limit} bytes"}, status_code=413)
 
 
+def _unavailable(exc: IndexUnavailable) -> HTTPException:
+    return HTTPException(503, f"index unavailable: {exc}")
+
+
+class _IndexRoutes:
+    """The API's handlers, over the indexer's parts; `create_app` puts each on its path."""
+
+    def __init__(
+        self,
+        config: ApiConfig,
+        *,
+        index: Index,
+        registry: Registry,
+        ingest: IngestService,
+        metrics_registry: CollectorRegistry,
+        tokenizer: Tokenizer | None,
+    ) -> None:
+        self.config = config
+        self.index = index
+        self.registry = registry
+        self.ingest = ingest
+        self.metrics_registry = metrics_registry
+        self.tokenizer = tokenizer
+        self.metrics = ApiMetrics(metrics_registry)
+        self.lookup = IndexLookup(index)
+
+    async def count(self, request: Request, call_next: Callable[[Request], Any]) -> Response:
+        """Middleware: every answer counted by route template and status."""
+        response: Response = await call_next(request)
+        route = request.scope.get("route")
+        path = getattr(route, "path", "unmatched")
+        self.metrics.requests.labels(path, str(response.status_code)).inc()
+        return response
+
+    def admin(self, authorization: Annotated[str | None, Header()] = None) -> None:
+        """Dependency of the mutating endpoints."""
+        if not bearer_matches(authorization, self.config.admin_token):
+            raise HTTPException(401, "this endpoint needs `Authorization: Bearer <admin token>`")
+
+    def _require_ready(self) -> None:
+        if not self.ingest.ready:
+            raise HTTPException(
+                503, f"index resyncing after data loss ({self.ingest.resyncing} sources left)"
+            )
+
+    async def _token_ids(self, body: LookupRequest) -> list[int]:
+        if body.text is None:
+            assert body.token_ids is not None
+            return body.token_ids
+        if self.tokenizer is None:
+            raise HTTPException(400, "no tokenizer is configured: send token_ids")
+        try:
+            # Off the loop: megabytes of text take seconds to encode, and ingest and
+            # every other request share this loop (the Rust encoder releases the GIL).
+            return await asyncio.to_thread(self.tokenizer.encode, body.text)
+        except ValueError as exc:
+            raise HTTPException(400, f"cannot tokenize text: {exc}") from exc
+
+    async def post_lookup(self, body: LookupRequest) -> LookupResponse:
+        started = time.perf_counter()
+        token_ids = await self._token_ids(body)
+        if len(token_ids) > self.config.max_tokens:
+            raise HTTPException(
+                413, f"{len(token_ids)} tokens is over the limit of {self.config.max_tokens}"
+            )
+        self._require_ready()
+        try:
+            result = await self.lookup.lookup(
+                body.model, token_ids, body.lora_name, body.cache_salt
+            )
+        except IndexUnavailable as exc:
+            raise _unavailable(exc) from exc
+        self._require_ready()
+        self.metrics.lookup_seconds.observe(time.perf_counter() - started)
+        return LookupResponse(
+            block_size=result.block_size,
+            blocks=result.blocks,
+            pods=[
+                PodHitOut(
+                    pod=h.pod,
+                    dp_rank=h.dp_rank,
+                    hit_blocks=h.hit_blocks,
+                    hit_tokens=h.hit_tokens,
+                    score=h.score,
+                )
+                for h in result.pods
+            ],
+        )
+
+    async def post_pod(self, pod: PodInfo) -> PodOut:
+        if pod.block_size is not None and pod.block_size % self.index.block_size:
+            raise HTTPException(
+                400,
+                f"block_size {pod.block_size} is not a multiple of the index block size "
+                f"{self.index.block_size}: its blocks cannot be keyed",
+            )
+        try:
+            self.ingest.check_pod(pod)
+            await self.registry.put(pod)
+            await self.ingest.add_pod(pod)
+        except TopicTaken as exc:
+            raise HTTPException(409, str(exc)) from exc
+        except IndexUnavailable as exc:
+            raise _unavailable(exc) from exc
+        return PodOut(**pod.model_dump(), state=self.ingest.states().get(pod.id))
+
+    async def get_pods(self) -> PodList:
+        """Every registered pod with this indexer's own ingest state of it: none for a pod
+        it does not follow (the registry's copy of a state may be an older process's)."""
+        try:
+            pods = await self.registry.list()
+        except IndexUnavailable as exc:
+            raise _unavailable(exc) from exc
+        states = self.ingest.states()
+        return PodList(pods=[PodOut(**p.model_dump(), state=states.get(p.id)) for p in pods])
+
+    async def delete_pod(self, pod_id: str) -> dict[str, str]:
+        try:
+            known = await self.registry.remove(pod_id)
+        except IndexUnavailable as exc:
+            raise _unavailable(exc) from exc
+        try:
+            followed = await self.ingest.remove_pod(pod_id)
+        except IndexUnavailable as exc:
+            raise HTTPException(
+                503,
+                f"pod {pod_id} is no longer followed; its blocks are cleared once the "
+                f"index answers again ({exc})",
+            ) from exc
+        if not (known or followed):
+            raise HTTPException(404, f"no pod {pod_id!r}")
+        return {"removed": pod_id}
+
+    async def health(self, response: Response) -> Health:
+        ready = self.ingest.ready
+        if not ready:
+            response.status_code = 503
+        return Health(
+            status="ok" if ready else "resyncing",
+            pods=len(self.ingest.pods()),
+            resyncing_sources=self.ingest.resyncing,
+        )
+
+    async def get_metrics(self) -> Response:
+        return Response(generate_latest(self.metrics_registry), media_type=CONTENT_TYPE_LATEST)
+
+
 def create_app(
     config: ApiConfig,
     *,
@@ -114,131 +261,31 @@ def create_app(
     app.add_middleware(
         BodyLimit, limit=config.max_body_bytes, refuse=partial(_too_large, config.max_body_bytes)
     )
-    metrics = ApiMetrics(metrics_registry)
-    lookup = IndexLookup(index)
-
-    @app.middleware("http")
-    async def count(request: Request, call_next: Callable[[Request], Any]) -> Response:
-        response: Response = await call_next(request)
-        route = request.scope.get("route")
-        path = getattr(route, "path", "unmatched")
-        metrics.requests.labels(path, str(response.status_code)).inc()
-        return response
-
-    def admin(authorization: Annotated[str | None, Header()] = None) -> None:
-        if not bearer_matches(authorization, config.admin_token):
-            raise HTTPException(401, "this endpoint needs `Authorization: Bearer <admin token>`")
-
-    def unavailable(exc: IndexUnavailable) -> HTTPException:
-        return HTTPException(503, f"index unavailable: {exc}")
-
-    def require_ready() -> None:
-        if not ingest.ready:
-            raise HTTPException(
-                503, f"index resyncing after data loss ({ingest.resyncing} sources left)"
-            )
-
-    @app.post("/v1/lookup", response_model=LookupResponse)
-    async def post_lookup(body: LookupRequest) -> LookupResponse:
-        started = time.perf_counter()
-        if body.text is not None:
-            if tokenizer is None:
-                raise HTTPException(400, "no tokenizer is configured: send token_ids")
-            try:
-                # Off the loop: megabytes of text take seconds to encode, and ingest and
-                # every other request share this loop (the Rust encoder releases the GIL).
-                token_ids = await asyncio.to_thread(tokenizer.encode, body.text)
-            except ValueError as exc:
-                raise HTTPException(400, f"cannot tokenize text: {exc}") from exc
-        else:
-            assert body.token_ids is not None
-            token_ids = body.token_ids
-        if len(token_ids) > config.max_tokens:
-            raise HTTPException(
-                413, f"{len(token_ids)} tokens is over the limit of {config.max_tokens}"
-            )
-        require_ready()
-        try:
-            result = await lookup.lookup(body.model, token_ids, body.lora_name, body.cache_salt)
-        except IndexUnavailable as exc:
-            raise unavailable(exc) from exc
-        require_ready()
-        metrics.lookup_seconds.observe(time.perf_counter() - started)
-        return LookupResponse(
-            block_size=result.block_size,
-            blocks=result.blocks,
-            pods=[
-                PodHitOut(
-                    pod=h.pod,
-                    dp_rank=h.dp_rank,
-                    hit_blocks=h.hit_blocks,
-                    hit_tokens=h.hit_tokens,
-                    score=h.score,
-                )
-                for h in result.pods
-            ],
-        )
-
-    @app.post("/v1/pods", status_code=201, response_model=PodOut, dependencies=[Depends(admin)])
-    async def post_pod(pod: PodInfo) -> PodOut:
-        if pod.block_size is not None and pod.block_size % index.block_size:
-            raise HTTPException(
-                400,
-                f"block_size {pod.block_size} is not a multiple of the index block size "
-                f"{index.block_size}: its blocks cannot be keyed",
-            )
-        try:
-            ingest.check_pod(pod)
-            await registry.put(pod)
-            await ingest.add_pod(pod)
-        except TopicTaken as exc:
-            raise HTTPException(409, str(exc)) from exc
-        except IndexUnavailable as exc:
-            raise unavailable(exc) from exc
-        return PodOut(**pod.model_dump(), state=ingest.states().get(pod.id))
-
-    @app.get("/v1/pods", response_model=PodList)
-    async def get_pods() -> PodList:
-        """Every registered pod with this indexer's own ingest state of it: none for a pod
-        it does not follow (the registry's copy of a state may be an older process's)."""
-        try:
-            pods = await registry.list()
-        except IndexUnavailable as exc:
-            raise unavailable(exc) from exc
-        states = ingest.states()
-        return PodList(pods=[PodOut(**p.model_dump(), state=states.get(p.id)) for p in pods])
-
-    @app.delete("/v1/pods/{pod_id}", dependencies=[Depends(admin)])
-    async def delete_pod(pod_id: str) -> dict[str, str]:
-        try:
-            known = await registry.remove(pod_id)
-        except IndexUnavailable as exc:
-            raise unavailable(exc) from exc
-        try:
-            followed = await ingest.remove_pod(pod_id)
-        except IndexUnavailable as exc:
-            raise HTTPException(
-                503,
-                f"pod {pod_id} is no longer followed; its blocks are cleared once the "
-                f"index answers again ({exc})",
-            ) from exc
-        if not (known or followed):
-            raise HTTPException(404, f"no pod {pod_id!r}")
-        return {"removed": pod_id}
-
-    @app.get("/health", response_model=Health)
-    async def health(response: Response) -> Health:
-        ready = ingest.ready
-        if not ready:
-            response.status_code = 503
-        return Health(
-            status="ok" if ready else "resyncing",
-            pods=len(ingest.pods()),
-            resyncing_sources=ingest.resyncing,
-        )
-
-    @app.get("/metrics")
-    async def get_metrics() -> Response:
-        return Response(generate_latest(metrics_registry), media_type=CONTENT_TYPE_LATEST)
-
+    routes = _IndexRoutes(
+        config,
+        index=index,
+        registry=registry,
+        ingest=ingest,
+        metrics_registry=metrics_registry,
+        tokenizer=tokenizer,
+    )
+    app.middleware("http")(routes.count)
+    admin = [Depends(routes.admin)]
+    app.add_api_route(
+        "/v1/lookup", routes.post_lookup, methods=["POST"], response_model=LookupResponse
+    )
+    app.add_api_route(
+        "/v1/pods",
+        routes.post_pod,
+        methods=["POST"],
+        status_code=201,
+        response_model=PodOut,
+        dependencies=admin,
+    )
+    app.add_api_route("/v1/pods", routes.get_pods, methods=["GET"], response_model=PodList)
+    app.add_api_route(
+        "/v1/pods/{pod_id}", routes.delete_pod, methods=["DELETE"], dependencies=admin
+    )
+    app.add_api_route("/health", routes.health, methods=["GET"], response_model=Health)
+    app.add_api_route("/metrics", routes.get_metrics, methods=["GET"])
     return app

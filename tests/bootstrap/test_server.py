@@ -7,7 +7,7 @@ import json
 import pytest
 
 from bootstrap.protocol import COMPAT_VERSIONS, CompatVersion, snapshot_keys
-from bootstrap.server import MAX_BODY_BYTES
+from bootstrap.routes import MAX_BODY_BYTES
 from tests.bootstrap.asgi import Exchange
 from tests.bootstrap.factories import SGLANG_0_5_23_PUT, body, instance
 from tests.bootstrap.served import NOT_READY, SNAPSHOT, Directory, open_directory, rank_url

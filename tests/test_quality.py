@@ -1,10 +1,12 @@
-"""The repository's own promises: lint, format and types clean; CI runs the README's command."""
+"""The repository's own promises: lint, format, types and layering clean; CI runs the README's
+command."""
 
 from __future__ import annotations
 
 import re
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,6 +28,13 @@ def test_ruff_format_is_clean() -> None:
 
 def test_mypy_is_clean() -> None:
     result = _run(sys.executable, "-m", "mypy")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_import_contracts_are_kept() -> None:
+    """The layering in pyproject.toml's `[tool.importlinter]` (no cache: nothing written)."""
+    lint_imports = Path(sysconfig.get_path("scripts")) / "lint-imports"
+    result = _run(str(lint_imports), "--no-cache")
     assert result.returncode == 0, result.stdout + result.stderr
 
 

@@ -16,7 +16,8 @@ out of the collector (`gc.freeze()`) and young collections at 10,000 allocations
 the longest pause per generation. `--baseline REF` adds the indexes as of git ref REF (see
 bench.baseline), run one after the other with today's.
 
-Goal (issue 3): publish → visible in lookup, p99, under 50k blocks/s.
+Target: publish → visible in a lookup, p99, under 50k blocks/s, well inside the gateway's
+pending-prompt grace (seconds), which covers what the index does not show yet.
 """
 
 from __future__ import annotations

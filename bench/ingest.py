@@ -11,7 +11,8 @@ The denominator for Redis is `redis-benchmark` pipelined HSET on the same server
 run: one HSET is the cheapest conceivable "record one block for one pod". `--baseline REF`
 adds the indexes as of git ref REF (see bench.baseline), run in turn with today's.
 
-Goals (issue 3): ≥ 300k blocks/s into memory, ≥ 100k into Redis, from one process.
+Targets: ≥ 300k blocks/s into memory, ≥ 100k into Redis, from one process (a busy
+prefill cluster publishes tens of thousands of blocks per second).
 """
 
 from __future__ import annotations

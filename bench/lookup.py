@@ -19,7 +19,8 @@ run turn by turn with today's: before and after in one run.
 Redis is a throw-away redis-server on a free port. Dynamo's columns need the
 `ai-dynamo-runtime` wheel (run from a venv that has it, e.g. /work/peers/venv with
 globalkv installed editable); without it they are absent and the output says why.
-Goals (issue 3): RedisIndex p50 <= 1 ms at 8k tokens; MemoryIndex <= 2x Dynamo.
+Targets: RedisIndex p50 <= 1 ms at 8k tokens (a lookup per request must not be the gateway's
+largest cost); MemoryIndex <= 2x Dynamo's Rust radix tree.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ batches by one writer task per source, all in this one process:
 Memory is the `used_memory` delta of INFO memory per (block, source) entry; the same
 entries in a MemoryIndex (tracemalloc) are printed beside it. Throughput is engine
 blocks applied per second, set against `redis-benchmark` pipelined HSET on the same
-server in the same run (Redis's own write ceiling on this machine).
+server in the same run (Redis's own write ceiling on the machine it runs on).
 
     python -m bench.redis_memory [--blocks N] [--baseline REF]
 

@@ -128,7 +128,7 @@ def _oracle_rows(point: Point, width: int) -> list[str]:
 
 
 def ratios(point: Point) -> list[str]:
-    """The comparisons issue 7 asks for, when the policies involved were run."""
+    """How `prefix` compares with the other policies and the oracles, among those that ran."""
     got = point.summaries
     lines: list[str] = []
     if "prefix" not in got:

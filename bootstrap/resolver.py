@@ -37,7 +37,7 @@ from bootstrap.protocol import (
     Topology,
 )
 from bootstrap.room_poller import RoomPoller, RoomWaitFailed
-from kvplumbing.clock import Sleep
+from kvplumbing.clock import Clock, Sleep
 from kvplumbing.validation import validation_message
 
 __all__ = [
@@ -102,7 +102,7 @@ class DecodeResolver:
         timeout: float = 5.0,
         health_timeout: float = 3.0,
         room_poll_interval: float = 0.05,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock = time.monotonic,
         sleep: Sleep = asyncio.sleep,
         on_address_lost: Callable[[str], object] | None = None,
     ) -> None:

@@ -9,14 +9,14 @@ decode batches its pending requests, instead of one poll per request.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import httpx
 from pydantic import TypeAdapter, ValidationError
 
 from bootstrap._http import describe_answer, describe_error
 from bootstrap.protocol import MAX_QUERY_ROOMS
-from kvplumbing.clock import Sleep
+from kvplumbing.clock import Clock, Sleep
 from kvplumbing.validation import validation_message
 
 _ROOM_ANSWER = TypeAdapter(dict[int, int])
@@ -37,7 +37,7 @@ class RoomPoller:
         *,
         interval: float,
         timeout: float,
-        clock: Callable[[], float],
+        clock: Clock,
         sleep: Sleep,
     ) -> None:
         self._client = client

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from bootstrap.resolver import DecodeResolver, DecodeTopology, ResolvedProducer, ResolveError
@@ -34,6 +34,7 @@ from enginesim.latency import paced
 from enginesim.metrics import EngineMetrics
 from enginesim.textgen import ReplyWriter
 from enginesim.transfer import DecodeTransfer, TransferError
+from kvplumbing.clock import Clock
 
 _MAX_KNOWN_URLS = 1024
 
@@ -41,7 +42,7 @@ _MAX_KNOWN_URLS = 1024
 class StageClock:
     """Durations of consecutive stages, each also observed in the stage histogram."""
 
-    def __init__(self, metrics: EngineMetrics, clock: Callable[[], float]) -> None:
+    def __init__(self, metrics: EngineMetrics, clock: Clock) -> None:
         self._metrics = metrics
         self._clock = clock
         self._last = clock()
@@ -67,7 +68,7 @@ class DecodeEngine:
         faults: Faults,
         metrics: EngineMetrics,
         writer: ReplyWriter,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock = time.monotonic,
     ) -> None:
         self.config = config
         self.resolver = resolver

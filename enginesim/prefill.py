@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +42,7 @@ from enginesim.metrics import EngineMetrics
 from enginesim.publisher import KVEventPublisher, describe_kv_events, wire_events
 from enginesim.textgen import ReplyWriter
 from enginesim.transfer import PrefillTransfer, TransferError
+from kvplumbing.clock import Clock
 
 
 @dataclass(eq=False, slots=True)
@@ -137,7 +138,7 @@ class PrefillEngine:
         faults: Faults,
         metrics: EngineMetrics,
         writer: ReplyWriter,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock = time.monotonic,
     ) -> None:
         self.config = config
         self.ranks = list(ranks)

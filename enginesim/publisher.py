@@ -44,6 +44,7 @@ from globalkv.wire import (
     replay_end,
     replay_reply,
 )
+from kvplumbing.clock import WallClock
 from kvplumbing.endpoints import endpoint_port
 
 log = logging.getLogger(__name__)
@@ -110,7 +111,7 @@ class KVEventPublisher:
         metrics: EngineMetrics,
         *,
         drop: Callable[[], bool] = lambda: False,
-        clock: Callable[[], float] = time.time,
+        clock: WallClock = time.time,
     ) -> None:
         self.settings = settings
         self._ctx = context

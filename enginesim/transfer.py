@@ -38,6 +38,7 @@ from enginesim.handshake import (
 )
 from enginesim.metrics import EngineMetrics
 from enginesim.peer_sockets import PushPool, bind_pull
+from kvplumbing.clock import Clock
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ class PrefillTransfer:
         send_timeout: float = 5.0,
         pending_ttl: float = 120.0,
         max_pending: int = 10_000,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock = time.monotonic,
     ) -> None:
         self._ctx = context
         self._metrics = metrics

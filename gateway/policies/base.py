@@ -41,13 +41,14 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from gateway.policies.pending import PendingEntry, PendingHit, PendingPrefixes
 from gateway.policies.progress import PrefillProgress
 from globalkv.lookup import LookupResult
+from kvplumbing.clock import Clock
 
 # The value types below are built several times per request, so they are not frozen: a
 # frozen dataclass sets each field through object.__setattr__ (0.9 µs against 0.17 µs
@@ -146,7 +147,7 @@ class LoadTracker:
     loads: dict[str, WorkerLoad] = field(default_factory=dict)
     pending: PendingPrefixes | None = field(default_factory=PendingPrefixes)
     """None: nothing is counted as pending (`--prefix-pending-grace-secs off`)."""
-    clock: Callable[[], float] = time.monotonic
+    clock: Clock = time.monotonic
     _serials: Iterator[int] = field(default_factory=itertools.count, repr=False)
 
     def start(

@@ -40,6 +40,7 @@ from globalkv.registry import SourceProgress
 from globalkv.translate import translate
 from globalkv.wire import EventBatch, Frame, WireError, decode_batch
 from kvplumbing.backoff import Backoff
+from kvplumbing.clock import WallClock
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ class SourceWorker:
         backoff: Backoff | None = None,
         expected: int | None = None,
         state_known: bool = True,
-        wall_clock: Callable[[], float] = time.time,
+        wall_clock: WallClock = time.time,
     ) -> None:
         self.source = source
         self.model = model

@@ -25,13 +25,12 @@ def _scope(*headers: tuple[bytes, bytes]) -> Scope:
 def _receiving(*messages: Message) -> tuple[Receive, list[Message]]:
     """A receive giving `messages` in order, then waiting; the list shows what is left."""
     queue = list(messages)
-    forever = asyncio.Event()
 
     async def receive() -> Message:
         if queue:
             return queue.pop(0)
-        await forever.wait()
-        raise AssertionError("never set")
+        await asyncio.Event().wait()  # a client with nothing more to say
+        raise AssertionError("an Event nobody sets was set")
 
     return receive, queue
 
@@ -98,13 +97,40 @@ async def test_body_limit_hands_a_small_body_on_and_refuses_a_large_one() -> Non
     assert inner.sent[0]["status"] == 200
 
     refused = _Recorder()
-    limited = BodyLimit(
-        inner.app, limit=4, refuse=lambda path: PlainTextResponse(f"{path} too big", 413)
-    )
     receive, _ = _receiving(_part(b"abcde", False))
     await limited(_scope(), receive, refused.send)
     assert refused.sent[0]["status"] == 413
     assert refused.sent[1]["body"] == b"/p too big"
+    assert inner.received == [b"ab", b"cd"], "the app never saw the large body"
+
+
+class _Parked:
+    """Work that waits until cancelled, and a client that leaves when told."""
+
+    def __init__(self) -> None:
+        self.started = asyncio.Event()
+        self.cancelled = asyncio.Event()
+        self._leave = asyncio.Event()
+
+    async def receive(self) -> Message:
+        await self._leave.wait()
+        return DISCONNECT
+
+    async def leave(self) -> None:
+        await self.started.wait()
+        self._leave.set()
+
+    async def work(self, *, on_cancel: str | None = None) -> str:
+        """Parks; cancelled, it re-raises, or returns `on_cancel` (its last step done)."""
+        self.started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            if on_cancel is None:
+                raise
+            return on_cancel
+        raise AssertionError("an Event nobody sets was set")
 
 
 async def test_work_that_finishes_first_gives_its_result() -> None:
@@ -117,74 +143,34 @@ async def test_work_that_finishes_first_gives_its_result() -> None:
 
 
 async def test_a_client_leaving_cancels_the_work() -> None:
-    started, cancelled = asyncio.Event(), asyncio.Event()
-    leave = asyncio.Event()
-
-    async def receive() -> Message:
-        await leave.wait()
-        return DISCONNECT
-
-    async def work() -> int:
-        started.set()
-        try:
-            await asyncio.Event().wait()
-        except asyncio.CancelledError:
-            cancelled.set()
-            raise
-        return 1
-
-    race = asyncio.ensure_future(unless_client_leaves(receive, work()))
-    await started.wait()
-    leave.set()
+    parked = _Parked()
+    race = asyncio.ensure_future(unless_client_leaves(parked.receive, parked.work()))
+    await parked.leave()
     with pytest.raises(ClientGone):
         await race
-    assert cancelled.is_set()
+    assert parked.cancelled.is_set()
 
 
 async def test_a_result_reached_despite_the_cancellation_is_abandoned() -> None:
-    started = asyncio.Event()
-    leave = asyncio.Event()
+    parked = _Parked()
     abandoned: list[str] = []
-
-    async def receive() -> Message:
-        await leave.wait()
-        return DISCONNECT
-
-    async def work() -> str:
-        started.set()
-        try:
-            await asyncio.Event().wait()
-        except asyncio.CancelledError:
-            return "stream"  # finished its last step anyway
-        return "never"
 
     async def abandon(outcome: str) -> None:
         abandoned.append(outcome)
 
-    race = asyncio.ensure_future(unless_client_leaves(receive, work(), abandon=abandon))
-    await started.wait()
-    leave.set()
+    work = parked.work(on_cancel="stream")
+    race = asyncio.ensure_future(unless_client_leaves(parked.receive, work, abandon=abandon))
+    await parked.leave()
     with pytest.raises(ClientGone):
         await race
     assert abandoned == ["stream"]
 
 
 async def test_cancelling_the_caller_cancels_the_work() -> None:
-    started, cancelled = asyncio.Event(), asyncio.Event()
-    receive, _ = _receiving()
-
-    async def work() -> int:
-        started.set()
-        try:
-            await asyncio.Event().wait()
-        except asyncio.CancelledError:
-            cancelled.set()
-            raise
-        return 1
-
-    race = asyncio.ensure_future(unless_client_leaves(receive, work()))
-    await started.wait()
+    parked = _Parked()
+    race = asyncio.ensure_future(unless_client_leaves(parked.receive, parked.work()))
+    await parked.started.wait()
     race.cancel()
     with pytest.raises(asyncio.CancelledError):
         await race
-    assert cancelled.is_set()
+    assert parked.cancelled.is_set()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import Awaitable, Callable
 from urllib.parse import urlsplit
 
 import httpx
@@ -32,6 +31,7 @@ from globalkv.stack.doctor.reading import Connect, Reader, Samples, tcp_connect
 from globalkv.stack.doctor.report import Report, Stage
 from globalkv.stack.doctor.routing import check_lookup, check_settings, judge_decision
 from globalkv.stack.views import PodsView, WorkersView
+from kvplumbing.clock import Clock, Sleep, WallClock
 
 
 class DoctorConfig(BaseModel):
@@ -78,9 +78,9 @@ class Doctor:
         *,
         directory_probe: DirectoryProbe | None = None,
         connect: Connect = tcp_connect,
-        clock: Callable[[], float] = time.monotonic,
-        wall: Callable[[], float] = time.time,
-        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        clock: Clock = time.monotonic,
+        wall: WallClock = time.time,
+        sleep: Sleep = asyncio.sleep,
         nonce: str | None = None,
     ) -> None:
         self.config = config

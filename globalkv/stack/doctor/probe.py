@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +23,7 @@ from globalkv.stack.doctor.index import SourceKey, applied_counts
 from globalkv.stack.doctor.reading import Reader
 from globalkv.stack.doctor.report import Stage
 from globalkv.stack.views import PodsView
+from kvplumbing.clock import Clock, Sleep
 
 PD_STAGES = ("register", "resolve", "connect", "verify-room", "consume")
 _FAILED_AT = {
@@ -137,7 +137,7 @@ class Prober:
         gateway: str,
         *,
         max_new_tokens: int,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock = time.monotonic,
     ) -> None:
         self._reader = reader
         self._url = f"{gateway}/generate"
@@ -160,8 +160,8 @@ async def wait_applied(
     before: dict[SourceKey, int],
     *,
     timeout: float,
-    clock: Callable[[], float],
-    sleep: Callable[[float], Awaitable[None]],
+    clock: Clock,
+    sleep: Sleep,
 ) -> tuple[SourceKey, float] | None:
     """The first source whose applied batches grew past `before`, and how long that took;
     None if none did within `timeout` (polling the indexer's live state)."""

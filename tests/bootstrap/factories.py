@@ -88,14 +88,3 @@ def instance(
         for t in range(tp)
         for p in range(pp)
     ]
-
-
-class FakeClock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bootstrap.server import BootstrapConfig, create_app
-from tests.bootstrap.factories import FakeClock
+from tests.support.clock import FakeClock
 
 SNAPSHOT = "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
 NOT_READY = "Prefill server not fully registered yet ({} workers registered)."

@@ -10,7 +10,8 @@ import pytest
 
 from bootstrap.reader import DirectoryReader, DirectoryReport
 from bootstrap.server import BootstrapConfig, create_app
-from tests.bootstrap.factories import SGLANG_0_5_23_SNAPSHOT, FakeClock, body, instance
+from tests.bootstrap.factories import SGLANG_0_5_23_SNAPSHOT, body, instance
+from tests.support.clock import FakeClock
 
 URL = "http://10.0.0.9:8998"
 

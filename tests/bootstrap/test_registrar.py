@@ -19,20 +19,11 @@ from bootstrap.registrar import (
 )
 from bootstrap.server import BootstrapConfig, create_app
 from kvplumbing.backoff import Backoff
-from tests.bootstrap.factories import SGLANG_0_5_23_PUT, FakeClock, registration
+from tests.bootstrap.factories import SGLANG_0_5_23_PUT, registration
+from tests.support.clock import FakeClock, RecordedSleep
 
 URL = "http://10.0.0.1:8998"
 Handler = Callable[[httpx.Request], httpx.Response]
-
-
-class Recorder:
-    """Delays asked of the injected sleep; returns at once."""
-
-    def __init__(self) -> None:
-        self.delays: list[float] = []
-
-    async def __call__(self, delay: float) -> None:
-        self.delays.append(delay)
 
 
 def scripted(*answers: int | type[httpx.TransportError]) -> tuple[Handler, list[httpx.Request]]:
@@ -70,7 +61,7 @@ def test_backoff_follows_sglang() -> None:
 
 async def test_first_try_success_sends_the_whole_registration_once() -> None:
     handler, requests = scripted(200)
-    sleep = Recorder()
+    sleep = RecordedSleep()
     async with mock_client(handler) as client:
         await register_rank(
             client, URL, registration(tp=(1, 2), dp=(1, 2), port=40003), sleep=sleep
@@ -84,7 +75,7 @@ async def test_first_try_success_sends_the_whole_registration_once() -> None:
 
 async def test_transient_failures_are_retried_with_jittered_exponential_backoff() -> None:
     handler, requests = scripted(503, httpx.ConnectError, 500, httpx.ReadTimeout, 200)
-    sleep = Recorder()
+    sleep = RecordedSleep()
     async with mock_client(handler) as client:
         await register_rank(client, URL, registration(), sleep=sleep, rand=lambda: 0.5)
     assert len(requests) == 5
@@ -93,7 +84,7 @@ async def test_transient_failures_are_retried_with_jittered_exponential_backoff(
 
 async def test_gives_up_after_the_attempts_naming_url_and_last_error() -> None:
     handler, requests = scripted(*[503] * 4, httpx.ConnectError)
-    sleep = Recorder()
+    sleep = RecordedSleep()
     async with mock_client(handler) as client:
         with pytest.raises(DirectoryRegistrationFailed) as info:
             await register_rank(client, URL, registration(), sleep=sleep, rand=lambda: 0.0)
@@ -106,7 +97,7 @@ async def test_gives_up_after_the_attempts_naming_url_and_last_error() -> None:
 
 async def test_delays_are_capped() -> None:
     handler, _ = scripted(*[503] * 8)
-    sleep = Recorder()
+    sleep = RecordedSleep()
     async with mock_client(handler) as client:
         with pytest.raises(DirectoryRegistrationFailed, match="HTTP 503"):
             await register_rank(
@@ -118,7 +109,7 @@ async def test_delays_are_capped() -> None:
 @pytest.mark.parametrize("status", [400, 404, 422])
 async def test_a_4xx_refusal_is_not_retried(status: int) -> None:
     handler, requests = scripted(status)
-    sleep = Recorder()
+    sleep = RecordedSleep()
     async with mock_client(handler) as client:
         with pytest.raises(DirectoryRegistrationFailed) as info:
             await register_rank(client, URL, registration(), sleep=sleep)

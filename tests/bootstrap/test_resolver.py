@@ -15,7 +15,8 @@ from fastapi import FastAPI
 from bootstrap.protocol import Coordinate, RankAddress
 from bootstrap.resolver import DecodeResolver, DecodeTopology, ResolveError
 from bootstrap.server import BootstrapConfig, create_app
-from tests.bootstrap.factories import FakeClock, body, instance, rank_port
+from tests.bootstrap.factories import body, instance, rank_port
+from tests.support.clock import FakeClock
 
 URL = "http://10.0.0.1:8998"
 Fault = Callable[[httpx.Request], httpx.Response | None]

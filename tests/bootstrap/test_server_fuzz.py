@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from bootstrap.protocol import ROUTE_PARAMS, RankRegistration, RoomQuery, RoomRegistration
 from bootstrap.server import BootstrapConfig, create_app
-from tests.bootstrap.factories import SGLANG_0_5_23_PUT, FakeClock, body
+from tests.bootstrap.factories import SGLANG_0_5_23_PUT, body
+from tests.support.clock import FakeClock
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

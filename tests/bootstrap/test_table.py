@@ -6,7 +6,8 @@ import pytest
 
 from bootstrap.protocol import Coordinate, RankAddress, RankRegistration
 from bootstrap.table import Directory, RegistrationRefused, RoomTable
-from tests.bootstrap.factories import FakeClock, body, instance, registration
+from tests.bootstrap.factories import body, instance, registration
+from tests.support.clock import FakeClock
 
 
 def fill(directory: Directory, bodies: list[dict[str, Any]]) -> None:

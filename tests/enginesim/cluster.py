@@ -15,9 +15,9 @@ from typing import Any
 
 import httpx
 import zmq
-from prometheus_client.parser import text_string_to_metric_families
 
 from globalkv.wire import EventBatch, decode_batch, parse_live, parse_replay_reply, replay_request
+from tests.support.metrics import scrape
 from tests.support.net import free_port
 from tests.support.procs import Proc
 
@@ -35,15 +35,8 @@ class EngineProc:
         return int(self.info["disaggregation_bootstrap_port"])
 
     def metric(self, name: str, labels: dict[str, str] | None = None) -> float:
-        """One sample of the engine's /metrics (0 when the series does not exist yet)."""
-        text = httpx.get(f"{self.url}/metrics", timeout=5).text
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == name and all(
-                    sample.labels.get(k) == v for k, v in (labels or {}).items()
-                ):
-                    return float(sample.value)
-        return 0.0
+        """The engine's /metrics sample (0 when the series does not exist yet)."""
+        return scrape(self.url, name, **(labels or {}))
 
     def stop(self) -> None:
         self.proc.stop()

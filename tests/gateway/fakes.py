@@ -19,6 +19,8 @@ from gateway.upstream import Upstream
 from globalkv.index.base import IndexUnavailable
 from globalkv.lookup import LookupResult
 from globalkv.tokenize import Tokenizer
+from tests.support.clock import FakeClock, RecordedSleep
+from tests.support.metrics import sample as registry_sample
 
 Behaviour = Callable[[httpx.Request, Any], Awaitable[httpx.Response]]
 
@@ -36,14 +38,6 @@ POD = PodRegistration(
     dp_size=2,
 )
 """A prefill pod as the monitor registers it."""
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @dataclass
@@ -195,14 +189,6 @@ class StubLookup:
         return self.result
 
 
-class Sleeps:
-    def __init__(self) -> None:
-        self.delays: list[float] = []
-
-    async def __call__(self, delay: float) -> None:
-        self.delays.append(delay)
-
-
 def config(**overrides: Any) -> GatewayConfig:
     base: dict[str, Any] = {
         "prefill": [
@@ -228,7 +214,7 @@ async def make_gateway(
     tokenizer: Tokenizer | None = None,
     registrar: Any = None,
     clock: FakeClock | None = None,
-    sleeps: Sleeps | None = None,
+    sleeps: RecordedSleep | None = None,
     upstream: Upstream | None = None,
 ) -> Gateway:
     """A gateway over the fake cluster, its monitor run once so workers are eligible.
@@ -246,7 +232,7 @@ async def make_gateway(
         tokenizer=tokenizer,
         registry=CollectorRegistry(),
         clock=clock or FakeClock(),
-        sleep=sleeps or Sleeps(),
+        sleep=sleeps or RecordedSleep(),
         rng=Random(7),
         room_rng=Random(11),
     )
@@ -255,5 +241,4 @@ async def make_gateway(
 
 
 def sample(gateway: Gateway, name: str, **labels: str) -> float:
-    value = gateway.metrics.registry.get_sample_value(name, labels)
-    return 0.0 if value is None else value
+    return registry_sample(gateway.metrics.registry, name, **labels)

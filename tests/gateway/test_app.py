@@ -25,12 +25,12 @@ from tests.gateway.fakes import (
     DECODES,
     PREFILLS,
     Cluster,
-    FakeClock,
     StubLookup,
     config,
     make_gateway,
     sample,
 )
+from tests.support.clock import FakeClock
 
 
 @pytest.fixture(params=["asgi", "server"])

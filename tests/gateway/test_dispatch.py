@@ -20,15 +20,14 @@ from tests.gateway.fakes import (
     DECODES,
     PREFILLS,
     Cluster,
-    FakeClock,
     Reading,
-    Sleeps,
     StubLookup,
     StubProbe,
     config,
     make_gateway,
     sample,
 )
+from tests.support.clock import FakeClock, RecordedSleep
 
 
 async def send(
@@ -73,7 +72,7 @@ async def test_pair_gets_the_same_bound_body_and_client_gets_the_decode_answer()
 async def test_prefill_failure_while_decode_waits_retries_with_new_pair_and_rooms() -> None:
     cluster = Cluster()
     cluster.one_prefill_fails(PREFILLS[0], PREFILLS[1])
-    sleeps = Sleeps()
+    sleeps = RecordedSleep()
     # round_robin makes the first attempt go to the broken prefill.
     gateway = await make_gateway(cluster, config(prefill_policy="round_robin"), sleeps=sleeps)
     answer = await send(gateway, {"text": "x"})
@@ -171,7 +170,7 @@ async def test_attempts_stop_at_the_limit_with_backoff_between() -> None:
 
     for url in DECODES:
         cluster.on(url, unavailable)
-    sleeps = Sleeps()
+    sleeps = RecordedSleep()
     retry = RetryConfig(jitter_factor=0)
     gateway = await make_gateway(cluster, config(retry=retry), sleeps=sleeps)
     answer = await send(gateway, {"text": "x"})

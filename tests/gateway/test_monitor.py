@@ -10,7 +10,8 @@ from gateway.config import HealthConfig, KvEventsSpec, WorkerSpec
 from gateway.monitor import PodRegistration, RegistrationFailed, parse_server_info
 from gateway.pods import pod_info
 from gateway.workers import DirectoryStatus, worker_id
-from tests.gateway.fakes import Cluster, FakeClock, Reading, StubProbe, config, make_gateway
+from tests.gateway.fakes import Cluster, Reading, StubProbe, config, make_gateway
+from tests.support.clock import FakeClock
 from tests.support.net import await_for
 
 EMULATOR_INFO = {

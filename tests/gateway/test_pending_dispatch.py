@@ -20,12 +20,12 @@ from globalkv.lookup import LookupResult
 from tests.gateway.fakes import (
     PREFILLS,
     Cluster,
-    FakeClock,
     StubLookup,
     config,
     make_gateway,
     sample,
 )
+from tests.support.clock import FakeClock
 
 
 def host(url: str) -> str:

@@ -10,18 +10,11 @@ from gateway.breaker import BreakerState, CircuitBreaker, is_failure_status
 from gateway.config import BreakerConfig, HealthConfig, RetryConfig
 from gateway.health import Health, HealthTracker
 from gateway.retry import RetrySchedule, is_retryable_status
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.support.clock import FakeClock
 
 
 def test_breaker_opens_after_ten_failures_and_recovers_after_three_successes() -> None:
-    clock = FakeClock()
+    clock = FakeClock(0.0)
     breaker = CircuitBreaker(BreakerConfig(), clock)
     for _ in range(9):
         breaker.record(False)
@@ -47,7 +40,7 @@ def test_breaker_opens_after_ten_failures_and_recovers_after_three_successes() -
 
 
 def test_half_open_failure_reopens() -> None:
-    clock = FakeClock()
+    clock = FakeClock(0.0)
     breaker = CircuitBreaker(BreakerConfig(failure_threshold=1, timeout_duration_secs=5), clock)
     breaker.record(False)
     clock.now = 5
@@ -59,7 +52,7 @@ def test_half_open_failure_reopens() -> None:
 
 
 def test_disabled_breaker_always_allows() -> None:
-    breaker = CircuitBreaker(BreakerConfig(failure_threshold=1, disabled=True), FakeClock())
+    breaker = CircuitBreaker(BreakerConfig(failure_threshold=1, disabled=True), FakeClock(0.0))
     breaker.record(False)
     assert breaker.allows()
 

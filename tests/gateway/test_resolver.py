@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from gateway.resolver import HostResolver
+from tests.support.clock import FakeClock
 
 
 class Lookups:
@@ -21,14 +22,6 @@ class Lookups:
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self.waiting.append(future)
         return await future
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 async def _started(lookups: Lookups, count: int) -> None:
@@ -69,7 +62,7 @@ async def test_a_hung_name_holds_one_lookup_and_others_still_resolve() -> None:
 
 async def test_answers_expire_after_the_ttl_and_forget_drops_one() -> None:
     lookups = Lookups()
-    clock = Clock()
+    clock = FakeClock(100.0)
     resolver = HostResolver(ttl=5.0, clock=clock, lookup=lookups)
     first = asyncio.ensure_future(resolver.resolve("w", 80))
     await _started(lookups, 1)

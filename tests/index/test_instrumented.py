@@ -11,11 +11,7 @@ from globalkv.index.instrumented import InstrumentedIndex
 from globalkv.index.memory import MemoryIndex
 from globalkv.index.redis import RedisIndex
 from tests.index.events import BS, P0, Feeder, clear, depths, keys, remove, store, tokens
-
-
-def _value(registry: CollectorRegistry, name: str, **labels: str) -> float:
-    value = registry.get_sample_value(name, labels)
-    return 0.0 if value is None else value
+from tests.support.metrics import sample
 
 
 async def test_counts_applied_and_skipped_blocks_and_times_lookups() -> None:
@@ -31,15 +27,15 @@ async def test_counts_applied_and_skipped_blocks_and_times_lookups() -> None:
     assert depths(await index.lookup(keys(t))) == {}
     await index.reset_source(P0)
     await index.remove_pod("p0")
-    assert _value(registry, "globalkv_index_applied_total", kind="stored") == 3
-    assert _value(registry, "globalkv_index_applied_total", kind="removed") == 1
-    assert _value(registry, "globalkv_index_applied_total", kind="cleared") == 1
+    assert sample(registry, "globalkv_index_applied_total", kind="stored") == 3
+    assert sample(registry, "globalkv_index_applied_total", kind="removed") == 1
+    assert sample(registry, "globalkv_index_applied_total", kind="cleared") == 1
     for reason in ("orphan", "partial", "over_capacity", "invalid"):
-        assert _value(registry, "globalkv_index_skipped_blocks_total", reason=reason) == 1
-    assert _value(registry, "globalkv_index_lookup_seconds_count") == 1
-    assert _value(registry, "globalkv_index_apply_seconds_count") == 4
-    assert _value(registry, "globalkv_index_source_resets_total") == 1
-    assert _value(registry, "globalkv_index_pods_removed_total") == 1
+        assert sample(registry, "globalkv_index_skipped_blocks_total", reason=reason) == 1
+    assert sample(registry, "globalkv_index_lookup_seconds_count") == 1
+    assert sample(registry, "globalkv_index_apply_seconds_count") == 4
+    assert sample(registry, "globalkv_index_source_resets_total") == 1
+    assert sample(registry, "globalkv_index_pods_removed_total") == 1
 
 
 async def test_counts_unavailable_and_data_lost_by_operation() -> None:
@@ -57,8 +53,8 @@ async def test_counts_unavailable_and_data_lost_by_operation() -> None:
         await index.lookup(keys(tokens(1)))
     with pytest.raises(IndexUnavailable):
         await index.stats()
-    assert _value(registry, "globalkv_index_errors_total", op="apply", error="data_lost") == 1
-    assert _value(registry, "globalkv_index_errors_total", op="lookup", error="unavailable") == 1
-    assert _value(registry, "globalkv_index_errors_total", op="stats", error="unavailable") == 1
+    assert sample(registry, "globalkv_index_errors_total", op="apply", error="data_lost") == 1
+    assert sample(registry, "globalkv_index_errors_total", op="lookup", error="unavailable") == 1
+    assert sample(registry, "globalkv_index_errors_total", op="stats", error="unavailable") == 1
     await index.close()
     await client.aclose()

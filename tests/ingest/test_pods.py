@@ -20,7 +20,8 @@ from globalkv.registry import KvEventsConfig, MemoryRegistry, PodInfo
 from globalkv.wire import live_frames
 from tests.ingest.conftest import PublisherFactory, ServiceFactory
 from tests.ingest.fakes import RecordingIndex
-from tests.ingest.test_service import follow, pod_for, sample, store
+from tests.ingest.test_service import follow, pod_for, store
+from tests.support.metrics import sample
 from tests.support.net import await_for
 
 P0 = Source("p0", 0)

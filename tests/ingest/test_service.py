@@ -15,6 +15,7 @@ from globalkv.wire import BlockStored, live_frames
 from tests.ingest.conftest import PublisherFactory, ServiceFactory
 from tests.ingest.fakes import RecordingIndex
 from tests.ingest.publisher import Publisher
+from tests.support.metrics import sample
 from tests.support.net import free_port
 
 P0 = Source("p0", 0)
@@ -33,10 +34,6 @@ def store(n: int) -> BlockStored:
 def pod_for(pub: Publisher, pod_id: str = "p0") -> PodInfo:
     events = KvEventsConfig(endpoint=pub.endpoint, replay_endpoint=pub.replay_endpoint)
     return PodInfo(id=pod_id, model="m", kv_events=events)
-
-
-def sample(prom: CollectorRegistry, name: str, **labels: str) -> float:
-    return prom.get_sample_value(name, labels) or 0.0
 
 
 async def follow(service: object, pub: Publisher, pod: PodInfo) -> None:

@@ -24,8 +24,8 @@ from typing import Any
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
+from tests.support.metrics import scrape
 from tests.support.net import free_port, wait_for
 from tests.support.procs import Proc
 
@@ -52,7 +52,7 @@ class Engine:
         return f"http://127.0.0.1:{self.info['disaggregation_bootstrap_port']}"
 
     def metric(self, name: str, **labels: str) -> float:
-        return metric(self.url, name, **labels)
+        return scrape(self.url, name, **labels)
 
 
 @dataclass
@@ -78,17 +78,6 @@ class Cluster:
             (m[1], m[2], m[3], [int(r) for r in m[4].split(",")])
             for m in ROUTE_LINE.finditer(self.gateway.log())
         ]
-
-
-def metric(url: str, name: str, **labels: str) -> float:
-    """Sum of the samples of `name` at `url`/metrics whose labels include `labels`."""
-    text = httpx.get(f"{url}/metrics", timeout=5).text
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
-    )
 
 
 def _engine_argv(role: str, port: int, *extra: str) -> list[str]:
@@ -270,7 +259,7 @@ def test_a_shared_prefix_goes_to_the_pod_and_dp_rank_holding_it(cluster: Cluster
     assert after["prefill-a"] - cached["prefill-a"] == 3 * 10 * PAGE
     assert after["prefill-b"] == cached["prefill-b"]
     assert after["prefill-c"] == cached["prefill-c"]
-    assert metric(cluster.gateway_url, "globalkv_gateway_chosen_hit_tokens_sum") >= 3 * 10 * PAGE
+    assert scrape(cluster.gateway_url, "globalkv_gateway_chosen_hit_tokens_sum") >= 3 * 10 * PAGE
 
 
 def test_the_prefill_and_the_decode_get_the_same_room(cluster: Cluster) -> None:
@@ -325,7 +314,7 @@ def test_a_prefill_with_an_incomplete_directory_gets_no_traffic(cluster: Cluster
     routed = {pod for _, pod, _, _ in cluster.routes()}
     assert routed
     assert "prefill-c" not in routed
-    assert metric(cluster.gateway_url, "globalkv_gateway_directory_ready", pod="prefill-c") == 0
+    assert scrape(cluster.gateway_url, "globalkv_gateway_directory_ready", pod="prefill-c") == 0
 
     put = httpx.put(f"{cluster.standalone}/route", json=_registration(incomplete, 1), timeout=5)
     assert put.status_code == 200, put.text
@@ -360,6 +349,6 @@ def test_a_killed_decode_is_retried_on_the_other(cluster: Cluster) -> None:
     for i in failed:
         assert attempts[i + 1][2] == alive
         assert not set(attempts[i + 1][3]) & set(attempts[i][3])
-    retries = metric(cluster.gateway_url, "globalkv_gateway_retries_total", role="decode")
+    retries = scrape(cluster.gateway_url, "globalkv_gateway_retries_total", role="decode")
     assert retries == len(failed) >= 1
     assert cluster.worker(killed.url)["consecutive_failures"] == len(failed)

@@ -23,6 +23,7 @@ from globalkv.metrics import IngestMetrics
 from globalkv.registry import KvEventsConfig, MemoryRegistry, PodInfo
 from globalkv.wire import live_frames
 from tests.ingest.publisher_proc import PublisherProc, chain
+from tests.support.metrics import sample
 
 pytestmark = pytest.mark.integration
 
@@ -79,10 +80,6 @@ async def follow(service: IngestService, pub: PublisherProc, pod_id: str) -> Non
 async def hits(index: MemoryIndex, tokens: list[int] = PROMPT) -> dict[str, int]:
     result = await IndexLookup(index).lookup("m", tokens)
     return {p.pod: p.hit_blocks for p in result.pods}
-
-
-def sample(prom: CollectorRegistry, name: str, **labels: str) -> float:
-    return prom.get_sample_value(name, labels) or 0.0
 
 
 REASONS = (

@@ -17,8 +17,8 @@ from typing import Any, Literal
 import httpx
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from bootstrap._http import describe_answer, describe_error
 from bootstrap.protocol import SNAPSHOT_QUERY, Topology
+from kvplumbing.describe import describe_answer, describe_error
 from kvplumbing.validation import validation_message
 
 Flavor = Literal["globalkv", "sglang"]

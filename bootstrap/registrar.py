@@ -17,10 +17,10 @@ from collections.abc import Callable, Sequence
 
 import httpx
 
-from bootstrap._http import describe_answer, describe_error
 from bootstrap.protocol import RankRegistration, RoomRegistration
 from kvplumbing.backoff import Backoff
 from kvplumbing.clock import Sleep
+from kvplumbing.describe import describe_answer, describe_error
 
 log = logging.getLogger(__name__)
 

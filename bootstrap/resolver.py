@@ -22,7 +22,6 @@ from typing import Literal
 import httpx
 from pydantic import ValidationError
 
-from bootstrap._http import describe_answer, describe_error
 from bootstrap.mapping import (
     DecodeTopology,
     IncompatibleTopology,
@@ -38,6 +37,7 @@ from bootstrap.protocol import (
 )
 from bootstrap.room_poller import RoomPoller, RoomWaitFailed
 from kvplumbing.clock import Clock, Sleep
+from kvplumbing.describe import describe_answer, describe_error
 from kvplumbing.validation import validation_message
 
 __all__ = [

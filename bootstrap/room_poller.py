@@ -14,9 +14,9 @@ from collections.abc import Sequence
 import httpx
 from pydantic import TypeAdapter, ValidationError
 
-from bootstrap._http import describe_answer, describe_error
 from bootstrap.protocol import MAX_QUERY_ROOMS
 from kvplumbing.clock import Clock, Sleep
+from kvplumbing.describe import describe_answer, describe_error
 from kvplumbing.validation import validation_message
 
 _ROOM_ANSWER = TypeAdapter(dict[int, int])

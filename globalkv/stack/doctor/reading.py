@@ -16,26 +16,23 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, ValidationError
 
+from kvplumbing.describe import describe_error
+
 View = TypeVar("View", bound=BaseModel)
 Connect = Callable[[str, int, float], Awaitable[str | None]]
 """(host, port, timeout) → None when a TCP connection opens, else why it did not."""
-
-
-def describe(exc: BaseException) -> str:
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 async def tcp_connect(host: str, port: int, timeout: float) -> str | None:
     try:
         _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
     except (OSError, TimeoutError) as exc:
-        return describe(exc)
+        return describe_error(exc)
     writer.close()
     try:
         await writer.wait_closed()
     except OSError as exc:
-        return f"connected, then {describe(exc)}"
+        return f"connected, then {describe_error(exc)}"
     return None
 
 
@@ -83,7 +80,7 @@ class Reader:
         try:
             return await self.client.get(url, headers=self.headers, timeout=self.timeout)
         except httpx.HTTPError as exc:
-            return f"unreachable ({describe(exc)})"
+            return f"unreachable ({describe_error(exc)})"
 
     async def post(self, url: str, body: object) -> httpx.Response | str:
         try:
@@ -91,7 +88,7 @@ class Reader:
                 url, json=body, headers=self.headers, timeout=self.timeout
             )
         except httpx.HTTPError as exc:
-            return f"unreachable ({describe(exc)})"
+            return f"unreachable ({describe_error(exc)})"
 
     async def view(self, url: str, view: type[View]) -> View | str:
         response = await self.get(url)
@@ -122,4 +119,4 @@ class Reader:
         try:
             return Samples.parse(response.text)
         except ValueError as exc:
-            return f"sent unparsable metrics ({describe(exc)})"
+            return f"sent unparsable metrics ({describe_error(exc)})"

@@ -140,7 +140,7 @@ async def unless_client_leaves(
     task.cancel()
     (outcome,) = await asyncio.gather(task, return_exceptions=True)
     if isinstance(outcome, Exception):
-        log.debug("work ended with %r after its client left", outcome)
+        log.warning("work failed after its client left: %r", outcome)
     elif not isinstance(outcome, BaseException) and abandon is not None:
         await abandon(outcome)
     watcher.result()

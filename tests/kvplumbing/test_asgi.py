@@ -174,3 +174,23 @@ async def test_cancelling_the_caller_cancels_the_work() -> None:
     with pytest.raises(asyncio.CancelledError):
         await race
     assert parked.cancelled.is_set()
+
+
+async def test_work_failing_as_it_is_cancelled_is_logged_not_raised(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    parked = _Parked()
+
+    async def work() -> str:
+        try:
+            return await parked.work()
+        except asyncio.CancelledError:
+            raise OSError("upstream reset while closing") from None
+
+    race = asyncio.ensure_future(unless_client_leaves(parked.receive, work()))
+    await parked.leave()
+    with pytest.raises(ClientGone):
+        await race
+    assert "work failed after its client left: OSError('upstream reset while closing')" in (
+        caplog.text
+    )

@@ -1,7 +1,7 @@
 """The gateway's own cost: requests/s and added latency against instant mock workers.
 
     python -m bench.gateway [--sglang-router-python PATH] [--repeats 5] [--output FILE]
-        [--ceilings asgi,raw,proxy] [--variant LABEL=DIR …]
+        [--ceilings asgi,raw,proxy] [--granian rsgi,asgi] [--variant LABEL=DIR …]
 
 Two prefill and two decode mocks (`bench.gateway_mocks`, answers prebuilt, one process)
 sit behind each router; the load generator (`bench.gateway_load`) calls the decode mock
@@ -19,7 +19,8 @@ in the same repetition.
 
 The sglang-router columns appear only when `--sglang-router-python` names an interpreter
 with `sglang_router` installed (it is never imported here). `--ceilings` adds the bare
-servers of `bench.gateway_ceilings`; `--variant LABEL=DIR` adds the gateway as exported
+servers of `bench.gateway_ceilings`, `--granian` the same gateway served by granian
+(`bench.gateway_granian`); `--variant LABEL=DIR` adds the gateway as exported
 into DIR from an older revision, so before and after are measured in the same runs.
 
 "CPU µs/req" is the router process's CPU time (all threads, from /proc) over the run
@@ -243,6 +244,9 @@ def cluster(args: argparse.Namespace, logs: Path) -> Iterator[dict[str, Target]]
             command = [args.sglang_router_python, "-m", "sglang_router.launch_router"]
             extra = ["--prometheus-port", str(_free_port()), "--log-level", "warn"]
             routers["sglang-router"] = (command, extra, None)
+        for mode in args.granian:
+            granian = [sys.executable, "-m", "bench.gateway_granian", mode]
+            routers[f"granian-{mode}"] = (granian, ours_flags, None)
         for mode in args.ceilings:
             ceiling = [sys.executable, "-m", "bench.gateway_ceilings", mode]
             routers[f"{mode}-ceiling"] = (ceiling, [], None)
@@ -279,6 +283,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=lambda v: [m for m in v.split(",") if m],
         default=[],
         help="also measure these bench.gateway_ceilings modes (comma-separated: asgi,raw,proxy)",
+    )
+    parser.add_argument(
+        "--granian",
+        type=lambda v: [m for m in v.split(",") if m],
+        default=[],
+        help="also measure the gateway served by granian in these bench.gateway_granian modes "
+        "(comma-separated: rsgi,rsgi-nodisconnect,asgi)",
     )
     parser.add_argument(
         "--variant",

@@ -33,13 +33,13 @@ import orjson
 
 from bench.gateway_mocks import ANSWER, STREAM
 
-_ANSWER_BODY = ANSWER.partition(b"\r\n\r\n")[2]
-_SSE_EVENTS = [
+ANSWER_BODY = ANSWER.partition(b"\r\n\r\n")[2]
+SSE_EVENTS = [
     b"data: " + orjson.dumps({"text": "x" * (i + 1), "index": 0}) + b"\n\n" for i in range(8)
 ] + [b"data: [DONE]\n\n"]
 
 
-def _streamed(body: bytes) -> bool:
+def streamed(body: bytes) -> bool:
     return b'"stream": true' in body or b'"stream":true' in body
 
 
@@ -52,15 +52,15 @@ async def asgi_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         message = await receive()
         body += message.get("body", b"")
         more = message.get("more_body", False)
-    if not _streamed(body):
+    if not streamed(body):
         headers = [(b"content-type", b"application/json")]
-        headers.append((b"content-length", str(len(_ANSWER_BODY)).encode()))
+        headers.append((b"content-length", str(len(ANSWER_BODY)).encode()))
         await send({"type": "http.response.start", "status": 200, "headers": headers})
-        await send({"type": "http.response.body", "body": _ANSWER_BODY})
+        await send({"type": "http.response.body", "body": ANSWER_BODY})
         return
     headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
     await send({"type": "http.response.start", "status": 200, "headers": headers})
-    for event in _SSE_EVENTS:
+    for event in SSE_EVENTS:
         await send({"type": "http.response.body", "body": event, "more_body": True})
     await send({"type": "http.response.body", "body": b""})
 
@@ -99,7 +99,7 @@ class _Inbound(asyncio.Protocol):
 
 
 def _answer_at_once(inbound: _Inbound, body: bytes) -> None:
-    inbound.write(STREAM if _streamed(body) else ANSWER)
+    inbound.write(STREAM if streamed(body) else ANSWER)
 
 
 class _Upstream(asyncio.Protocol):

@@ -15,11 +15,13 @@ import asyncio
 import gc
 import logging
 import signal
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import httpx
 import redis.asyncio as aioredis
+from fastapi import FastAPI
 from prometheus_client import start_http_server
 from pydantic import ValidationError
 
@@ -40,7 +42,7 @@ from gateway.inference import Inference
 from gateway.monitor import PodRegistrar
 from gateway.pods import HttpPodRegistrar, RegistryPodRegistrar
 from gateway.server import GatewayServer
-from gateway.service import build_gateway
+from gateway.service import Gateway, build_gateway
 from gateway.transport import upstream_client
 from gateway.upstream import PooledUpstream
 from globalkv.index.redis import RedisIndex
@@ -273,7 +275,12 @@ async def _index_parts(
     return None, None
 
 
-async def serve(config: GatewayConfig, tokenizer: Tokenizer | None) -> None:
+@asynccontextmanager
+async def running_gateway(
+    config: GatewayConfig, tokenizer: Tokenizer | None
+) -> AsyncIterator[tuple[Gateway, FastAPI]]:
+    """The gateway and its app, built on the pooled client, with the app's lifespan running
+    (monitor started); closed, with everything they opened, on leaving."""
     async with AsyncExitStack() as stack:
         pool = ConnectionPool()
         client = await stack.enter_async_context(upstream_client(pool))
@@ -293,15 +300,20 @@ async def serve(config: GatewayConfig, tokenizer: Tokenizer | None) -> None:
             )
             stack.callback(metrics_server.shutdown)
         app = create_app(gateway)
-        server = GatewayServer(Inference(gateway), app)
         async with app.router.lifespan_context(app):
-            await server.start(config.host, config.port)
-            _tune_garbage_collection()
-            await _until_signalled()
-            await server.shutdown(grace=_SHUTDOWN_GRACE_SECS)
+            yield gateway, app
 
 
-def _tune_garbage_collection() -> None:
+async def serve(config: GatewayConfig, tokenizer: Tokenizer | None) -> None:
+    async with running_gateway(config, tokenizer) as (gateway, app):
+        server = GatewayServer(Inference(gateway), app)
+        await server.start(config.host, config.port)
+        tune_garbage_collection()
+        await _until_signalled()
+        await server.shutdown(grace=_SHUTDOWN_GRACE_SECS)
+
+
+def tune_garbage_collection() -> None:
     """Keep the objects of startup out of collections, and collect young objects rarely.
 
     Measured under `bench.gateway` at concurrency 64. Frozen: the ~100k objects of imports

@@ -1,7 +1,7 @@
 """The gateway's own cost: requests/s and added latency against instant mock workers.
 
     python -m bench.gateway [--sglang-router-python PATH] [--repeats 5] [--output FILE]
-        [--ceilings asgi,raw,proxy] [--granian rsgi,asgi] [--variant LABEL=DIR …]
+        [--ceilings asgi,raw,proxy] [--granian rsgi,bare] [--variant LABEL=DIR …]
 
 Two prefill and two decode mocks (`bench.gateway_mocks`, answers prebuilt, one process)
 sit behind each router; the load generator (`bench.gateway_load`) calls the decode mock
@@ -289,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=lambda v: [m for m in v.split(",") if m],
         default=[],
         help="also measure the gateway served by granian in these bench.gateway_granian modes "
-        "(comma-separated: rsgi,rsgi-nodisconnect,asgi)",
+        "(comma-separated: rsgi,rsgi-rust,rsgi-nodisconnect,bare)",
     )
     parser.add_argument(
         "--variant",

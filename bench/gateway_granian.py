@@ -1,6 +1,6 @@
 """The gateway served by granian instead of its own server, for `bench.gateway --granian`.
 
-    python -m bench.gateway_granian {rsgi,rsgi-rust,rsgi-nodisconnect,asgi,bare} \\
+    python -m bench.gateway_granian {rsgi,rsgi-rust,rsgi-nodisconnect,bare} \\
         <globalkv gateway flags>
 
 The same gateway (`gateway.cli.running_gateway`: the pooled upstream, the same
@@ -14,13 +14,13 @@ the gateway's own event loop, so the process's CPU time is all of the serving:
   Python < 3.12 only) instead of asyncio tasks.
 - `rsgi-nodisconnect`: `rsgi-rust` without listening for the client's disconnect (a client
   that leaves no longer cancels the upstream calls): granian's best case, not shippable.
-- `asgi`: granian serving the gateway's FastAPI app as it is (`gateway.app`, whose
-  inference routes race the work against the ASGI disconnect message).
 - `bare`: granian alone, answering the mocks' answer shapes at once: its ceiling, beside
   `bench.gateway_ceilings`' `asgi` (uvicorn) and `raw` (the own server's parser).
 
-Other routes answer 404 under the RSGI fronts: this is a measuring instrument, not a
-product; see `gateway.server` for what was decided from it.
+Other routes answer 404: this is a measuring instrument, not a product; see
+`gateway.server` for what was decided from it. (Granian serving the gateway's FastAPI app
+over ASGI was measured too, when the app still had an ASGI inference layer: see
+`bench/results/gateway-granian.md`.)
 """
 
 from __future__ import annotations
@@ -33,12 +33,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from bench.gateway_ceilings import ANSWER_BODY, SSE_EVENTS, streamed
+from gateway.answers import Answer, problem, too_large
 from gateway.cli import build_config, register, running_gateway, tune_garbage_collection
 from gateway.config import GatewayConfig
-from gateway.inference import INFERENCE_PATHS, Inference, Relay, problem, too_large
-from gateway.upstream import Answer
+from gateway.inference import INFERENCE_PATHS, Inference, Relay
 
-MODES = ("rsgi", "rsgi-rust", "rsgi-nodisconnect", "asgi", "bare")
+MODES = ("rsgi", "rsgi-rust", "rsgi-nodisconnect", "bare")
 
 
 def _head(answer: Answer) -> list[tuple[str, str]]:
@@ -115,9 +115,8 @@ def _server(target: Any, config: GatewayConfig, mode: str) -> Any:
         target,
         address=config.host,
         port=config.port,
-        # ASGINL: no lifespan from granian, the one of running_gateway runs.
-        interface=Interfaces.ASGINL if mode == "asgi" else Interfaces.RSGI,
-        task_impl=TaskImpl.asyncio if mode in ("rsgi", "asgi") else TaskImpl.rust,
+        interface=Interfaces.RSGI,
+        task_impl=TaskImpl.asyncio if mode == "rsgi" else TaskImpl.rust,
         http=HTTPModes.http1,
         websockets=False,
         backlog=2048,
@@ -130,10 +129,8 @@ async def _serve(mode: str, config: GatewayConfig) -> None:
         tune_garbage_collection()
         await _server(_bare, config, mode).serve()
         return
-    async with running_gateway(config, None) as (gateway, app):
-        target: Any = app
-        if mode != "asgi":
-            target = RsgiFront(Inference(gateway), watch_disconnect=mode != "rsgi-nodisconnect")
+    async with running_gateway(config, None) as (gateway, _):
+        target = RsgiFront(Inference(gateway), watch_disconnect=mode != "rsgi-nodisconnect")
         tune_garbage_collection()
         await _server(target, config, mode).serve()
 

@@ -13,13 +13,27 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from gateway.connections import Connection
+from typing import Protocol
 
 PAUSE_AT = 256 * 1024
 """Bytes of a streamed body buffered unread before reading from the worker pauses."""
+
+
+class Carrier(Protocol):
+    """What a call needs of the connection carrying it (`gateway.connections.Connection`)."""
+
+    @property
+    def paused(self) -> bool:
+        """Reading from the worker is paused."""
+        ...
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+    def abort(self) -> None:
+        """Close at once: the answer will not be read to its end."""
+        ...
 
 
 class Response:
@@ -64,7 +78,7 @@ class Response:
         """The longest silence allowed while the answer is awaited."""
         self.whole = whole
         self.head_only = data.startswith(b"HEAD ")
-        self.connection: Connection | None = None
+        self.connection: Carrier | None = None
         """The connection carrying the call, until its answer ended."""
         self.connecting: asyncio.Task[None] | None = None
         self.received = False

@@ -1,41 +1,38 @@
-"""One client's HTTP/1.1 connection to the gateway, on an asyncio protocol.
+"""One client's HTTP/1.1 connection to the gateway, on an asyncio protocol: its life.
 
-httptools parses requests in `data_received`; a POST to an inference path is answered by
-`gateway.inference` in one task, the answer written as prebuilt bytes; every other
-request (admin, info, health, metrics) is handed to the ASGI app through
-`gateway.http1.serve_asgi`. A client that goes away is seen in `connection_lost`, which
-cancels the request's task — and with it both upstream calls — at no cost per request.
+httptools parses requests in `data_received`; each complete request is answered by a
+`gateway.exchange.Exchange` in one task, in order. A client that goes away is seen in
+`connection_lost`, which cancels the request's task — and with it both upstream calls —
+at no cost per request.
+
+The connection's life is one `ConnectionState`: OPEN (reading and answering requests),
+CLOSING (no more requests read; closed once the answer in progress ends), LINGERING (a
+refusal written, the writing side shut, what the client still sends dropped until it
+closes) and CLOSED (the transport is gone).
 
 HTTP/1.1 keep-alive with pipelined requests answered in order (reading pauses while a few
 wait, and the next starts once the client has taken the last answer), `Expect:
 100-continue`, `--max-payload-size` enforced from Content-Length before reading (413) and
 while reading chunked bodies, a bound on heads (431), Upgrade headers ignored, and write
-flow control for streams. A refusal half-closes the connection so that the client reads
-it. `gateway.server.GatewayServer` listens, asks each connection to `expire` a client too
-slow or silent (408), and shuts down.
+flow control for streams. `gateway.server.GatewayServer` listens, asks each connection to
+`expire` a client too slow or silent (408), and shuts down.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 from collections import deque
 from typing import Any, Protocol, cast
 
 import httptools
-from starlette.types import ASGIApp
 
-from gateway.http1 import (
-    CLOSE,
-    HttpRequest,
-    answer_bytes,
-    connection_header,
-    serve_asgi,
-    write_relay,
-)
-from gateway.inference import INFERENCE_PATHS, Inference, problem, too_large
+from gateway.answers import Answer, problem
+from gateway.exchange import Exchange, Serving, oversized
+from gateway.http1 import CLOSE, HttpRequest, answer_bytes
+from gateway.inference import INFERENCE_PATHS
 from gateway.inject import Endpoint
-from gateway.upstream import Answer
 
 log = logging.getLogger(__name__)
 
@@ -50,16 +47,35 @@ HEAD_MAX = 64 * 1024
 (the chunk a head starts in is not counted: it is bounded by the transport's read size)."""
 
 
-class Server(Protocol):
+class ConnectionState(enum.Enum):
+    OPEN = "open"
+    """Reading requests and answering them in order."""
+    CLOSING = "closing"
+    """No more requests read; the transport is closed once the answer in progress ends."""
+    LINGERING = "lingering"
+    """A refusal written and the writing side shut; what the client sends is dropped until
+    it closes too (or `expire` does)."""
+    CLOSED = "closed"
+    """The transport is gone."""
+
+
+class Server(Serving, Protocol):
     """What a connection needs of the server that accepted it."""
 
-    inference: Inference
-    app: ASGIApp
-    limit: int
-    """--max-payload-size, in bytes."""
     connections: set[ClientConnection]
 
     def lost(self, connection: ClientConnection) -> None: ...
+
+
+class _UpgradeBody:
+    """A request that asked for a protocol upgrade, its body still to be taken by length
+    (httptools stops parsing at the head of such a request)."""
+
+    __slots__ = ("left", "request")
+
+    def __init__(self, request: HttpRequest) -> None:
+        self.request = request
+        self.left = 0
 
 
 class ClientConnection(asyncio.Protocol):
@@ -70,20 +86,21 @@ class ClientConnection(asyncio.Protocol):
         self._loop = asyncio.get_running_loop()
         self._parser = httptools.HttpRequestParser(self)
         self._transport: asyncio.Transport | None = None
+        self.state = ConnectionState.OPEN
+        self._lingering_since = 0.0
+        """Loop time LINGERING began."""
         self._request: HttpRequest | None = None
+        """The request whose head or body is arriving."""
+        self._upgrading: _UpgradeBody | None = None
         self._queue: deque[HttpRequest] = deque()
+        """Complete requests waiting for the answer in progress."""
         self._task: asyncio.Task[None] | None = None
-        self._reading = True
+        """The answer in progress."""
+        self._reading_paused = False
+        """Reading paused: `_QUEUED_MAX` requests wait."""
         self.write_paused = False
         self._drained: asyncio.Future[None] | None = None
         self._lost: asyncio.Future[None] | None = None
-        self._closing = False
-        self._answered = False
-        self._upgrading: HttpRequest | None = None
-        """A request that asked for a protocol upgrade, waiting for its body."""
-        self._body_left = 0
-        self._lingering_since: float | None = None
-        self.closed = False
         self.last_active = self._loop.time()
         self.peer: Any = None
         self.local: Any = None
@@ -92,10 +109,18 @@ class ClientConnection(asyncio.Protocol):
     def idle(self) -> bool:
         return not (self._task or self._request or self._upgrading or self._queue)
 
+    def _open(self) -> bool:
+        return self.state is ConnectionState.OPEN
+
+    def _stop_reading_requests(self) -> None:
+        """OPEN → CLOSING; a connection already past OPEN stays where it is."""
+        if self.state is ConnectionState.OPEN:
+            self.state = ConnectionState.CLOSING
+
     def close(self) -> None:
         """Close now, or after the answer in progress when there is one (a request still
         arriving is dropped)."""
-        self._closing = True
+        self._stop_reading_requests()
         if self._task is None and self._transport is not None:
             self._transport.close()
 
@@ -106,15 +131,18 @@ class ClientConnection(asyncio.Protocol):
         progress has its own timeouts (the upstream call's)."""
         if self._task is not None or self._transport is None:
             return
-        if self._closing:
-            if self._lingering_since is not None and now - self._lingering_since > idle_secs:
+        if self.state is ConnectionState.LINGERING:
+            if now - self._lingering_since > idle_secs:
                 self._transport.close()
+            return
+        if self.state is not ConnectionState.OPEN:
             return
         if self.idle:
             if now - self.last_active > idle_secs:
                 self.close()
             return
-        request = self._request or self._upgrading
+        upgrading = self._upgrading
+        request = self._request or (upgrading.request if upgrading is not None else None)
         assert request is not None
         if now - (self.last_active if request.method else request.started) > read_secs:
             self._refuse(problem(408, f"the request did not arrive within {read_secs:g} s"))
@@ -132,7 +160,7 @@ class ClientConnection(asyncio.Protocol):
         self._server.connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
+        self.state = ConnectionState.CLOSED
         self._server.lost(self)
         if self._task is not None:
             self._task.cancel()
@@ -141,7 +169,7 @@ class ClientConnection(asyncio.Protocol):
                 waiter.set_result(None)
 
     def data_received(self, data: bytes) -> None:
-        if self._closing:
+        if self.state is not ConnectionState.OPEN:
             return  # what follows an answer that closes the connection is not read
         self.last_active = self._loop.time()
         if self._upgrading is not None:
@@ -227,10 +255,10 @@ class ClientConnection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         request, self._request = self._request, None
         assert request is not None
-        if request.refused and self._closing:
+        if request.refused and not self._open():
             return  # answered already
         if self._parser.should_upgrade():
-            self._upgrading = request  # httptools raises HttpParserUpgrade next
+            self._upgrading = _UpgradeBody(request)  # httptools raises HttpParserUpgrade next
             return
         self._complete(request)
 
@@ -239,11 +267,12 @@ class ClientConnection(asyncio.Protocol):
             self._start(request)
             return
         self._queue.append(request)
-        if len(self._queue) >= _QUEUED_MAX and self._reading and self._transport is not None:
-            self._reading = False
+        if len(self._queue) >= _QUEUED_MAX and not self._reading_paused:
+            assert self._transport is not None
+            self._reading_paused = True
             self._transport.pause_reading()
 
-    # serving
+    # refusals
 
     def idle_but(self, request: HttpRequest) -> bool:
         """No answer in progress or waiting besides `request`'s."""
@@ -253,22 +282,16 @@ class ClientConnection(asyncio.Protocol):
         request.refused = True
         request.body = []
         if self.idle_but(request):
-            self._refuse(self._oversized(request))
-
-    def _oversized(self, request: HttpRequest) -> Answer:
-        answer = too_large(self._server.limit)
-        if request.route is not None:
-            self._server.inference.refuse(request.route[0], answer)
-        return answer
+            self._refuse(oversized(self._server, request))
 
     def _refuse(self, answer: Answer) -> None:
         """Answer now and close: what follows on this connection cannot be trusted.
 
         With an answer in progress, that one is finished and the connection closed after.
         """
-        self._closing = True
+        self._stop_reading_requests()
         if self._task is None and self._transport is not None:
-            self._write_answer(answer, CLOSE)
+            self.write(answer_bytes(answer, CLOSE))
             self._linger()
 
     def _linger(self) -> None:
@@ -277,52 +300,44 @@ class ClientConnection(asyncio.Protocol):
         before it was read), the socket would reset and the client lose the refusal."""
         transport = self._transport
         assert transport is not None
-        if self._lingering_since is not None or transport.is_closing():
+        if self.state in (ConnectionState.LINGERING, ConnectionState.CLOSED):
             return
-        if not transport.can_write_eof():
+        if transport.is_closing() or not transport.can_write_eof():
             transport.close()
             return
+        self.state = ConnectionState.LINGERING
         self._lingering_since = self._loop.time()
-        if not self._reading:
-            self._reading = True
+        if self._reading_paused:
+            self._reading_paused = False
             transport.resume_reading()
         transport.write_eof()
 
-    def _write_answer(self, answer: Answer, connection: bytes) -> None:
-        self._answered = True
-        self.write(answer_bytes(answer, connection))
+    # answering, one request at a time
 
     def _start(self, request: HttpRequest) -> None:
-        self._answered = False
-        self._task = self._loop.create_task(self._serve(request))
+        exchange = Exchange(
+            self._server, self, request, open=self._open, peer=self.peer, local=self.local
+        )
+        self._task = self._loop.create_task(self._serve(exchange, request))
 
-    async def _serve(self, request: HttpRequest) -> None:
+    async def _serve(self, exchange: Exchange, request: HttpRequest) -> None:
         try:
-            if request.refused:
-                self._closing = True
-                self._write_answer(self._oversized(request), CLOSE)
-            elif request.route is not None:
-                await self._inference(request, request.route)
-            else:
-                await self._asgi(request)
+            kept = await exchange.run()
             if self.write_paused:
                 await self.drain()  # a client not reading its answers gets no more of them
         except asyncio.CancelledError:
-            self._closing = True  # the client left, or the server is stopping
-        except Exception:
-            log.exception("error serving %s %s", request.method.decode(), request.path.decode())
-            if not self._answered:
-                self._write_answer(problem(500, "internal error"), CLOSE)
-            self._closing = True
+            kept = False  # the client left, or the server is stopping
         finally:
             self._task = None
-            self._next(request)
+        if not kept:
+            self._stop_reading_requests()
+        self._next(request)
 
     def _next(self, request: HttpRequest) -> None:
-        if self.closed or self._transport is None:
+        if self.state is ConnectionState.CLOSED or self._transport is None:
             return
-        if self._closing or not request.keep_alive:
-            self._closing = True
+        if not self._open() or not request.keep_alive:
+            self._stop_reading_requests()
             if request.refused:
                 self._linger()
             else:
@@ -333,8 +348,8 @@ class ClientConnection(asyncio.Protocol):
             self._start(self._queue.popleft())
         elif self._request is not None:
             self._next_arriving(self._request)
-        if not self._reading and len(self._queue) < _QUEUED_MAX:
-            self._reading = True
+        if self._reading_paused and len(self._queue) < _QUEUED_MAX:
+            self._reading_paused = False
             self._transport.resume_reading()
 
     def _next_arriving(self, request: HttpRequest) -> None:
@@ -351,9 +366,10 @@ class ClientConnection(asyncio.Protocol):
         """httptools stops at the head of a request asking to upgrade (`curl --http2` asks
         for h2c), so its body is taken by Content-Length here and a new parser reads what
         follows."""
-        request = self._upgrading
-        if request is None:
+        upgrading = self._upgrading
+        if upgrading is None:
             return  # refused already
+        request = upgrading.request
         if request.method == b"CONNECT":
             self._upgrading = None
             self._refuse(problem(405, "CONNECT is not supported"))
@@ -363,70 +379,40 @@ class ClientConnection(asyncio.Protocol):
             self._refuse(problem(400, "a chunked body with an Upgrade header is not supported"))
             return
         self._parser = httptools.HttpRequestParser(self)
-        self._body_left = int(request.length or b"0")  # llhttp checked it is a number
+        upgrading.left = int(request.length or b"0")  # llhttp checked it is a number
         rest = self._upgrade_body(rest)
-        if rest and not self._closing:
+        if rest and self._open():
             self.data_received(rest)
 
     def _upgrade_body(self, data: bytes) -> bytes:
         """Take the upgrading request's body from `data`; returns what follows it."""
-        request = self._upgrading
-        assert request is not None
-        taken, rest = data[: self._body_left], data[self._body_left :]
-        self._body_left -= len(taken)
+        upgrading = self._upgrading
+        assert upgrading is not None
+        request = upgrading.request
+        taken, rest = data[: upgrading.left], data[upgrading.left :]
+        upgrading.left -= len(taken)
         if taken and not request.refused:
             request.body.append(taken)
             request.size += len(taken)
-        if self._body_left == 0:
+        if upgrading.left == 0:
             self._upgrading = None
             self._complete(request)
         return rest
 
-    async def _inference(self, request: HttpRequest, route: tuple[Endpoint, str]) -> None:
-        endpoint, path = route
-        authorization = request.authorization
-        outcome = await self._server.inference.handle(
-            endpoint,
-            path,
-            None if authorization is None else authorization.decode("latin-1"),
-            b"".join(request.body),
-        )
-        keep_alive = request.keep_alive and not self._closing
-        if isinstance(outcome, Answer):
-            self._write_answer(outcome, connection_header(keep_alive, request.version))
-            return
-        self._answered = True
-        if not await write_relay(self, outcome, version=request.version, keep_alive=keep_alive):
-            self._closing = True  # HTTP/1.0, or cut short upstream: the close ends the body
-
-    # gateway.http1.Wire, for the ASGI bridge
+    # gateway.http1.Wire
 
     def write(self, data: bytes) -> None:
-        if not self.closed and self._transport is not None:
+        if self.state is not ConnectionState.CLOSED and self._transport is not None:
             self._transport.write(data)
 
     async def drain(self) -> None:
-        if self.write_paused and not self.closed:
+        if self.write_paused and self.state is not ConnectionState.CLOSED:
             self._drained = self._loop.create_future()
             await self._drained
 
     async def disconnected(self) -> None:
-        if self.closed:
+        if self.state is ConnectionState.CLOSED:
             return
         if self._lost is None:
             self._lost = self._loop.create_future()
         await asyncio.shield(self._lost)
-
-    async def _asgi(self, request: HttpRequest) -> None:
-        self._answered = True  # the bridge answers, whatever happens
-        keep_alive = request.keep_alive and not self._closing
-        kept = await serve_asgi(
-            self._server.app,
-            self,
-            request,
-            keep_alive=keep_alive,
-            client=self.peer,
-            server=self.local,
-        )
-        if not kept:
-            self._closing = True

@@ -29,7 +29,6 @@ its worker's last error (`/workers`, `globalkv doctor`).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ from typing import Any
 
 import httpx
 
+from gateway.answers import Answer, error_body
 from gateway.breaker import is_failure_status
 from gateway.inject import inject_bootstrap
 from gateway.metrics import GatewayMetrics
@@ -45,7 +45,7 @@ from gateway.policies.base import LoadTicket, NoCandidates, RouteRequest
 from gateway.requests import ParsedRequest, encode_body
 from gateway.retry import RetrySchedule, is_retryable_status
 from gateway.router import RoutePlan, Router
-from gateway.upstream import Answer, Reply, Upstream, Whole
+from gateway.upstream import Reply, Upstream, Whole
 from gateway.workers import Worker
 from kvplumbing.clock import Clock, Sleep
 
@@ -54,10 +54,6 @@ _PASSED_HEADERS = ("content-type", "cache-control", "x-request-id")
 _JSON = b"application/json"
 
 __all__ = ["Answer", "Dispatcher", "Stream", "error_body"]
-
-
-def error_body(message: str, kind: str) -> bytes:
-    return json.dumps({"error": {"message": message, "type": kind}}).encode()
 
 
 @dataclass(slots=True)

@@ -2,7 +2,8 @@
 
 The server answers inference itself; every other request (admin, info, health, metrics)
 goes through `serve_asgi` to the FastAPI app with its body already read, so those routes
-keep one implementation whichever server runs them. The bridge speaks the ASGI HTTP
+keep their one implementation. Nothing here knows what an answer means: a stream is
+anything with the shape of `Relayed` (`gateway.inference.Relay`). The bridge speaks the ASGI HTTP
 protocol (version 3.0, spec 2.3) as far as the app needs: one `http.request` message with
 the whole body, then `http.disconnect` once the client has gone; the answer framed by its
 Content-Length, else chunked (HTTP/1.0: ended by closing the connection).
@@ -12,14 +13,14 @@ from __future__ import annotations
 
 import http
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 from urllib.parse import unquote
 
 from starlette.types import ASGIApp, Message
 
-from gateway.inference import Relay
+from gateway.answers import Answer
 from gateway.inject import Endpoint
-from gateway.upstream import Answer
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +45,13 @@ def connection_header(keep_alive: bool, version: str = "1.1") -> bytes:
     return _KEEP_ALIVE if version == "1.0" else b""
 
 
-def answer_bytes(answer: Answer, connection: bytes) -> bytes:
-    head = b"%scontent-type: %s\r\ncontent-length: %d\r\n%s\r\n" % (
+def answer_bytes(answer: Answer, connection: bytes, extra: bytes = b"") -> bytes:
+    """`answer` framed by its length; `extra`: more header lines, each ending in CRLF."""
+    head = b"%scontent-type: %s\r\ncontent-length: %d\r\n%s%s\r\n" % (
         status_line(answer.status),
         answer.media_type,
         len(answer.body),
+        extra,
         connection,
     )
     return head + answer.body
@@ -120,7 +123,19 @@ class Wire(Protocol):
         ...
 
 
-async def write_relay(wire: Wire, relay: Relay, *, version: str, keep_alive: bool) -> bool:
+class Relayed(Protocol):
+    """A committed stream: its head and first piece, then `run` passes on the rest."""
+
+    status: int
+    headers: dict[str, str]
+    first: bytes
+
+    async def run(self, send: Callable[[bytes], Awaitable[None]]) -> bool:
+        """Until the stream ends; True when it ended properly."""
+        ...
+
+
+async def write_relay(wire: Wire, relay: Relayed, *, version: str, keep_alive: bool) -> bool:
     """A committed stream: head and first piece in one write, then each piece as the decode
     sends it. True when the body ended properly (chunked), so the connection may be kept;
     HTTP/1.0 has no chunked encoding, and there the close ends the body."""

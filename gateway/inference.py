@@ -24,13 +24,13 @@ from dataclasses import dataclass
 
 import httpx
 
-from gateway.dispatch import Stream, error_body
+from gateway.answers import Answer, problem
+from gateway.dispatch import Stream
 from gateway.inject import Endpoint
 from gateway.metrics import EndpointMetrics
 from gateway.policies.base import RouteRequest
 from gateway.requests import BadRequest, decode_body, parse_request, prompt_tokens
 from gateway.service import Gateway
-from gateway.upstream import Answer
 from globalkv.tokenize import TokenizeError
 from kvplumbing.auth import bearer_matches
 from kvplumbing.clock import Clock
@@ -41,14 +41,6 @@ INFERENCE_PATHS: dict[str, Endpoint] = {
     "/v1/completions": "completions",
     "/v1/chat/completions": "chat",
 }
-
-
-def problem(status: int, message: str, kind: str = "invalid_request_error") -> Answer:
-    return Answer(status, error_body(message, kind))
-
-
-def too_large(limit: int) -> Answer:
-    return problem(413, f"request body exceeds --max-payload-size ({limit} bytes)")
 
 
 @dataclass(slots=True)

@@ -14,11 +14,11 @@ them, and cancelling one cancels the call. Errors are httpx's exception types.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
 from typing import Protocol
 
 import httpx
 
+from gateway.answers import Answer
 from gateway.connections import ConnectionPool
 
 _HEADERS = ((b"Content-Type", b"application/json"), (b"Accept-Encoding", b"identity"))
@@ -65,15 +65,6 @@ class Upstream(Protocol):
     def fetch(self, url: str, body: bytes, timeout: float) -> Awaitable[Whole]: ...
 
     def open(self, url: str, body: bytes, timeout: float) -> Awaitable[Reply]: ...
-
-
-@dataclass(slots=True)
-class Answer:
-    """A complete answer, from a worker or the gateway itself."""
-
-    status: int
-    body: bytes
-    media_type: bytes = b"application/json"
 
 
 class PooledUpstream:

@@ -1,0 +1,140 @@
+"""Serving one request on a client's connection: a refusal, inference, or the ASGI app.
+
+`gateway.client_connection` owns the connection's life (parsing, order, timeouts,
+closing); an `Exchange` answers one complete request on it and says whether the
+connection may serve another. Inference POSTs go to `gateway.inference` and their answer
+is written as prebuilt bytes; any other method on an inference path is answered 405 here;
+every other request goes to the FastAPI app through `gateway.http1.serve_asgi`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from starlette.types import ASGIApp
+
+from gateway.answers import Answer, problem, too_large
+from gateway.http1 import (
+    CLOSE,
+    HttpRequest,
+    Wire,
+    answer_bytes,
+    connection_header,
+    serve_asgi,
+    write_relay,
+)
+from gateway.inference import INFERENCE_PATHS, Inference
+
+log = logging.getLogger(__name__)
+
+INFERENCE_TARGETS = frozenset(path.encode() for path in INFERENCE_PATHS)
+_ALLOW_POST = b"allow: POST\r\n"
+
+
+class Serving(Protocol):
+    """What serving a request needs of the server."""
+
+    inference: Inference
+    app: ASGIApp
+    limit: int
+    """--max-payload-size, in bytes."""
+
+
+def oversized(server: Serving, request: HttpRequest) -> Answer:
+    """The 413 for `request`, counted as an inference answer when it was one."""
+    answer = too_large(server.limit)
+    if request.route is not None:
+        server.inference.refuse(request.route[0], answer)
+    return answer
+
+
+class Exchange:
+    """One request and its answer; `answered` once any of the answer has been written."""
+
+    __slots__ = ("_local", "_open", "_peer", "_request", "_server", "_wire", "answered")
+
+    def __init__(
+        self,
+        server: Serving,
+        wire: Wire,
+        request: HttpRequest,
+        *,
+        open: Callable[[], bool],
+        peer: Any,
+        local: Any,
+    ) -> None:
+        self._server = server
+        self._wire = wire
+        self._request = request
+        self._open = open
+        """Whether the connection still takes requests (not closing), asked when answering."""
+        self._peer = peer
+        self._local = local
+        self.answered = False
+
+    async def run(self) -> bool:
+        """Answer the request; True when the connection may serve another. An error before
+        anything was written is answered 500; cancelling it (the client left) propagates."""
+        request = self._request
+        try:
+            if request.refused:
+                self._write(oversized(self._server, request), CLOSE)
+                return False
+            if request.route is not None:
+                return await self._inference(request, request.route[1])
+            if request.path in INFERENCE_TARGETS:
+                answer = problem(405, f"{request.path.decode()} takes POST")
+                keep_alive = self._keep_alive()
+                self._write(answer, self._connection(keep_alive), _ALLOW_POST)
+                return keep_alive
+            return await self._asgi(request)
+        except Exception:
+            log.exception("error serving %s %s", request.method.decode(), request.path.decode())
+            if not self.answered:
+                self._write(problem(500, "internal error"), CLOSE)
+            return False
+
+    def _keep_alive(self) -> bool:
+        return self._request.keep_alive and self._open()
+
+    def _connection(self, keep_alive: bool) -> bytes:
+        return connection_header(keep_alive, self._request.version)
+
+    def _write(self, answer: Answer, connection: bytes, extra: bytes = b"") -> None:
+        self.answered = True
+        data = answer_bytes(answer, connection, extra)
+        if self._request.method == b"HEAD":
+            data = data[: len(data) - len(answer.body)]
+        self._wire.write(data)
+
+    async def _inference(self, request: HttpRequest, path: str) -> bool:
+        assert request.route is not None
+        authorization = request.authorization
+        outcome = await self._server.inference.handle(
+            request.route[0],
+            path,
+            None if authorization is None else authorization.decode("latin-1"),
+            b"".join(request.body),
+        )
+        keep_alive = self._keep_alive()
+        if isinstance(outcome, Answer):
+            self._write(outcome, self._connection(keep_alive))
+            return keep_alive
+        self.answered = True
+        # False for HTTP/1.0 or a stream cut short upstream: the close ends the body.
+        return await write_relay(
+            self._wire, outcome, version=request.version, keep_alive=keep_alive
+        )
+
+    async def _asgi(self, request: HttpRequest) -> bool:
+        self.answered = True  # the bridge answers, whatever happens
+        return await serve_asgi(
+            self._server.app,
+            self._wire,
+            request,
+            keep_alive=self._keep_alive(),
+            client=self._peer,
+            server=self._local,
+        )

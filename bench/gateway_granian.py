@@ -34,8 +34,9 @@ from typing import Any
 
 from bench.gateway_ceilings import ANSWER_BODY, SSE_EVENTS, streamed
 from gateway.answers import Answer, problem, too_large
-from gateway.cli import build_config, register, running_gateway, tune_garbage_collection
+from gateway.cli import register, running_gateway, tune_garbage_collection
 from gateway.config import GatewayConfig
+from gateway.flags import build_config
 from gateway.inference import INFERENCE_PATHS, Inference, Relay
 
 MODES = ("rsgi", "rsgi-rust", "rsgi-nodisconnect", "bare")

@@ -1,4 +1,4 @@
-"""The gateway's one typed configuration, built from flags in `gateway.cli` only.
+"""The gateway's one typed configuration, built from flags in `gateway.flags` only.
 
 Defaults are sglang-router 0.3.2's where it has the setting (PROTOCOLS.md §6), so a user
 moving from it keeps the behaviour they know.
@@ -134,12 +134,12 @@ class HealthConfig(BaseModel):
     timeout_secs: float = Field(5, gt=0, description="Timeout of one check.")
     interval_secs: float = Field(60, gt=0, description="Time between checks of a worker.")
     startup_check_interval_secs: float = Field(
-        1, gt=0, description="Time between checks of a worker not yet seen healthy."
+        1.0, gt=0, description="Time between checks of a worker not yet seen healthy."
     )
     endpoint: str = Field("/health", description="Path checked on the worker's HTTP URL.")
     disabled: bool = Field(False, description="Treat every worker as healthy.")
     directory_refresh_secs: float = Field(
-        5, gt=0, description="How often each prefill's bootstrap directory is read."
+        5.0, gt=0, description="How often each prefill's bootstrap directory is read."
     )
 
     @field_validator("endpoint")
@@ -244,7 +244,3 @@ class GatewayConfig(BaseModel):
         if duplicates:
             raise ValueError(f"workers listed twice: {', '.join(duplicates)}")
         return self
-
-    @property
-    def index_configured(self) -> bool:
-        return bool(self.redis_url or self.indexer_url)

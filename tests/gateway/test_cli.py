@@ -7,9 +7,11 @@ import re
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel
 
 from gateway.cli import build_config, check_config, register, run
 from gateway.config import GatewayConfig
+from gateway.flags import FLAGLESS, SETTINGS
 from globalkv.cli import env_argv
 
 
@@ -145,3 +147,23 @@ def test_check_config_is_the_command_default() -> None:
     args.check_config(args)
     with pytest.raises(ValueError, match="number or none"):
         check_config(parse_gateway(["--prefill", "http://p:1", "nope"], {}))
+
+
+def test_every_setting_has_a_flag_with_the_fields_default_or_is_listed_flagless() -> None:
+    defaults = vars(parse_gateway([], {}))
+    models = {model for _, model, _ in SETTINGS}
+    for _, model, flags in SETTINGS:
+        flagless = set(FLAGLESS.get(model, {}))
+        assert set(flags) | flagless == set(model.model_fields), model.__name__
+        assert not set(flags) & flagless, model.__name__
+        for field in flags:
+            default = model.model_fields[field].get_default()
+            assert defaults[f"{model.__name__}.{field}"] == default, field
+    kinds = [f.annotation for f in GatewayConfig.model_fields.values()]
+    sections = {k for k in kinds if isinstance(k, type) and issubclass(k, BaseModel)}
+    assert sections == models - {GatewayConfig}, "every section of GatewayConfig has its flags"
+    assert defaults["prometheus_port"] == GatewayConfig.model_fields["prometheus_port"].default
+
+
+def test_no_flags_give_the_models_defaults() -> None:
+    assert config_of() == GatewayConfig()

@@ -5,10 +5,8 @@ httptools parses requests in `data_received`; each complete request is answered 
 `connection_lost`, which cancels the request's task — and with it both upstream calls —
 at no cost per request.
 
-The connection's life is one `ConnectionState`: OPEN (reading and answering requests),
-CLOSING (no more requests read; closed once the answer in progress ends), LINGERING (a
-refusal written, the writing side shut, what the client still sends dropped until it
-closes) and CLOSED (the transport is gone).
+The connection's life is one `ConnectionState`: OPEN, CLOSING, LINGERING (after a
+refusal), CLOSED.
 
 HTTP/1.1 keep-alive with pipelined requests answered in order (reading pauses while a few
 wait, and the next starts once the client has taken the last answer), `Expect:
@@ -214,25 +212,16 @@ class ClientConnection(asyncio.Protocol):
         self._request.url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        request = self._request
-        assert request is not None
-        name = name.lower()
-        request.headers.append((name, value))
-        if name == b"authorization":
-            request.authorization = value
-        elif name == b"content-length":
-            request.length = value
-        elif name == b"expect":
-            request.expect = value.lower() == b"100-continue"
+        assert self._request is not None
+        self._request.add_header(name, value)
 
     def on_headers_complete(self) -> None:
         request = self._request
         assert request is not None
         parser = self._parser
-        request.method = parser.get_method()
-        request.keep_alive = parser.should_keep_alive()
-        request.version = parser.get_http_version()
-        request.path, _, request.query = request.url.partition(b"?")
+        request.head_complete(
+            parser.get_method(), parser.get_http_version(), parser.should_keep_alive()
+        )
         if request.method == b"POST":
             request.route = _HOT.get(request.path)
         length = request.length

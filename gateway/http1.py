@@ -105,6 +105,20 @@ class HttpRequest:
         self.refused = False
         """Over the size limit: its body is dropped and a 413 closes the connection."""
 
+    def add_header(self, name: bytes, value: bytes) -> None:
+        name = name.lower()
+        self.headers.append((name, value))
+        if name == b"authorization":
+            self.authorization = value
+        elif name == b"content-length":
+            self.length = value
+        elif name == b"expect":
+            self.expect = value.lower() == b"100-continue"
+
+    def head_complete(self, method: bytes, version: str, keep_alive: bool) -> None:
+        self.method, self.version, self.keep_alive = method, version, keep_alive
+        self.path, _, self.query = self.url.partition(b"?")
+
 
 class Wire(Protocol):
     """What writing an answer needs of a connection."""

@@ -1,7 +1,7 @@
-"""One inference request, from its body to its answer, whichever server carries it.
+"""One inference request, from its body to its answer, apart from the HTTP that carries it.
 
-`gateway.server` (the gateway's HTTP server) and the ASGI app (`gateway.app`) read the
-request and write the answer; everything in between is here, once: the API key, the body
+The server (`gateway.server`, through `gateway.exchange`) reads the request and writes the
+answer; everything in between is here: the API key, the body
 checks (400 with the reason), tokens, one index lookup, the dispatcher, and the request
 metrics (count by status, time to first byte, duration). Reading the body within
 `--max-payload-size` is the server's part (it can refuse before reading); it reports a

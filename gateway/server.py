@@ -1,31 +1,41 @@
 """The gateway's HTTP/1.1 server: inference on asyncio protocols, every other route by the app.
 
-Why not uvicorn, which DESIGN.md names: measured with `python -m bench.gateway` on this
-project's 2-CPU machine (router pinned alone on one core; CPU time per answered request,
-which on a shared machine is steadier than requests/s), the same gateway code costs
+Why its own server rather than uvicorn (which DESIGN.md names) or granian: `python -m
+bench.gateway` serves the same gateway code each way, side by side in interleaved runs
+(the figures and their commands are in the README and `bench/results/gateway.md`,
+`bench/results/gateway-granian.md`), and under either it spends clearly more CPU per
+answered request than here, streamed or not, and answers fewer requests/s:
+- uvicorn: the ASGI request path costs it: message dicts, Starlette's middleware stack,
+  and a task per request listening for the client's disconnect, which here is
+  `connection_lost`, at no cost per request.
+- granian, even on RSGI (its leaner interface) and its Rust task implementation: each
+  request crosses from granian's Rust threads into the Python event loop and its answer
+  back (a thread hand-off and a loop wake-up per request, and per piece of a stream),
+  which costs more than parsing the request with httptools on the loop itself: granian
+  answering prebuilt bytes alone costs several times what this server's parser does.
+  Noticing a client that leaves costs it a task per request awaiting
+  `client_disconnect`; without that (not shippable: a departed client's upstream calls
+  would run on) it is still short of this server. What it lacks for this use: serving
+  the request on the event loop's own thread, and a disconnect signal that costs nothing
+  until it fires.
 
-    per request, concurrency 16 and 64   whole answer   streamed (9 SSE events)
-    served by uvicorn (uvloop, httptools)  138-143 µs      177-193 µs
-    served by this server                   87-89 µs      106-116 µs
-    sglang-router 0.3.2, for reference     106-115 µs      179-238 µs
-
-and on uvicorn it stayed below sglang-router's requests/s (5.2-5.6k against 6.0-6.8k
-whole), here above it (8.3-9.7k). The bare servers account for ~17 µs of the difference
-(`bench.gateway_ceilings`: uvicorn with a bare ASGI app 22-23 µs per request, this
-parser with a prebuilt answer 5-6 µs); the rest is the ASGI request path: message
-dicts, Starlette's middleware stack, and a task per request listening for the client's
-disconnect, which here is `connection_lost`, at no cost per request.
+Against sglang-router the comparison to read is the CPU per request too: both routers are
+pinned to the same core, which other processes on a shared machine take from each in
+different amounts during each measuring window, so on whole answers, where the two cost
+about the same, one run shows the gateway's requests/s above sglang-router's and another
+at par or below. On streams the gateway is far ahead in both measures (sglang-router's
+reused connections wait on delayed ACKs, see the README).
 
 What this server does instead: each connection is a `gateway.client_connection`
-protocol, which parses requests with httptools in `data_received`, answers inference
-itself through `gateway.inference` (one task per request, the answer written as prebuilt
-bytes) and hands every other request (admin, info, health, metrics) to the ASGI app
-(FastAPI), so those routes keep their one implementation. Here: listening, timeouts for
-clients that make a connection wait (idle keep-alive connections closed after
-`keep_alive_secs`; a request whose head takes longer than `read_timeout_secs` to arrive,
-or whose body stalls that long, answered 408 and closed — a few slow clients must not hold
-connections forever), and a graceful `shutdown` (stop accepting, finish what is in
-flight, then close).
+protocol, which parses requests with httptools in `data_received` and answers each in
+order with a `gateway.exchange.Exchange`: inference through `gateway.inference` (one task
+per request, the answer written as prebuilt bytes), every other request (admin, info,
+health, metrics) to the ASGI app (FastAPI), so those routes keep their one
+implementation. Here: listening, timeouts for clients that make a connection wait (idle
+keep-alive connections closed after `keep_alive_secs`; a request whose head takes longer
+than `read_timeout_secs` to arrive, or whose body stalls that long, answered 408 and
+closed — a few slow clients must not hold connections forever), and a graceful
+`shutdown` (stop accepting, finish what is in flight, then close).
 """
 
 from __future__ import annotations

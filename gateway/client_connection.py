@@ -305,7 +305,7 @@ class ClientConnection(asyncio.Protocol):
 
     def _start(self, request: HttpRequest) -> None:
         exchange = Exchange(
-            self._server, self, request, open=self._open, peer=self.peer, local=self.local
+            self._server, self, request, accepting=self._open, peer=self.peer, local=self.local
         )
         self._task = self._loop.create_task(self._serve(exchange, request))
 

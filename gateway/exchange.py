@@ -53,7 +53,7 @@ def oversized(server: Serving, request: HttpRequest) -> Answer:
 class Exchange:
     """One request and its answer; `answered` once any of the answer has been written."""
 
-    __slots__ = ("_local", "_open", "_peer", "_request", "_server", "_wire", "answered")
+    __slots__ = ("_accepting", "_local", "_peer", "_request", "_server", "_wire", "answered")
 
     def __init__(
         self,
@@ -61,14 +61,14 @@ class Exchange:
         wire: Wire,
         request: HttpRequest,
         *,
-        open: Callable[[], bool],
+        accepting: Callable[[], bool],
         peer: Any,
         local: Any,
     ) -> None:
         self._server = server
         self._wire = wire
         self._request = request
-        self._open = open
+        self._accepting = accepting
         """Whether the connection still takes requests (not closing), asked when answering."""
         self._peer = peer
         self._local = local
@@ -97,7 +97,7 @@ class Exchange:
             return False
 
     def _keep_alive(self) -> bool:
-        return self._request.keep_alive and self._open()
+        return self._request.keep_alive and self._accepting()
 
     def _connection(self, keep_alive: bool) -> bytes:
         return connection_header(keep_alive, self._request.version)

@@ -18,9 +18,8 @@ the gateway's own event loop, so the process's CPU time is all of the serving:
   `bench.gateway_ceilings`' `asgi` (uvicorn) and `raw` (the own server's parser).
 
 Other routes answer 404: this is a measuring instrument, not a product; see
-`gateway.server` for what was decided from it. (Granian serving the gateway's FastAPI app
-over ASGI was measured too, when the app still had an ASGI inference layer: see
-`bench/results/gateway-granian.md`.)
+`gateway.server` for what was decided from it. Over ASGI (granian serving a FastAPI app
+with the inference routes) the gateway cost more still: `bench/results/gateway-granian.md`.
 """
 
 from __future__ import annotations

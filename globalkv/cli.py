@@ -33,6 +33,7 @@ from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 from globalkv.extras import MissingExtra
+from kvplumbing.environment import env_var_name
 
 ENTRY_POINT_GROUP = "globalkv.commands"
 _TRUE = {"1", "true", "yes", "on"}
@@ -78,10 +79,6 @@ def _register(sub: Any, ep: EntryPoint) -> None:
         parser.set_defaults(run=unavailable, check_config=unavailable)
         return
     register(sub)
-
-
-def env_var_name(command: str, option: str) -> str:
-    return f"GLOBALKV_{command}_{option.lstrip('-')}".upper().replace("-", "_")
 
 
 def env_argv(

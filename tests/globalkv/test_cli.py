@@ -7,7 +7,8 @@ from importlib.metadata import EntryPoint
 
 import pytest
 
-from globalkv.cli import env_argv, env_var_name, main, parse
+from globalkv.cli import env_argv, main, parse
+from kvplumbing.environment import env_var_name
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from globalkv.cli import build_parser, env_var_name
+from globalkv.cli import build_parser
+from kvplumbing.environment import env_var_name
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGURATION = (ROOT / "docs" / "configuration.md").read_text()

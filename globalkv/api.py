@@ -7,8 +7,13 @@ unreachable, or sources are still being rebuilt after it lost its data — the a
 
 Every outside input is validated: bodies by pydantic (422 with the field), oversized
 bodies (413) before they are read whole, token counts (413), an unknown pod (404), a pod
-whose block size the index cannot key (400), a bound topic that already names another
-pod (409), a missing or wrong admin token on a mutating endpoint (401).
+whose block size the index cannot key or whose endpoint is not tcp:// without the operator
+allowing it (400), a bound topic that already names another pod (409).
+
+Registering a pod makes the indexer connect wherever the pod says and feed the index what
+arrives there, so the mutating endpoints are in protected mode (`kvplumbing.auth`): with an
+admin token they need it (401), without one they answer only loopback clients (403 for
+others, saying how to open them) unless `--insecure`. Lookups and reads answer anyone.
 """
 
 from __future__ import annotations
@@ -20,12 +25,13 @@ from contextlib import AbstractAsyncContextManager
 from functools import partial
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response
+from fastapi import Depends, FastAPI, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from globalkv.index.base import Index, IndexUnavailable
+from globalkv.ingest.config import EndpointRefused
 from globalkv.ingest.followed import TopicTaken
 from globalkv.ingest.service import IngestService
 from globalkv.lookup import IndexLookup
@@ -33,17 +39,28 @@ from globalkv.metrics import ApiMetrics
 from globalkv.registry import PodInfo, PodState, Registry
 from globalkv.tokenize import Tokenizer
 from kvplumbing.asgi import BodyLimit
-from kvplumbing.auth import bearer_matches
+from kvplumbing.auth import ProtectedMode, ProtectionFlags
 
 TokenId = Annotated[int, Field(ge=0, le=2**32 - 1)]
 
 
 class ApiConfig(BaseModel):
     admin_token: str | None = Field(
-        None, description="Required as `Authorization: Bearer …` on mutating endpoints."
+        None,
+        min_length=1,
+        repr=False,
+        description="Required as `Authorization: Bearer …` on mutating endpoints; without "
+        "one they answer only loopback clients.",
+    )
+    insecure: bool = Field(
+        False, description="Without an admin token, accept mutations from any host."
     )
     max_body_bytes: int = Field(8 << 20, ge=1024, description="Largest request body.")
     max_tokens: int = Field(262_144, ge=1, description="Most tokens one lookup may carry.")
+
+    def protected_mode(self) -> ProtectedMode:
+        flags = ProtectionFlags("indexer")
+        return ProtectedMode("the indexer", self.admin_token, self.insecure, flags)
 
 
 class LookupRequest(BaseModel):
@@ -121,6 +138,7 @@ class _IndexRoutes:
         self.tokenizer = tokenizer
         self.metrics = ApiMetrics(metrics_registry)
         self.lookup = IndexLookup(index)
+        self.protected = config.protected_mode()
 
     async def count(self, request: Request, call_next: Callable[[Request], Any]) -> Response:
         """Middleware: every answer counted by route template and status."""
@@ -130,10 +148,11 @@ class _IndexRoutes:
         self.metrics.requests.labels(path, str(response.status_code)).inc()
         return response
 
-    def admin(self, authorization: Annotated[str | None, Header()] = None) -> None:
-        """Dependency of the mutating endpoints."""
-        if not bearer_matches(authorization, self.config.admin_token):
-            raise HTTPException(401, "this endpoint needs `Authorization: Bearer <admin token>`")
+    def admin(self, request: Request) -> None:
+        """Dependency of the mutating endpoints: protected mode."""
+        refusal = self.protected.check_request(request)
+        if refusal is not None:
+            raise HTTPException(refusal.status, refusal.message)
 
     def _require_ready(self) -> None:
         if not self.ingest.ready:
@@ -196,6 +215,8 @@ class _IndexRoutes:
             self.ingest.check_pod(pod)
             await self.registry.put(pod)
             await self.ingest.add_pod(pod)
+        except EndpointRefused as exc:
+            raise HTTPException(400, str(exc)) from exc
         except TopicTaken as exc:
             raise HTTPException(409, str(exc)) from exc
         except IndexUnavailable as exc:

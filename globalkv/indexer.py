@@ -77,6 +77,7 @@ class IndexerConfig(BaseModel):
                 )
             if pod.id in ids:
                 raise ValueError(f"pod {pod.id} is given twice")
+            self.ingest.check_endpoints(pod)
             ids.add(pod.id)
             if pod.kv_events.mode == "bind":
                 holder = topics.setdefault(pod.kv_events.topic, pod.id)
@@ -128,6 +129,8 @@ class Indexer:
         )
 
     async def start(self) -> None:
+        for warning in self.config.api.protected_mode().warnings():
+            log.warning("%s", warning)
         await self.ingest.start()
         for pod in self.config.pods:
             try:

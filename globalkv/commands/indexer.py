@@ -2,7 +2,8 @@
 
     globalkv indexer --host 0.0.0.0 --port 8100 [--redis-url redis://…] [--block-size 16]
         [--bind tcp://*:5557]... [--pod '{"id": "p0", "kv_events": {…}}']...
-        [--pods-file pods.json] [--admin-token T] [--tokenizer PATH|byte]
+        [--pods-file pods.json] [--admin-token T | --insecure] [--tokenizer PATH|byte]
+        [--allow-endpoint-scheme ipc|inproc]...
         [--max-tokens N] [--max-body-bytes N] [--queue-size N] [--reconcile-interval S]
 
 Every flag also reads `GLOBALKV_INDEXER_<FLAG>`. A repeatable flag's environment value is
@@ -15,11 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from globalkv.api import ApiConfig
 from globalkv.indexer import IndexerConfig, run_indexer
-from globalkv.ingest.config import IngestConfig
+from globalkv.ingest.config import ALLOW_SCHEME_FLAG, EndpointScheme, IngestConfig
 from kvplumbing.validation import validation_as_value_error
 
 
@@ -48,7 +49,25 @@ def register(subparsers: Any) -> None:
     )
     add("--pod", action="append", default=[], metavar="JSON", help="a pod to follow (repeatable)")
     add("--pods-file", metavar="PATH", help="a JSON list of pods to follow")
-    add("--admin-token", help="required as 'Authorization: Bearer T' on mutating endpoints")
+    add(
+        "--admin-token",
+        help="required as 'Authorization: Bearer T' on mutating endpoints (pods); without "
+        "one, only loopback clients may change pods",
+    )
+    add(
+        "--insecure",
+        action="store_true",
+        help="without --admin-token, let any host register and remove pods",
+    )
+    add(
+        ALLOW_SCHEME_FLAG,
+        dest="allow_endpoint_schemes",
+        action="append",
+        default=[],
+        choices=list(get_args(EndpointScheme)),
+        help="follow pods whose KV-event endpoints have this scheme too (repeatable); "
+        "only tcp:// otherwise",
+    )
     add("--tokenizer", metavar="PATH", help="tokenizer.json, its directory, or 'byte'")
     api = ApiConfig()
     add("--max-tokens", type=int, default=api.max_tokens, help="tokens per lookup")
@@ -99,10 +118,15 @@ def config_from_args(args: argparse.Namespace) -> IndexerConfig:
                 "reconcile_interval": args.reconcile_interval,
                 "api": {
                     "admin_token": args.admin_token,
+                    "insecure": args.insecure,
                     "max_tokens": args.max_tokens,
                     "max_body_bytes": args.max_body_bytes,
                 },
-                "ingest": {"bind": args.bind, "queue_size": args.queue_size},
+                "ingest": {
+                    "bind": args.bind,
+                    "queue_size": args.queue_size,
+                    "allow_endpoint_schemes": args.allow_endpoint_schemes,
+                },
             }
         )
 

@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, Field, field_validator
+
+from globalkv.registry import PodInfo
+from kvplumbing.environment import env_var_name
+
+EndpointScheme = Literal["ipc", "inproc"]
+"""Schemes besides tcp:// that a pod's KV-event endpoints may have when the operator allows."""
+ALLOW_SCHEME_FLAG = "--allow-endpoint-scheme"
+
+
+class EndpointRefused(ValueError):
+    """A pod whose KV-event endpoint has a scheme this indexer does not connect to."""
 
 
 class IngestConfig(BaseModel):
@@ -38,6 +51,13 @@ class IngestConfig(BaseModel):
     replay_total_timeout: float = Field(30.0, gt=0, description="Bound on one whole replay.")
     retry_base: float = Field(0.05, gt=0, description="First wait when the index is down.")
     retry_cap: float = Field(2.0, gt=0, description="Longest wait between index retries.")
+    allow_endpoint_schemes: list[EndpointScheme] = Field(
+        default_factory=list,
+        description="Schemes besides tcp:// a pod's endpoints may have. Registering a pod "
+        "makes the indexer connect where it says: an ipc:// path reaches sockets of this "
+        "machine that no engine may have meant to offer, so only tcp:// is followed unless "
+        "the operator allows more.",
+    )
 
     @field_validator("bind")
     @classmethod
@@ -46,3 +66,23 @@ class IngestConfig(BaseModel):
             if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
                 raise ValueError(f"--bind {endpoint!r} must be a tcp:// or ipc:// endpoint")
         return endpoints
+
+    def check_endpoints(self, pod: PodInfo) -> None:
+        """Raise `EndpointRefused` for an endpoint of `pod` with a scheme not allowed."""
+        events = pod.kv_events
+        for name, endpoint in (
+            ("endpoint", events.endpoint),
+            ("replay_endpoint", events.replay_endpoint),
+        ):
+            if endpoint is None or endpoint.startswith("tcp://"):
+                continue
+            scheme = endpoint.partition("://")[0]
+            if scheme in self.allow_endpoint_schemes:
+                continue
+            variable = env_var_name("indexer", ALLOW_SCHEME_FLAG)
+            raise EndpointRefused(
+                f"pod {pod.id}: kv_events.{name} {endpoint!r} is not a tcp:// endpoint, and "
+                f"this indexer follows only tcp:// ones unless allowed: start it with "
+                f"`{ALLOW_SCHEME_FLAG} {scheme}` ({variable}={scheme}) to follow {scheme}:// "
+                "endpoints"
+            )

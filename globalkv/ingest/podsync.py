@@ -13,6 +13,7 @@ import asyncio
 import logging
 
 from globalkv.index.base import IndexUnavailable
+from globalkv.ingest.config import EndpointRefused
 from globalkv.ingest.followed import TopicTaken
 from globalkv.ingest.service import IngestService
 from globalkv.registry import PodInfo, Registry
@@ -80,10 +81,11 @@ class PodSync:
         await self.service.remove_pod(pod_id)
 
     async def _follow(self, pod: PodInfo) -> None:
-        """A conflicting pod written by someone else is reported, and the others followed."""
+        """A pod written by someone else that this indexer refuses (its topic names another
+        pod, its endpoint's scheme is not allowed) is reported, and the others followed."""
         try:
             await self.service.add_pod(pod)
-        except TopicTaken as exc:
+        except (TopicTaken, EndpointRefused) as exc:
             log.warning("not following a pod of the registry: %s", exc)
 
     async def _watch(self) -> None:

@@ -125,19 +125,22 @@ class IngestService:
         return [p.info for p in self._pods]
 
     def check_pod(self, info: PodInfo) -> None:
-        """Raise `followed.TopicTaken` if `add_pod(info)` would: before writing it anywhere."""
+        """Raise `followed.TopicTaken` or `config.EndpointRefused` if `add_pod(info)` would:
+        before writing it anywhere."""
+        self.config.check_endpoints(info)
         self._pods.check(info)
 
     async def add_pod(self, info: PodInfo) -> None:
         """Follow a pod (idempotent: a pod already followed with the same info is kept).
 
-        Raises `followed.TopicTaken` when its bound topic names another followed pod.
+        Raises `followed.TopicTaken` when its bound topic names another followed pod, and
+        `config.EndpointRefused` when an endpoint's scheme is not allowed.
         """
         async with self._lock:
             current = self._pods.get(info.id)
             if current is not None and current.info == info:
                 return
-            self._pods.check(info)
+            self.check_pod(info)
             if current is not None:
                 await self._stop_pod(info.id)
             self._uncleared.discard(info.id)

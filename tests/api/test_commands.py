@@ -45,7 +45,21 @@ def test_indexer_flags_become_one_config() -> None:
     assert config.ingest.bind == ["tcp://*:5557", "tcp://*:5558"]
     assert [p.id for p in config.pods] == ["p0"]
     assert config.api.admin_token == "t"
+    assert config.api.insecure is False
+    assert config.ingest.allow_endpoint_schemes == []
     assert config.redis_url is None
+
+
+def test_the_doors_through_the_environment() -> None:
+    env = {
+        "GLOBALKV_INDEXER_INSECURE": "true",
+        "GLOBALKV_INDEXER_ALLOW_ENDPOINT_SCHEME": "ipc,inproc",
+    }
+    ipc = {**POD, "kv_events": {"endpoint": "ipc:///run/engine.sock"}}
+    config = config_from_args(parse(["indexer", "--pod", json.dumps(ipc)], env))
+    assert config.api.insecure is True
+    assert config.ingest.allow_endpoint_schemes == ["ipc", "inproc"]
+    assert [p.id for p in config.pods] == ["p0"]
 
 
 def test_pods_file_through_the_environment(tmp_path: Path) -> None:
@@ -69,6 +83,11 @@ def test_pods_file_through_the_environment(tmp_path: Path) -> None:
         (["indexer", "--block-size", "0"], "block_size"),
         (["indexer", "--max-body-bytes", "10"], "api.max_body_bytes"),
         (["indexer", "--pod", json.dumps(POD), "--pod", json.dumps(POD)], "given twice"),
+        (
+            ["indexer", "--pod", json.dumps({**POD, "kv_events": {"endpoint": "ipc:///x"}})],
+            "--allow-endpoint-scheme ipc",
+        ),
+        (["indexer", "--admin-token", ""], "api.admin_token"),
         (
             ["indexer", "--pod", json.dumps(BOUND), "--pod", json.dumps({**BOUND, "id": "b1"})],
             "both name the topic",

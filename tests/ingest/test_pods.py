@@ -11,7 +11,7 @@ import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
 from globalkv.index.base import IndexUnavailable, Source
-from globalkv.ingest.config import IngestConfig
+from globalkv.ingest.config import EndpointRefused, IngestConfig
 from globalkv.ingest.followed import TopicTaken
 from globalkv.ingest.podsync import PodSync
 from globalkv.ingest.service import IngestService
@@ -103,7 +103,7 @@ async def test_bad_input_on_the_bound_socket_is_counted_and_the_socket_keeps_ser
     index: RecordingIndex,
     prom: CollectorRegistry,
 ) -> None:
-    service = make_service(bind=["tcp://127.0.0.1:0"])
+    service = make_service(bind=["tcp://127.0.0.1:0"], allow_endpoint_schemes=["ipc"])
     await service.start()
     await service.add_pod(bind_pod("b0", "kv@b0@m", replay="ipc:///tmp/globalkv-no-offset"))
     pub = make_publisher(
@@ -275,3 +275,51 @@ async def test_a_message_over_the_size_limit_never_reaches_ingest(
     await await_for(flowing, timeout=10, what="batches after the oversized one")
     assert max(index.applied[Source("b0")]) < 10**6
     assert sample(prom, "globalkv_ingest_dropped_total", reason="not_msgpack") == 0
+
+
+def _ipc_pod(pod_id: str = "p0", *, replay: bool = False) -> PodInfo:
+    if replay:
+        events = KvEventsConfig(endpoint="tcp://127.0.0.1:5557", replay_endpoint="ipc:///tmp/r")
+    else:
+        events = KvEventsConfig(endpoint="ipc:///run/engine.sock")
+    return PodInfo(id=pod_id, model="m", kv_events=events)
+
+
+@pytest.mark.parametrize("replay", [False, True])
+async def test_a_pod_on_a_non_tcp_endpoint_is_refused_unless_allowed(
+    make_service: ServiceFactory, replay: bool
+) -> None:
+    service = make_service()
+    pod = _ipc_pod(replay=replay)
+    with pytest.raises(EndpointRefused, match="--allow-endpoint-scheme ipc") as refused:
+        service.check_pod(pod)
+    assert "GLOBALKV_INDEXER_ALLOW_ENDPOINT_SCHEME=ipc" in str(refused.value)
+    with pytest.raises(EndpointRefused):
+        await service.add_pod(pod)
+    assert service.pods() == []
+
+
+async def test_an_operator_may_allow_ipc_endpoints(make_service: ServiceFactory) -> None:
+    service = make_service(allow_endpoint_schemes=["ipc"])
+    pod = _ipc_pod()
+    service.check_pod(pod)
+    await service.add_pod(pod)
+    assert [p.id for p in service.pods()] == ["p0"]
+    inproc = PodInfo(id="p1", model="m", kv_events=KvEventsConfig(endpoint="inproc://x"))
+    with pytest.raises(EndpointRefused, match="--allow-endpoint-scheme inproc"):
+        service.check_pod(inproc)
+
+
+async def test_podsync_follows_the_registry_but_a_refused_pod(
+    make_service: ServiceFactory,
+    registry: MemoryRegistry,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A gateway writing the shared registry directly cannot make the indexer connect to
+    an ipc:// path either."""
+    service = make_service()
+    await registry.put(_ipc_pod("sneaky"))
+    await registry.put(bind_pod("b0", "kv@b0@m"))
+    await PodSync(registry, service).reconcile()
+    assert [p.id for p in service.pods()] == ["b0"]
+    assert "not following a pod of the registry: pod sneaky" in caplog.text

@@ -51,6 +51,17 @@ def register(subparsers: Any) -> None:
         metavar="N",
         help="cap on room entries, the oldest evicted first",
     )
+    parser.add_argument(
+        "--admin-token",
+        metavar="TOKEN",
+        help="required as 'Authorization: Bearer TOKEN' by DELETE /v1/directory; without "
+        "one, only loopback clients may reset (SGLang's paths never ask)",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="without --admin-token, let any host reset the directory",
+    )
     parser.set_defaults(run=run, check_config=check_config)
 
 
@@ -62,6 +73,8 @@ def config_from_args(args: argparse.Namespace) -> BootstrapConfig:
             sglang_compat=args.sglang_compat,
             room_ttl=args.room_ttl,
             max_rooms=args.max_rooms,
+            admin_token=args.admin_token,
+            insecure=args.insecure,
         )
 
 

@@ -31,6 +31,7 @@ from bootstrap.protocol import (
     not_ready_text,
 )
 from bootstrap.table import Directory, RegisterOutcome, RegistrationRefused, RoomTable
+from kvplumbing.auth import ProtectedMode
 from kvplumbing.clock import Clock
 from kvplumbing.validation import validation_message
 
@@ -138,12 +139,14 @@ class DirectoryRoutes:
         sglang_compat: CompatVersion,
         clock: Clock,
         registry: CollectorRegistry,
+        protected: ProtectedMode,
     ) -> None:
         self.directory = directory
         self.rooms = rooms
         self.sglang_compat = sglang_compat
         self.clock = clock
         self.registry = registry
+        self.protected = protected
         self.metrics = DirectoryMetrics(registry, directory, rooms)
 
     async def bad_input(self, _: Request, exc: BadInput) -> Response:
@@ -259,10 +262,15 @@ class DirectoryRoutes:
     async def reset_directory(self, request: Request) -> Response:
         """Ours: empty the table and the rooms, so the next registration fixes a new
         topology. Stop the old ranks first: their keep-alive would register them again.
-        Like every path of SGLang's directory, it asks for no credentials: whoever reaches
-        the port can already PUT any rank."""
-        ranks, room_entries = self.directory.reset(), self.rooms.clear()
+
+        Protected, unlike SGLang's paths: whoever reaches the port can PUT a rank, but a
+        reset would also drop every rank and room a live instance is serving from."""
         client = request.client.host if request.client is not None else "unknown"
+        refusal = self.protected.check_request(request)
+        if refusal is not None:
+            log.warning("directory reset refused for %s (HTTP %d)", client, refusal.status)
+            return _text(refusal.status, refusal.message)
+        ranks, room_entries = self.directory.reset(), self.rooms.clear()
         log.warning(
             "directory reset by %s: dropped %d ranks and %d room entries",
             client,

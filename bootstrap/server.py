@@ -3,6 +3,10 @@
 `create_app` puts `bootstrap.routes`' answers on SGLang's paths and ours (`/v1/directory`
 to read or reset the table, `/metrics`, apart from SGLang's so they can never disturb a
 peer); `BootstrapServer` serves it inside an engine's own event loop.
+
+SGLang's paths answer every host as SGLang's do: its prefill ranks and decodes send no
+credentials. Our reset (`DELETE /v1/directory`) is in protected mode (`kvplumbing.auth`):
+the admin token when one is set, else loopback clients only, unless `insecure`.
 """
 
 from __future__ import annotations
@@ -20,9 +24,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from bootstrap.protocol import DEFAULT_COMPAT, CompatVersion
 from bootstrap.routes import BadInput, DirectoryRoutes
 from bootstrap.table import Directory, RoomTable
+from kvplumbing.auth import ProtectedMode, ProtectionFlags
 from kvplumbing.clock import Clock
 
 log = logging.getLogger(__name__)
+
+STANDALONE_FLAGS = ProtectionFlags("bootstrap")
+"""`globalkv bootstrap --admin-token / --insecure`."""
 
 
 class BootstrapConfig(BaseModel):
@@ -47,6 +55,20 @@ class BootstrapConfig(BaseModel):
     max_rooms: int = Field(
         100_000, ge=1, description="Hard cap on room entries; the oldest go first when full."
     )
+    admin_token: str | None = Field(
+        None,
+        min_length=1,
+        repr=False,
+        description="Required as `Authorization: Bearer …` to reset the directory; without "
+        "one, only loopback clients may.",
+    )
+    insecure: bool = Field(
+        False, description="Without an admin token, let any host reset the directory."
+    )
+
+    def protected_mode(self, flags: ProtectionFlags = STANDALONE_FLAGS) -> ProtectedMode:
+        """`flags`: where the embedding command takes the two settings."""
+        return ProtectedMode("the bootstrap directory", self.admin_token, self.insecure, flags)
 
 
 def create_app(
@@ -54,14 +76,17 @@ def create_app(
     *,
     clock: Clock = time.monotonic,
     registry: CollectorRegistry | None = None,
+    flags: ProtectionFlags = STANDALONE_FLAGS,
 ) -> FastAPI:
-    """A directory app; `clock` times registrations and room TTLs, `registry` holds metrics."""
+    """A directory app; `clock` times registrations and room TTLs, `registry` holds metrics,
+    `flags` are what a refused reset names (an engine embedding the directory has its own)."""
     routes = DirectoryRoutes(
         Directory(clock),
         RoomTable(config.room_ttl, config.max_rooms, clock),
         sglang_compat=config.sglang_compat,
         clock=clock,
         registry=CollectorRegistry() if registry is None else registry,
+        protected=config.protected_mode(flags),
     )
     app = FastAPI(
         title="globalkv bootstrap directory", docs_url=None, redoc_url=None, openapi_url=None
@@ -106,9 +131,12 @@ class BootstrapServer:
         *,
         clock: Clock = time.monotonic,
         registry: CollectorRegistry | None = None,
+        flags: ProtectionFlags = STANDALONE_FLAGS,
     ) -> None:
         self.config = config
-        self.app = create_app(config, clock=clock, registry=registry)
+        self.app = create_app(config, clock=clock, registry=registry, flags=flags)
+        for warning in config.protected_mode(flags).warnings():
+            log.warning("%s", warning)
         self.directory: Directory = self.app.state.directory
         """The live table, for an embedding engine that wants readiness without HTTP."""
         self._server: uvicorn.Server | None = None

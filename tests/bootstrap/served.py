@@ -52,9 +52,13 @@ def _exposition(registry: CollectorRegistry) -> str:
     return generate_latest(registry).decode()
 
 
-async def open_directory(**config: Any) -> tuple[Directory, httpx.AsyncClient]:
+async def open_directory(
+    peer: tuple[str, int] = ("127.0.0.1", 123), **config: Any
+) -> tuple[Directory, httpx.AsyncClient]:
+    """A directory with `config`, and a client whose peer address is `peer`."""
     clock = FakeClock()
     registry = CollectorRegistry()
     app = create_app(BootstrapConfig(**config), clock=clock, registry=registry)
-    client = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://directory")
+    transport = httpx.ASGITransport(app, client=peer)
+    client = httpx.AsyncClient(transport=transport, base_url="http://directory")
     return Directory(app, client, clock, registry), client

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import socket
 
 import pytest
@@ -38,6 +37,14 @@ def test_flags_and_environment() -> None:
     config = config_from_args(args)
     assert (config.host, config.port, config.sglang_compat) == ("127.0.0.1", 9002, "0.5.16")
     assert (config.room_ttl, config.max_rooms) == (30.0, 5)
+    assert (config.admin_token, config.insecure) == (None, False)
+
+
+def test_the_reset_door_through_the_environment() -> None:
+    env = {"GLOBALKV_BOOTSTRAP_ADMIN_TOKEN": "t0ken", "GLOBALKV_BOOTSTRAP_INSECURE": "yes"}
+    config = config_from_args(parse(["bootstrap"], env))
+    assert (config.admin_token, config.insecure) == ("t0ken", True)
+    assert "t0ken" not in repr(config)
 
 
 def test_check_accepts_a_valid_configuration(capsys: pytest.CaptureFixture[str]) -> None:
@@ -53,6 +60,7 @@ def test_check_accepts_a_valid_configuration(capsys: pytest.CaptureFixture[str])
         (["--max-rooms", "0"], "max_rooms"),
         (["--port", "70000"], "port"),
         (["--host", ""], "host"),
+        (["--admin-token", ""], "admin_token"),
     ],
 )
 def test_check_refuses_bad_values_naming_them(
@@ -68,9 +76,7 @@ def test_an_unknown_compat_version_is_an_argument_error() -> None:
 
 
 def test_run_refuses_a_bad_configuration_before_binding() -> None:
-    args = argparse.Namespace(
-        host="127.0.0.1", port=0, sglang_compat="0.5.23", room_ttl=-1.0, max_rooms=1
-    )
+    args = parse(["bootstrap", "--port", "0", "--room-ttl", "-1"], {})
     assert run(args) == 2
 
 

@@ -40,6 +40,8 @@ _TOP = {
     "page_size": ("--page-size", int),
     "kv_capacity": ("--kv-capacity", int),
     "bootstrap_port": ("--bootstrap-port", int),
+    "bootstrap_admin_token": ("--bootstrap-admin-token", str),
+    "bootstrap_insecure": ("--bootstrap-insecure", bool),
     "load_balance_method": ("--load-balance-method", str),
     "sglang_compat": ("--sglang-compat", str),
     "max_new_tokens": ("--max-new-tokens", int),
@@ -106,6 +108,15 @@ def register(subparsers: Any) -> None:
     for title, model, flags in _GROUPS:
         group = parser.add_argument_group(title)
         for field, (flag, kind) in flags.items():
+            if kind is bool:
+                group.add_argument(
+                    flag,
+                    dest=f"{model.__name__}.{field}",
+                    action="store_true",
+                    default=None,
+                    help=_help(model, field),
+                )
+                continue
             group.add_argument(
                 flag,
                 dest=f"{model.__name__}.{field}",

@@ -99,6 +99,17 @@ class EngineConfig(BaseModel):
         description="Prefill: port of its embedded bootstrap directory (0: free port). Decode: "
         "the port used when a request's bootstrap_port is null.",
     )
+    bootstrap_admin_token: str | None = Field(
+        None,
+        min_length=1,
+        repr=False,
+        description="Prefill: required as `Authorization: Bearer …` to reset its bootstrap "
+        "directory (DELETE /v1/directory); without one, only loopback clients may.",
+    )
+    bootstrap_insecure: bool = Field(
+        False,
+        description="Prefill: without a bootstrap admin token, let any host reset its directory.",
+    )
     load_balance_method: Literal["follow_bootstrap_room", "round_robin"] = Field(
         "follow_bootstrap_room",
         description="Prefill DP rank choice: room % dp, or round robin with the room "

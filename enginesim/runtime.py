@@ -42,10 +42,14 @@ from enginesim.publisher import KVEventPublisher, PublisherSettings
 from enginesim.textgen import ReplyWriter
 from enginesim.transfer import DecodeTransfer, PrefillTransfer
 from globalkv.tokenize import load_tokenizer
+from kvplumbing.auth import ProtectionFlags
 from kvplumbing.endpoints import endpoint_port, offset_endpoint
 from kvplumbing.topics import kv_topic
 
 log = logging.getLogger(__name__)
+
+DIRECTORY_FLAGS = ProtectionFlags("engine", "--bootstrap-admin-token", "--bootstrap-insecure")
+"""Where a prefill's directory takes its admin token, as its refusals name them."""
 
 
 def advertised_host(config: EngineConfig) -> str:
@@ -176,9 +180,14 @@ class EngineProcess:
         config = self.config
         directory = BootstrapServer(
             BootstrapConfig(
-                host=config.host, port=config.bootstrap_port, sglang_compat=config.sglang_compat
+                host=config.host,
+                port=config.bootstrap_port,
+                sglang_compat=config.sglang_compat,
+                admin_token=config.bootstrap_admin_token,
+                insecure=config.bootstrap_insecure,
             ),
             registry=self.registry,
+            flags=DIRECTORY_FLAGS,
         )
         await directory.start()
         self._stack.push_async_callback(directory.stop)

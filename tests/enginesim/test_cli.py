@@ -37,6 +37,19 @@ def test_environment_fills_flags_not_given() -> None:
     assert (built.role, built.tp) == ("decode", 2)
 
 
+def test_the_directory_door_is_closed_unless_configured() -> None:
+    default = config("--role", "prefill")
+    assert (default.bootstrap_admin_token, default.bootstrap_insecure) == (None, False)
+    env = {
+        "GLOBALKV_ENGINE_BOOTSTRAP_ADMIN_TOKEN": "t0ken",
+        "GLOBALKV_ENGINE_BOOTSTRAP_INSECURE": "1",
+    }
+    built = config("--role", "prefill", env=env)
+    assert (built.bootstrap_admin_token, built.bootstrap_insecure) == ("t0ken", True)
+    assert "t0ken" not in repr(built)
+    assert config("--role", "prefill", "--bootstrap-insecure").bootstrap_insecure is True
+
+
 def test_none_disables_kv_events() -> None:
     built = config("--role", "prefill", "--kv-events-endpoint", "none")
     assert built.kv_events.endpoint is None

@@ -1,9 +1,11 @@
 """The operators' API: the workers (`GET|POST /workers`, `GET|DELETE /workers/{id}`) and
 the settings in force (`GET /v1/config`).
 
-Reads need the API key or the admin token when one is set; mutations need
-`Authorization: Bearer <--admin-token>` when one is set (else the API key when that is
-set). A worker is named by its id (`host:port`) or its URL. The body of
+Reads need the API key or the admin token when one is set. Mutations are in protected
+mode (`kvplumbing.auth`): they need `Authorization: Bearer <--admin-token>` when one is
+set (else the API key when that is set), and without either they are answered only for
+loopback clients unless `--insecure` (403, saying how to open them, for other hosts).
+A worker is named by its id (`host:port`) or its URL. The body of
 `POST /workers` is a `WorkerSpec`; sglang-router's `worker_type` is accepted for `role`.
 Adding a prefill registers it as a pod with the index once its KV-event endpoints are
 known (given here, or discovered by the monitor from its /server_info).
@@ -46,11 +48,17 @@ def _spec(body: object) -> WorkerSpec:
 
 def admin_routes(gateway: Gateway) -> APIRouter:
     routes = APIRouter()
-    admin_secret = gateway.config.admin_token or gateway.config.api_key
+    protected = gateway.config.protected_mode()
     read_secrets = [s for s in (gateway.config.api_key, gateway.config.admin_token) if s]
 
     def may_read(request: Request) -> bool:
         return not read_secrets or any(bearer_ok(request, s) for s in read_secrets)
+
+    def refusal(request: Request) -> Response | None:
+        refused = protected.check_request(request)
+        if refused is None:
+            return None
+        return _error(refused.status, refused.message, "auth_error")
 
     @routes.get("/v1/config")
     async def settings(request: Request) -> Response:
@@ -67,8 +75,8 @@ def admin_routes(gateway: Gateway) -> APIRouter:
 
     @routes.post("/workers")
     async def add_worker(request: Request) -> Response:
-        if not bearer_ok(request, admin_secret):
-            return _error(401, "missing or wrong admin token", "auth_error")
+        if (refused := refusal(request)) is not None:
+            return refused
         try:
             spec = _spec(json.loads(await request.body()))
         except ValidationError as exc:
@@ -92,8 +100,8 @@ def admin_routes(gateway: Gateway) -> APIRouter:
 
     @routes.delete("/workers/{key:path}")
     async def delete_worker(key: str, request: Request) -> Response:
-        if not bearer_ok(request, admin_secret):
-            return _error(401, "missing or wrong admin token", "auth_error")
+        if (refused := refusal(request)) is not None:
+            return refused
         worker = gateway.find(key)
         if worker is None:
             return _error(404, f"no worker {key!r}", "not_found")

@@ -151,6 +151,8 @@ def run(args: argparse.Namespace) -> int:
         config.decode_policy,
         config.indexer_url or config.redis_url or "none",
     )
+    for warning in config.protected_mode().warnings():
+        log.warning("%s", warning)
     try:
         tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer else None
     except ValueError as exc:

@@ -45,6 +45,14 @@ HEAD_MAX = 64 * 1024
 (the chunk a head starts in is not counted: it is bounded by the transport's read size)."""
 
 
+def _host_port(address: Any) -> tuple[str, int] | None:
+    """An address as ASGI's `client`/`server` take it: IPv6 socket names carry flow info
+    and a scope id besides, which Starlette's `request.client` cannot unpack."""
+    if isinstance(address, tuple) and len(address) >= 2:
+        return str(address[0]), int(address[1])
+    return None
+
+
 class ConnectionState(enum.Enum):
     OPEN = "open"
     """Reading requests and answering them in order."""
@@ -100,8 +108,8 @@ class ClientConnection(asyncio.Protocol):
         self._drained: asyncio.Future[None] | None = None
         self._lost: asyncio.Future[None] | None = None
         self.last_active = self._loop.time()
-        self.peer: Any = None
-        self.local: Any = None
+        self.peer: tuple[str, int] | None = None
+        self.local: tuple[str, int] | None = None
 
     @property
     def idle(self) -> bool:
@@ -153,8 +161,8 @@ class ClientConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
-        self.peer = transport.get_extra_info("peername")
-        self.local = transport.get_extra_info("sockname")
+        self.peer = _host_port(transport.get_extra_info("peername"))
+        self.local = _host_port(transport.get_extra_info("sockname"))
         self._server.connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:

@@ -12,6 +12,8 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kvplumbing.auth import ProtectedMode, ProtectionFlags
+
 PolicyName = Literal["prefix", "cache_aware", "power_of_two", "round_robin", "random", "least_load"]
 Role = Literal["prefill", "decode"]
 
@@ -197,7 +199,17 @@ class GatewayConfig(BaseModel):
     breaker: BreakerConfig = Field(default_factory=BreakerConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
     api_key: str | None = Field(None, description="Bearer key required on inference endpoints.")
-    admin_token: str | None = Field(None, description="Bearer token for /workers mutations.")
+    admin_token: str | None = Field(
+        None,
+        min_length=1,
+        repr=False,
+        description="Bearer token for /workers mutations (else the API key); without either, "
+        "only loopback clients may change the workers.",
+    )
+    insecure: bool = Field(
+        False,
+        description="Without an admin token or API key, let any host add and remove workers.",
+    )
     request_timeout_secs: float = Field(1800, gt=0, description="Timeout of one upstream call.")
     max_payload_size: int = Field(512 * 1024 * 1024, ge=1, description="Request body limit.")
     redis_url: str | None = Field(None, description="Read index and pod registry from Redis.")
@@ -206,7 +218,10 @@ class GatewayConfig(BaseModel):
     )
     indexer_url: str | None = Field(None, description="Ask the indexer's HTTP API instead.")
     indexer_token: str | None = Field(
-        None, description="The indexer's admin token, sent when registering pods."
+        None,
+        min_length=1,
+        repr=False,
+        description="The indexer's admin token, sent when registering pods.",
     )
     model: str | None = Field(
         None, description="Model name keyed in the index; default: the prefills' served name."
@@ -219,6 +234,15 @@ class GatewayConfig(BaseModel):
     )
     lookup_timeout_secs: float = Field(0.5, gt=0, description="Timeout of one index lookup.")
     seed: int | None = Field(None, description="Seed of the routing RNG (rooms stay random).")
+
+    def protected_mode(self) -> ProtectedMode:
+        """Who may change the workers; sglang-router's API key guards them when no admin
+        token is given, as it guards everything there."""
+        if self.admin_token is None and self.api_key is not None:
+            flags = ProtectionFlags("gateway", token="--api-key")
+            return ProtectedMode("the gateway", self.api_key, self.insecure, flags)
+        flags = ProtectionFlags("gateway")
+        return ProtectedMode("the gateway", self.admin_token, self.insecure, flags)
 
     @field_validator("indexer_url")
     @classmethod

@@ -40,6 +40,7 @@ SETTINGS: tuple[tuple[str, type[BaseModel], dict[str, str]], ...] = (
             "prometheus_host": "--prometheus-host",
             "api_key": "--api-key",
             "admin_token": "--admin-token",
+            "insecure": "--insecure",
             "request_timeout_secs": "--request-timeout-secs",
             "max_payload_size": "--max-payload-size",
             "redis_url": "--redis-url",

@@ -107,6 +107,14 @@ def test_environment_supplies_repeatable_flags() -> None:
     assert cfg.health.disabled
 
 
+def test_the_admin_door_through_flags_and_environment() -> None:
+    assert config_of().insecure is False
+    assert config_of("--insecure").insecure is True
+    cfg = config_of(env={"GLOBALKV_GATEWAY_INSECURE": "on", "GLOBALKV_GATEWAY_ADMIN_TOKEN": "t"})
+    assert (cfg.insecure, cfg.admin_token) == (True, "t")
+    assert "'t'" not in repr(cfg)
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -124,6 +132,8 @@ def test_environment_supplies_repeatable_flags() -> None:
         (["--prefix-pending-grace-secs", "-1"], "greater than or equal to 0"),
         (["--prefix-pending-grace-secs", "inf"], "finite number"),
         (["--prefix-queued-weight", "nan"], "finite number"),
+        (["--admin-token", ""], "admin_token"),
+        (["--indexer-token", ""], "indexer_token"),
     ],
 )
 def test_invalid_flags_are_refused_with_the_reason(argv: list[str], message: str) -> None:

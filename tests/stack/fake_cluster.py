@@ -62,6 +62,8 @@ class FakeCluster:
     seen: list[str] = field(default_factory=list)
     authorized: set[str] = field(default_factory=set)
     """Base URLs that received an Authorization header."""
+    gateway_token: str | None = None
+    """When set, the gateway's admin reads need `Bearer <it>`, as with --admin-token."""
 
     def transport(self) -> httpx.MockTransport:
         return httpx.MockTransport(self.handle)
@@ -141,6 +143,11 @@ class FakeCluster:
         path = request.url.path
         if path == "/health":
             return httpx.Response(200, json={"status": "ok"})
+        admin_read = path in ("/workers", "/v1/config")
+        expected = f"Bearer {self.gateway_token}"
+        if admin_read and self.gateway_token and request.headers.get("authorization") != expected:
+            error = {"message": "missing or wrong token", "type": "auth_error"}
+            return httpx.Response(401, json={"error": error})
         if path == "/workers":
             return httpx.Response(200, json={"workers": self.workers()})
         if path == "/v1/config" and self.settings is not None:

@@ -34,12 +34,16 @@ async def diagnose(
     gateway: str | None = GATEWAY,
     indexer: str | None = INDEXER,
     api_key: str | None = None,
+    admin_token: str | None = None,
     probe: bool = True,
 ) -> Report:
     time = FakeTime()
+    settings = DoctorConfig(
+        gateway=gateway, indexer=indexer, api_key=api_key, admin_token=admin_token, probe=probe
+    )
     async with httpx.AsyncClient(transport=fake.transport()) as client:
         doctor = Doctor(
-            DoctorConfig(gateway=gateway, indexer=indexer, api_key=api_key, probe=probe),
+            settings,
             client,
             connect=fake.connect,
             clock=time.clock,
@@ -269,6 +273,21 @@ async def test_an_unreachable_gateway_fails_first_and_the_probe_too() -> None:
     assert findings(report.stage("probe"))["gateway"][0] is Level.FAIL
     # The prefills are still found, through the pods the index follows.
     assert findings(report.stage("directories"))["pod p0"][0] is Level.OK
+
+
+async def test_the_admin_token_reads_a_gateway_that_has_one() -> None:
+    fake = FakeCluster(gateway_token="t0ken")
+    report = await diagnose(fake, admin_token="t0ken")
+    assert report.healthy
+    assert fake.authorized == {GATEWAY}
+
+
+async def test_a_gateway_that_needs_a_token_is_reported_with_the_flags_to_give() -> None:
+    report = await diagnose(FakeCluster(gateway_token="t0ken"))
+    level, message = findings(report.stage("gateway"))["gateway"]
+    assert level is Level.FAIL
+    assert "answered HTTP 401" in message
+    assert "--admin-token / GLOBALKV_DOCTOR_ADMIN_TOKEN" in message
 
 
 async def test_the_api_key_goes_to_the_gateway_only() -> None:

@@ -2,6 +2,7 @@
 
     globalkv doctor --gateway http://127.0.0.1:8000 [--indexer http://127.0.0.1:8100]
     globalkv doctor --run-dir runs/up-…        # the addresses a `globalkv up` recorded
+    globalkv doctor … --admin-token T          # a gateway with an admin token
 
 Exit status 0 when nothing failed (warnings allowed), 1 when something is wrong, 2 for
 unusable arguments. Every flag also reads `GLOBALKV_DOCTOR_<FLAG>`.
@@ -39,6 +40,11 @@ def register(subparsers: Any) -> None:
     add("--indexer", help="the indexer's URL")
     add("--run-dir", type=Path, help=f"a `globalkv up` run directory: addresses from {MANIFEST}")
     add("--api-key", help="the gateway's --api-key, if it has one")
+    add(
+        "--admin-token",
+        help="the gateway's --admin-token, if it has one (its /workers and /v1/config need "
+        "it when it has no API key)",
+    )
     add("--timeout", type=float, default=defaults.timeout, help="seconds per request")
     add("--no-probe", action="store_true", help="send no request through the gateway")
     add(
@@ -61,6 +67,7 @@ def config_from_args(args: argparse.Namespace, manifest: dict[str, Any]) -> Doct
             gateway=gateway,
             indexer=indexer,
             api_key=args.api_key,
+            admin_token=args.admin_token,
             timeout=args.timeout,
             probe=not args.no_probe,
             freshness_timeout=args.freshness_timeout,

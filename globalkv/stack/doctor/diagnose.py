@@ -39,7 +39,15 @@ class DoctorConfig(BaseModel):
 
     gateway: str | None = Field(None, description="The gateway's URL.")
     indexer: str | None = Field(None, description="The indexer's URL.")
-    api_key: str | None = Field(None, description="The gateway's --api-key, when it has one.")
+    api_key: str | None = Field(
+        None, repr=False, description="The gateway's --api-key, when it has one."
+    )
+    admin_token: str | None = Field(
+        None,
+        min_length=1,
+        repr=False,
+        description="The gateway's --admin-token, for its admin reads when it has no API key.",
+    )
     timeout: float = Field(5.0, gt=0, description="Seconds for each request or connection.")
     probe: bool = Field(True, description="Send probe requests through the gateway.")
     max_new_tokens: int = Field(4, ge=1, le=1024, description="Tokens each probe generates.")
@@ -84,7 +92,9 @@ class Doctor:
         nonce: str | None = None,
     ) -> None:
         self.config = config
-        headers = {"authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+        # The gateway's reads take either; inference takes only the API key.
+        token = config.api_key or config.admin_token
+        headers = {"authorization": f"Bearer {token}"} if token else {}
         self._gateway_reader = Reader(client, timeout=config.timeout, headers=headers)
         self._reader = Reader(client, timeout=config.timeout)
         self._directories = DirectoryCheck(

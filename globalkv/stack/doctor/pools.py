@@ -18,6 +18,10 @@ from globalkv.stack.views import WorkersView, WorkerView
 
 ROLES = ("prefill", "decode")
 RECENT_SECS = 300.0
+_NEEDS_TOKEN = (
+    "; the gateway has an admin token or API key: give doctor one of them "
+    "(--admin-token / GLOBALKV_DOCTOR_ADMIN_TOKEN, --api-key / GLOBALKV_DOCTOR_API_KEY)"
+)
 
 
 def _subject(worker: WorkerView) -> str:
@@ -60,7 +64,8 @@ async def check_pools(
 ) -> WorkersView | None:
     """Judge every worker; returns the gateway's listing for the later stages.
 
-    `gateway_reader` carries the gateway's API key; the workers are asked without it.
+    `gateway_reader` carries the gateway's API key or admin token; the workers are asked
+    without it.
     """
     live = await gateway_reader.healthy(f"{gateway}/health")
     if live is not None:
@@ -68,7 +73,8 @@ async def check_pools(
         return None
     listing = await gateway_reader.view(f"{gateway}/workers", WorkersView)
     if isinstance(listing, str):
-        stage.fail("gateway", f"{gateway}/workers {listing}")
+        refused = listing.startswith("answered HTTP 401")
+        stage.fail("gateway", f"{gateway}/workers {listing}" + (_NEEDS_TOKEN if refused else ""))
         return None
     answers = await asyncio.gather(*(reader.healthy(f"{w.url}/health") for w in listing.workers))
     for worker, problem in zip(listing.workers, answers, strict=True):

@@ -14,7 +14,9 @@ times out, raises `ClusterError` with the tail of its log, after everything else
 stopped; later deaths are collected by `deaths()`. Leaving the block stops every process.
 
 Children see none of the `GLOBALKV_*` variables of this process: their configuration is
-exactly their command line, which `cluster.json` in the run directory records.
+exactly their command line, which `cluster.json` in the run directory records, and the
+admin token, which each gets through its own variables (`plan.Component.env`) so that it
+shows in neither.
 """
 
 from __future__ import annotations
@@ -147,7 +149,7 @@ class LocalCluster:
                     component.name,
                     [self._python, "-m", "globalkv", *component.argv],
                     component.log_path,
-                    self._env,
+                    {**self._env, **component.env},
                 )
             self._wait_ready(plan)
         except BaseException:
@@ -166,7 +168,7 @@ class LocalCluster:
     def _wait_ready(self, plan: Plan) -> None:
         deadline = time.monotonic() + self.config.start_timeout
         with httpx.Client() as client:
-            readiness = Readiness(plan, client)
+            readiness = Readiness(plan, client, token=self.config.token)
             while True:
                 dead = self.deaths()
                 if dead:

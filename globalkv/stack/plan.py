@@ -11,6 +11,13 @@ indexer listens, nothing binds a wildcard address), each prefill keeps its repla
 on a free port it advertises, and the gateway adopts every prefill from its `/server_info`
 and registers it as a pod with the index. Flags given in `*_args` come last, so they
 override the planned ones.
+
+With an admin token, every component that guards state gets it (the indexer's pods, the
+gateway's workers and its registrations with the indexer, each prefill's directory)
+through its environment, never its command line, which `ps` and `cluster.json` show.
+Without one they are in protected mode: changes only from this machine, which is where
+they find each other, unless the gateway and the index API listen on a host address of
+their own (then the gateway's registrations come from it, and need the token).
 """
 
 from __future__ import annotations
@@ -19,14 +26,16 @@ import argparse
 import contextlib
 import io
 import socket
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from globalkv.cli import parse
+from kvplumbing.auth import is_loopback
+from kvplumbing.environment import env_var_name
 
 Role = Literal["indexer", "prefill", "decode", "gateway"]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
@@ -83,6 +92,15 @@ class StackConfig(BaseModel):
     indexer_args: list[str] = Field(
         default_factory=list, description="Extra `globalkv indexer` flags."
     )
+    admin_token: SecretStr | None = Field(
+        None,
+        min_length=1,
+        description="One admin token for the indexer, the gateway and every prefill's "
+        "directory; None: protected mode, changes only from this machine.",
+    )
+    insecure: bool = Field(
+        False, description="Without an admin token, let any host change every component."
+    )
 
     @field_validator("redis_url")
     @classmethod
@@ -90,6 +108,25 @@ class StackConfig(BaseModel):
         if value is not None and not value.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"{value!r} is not a redis://, rediss:// or unix:// URL")
         return value
+
+    @model_validator(mode="after")
+    def _reachable_without_a_token(self) -> StackConfig:
+        """On an address of its own the gateway reaches the indexer from that address,
+        and the indexer in protected mode would refuse its registrations."""
+        local = _reachable(self.host)
+        on_loopback = local == "localhost" or is_loopback(local)
+        if self.admin_token is None and not self.insecure and not on_loopback:
+            raise ValueError(
+                f"--host {self.host}: the gateway would register pods with the indexer from "
+                f"{local}, which the indexer refuses without an admin token: give "
+                "--admin-token (GLOBALKV_UP_ADMIN_TOKEN), or --insecure to leave every "
+                "component open to any host"
+            )
+        return self
+
+    @property
+    def token(self) -> str | None:
+        return None if self.admin_token is None else self.admin_token.get_secret_value()
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +145,8 @@ class Component:
     """Prefill: the pod id the index knows it by."""
     events_endpoint: str | None = None
     """Indexer: the SUB socket the prefills publish to."""
+    env: Mapping[str, str] = field(default_factory=dict, repr=False)
+    """`GLOBALKV_*` variables of its own: secrets, kept off its command line."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,9 +196,16 @@ def _reachable(host: str) -> str:
     return LOOPBACK if host in _WILDCARDS else host
 
 
+def _secrets(command: str, config: StackConfig, *flags: str) -> dict[str, str]:
+    """The admin token as `command`'s variables for `flags`."""
+    token = config.token
+    return {} if token is None else {env_var_name(command, flag): token for flag in flags}
+
+
 def plan_stack(config: StackConfig, ports: Iterator[int], log_dir: Path) -> Plan:
     """Every component with its arguments; takes `ports_needed(config)` ports from `ports`."""
     common = ("--log-level", config.log_level)
+    insecure = config.insecure and config.token is None
     local = _reachable(config.host)
     index_port, events_port = next(ports), next(ports)
     events = f"tcp://{LOOPBACK}:{events_port}"
@@ -169,6 +215,8 @@ def plan_stack(config: StackConfig, ports: Iterator[int], log_dir: Path) -> Plan
     indexer_argv += ["--tokenizer", config.tokenizer]
     if config.redis_url:
         indexer_argv += ["--redis-url", config.redis_url]
+    if insecure:
+        indexer_argv.append("--insecure")
     components = [
         Component(
             "indexer",
@@ -177,6 +225,7 @@ def plan_stack(config: StackConfig, ports: Iterator[int], log_dir: Path) -> Plan
             (*indexer_argv, *config.indexer_args),
             log_dir / "indexer.log",
             events_endpoint=events,
+            env=_secrets("indexer", config, "--admin-token"),
         )
     ]
     engine_common = ["--host", LOOPBACK, "--model", config.model]
@@ -187,6 +236,8 @@ def plan_stack(config: StackConfig, ports: Iterator[int], log_dir: Path) -> Plan
         argv += ["--pod-id", name, "--bootstrap-port", str(bootstrap_port)]
         argv += ["--kv-events-endpoint", events]
         argv += ["--kv-events-replay-endpoint", f"tcp://{LOOPBACK}:0"]
+        if insecure:
+            argv.append("--bootstrap-insecure")
         components.append(
             Component(
                 name,
@@ -196,6 +247,7 @@ def plan_stack(config: StackConfig, ports: Iterator[int], log_dir: Path) -> Plan
                 log_dir / f"{name}.log",
                 bootstrap_url=f"http://{LOOPBACK}:{bootstrap_port}",
                 pod=name,
+                env=_secrets("engine", config, "--bootstrap-admin-token"),
             )
         )
     for i in range(config.decode):
@@ -219,6 +271,7 @@ def plan_stack(config: StackConfig, ports: Iterator[int], log_dir: Path) -> Plan
             f"http://{local}:{gateway_port}",
             (*_gateway_argv(config, gateway_port, indexer_url, components), *config.gateway_args),
             log_dir / "gateway.log",
+            env=_secrets("gateway", config, "--admin-token", "--indexer-token"),
         )
     )
     return Plan(tuple(components))
@@ -243,6 +296,8 @@ def _gateway_argv(
     interval = str(config.health_check_interval)
     argv += ["--health-check-interval-secs", interval, "--directory-refresh-secs", interval]
     argv += ["--worker-startup-check-interval", "0.25"]
+    if config.insecure and config.token is None:
+        argv.append("--insecure")
     return argv
 
 
@@ -251,19 +306,19 @@ def check_plan(plan: Plan) -> None:
     component and what its command refused. Starts nothing."""
     for component in plan.components:
         try:
-            args = _parse_quietly(component.argv)
+            args = _parse_quietly(component.argv, component.env)
             args.check_config(args)
         except ValueError as exc:
             raise ValueError(f"{component.name}: {exc}") from None
 
 
-def _parse_quietly(argv: Sequence[str]) -> argparse.Namespace:
-    """The dispatcher's parse (environment ignored), with argparse's exit turned into
-    `ValueError` carrying its message."""
+def _parse_quietly(argv: Sequence[str], env: Mapping[str, str]) -> argparse.Namespace:
+    """The dispatcher's parse with the component's own variables only, with argparse's
+    exit turned into `ValueError` carrying its message."""
     errors = io.StringIO()
     try:
         with contextlib.redirect_stderr(errors):
-            return parse(argv, {})
+            return parse(argv, env)
     except SystemExit:
         lines = [line for line in errors.getvalue().splitlines() if line.strip()]
         message = lines[-1].partition(": error: ")[2] or lines[-1] if lines else ""

@@ -25,9 +25,11 @@ _TIMEOUT = 2.0
 
 
 class Readiness:
-    def __init__(self, plan: Plan, client: httpx.Client) -> None:
+    def __init__(self, plan: Plan, client: httpx.Client, *, token: str | None = None) -> None:
+        """`token`: the cluster's admin token, which the gateway's `/workers` then needs."""
         self._plan = plan
         self._client = client
+        self._gateway_headers = {"authorization": f"Bearer {token}"} if token else {}
 
     def pending(self) -> list[str]:
         """What is not ready yet; empty once the whole cluster is."""
@@ -51,9 +53,11 @@ class Readiness:
             return f"unreachable ({type(exc).__name__})"
         return None if response.status_code == 200 else f"answered {response.status_code}"
 
-    def _read(self, url: str, view: type[_View]) -> _View | str:
+    def _read(
+        self, url: str, view: type[_View], headers: dict[str, str] | None = None
+    ) -> _View | str:
         try:
-            response = self._client.get(url, timeout=_TIMEOUT)
+            response = self._client.get(url, headers=headers, timeout=_TIMEOUT)
         except httpx.HTTPError as exc:
             return f"unreachable ({type(exc).__name__})"
         if response.status_code != 200:
@@ -73,7 +77,9 @@ class Readiness:
         return []
 
     def _gateway(self) -> list[str]:
-        listing = self._read(f"{self._plan.gateway.url}/workers", WorkersView)
+        listing = self._read(
+            f"{self._plan.gateway.url}/workers", WorkersView, self._gateway_headers
+        )
         if isinstance(listing, str):
             return [f"gateway: /workers {listing}"]
         by_url = {w.url: w for w in listing.workers}

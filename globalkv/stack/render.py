@@ -66,8 +66,14 @@ def _curl(url: str, body: object) -> str:
     return f"curl -s {url} -H 'content-type: application/json' -d {shlex.quote(json.dumps(body))}"
 
 
-def curl_lines(cluster: _Running, model: str) -> str:
+def curl_lines(cluster: _Running, model: str, *, admin_token: bool = False) -> str:
+    """`admin_token`: the cluster has one, which doctor needs (it is not printed)."""
     gateway, indexer = cluster.gateway_url, cluster.indexer_url
+    doctor = f"python -m globalkv doctor --gateway {gateway} --indexer {indexer}"
+    walk = "  # walk the diagnostic path"
+    if admin_token:
+        doctor += " --admin-token TOKEN"
+        walk += " (TOKEN: the admin token given to up)"
     chat = {"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16}
     completion = {"model": model, "prompt": DEMO_PROMPT, "max_tokens": 16}
     lookup = {"model": model, "text": DEMO_PROMPT}
@@ -80,7 +86,7 @@ def curl_lines(cluster: _Running, model: str) -> str:
             f"  {_curl(f'{gateway}/v1/completions', completion)}",
             "  # which pod holds how long a prefix of that prompt",
             f"  {_curl(f'{indexer}/v1/lookup', lookup)}",
-            "  # walk the diagnostic path",
-            f"  python -m globalkv doctor --gateway {gateway} --indexer {indexer}",
+            walk,
+            f"  {doctor}",
         ]
     )

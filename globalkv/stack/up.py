@@ -3,7 +3,7 @@
     globalkv up [--prefill 2] [--decode 2] [--port 8000] [--redis-url URL] [--run-dir D]
         [--model M] [--block-size 16] [--tokenizer byte|PATH] [--policy prefix]
         [--kv-capacity PAGES] [--prefill-args="--prefill-tokens-per-s 5000"]
-        [--decode-args=…] [--gateway-args=…] [--indexer-args=…]
+        [--decode-args=…] [--gateway-args=…] [--indexer-args=…] [--admin-token T | --insecure]
 
 No Docker and no Redis needed: the indexer keeps its index in memory unless `--redis-url`
 is given. Once everything is ready it prints every component with its address and the
@@ -75,6 +75,16 @@ def register(subparsers: Any) -> None:
         help="seconds between the gateway's health checks",
     )
     add("--start-timeout", type=float, default=defaults.start_timeout, help="seconds")
+    add(
+        "--admin-token",
+        help="one admin token for the indexer, the gateway and every directory, passed to "
+        "them through their environment (default: none, changes only from this machine)",
+    )
+    add(
+        "--insecure",
+        action="store_true",
+        help="without --admin-token, let any host change every component",
+    )
     parser.set_defaults(run=run, check_config=check_config)
 
 
@@ -107,6 +117,8 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
             decode_args=_split(args.decode_args),
             gateway_args=gateway_args,
             indexer_args=_split(args.indexer_args),
+            admin_token=args.admin_token,
+            insecure=args.insecure,
         )
 
 
@@ -170,6 +182,8 @@ def run(args: argparse.Namespace) -> int:
         file=out,
         flush=True,
     )
+    if config.insecure and config.token is None:
+        print("globalkv up: --insecure: any host may change any component", file=out)
     started = time.monotonic()
     status = 0
     try:
@@ -182,7 +196,8 @@ def run(args: argparse.Namespace) -> int:
             elapsed = time.monotonic() - started
             print(f"ready in {elapsed:.1f}s; run directory {cluster.run_dir}\n", file=out)
             print(table(cluster.components, cluster.plan), file=out)
-            print("\n" + curl_lines(cluster, config.model) + "\n", file=out)
+            lines = curl_lines(cluster, config.model, admin_token=config.token is not None)
+            print("\n" + lines + "\n", file=out)
             print("Ctrl-C stops everything.", file=out, flush=True)
             status = supervise(cluster, out)
     except _Interrupted as interrupted:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -83,3 +85,43 @@ def test_a_cluster_starts_once() -> None:
     cluster = LocalCluster(StackConfig())
     with pytest.raises(ClusterError, match="has not been started"):
         _ = cluster.gateway_url
+
+
+def test_with_an_admin_token_the_components_find_each_other_and_guard_their_state(
+    tmp_path: Path,
+) -> None:
+    """Ready means the gateway registered its prefill with the indexer, which now takes
+    only requests with the token; the token is on no command line and in no file."""
+    token = "up-t0ken-" + os.urandom(4).hex()
+    run_dir = tmp_path / "run"
+    config = StackConfig(prefill=1, decode=1, run_dir=run_dir, admin_token=token, **FAST)
+    auth = {"authorization": f"Bearer {token}"}
+    with LocalCluster(config) as cluster, httpx.Client(timeout=10) as client:
+        body = {"text": "guarded " * 8, "sampling_params": {"max_new_tokens": 2}}
+        assert client.post(f"{cluster.gateway_url}/generate", json=body).status_code == 200
+        new = {"url": "http://127.0.0.1:9", "role": "decode"}
+        assert client.post(f"{cluster.gateway_url}/workers", json=new).status_code == 401
+        added = client.post(f"{cluster.gateway_url}/workers", json=new, headers=auth)
+        assert added.status_code == 201
+        removed = client.delete(f"{cluster.gateway_url}/workers/127.0.0.1:9", headers=auth)
+        assert removed.status_code == 200
+        pod = {"id": "extra", "kv_events": {"endpoint": "tcp://127.0.0.1:9"}}
+        assert client.post(f"{cluster.indexer_url}/v1/pods", json=pod).status_code == 401
+        (prefill,) = [c for c in cluster.components if c.role == "prefill"]
+        assert prefill.bootstrap_url is not None
+        reset = client.delete(f"{prefill.bootstrap_url}/v1/directory")
+        assert reset.status_code == 401
+        for component in cluster.components:
+            cmdline = Path(f"/proc/{component.pid}/cmdline").read_bytes()
+            assert token.encode() not in cmdline, component.name
+        assert token not in (run_dir / "cluster.json").read_text()
+
+        doctor = [sys.executable, "-m", "globalkv", "doctor", "--run-dir", str(run_dir)]
+        doctor.append("--no-probe")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GLOBALKV_")}
+        refused = subprocess.run(doctor, env=env, capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 1
+        assert "GLOBALKV_DOCTOR_ADMIN_TOKEN" in refused.stdout
+        env["GLOBALKV_DOCTOR_ADMIN_TOKEN"] = token
+        read = subprocess.run(doctor, env=env, capture_output=True, text=True, timeout=60)
+        assert read.returncode == 0, read.stdout + read.stderr

@@ -130,6 +130,46 @@ def test_every_planned_command_passes_its_own_check() -> None:
     check_plan(make_plan(redis_url="redis://127.0.0.1:7000/0"))
 
 
+def test_the_admin_token_reaches_each_guard_through_its_environment_only() -> None:
+    plan = make_plan(admin_token="t0ken")
+    assert dict(plan.indexer.env) == {"GLOBALKV_INDEXER_ADMIN_TOKEN": "t0ken"}
+    assert dict(plan.gateway.env) == {
+        "GLOBALKV_GATEWAY_ADMIN_TOKEN": "t0ken",
+        "GLOBALKV_GATEWAY_INDEXER_TOKEN": "t0ken",
+    }
+    for prefill in plan.by_role("prefill"):
+        assert dict(prefill.env) == {"GLOBALKV_ENGINE_BOOTSTRAP_ADMIN_TOKEN": "t0ken"}
+    assert all(not c.env for c in plan.by_role("decode"))
+    assert all("t0ken" not in c.argv and "t0ken" not in repr(c) for c in plan.components)
+    assert "t0ken" not in StackConfig(admin_token="t0ken").model_dump_json()  # cluster.json
+    check_plan(plan)
+    gateway = parse(plan.gateway.argv, plan.gateway.env)
+    assert gateway.check_config(gateway) is None
+
+
+def test_without_a_token_nothing_is_passed_and_insecure_opens_every_guard() -> None:
+    assert all(not c.env for c in make_plan().components)
+    assert all("--insecure" not in c.argv for c in make_plan().components)
+    plan = make_plan(insecure=True)
+    assert "--insecure" in plan.indexer.argv
+    assert "--insecure" in plan.gateway.argv
+    assert all("--bootstrap-insecure" in c.argv for c in plan.by_role("prefill"))
+    check_plan(plan)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0", "::", "localhost", "127.0.0.2"])
+def test_a_loopback_or_wildcard_host_needs_no_token(host: str) -> None:
+    assert StackConfig(host=host).admin_token is None
+
+
+def test_a_host_address_of_its_own_needs_a_token_or_insecure() -> None:
+    with pytest.raises(ValidationError, match="--admin-token") as refused:
+        StackConfig(host="10.213.0.1")
+    assert "GLOBALKV_UP_ADMIN_TOKEN" in str(refused.value)
+    assert StackConfig(host="10.213.0.1", admin_token="t").token == "t"
+    assert StackConfig(host="10.213.0.1", insecure=True).insecure
+
+
 @pytest.mark.parametrize(
     ("settings", "message"),
     [

@@ -23,6 +23,8 @@ class World:
     registered_pod: bool = True
     followed: bool = True
     subscribed: bool = True
+    token: str | None = None
+    """The gateway's admin token, which its /workers then needs."""
 
     def handle(self, request: httpx.Request) -> httpx.Response:
         base = f"http://{request.url.host}:{request.url.port}"
@@ -36,6 +38,8 @@ class World:
             body = {"ready": ready, "registered": self.registered, "expected": 1}
             return httpx.Response(200, json=body)
         if path == "/workers":
+            if self.token and request.headers.get("authorization") != f"Bearer {self.token}":
+                return httpx.Response(401, json={"error": {"message": "missing or wrong token"}})
             return httpx.Response(200, json={"workers": self._workers()})
         if path == "/v1/pods":
             pods = [{"id": "prefill-0", "state": {"subscribed": self.subscribed}}]
@@ -70,13 +74,19 @@ def world(tmp_path: Path) -> World:
     return World(plan_stack(config, itertools.count(9100), tmp_path))
 
 
-def pending(world: World) -> list[str]:
+def pending(world: World, token: str | None = None) -> list[str]:
     with httpx.Client(transport=httpx.MockTransport(world.handle)) as client:
-        return Readiness(world.plan, client).pending()
+        return Readiness(world.plan, client, token=token).pending()
 
 
 def test_a_complete_cluster_is_ready(world: World) -> None:
     assert pending(world) == []
+
+
+def test_a_gateway_with_the_clusters_token_is_read_with_it(world: World) -> None:
+    world.token = "t0ken"
+    assert pending(world) == ["gateway: /workers answered 401"]
+    assert pending(world, "t0ken") == []
 
 
 def test_an_engine_not_answering_yet(world: World) -> None:

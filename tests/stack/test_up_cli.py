@@ -64,6 +64,14 @@ def test_every_flag_also_reads_the_environment() -> None:
     assert stack.decode_args == ["--decode-tokens-per-s", "50"]
 
 
+def test_the_admin_token_and_insecure_from_flags_or_the_environment() -> None:
+    assert (config().token, config().insecure) == (None, False)
+    assert config(env={"GLOBALKV_UP_ADMIN_TOKEN": "t0ken"}).token == "t0ken"
+    assert config("--insecure", "--host", "10.213.0.1").insecure
+    with pytest.raises(ValueError, match="--admin-token"):
+        config("--host", "10.213.0.1")
+
+
 def test_check_plans_the_cluster_without_starting_it(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--check", "up", "--redis-url", "redis://127.0.0.1:7000/0"]) == 0
     assert "configuration ok" in capsys.readouterr().out
@@ -130,3 +138,6 @@ def test_the_curl_lines_are_valid_requests() -> None:
     assert lines[-1] == (
         "python -m globalkv doctor --gateway http://127.0.0.1:8000 --indexer http://127.0.0.1:8100"
     )
+    with_token = curl_lines(_Urls(), "m", admin_token=True).splitlines()
+    assert with_token[-1].endswith("--indexer http://127.0.0.1:8100 --admin-token TOKEN")
+    assert "TOKEN: the admin token given to up" in with_token[-2]

@@ -1,6 +1,7 @@
 """`docker compose up` for real: the project's image, the repository's compose file, a
 real Docker engine; requests through the published ports, `doctor` inside the compose
-network, a prefill container killed under traffic, then `down`.
+network, changes refused without the admin token, a prefill container killed under
+traffic, then `down`.
 
 Skipped, with the reason, only where no engine can start (`tests.support.docker`). The
 published ports are moved to free ones through the compose file's own variables, and the
@@ -10,6 +11,7 @@ project gets a name of its own, so a stack a developer runs beside it is left al
 from __future__ import annotations
 
 import os
+import secrets
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -24,6 +26,8 @@ from tests.support.net import free_port, wait_for
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
 
 SERVICES = {"redis", "indexer", "prefill-0", "prefill-1", "decode-0", "decode-1", "gateway"}
+ADMIN_TOKEN = secrets.token_urlsafe(16)
+"""Given as compose users give it, through GLOBALKV_ADMIN_TOKEN."""
 MESSAGES = [
     {"role": "system", "content": "You answer questions about the KV cache. " * 4},
     {"role": "user", "content": "Which prefill holds the longest prefix of this prompt?"},
@@ -51,10 +55,11 @@ def stack() -> Iterator[Stack]:
     command = compose_or_skip()
     build_s = build_image()
     ports = {name: free_port() for name in ("GATEWAY", "INDEX", "METRICS")}
+    env = {f"GLOBALKV_PUBLISHED_{name}_PORT": str(port) for name, port in ports.items()}
     project = ComposeProject(
         command,
         name=f"globalkv-test-{os.getpid()}",
-        env={f"GLOBALKV_PUBLISHED_{name}_PORT": str(port) for name, port in ports.items()},
+        env={**env, "GLOBALKV_ADMIN_TOKEN": ADMIN_TOKEN},
     )
     try:
         started = time.monotonic()
@@ -102,6 +107,25 @@ def test_doctor_inside_the_compose_network_finds_a_healthy_cluster(stack: Stack)
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "✓ answer: 200" in result.stdout, result.stdout
+
+
+def test_changes_through_the_published_ports_need_the_token_from_the_variable(
+    stack: Stack,
+) -> None:
+    """Published ports reach the containers from the Docker bridge, not loopback: every
+    guard wants the token, the one GLOBALKV_ADMIN_TOKEN gave them, and none warns of the
+    file's default."""
+    auth = {"authorization": f"Bearer {ADMIN_TOKEN}"}
+    pod = {"id": "intruder", "kv_events": {"endpoint": "tcp://10.0.0.1:5557"}}
+    assert httpx.post(f"{stack.index}/v1/pods", json=pod, timeout=5).status_code == 401
+    gone = httpx.delete(f"{stack.index}/v1/pods/nobody", headers=auth, timeout=5)
+    assert gone.status_code == 404
+    worker = {"url": "http://10.0.0.1:1", "role": "decode"}
+    assert httpx.post(f"{stack.gateway}/workers", json=worker, timeout=5).status_code == 401
+    gone = httpx.delete(f"{stack.gateway}/workers/nobody:1", headers=auth, timeout=5)
+    assert gone.status_code == 404
+    logs = stack.project.run("logs", "--no-color", "indexer", "gateway", "prefill-0").stdout
+    assert "docker-compose.yml's default" not in logs
 
 
 def test_requests_keep_succeeding_after_a_prefill_container_is_killed(stack: Stack) -> None:

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from kvplumbing.auth import PUBLISHED_DEFAULT_TOKEN
 from tests.stack.compose import ROOT, Service, load, references, start_order
 
 SERVICES = load()
@@ -58,12 +59,39 @@ def test_a_wrong_variable_makes_the_check_fail() -> None:
     assert "page_size" in result.stderr
 
 
+GUESTS = {"gateway": "doctor"}
+"""Commands the docs run in a service's container (`docker compose run gateway doctor`)."""
+
+
 def test_every_globalkv_variable_names_its_own_command() -> None:
     for name in GLOBALKV:
         service = SERVICES[name]
-        prefix = f"GLOBALKV_{service.command[0].upper()}_"
-        strays = [k for k in service.environment if not k.startswith(prefix)]
+        commands = [service.command[0], *([GUESTS[name]] if name in GUESTS else [])]
+        prefixes = tuple(f"GLOBALKV_{command.upper()}_" for command in commands)
+        strays = [k for k in service.environment if not k.startswith(prefixes)]
         assert not strays, f"{name} sets variables its command never reads: {strays}"
+
+
+GUARDS = {
+    "indexer": "GLOBALKV_INDEXER_ADMIN_TOKEN",
+    "prefill-0": "GLOBALKV_ENGINE_BOOTSTRAP_ADMIN_TOKEN",
+    "prefill-1": "GLOBALKV_ENGINE_BOOTSTRAP_ADMIN_TOKEN",
+    "gateway": "GLOBALKV_GATEWAY_ADMIN_TOKEN",
+}
+
+
+def test_every_guard_takes_the_token_from_one_variable_else_the_default() -> None:
+    """In containers no client is on loopback: without the token nobody could change the
+    pods, the workers or a directory. The default is the one every component warns about."""
+    for name, variable in GUARDS.items():
+        assert SERVICES[name].environment[variable] == PUBLISHED_DEFAULT_TOKEN, name
+    assert SERVICES["gateway"].environment["GLOBALKV_DOCTOR_ADMIN_TOKEN"] == (
+        PUBLISHED_DEFAULT_TOKEN
+    )
+    chosen = load(environ={"GLOBALKV_ADMIN_TOKEN": "from-dot-env"})
+    for name, variable in GUARDS.items():
+        assert chosen[name].environment[variable] == "from-dot-env", name
+    assert "GLOBALKV_ADMIN_TOKEN=" in (ROOT / ".env.example").read_text()
 
 
 def test_every_address_names_a_service_on_a_port_it_exposes() -> None:

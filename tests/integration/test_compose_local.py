@@ -22,6 +22,7 @@ import pytest
 
 from globalkv.stack.healthcheck import problem
 from globalkv.stack.plan import reserve_ports
+from kvplumbing.auth import PUBLISHED_DEFAULT_TOKEN
 from tests.stack.compose import LOCAL, ROOT, load, localize, start_order
 from tests.support.net import wait_for
 from tests.support.procs import Proc
@@ -135,3 +136,21 @@ def test_compose_services_serve_requests_as_local_processes(stack: LocalStack) -
         metrics = client.get(f"{stack.url('gateway', 29000)}/metrics")
         assert metrics.status_code == 200
         assert "globalkv_gateway_requests_total" in metrics.text
+    _changes_need_the_files_token_and_every_guard_warns(stack)
+
+
+def _changes_need_the_files_token_and_every_guard_warns(stack: LocalStack) -> None:
+    """Here the clients are on loopback, and still refused: the compose file gives every
+    guard a token, which without GLOBALKV_ADMIN_TOKEN is its published default."""
+    auth = {"authorization": f"Bearer {PUBLISHED_DEFAULT_TOKEN}"}
+    gateway, indexer = stack.url("gateway", 30000), stack.url("indexer", 8100)
+    directory = stack.url("prefill-0", 8998)
+    with httpx.Client(timeout=10) as client:
+        assert client.delete(f"{gateway}/workers/nobody:1").status_code == 401
+        assert client.delete(f"{gateway}/workers/nobody:1", headers=auth).status_code == 404
+        assert client.delete(f"{indexer}/v1/pods/nobody").status_code == 401
+        assert client.delete(f"{indexer}/v1/pods/nobody", headers=auth).status_code == 404
+        assert client.delete(f"{directory}/v1/directory").status_code == 401
+        assert client.get(f"{gateway}/workers", headers=auth).status_code == 200
+    for name in ("indexer", "prefill-0", "gateway"):
+        assert "docker-compose.yml's default" in stack.procs[name].log(), name

@@ -10,6 +10,9 @@ consistently for the service itself and for everyone who refers to it. The rules
 - a bare port number right after such an address (sglang-router's `--prefill URL PORT`)
   → a port of the same service; a bare number alone that the service exposes → its own;
 - a `*_HOST` variable naming a service (an advertised host) → 127.0.0.1.
+
+Values are read as compose reads them: `${VAR:-default}` is the variable when it is set
+and not empty (in the mapping `load` is given), else the default.
 """
 
 from __future__ import annotations
@@ -46,12 +49,17 @@ class Service:
     is_globalkv: bool = field(default=False)
 
 
-_DEFAULTED = re.compile(r"\$\{[A-Z0-9_]+:-([^}]*)\}")
+_DEFAULTED = re.compile(r"\$\{([A-Z0-9_]+):-([^}]*)\}")
+
+
+def interpolate(text: str, environ: Mapping[str, str]) -> str:
+    """`${VAR:-default}` as compose reads it: the variable when set and not empty."""
+    return _DEFAULTED.sub(lambda m: environ.get(m[1]) or m[2], text)
 
 
 def _published(entry: object) -> tuple[int, int]:
     """`HOST:CONTAINER`, a `${VAR:-default}` read at its default."""
-    host, _, container = _DEFAULTED.sub(r"\1", str(entry)).rpartition(":")
+    host, _, container = interpolate(str(entry), {}).rpartition(":")
     return int(host), int(container)
 
 
@@ -66,7 +74,9 @@ def _depends(raw: object) -> dict[str, str]:
     return {}
 
 
-def load(path: Path = COMPOSE_FILE) -> dict[str, Service]:
+def load(path: Path = COMPOSE_FILE, environ: Mapping[str, str] | None = None) -> dict[str, Service]:
+    """The services, their `${VAR:-default}` values read from `environ` (none: defaults)."""
+    variables = environ or {}
     document = yaml.safe_load(path.read_text())
     services = {}
     for name, raw in document["services"].items():
@@ -75,7 +85,9 @@ def load(path: Path = COMPOSE_FILE) -> dict[str, Service]:
             name=name,
             raw=raw,
             command=[str(a) for a in raw.get("command", [])],
-            environment={k: str(v) for k, v in (raw.get("environment") or {}).items()},
+            environment={
+                k: interpolate(str(v), variables) for k, v in (raw.get("environment") or {}).items()
+            },
             expose=[int(p) for p in raw.get("expose", [])],
             published=[_published(p) for p in raw.get("ports", [])],
             depends_on=_depends(raw.get("depends_on")),

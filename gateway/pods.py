@@ -16,7 +16,10 @@ from pydantic import ValidationError
 from gateway.monitor import PodRegistration, RegistrationFailed
 from globalkv.index.base import IndexUnavailable
 from globalkv.registry import KvEventsConfig, PodInfo, Registry
+from kvplumbing.environment import env_var_name
 from kvplumbing.validation import validation_message
+
+INDEXER_TOKEN_VARIABLE = env_var_name("gateway", "--indexer-token")
 
 
 def pod_info(pod: PodRegistration) -> PodInfo:
@@ -66,9 +69,7 @@ class HttpPodRegistrar:
         except httpx.HTTPError as exc:
             raise RegistrationFailed(f"indexer unreachable: {exc!r}") from exc
         if response.status_code >= 300:
-            raise RegistrationFailed(
-                f"indexer answered {response.status_code}: {response.text[:200]}"
-            )
+            raise _refused(response)
 
     async def unregister(self, pod_id: str) -> None:
         try:
@@ -80,9 +81,19 @@ class HttpPodRegistrar:
         except httpx.HTTPError as exc:
             raise RegistrationFailed(f"indexer unreachable: {exc!r}") from exc
         if response.status_code >= 300 and response.status_code != 404:
-            raise RegistrationFailed(
-                f"indexer answered {response.status_code}: {response.text[:200]}"
-            )
+            raise _refused(response)
+
+
+def _refused(response: httpx.Response) -> RegistrationFailed:
+    """The indexer's answer in words; a 401 or 403 also says what this side must set (the
+    indexer's own words, which name its flags, are kept whole)."""
+    status = response.status_code
+    if status in (401, 403):
+        return RegistrationFailed(
+            f"indexer answered {status}: {response.text[:1000]}; give the gateway the "
+            f"indexer's admin token with `--indexer-token` ({INDEXER_TOKEN_VARIABLE})"
+        )
+    return RegistrationFailed(f"indexer answered {status}: {response.text[:200]}")
 
 
 class RegistryPodRegistrar:

@@ -40,6 +40,11 @@ async def test_the_http_registrar_posts_the_pod_with_the_token_and_deletes_it() 
     ("answer", "message"),
     [
         (httpx.Response(500, text="boom"), "indexer answered 500: boom"),
+        (
+            httpx.Response(403, text="x" * 300 + " (protected mode) GLOBALKV_INDEXER_INSECURE"),
+            "GLOBALKV_INDEXER_INSECURE; give the gateway .*GLOBALKV_GATEWAY_INDEXER_TOKEN",
+        ),
+        (httpx.Response(401, text="token"), "--indexer-token"),
         (httpx.ConnectError("refused"), "indexer unreachable"),
     ],
 )

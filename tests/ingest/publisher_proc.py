@@ -11,7 +11,6 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from tests.support.net import free_port
 from tests.support.procs import Proc
 
 
@@ -30,6 +29,14 @@ def chain(
 
 
 class PublisherProc:
+    """A publisher child process; build it with `await PublisherProc.start(context, …)`.
+
+    Nothing here picks a port for the child to bind: a port picked and released can be
+    taken (by any ephemeral connect) before the child binds it. The driver binds the
+    control socket on a port the kernel gives it and the child connects to it; the child
+    binds its PUB and replay sockets on port 0 and `start` asks it what it got.
+    """
+
     def __init__(
         self,
         context: zmq.asyncio.Context,
@@ -42,13 +49,11 @@ class PublisherProc:
         buffer_steps: int = 10_000,
         name: str = "publisher",
     ) -> None:
-        # The control socket is bound here and connected from the child: a port picked
-        # for the child to bind can be taken (by any ephemeral connect) before it does.
         self.req = context.socket(zmq.REQ)
         self.req.linger = 0
         self.control = f"tcp://127.0.0.1:{self.req.bind_to_random_port('tcp://127.0.0.1')}"
-        self.endpoint = connect_to or f"tcp://127.0.0.1:{free_port()}"
-        self.replay_endpoint = f"tcp://127.0.0.1:{free_port()}" if replay else None
+        self.endpoint = connect_to or "tcp://127.0.0.1:0"
+        self.replay_endpoint: str | None = "tcp://127.0.0.1:0" if replay else None
         argv = [
             sys.executable,
             "-m",
@@ -71,6 +76,19 @@ class PublisherProc:
         if self.replay_endpoint is not None:
             argv += ["--replay-endpoint", self.replay_endpoint]
         self.proc = Proc(argv, name=name)
+
+    @classmethod
+    async def start(cls, context: zmq.asyncio.Context, **options: Any) -> PublisherProc:
+        """Spawn the child and learn the endpoints it bound; stops it if it never says."""
+        publisher = cls(context, **options)
+        try:
+            info = await publisher.call(op="info")
+        except BaseException:
+            publisher.stop()
+            raise
+        publisher.endpoint = info["endpoint"]
+        publisher.replay_endpoint = info["replay_endpoint"]
+        return publisher
 
     async def call(self, timeout: float = 15.0, **command: Any) -> dict[str, Any]:
         try:

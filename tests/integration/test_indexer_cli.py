@@ -45,10 +45,10 @@ async def test_indexer_process_end_to_end(context: zmq.asyncio.Context) -> None:
         "byte",
         name="indexer",
     )
-    bound = PublisherProc(
+    bound = await PublisherProc.start(
         context, connect_to=f"tcp://127.0.0.1:{bind_port}", topic="kv@b0@m", name="pub-b0"
     )
-    connected = PublisherProc(context, name="pub-c0")
+    connected = await PublisherProc.start(context, name="pub-c0")
     try:
         indexer.wait_http(f"{url}/health")
         async with httpx.AsyncClient(base_url=url, timeout=5) as client:

@@ -7,7 +7,7 @@ blocks behind.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgpack
 import pytest
@@ -53,11 +53,13 @@ async def service(
 
 
 @pytest.fixture
-async def publishers(context: zmq.asyncio.Context) -> AsyncIterator[Callable[..., PublisherProc]]:
+async def publishers(
+    context: zmq.asyncio.Context,
+) -> AsyncIterator[Callable[..., Awaitable[PublisherProc]]]:
     started: list[PublisherProc] = []
 
-    def start(**kw: object) -> PublisherProc:
-        publisher = PublisherProc(context, **kw)  # type: ignore[arg-type]
+    async def start(**kw: object) -> PublisherProc:
+        publisher = await PublisherProc.start(context, **kw)
         started.append(publisher)
         return publisher
 
@@ -106,11 +108,11 @@ async def test_live_stream_and_a_gap_recovered_by_replay(
     service: IngestService,
     index: MemoryIndex,
     prom: CollectorRegistry,
-    publishers: Callable[..., PublisherProc],
+    publishers: Callable[..., Awaitable[PublisherProc]],
     flavor: str,
     layout: str,
 ) -> None:
-    pub = publishers(flavor=flavor, layout=layout)
+    pub = await publishers(flavor=flavor, layout=layout)
     await follow(service, pub, "p0")
     await pub.publish(block(0))
     await pub.publish(block(1))
@@ -128,9 +130,9 @@ async def test_gap_past_the_replay_buffer_resets_the_pod(
     service: IngestService,
     index: MemoryIndex,
     prom: CollectorRegistry,
-    publishers: Callable[..., PublisherProc],
+    publishers: Callable[..., Awaitable[PublisherProc]],
 ) -> None:
-    pub = publishers(buffer_steps=2)
+    pub = await publishers(buffer_steps=2)
     await follow(service, pub, "p0")
     await pub.publish(block(0))
     await service.applied(Source("p0"), 0)
@@ -149,9 +151,9 @@ async def test_engine_restart_drops_what_the_old_engine_held(
     service: IngestService,
     index: MemoryIndex,
     prom: CollectorRegistry,
-    publishers: Callable[..., PublisherProc],
+    publishers: Callable[..., Awaitable[PublisherProc]],
 ) -> None:
-    pub = publishers()
+    pub = await publishers()
     await follow(service, pub, "p0")
     for n in range(3):
         seq = await pub.publish(block(n))
@@ -167,11 +169,11 @@ async def test_engine_restart_drops_what_the_old_engine_held(
 async def test_bind_mode_names_pods_by_topic(
     service: IngestService,
     index: MemoryIndex,
-    publishers: Callable[..., PublisherProc],
+    publishers: Callable[..., Awaitable[PublisherProc]],
 ) -> None:
     (bound,) = service.bound_endpoints
-    a = publishers(connect_to=bound, topic="kv@a@m", replay=False, name="pub-a")
-    b = publishers(connect_to=bound, topic="kv@b@m", replay=False, name="pub-b")
+    a = await publishers(connect_to=bound, topic="kv@a@m", replay=False, name="pub-a")
+    b = await publishers(connect_to=bound, topic="kv@b@m", replay=False, name="pub-b")
     await a.call(op="wait_subscribed")
     await b.call(op="wait_subscribed")
     await a.publish(block(0), block(1))
@@ -187,13 +189,13 @@ async def test_garbage_of_every_kind_is_counted_while_good_pods_flow(
     service: IngestService,
     index: MemoryIndex,
     prom: CollectorRegistry,
-    publishers: Callable[..., PublisherProc],
+    publishers: Callable[..., Awaitable[PublisherProc]],
 ) -> None:
-    good, bad = publishers(name="good"), publishers(name="bad")
+    good, bad = await publishers(name="good"), await publishers(name="bad")
     await follow(service, good, "good")
     await follow(service, bad, "bad")
     (bound,) = service.bound_endpoints
-    stray = publishers(connect_to=bound, topic="whatever", replay=False, name="stray")
+    stray = await publishers(connect_to=bound, topic="whatever", replay=False, name="stray")
     await stray.call(op="wait_subscribed")
     garbage: list[tuple[bytes, ...]] = [
         (b"one frame",),

@@ -72,7 +72,7 @@ async def test_redis_restart_while_ingesting_answers_503_then_resyncs(
     own_redis: RedisServer, context: zmq.asyncio.Context
 ) -> None:
     indexer = await _indexer(own_redis.url)
-    pub = PublisherProc(context)
+    pub = await PublisherProc.start(context)
     transport = httpx.ASGITransport(app=indexer.app)
     try:
         async with httpx.AsyncClient(transport=transport, base_url="http://ix") as client:
@@ -123,7 +123,7 @@ async def test_pods_written_to_the_redis_registry_by_others_are_followed(
 ) -> None:
     indexer = await _indexer(redis_url)
     gateway_side = RedisRegistry(aioredis.from_url(redis_url))
-    pub = PublisherProc(context)
+    pub = await PublisherProc.start(context)
     try:
         pod = PodInfo(
             id="g0",

@@ -59,7 +59,14 @@ class PodSync:
         pods = await self.registry.list()
         for pod in pods:
             await self._follow(pod)
-        for pod_id in followed - {p.id for p in pods}:
+        gone = followed - {p.id for p in pods}
+        if gone and not await self.registry.intact():
+            # Lost after the check above, before the list was read: what the list lacks
+            # was not deleted. Asked after the list, "intact" vouches for what it read.
+            log.warning("the pod registry lost its data; writing back the pods we follow")
+            await self.service.restore_registry()
+            gone = set()
+        for pod_id in gone:
             log.info("pod %s left the registry; unsubscribing", pod_id)
             await self.service.remove_pod(pod_id)
         await self.service.clear_removed()

@@ -323,3 +323,27 @@ async def test_podsync_follows_the_registry_but_a_refused_pod(
     await PodSync(registry, service).reconcile()
     assert [p.id for p in service.pods()] == ["b0"]
     assert "not following a pod of the registry: pod sneaky" in caplog.text
+
+
+class _RestartingRegistry(_LosingRegistry):
+    """Intact when asked, then empty when listed: Redis restarted between the two calls."""
+
+    async def list(self) -> list[PodInfo]:
+        self.lose_everything()
+        return await super().list()
+
+
+async def test_a_registry_lost_between_the_check_and_the_list_is_restored_not_its_pods_removed(
+    make_service: ServiceFactory, make_publisher: PublisherFactory, index: RecordingIndex
+) -> None:
+    registry = _RestartingRegistry()
+    service, pub = make_service(), make_publisher()
+    service.registry = registry
+    pod = pod_for(pub)
+    await registry.put(pod)
+    await follow(service, pub, pod)
+    await PodSync(registry, service).reconcile()
+    assert [p.id for p in service.pods()] == ["p0"]
+    assert index.removed_pods == []
+    assert await registry.get("p0") == pod, "written back"
+    assert await registry.intact()

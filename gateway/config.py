@@ -210,7 +210,13 @@ class GatewayConfig(BaseModel):
         False,
         description="Without an admin token or API key, let any host add and remove workers.",
     )
-    request_timeout_secs: float = Field(1800, gt=0, description="Timeout of one upstream call.")
+    request_timeout_secs: float = Field(
+        1800,
+        gt=0,
+        description="Deadline of one request, all attempts included, until its answer (a "
+        "stream: its first byte), answered 504 with the PD stage it stopped in; also the "
+        "longest silence of one upstream call.",
+    )
     max_payload_size: int = Field(512 * 1024 * 1024, ge=1, description="Request body limit.")
     redis_url: str | None = Field(None, description="Read index and pod registry from Redis.")
     redis_prefix: str = Field(

@@ -17,9 +17,9 @@ request are avoided while others remain). Every finished upstream call is record
 its worker's circuit breaker; calls cancelled by the gateway are not. Cancelling
 `forward` (the client went away) cancels both upstream calls.
 
-The calls are futures raced through done-callbacks (`_first`), not tasks: with the
-connection pool, an attempt costs the task of the request that awaits it and nothing
-more.
+The calls are futures raced through done-callbacks (`gateway.racing`), not tasks: with
+the connection pool, an attempt costs the task of the request that awaits it and nothing
+more. The whole request is bounded by the request deadline (`gateway.deadline`).
 
 Load bookkeeping for the policies: the prefill's queued tokens are released when its
 call ends, each side's in-flight count when its call ends. A failed call is also noted as
@@ -39,13 +39,15 @@ import httpx
 
 from gateway.answers import Answer, error_body
 from gateway.breaker import is_failure_status
+from gateway.deadline import DeadlineWatch, Progress
 from gateway.inject import inject_bootstrap
 from gateway.metrics import GatewayMetrics
 from gateway.policies.base import LoadTicket, NoCandidates, RouteRequest
+from gateway.racing import Call, failed, race, settle
 from gateway.requests import ParsedRequest, encode_body
 from gateway.retry import RetrySchedule, is_retryable_status
 from gateway.router import RoutePlan, Router
-from gateway.upstream import Reply, Upstream, Whole
+from gateway.upstream import Reply, Upstream
 from gateway.workers import Worker
 from kvplumbing.clock import Clock, Sleep
 
@@ -77,54 +79,6 @@ class _Failure:
     answer: Answer
 
 
-Call = asyncio.Future[Whole]
-"""The prefill's call."""
-
-
-def _failed(call: Call) -> bool:
-    """Ended without a successful answer (transport error or status >= 400)."""
-    if not call.done() or call.cancelled():
-        return False
-    return call.exception() is not None or call.result().status >= 400
-
-
-async def _first(*futures: asyncio.Future[Any]) -> None:
-    """Until one of `futures` is done, without raising what it raised."""
-    # Their loop, not asyncio.get_running_loop(): that one makes a getpid() system call.
-    waiter: asyncio.Future[None] = futures[0].get_loop().create_future()
-
-    def wake(_: asyncio.Future[Any]) -> None:
-        if not waiter.done():
-            waiter.set_result(None)
-
-    for future in futures:
-        future.add_done_callback(wake)
-    try:
-        await waiter
-    finally:
-        for future in futures:
-            future.remove_done_callback(wake)
-
-
-async def _race(step: asyncio.Future[Any], call: Call) -> bool:
-    """Wait for `step` unless the prefill fails first; True when `step` finished."""
-    if not step.done() and not call.done():
-        await _first(step, call)
-    if step.done():
-        return True
-    if _failed(call):
-        return False
-    await _first(step)
-    return True
-
-
-async def _settle(*futures: asyncio.Future[Any]) -> None:
-    """Until cancelled calls have finished cancelling (httpx's run as tasks)."""
-    pending = [f for f in futures if not f.done()]
-    if pending:
-        await asyncio.wait(pending)
-
-
 class Dispatcher:
     def __init__(
         self,
@@ -145,6 +99,7 @@ class Dispatcher:
         self._clock = clock
         self._sleep = sleep
         self._background: set[Call] = set()
+        self.deadlines = DeadlineWatch(timeout)
 
     async def drain(self, timeout: float | None = None) -> None:
         """Wait for prefill calls that outlived their request (tests, shutdown); those
@@ -159,6 +114,27 @@ class Dispatcher:
     async def forward(
         self, request: ParsedRequest, route: RouteRequest, path: str
     ) -> Answer | Stream:
+        """The answer within the request deadline, or a 504 saying where it stopped."""
+        deadlines = self.deadlines
+        progress = deadlines.start()
+        try:
+            outcome = await self._forward(request, route, path, progress)
+        except asyncio.CancelledError:
+            if not deadlines.finish(progress):
+                raise
+            stage = progress.stage
+            self._metrics.request_timeouts.labels(request.endpoint, stage).inc()
+            log.warning("%s: %s", request.endpoint, progress.message(deadlines.timeout))
+            return progress.answer(deadlines.timeout)
+        except BaseException:
+            deadlines.finish(progress)
+            raise
+        deadlines.finish(progress)
+        return outcome
+
+    async def _forward(
+        self, request: ParsedRequest, route: RouteRequest, path: str, progress: Progress
+    ) -> Answer | Stream:
         avoid: set[str] = set()
         last: _Failure | None = None
         attempts = self._retries.max_attempts
@@ -171,7 +147,7 @@ class Dispatcher:
                 return Answer(503, error_body(str(exc), "no_available_workers"))
             if log.isEnabledFor(logging.DEBUG):
                 _log_plan(request, plan, attempt)
-            outcome = await self._attempt(request, plan, path)
+            outcome = await self._attempt(request, plan, path, attempt, progress)
             if not isinstance(outcome, _Failure):
                 return outcome
             last = outcome
@@ -179,6 +155,7 @@ class Dispatcher:
             if not outcome.retryable or attempt + 1 >= attempts:
                 break
             self._metrics.retries.labels(request.endpoint, outcome.role).inc()
+            progress.between_attempts = True
             await self._sleep(self._retries.delay(attempt))
         assert last is not None
         return last.answer
@@ -253,14 +230,19 @@ class Dispatcher:
     def _decode_refused(self, plan: RoutePlan, call: Call, answer: Answer) -> _Failure:
         """A decode status >= 400; a prefill that failed for good takes precedence."""
         self._record("decode", plan.decode, answer.status, None)
-        if _failed(call):
+        if failed(call):
             failure = self._prefill_failure(plan, call)
             if not failure.retryable:
                 return failure
         return _Failure("decode", plan.decode, is_retryable_status(answer.status), answer)
 
     async def _attempt(
-        self, request: ParsedRequest, plan: RoutePlan, path: str
+        self,
+        request: ParsedRequest,
+        plan: RoutePlan,
+        path: str,
+        attempt: int,
+        progress: Progress,
     ) -> Answer | Stream | _Failure:
         prefill = plan.prefill
         body = inject_bootstrap(
@@ -272,10 +254,11 @@ class Dispatcher:
         )
         payload = encode_body(body)
         call = self._start_prefill(plan, path, payload)
+        progress.begin(attempt, prefill.id, plan.decode.id, call)
         ticket = self._router.loads.start(plan.decode.id)
         url = plan.decode.url + path
         if request.stream:
-            return await self._streamed(plan, call, ticket, url, payload)
+            return await self._streamed(plan, call, ticket, url, payload, progress)
         return await self._whole(plan, call, ticket, url, payload)
 
     async def _whole(
@@ -284,7 +267,7 @@ class Dispatcher:
         step = asyncio.ensure_future(self._upstream.fetch(url, payload, self._timeout))
         succeeded = False
         try:
-            if not await _race(step, call):
+            if not await race(step, call):
                 return self._prefill_failure(plan, call)
             try:
                 whole = step.result()
@@ -300,19 +283,25 @@ class Dispatcher:
             self._router.loads.finish(ticket)
             if not step.done():
                 step.cancel()
-                await _settle(step)
+                await settle(step)
             if not succeeded:
                 call.cancel()
 
     async def _streamed(
-        self, plan: RoutePlan, call: Call, ticket: LoadTicket, url: str, payload: bytes
+        self,
+        plan: RoutePlan,
+        call: Call,
+        ticket: LoadTicket,
+        url: str,
+        payload: bytes,
+        progress: Progress,
     ) -> Stream | _Failure:
         opening = asyncio.ensure_future(self._upstream.open(url, payload, self._timeout))
         step: asyncio.Future[Any] = opening
         reply: Reply | None = None
         committed = False
         try:
-            if not await _race(opening, call):
+            if not await race(opening, call):
                 return self._prefill_failure(plan, call)
             try:
                 reply = opening.result()
@@ -325,8 +314,9 @@ class Dispatcher:
                     return self._decode_error(plan.decode, exc, "mid-answer")
                 media = reply.header(b"content-type") or _JSON
                 return self._decode_refused(plan, call, Answer(reply.status, content, media))
+            progress.decode_head = True
             step = asyncio.ensure_future(reply.next())
-            if not await _race(step, call):
+            if not await race(step, call):
                 return self._prefill_failure(plan, call)
             try:
                 first = step.result()
@@ -339,7 +329,7 @@ class Dispatcher:
             if not committed:
                 step.cancel()
                 opening.cancel()
-                await _settle(step, opening)
+                await settle(step, opening)
                 if reply is None and opening.done() and not opening.cancelled():
                     reply = None if opening.exception() else opening.result()
                 if reply is not None:

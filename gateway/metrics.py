@@ -120,6 +120,13 @@ class GatewayMetrics:
             ["endpoint", "role"],
             registry=registry,
         )
+        self.request_timeouts = Counter(
+            "globalkv_gateway_request_timeouts",
+            "Requests answered 504 at the request deadline, by the PD stage they were in "
+            "(prefill, decode, decode_first_byte, retry_backoff).",
+            ["endpoint", "stage"],
+            registry=registry,
+        )
         self.upstream_failures = Counter(
             "globalkv_gateway_upstream_failures",
             "Failed upstream calls, by role and reason (status code or error type).",

@@ -1,0 +1,163 @@
+"""The request deadline: how long the gateway tries before it answers 504, and where it was.
+
+`--request-timeout-secs` (sglang-router's flag and default, 1800 s) bounds a request from
+the dispatcher's first attempt until its answer: a whole answer in full, a stream until
+its first byte (after that only each silence is bounded, by the same value, as before).
+All attempts and the waits between them count.
+
+A request that runs out is answered 504 with the PD stage it stopped in, judged from what
+the gateway saw of its last attempt:
+
+- `prefill`: neither side had answered (the two engines still handshaking or computing);
+- `decode`: the prefill had answered, the decode not — a decode waiting for KV that the
+  prefill says it sent;
+- `decode_first_byte`: the decode's answer had begun (head) without its first body byte;
+- `retry_backoff`: between two attempts.
+
+`DeadlineWatch` keeps one timer for every request in flight rather than one per request
+(the connection pool measured a timer set and cancelled per call at about 5 % of the
+gateway's CPU). Every request gets the same timeout, so deadlines expire in arrival
+order and a queue is enough.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.answers import Answer
+
+STAGES = ("prefill", "decode", "decode_first_byte", "retry_backoff")
+
+
+@dataclass(slots=True)
+class Progress:
+    """What the gateway knows of a request's current attempt, for the 504 it may give."""
+
+    deadline: float
+    task: asyncio.Task[Any] | None
+    attempt: int = 0
+    prefill: str = ""
+    decode: str = ""
+    prefill_call: asyncio.Future[Any] | None = None
+    decode_head: bool = False
+    """The decode's answer had begun (its head arrived)."""
+    between_attempts: bool = False
+    expired: bool = False
+    finished: bool = False
+    _cancelling: int = field(default=0, repr=False)
+
+    def begin(self, attempt: int, prefill: str, decode: str, call: asyncio.Future[Any]) -> None:
+        self.attempt = attempt + 1
+        self.prefill, self.decode, self.prefill_call = prefill, decode, call
+        self.decode_head = False
+        self.between_attempts = False
+
+    def prefill_status(self) -> int | None:
+        """The prefill's HTTP status once it answered; None before (or on a transport error)."""
+        call = self.prefill_call
+        if call is None or not call.done() or call.cancelled() or call.exception() is not None:
+            return None
+        status: int = call.result().status
+        return status
+
+    @property
+    def stage(self) -> str:
+        if self.between_attempts:
+            return "retry_backoff"
+        if self.decode_head:
+            return "decode_first_byte"
+        status = self.prefill_status()
+        return "decode" if status is not None and status < 300 else "prefill"
+
+    def message(self, timeout: float) -> str:
+        status = self.prefill_status()
+        said = {
+            "prefill": "neither the prefill nor the decode had answered",
+            "decode": f"the prefill had answered HTTP {status}, the decode had not answered",
+            "decode_first_byte": "the decode's answer had begun without its first byte",
+            "retry_backoff": "it was waiting to retry",
+        }[self.stage]
+        return (
+            f"no answer within the request deadline (--request-timeout-secs {timeout:g}): "
+            f"{said} (attempt {self.attempt}, prefill {self.prefill}, decode {self.decode})"
+        )
+
+    def answer(self, timeout: float) -> Answer:
+        status = self.prefill_status()
+        error = {
+            "message": self.message(timeout),
+            "type": "request_timeout",
+            "stage": self.stage,
+            "attempt": self.attempt,
+            "timeout_secs": timeout,
+            "prefill": {"worker": self.prefill, "answered": status},
+            "decode": {"worker": self.decode, "answer_begun": self.decode_head},
+        }
+        return Answer(504, json.dumps({"error": error}).encode())
+
+
+class DeadlineWatch:
+    """Cancels the task of a request whose deadline passed, marking its `Progress` expired."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queue: deque[Progress] = deque()
+        self._timer: asyncio.TimerHandle | None = None
+
+    def start(self) -> Progress:
+        """A request begins in the current task; call `expired(progress)` when it ends."""
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        progress = Progress(loop.time() + self.timeout, task)
+        if task is not None:
+            progress._cancelling = task.cancelling()
+        self._queue.append(progress)
+        if self._timer is None:
+            self._timer = loop.call_at(progress.deadline, self._expire)
+        return progress
+
+    def finish(self, progress: Progress) -> bool:
+        """The request ended; True when it ended because its deadline passed (its task's
+        cancellation is then taken back, unless someone else also cancelled it)."""
+        progress.finished = True
+        queue = self._queue
+        while queue and queue[0].finished:
+            queue.popleft()
+        if not progress.expired or progress.task is None:
+            return False
+        return progress.task.uncancel() <= progress._cancelling
+
+    def _expire(self) -> None:
+        assert self._loop is not None
+        self._timer = None
+        now = self._loop.time()
+        queue = self._queue
+        while queue and (queue[0].finished or queue[0].deadline <= now):
+            progress = queue.popleft()
+            if not progress.finished and progress.task is not None:
+                progress.expired = True
+                progress.task.cancel()
+        if queue:
+            self._timer = self._loop.call_at(queue[0].deadline, self._expire)
+
+    def expire_all(self) -> None:
+        """Every request in flight runs out now, as if its deadline had passed (tests
+        drive the deadline with it instead of waiting for the clock)."""
+        for progress in self._queue:
+            if not progress.finished and progress.task is not None:
+                progress.expired = True
+                progress.task.cancel()
+        self._queue.clear()
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._queue.clear()

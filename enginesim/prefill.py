@@ -311,7 +311,10 @@ class PrefillEngine:
             queue_us=round(meta["queue_ms"] * 1000),
             prefill_us=round(meta["prefill_ms"] * 1000),
         )
-        await self.transfer.send_ready(room, dests, metadata)
+        try:
+            await self.transfer.send_ready(room, dests, metadata)
+        except TransferError as exc:
+            raise EngineError(exc.stage, str(exc)) from None
         return Generation(
             prompt_tokens=len(prompt.input_ids),
             cached_tokens=cached,

@@ -71,13 +71,14 @@ class PrefillTransfer:
         pending_ttl: float = 120.0,
         max_pending: int = 10_000,
         clock: Clock = time.monotonic,
+        pool: PushPool | None = None,
     ) -> None:
         self._ctx = context
         self._metrics = metrics
         self._ranks = list(ranks)
         self._bind_host = bind_host
         self._advertise_host = advertise_host
-        self._pool = PushPool(context, timeout=send_timeout)
+        self._pool = pool or PushPool(context, timeout=send_timeout)
         self._ttl = pending_ttl
         self._max = max_pending
         self._clock = clock
@@ -141,13 +142,29 @@ class PrefillTransfer:
     async def send_ready(
         self, room: int, dests: Mapping[RankId, DecodeAddress], metadata: KVMetadata
     ) -> None:
+        """Hand every decode rank its KV-ready message; `TransferError` (stage transfer)
+        when one could not be sent, after telling every rank the room failed: a prefill
+        that answered as if the decode had its KV would leave that decode waiting for it.
+        """
         self._arrivals.pop(room, None)
-        await asyncio.gather(
+        sent = await asyncio.gather(
             *(
                 self._send_status(dest, StatusMessage(room, "success", rank, metadata=metadata))
                 for rank, dest in dests.items()
             )
         )
+        unsent = [rank.label() for rank, ok in zip(dests, sent, strict=True) if not ok]
+        if not unsent:
+            return
+        reason = f"KV-ready for bootstrap_room {room} not sent to the decode of ranks "
+        reason += ", ".join(unsent)
+        await asyncio.gather(
+            *(
+                self._send_status(dest, StatusMessage(room, "failed", rank, reason=reason))
+                for rank, dest in dests.items()
+            )
+        )
+        raise TransferError("transfer", reason)
 
     async def fail(self, room: int, reason: str) -> None:
         """Tell the room's decode (now, or when it arrives) that this prefill gave up."""
@@ -217,7 +234,8 @@ class PrefillTransfer:
             arrival.dests[rank] = decode
             arrival.event.set()
 
-    async def _send_status(self, dest: DecodeAddress, message: StatusMessage) -> None:
+    async def _send_status(self, dest: DecodeAddress, message: StatusMessage) -> bool:
+        """True once handed to ZMQ; a failure is counted and logged."""
         try:
             await self._pool.send(dest.ip, dest.port, status_frames(message))
         except (TimeoutError, zmq.ZMQError) as exc:
@@ -230,6 +248,8 @@ class PrefillTransfer:
                 dest.port,
                 exc,
             )
+            return False
+        return True
 
 
 class DecodeTransfer:

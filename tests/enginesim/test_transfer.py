@@ -16,7 +16,7 @@ from enginesim.handshake import (
     room_request_frames,
 )
 from enginesim.metrics import EngineMetrics
-from enginesim.peer_sockets import bind_pull
+from enginesim.peer_sockets import PushPool, bind_pull
 from enginesim.transfer import DecodeTransfer, PrefillTransfer, TransferError
 from tests.support.net import free_port
 
@@ -222,3 +222,42 @@ async def test_stop_waiting_ends_the_decodes_exchanges_and_refuses_new_ones(pair
     assert info.value.stage == "transfer"
     with pytest.raises(TransferError, match="the decode is shutting down"):
         await pair.exchange(78)
+
+
+class _ReadyNotSent(PushPool):
+    """Sends everything but KV-ready messages, which time out as on a stuck socket."""
+
+    async def send(self, ip: str, port: int, frames: list[bytes]) -> None:
+        if frames[1] == b"success":
+            raise TimeoutError("send timed out")
+        await super().send(ip, port, frames)
+
+
+async def test_a_kv_ready_that_cannot_be_sent_fails_the_prefill_and_tells_the_decode(
+    context: zmq.asyncio.Context,
+) -> None:
+    """Before, the prefill answered as if the decode had its KV, and the decode waited for
+    a KV-ready message that was never sent until its transfer timeout."""
+    pair = Pair(context)
+    metrics = EngineMetrics(CollectorRegistry())
+    pair.prefill = PrefillTransfer(
+        context,
+        metrics,
+        RANKS,
+        bind_host="127.0.0.1",
+        advertise_host="127.0.0.1",
+        pool=_ReadyNotSent(context, timeout=5.0),
+    )
+    await pair.prefill.start()
+    await pair.decode.start()
+    try:
+        decode = asyncio.create_task(pair.exchange(77, transfer_timeout=60))
+        with pytest.raises(TransferError, match="KV-ready for bootstrap_room 77 not sent") as sent:
+            await serve_room(pair, 77)
+        assert sent.value.stage == "transfer"
+        with pytest.raises(TransferError, match="not sent") as told:
+            await asyncio.wait_for(decode, 10)
+        assert told.value.stage == "transfer"
+    finally:
+        await pair.decode.stop()
+        await pair.prefill.stop()

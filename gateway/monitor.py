@@ -273,9 +273,11 @@ class Monitor:
             if response.status_code not in _NO_SERVER_INFO:
                 self._discovery_failed(worker, f"{error}; asked again next round")
                 return
-            worker.note_error(error, self._clock())
+            worker.note_error(error, self._clock(), "discovery")
             log.warning("prefill %s: %s; nothing discovered", worker.id, error)
             info = {}
+        else:
+            worker.step_succeeded("discovery")
         worker.discovered = True
         found = parse_server_info(info, worker.host)
         if worker.kv_events is None:
@@ -298,7 +300,7 @@ class Monitor:
         """Noted each time, logged when it is news (discovery is retried every round)."""
         if worker.last_error != error:
             log.warning("prefill %s: %s", worker.id, error)
-        worker.note_error(error, self._clock())
+        worker.note_error(error, self._clock(), "discovery")
 
     async def _register(self, worker: Worker) -> None:
         events = worker.kv_events
@@ -322,9 +324,10 @@ class Monitor:
         try:
             await self._registrar.register(pod)
         except RegistrationFailed as exc:  # retried next round, and shown
-            worker.note_error(f"pod registration: {exc!r}", self._clock())
+            worker.note_error(f"pod registration: {exc!r}", self._clock(), "registration")
             log.warning("prefill %s: registering pod %s failed: %r", worker.id, pod.id, exc)
             return
+        worker.step_succeeded("registration")
         worker.registered_pod = pod.id
         log.info("prefill %s registered with the index as pod %s", worker.id, pod.id)
 

@@ -94,6 +94,8 @@ class Worker:
     last_error: str | None = None
     """The latest failure seen with it: discovery, pod registration, or a request's call."""
     last_error_at: float | None = None
+    last_error_step: str | None = None
+    """Which step failed: "call", "discovery" or "registration"."""
 
     def __post_init__(self) -> None:
         self.id = worker_id(self.spec.url)
@@ -127,8 +129,16 @@ class Worker:
     def eligible(self) -> bool:
         return self.health.healthy and self.breaker.allows() and self.directory.status in _ROUTABLE
 
-    def note_error(self, error: str, now: float) -> None:
+    def note_error(self, error: str, now: float, step: str = "call") -> None:
         self.last_error, self.last_error_at = error[:_ERROR_CHARS], now
+        self.last_error_step = step
+
+    def step_succeeded(self, step: str) -> None:
+        """A background step that failed has now succeeded: its error was a moment's (the
+        indexer not listening yet when the gateway came up), not the worker's state, and
+        is dropped; shown, it read as a recent problem for minutes (`globalkv doctor`)."""
+        if self.last_error_step == step:
+            self.last_error = self.last_error_at = self.last_error_step = None
 
     def describe(self, loads: LoadTracker, now: float) -> dict[str, Any]:
         """What `/workers` shows; `now` on the clock of `note_error`, for the error's age."""

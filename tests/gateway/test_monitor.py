@@ -128,6 +128,7 @@ async def test_a_server_info_that_fails_is_asked_again_and_one_that_is_missing_i
     cluster.server_info["10.0.0.1:30001"] = EMULATOR_INFO
     await gateway.monitor.run_once()
     assert (worker.discovered, worker.pod, worker.registered_pod) == (True, "pod-a", "pod-a")
+    assert worker.last_error is None
     cluster.server_info["10.0.0.2:30001"] = 404
     missing = gateway.add_worker(WorkerSpec(url="http://10.0.0.2:30001", role="prefill"))
     await gateway.monitor.run_once()
@@ -175,6 +176,21 @@ async def test_failed_registration_is_retried_and_shown() -> None:
     registrar.fail = False
     await gateway.monitor.run_once(force=True)
     assert worker.registered_pod == "pod-a"
+    assert worker.last_error is None, "a registration that succeeded on retry is no problem"
+
+
+async def test_a_call_error_outlives_a_later_registration() -> None:
+    cluster = Cluster()
+    cluster.server_info["10.0.0.1:30001"] = EMULATOR_INFO
+    registrar = Registrar(fail=True)
+    cfg = config(prefill=[WorkerSpec(url="http://10.0.0.1:30001", role="prefill")])
+    gateway = await make_gateway(cluster, cfg, registrar=registrar)
+    worker = gateway.pool.get("10.0.0.1:30001")
+    assert worker is not None
+    worker.note_error("prefill call answered HTTP 500", 1.0)
+    registrar.fail = False
+    await gateway.monitor.run_once(force=True)
+    assert worker.last_error == "prefill call answered HTTP 500"
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,8 @@ back, and so are the pods in the registry.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
 
 import httpx
 import pytest
@@ -58,8 +59,21 @@ async def own_redis() -> AsyncIterator[RedisServer]:
     server.stop()
 
 
+T = TypeVar("T")
+
+
+async def bounded(step: Awaitable[T], what: str, timeout: float = 20.0) -> T:
+    """Every step of these tests is bounded: a stuck one fails naming itself, instead of
+    the whole test hanging until pytest's timeout with nothing to show where."""
+    try:
+        return await asyncio.wait_for(step, timeout)
+    except TimeoutError:
+        raise TimeoutError(f"{what} did not finish within {timeout:g}s") from None
+
+
 async def lookup(client: httpx.AsyncClient) -> httpx.Response:
-    return await client.post("/v1/lookup", json={"model": "m", "token_ids": PROMPT})
+    body = {"model": "m", "token_ids": PROMPT}
+    return await bounded(client.post("/v1/lookup", json=body), "a lookup")
 
 
 def depth(response: httpx.Response) -> int:
@@ -88,7 +102,7 @@ async def test_redis_restart_while_ingesting_answers_503_then_resyncs(
             await indexer.ingest.applied(Source("p0"), seq)
             assert depth(await lookup(client)) == 4
 
-            await asyncio.to_thread(own_redis.restart)
+            await bounded(asyncio.to_thread(own_redis.restart), "the Redis restart", 30)
             await pub.call(op="hold_replay")
             seq = await pub.publish(block(4))
 
@@ -99,7 +113,7 @@ async def test_redis_restart_while_ingesting_answers_503_then_resyncs(
             during = await lookup(client)
             assert during.status_code == 503
             assert "resync" in during.json()["detail"]
-            assert (await client.get("/health")).status_code == 503
+            assert (await bounded(client.get("/health"), "/health")).status_code == 503
 
             await pub.call(op="release_replay")
             await indexer.ingest.applied(Source("p0"), seq, timeout=20)
@@ -108,14 +122,14 @@ async def test_redis_restart_while_ingesting_answers_503_then_resyncs(
             assert depth(await lookup(client)) == 5
 
             async def pod_restored() -> bool:
-                return await indexer.registry.get("p0") is not None
+                return await bounded(indexer.registry.get("p0"), "a registry read") is not None
 
             await await_for(pod_restored, timeout=10, what="the registry to be written back")
-            metrics = (await client.get("/metrics")).text
+            metrics = (await bounded(client.get("/metrics"), "/metrics")).text
             assert "globalkv_ingest_index_data_lost_total 1.0" in metrics
     finally:
         pub.stop()
-        await indexer.stop()
+        await bounded(indexer.stop(), "the indexer's stop")
 
 
 async def test_pods_written_to_the_redis_registry_by_others_are_followed(

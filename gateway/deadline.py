@@ -3,7 +3,9 @@
 `--request-timeout-secs` (sglang-router's flag and default, 1800 s) bounds a request from
 the dispatcher's first attempt until its answer: a whole answer in full, a stream until
 its first byte (after that only each silence is bounded, by the same value, as before).
-All attempts and the waits between them count.
+All attempts and the waits between them count. sglang-router gives the value to its HTTP
+client as a total timeout per upstream call, which also cuts a stream that runs longer;
+here a stream that keeps flowing is not cut.
 
 A request that runs out is answered 504 with the PD stage it stopped in, judged from what
 the gateway saw of its last attempt:

@@ -51,7 +51,10 @@ class PushPool:
         self._socks[key] = sock
         while len(self._socks) > self._max:
             self._socks.popitem(last=False)[1].close(linger=0)
-        await asyncio.wait_for(sock.send_multipart(frames), self._timeout)
+        # Not asyncio.wait_for: on Python 3.11 it loses a cancellation that lands as the
+        # send completes, and a rank's receive loop would then outlive its engine's stop.
+        async with asyncio.timeout(self._timeout):
+            await sock.send_multipart(frames)
 
     def close(self) -> None:
         for sock in self._socks.values():

@@ -209,7 +209,8 @@ class Monitor:
             due = [*self._next_health.values(), *self._next_directory.values()]
             pause = max(0.0, min(due) - self._clock()) if due else self._config.interval_secs
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=pause)
+                async with asyncio.timeout(pause):  # wait_for can lose a stop on 3.11
+                    await self._wake.wait()
 
     async def run_once(self, *, force: bool = False) -> None:
         workers = list(self.pool)

@@ -111,9 +111,10 @@ class Router:
             return None
         started = self._clock()
         try:
-            result = await asyncio.wait_for(
-                self._lookup.lookup(model, tokens), timeout=self._lookup_timeout
-            )
+            # Not asyncio.wait_for: a task per lookup, and on Python 3.11 it can lose a
+            # cancellation (globalkv.tasks).
+            async with asyncio.timeout(self._lookup_timeout):
+                result = await self._lookup.lookup(model, tokens)
         except (IndexUnavailable, TimeoutError) as exc:
             self.fallback("index_unavailable", repr(exc))
             return None

@@ -32,6 +32,7 @@ from globalkv.ingest.podsync import PodSync
 from globalkv.ingest.service import IngestService
 from globalkv.metrics import IngestMetrics
 from globalkv.registry import MemoryRegistry, PodInfo, RedisRegistry, Registry
+from globalkv.tasks import cancel_and_wait
 from globalkv.tokenize import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -155,8 +156,7 @@ class Indexer:
 
     async def stop(self) -> None:
         if self._podsync_task is not None:
-            self._podsync_task.cancel()
-            await asyncio.gather(self._podsync_task, return_exceptions=True)
+            await cancel_and_wait([self._podsync_task])
         await self.ingest.stop()
         await self.registry.close()
         await self.index.close()

@@ -17,6 +17,7 @@ from globalkv.ingest.config import EndpointRefused
 from globalkv.ingest.followed import TopicTaken
 from globalkv.ingest.service import IngestService
 from globalkv.registry import PodInfo, Registry
+from globalkv.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +47,7 @@ class PodSync:
                     log.warning("pod registry unavailable: %s", exc)
                 await asyncio.sleep(self.interval)
         finally:
-            watcher.cancel()
-            await asyncio.gather(watcher, return_exceptions=True)
+            await cancel_and_wait([watcher])
 
     async def reconcile(self) -> None:
         """Make the followed pods equal to the registry's."""

@@ -45,6 +45,7 @@ from globalkv.registry import (
     Registry,
     SourceProgress,
 )
+from globalkv.tasks import cancel_and_wait
 from globalkv.wire import Frame, WireError, decode_batch
 from kvplumbing.backoff import Backoff
 from kvplumbing.endpoints import offset_endpoint
@@ -110,10 +111,7 @@ class IngestService:
     async def stop(self) -> None:
         for pod in self._pods:
             await self._stop_pod(pod.info.id)
-        tasks = list(self._background)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(list(self._background))
         if self._bound is not None:
             self._bound.close()
         if self._own_context:
@@ -175,9 +173,7 @@ class IngestService:
         pod = self._pods.pop(pod_id)
         if pod is None:
             return False
-        for task in pod.tasks:
-            task.cancel()
-        await asyncio.gather(*pod.tasks, return_exceptions=True)
+        await cancel_and_wait(pod.tasks)
         for worker in pod.workers.values():
             worker.stopped()
             self._resyncing.discard(worker.source)

@@ -332,7 +332,8 @@ class RedisRegistry:
         try:
             yield
         except (RedisError, OSError) as exc:
-            raise IndexUnavailable(f"pod registry unreachable: {exc!r}") from exc
+            reason = f"{type(exc).__name__}: {exc}"  # redis-py's repr leaves out the message
+            raise IndexUnavailable(f"pod registry unreachable: {reason}") from exc
 
 
 def _text(value: bytes | str) -> str:

@@ -92,7 +92,8 @@ def _reachable(what: str) -> Iterator[None]:
     try:
         yield
     except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
-        raise IndexUnavailable(f"redis unreachable while {what}: {exc!r}") from exc
+        reason = f"{type(exc).__name__}: {exc}"  # redis-py's repr leaves out the message
+        raise IndexUnavailable(f"redis unreachable while {what}: {reason}") from exc
     except redis_errors.ResponseError as exc:
         if str(exc).startswith(_UNAVAILABLE_REPLIES):
             raise IndexUnavailable(f"redis cannot serve {what}: {exc}") from exc

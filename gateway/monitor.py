@@ -31,6 +31,7 @@ import httpx
 from gateway.config import HealthConfig, KvEventsSpec
 from gateway.health import Health
 from gateway.workers import DirectoryStatus, Worker, WorkerPool
+from globalkv.tasks import cancel_and_wait
 from kvplumbing.clock import Clock, Sleep
 
 log = logging.getLogger(__name__)
@@ -190,9 +191,7 @@ class Monitor:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait([self._task])  # a Redis registrar can lose one cancel
             self._task = None
 
     def wake(self) -> None:

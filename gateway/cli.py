@@ -20,7 +20,6 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import httpx
-import redis.asyncio as aioredis
 from fastapi import FastAPI
 from prometheus_client import start_http_server
 
@@ -36,6 +35,7 @@ from gateway.server import GatewayServer
 from gateway.service import Gateway, build_gateway
 from gateway.transport import upstream_client
 from gateway.upstream import PooledUpstream
+from globalkv import redis_client
 from globalkv.index.redis import RedisIndex
 from globalkv.lookup import HttpLookup, IndexLookup, PrefixLookup
 from globalkv.registry import RedisRegistry
@@ -59,7 +59,7 @@ async def _index_parts(
         registrar = HttpPodRegistrar(client, config.indexer_url, token=config.indexer_token)
         return lookup, registrar
     if config.redis_url:
-        redis = aioredis.Redis.from_url(config.redis_url)
+        redis = redis_client.connect(config.redis_url)
         stack.push_async_callback(redis.aclose)
         registry = RedisRegistry(redis, prefix=config.redis_prefix)
         assert config.block_size is not None  # GatewayConfig requires it with redis_url

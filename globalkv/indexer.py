@@ -21,6 +21,7 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, Field, field_validator, model_validator
 
+from globalkv import redis_client
 from globalkv.api import ApiConfig, create_app
 from globalkv.index.base import Index, IndexUnavailable
 from globalkv.index.instrumented import InstrumentedIndex
@@ -186,7 +187,7 @@ def build_indexer(config: IndexerConfig) -> Indexer:
             registry=MemoryRegistry(),
             tokenizer=tokenizer,
         )
-    redis = aioredis.from_url(config.redis_url)
+    redis = redis_client.connect(config.redis_url)
     return Indexer(
         config,
         index=RedisIndex(redis, config.block_size, prefix=config.redis_prefix),

@@ -13,9 +13,9 @@ from typing import TypeVar
 
 import httpx
 import pytest
-import redis.asyncio as aioredis
 import zmq.asyncio
 
+from globalkv import redis_client
 from globalkv.index.base import Source
 from globalkv.index.redis import RedisIndex
 from globalkv.indexer import Indexer, IndexerConfig
@@ -39,7 +39,7 @@ def block(n: int) -> dict[str, object]:
 
 
 async def _indexer(url: str) -> Indexer:
-    redis = aioredis.from_url(url)
+    redis = redis_client.connect(url)
     config = IndexerConfig(
         block_size=BS,
         reconcile_interval=0.2,
@@ -136,7 +136,7 @@ async def test_pods_written_to_the_redis_registry_by_others_are_followed(
     redis_url: str, context: zmq.asyncio.Context
 ) -> None:
     indexer = await _indexer(redis_url)
-    gateway_side = RedisRegistry(aioredis.from_url(redis_url))
+    gateway_side = RedisRegistry(redis_client.connect(redis_url))
     pub = await PublisherProc.start(context)
     try:
         pod = PodInfo(

@@ -31,8 +31,8 @@ import httpx
 from gateway.config import HealthConfig, KvEventsSpec
 from gateway.health import Health
 from gateway.workers import DirectoryStatus, Worker, WorkerPool
-from globalkv.tasks import cancel_and_wait
 from kvplumbing.clock import Clock, Sleep
+from kvplumbing.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 

@@ -112,7 +112,7 @@ class Router:
         started = self._clock()
         try:
             # Not asyncio.wait_for: a task per lookup, and on Python 3.11 it can lose a
-            # cancellation (globalkv.tasks).
+            # cancellation (kvplumbing.tasks).
             async with asyncio.timeout(self._lookup_timeout):
                 result = await self._lookup.lookup(model, tokens)
         except (IndexUnavailable, TimeoutError) as exc:

@@ -33,8 +33,8 @@ from globalkv.ingest.podsync import PodSync
 from globalkv.ingest.service import IngestService
 from globalkv.metrics import IngestMetrics
 from globalkv.registry import MemoryRegistry, PodInfo, RedisRegistry, Registry
-from globalkv.tasks import cancel_and_wait
 from globalkv.tokenize import Tokenizer, load_tokenizer
+from kvplumbing.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from globalkv.ingest.config import EndpointRefused
 from globalkv.ingest.followed import TopicTaken
 from globalkv.ingest.service import IngestService
 from globalkv.registry import PodInfo, Registry
-from globalkv.tasks import cancel_and_wait
+from kvplumbing.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 

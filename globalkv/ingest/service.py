@@ -45,10 +45,10 @@ from globalkv.registry import (
     Registry,
     SourceProgress,
 )
-from globalkv.tasks import cancel_and_wait
 from globalkv.wire import Frame, WireError, decode_batch
 from kvplumbing.backoff import Backoff
 from kvplumbing.endpoints import offset_endpoint
+from kvplumbing.tasks import cancel_and_wait
 from kvplumbing.topics import parse_topic
 
 __all__ = ["IngestConfig", "IngestService"]  # the config lives in ingest.config, used with this

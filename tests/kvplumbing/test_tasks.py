@@ -14,7 +14,7 @@ from globalkv.index.base import IndexUnavailable
 from globalkv.index.memory import MemoryIndex
 from globalkv.indexer import Indexer, IndexerConfig
 from globalkv.registry import MemoryRegistry
-from globalkv.tasks import cancel_and_wait
+from kvplumbing.tasks import cancel_and_wait
 
 
 class _Call:

@@ -45,17 +45,14 @@ from pathlib import Path
 import httpx
 
 from bench.gateway_load import RunResult, run_load
+from kvplumbing.ports import unclaimed_ports
 
 HOST = "127.0.0.1"
 PROMPT = list(range(1000, 1064))
 
 
 def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
+    return unclaimed_ports(1)[0]
 
 
 @dataclass

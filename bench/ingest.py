@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,15 +44,14 @@ from globalkv.keys import BlockKey
 from globalkv.metrics import IngestMetrics
 from globalkv.registry import KvEventsConfig, MemoryRegistry, PodInfo
 from globalkv.wire import live_frames
+from kvplumbing.ports import unclaimed_ports
 
 BLOCK = 16
 CONVERSATIONS = 64
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    return unclaimed_ports(1)[0]
 
 
 def redis_benchmark_hset(port: int, requests: int = 1_000_000) -> float:

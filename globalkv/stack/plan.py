@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import socket
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 from globalkv.cli import parse
 from kvplumbing.auth import is_loopback
 from kvplumbing.environment import env_var_name
+from kvplumbing.ports import unclaimed_ports
 
 Role = Literal["indexer", "prefill", "decode", "gateway"]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
@@ -173,18 +173,12 @@ class Plan:
 
 
 def reserve_ports(count: int, host: str = LOOPBACK) -> list[int]:
-    """`count` distinct ports the kernel hands out now, released for the children to bind.
+    """`count` distinct ports free now, for the children to bind (`kvplumbing.ports`).
 
-    Another process could take one before its child binds it; that child then fails to
-    start and `LocalCluster.start` reports it with its log.
+    Another process could still name one before its child binds it; that child then fails
+    to start and `LocalCluster.start` reports it with its log.
     """
-    with contextlib.ExitStack() as stack:
-        ports = []
-        for _ in range(count):
-            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            sock.bind((host, 0))
-            ports.append(int(sock.getsockname()[1]))
-    return ports
+    return unclaimed_ports(count, host)
 
 
 def ports_needed(config: StackConfig) -> int:

@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections.abc import Awaitable, Callable
 
 import httpx
 
+from kvplumbing.ports import unclaimed_ports
+
 
 def free_port() -> int:
-    """A port the kernel just handed out on 127.0.0.1 and released."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A port free on 127.0.0.1 now, outside the range the kernel picks ports from."""
+    return unclaimed_ports(1)[0]
 
 
 def wait_for(condition: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:

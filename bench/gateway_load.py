@@ -54,23 +54,23 @@ class BadAnswer(Exception):
     pass
 
 
-async def _read_answer(reader: asyncio.StreamReader) -> int:
-    """Reads one response; returns its status."""
+async def read_answer(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+    """Reads one response (sized or chunked); returns its status and body."""
     head = await reader.readuntil(b"\r\n\r\n")
     status = int(head[9:12])
     lowered = head.lower()
     at = lowered.find(b"\r\ncontent-length:")
     if at >= 0:
         stop = lowered.find(b"\r\n", at + 2)
-        await reader.readexactly(int(lowered[at + 17 : stop]))
-        return status
+        return status, await reader.readexactly(int(lowered[at + 17 : stop]))
     if b"transfer-encoding: chunked" not in lowered:
         raise BadAnswer(f"neither content-length nor chunked: {head[:200]!r}")
+    pieces = []
     while True:
         size = int((await reader.readuntil(b"\r\n"))[:-2].split(b";")[0], 16)
-        await reader.readexactly(size + 2)
+        pieces.append((await reader.readexactly(size + 2))[:-2])
         if size == 0:
-            return status
+            return status, b"".join(pieces)
 
 
 async def _client(
@@ -89,7 +89,7 @@ async def _client(
             if began >= stop:
                 return errors, answers
             writer.write(payload)
-            status = await _read_answer(reader)
+            status, _ = await read_answer(reader)
             answers += 1
             if status != 200:
                 errors += 1

@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.gateway_load import read_answer, request_bytes
 from bench.redis_process import redis_server
 from globalkv.stack.cluster import LocalCluster, StackConfig
 
@@ -93,31 +94,6 @@ class Prompts:
         return kind, body
 
 
-def _request(host: str, port: int, body: dict[str, Any]) -> bytes:
-    payload = json.dumps(body).encode()
-    head = (
-        f"POST /generate HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: application/json\r\n"
-        f"content-length: {len(payload)}\r\n\r\n"
-    )
-    return head.encode() + payload
-
-
-async def _read_answer(reader: asyncio.StreamReader) -> tuple[int, bytes]:
-    head = await reader.readuntil(b"\r\n\r\n")
-    status = int(head[9:12])
-    lowered = head.lower()
-    at = lowered.find(b"\r\ncontent-length:")
-    if at >= 0:
-        stop = lowered.find(b"\r\n", at + 2)
-        return status, await reader.readexactly(int(lowered[at + 17 : stop]))
-    pieces = []
-    while True:
-        size = int((await reader.readuntil(b"\r\n"))[:-2].split(b";")[0], 16)
-        pieces.append((await reader.readexactly(size + 2))[:-2])
-        if size == 0:
-            return status, b"".join(pieces)
-
-
 def _detail(status: int, body: bytes) -> dict[str, Any]:
     """What the answer says about where the time went (JSON answer or SSE events)."""
     text = body.decode(errors="replace")
@@ -159,9 +135,9 @@ async def _client(
         for _ in quota:
             kind, body = prompts.next()
             start = time.perf_counter()
-            writer.write(_request(host, port, body))
+            writer.write(request_bytes(host, port, "/generate", json.dumps(body).encode()))
             try:
-                status, answer = await asyncio.wait_for(_read_answer(reader), args.client_timeout)
+                status, answer = await asyncio.wait_for(read_answer(reader), args.client_timeout)
             except TimeoutError:
                 out.append(
                     Outcome(

@@ -298,8 +298,15 @@ async def test_full_queue_on_the_bound_socket_drops_then_recovers(
     index.gate = asyncio.Event()
     for n in range(6):
         await pub.publish([store(n)])
-    await service.wait(Source("p"), lambda state: state.drops > 0)
+    source = Source("p")
+    await service.wait(source, lambda state: state.drops > 0)
+    worker = service.worker(source)
+    assert worker is not None
+    # All six must have reached the worker and the queue must have drained before the next
+    # batch is sent: a batch that meets a still-full queue is dropped too.
+    await service.wait(source, lambda state: worker.received >= 6)
     index.gate.set()
+    await service.flush()
     await pub.publish([store(6)])
     await service.applied(Source("p"), 6)
     assert sample(prom, "globalkv_ingest_dropped_total", reason="queue_full") >= 1

@@ -45,6 +45,12 @@ class EngineMetrics:
             "Output tokens produced.",
             registry=registry,
         )
+        self._timing(registry)
+        self._load_and_cache(registry)
+        self._events_and_transfers(registry)
+
+    def _timing(self, registry: CollectorRegistry) -> None:
+        """How long each step of a prompt took, the PD stages included."""
         self.queue_seconds = Histogram(
             "globalkv_engine_queue_seconds",
             "Time a prompt waited for its first prefill step.",
@@ -64,6 +70,9 @@ class EngineMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=registry,
         )
+
+    def _load_and_cache(self, registry: CollectorRegistry) -> None:
+        """What the engine holds now: work waiting, prompts running, pages cached."""
         self.queued_prefill_tokens = Gauge(
             "globalkv_engine_queued_prefill_tokens",
             "Prompt tokens left to prefill per DP rank (waiting requests: uncached on arrival).",
@@ -87,6 +96,9 @@ class EngineMetrics:
             ["dp_rank"],
             registry=registry,
         )
+
+    def _events_and_transfers(self, registry: CollectorRegistry) -> None:
+        """The KV-event stream, its replays and the handshake's dropped messages."""
         self.event_batches = Counter(
             "globalkv_engine_kv_event_batches_total",
             "KV-event batches by outcome: sent, or dropped by fault injection (still replayable).",

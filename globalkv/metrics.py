@@ -52,6 +52,11 @@ class IngestMetrics:
             ["reason"],
             registry=registry,
         )
+        self._recovery(registry)
+        self._flow(registry)
+
+    def _recovery(self, registry: CollectorRegistry) -> None:
+        """How lost events were recovered: gaps, replays, resets, resyncs after data loss."""
         self.gaps = Counter(
             "globalkv_ingest_gaps_total",
             "Seq gaps seen on a source's live stream.",
@@ -78,12 +83,6 @@ class IngestMetrics:
             ["pod", "reason"],
             registry=registry,
         )
-        self.queue_depth = Gauge(
-            "globalkv_ingest_queue_depth",
-            "Batches received and waiting to be applied, per source.",
-            ["pod", "dp_rank"],
-            registry=registry,
-        )
         self.index_unavailable = Counter(
             "globalkv_ingest_index_unavailable_total",
             "Apply attempts that found the index unreachable (the batch is held and retried).",
@@ -97,6 +96,15 @@ class IngestMetrics:
         self.resyncing = Gauge(
             "globalkv_ingest_resyncing_sources",
             "Sources still being rebuilt after the index lost its data (lookups answer 503).",
+            registry=registry,
+        )
+
+    def _flow(self, registry: CollectorRegistry) -> None:
+        """Where batches wait and how late they become visible."""
+        self.queue_depth = Gauge(
+            "globalkv_ingest_queue_depth",
+            "Batches received and waiting to be applied, per source.",
+            ["pod", "dp_rank"],
             registry=registry,
         )
         self.lag = Histogram(

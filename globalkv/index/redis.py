@@ -41,9 +41,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Mapping, Sequence
 from functools import lru_cache
 from typing import Any, cast
 
@@ -60,18 +58,13 @@ from globalkv.index.base import (
     SourceStats,
     Tier,
 )
+from globalkv.index.packing import EngineBlock
+from globalkv.index.redis_batch import Writer, apply_args, seq_ts
+from globalkv.index.redis_failures import reachable
 from globalkv.index.redis_keys import RedisKeys, check_layout, parse_source_name, source_name
-from globalkv.index.redis_scripts import (
-    APPLY,
-    DROP,
-    LOOKUP,
-    fingerprints,
-    log_delete,
-    log_put,
-    replay_log,
-)
+from globalkv.index.redis_scripts import APPLY, DROP, LOOKUP, replay_log
 from globalkv.index.scoring import TierWeights, make_hit, ranked
-from globalkv.index.state import BatchChanges, EngineBlock, SourceState
+from globalkv.index.state import SourceState
 from globalkv.keys import BlockKey, EngineHash
 
 log = logging.getLogger(__name__)
@@ -79,36 +72,6 @@ _DROP_CHUNK = 1000
 """Block keys per call of the drop script."""
 _LOG_READ = 64
 """Log entries per LRANGE when replaying a log."""
-_LOG_ENTRY = 4096
-"""Records per log entry (a snapshot of a large source is several entries)."""
-_LOG_SLACK = 1024
-"""Records a log may hold beyond twice the live blocks before it is compacted."""
-_UNAVAILABLE_REPLIES = ("OOM", "LOADING", "MASTERDOWN", "READONLY", "BUSY", "NOREPLICAS")
-
-
-@contextmanager
-def _reachable(what: str) -> Iterator[None]:
-    """Turn "Redis cannot answer" into IndexUnavailable; let real bugs through."""
-    try:
-        yield
-    except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
-        reason = f"{type(exc).__name__}: {exc}"  # redis-py's repr leaves out the message
-        raise IndexUnavailable(f"redis unreachable while {what}: {reason}") from exc
-    except redis_errors.ResponseError as exc:
-        if str(exc).startswith(_UNAVAILABLE_REPLIES):
-            raise IndexUnavailable(f"redis cannot serve {what}: {exc}") from exc
-        raise
-
-
-@dataclass(slots=True)
-class _Writer:
-    state: SourceState
-    gen: int | None
-    """The source's generation in Redis; None until its first batch creates it."""
-    version: int
-    """Batches applied to that generation (checked by the apply script)."""
-    log_records: int = 0
-    """Records in the generation's reverse log (it is compacted when it outgrows the state)."""
 
 
 class RedisIndex:
@@ -130,7 +93,7 @@ class RedisIndex:
         self.keys = RedisKeys(prefix)
         self._redis = redis
         self._weights = TierWeights(tier_weights)
-        self._writers: dict[Source, _Writer] = {}
+        self._writers: dict[Source, Writer] = {}
         self._locks: dict[Source, asyncio.Lock] = {}
         self._token: bytes | None = None
         self._layout_checked = False
@@ -141,11 +104,11 @@ class RedisIndex:
         if not keys:
             return []
         if not self._layout_checked:
-            with _reachable("checking the layout"):
+            with reachable("checking the layout"):
                 await check_layout(self._redis, self.keys)
             self._layout_checked = True
         head, digits = self.keys.chain(keys)
-        with _reachable("looking up"):
+        with reachable("looking up"):
             try:
                 rows, live = await self._lookup_round_trip(head, digits)
             except redis_errors.NoScriptError:
@@ -182,7 +145,7 @@ class RedisIndex:
         return ranked(hits)
 
     async def stats(self, pod: str | None = None) -> list[SourceStats]:
-        with _reachable("reading statistics"):
+        with reachable("reading statistics"):
             sources = await self._redis.hgetall(self.keys.sources)
             chosen = sorted((parse_source_name(_text(n)), int(g)) for n, g in sources.items())
             chosen = [(s, g) for s, g in chosen if pod is None or s.pod == pod]
@@ -203,10 +166,10 @@ class RedisIndex:
             changes = state.apply(batch.events, self.block_size, result)
             old = writer.gen
             try:
-                with _reachable("applying a batch"):
+                with reachable("applying a batch"):
                     target = await self._new_gen() if changes.cleared or old is None else None
-                    args, logged = self._apply_args(
-                        source, writer, changes, target, batch.seq, batch.ts
+                    args, logged = apply_args(
+                        self.keys, self._token, source, writer, changes, target, batch.seq, batch.ts
                     )
                     await self._run_apply(args)
             except BaseException:
@@ -226,29 +189,31 @@ class RedisIndex:
         async with self._lock(source):
             await self._ensure_marker()
             name = source_name(source)
-            with _reachable("resetting a source"):
+            with reachable("resetting a source"):
                 gen = await self._redis.hget(self.keys.sources, name)
                 info = {} if gen is None else await self._redis.hgetall(self.keys.info(int(gen)))
                 target = await self._new_gen()
             state = SourceState(epoch=target, resets=int(info.get(b"resets", 0)) + 1)
-            state.last_seq, state.last_ts = _seq_ts(info)
-            writer = _Writer(state, gen=None, version=0)
-            args, _ = self._apply_args(source, writer, None, target, state.last_seq, state.last_ts)
+            state.last_seq, state.last_ts = seq_ts(info)
+            writer = Writer(state, gen=None, version=0)
+            args, _ = apply_args(
+                self.keys, self._token, source, writer, None, target, state.last_seq, state.last_ts
+            )
             self._writers.pop(source, None)
-            with _reachable("resetting a source"):
+            with reachable("resetting a source"):
                 await self._run_apply(args)
-            self._writers[source] = _Writer(state, target, 1)
+            self._writers[source] = Writer(state, target, 1)
             await self._drop_dead_later_if_down()
 
     async def remove_pod(self, pod: str) -> None:
-        with _reachable("removing a pod"):
+        with reachable("removing a pod"):
             sources = await self._redis.hgetall(self.keys.sources)
         for raw_name, gen in sources.items():
             source = parse_source_name(_text(raw_name))
             if source.pod != pod:
                 continue
             async with self._lock(source):
-                with _reachable("removing a pod"):
+                with reachable("removing a pod"):
                     pipe = self._redis.pipeline(transaction=True)
                     pipe.hdel(self.keys.sources, raw_name)
                     pipe.hdel(self.keys.live, gen)
@@ -276,7 +241,7 @@ class RedisIndex:
         """Adopt the dataset's marker (creating it on an empty Redis) before writing."""
         if self._token is not None:
             return
-        with _reachable("reading the dataset marker"):
+        with reachable("reading the dataset marker"):
             await check_layout(self._redis, self.keys)
             self._layout_checked = True
             for _ in range(3):
@@ -289,21 +254,21 @@ class RedisIndex:
                 raise IndexUnavailable("redis keeps dropping the index's dataset marker")
         await self._drop_dead()  # left behind by a writer that stopped half-way
 
-    async def _writer(self, source: Source) -> _Writer:
+    async def _writer(self, source: Source) -> Writer:
         writer = self._writers.get(source)
         if writer is not None:
             return writer
         await self._ensure_marker()
-        with _reachable("loading a source"):
+        with reachable("loading a source"):
             raw_gen = await self._redis.hget(self.keys.sources, source_name(source))
             if raw_gen is None:
-                writer = _Writer(SourceState(), None, 0)
+                writer = Writer(SourceState(), None, 0)
             else:
                 writer = await self._load(int(raw_gen))
         self._writers[source] = writer
         return writer
 
-    async def _load(self, gen: int) -> _Writer:
+    async def _load(self, gen: int) -> Writer:
         info = await self._redis.hgetall(self.keys.info(gen))
         blocks: dict[EngineHash, EngineBlock] = {}
         records = 0
@@ -318,8 +283,8 @@ class RedisIndex:
         except ValueError as exc:
             raise IndexDataLost(f"generation {gen} has a corrupt reverse log: {exc}") from exc
         state = SourceState.restore(blocks.items(), epoch=gen, resets=int(info.get(b"resets", 0)))
-        state.last_seq, state.last_ts = _seq_ts(info)
-        return _Writer(state, gen, int(info.get(b"v", 0)), records)
+        state.last_seq, state.last_ts = seq_ts(info)
+        return Writer(state, gen, int(info.get(b"v", 0)), records)
 
     async def _log(self, gen: int) -> AsyncIterator[list[bytes]]:
         """A generation's reverse log, a few entries at a time."""
@@ -335,78 +300,6 @@ class RedisIndex:
 
     async def _new_gen(self) -> int:
         return await self._redis.incr(self.keys.next_gen)
-
-    def _apply_args(
-        self,
-        source: Source,
-        writer: _Writer,
-        changes: BatchChanges | None,
-        target: int | None,
-        seq: int | None,
-        ts: float | None,
-    ) -> tuple[list[Any], int]:
-        """ARGV of redis_apply.lua (its header names the positions), and how many records
-        the generation's log holds once the script ran."""
-        keys = self.keys
-        state = writer.state
-        gen = writer.gen
-        resetting = changes is None
-        args: list[Any] = [
-            keys.marker,
-            self._token,
-            keys.sources,
-            keys.live,
-            keys.dead,
-            source_name(source),
-            "*" if resetting else ("" if gen is None else gen),
-            "" if resetting or gen is None else writer.version,
-            "" if target is None else target,
-            "" if gen is None else keys.info(gen),
-        ]
-        writing = target if target is not None else gen
-        assert writing is not None
-        args += [keys.info(writing), keys.log(writing)]
-        fresh = target is not None
-        names: list[str] = []
-        values: list[str] = []
-        deltas: list[str] = []
-        records: list[bytes] = []
-        snapshot = False
-        if changes is not None:
-            prints = fingerprints(writing)
-            masks = state.masks
-            name_of = keys.block
-            for key, root in changes.keys.items():
-                old = 0 if fresh else changes.stored_mask(key)
-                new = masks.get(key, 0)
-                if old != new:
-                    names.append(name_of(root, key))
-                    values.append(str(prints[new]))
-                    deltas.append(str(prints[new] - prints[old]))
-            logged = 0 if fresh else writer.log_records
-            if logged + len(changes.blocks) > 2 * len(state.blocks) + _LOG_SLACK:
-                snapshot = True
-                records = [log_put(h, block) for h, block in state.engine_blocks()]
-            else:
-                for engine_hash in changes.blocks:
-                    block = state.engine_block(engine_hash)
-                    if block is not None:
-                        records.append(log_put(engine_hash, block))
-                    elif not fresh:
-                        records.append(log_delete(engine_hash))
-        entries = [
-            b"".join(records[i : i + _LOG_ENTRY]) for i in range(0, len(records), _LOG_ENTRY)
-        ]
-        args += (len(names), "\n".join(names), ",".join(values), ",".join(deltas))
-        args += ("1" if snapshot else "0", len(entries), *entries)
-        logged_after = len(records) if snapshot or fresh else writer.log_records + len(records)
-        counts = state.counts
-        args += (
-            "pod", source.pod, "dp", source.dp_rank, "resets", state.resets,
-            "seq", "" if seq is None else seq, "ts", "" if ts is None else repr(ts),
-            *(x for bit in sorted(counts) for x in (f"t{bit}", counts[bit])),
-        )  # fmt: skip
-        return args, logged_after
 
     async def _run_apply(self, args: list[Any]) -> None:
         status = await APPLY.run(self._redis, (), args)
@@ -428,7 +321,7 @@ class RedisIndex:
 
     async def _drop_dead(self) -> None:
         """Drop the blocks of every retired generation, in chunks, then the generation."""
-        with _reachable("dropping retired generations"):
+        with reachable("dropping retired generations"):
             for raw in await self._redis.smembers(self.keys.dead):
                 await self._drop_generation(int(raw))
 
@@ -462,13 +355,8 @@ def _text(raw: bytes | str) -> str:
     return raw.decode() if isinstance(raw, bytes) else raw
 
 
-def _seq_ts(info: Mapping[bytes | str, bytes | str]) -> tuple[int | None, float | None]:
-    seq, ts = info.get(b"seq", b""), info.get(b"ts", b"")
-    return (int(seq) if seq else None, float(ts) if ts else None)
-
-
 def _stats(source: Source, gen: int, info: Mapping[bytes | str, bytes | str]) -> SourceStats:
-    last_seq, last_ts = _seq_ts(info)
+    last_seq, last_ts = seq_ts(info)
     return SourceStats(
         source=source,
         epoch=gen,

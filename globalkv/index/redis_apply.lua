@@ -3,7 +3,7 @@
 -- restarted empty or was flushed), and 'stale' when the source's generation or batch
 -- count is not what the writer holds (Redis lost recent writes, or two writers).
 --
--- ARGV (built by RedisIndex._apply_args; names from globalkv/index/redis_keys.py):
+-- ARGV (built by redis_batch.apply_args; names from globalkv/index/redis_keys.py):
 --   1-5   marker key, the writer's marker token, sources hash, live hash, dead set
 --   6     source name
 --   7     generation the writer holds: a number, '' (none yet) or '*' (a reset: any)

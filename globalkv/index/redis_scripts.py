@@ -24,8 +24,8 @@ import redis.asyncio as aioredis
 import xxhash
 from redis import exceptions as redis_errors
 
+from globalkv.index.packing import EngineBlock
 from globalkv.index.scoring import ALL_TIERS
-from globalkv.index.state import EngineBlock
 from globalkv.keys import BlockKey, EngineHash
 
 

@@ -17,11 +17,7 @@ it, the tier mask of every key the source holds:
   stored again under another hash); a key stays held in a tier while any of them holds
   it there, so a remove never hides a block the source still has.
 
-Nothing per block is an object the garbage collector tracks: an indexer holds millions of
-blocks, and one tuple per block made every full collection walk all of them (45-60 ms
-pauses in lookups). Every map is int -> int, and an engine block is one int
-(`pack_block`): its tiers, chain root and last key, plus its other keys when it spans
-several index blocks.
+Every map is int -> int, and an engine block is one int (`packing.py` says why).
 
 A batch is atomic: `apply` records enough to `rollback` an exception half-way, and
 reports what changed (`BatchChanges`) for the backend to store.
@@ -29,9 +25,8 @@ reports what changed (`BatchChanges`) for the backend to store.
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import NamedTuple, TypeVar
+from typing import TypeVar
 
 from globalkv.index.base import (
     ApplyResult,
@@ -39,50 +34,20 @@ from globalkv.index.base import (
     IndexEvent,
     RemoveBlocks,
     StoreBlocks,
-    Tier,
+)
+from globalkv.index.packing import (
+    KEY_MASK,
+    LAST_AT,
+    ROOT_AT,
+    TIER_BITS,
+    EngineBlock,
+    block_keys,
+    pack_block,
+    unpack_block,
 )
 from globalkv.keys import BlockKey, EngineHash, chain_keys, token_bytes
 
-TIER_BITS: tuple[int, ...] = tuple(int(t) for t in Tier)
-_KEY = (1 << 64) - 1
-_ROOT_AT = 3
-_LAST_AT = 67
-_REST_AT = 131
 _T = TypeVar("_T")
-
-
-class EngineBlock(NamedTuple):
-    """One engine block, unpacked: what the Redis reverse log records."""
-
-    keys: tuple[BlockKey, ...]
-    root: BlockKey
-    """First key of the chain; Redis tags block keys with it so a chain shares a slot."""
-    tiers: int
-
-
-def pack_block(block: EngineBlock) -> int:
-    """`tiers | root << 3 | last key << 67`, and for k > 1 keys the first k - 1 above bit
-    131 under a marker bit (a key may be 0, so the marker tells how many there are)."""
-    keys = block.keys
-    word = block.tiers | block.root << _ROOT_AT | keys[-1] << _LAST_AT
-    if len(keys) > 1:
-        rest = struct.pack(f"<{len(keys) - 1}Q", *keys[:-1]) + b"\x01"
-        word |= int.from_bytes(rest, "little") << _REST_AT
-    return word
-
-
-def block_keys(word: int) -> tuple[BlockKey, ...]:
-    last = BlockKey(word >> _LAST_AT & _KEY)
-    rest = word >> _REST_AT
-    if not rest:
-        return (last,)
-    count = (rest.bit_length() - 1) // 64
-    others = (rest ^ 1 << 64 * count).to_bytes(8 * count, "little")
-    return (*struct.unpack(f"<{count}Q", others), last)
-
-
-def unpack_block(word: int) -> EngineBlock:
-    return EngineBlock(block_keys(word), BlockKey(word >> _ROOT_AT & _KEY), word & 7)
 
 
 class BatchChanges:
@@ -247,7 +212,7 @@ class SourceState:
             if parent_word is None:
                 result.orphans += count
                 return
-            parent, root = parent_word >> _LAST_AT & _KEY, parent_word >> _ROOT_AT & _KEY
+            parent, root = parent_word >> LAST_AT & KEY_MASK, parent_word >> ROOT_AT & KEY_MASK
         try:
             data = token_bytes(event.token_ids)
         except (ValueError, TypeError):  # ids outside u32: the wire should have refused them
@@ -263,20 +228,20 @@ class SourceState:
         block_before = changes.blocks.setdefault
         mask_before = changes.masks_before.setdefault
         changed = changes.keys
-        high = 0 if root is None else bit | root << _ROOT_AT
+        high = 0 if root is None else bit | root << ROOT_AT
         added = stored = 0
         for j, engine_hash in enumerate(hashes):
             word = known_block(engine_hash)
             if word is not None:
-                last = word >> _LAST_AT & _KEY
+                last = word >> LAST_AT & KEY_MASK
                 if last != keys[(j + 1) * per_block - 1] and j + 1 < count:
                     # Stored earlier under another chain: children follow the stored keys.
                     stride = event.block_size * 4
                     keys[(j + 1) * per_block :] = chain_keys(
                         BlockKey(last), data[(j + 1) * stride :], block_size
                     )
-                root = word >> _ROOT_AT & _KEY
-                high = bit | root << _ROOT_AT
+                root = word >> ROOT_AT & KEY_MASK
+                high = bit | root << ROOT_AT
                 if not word & bit:
                     added += self._hold(block_keys(word), BlockKey(root), bit, changes)
                     block_before(engine_hash, word)
@@ -287,7 +252,7 @@ class SourceState:
                 key = keys[j]
                 if root is None:
                     root = key
-                    high = bit | key << _ROOT_AT
+                    high = bit | key << ROOT_AT
                 mask = held(key, 0)
                 if max_keys is not None and not mask and len(masks) >= max_keys:
                     result.over_capacity += count - j
@@ -300,12 +265,12 @@ class SourceState:
                     changed[key] = root  # type: ignore[assignment]
                     added += 1
                 block_before(engine_hash, None)
-                blocks[engine_hash] = high | key << _LAST_AT
+                blocks[engine_hash] = high | key << LAST_AT
             else:
                 new = tuple(keys[j * per_block : (j + 1) * per_block])
                 if root is None:
                     root = new[0]
-                    high = bit | root << _ROOT_AT
+                    high = bit | root << ROOT_AT
                 if max_keys is not None:
                     fresh = sum(1 for key in new if key not in masks)
                     if fresh and len(masks) + fresh > max_keys:
@@ -326,7 +291,7 @@ class SourceState:
             word = blocks.get(engine_hash)
             if word is None or not word & bit:
                 continue
-            root = BlockKey(word >> _ROOT_AT & _KEY)
+            root = BlockKey(word >> ROOT_AT & KEY_MASK)
             released += self._release(block_keys(word), root, bit, changes)
             changes.blocks.setdefault(engine_hash, word)
             if word & 7 == bit:

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from globalkv.index import state as state_module
 from globalkv.index.base import ApplyResult, IndexEvent, Tier
 from globalkv.index.memory import MemoryIndex
-from globalkv.index.state import EngineBlock, SourceState, pack_block, unpack_block
+from globalkv.index.packing import EngineBlock, pack_block, unpack_block
+from globalkv.index.state import SourceState
 from globalkv.keys import BlockKey
 from tests.index.conftest import Backend
 from tests.index.events import BS, P0, P1, Feeder, clear, depths, keys, remove, store, tokens

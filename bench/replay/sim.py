@@ -10,7 +10,7 @@ index `event_delay_s` later; the prefill's load ends when it answers (compute + 
 transfer) and the decode's when the last output token is out.
 
 Requests arriving at the same instant are all admitted before an idle pod plans its next
-step (a `_KICK` at that instant), as the engine's loop batches what arrived while it
+step (a kick at that instant), as the engine's loop batches what arrived while it
 slept. Simulated time runs in wall seconds of the configured `time_scale`, the clock a live run
 has, so the policies see the same `now`; the record converts back to trace seconds.
 """
@@ -20,8 +20,8 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import IntEnum
 from random import Random
 
 from bench.replay.config import ReplaySettings, ResolvedCluster
@@ -36,8 +36,6 @@ from gateway.policies.pending import PendingPrefixes
 from globalkv.index.base import ApplyResult, SourceBatch
 from globalkv.index.memory import MemoryIndex
 from globalkv.lookup import IndexLookup
-
-_INDEX, _KICK, _STEP, _ANSWERED, _DECODED = range(5)
 
 
 def prefill_names(count: int) -> list[str]:
@@ -69,11 +67,79 @@ def make_policies(settings: ReplaySettings, name: PolicyName) -> tuple[Policy, P
     return prefill, decode
 
 
+class _Kind(IntEnum):
+    """What an event does; at equal instants events run in this order (the heap breaks
+    ties by kind, then by push order)."""
+
+    INDEX = 0  # a prefill's KV events reach the index
+    KICK = 1  # a pod that may be idle plans its next step
+    STEP_END = 2  # a pod's step is over
+    ANSWERED = 3  # a prefill answered: its load ends
+    DECODED = 4  # the last output token is out: the decode's load ends
+
+
+class _Clock:
+    """The simulated now, which `LoadTracker` reads."""
+
+    __slots__ = ("now",)
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def read(self) -> float:
+        return self.now
+
+
+class _Events:
+    """The pending events, earliest first."""
+
+    __slots__ = ("_heap", "_order")
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, _Kind, int, object]] = []
+        self._order = itertools.count()
+
+    def __bool__(self) -> bool:
+        return bool(self._heap)
+
+    def next_at(self) -> float:
+        return self._heap[0][0]
+
+    def push(self, at: float, kind: _Kind, payload: object) -> None:
+        heapq.heappush(self._heap, (at, kind, next(self._order), payload))
+
+    def pop(self) -> tuple[float, _Kind, object]:
+        at, kind, _, payload = heapq.heappop(self._heap)
+        return at, kind, payload
+
+
 @dataclass(slots=True)
 class _InFlight:
     prefill: LoadTicket
     decode: LoadTicket
     output_length: int
+
+
+@dataclass(slots=True)
+class _Rates:
+    """The cluster's rates in wall seconds of the time scale."""
+
+    transfer_tokens_per_s: float | None
+    decode_interval_s: float
+    event_delay_s: float
+
+    @classmethod
+    def of(cls, cluster: ResolvedCluster, scale: float) -> _Rates:
+        transfer = cluster.kv_transfer_tokens_per_s
+        return cls(
+            transfer_tokens_per_s=None if transfer is None else transfer / scale,
+            decode_interval_s=scale / cluster.decode_tokens_per_s,
+            event_delay_s=cluster.event_delay_s * scale,
+        )
+
+    def transfer_s(self, tokens: int) -> float:
+        rate = self.transfer_tokens_per_s
+        return 0.0 if rate is None else tokens / rate
 
 
 @dataclass(slots=True)
@@ -109,145 +175,151 @@ class Simulation:
         }
 
     async def run(self) -> RunRecord:
-        settings, c, scale = self.settings, self.cluster, self.settings.time_scale
-        policy, decode_policy = make_policies(settings, self.policy_name)
-        clock = [0.0]
-        grace = settings.prefix.pending_grace_secs
-        loads = LoadTracker(
-            pending=None if grace is None else PendingPrefixes(grace * scale),
-            clock=lambda: clock[0],
-        )
-        lookup = IndexLookup(self.index)
-        uses_index = policy.name == "prefix"
-        requests = self.trace.requests
-        arrivals = [t * scale for t in arrival_times(requests, settings.arrivals)]
-        record = RunRecord.empty(self.policy_name, len(requests), scale)
-        prefills, decodes = list(self.pods), decode_names(c.decode_pods)
-        transfer_rate = (
-            None if c.kv_transfer_tokens_per_s is None else c.kv_transfer_tokens_per_s / scale
-        )
-        decode_interval = scale / c.decode_tokens_per_s
-        delay = c.event_delay_s * scale
-        events: list[tuple[float, int, int, object]] = []
-        order = itertools.count()
-        flights: dict[int, _InFlight] = {}
-        started_wall = time.perf_counter()
+        replay = _Run(self, time.perf_counter())
+        await replay.run_to_end()
+        self.report_progress(replay.total, replay)
+        return replay.record
 
-        def push(at: float, kind: int, payload: object) -> None:
-            heapq.heappush(events, (at, kind, next(order), payload))
-
-        async def deliver(batch: SourceBatch) -> None:
-            result = await self.index.apply(batch)
-            totals = self.apply_totals
-            totals.stored += result.stored
-            totals.removed += result.removed
-            totals.orphans += result.orphans
-            totals.partial += result.partial
-            totals.over_capacity += result.over_capacity
-            totals.invalid += result.invalid
-
-        async def finished(done: Finished) -> None:
-            job, end = done.job, done.end
-            if done.batch is not None:
-                if delay == 0:
-                    await deliver(done.batch)
-                else:
-                    push(end + delay, _INDEX, done.batch)
-            flight = flights[job.request]
-            transfer = 0.0 if transfer_rate is None else len(job.tokens) / transfer_rate
-            assert job.started is not None
-            record.served(
-                job.request,
-                cached=job.cached,
-                queue=job.started - job.arrived,
-                prefill=end - job.started,
-                ttft=end + transfer - job.arrived,
-            )
-            push(end + transfer, _ANSWERED, job.request)
-            last_token = max(flight.output_length - 1, 0) * decode_interval
-            push(end + transfer + last_token, _DECODED, job.request)
-
-        async def step_end(pod: PrefillPod, now: float) -> None:
-            for done in pod.end_step(now):
-                await finished(done)
-            following = pod.start_step(now)
-            if following is not None:
-                push(following, _STEP, pod)
-
-        async def arrive(i: int, now: float) -> None:
-            req = requests[i]
-            tokens = expand(req.hash_ids, req.input_length, c.block_size, settings.vocab)
-            answer = await lookup.lookup(settings.model, tokens) if uses_index else None
-            keys = () if answer is None else answer.keys
-            request = RouteRequest(
-                tokens=tokens, lookup=answer, now=now, pending=loads.pending_blocks(keys)
-            )
-            choice = policy.choose(request, loads.candidates(prefills))
-            decode = decode_policy.choose(request, loads.candidates(decodes)).worker
-            flights[i] = _InFlight(
-                loads.start(
-                    choice.worker, choice.uncached_tokens, keys, cached_tokens=choice.hit_tokens
-                ),
-                loads.start(decode),
-                settings.output_tokens(req.output_length),
-            )
-            indexed = (
-                None if answer is None else max((p.hit_tokens for p in answer.pods), default=0)
-            )
-            record.routed(
-                i,
-                now,
-                choice,
-                tokens=len(tokens),
-                output=flights[i].output_length,
-                indexed_hit=indexed,
-            )
-            pod = self.pods[choice.worker]
-            pod.admit(i, tokens, now)
-            push(now, _KICK, pod)
-
-        next_arrival = 0
-        total = len(arrivals)
-        while next_arrival < total or events:
-            if next_arrival < total and (not events or arrivals[next_arrival] <= events[0][0]):
-                clock[0] = arrivals[next_arrival]
-                await arrive(next_arrival, arrivals[next_arrival])
-                next_arrival += 1
-                if self.progress is not None and next_arrival % 250 == 0:
-                    self.progress(self._progress(next_arrival, total, started_wall, arrivals))
-                continue
-            now, kind, _, payload = heapq.heappop(events)
-            clock[0] = now
-            if kind == _INDEX:
-                assert isinstance(payload, SourceBatch)
-                await deliver(payload)
-            elif kind == _KICK:
-                assert isinstance(payload, PrefillPod)
-                end = payload.start_step(now)
-                if end is not None:
-                    push(end, _STEP, payload)
-            elif kind == _STEP:
-                assert isinstance(payload, PrefillPod)
-                await step_end(payload, now)
-            elif kind == _ANSWERED:
-                assert isinstance(payload, int)
-                loads.finish(flights[payload].prefill)
-            else:
-                assert isinstance(payload, int)
-                flight = flights.pop(payload)
-                loads.finish(flight.decode)
-                record.decoded(payload, now)
-        record.close(
-            [pod.stats() for pod in self.pods.values()],
-            index_counts(self.apply_totals),
-            wall_s=time.perf_counter() - started_wall,
-        )
-        if self.progress is not None:
-            self.progress(self._progress(total, total, started_wall, arrivals))
-        return record
-
-    def _progress(
-        self, done: int, total: int, started: float, arrivals: Sequence[float]
-    ) -> Progress:
+    def report_progress(self, done: int, replay: _Run) -> None:
+        if self.progress is None:
+            return
+        arrivals = replay.arrivals
         sim_now = arrivals[done - 1] / self.settings.time_scale if done else 0.0
-        return Progress(self.policy_name, done, total, sim_now, time.perf_counter() - started)
+        wall = time.perf_counter() - replay.started_wall
+        self.progress(Progress(self.policy_name, done, replay.total, sim_now, wall))
+
+
+class _Run:
+    """The state of one replay: the gateway's objects, the pods' events, the record."""
+
+    def __init__(self, sim: Simulation, started_wall: float) -> None:
+        settings, c, scale = sim.settings, sim.cluster, sim.settings.time_scale
+        self.sim, self.settings, self.started_wall = sim, settings, started_wall
+        self.policy, self.decode_policy = make_policies(settings, sim.policy_name)
+        self.clock = _Clock()
+        grace = settings.prefix.pending_grace_secs
+        self.loads = LoadTracker(
+            pending=None if grace is None else PendingPrefixes(grace * scale),
+            clock=self.clock.read,
+        )
+        self.lookup = IndexLookup(sim.index)
+        self.uses_index = self.policy.name == "prefix"
+        self.requests = sim.trace.requests
+        self.arrivals = [t * scale for t in arrival_times(self.requests, settings.arrivals)]
+        self.total = len(self.arrivals)
+        self.record = RunRecord.empty(sim.policy_name, len(self.requests), scale)
+        self.prefills, self.decodes = list(sim.pods), decode_names(c.decode_pods)
+        self.rates = _Rates.of(c, scale)
+        self.events = _Events()
+        self.flights: dict[int, _InFlight] = {}
+
+    async def run_to_end(self) -> None:
+        """Arrivals and events in time order; an arrival goes before events at its instant."""
+        next_arrival, events = 0, self.events
+        while next_arrival < self.total or events:
+            if next_arrival < self.total and (
+                not events or self.arrivals[next_arrival] <= events.next_at()
+            ):
+                self.clock.now = self.arrivals[next_arrival]
+                await self.arrive(next_arrival, self.clock.now)
+                next_arrival += 1
+                if next_arrival % 250 == 0:
+                    self.sim.report_progress(next_arrival, self)
+                continue
+            now, kind, payload = events.pop()
+            self.clock.now = now
+            await self.handle(now, kind, payload)
+        self.record.close(
+            [pod.stats() for pod in self.sim.pods.values()],
+            index_counts(self.sim.apply_totals),
+            wall_s=time.perf_counter() - self.started_wall,
+        )
+
+    async def handle(self, now: float, kind: _Kind, payload: object) -> None:
+        if kind is _Kind.INDEX:
+            assert isinstance(payload, SourceBatch)
+            await self.deliver(payload)
+        elif kind is _Kind.KICK:
+            assert isinstance(payload, PrefillPod)
+            self.start_step(payload, now)
+        elif kind is _Kind.STEP_END:
+            assert isinstance(payload, PrefillPod)
+            await self.step_end(payload, now)
+        elif kind is _Kind.ANSWERED:
+            assert isinstance(payload, int)
+            self.loads.finish(self.flights[payload].prefill)
+        else:
+            assert isinstance(payload, int)
+            flight = self.flights.pop(payload)
+            self.loads.finish(flight.decode)
+            self.record.decoded(payload, now)
+
+    async def arrive(self, i: int, now: float) -> None:
+        """Route request `i` as the gateway does and admit it to the chosen prefill."""
+        req, settings = self.requests[i], self.settings
+        tokens = expand(req.hash_ids, req.input_length, self.sim.cluster.block_size, settings.vocab)
+        answer = await self.lookup.lookup(settings.model, tokens) if self.uses_index else None
+        keys = () if answer is None else answer.keys
+        request = RouteRequest(
+            tokens=tokens, lookup=answer, now=now, pending=self.loads.pending_blocks(keys)
+        )
+        choice = self.policy.choose(request, self.loads.candidates(self.prefills))
+        decode = self.decode_policy.choose(request, self.loads.candidates(self.decodes)).worker
+        flight = _InFlight(
+            self.loads.start(
+                choice.worker, choice.uncached_tokens, keys, cached_tokens=choice.hit_tokens
+            ),
+            self.loads.start(decode),
+            settings.output_tokens(req.output_length),
+        )
+        self.flights[i] = flight
+        indexed = None if answer is None else max((p.hit_tokens for p in answer.pods), default=0)
+        self.record.routed(
+            i, now, choice, tokens=len(tokens), output=flight.output_length, indexed_hit=indexed
+        )
+        pod = self.sim.pods[choice.worker]
+        pod.admit(i, tokens, now)
+        self.events.push(now, _Kind.KICK, pod)
+
+    def start_step(self, pod: PrefillPod, now: float) -> None:
+        end = pod.start_step(now)
+        if end is not None:
+            self.events.push(end, _Kind.STEP_END, pod)
+
+    async def step_end(self, pod: PrefillPod, now: float) -> None:
+        for done in pod.end_step(now):
+            await self.finished(done)
+        self.start_step(pod, now)
+
+    async def finished(self, done: Finished) -> None:
+        """A prompt's prefill is over: its events go to the index, its answer and last
+        token are scheduled."""
+        job, end = done.job, done.end
+        if done.batch is not None:
+            if self.rates.event_delay_s == 0:
+                await self.deliver(done.batch)
+            else:
+                self.events.push(end + self.rates.event_delay_s, _Kind.INDEX, done.batch)
+        flight = self.flights[job.request]
+        transfer = self.rates.transfer_s(len(job.tokens))
+        assert job.started is not None
+        self.record.served(
+            job.request,
+            cached=job.cached,
+            queue=job.started - job.arrived,
+            prefill=end - job.started,
+            ttft=end + transfer - job.arrived,
+        )
+        self.events.push(end + transfer, _Kind.ANSWERED, job.request)
+        last_token = max(flight.output_length - 1, 0) * self.rates.decode_interval_s
+        self.events.push(end + transfer + last_token, _Kind.DECODED, job.request)
+
+    async def deliver(self, batch: SourceBatch) -> None:
+        result = await self.sim.index.apply(batch)
+        totals = self.sim.apply_totals
+        totals.stored += result.stored
+        totals.removed += result.removed
+        totals.orphans += result.orphans
+        totals.partial += result.partial
+        totals.over_capacity += result.over_capacity
+        totals.invalid += result.invalid

@@ -2,6 +2,11 @@
 
     python -m bench.gateway [--sglang-router-python PATH] [--repeats 5] [--output FILE]
         [--ceilings asgi,raw,proxy] [--granian rsgi,bare] [--variant LABEL=DIR …]
+    python -m bench.gateway --engine vllm [--smg-python PATH] …
+
+With `--engine vllm` the pairs are vLLM workers and the routers run in their vLLM PD modes
+(`bench.gateway_vllm`); smg's columns appear when `--smg-python` names an interpreter with
+`smg` installed.
 
 Two prefill and two decode mocks (`bench.gateway_mocks`, answers prebuilt, one process)
 sit behind each router; the load generator (`bench.gateway_load`) calls the decode mock
@@ -44,6 +49,7 @@ from pathlib import Path
 
 import httpx
 
+from bench import gateway_vllm
 from bench.gateway_load import RunResult, run_load
 from kvplumbing.ports import unclaimed_ports
 
@@ -150,8 +156,14 @@ def _body(stream: bool) -> bytes:
 
 
 async def measure(
-    targets: dict[str, Target], concurrencies: Sequence[int], repeats: int, duration: float
+    targets: dict[str, Target],
+    concurrencies: Sequence[int],
+    repeats: int,
+    duration: float,
+    vllm: bool = False,
 ) -> dict[Key, Cell]:
+    path = gateway_vllm.PATH if vllm else "/generate"
+    make_body = gateway_vllm.body if vllm else _body
     cells: dict[Key, Cell] = {}
     names = list(targets)
     for rep in range(repeats):
@@ -164,8 +176,8 @@ async def measure(
                     result = await run_load(
                         HOST,
                         target.port,
-                        "/generate",
-                        _body(stream),
+                        path,
+                        make_body(stream),
                         concurrency=concurrency,
                         duration=duration,
                     )
@@ -216,17 +228,20 @@ def cluster(args: argparse.Namespace, logs: Path) -> Iterator[dict[str, Target]]
     pin = (os.cpu_count() or 1) >= 2 and not args.no_pin
     router_cpus, load_cpus = ({1}, {0}) if pin else (None, None)
     prefills, decodes = [_free_port(), _free_port()], [_free_port(), _free_port()]
+    vllm = args.engine == "vllm"
+    ports = (
+        gateway_vllm.mock_ports(prefills, decodes) if vllm else list(map(str, prefills + decodes))
+    )
+    path = gateway_vllm.PATH if vllm else "/generate"
     children: list[Child] = []
     try:
-        mocks = _spawn(
-            "mocks",
-            [sys.executable, "-m", "bench.gateway_mocks", *map(str, prefills + decodes)],
-            load_cpus,
-            logs,
-        )
+        mocks_argv = [sys.executable, "-m", "bench.gateway_mocks", *ports]
+        mocks = _spawn("mocks", mocks_argv, load_cpus, logs)
         children.append(mocks)
-        probe = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1}}
-        _wait_ok(mocks, f"http://{HOST}:{decodes[0]}/generate", probe)
+        probe: dict[str, object] = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1}}
+        if vllm:
+            probe = json.loads(gateway_vllm.body(False, 1))
+        _wait_ok(mocks, f"http://{HOST}:{decodes[0]}{path}", probe)
         targets = {"direct": Target(decodes[0], None)}
         ours = [sys.executable, "-m", "globalkv", "gateway"]
         ours_flags = ["--prometheus-port", "0", "--router-log-level", "warn"]
@@ -237,7 +252,11 @@ def cluster(args: argparse.Namespace, logs: Path) -> Iterator[dict[str, Target]]
         }
         for label, path in args.variant:
             routers[label] = (ours, ours_flags, path)
-        if args.sglang_router_python:
+        if vllm and args.smg_python:
+            command = [args.smg_python, "-m", "smg.launch_router"]
+            extra = ["--prometheus-port", str(_free_port()), "--log-level", "warn"]
+            routers["smg"] = (command, extra, None)
+        if args.sglang_router_python and not vllm:
             command = [args.sglang_router_python, "-m", "sglang_router.launch_router"]
             extra = ["--prometheus-port", str(_free_port()), "--log-level", "warn"]
             routers["sglang-router"] = (command, extra, None)
@@ -249,10 +268,13 @@ def cluster(args: argparse.Namespace, logs: Path) -> Iterator[dict[str, Target]]
             routers[f"{mode}-ceiling"] = (ceiling, [], None)
         for name, (command, extra, cwd) in routers.items():
             port = _free_port()
-            argv = router_argv(command, prefills, decodes, port) + extra
+            plan = router_argv
+            if vllm:
+                plan = gateway_vllm.smg_argv if name == "smg" else gateway_vllm.globalkv_argv
+            argv = plan(command, prefills, decodes, port) + extra
             child = _spawn(name, argv, router_cpus, logs, cwd)
             children.append(child)
-            _wait_ok(child, f"http://{HOST}:{port}/generate", probe)
+            _wait_ok(child, f"http://{HOST}:{port}{path}", probe)
             targets[name] = Target(port, child.popen.pid)
         if load_cpus is not None:
             os.sched_setaffinity(0, load_cpus)
@@ -272,6 +294,13 @@ def _variant(value: str) -> tuple[str, str]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.gateway", description=__doc__)
     parser.add_argument("--sglang-router-python", help="interpreter with sglang_router")
+    parser.add_argument(
+        "--engine",
+        choices=["sglang", "vllm"],
+        default="sglang",
+        help="the workers' PD protocol (vllm: vLLM mocks, routers in vLLM PD mode)",
+    )
+    parser.add_argument("--smg-python", help="interpreter with smg (with --engine vllm)")
     parser.add_argument("--concurrency", default="1,16,64", help="comma-separated levels")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved repetitions")
     parser.add_argument("--duration", type=float, default=2.0, help="seconds per run")
@@ -304,12 +333,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.sglang_router_python and not Path(args.sglang_router_python).is_file():
         print(f"no interpreter at {args.sglang_router_python}: sglang-router skipped")
         args.sglang_router_python = None
+    if args.smg_python and not Path(args.smg_python).is_file():
+        print(f"no interpreter at {args.smg_python}: smg skipped")
+        args.smg_python = None
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     args.logs.mkdir(parents=True, exist_ok=True)
     import uvloop
 
     with cluster(args, args.logs) as targets:
-        cells = uvloop.run(measure(targets, concurrencies, args.repeats, args.duration))
+        cells = uvloop.run(
+            measure(targets, concurrencies, args.repeats, args.duration, args.engine == "vllm")
+        )
     routers = [name for name in targets if name != "direct"]
     pinned = (
         "routers on CPU 1, mocks and load on CPU 0"

@@ -4,7 +4,7 @@ Raw asyncio protocols on uvloop, every answer prebuilt bytes: the cost a worker 
 a measurement should be as close to nothing as a Python process allows, and identical
 for every router measured against it. One process serves every port given:
 
-    python -m bench.gateway_mocks PORT [PORT ...]
+    python -m bench.gateway_mocks [vllm-prefill:|vllm-decode:]PORT ...
 
 What each port answers (prefill and decode alike, so a router may use either role):
 - `POST` any path: an SGLang `/generate`-style JSON answer, or with `"stream": true` in
@@ -12,6 +12,10 @@ What each port answers (prefill and decode alike, so a router may use either rol
 - `GET /health`: 200; `GET /server_info`, `/get_server_info`, `/get_model_info`: a small
   JSON object; `GET /route?…` (the bootstrap topology snapshot): a ready SGLang 0.5.23
   snapshot, so a router that reads the directory sees it complete; anything else 404.
+A port given as `vllm-prefill:PORT` or `vllm-decode:PORT` is a vLLM worker instead: every
+`POST` to a prefill answers an OpenAI completion with `kv_transfer_params` (what vLLM's
+NIXL connector returns), a decode answers an OpenAI completion or, streamed, an SSE stream
+of `STREAM_EVENTS` chunks; `GET /v1/models` says `owned_by: vllm`, `GET /version` answers.
 Keep-alive HTTP/1.1; request bodies are framed by Content-Length.
 """
 
@@ -20,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from collections.abc import Callable
 from typing import cast
 
 STREAM_EVENTS = 8
@@ -78,12 +83,76 @@ def _stream() -> bytes:
     return head + b"".join(_chunk(e) for e in [*events, b"data: [DONE]\n\n"]) + b"0\r\n\r\n"
 
 
+def _completion(**extra: object) -> bytes:
+    body = {
+        "id": "cmpl-mock",
+        "object": "text_completion",
+        "created": 0,
+        "model": "mock",
+        "choices": [{"index": 0, "text": " the mock answer", "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 64, "completion_tokens": 4, "total_tokens": 68},
+        **extra,
+    }
+    return json.dumps(body).encode()
+
+
+_PARAMS = {
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_engine_id": "mock-engine",
+    "remote_request_id": "mock-request",
+    "remote_block_ids": [0, 1, 2, 3],
+    "remote_host": "127.0.0.1",
+    "remote_port": 5600,
+    "tp_size": 1,
+}
+
+
+def _completion_stream() -> bytes:
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
+    head += b"transfer-encoding: chunked\r\n\r\n"
+    chunk = {"id": "cmpl-mock", "object": "text_completion", "model": "mock"}
+    events = [
+        b"data: "
+        + json.dumps(
+            {**chunk, "choices": [{"index": 0, "text": "x", "finish_reason": None}]}
+        ).encode()
+        + b"\n\n"
+        for _ in range(STREAM_EVENTS)
+    ]
+    return head + b"".join(_chunk(e) for e in [*events, b"data: [DONE]\n\n"]) + b"0\r\n\r\n"
+
+
 ANSWER = _whole(b"200 OK", _ANSWER)
+VLLM_PREFILL = _whole(b"200 OK", _completion(kv_transfer_params=_PARAMS))
+VLLM_DECODE = _whole(b"200 OK", _completion(kv_transfer_params=None))
+VLLM_STREAM = _completion_stream()
+VLLM_MODELS = _whole(
+    b"200 OK",
+    json.dumps({"object": "list", "data": [{"id": "mock", "owned_by": "vllm"}]}).encode(),
+)
+VLLM_VERSION = _whole(b"200 OK", b'{"version": "mock"}')
 STREAM = _stream()
 HEALTH = _whole(b"200 OK", b"OK", b"text/plain")
 INFO = _whole(b"200 OK", b'{"model_path": "mock", "is_generation": true}')
 TOPOLOGY = _whole(b"200 OK", _TOPOLOGY)
 NOT_FOUND = _whole(b"404 Not Found", b'{"detail": "Not Found"}')
+
+
+def vllm_answer_for(role: str, method: bytes, target: bytes, body: bytes) -> bytes:
+    if method == b"POST":
+        if role == "vllm-prefill":
+            return VLLM_PREFILL
+        streamed = b'"stream": true' in body or b'"stream":true' in body
+        return VLLM_STREAM if streamed else VLLM_DECODE
+    path = target.split(b"?", 1)[0]
+    if path == b"/health":
+        return HEALTH
+    if path == b"/v1/models":
+        return VLLM_MODELS
+    if path == b"/version":
+        return VLLM_VERSION
+    return NOT_FOUND
 
 
 def answer_for(method: bytes, target: bytes, body: bytes) -> bytes:
@@ -103,9 +172,10 @@ def answer_for(method: bytes, target: bytes, body: bytes) -> bytes:
 class MockWorker(asyncio.Protocol):
     """One connection: requests parsed from the buffer as they complete, answered in order."""
 
-    def __init__(self) -> None:
+    def __init__(self, role: str = "") -> None:
         self._buffer = b""
         self._transport: asyncio.Transport | None = None
+        self._role = role
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
@@ -129,12 +199,24 @@ class MockWorker(asyncio.Protocol):
             self._buffer = self._buffer[end + 4 + length :]
             method, target, _ = head.split(b"\r\n", 1)[0].split(b" ", 2)
             assert self._transport is not None
-            self._transport.write(answer_for(method, target, body))
+            if self._role:
+                self._transport.write(vllm_answer_for(self._role, method, target, body))
+            else:
+                self._transport.write(answer_for(method, target, body))
 
 
-async def serve(ports: list[int], host: str = "127.0.0.1") -> None:
+def _factory(role: str) -> Callable[[], MockWorker]:
+    return lambda: MockWorker(role)
+
+
+async def serve(ports: list[str], host: str = "127.0.0.1") -> None:
     loop = asyncio.get_running_loop()
-    servers = [await loop.create_server(MockWorker, host, port, backlog=1024) for port in ports]
+    servers = []
+    for given in ports:
+        role, _, port = given.rpartition(":")
+        if role not in ("", "vllm-prefill", "vllm-decode"):
+            raise SystemExit(f"unknown worker kind {role!r} in {given!r}")
+        servers.append(await loop.create_server(_factory(role), host, int(port), backlog=1024))
     print("ready", flush=True)
     await asyncio.gather(*(s.serve_forever() for s in servers))
 
@@ -142,7 +224,7 @@ async def serve(ports: list[int], host: str = "127.0.0.1") -> None:
 def main() -> None:
     import uvloop
 
-    uvloop.run(serve([int(p) for p in sys.argv[1:]]))
+    uvloop.run(serve(sys.argv[1:]))
 
 
 if __name__ == "__main__":

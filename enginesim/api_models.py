@@ -47,12 +47,29 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+class KVTransferParams(_Body):
+    """vLLM's NIXL-connector fields: a prefill asked to keep the KV for a remote decode, or
+    a decode told where to pull it from."""
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_engine_id: str | None = Field(None, max_length=256)
+    remote_request_id: str | None = Field(None, min_length=1, max_length=256)
+    remote_block_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None, max_length=MAX_PROMPT_TOKENS
+    )
+    remote_host: Host | None = None
+    remote_port: Annotated[int, Field(ge=1, le=65535)] | None = None
+    tp_size: Annotated[int, Field(ge=1, le=64)] | None = None
+
+
 class PDFields(_Body):
     bootstrap_host: Host | list[Host] | None = None
     bootstrap_port: Port | list[Port | None] | None = None
     bootstrap_room: Room | list[Room] | None = None
     routed_dp_rank: DPRank | None = None
     disagg_prefill_dp_rank: DPRank | None = None
+    kv_transfer_params: KVTransferParams | None = None
 
 
 class SamplingParams(_Body):
@@ -141,6 +158,8 @@ def _build(
         if len(ids) > MAX_PROMPT_TOKENS:
             raise BadRequest(f"a prompt of {len(ids)} tokens exceeds {MAX_PROMPT_TOKENS}")
     bootstraps = _bootstraps(fields, len(token_lists))
+    params = fields.kv_transfer_params
+    transfer = None if params is None else params.model_dump()
     return [
         Prompt(
             rid=rid or uuid.uuid4().hex,
@@ -149,6 +168,7 @@ def _build(
             bootstrap=bootstrap,
             routed_dp_rank=fields.routed_dp_rank,
             disagg_prefill_dp_rank=fields.disagg_prefill_dp_rank,
+            kv_transfer=transfer,
         )
         for ids, new, bootstrap, rid in zip(token_lists, max_new, bootstraps, rids, strict=True)
     ]

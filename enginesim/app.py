@@ -14,6 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -34,7 +35,7 @@ from enginesim.api_models import (
     completion_prompts,
     generate_prompts,
 )
-from enginesim.engine import Engine, EngineError, Prompt
+from enginesim.engine import Api, Engine, EngineError, Prompt
 from enginesim.metrics import EngineMetrics
 from enginesim.responses import (
     SSE_DONE,
@@ -123,7 +124,7 @@ def _model_info(model: str, tokenizer: Tokenizer) -> dict[str, Any]:
     }
 
 
-def _models(model: str) -> dict[str, Any]:
+def _models(model: str, owner: str) -> dict[str, Any]:
     return {
         "object": "list",
         "data": [
@@ -131,7 +132,7 @@ def _models(model: str) -> dict[str, Any]:
                 "id": model,
                 "object": "model",
                 "created": int(time.time()),
-                "owned_by": "sglang",
+                "owned_by": owner,
                 "root": model,
                 "max_model_len": MAX_PROMPT_TOKENS,
             }
@@ -153,8 +154,10 @@ class _EngineRoutes:
         model: str,
         server_info: Callable[[], dict[str, Any]],
         max_body_bytes: int,
+        api: Api,
     ) -> None:
         self.engine = engine
+        self.api = api
         self.tokenizer = tokenizer
         self.writer = writer
         self.metrics = metrics
@@ -216,6 +219,7 @@ class _EngineRoutes:
             model=body.model or self.model,
             samples=body.n,
             include_usage=options is not None and options.include_usage,
+            transfer_params=self.api == "vllm",
         )
 
     async def _serve(
@@ -231,6 +235,11 @@ class _EngineRoutes:
             prompts = build()
         except (BadRequest, TokenizeError, NotTokenizable) as exc:
             return self.fail(400, str(exc), "request", endpoint)
+        request_id = request.headers.get("x-request-id") if self.api == "vllm" else None
+        headers = None
+        if request_id:
+            prompts = [replace(p, request_id=request_id) for p in prompts]
+            headers = {"x-request-id": request_id}
         metrics = self.metrics
         metrics.running_requests.inc(len(prompts))
         streaming = False
@@ -241,6 +250,7 @@ class _EngineRoutes:
                 return StreamingResponse(
                     self._stream(endpoint, elements, fmt),
                     media_type="text/event-stream",
+                    headers=headers,
                     background=BackgroundTask(self._stream_ended, len(prompts)),
                 )
             await unless_client_leaves(request.receive, _complete(elements))
@@ -255,7 +265,7 @@ class _EngineRoutes:
             if not streaming:
                 metrics.running_requests.dec(len(prompts))
         self._finish(endpoint, elements)
-        return JSONResponse(fmt.body(elements))
+        return JSONResponse(fmt.body(elements), headers=headers)
 
     def _finish(self, endpoint: str, elements: Sequence[Element]) -> None:
         self.metrics.requests.labels(endpoint, "ok").inc()
@@ -295,7 +305,11 @@ class _EngineRoutes:
         return _model_info(self.model, self.tokenizer)
 
     async def models(self) -> dict[str, Any]:
-        return _models(self.model)
+        return _models(self.model, self.api)
+
+    async def version(self) -> dict[str, Any]:
+        """vLLM's `/version`, which routers read to tell a vLLM worker from SGLang's."""
+        return {"version": f"enginesim-{self.api}"}
 
     async def prometheus(self) -> Response:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -321,6 +335,7 @@ def create_app(
     model: str,
     server_info: Callable[[], dict[str, Any]],
     max_body_bytes: int = MAX_BODY_BYTES,
+    api: Api = "sglang",
 ) -> FastAPI:
     """`server_info` gives the static part of `/server_info` (addresses, sizes)."""
     routes = _EngineRoutes(
@@ -332,6 +347,7 @@ def create_app(
         model=model,
         server_info=server_info,
         max_body_bytes=max_body_bytes,
+        api=api,
     )
     app = FastAPI(title=f"enginesim {engine.role}", docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, limit=max_body_bytes, refuse=routes.too_large)
@@ -346,6 +362,8 @@ def create_app(
     for path in ("/get_model_info", "/model_info"):
         route(path, routes.model_info, methods=["GET"])
     route("/v1/models", routes.models, methods=["GET"])
+    if api == "vllm":
+        route("/version", routes.version, methods=["GET"])
     route("/metrics", routes.prometheus, methods=["GET"])
     route("/flush_cache", routes.flush_cache, methods=["GET", "POST"])
     route("/_sim/restart", routes.restart, methods=["POST"])

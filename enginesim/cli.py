@@ -1,4 +1,4 @@
-"""`globalkv engine`: an emulated SGLang prefill or decode engine.
+"""`globalkv engine`: an emulated SGLang (or, with `--api vllm`, vLLM) prefill or decode engine.
 
 Flags keep SGLang's names where SGLang has the setting (`--tp`, `--dp`, `--pp`,
 `--page-size`, `--disaggregation-bootstrap-port` as `--bootstrap-port`,
@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 _TOP = {
     "role": ("--role", str),
+    "api": ("--api", str),
     "host": ("--host", str),
     "port": ("--port", int),
     "advertise_host": ("--advertise-host", str),
@@ -71,6 +72,7 @@ _FAULTS = {
     "wrong_room_rate": ("--fault-wrong-room-rate", float),
     "unready_room_rate": ("--fault-unready-room-rate", float),
     "drop_event_rate": ("--fault-drop-event-rate", float),
+    "eos_rate": ("--fault-eos-rate", float),
     "seed": ("--fault-seed", int),
 }
 _GROUPS: tuple[tuple[str, type[Any], dict[str, tuple[str, type]]], ...] = (
@@ -82,6 +84,7 @@ _GROUPS: tuple[tuple[str, type[Any], dict[str, tuple[str, type]]], ...] = (
 _NONE_WORDS = {"none", "null", "off"}
 _CHOICES: dict[str, list[str]] = {
     "--role": ["prefill", "decode"],
+    "--api": ["sglang", "vllm"],
     "--kv-events-format": list(FLAVORS),
     "--load-balance-method": list(
         get_args(EngineConfig.model_fields["load_balance_method"].annotation)

@@ -68,6 +68,11 @@ class FaultSettings(BaseModel):
     drop_event_rate: Rate = Field(
         0.0, description="Share of KV-event batches not sent live (still replayable)."
     )
+    eos_rate: Rate = Field(
+        0.0,
+        description="vLLM API: share of prefills whose one token is EOS, answered without "
+        "kv_transfer_params (the decode then recomputes the prompt).",
+    )
     seed: int | None = Field(None, description="Seed of the fault draws, for repeatable runs.")
 
 
@@ -75,6 +80,11 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     role: Role = Field(description="prefill or decode.")
+    api: Literal["sglang", "vllm"] = Field(
+        "sglang",
+        description="PD protocol: sglang (bootstrap rooms, both legs at once) or vllm "
+        "(kv_transfer_params: the prefill first, then the decode pulls its KV).",
+    )
     host: str = Field("127.0.0.1", description="Address the HTTP server and ZMQ sockets bind.")
     port: int = Field(30000, ge=0, le=65535, description="HTTP port; 0 picks a free one.")
     advertise_host: str | None = Field(
@@ -147,6 +157,8 @@ class EngineConfig(BaseModel):
     def _consistent(self) -> EngineConfig:
         if self.role == "decode" and self.dp != 1:
             raise ValueError("a decode emulates one DP rank: run more decode engines instead")
+        if self.api == "vllm" and (self.tp != 1 or self.pp != 1):
+            raise ValueError("the vllm API emulates tp 1 and pp 1 (one KV address per prefill)")
         events = self.kv_events
         if self.role == "prefill" and events.endpoint is not None:
             _check_endpoint("kv_events.endpoint", events.endpoint, self.dp)

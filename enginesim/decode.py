@@ -34,6 +34,7 @@ from enginesim.latency import paced
 from enginesim.metrics import EngineMetrics
 from enginesim.textgen import ReplyWriter
 from enginesim.transfer import DecodeTransfer, TransferError
+from enginesim.vllm import VllmDecode
 from kvplumbing.clock import Clock
 
 _MAX_KNOWN_URLS = 1024
@@ -84,6 +85,7 @@ class DecodeEngine:
         ]
         self._urls: OrderedDict[str, None] = OrderedDict()
         self._closing = False
+        self._vllm = VllmDecode(config, transfer, writer, metrics)
 
     async def start(self) -> None:
         await self.transfer.start()
@@ -107,6 +109,10 @@ class DecodeEngine:
             raise
 
     async def _generate(self, prompt: Prompt) -> Generation:
+        if self.config.api == "vllm":
+            if self._faults.fail_request():
+                raise EngineError("fault", "injected failure (--fault-fail-rate)")
+            return await self._vllm.generate(prompt)
         if prompt.bootstrap is None:
             raise EngineError(
                 "request",

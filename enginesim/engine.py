@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
+
+Api = Literal["sglang", "vllm"]
+"""The PD protocol served: SGLang's bootstrap rooms, or vLLM's `kv_transfer_params`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +33,10 @@ class Prompt:
     bootstrap: Bootstrap | None = None
     routed_dp_rank: int | None = None
     disagg_prefill_dp_rank: int | None = None
+    kv_transfer: dict[str, Any] | None = None
+    """vLLM's `kv_transfer_params` as the request gave them (validated field by field)."""
+    request_id: str | None = None
+    """vLLM: the request's `X-Request-Id`, which both legs of one request carry."""
 
 
 @dataclass(slots=True)
@@ -46,6 +53,10 @@ class Generation:
     finish_length: int
     """SGLang's `finish_reason.length`: 0 for a PD prefill, else the tokens generated."""
     meta: dict[str, Any] = field(default_factory=dict)
+    transfer_params: dict[str, Any] | None = None
+    """vLLM: the `kv_transfer_params` a prefill answers with (None: nothing to pull)."""
+    stopped: bool = False
+    """Ended on EOS (OpenAI's finish_reason "stop") rather than at its length."""
 
 
 class EngineError(Exception):

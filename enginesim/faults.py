@@ -29,6 +29,9 @@ class Faults:
     def fail_request(self) -> bool:
         return self._draw(self.settings.fail_rate, "fail_request")
 
+    def prefill_eos(self) -> bool:
+        return self._draw(self.settings.eos_rate, "eos")
+
     def drop_event_batch(self) -> bool:
         return self._draw(self.settings.drop_event_rate, "drop_event")
 

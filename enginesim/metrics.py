@@ -28,6 +28,12 @@ class EngineMetrics:
             ["stage"],
             registry=registry,
         )
+        self.recomputed = Counter(
+            "globalkv_engine_vllm_recomputed_prompts_total",
+            "vLLM decode: prompts computed here because the request had no prefill's "
+            "kv_transfer_params to pull.",
+            registry=registry,
+        )
         self.room_check_failures = Counter(
             "globalkv_engine_room_check_failures_total",
             "KV metadata rejected by the decode: not_ready (room 0) or mismatch.",

@@ -7,6 +7,9 @@ decode's handshake on every rank of that DP group, compute the uncached part, th
 the decode the KV-ready message with the room in its metadata. The HTTP answer carries
 the first token only, with `finish_reason.length` 0, as SGLang's prefill answers.
 
+With vLLM's `kv_transfer_params` asking for a remote decode (`--api vllm`) it computes the
+prompt and holds its blocks for the decode (`enginesim.vllm`).
+
 Without bootstrap fields it serves the prompt whole (prefill then local decode), which is
 how a colocated engine behaves and what non-PD routing exercises.
 
@@ -42,6 +45,7 @@ from enginesim.metrics import EngineMetrics
 from enginesim.publisher import KVEventPublisher, describe_kv_events, wire_events
 from enginesim.textgen import ReplyWriter
 from enginesim.transfer import PrefillTransfer, TransferError
+from enginesim.vllm import VllmPrefill
 from kvplumbing.clock import Clock
 
 
@@ -154,6 +158,7 @@ class PrefillEngine:
         self._round_robin = itertools.count()
         self._keepalive: KeepAlive | None = None
         self._closing = False
+        self._vllm = VllmPrefill(config, transfer, faults, writer, metrics)
         for rank in self.ranks:
             label = str(rank.index)
             metrics.queued_prefill_tokens.labels(label).set_function(rank.queued_tokens)
@@ -183,6 +188,7 @@ class PrefillEngine:
     async def stop(self) -> None:
         if self._keepalive is not None:
             await self._keepalive.stop()
+        await self._vllm.stop()
         await self.transfer.stop()
         for rank in self.ranks:
             await rank.scheduler.stop()
@@ -219,6 +225,10 @@ class PrefillEngine:
                 raise EngineError("fault", "injected failure (--fault-fail-rate)")
             rank = self._choose_rank(prompt)
             if prompt.bootstrap is None:
+                transfer = prompt.kv_transfer
+                if self.config.api == "vllm" and transfer and transfer.get("do_remote_decode"):
+                    cached, meta = await self._prefill(prompt, rank)
+                    return await self._vllm.finish(prompt, rank, cached, meta)
                 return await self._colocated(prompt, rank)
             return await self._disaggregated(prompt, prompt.bootstrap, rank)
         except EngineError as exc:

@@ -116,9 +116,18 @@ class OpenAIFormat:
     """`/v1/completions` (chat=False) and `/v1/chat/completions` (chat=True)."""
 
     def __init__(
-        self, writer: ReplyWriter, *, chat: bool, model: str, samples: int, include_usage: bool
+        self,
+        writer: ReplyWriter,
+        *,
+        chat: bool,
+        model: str,
+        samples: int,
+        include_usage: bool,
+        transfer_params: bool = False,
     ) -> None:
         self._writer = writer
+        self._transfer_params = transfer_params
+        """vLLM's answer: the first prompt's `kv_transfer_params` at the top level."""
         self._chat = chat
         self._model = model
         self._samples = samples
@@ -140,23 +149,29 @@ class OpenAIFormat:
         choices = []
         for e in elements:
             text = self._writer.text(e.output_ids)
-            choice: dict[str, Any] = {"index": e.index, "finish_reason": "length"}
+            finish = "stop" if e.generation.stopped else "length"
+            choice: dict[str, Any] = {"index": e.index, "finish_reason": finish}
             if self._chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice.update(text=text, logprobs=None)
             choices.append(choice)
-        return {
+        out = {
             **self._envelope(chunk=False),
             "choices": choices,
             "usage": usage(elements, self._samples),
         }
+        if self._transfer_params:
+            out["kv_transfer_params"] = elements[0].generation.transfer_params if elements else None
+        return out
 
     def chunks(self, element: Element) -> list[object]:
         delta = _delta(element, self._writer)
         if not delta and not element.finished:
             return []
-        finish = "length" if element.finished else None
+        finish = None
+        if element.finished:
+            finish = "stop" if element.generation.stopped else "length"
         if self._chat:
             content: dict[str, Any] = {"content": delta}
             if element.index not in self._opened:

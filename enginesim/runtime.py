@@ -156,6 +156,7 @@ class EngineProcess:
             page_size=config.page_size,
             kv_capacity=config.kv_capacity,
             load_balance_method=config.load_balance_method,
+            api=config.api,
         )
         self.info.setdefault("disaggregation_bootstrap_port", config.bootstrap_port)
         summary = {**self.info, **engine.server_info()}
@@ -330,6 +331,7 @@ class EngineProcess:
             max_new_tokens=self.config.max_new_tokens,
             model=self.config.model,
             server_info=lambda: dict(self.info),
+            api=self.config.api,
         )
         server = _EngineServer(
             uvicorn.Config(

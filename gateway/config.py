@@ -16,6 +16,9 @@ from kvplumbing.auth import ProtectedMode, ProtectionFlags
 
 PolicyName = Literal["prefix", "cache_aware", "power_of_two", "round_robin", "random", "least_load"]
 Role = Literal["prefill", "decode"]
+Kind = Literal["sglang", "vllm"]
+"""The PD protocol a worker speaks: SGLang's bootstrap rooms (both legs at once) or vLLM's
+`kv_transfer_params` (prefill first, then the decode with the prefill's answer)."""
 
 
 def _frozen() -> ConfigDict:
@@ -86,6 +89,11 @@ class WorkerSpec(BaseModel):
     )
     kv_events: KvEventsSpec | None = Field(
         None, description="Prefill only: its KV-event endpoints; discovered when absent."
+    )
+    kind: Kind | Literal["auto"] = Field(
+        "auto",
+        description="sglang or vllm; auto: detected from /v1/models, /server_info, /version "
+        "(SGLang until detected or when nothing tells).",
     )
 
     @field_validator("url")
@@ -240,6 +248,11 @@ class GatewayConfig(BaseModel):
     )
     lookup_timeout_secs: float = Field(0.5, gt=0, description="Timeout of one index lookup.")
     seed: int | None = Field(None, description="Seed of the routing RNG (rooms stay random).")
+    vllm_allow_recompute: bool = Field(
+        False,
+        description="vLLM PD: when every prefill attempt failed, send the decode the request "
+        "without kv_transfer_params (it computes the prompt itself) instead of failing.",
+    )
 
     def protected_mode(self) -> ProtectedMode:
         """Who may change the workers; sglang-router's API key guards them when no admin

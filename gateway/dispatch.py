@@ -1,10 +1,12 @@
 """Sending a request to its pair: both at once, the decode's answer back, retries.
 
-One attempt: the same bound body is POSTed to the prefill and the decode concurrently
-through the `gateway.upstream.Upstream` (the gateway's connection pool in production,
-httpx in tests). The client gets the decode's answer; for a stream, pieces are passed on
-as they arrive (no buffering). Until the decode's first body byte exists nothing is
-committed to the client, so:
+A pair of vLLM workers is sent its legs one after the other instead
+(`gateway.vllm_dispatch`), through the same prefill call, decode legs, retries, breakers
+and deadline as below. One SGLang attempt: the same bound body is POSTed to the prefill and
+the decode concurrently through the `gateway.upstream.Upstream` (the gateway's connection
+pool in production, httpx in tests). The client gets the decode's answer; for a stream,
+pieces are passed on as they arrive (no buffering). Until the decode's first body byte
+exists nothing is committed to the client, so:
 - a prefill failure (transport error or 5xx/408/429) in that window cancels the decode
   and the attempt is retried with a new pair and new rooms;
 - a prefill 4xx is the client's fault: the decode is cancelled and that answer returned;
@@ -47,7 +49,8 @@ from gateway.racing import Call, failed, race, settle
 from gateway.requests import ParsedRequest, encode_body
 from gateway.retry import RetrySchedule, is_retryable_status
 from gateway.router import RoutePlan, Router
-from gateway.upstream import Reply, Upstream
+from gateway.upstream import Extra, Reply, Upstream
+from gateway.vllm_dispatch import Failure, Sequential
 from gateway.workers import Worker
 from kvplumbing.clock import Clock, Sleep
 
@@ -71,14 +74,6 @@ class Stream:
     "client_gone" (cancels a prefill still running, records nothing)."""
 
 
-@dataclass(slots=True)
-class _Failure:
-    role: str
-    worker: Worker
-    retryable: bool
-    answer: Answer
-
-
 class Dispatcher:
     def __init__(
         self,
@@ -90,6 +85,7 @@ class Dispatcher:
         timeout: float,
         clock: Clock,
         sleep: Sleep = asyncio.sleep,
+        vllm_allow_recompute: bool = False,
     ) -> None:
         self._upstream = upstream
         self._router = router
@@ -100,6 +96,7 @@ class Dispatcher:
         self._sleep = sleep
         self._background: set[Call] = set()
         self.deadlines = DeadlineWatch(timeout)
+        self._sequential = Sequential(self, metrics, allow_recompute=vllm_allow_recompute)
 
     async def drain(self, timeout: float | None = None) -> None:
         """Wait for prefill calls that outlived their request (tests, shutdown); those
@@ -136,19 +133,25 @@ class Dispatcher:
         self, request: ParsedRequest, route: RouteRequest, path: str, progress: Progress
     ) -> Answer | Stream:
         avoid: set[str] = set()
-        last: _Failure | None = None
+        last: Failure | None = None
         attempts = self._retries.max_attempts
         for attempt in range(attempts):
             try:
-                plan = self._router.plan(route, request.batch, avoid)
+                plan = self._router.plan(route, request.batch, avoid, request.model)
             except NoCandidates as exc:
                 if last is not None:
                     return last.answer
                 return Answer(503, error_body(str(exc), "no_available_workers"))
             if log.isEnabledFor(logging.DEBUG):
                 _log_plan(request, plan, attempt)
-            outcome = await self._attempt(request, plan, path, attempt, progress)
-            if not isinstance(outcome, _Failure):
+            if plan.prefill.kind == "vllm":
+                final = attempt + 1 >= attempts
+                outcome = await self._sequential.attempt(
+                    request, plan, path, attempt, progress, final=final
+                )
+            else:
+                outcome = await self._attempt(request, plan, path, attempt, progress)
+            if not isinstance(outcome, Failure):
                 return outcome
             last = outcome
             avoid.add(outcome.worker.id)
@@ -177,7 +180,8 @@ class Dispatcher:
         what = f"answered HTTP {status}" if status is not None else f"failed ({detail})"
         worker.note_error(f"{role} call {what}", self._clock())
 
-    def _start_prefill(self, plan: RoutePlan, path: str, payload: bytes) -> Call:
+    def start_prefill(self, plan: RoutePlan, path: str, payload: bytes, extra: Extra = ()) -> Call:
+        """The prefill's call, its load and breaker bookkeeping attached."""
         choice = plan.prefill_choice
         ticket = self._router.loads.start(
             plan.prefill.id,
@@ -187,7 +191,7 @@ class Dispatcher:
             cached_tokens=choice.hit_tokens,
         )
         call = asyncio.ensure_future(
-            self._upstream.fetch(plan.prefill.url + path, payload, self._timeout)
+            self._upstream.fetch(plan.prefill.url + path, payload, self._timeout, extra)
         )
         self._background.add(call)
         call.add_done_callback(partial(self._prefill_ended, plan.prefill, ticket))
@@ -207,34 +211,39 @@ class Dispatcher:
             log.error("the call to prefill %s failed unexpectedly", worker.id, exc_info=error)
         self._record("prefill", worker, None, error)
 
+    def decode_ticket(self, plan: RoutePlan) -> LoadTicket:
+        """The decode's in-flight count, released when its call ends."""
+        return self._router.loads.start(plan.decode.id)
+
     @staticmethod
-    def _prefill_failure(plan: RoutePlan, call: Call) -> _Failure:
+    def prefill_failure(plan: RoutePlan, call: Call) -> Failure:
+        """What a failed prefill call answers the client, and whether to retry."""
         if call.exception() is not None:
             message = f"prefill {plan.prefill.id} unreachable"
-            return _Failure(
+            return Failure(
                 "prefill", plan.prefill, True, Answer(502, error_body(message, "upstream_error"))
             )
         answer = call.result()
-        return _Failure(
+        return Failure(
             "prefill",
             plan.prefill,
             is_retryable_status(answer.status),
             Answer(answer.status, answer.body, answer.media_type),
         )
 
-    def _decode_error(self, decode: Worker, exc: httpx.HTTPError, when: str) -> _Failure:
+    def _decode_error(self, decode: Worker, exc: httpx.HTTPError, when: str) -> Failure:
         self._record("decode", decode, None, exc)
         message = f"decode {decode.id} failed {when}: {type(exc).__name__}"
-        return _Failure("decode", decode, True, Answer(502, error_body(message, "upstream_error")))
+        return Failure("decode", decode, True, Answer(502, error_body(message, "upstream_error")))
 
-    def _decode_refused(self, plan: RoutePlan, call: Call, answer: Answer) -> _Failure:
+    def _decode_refused(self, plan: RoutePlan, call: Call, answer: Answer) -> Failure:
         """A decode status >= 400; a prefill that failed for good takes precedence."""
         self._record("decode", plan.decode, answer.status, None)
         if failed(call):
-            failure = self._prefill_failure(plan, call)
+            failure = self.prefill_failure(plan, call)
             if not failure.retryable:
                 return failure
-        return _Failure("decode", plan.decode, is_retryable_status(answer.status), answer)
+        return Failure("decode", plan.decode, is_retryable_status(answer.status), answer)
 
     async def _attempt(
         self,
@@ -243,7 +252,7 @@ class Dispatcher:
         path: str,
         attempt: int,
         progress: Progress,
-    ) -> Answer | Stream | _Failure:
+    ) -> Answer | Stream | Failure:
         prefill = plan.prefill
         body = inject_bootstrap(
             request.body,
@@ -253,22 +262,29 @@ class Dispatcher:
             rooms=plan.rooms,
         )
         payload = encode_body(body)
-        call = self._start_prefill(plan, path, payload)
+        call = self.start_prefill(plan, path, payload)
         progress.begin(attempt, prefill.id, plan.decode.id, call)
-        ticket = self._router.loads.start(plan.decode.id)
+        ticket = self.decode_ticket(plan)
         url = plan.decode.url + path
         if request.stream:
-            return await self._streamed(plan, call, ticket, url, payload, progress)
-        return await self._whole(plan, call, ticket, url, payload)
+            return await self.streamed(plan, call, ticket, url, payload, progress)
+        return await self.whole(plan, call, ticket, url, payload)
 
-    async def _whole(
-        self, plan: RoutePlan, call: Call, ticket: LoadTicket, url: str, payload: bytes
-    ) -> Answer | _Failure:
-        step = asyncio.ensure_future(self._upstream.fetch(url, payload, self._timeout))
+    async def whole(
+        self,
+        plan: RoutePlan,
+        call: Call,
+        ticket: LoadTicket,
+        url: str,
+        payload: bytes,
+        extra: Extra = (),
+    ) -> Answer | Failure:
+        """The decode's whole answer, unless the prefill `call` fails first."""
+        step = asyncio.ensure_future(self._upstream.fetch(url, payload, self._timeout, extra))
         succeeded = False
         try:
             if not await race(step, call):
-                return self._prefill_failure(plan, call)
+                return self.prefill_failure(plan, call)
             try:
                 whole = step.result()
             except httpx.HTTPError as exc:
@@ -287,7 +303,7 @@ class Dispatcher:
             if not succeeded:
                 call.cancel()
 
-    async def _streamed(
+    async def streamed(
         self,
         plan: RoutePlan,
         call: Call,
@@ -295,14 +311,16 @@ class Dispatcher:
         url: str,
         payload: bytes,
         progress: Progress,
-    ) -> Stream | _Failure:
-        opening = asyncio.ensure_future(self._upstream.open(url, payload, self._timeout))
+        extra: Extra = (),
+    ) -> Stream | Failure:
+        """The decode's stream up to its first byte, unless the prefill `call` fails first."""
+        opening = asyncio.ensure_future(self._upstream.open(url, payload, self._timeout, extra))
         step: asyncio.Future[Any] = opening
         reply: Reply | None = None
         committed = False
         try:
             if not await race(opening, call):
-                return self._prefill_failure(plan, call)
+                return self.prefill_failure(plan, call)
             try:
                 reply = opening.result()
             except httpx.HTTPError as exc:
@@ -317,7 +335,7 @@ class Dispatcher:
             progress.decode_head = True
             step = asyncio.ensure_future(reply.next())
             if not await race(step, call):
-                return self._prefill_failure(plan, call)
+                return self.prefill_failure(plan, call)
             try:
                 first = step.result()
             except httpx.HTTPError as exc:

@@ -51,6 +51,7 @@ SETTINGS: tuple[tuple[str, type[BaseModel], dict[str, str]], ...] = (
             "block_size": "--block-size",
             "lookup_timeout_secs": "--lookup-timeout-secs",
             "seed": "--seed",
+            "vllm_allow_recompute": "--vllm-allow-recompute",
         },
     ),
     (
@@ -118,7 +119,7 @@ holds it: type, default and help come from the field, so the two cannot disagree
 FLAGLESS = {
     GatewayConfig: {
         "prefill": "--prefill URL [BOOTSTRAP_PORT|none], repeatable",
-        "decode": "--decode URL, repeatable",
+        "decode": "--decode URL, repeatable; --vllm-prefill URL / --vllm-decode URL for vLLM",
         "prefill_policy": "--prefill-policy, else --policy",
         "decode_policy": "--decode-policy, else --policy",
         "tokenizer": "--tokenizer / --tokenizer-path, else --model-path",
@@ -189,6 +190,20 @@ def _add_router_flags(p: argparse.ArgumentParser) -> None:
         metavar="URL",
         help="a decode worker; repeatable",
     )
+    add(
+        "--vllm-prefill",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a vLLM prefill worker (kv_transfer_params protocol); repeatable",
+    )
+    add(
+        "--vllm-decode",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a vLLM decode worker; repeatable (--prefill/--decode workers are detected)",
+    )
     add("--worker-urls", nargs="*", default=[], help="sglang-router's regular mode: refused")
     fields = GatewayConfig.model_fields
     add("--policy", choices=POLICIES, help="policy of both sides unless overridden")
@@ -252,8 +267,14 @@ def build_config(args: argparse.Namespace) -> GatewayConfig:
             **_settings(args, GatewayConfig),
             **sections,
             prometheus_port=args.prometheus_port or None,
-            prefill=[_prefill_spec(v) for v in args.prefill],
-            decode=[WorkerSpec(url=v[0], role="decode") for v in args.decode],
+            prefill=[
+                *(_prefill_spec(v) for v in args.prefill),
+                *(WorkerSpec(url=u, role="prefill", kind="vllm") for u in args.vllm_prefill),
+            ],
+            decode=[
+                *(WorkerSpec(url=v[0], role="decode") for v in args.decode),
+                *(WorkerSpec(url=u, role="decode", kind="vllm") for u in args.vllm_decode),
+            ],
             prefill_policy=args.prefill_policy or args.policy or fields["prefill_policy"].default,
             decode_policy=args.decode_policy or args.policy or fields["decode_policy"].default,
             tokenizer=args.tokenizer or args.model_path,

@@ -3,6 +3,7 @@
 One loop per gateway. For each worker, when due:
 - health: `GET <url><endpoint>` (sglang-router's check: every `interval_secs`, every
   `startup_check_interval_secs` until first seen healthy, `timeout_secs` each);
+- the worker's kind, once it answers, when it was given without one (`gateway.kinds`);
 - prefill discovery, once it answers: `GET <url>/server_info`, read for its KV-event
   endpoints, DP size, bootstrap port and served model (the `kv_events` block of our
   engines, or real SGLang's `kv_events_config`, `dp_size`, `page_size`,
@@ -30,6 +31,7 @@ import httpx
 
 from gateway.config import HealthConfig, KvEventsSpec
 from gateway.health import Health
+from gateway.kinds import detect_kind
 from gateway.workers import DirectoryStatus, Worker, WorkerPool
 from kvplumbing.clock import Clock, Sleep
 from kvplumbing.tasks import cancel_and_wait
@@ -229,6 +231,8 @@ class Monitor:
                 else self._config.startup_check_interval_secs
             )
             self._next_health[worker.id] = self._clock() + interval
+        if worker.spec.kind == "auto" and worker.detected_kind is None and worker.health.healthy:
+            await self._detect(worker)
         if worker.role != "prefill":
             return
         if not worker.discovered and worker.health.healthy:
@@ -256,6 +260,15 @@ class Monitor:
         if after is not before:
             log.info("worker %s (%s) is now %s (%s)", worker.id, worker.role, after.value, error)
 
+    async def _detect(self, worker: Worker) -> None:
+        """Asked each round until the worker tells; undetected, it is treated as SGLang."""
+        found = await detect_kind(self._client, worker.url, self._config.timeout_secs)
+        if found.model and not worker.served_model:
+            worker.served_model = found.model
+        if found.kind is not None:
+            worker.detected_kind = found.kind
+            log.info("%s %s speaks %s (%s)", worker.role, worker.id, found.kind, found.how)
+
     async def _discover(self, worker: Worker) -> None:
         try:
             response = await self._client.get(
@@ -282,7 +295,7 @@ class Monitor:
         found = parse_server_info(info, worker.host)
         if worker.kv_events is None:
             worker.kv_events = found.kv_events
-        worker.served_model = found.model
+        worker.served_model = found.model or worker.served_model
         worker.engine_block_size = found.block_size
         if found.dp_size:
             worker.directory.dp_size = found.dp_size

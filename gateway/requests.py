@@ -91,6 +91,8 @@ class ParsedRequest:
     text: str | None
     """Plain text to tokenize (first element of a batch)."""
     messages: list[dict[str, Any]] | None
+    model: str | None = None
+    """The model the client named: workers that advertise it serve it."""
 
 
 @dataclass(slots=True)
@@ -181,7 +183,17 @@ def parse_request(endpoint: Endpoint, body: object) -> ParsedRequest:
     if batch is not None and batch > MAX_BATCH:
         message = f"a batch holds at most {MAX_BATCH} elements ('n' or the list), not {batch}"
         raise BadRequest(message)
-    return ParsedRequest(endpoint, body, stream, batch, token_ids, text, messages)
+    model = body.get("model")
+    return ParsedRequest(
+        endpoint,
+        body,
+        stream,
+        batch,
+        token_ids,
+        text,
+        messages,
+        model if isinstance(model, str) else None,
+    )
 
 
 def _chat_text(messages: list[dict[str, Any]]) -> str:

@@ -2,9 +2,11 @@
 
 Per request, `lookup()` asks the index once (only when the prefill policy uses it and the
 prompt's tokens are known); per attempt, `plan()` picks a prefill and a decode among the
-eligible workers — avoiding those that already failed this request while others remain —
-and draws fresh rooms. When the index cannot be used the request is still routed, by
-load; the reason is counted in `globalkv_gateway_routing_fallbacks` and logged once.
+eligible workers — avoiding those that already failed this request while others remain,
+serving the request's model when workers advertise it, the decode of the prefill's kind
+(SGLang or vLLM) — and draws fresh rooms. When the index cannot be used the request is
+still routed, by load; the reason is counted in `globalkv_gateway_routing_fallbacks` and
+logged once.
 
 DP-aware rooms: when the chosen prefill's directory says `follow_bootstrap_room` and its
 DP size is above 1, and the choice names the DP rank holding the hit, every room is drawn
@@ -22,7 +24,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 from random import Random
 
-from gateway.config import Role
+from gateway.config import Kind, Role
 from gateway.inject import draw_room
 from gateway.metrics import GatewayMetrics
 from gateway.policies.base import Candidate, Choice, LoadTracker, NoCandidates, Policy, RouteRequest
@@ -122,31 +124,41 @@ class Router:
         self._metrics.best_hit.observe(max((p.hit_tokens for p in result.pods), default=0))
         return result
 
-    def _candidates(self, role: Role, avoid: Collection[str]) -> list[Candidate]:
-        every = self.pool.candidates(role, self.loads)
+    def _candidates(
+        self, role: Role, avoid: Collection[str], kind: Kind | None, model: str | None
+    ) -> list[Candidate]:
+        every = self.pool.candidates(role, self.loads, kind=kind, model=model)
         if not avoid:
             return every
         fresh = [c for c in every if c.worker not in avoid]
         return fresh or every
 
     def plan(
-        self, request: RouteRequest, batch: int | None, avoid: Collection[str] = ()
+        self,
+        request: RouteRequest,
+        batch: int | None,
+        avoid: Collection[str] = (),
+        model: str | None = None,
     ) -> RoutePlan:
         """Choose a pair for one attempt; raises `NoCandidates` naming the empty role."""
-        prefills = self._candidates("prefill", avoid)
-        decodes = self._candidates("decode", avoid)
+        prefills = self._candidates("prefill", avoid, None, model)
         if not prefills:
             raise NoCandidates("no prefill worker is available (healthy, circuit closed, ready)")
-        if not decodes:
-            raise NoCandidates("no decode worker is available (healthy, circuit closed)")
         if request.lookup is not None:
             pending = self.loads.pending_blocks(request.lookup.keys)
             request = replace(request, pending=pending)
         choice = self.prefill_policy.choose(request, prefills)
-        decode_choice = self.decode_policy.choose(request, decodes)
         prefill = self.pool.get(choice.worker)
+        if prefill is None:
+            raise NoCandidates("a chosen worker left the pool")
+        decodes = self._candidates("decode", avoid, prefill.kind, model)
+        if not decodes:
+            raise NoCandidates(
+                f"no {prefill.kind} decode worker is available (healthy, circuit closed)"
+            )
+        decode_choice = self.decode_policy.choose(request, decodes)
         decode = self.pool.get(decode_choice.worker)
-        if prefill is None or decode is None:
+        if decode is None:
             raise NoCandidates("a chosen worker left the pool")
         self._record(choice, request)
         directory = prefill.directory

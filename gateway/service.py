@@ -164,6 +164,7 @@ def build_gateway(
         timeout=config.request_timeout_secs,
         clock=clock,
         sleep=sleep,
+        vllm_allow_recompute=config.vllm_allow_recompute,
     )
     gateway = Gateway(
         config, client, pool, loads, router, dispatcher, monitor, metrics, tokenizer, clock

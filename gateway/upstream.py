@@ -2,7 +2,8 @@
 
 `fetch` gets a whole answer (the prefill's; a non-streamed decode's), `open` an answer
 whose body is then read piece by piece as it arrives (a streamed decode's). Both return
-awaitables that start the call at once; the dispatcher turns them into futures and races
+awaitables that start the call at once (`extra` headers follow the JSON content type: the
+vLLM legs' `X-Request-Id`); the dispatcher turns them into futures and races
 them, and cancelling one cancels the call. Errors are httpx's exception types.
 
 - `PooledUpstream` is the gateway's own: calls on `gateway.connections.ConnectionPool`,
@@ -61,23 +62,36 @@ class Reply(Protocol):
         ...
 
 
-class Upstream(Protocol):
-    def fetch(self, url: str, body: bytes, timeout: float) -> Awaitable[Whole]: ...
+Extra = tuple[tuple[bytes, bytes], ...]
 
-    def open(self, url: str, body: bytes, timeout: float) -> Awaitable[Reply]: ...
+
+class Upstream(Protocol):
+    def fetch(
+        self, url: str, body: bytes, timeout: float, extra: Extra = ()
+    ) -> Awaitable[Whole]: ...
+
+    def open(
+        self, url: str, body: bytes, timeout: float, extra: Extra = ()
+    ) -> Awaitable[Reply]: ...
 
 
 class PooledUpstream:
     def __init__(self, pool: ConnectionPool) -> None:
         self._pool = pool
 
-    def fetch(self, url: str, body: bytes, timeout: float) -> Awaitable[Whole]:
-        return self._pool.request(b"POST", url, body, headers=_HEADERS, timeout=timeout, whole=True)
+    def fetch(self, url: str, body: bytes, timeout: float, extra: Extra = ()) -> Awaitable[Whole]:
+        headers = _HEADERS + extra if extra else _HEADERS
+        return self._pool.request(b"POST", url, body, headers=headers, timeout=timeout, whole=True)
 
-    def open(self, url: str, body: bytes, timeout: float) -> Awaitable[Reply]:
-        return self._pool.request(
-            b"POST", url, body, headers=_HEADERS, timeout=timeout, whole=False
-        )
+    def open(self, url: str, body: bytes, timeout: float, extra: Extra = ()) -> Awaitable[Reply]:
+        headers = _HEADERS + extra if extra else _HEADERS
+        return self._pool.request(b"POST", url, body, headers=headers, timeout=timeout, whole=False)
+
+
+def _httpx_headers(extra: Extra) -> dict[str, str]:
+    if not extra:
+        return _HTTPX_HEADERS
+    return {**_HTTPX_HEADERS, **{k.decode(): v.decode("latin-1") for k, v in extra}}
 
 
 class _HttpxReply:
@@ -113,15 +127,15 @@ class HttpxUpstream:
     def __init__(self, client: httpx.AsyncClient) -> None:
         self._client = client
 
-    async def fetch(self, url: str, body: bytes, timeout: float) -> Whole:
+    async def fetch(self, url: str, body: bytes, timeout: float, extra: Extra = ()) -> Whole:
         response = await self._client.post(
-            url, content=body, headers=_HTTPX_HEADERS, timeout=timeout
+            url, content=body, headers=_httpx_headers(extra), timeout=timeout
         )
         media = response.headers.get("content-type", "application/json").encode()
         return Answer(response.status_code, response.content, media)
 
-    async def open(self, url: str, body: bytes, timeout: float) -> Reply:
+    async def open(self, url: str, body: bytes, timeout: float, extra: Extra = ()) -> Reply:
         request = self._client.build_request(
-            "POST", url, content=body, headers=_HTTPX_HEADERS, timeout=timeout
+            "POST", url, content=body, headers=_httpx_headers(extra), timeout=timeout
         )
         return _HttpxReply(await self._client.send(request, stream=True))

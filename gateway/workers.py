@@ -14,6 +14,10 @@ the port the worker's `/server_info` advertises; when neither is known the direc
 `unknown` and the worker stays eligible (as with sglang-router, which never reads it) —
 `/workers` and the `globalkv_gateway_directory_ready` metric say so.
 
+Kind. The PD protocol the worker speaks (`gateway.config.Kind`): given with it, else
+detected by the monitor (`gateway.kinds`); SGLang's until then. A request is paired within
+one kind and, when workers advertise their models, within the model it names.
+
 Eligibility (`Worker.eligible`): healthy, circuit not open and, for a prefill, directory
 `ready` or `unknown`. Computed on the request path from state the monitor keeps fresh.
 """
@@ -27,7 +31,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from gateway.breaker import CircuitBreaker
-from gateway.config import BreakerConfig, HealthConfig, KvEventsSpec, Role, WorkerSpec
+from gateway.config import BreakerConfig, HealthConfig, Kind, KvEventsSpec, Role, WorkerSpec
 from gateway.health import HealthTracker
 from gateway.policies.base import Candidate, LoadTracker
 from kvplumbing.clock import Clock
@@ -89,6 +93,8 @@ class Worker:
     engine_block_size: int | None = None
     discovered: bool = False
     """Its /server_info has been read (prefill only)."""
+    detected_kind: Kind | None = None
+    """The kind the monitor found, for a worker given without one."""
     registered_pod: str | None = None
     """The pod id registered with the index, once done."""
     last_error: str | None = None
@@ -122,6 +128,12 @@ class Worker:
         return self.id if parsed is None else parsed[0]
 
     @property
+    def kind(self) -> Kind:
+        if self.spec.kind != "auto":
+            return self.spec.kind
+        return self.detected_kind or "sglang"
+
+    @property
     def bootstrap_port(self) -> int | None:
         return self.spec.bootstrap_port
 
@@ -149,6 +161,9 @@ class Worker:
             "id": self.id,
             "url": self.url,
             "role": self.role,
+            "kind": self.kind,
+            "kind_detected": self.spec.kind == "auto" and self.detected_kind is not None,
+            "served_model": self.served_model,
             "eligible": self.eligible,
             "health": self.health.state.value,
             "health_error": self.health.last_error,
@@ -173,7 +188,6 @@ class Worker:
                 follow_bootstrap_room=self.directory.follow_bootstrap_room,
                 kv_events=self.kv_events.model_dump() if self.kv_events else None,
                 registered_pod=self.registered_pod,
-                served_model=self.served_model,
             )
         return out
 
@@ -221,5 +235,22 @@ class WorkerPool:
     def eligible(self, role: Role) -> list[Worker]:
         return [w for w in self._roles[role] if w.eligible]
 
-    def candidates(self, role: Role, loads: LoadTracker) -> list[Candidate]:
-        return [loads.candidate(w.id, w.pod) for w in self._roles[role] if w.eligible]
+    def candidates(
+        self,
+        role: Role,
+        loads: LoadTracker,
+        *,
+        kind: Kind | None = None,
+        model: str | None = None,
+    ) -> list[Candidate]:
+        """The eligible workers of `role`; of `kind` when given; and, when `model` is given
+        and some of them advertise it, those only (a model no worker advertises, as a
+        client's placeholder name, is served by any)."""
+        workers = [w for w in self._roles[role] if w.eligible]
+        if kind is not None:
+            workers = [w for w in workers if w.kind == kind]
+        if model is not None:
+            serving = [w for w in workers if w.served_model == model]
+            if serving:
+                workers = serving
+        return [loads.candidate(w.id, w.pod) for w in workers]

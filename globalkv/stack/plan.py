@@ -63,6 +63,11 @@ class StackConfig(BaseModel):
         None, description="Where logs and cluster.json go; None: a fresh directory under runs/."
     )
     model: str = Field("emulated-model", min_length=1, description="Served model name.")
+    engine: Literal["sglang", "vllm"] = Field(
+        "sglang",
+        description="PD protocol the emulated engines speak: SGLang's bootstrap rooms or "
+        "vLLM's kv_transfer_params (KV events then in vLLM's wire shape).",
+    )
     block_size: int = Field(
         16, ge=1, le=4096, description="Engine page size and index block size, in tokens."
     )
@@ -224,12 +229,15 @@ def plan_stack(config: StackConfig, ports: Iterator[int], log_dir: Path) -> Plan
     ]
     engine_common = ["--host", LOOPBACK, "--model", config.model]
     engine_common += ["--page-size", str(config.block_size), "--tokenizer", config.tokenizer]
+    engine_common += ["--api", config.engine]
     for i in range(config.prefill):
         name, port, bootstrap_port = f"prefill-{i}", next(ports), next(ports)
         argv = [*common, "engine", "--role", "prefill", "--port", str(port), *engine_common]
         argv += ["--pod-id", name, "--bootstrap-port", str(bootstrap_port)]
         argv += ["--kv-events-endpoint", events]
         argv += ["--kv-events-replay-endpoint", f"tcp://{LOOPBACK}:0"]
+        if config.engine == "vllm":
+            argv += ["--kv-events-format", "vllm"]
         if insecure:
             argv.append("--bootstrap-insecure")
         components.append(
@@ -276,12 +284,15 @@ def _gateway_argv(
 ) -> list[str]:
     argv = ["--log-level", config.log_level, "gateway", "--pd-disaggregation"]
     argv += ["--host", config.host, "--port", str(port), "--prometheus-port", "0"]
+    vllm = config.engine == "vllm"
     for engine in engines:
-        if engine.role == "prefill":
+        if engine.role == "prefill" and vllm:
+            argv += ["--vllm-prefill", engine.url]
+        elif engine.role == "prefill":
             assert engine.bootstrap_url is not None
             argv += ["--prefill", engine.url, engine.bootstrap_url.rsplit(":", 1)[1]]
         elif engine.role == "decode":
-            argv += ["--decode", engine.url]
+            argv += ["--vllm-decode" if vllm else "--decode", engine.url]
     if config.redis_url:
         argv += ["--redis-url", config.redis_url, "--block-size", str(config.block_size)]
     else:

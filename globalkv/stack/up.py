@@ -51,6 +51,12 @@ def register(subparsers: Any) -> None:
     add("--redis-url", help="keep the index in this Redis (default: in memory)")
     add("--run-dir", type=Path, help="logs and cluster.json (default: a new runs/up-… dir)")
     add("--model", default=defaults.model, help="served model name")
+    add(
+        "--engine",
+        choices=["sglang", "vllm"],
+        default=defaults.engine,
+        help="PD protocol of the emulated engines (default: sglang)",
+    )
     add("--block-size", type=int, default=defaults.block_size, help="page and block size")
     add("--tokenizer", default=defaults.tokenizer, help="'byte', tokenizer.json or model dir")
     add("--policy", choices=POLICIES, help="the gateway's prefill policy (default: prefix)")
@@ -108,6 +114,7 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
             redis_url=args.redis_url,
             run_dir=args.run_dir,
             model=args.model,
+            engine=args.engine,
             block_size=args.block_size,
             tokenizer=args.tokenizer,
             log_level=args.log_level,

@@ -21,6 +21,8 @@ class WorkerView(_Lenient):
     id: str
     url: str
     role: str
+    kind: str = "sglang"
+    """The PD protocol it speaks: sglang or vllm."""
     eligible: bool = False
     health: str = "unknown"
     health_error: str | None = None

@@ -142,7 +142,7 @@ class Doctor:
         if config.indexer:
             await check_lookup(routing, self._reader, config.indexer, _model(workers, pods))
         if config.gateway and config.probe:
-            await self._probe(report, config.gateway, pods)
+            await self._probe(report, config.gateway, pods, _vllm_only(workers))
         else:
             why = "--no-probe given" if config.gateway else "the probe needs --gateway"
             report.stage("probe").skip("probe", why)
@@ -152,18 +152,19 @@ class Doctor:
         samples = await self._gateway_reader.samples(f"{gateway}/metrics")
         return samples if isinstance(samples, Samples) else None
 
-    async def _probe(self, report: Report, gateway: str, pods: PodsView | None) -> None:
+    async def _probe(self, report: Report, gateway: str, pods: PodsView | None, vllm: bool) -> None:
         probe, routing = report.stage("probe"), report.stage("routing")
         prober = Prober(
             self._gateway_reader,
             gateway,
             max_new_tokens=self.config.max_new_tokens,
             clock=self._clock,
+            vllm=vllm,
         )
         text = probe_text(self._nonce)
         before = await self._samples(gateway)
         response, elapsed = await prober.send(text)
-        first = interpret(probe, response, elapsed)
+        first = interpret(probe, response, elapsed, vllm=prober.vllm)
         after = await self._samples(gateway)
         delta = after.minus(before) if before is not None and after is not None else None
         if delta is not None:
@@ -205,7 +206,7 @@ class Doctor:
         """The same prompt again must be served from the cache the first one left."""
         response, elapsed = await prober.send(text)
         scratch = Stage("repeat", "repeated probe")
-        again = interpret(scratch, response, elapsed)
+        again = interpret(scratch, response, elapsed, vllm=prober.vllm)
         if again is None:
             for failure in scratch.failures:
                 report.stage("probe").fail(f"repeated probe, {failure.subject}", failure.message)
@@ -230,6 +231,13 @@ def _retries(stage: Stage, delta: Samples) -> None:
     if retried:
         sides = ", ".join(f"{n} after a {role} failure" for role, n in sorted(retried.items()))
         stage.warn("retries", f"the gateway retried the probe with a new pair: {sides}")
+
+
+def _vllm_only(workers: WorkersView | None) -> bool:
+    """Every prefill speaks vLLM's protocol: the probe asks /v1/completions, which vLLM
+    serves, instead of SGLang's /generate."""
+    prefills = [w for w in workers.workers if w.role == "prefill"] if workers else []
+    return bool(prefills) and all(w.kind == "vllm" for w in prefills)
 
 
 def _model(workers: WorkersView | None, pods: PodsView | None) -> str | None:

@@ -35,6 +35,8 @@ class Target:
     subject: str
     url: str | None
     """The directory's base URL; None when no bootstrap port is known."""
+    vllm: bool = False
+    """A vLLM prefill: its decodes pull the KV where its answer says, no directory."""
 
 
 class _RankAddress(BaseModel):
@@ -53,6 +55,9 @@ def targets_from_workers(listing: WorkersView) -> list[Target]:
         if worker.role != "prefill":
             continue
         subject = f"prefill {worker.id}" + (f" (pod {worker.pod})" if worker.pod else "")
+        if worker.kind == "vllm":
+            targets.append(Target(subject, None, vllm=True))
+            continue
         port = worker.directory_port or worker.bootstrap_port
         host = worker.bootstrap_host
         targets.append(Target(subject, _base(host, port) if host and port else None))
@@ -103,6 +108,8 @@ class DirectoryCheck:
             stage.add(level, target.subject, message)
 
     async def _one(self, target: Target) -> tuple[Level, str]:
+        if target.vllm:
+            return Level.SKIP, "vLLM: no bootstrap directory (kv_transfer_params protocol)"
         if target.url is None:
             return Level.WARN, "no bootstrap port known: its readiness cannot be checked"
         status = await self._probe.read(target.url)

@@ -6,6 +6,11 @@ and names the stage in every failure (`error.stage`), so the probe's answer says
 how long each stage took or exactly which one failed; stages before a failure are shown
 as passed and those after as not reached.
 
+A pool of vLLM workers is probed on `/v1/completions` (vLLM serves no `/generate`): its
+answer says the prompt's cached tokens in `usage.prompt_tokens_details`, and a failure
+names the engine's stage as OpenAI's error shape carries it; a vLLM decode times no PD
+stages.
+
 The probe's prompt starts with a fresh nonce, so its first send is a cache miss
 everywhere; sent again, it must come back with cached tokens if routing follows the cache.
 """
@@ -72,6 +77,9 @@ def _error(body: object) -> tuple[str, str | None]:
         error = body["error"]
         stage = error.get("stage")
         return str(error.get("message", "")), stage if isinstance(stage, str) else None
+    if isinstance(body, dict) and body.get("object") == "error":
+        stage = body.get("stage")
+        return str(body.get("message", "")), stage if isinstance(stage, str) else None
     return json.dumps(body)[:300], None
 
 
@@ -82,10 +90,31 @@ def _json(response: httpx.Response) -> object:
         return response.text[:300]
 
 
-def interpret(stage: Stage, response: httpx.Response | str, elapsed: float) -> ProbeAnswer | None:
+def _completion(stage: Stage, body: object, elapsed: float) -> ProbeAnswer | None:
+    """A vLLM pool's answer: tokens from `usage`, no PD-stage timings."""
+    usage = body.get("usage") if isinstance(body, dict) else None
+    if not isinstance(usage, dict):
+        stage.fail("request", "answered 200 without usage: not an OpenAI-style completion")
+        return None
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    answer = ProbeAnswer(usage.get("prompt_tokens"), cached, {})
+    stage.ok("stages", "vLLM pool: the decode times no PD stages")
+    stage.ok(
+        "answer",
+        f"200 in {elapsed * 1000:.0f} ms: {answer.prompt_tokens} prompt tokens, "
+        f"{answer.cached_tokens} cached",
+    )
+    return answer
+
+
+def interpret(
+    stage: Stage, response: httpx.Response | str, elapsed: float, *, vllm: bool = False
+) -> ProbeAnswer | None:
     """Findings for every PD stage from one answer; the answer when it succeeded."""
     if isinstance(response, str):
-        stage.fail("gateway", f"POST /generate {response}")
+        path = "/v1/completions" if vllm else "/generate"
+        stage.fail("gateway", f"POST {path} {response}")
         return None
     body = _json(response)
     if response.status_code != 200:
@@ -102,6 +131,8 @@ def interpret(stage: Stage, response: httpx.Response | str, elapsed: float) -> P
         for name in PD_STAGES[reached + 1 :]:
             stage.skip(name, "not reached")
         return None
+    if vllm:
+        return _completion(stage, body, elapsed)
     meta = body.get("meta_info") if isinstance(body, dict) else None
     if not isinstance(meta, dict):
         stage.fail("request", "answered 200 without meta_info: not an SGLang-style /generate")
@@ -138,17 +169,21 @@ class Prober:
         *,
         max_new_tokens: int,
         clock: Clock = time.monotonic,
+        vllm: bool = False,
     ) -> None:
         self._reader = reader
-        self._url = f"{gateway}/generate"
+        self.vllm = vllm
+        self._url = f"{gateway}/v1/completions" if vllm else f"{gateway}/generate"
         self._max_new_tokens = max_new_tokens
         self._clock = clock
 
     async def send(self, text: str) -> tuple[httpx.Response | str, float]:
-        body = {
+        body: dict[str, object] = {
             "text": text,
             "sampling_params": {"max_new_tokens": self._max_new_tokens, "temperature": 0},
         }
+        if self.vllm:
+            body = {"prompt": text, "max_tokens": self._max_new_tokens, "temperature": 0}
         started = self._clock()
         response = await self._reader.post(self._url, body)
         return response, self._clock() - started

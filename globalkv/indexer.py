@@ -15,7 +15,6 @@ import logging
 import signal
 from collections.abc import AsyncIterator
 
-import redis.asyncio as aioredis
 import zmq.asyncio
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
@@ -63,9 +62,7 @@ class IndexerConfig(BaseModel):
     @field_validator("redis_url")
     @classmethod
     def _redis_url(cls, value: str | None) -> str | None:
-        if value is not None and not value.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"{value!r} is not a redis://, rediss:// or unix:// URL")
-        return value
+        return None if value is None else redis_client.check_url(value)
 
     @model_validator(mode="after")
     def _keyable_pods(self) -> IndexerConfig:
@@ -102,7 +99,7 @@ class Indexer:
         metrics_registry: CollectorRegistry | None = None,
         tokenizer: Tokenizer | None = None,
         context: zmq.asyncio.Context | None = None,
-        redis: aioredis.Redis | None = None,
+        redis: redis_client.Client | None = None,
     ) -> None:
         """`redis`, when given, is the client behind index and registry; it is closed on
         stop (backends never close a client they were handed)."""

@@ -1,28 +1,77 @@
-"""The Redis client every component builds from a URL, with redis-py's retry on lost
-connections.
+"""The Redis client every component builds from a URL, single node or Redis Cluster, with
+redis-py's retry on lost connections.
+
+URLs: `redis://`, `rediss://` and `unix://` as redis-py reads them, for one Redis; and
+`redis+cluster://host:port[,host:port...]/` (`rediss+cluster://` with TLS) for a Redis
+Cluster, the hosts being startup nodes: redis-py's `RedisCluster` learns the rest of the
+topology from any one of them, follows MOVED/ASK redirections and refreshes its slot map
+after a failover. Query options (`?socket_timeout=2`) are redis-py's own either way.
 
 `redis.asyncio.from_url` leaves its connections without a retry (`Retry(NoBackoff(), 0)`),
 where a client built with `redis.asyncio.Redis(...)` retries a command that met a
 connection error. After a Redis restart every pooled connection is dead, and without a
 retry the first command on each fails: the index API answered 503 to lookups after it had
 resynced. Repeating a command is safe for everything we send: reads, idempotent writes,
-an INCR whose skipped number nobody misses, and the apply script, which refuses a batch
-it already holds as stale.
+an INCR whose skipped number nobody misses, and the index's scripts, which refuse a batch
+already applied or skip a block write already done.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeAlias
+from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 
 RETRIES = 3
 """A restart costs one retry per dead connection; Redis down fails within ~0.3 s."""
+SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
+"""What `connect` accepts; configuration models validate URLs against it."""
+
+Client: TypeAlias = aioredis.Redis | RedisCluster
+"""A client of one Redis or of a Redis Cluster: the index and registry take either."""
 
 
-def connect(url: str, **options: Any) -> aioredis.Redis:
-    """`redis.asyncio.from_url(url, **options)`, its commands retried on connection errors."""
+def check_url(url: str) -> str:
+    """`url` if `connect` can use it, else ValueError saying why (for config models)."""
+    if not url.startswith(SCHEMES):
+        raise ValueError(f"{url!r} is not a {', '.join(s[:-3] for s in SCHEMES)} URL")
+    if is_cluster_url(url):
+        cluster_nodes(url)
+    return url
+
+
+def is_cluster_url(url: str) -> bool:
+    return url.startswith(("redis+cluster://", "rediss+cluster://"))
+
+
+def cluster_nodes(url: str) -> list[tuple[str, int]]:
+    """The startup nodes of a cluster URL, as (host, port)."""
+    netloc = urlsplit(url).netloc.rpartition("@")[2]
+    nodes = []
+    for part in netloc.split(","):
+        host, _, port = part.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"cluster URL {url!r}: {part!r} is not host:port")
+        nodes.append((host.strip("[]"), int(port)))
+    return nodes
+
+
+def connect(url: str, **options: Any) -> Client:
+    """A client for `url` (see the module docstring), its commands retried on connection
+    errors."""
     retry = Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.2), RETRIES)
-    return aioredis.from_url(url, retry=retry, **options)
+    if not is_cluster_url(url):
+        return aioredis.from_url(url, retry=retry, **options)
+    nodes = cluster_nodes(url)
+    parts = urlsplit(url)
+    credentials = parts.netloc.rpartition("@")[0]
+    first = f"{nodes[0][0]}:{nodes[0][1]}"
+    netloc = f"{credentials}@{first}" if credentials else first
+    scheme = parts.scheme.replace("+cluster", "")
+    single = urlunsplit((scheme, netloc, parts.path, parts.query, ""))
+    startup = [ClusterNode(host, port) for host, port in nodes]
+    return RedisCluster.from_url(single, startup_nodes=startup, retry=retry, **options)

@@ -9,12 +9,13 @@ reconciliation, because pub/sub messages are lost while a subscriber reconnects.
 Next to each pod the indexer writes its ingest state (subscribed, last seq, last event
 time, resets, drops), so `globalkv pods` and `doctor` read freshness from any process.
 
-Redis keys, all here: `{prefix}:registry:pods` (hash id → PodInfo JSON),
-`{prefix}:registry:state` (hash id → PodState JSON, written only beside a listed pod, so
-a state published just after its pod was removed does not outlive it),
-`{prefix}:registry:marker` (absent after a Redis restart or flush, so the indexer can tell
-"everyone deleted their pods" from "Redis lost them" and write back what it knows),
-channel `{prefix}:registry:changed`.
+Redis keys, all here and under the index's hash tag `{prefix}` (one slot on a cluster, so
+each write is one transaction): `{{prefix}}:registry:pods` (hash id → PodInfo JSON),
+`{{prefix}}:registry:state` (hash id → PodState JSON, written only beside a listed pod,
+so a state published just after its pod was removed does not outlive it),
+`{{prefix}}:registry:marker` (absent after a Redis restart or flush, so the indexer can
+tell "everyone deleted their pods" from "Redis lost them" and write back what it knows),
+channel `{{prefix}}:registry:changed` (a cluster forwards it to every node).
 """
 
 from __future__ import annotations
@@ -26,11 +27,13 @@ import re
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Annotated, Literal, Protocol
 
-import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from globalkv.index.base import IndexUnavailable
+from globalkv.index.redis_keys import RedisKeys
+from globalkv.redis_client import Client
 from kvplumbing.endpoints import offset_endpoint
 from kvplumbing.topics import parse_topic
 
@@ -238,6 +241,19 @@ class MemoryRegistry:
         return None
 
 
+# Each write and its change notice in one script: one round trip, atomic, and on a
+# cluster (where a pipeline may not PUBLISH) on the master of the registry's slot.
+_PUT = """
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('SET', KEYS[2], '1')
+redis.call('PUBLISH', ARGV[3], ARGV[1])
+"""
+_REMOVE = """
+local removed = redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+redis.call('PUBLISH', ARGV[2], ARGV[1])
+return removed
+"""
 _PUT_STATES = """
 for i = 1, #ARGV, 2 do
   if redis.call('HEXISTS', KEYS[1], ARGV[i]) == 1 then
@@ -250,27 +266,27 @@ end
 class RedisRegistry:
     """Pods in the index's Redis, readable and writable by every gateway."""
 
-    def __init__(self, redis: aioredis.Redis, *, prefix: str = "gkv") -> None:
+    def __init__(self, redis: Client, *, prefix: str = "gkv") -> None:
         self.redis = redis
+        self._put = redis.register_script(_PUT)
+        self._remove = redis.register_script(_REMOVE)
         self._put_states = redis.register_script(_PUT_STATES)
-        self.pods_key = f"{prefix}:registry:pods"
-        self.state_key = f"{prefix}:registry:state"
-        self.marker_key = f"{prefix}:registry:marker"
-        self.channel = f"{prefix}:registry:changed"
+        tag = RedisKeys(prefix).tag  # one slot, shared with the index's own keys
+        self.pods_key = f"{tag}:registry:pods"
+        self.state_key = f"{tag}:registry:state"
+        self.marker_key = f"{tag}:registry:marker"
+        self.channel = f"{tag}:registry:changed"
 
     async def put(self, pod: PodInfo) -> None:
-        async with self._errors(), self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(self.pods_key, pod.id, pod.model_dump_json())
-            pipe.set(self.marker_key, "1")
-            pipe.publish(self.channel, pod.id)
-            await pipe.execute()
+        keys = [self.pods_key, self.marker_key]
+        async with self._errors():
+            await self._put(keys=keys, args=[pod.id, pod.model_dump_json(), self.channel])
 
     async def remove(self, pod_id: str) -> bool:
-        async with self._errors(), self.redis.pipeline(transaction=True) as pipe:
-            pipe.hdel(self.pods_key, pod_id)
-            pipe.hdel(self.state_key, pod_id)
-            pipe.publish(self.channel, pod_id)
-            removed, _, _ = await pipe.execute()
+        async with self._errors():
+            removed = await self._remove(
+                keys=[self.pods_key, self.state_key], args=[pod_id, self.channel]
+            )
         return bool(removed)
 
     async def get(self, pod_id: str) -> PodInfo | None:
@@ -312,6 +328,8 @@ class RedisRegistry:
         pubsub = self.redis.pubsub()
         try:
             async with self._errors():
+                if isinstance(self.redis, RedisCluster):
+                    await self.redis.initialize()  # its pub/sub needs the slot map
                 await pubsub.subscribe(self.channel)
             while True:
                 # Blocking read (timeout=None): redis-py can swallow a cancellation that

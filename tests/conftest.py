@@ -5,7 +5,9 @@ from collections.abc import Iterator
 import pytest
 import zmq.asyncio
 
+from globalkv.stack.redis_cluster import LocalRedisCluster
 from tests.support.redis import RedisServer
+from tests.support.redis_cluster import flush, start_cluster
 
 
 @pytest.fixture(scope="session")
@@ -23,6 +25,21 @@ def redis_url(redis_server: RedisServer) -> str:
     with redis.Redis(port=redis_server.port) as client:
         client.flushall()
     return redis_server.url
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[LocalRedisCluster]:
+    """One real 3-master, 3-replica Redis Cluster for the session (started on first use)."""
+    cluster = start_cluster()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def redis_cluster_url(redis_cluster: LocalRedisCluster) -> str:
+    """The session's cluster, emptied: its `redis+cluster://` seed URL."""
+    flush(redis_cluster)
+    return redis_cluster.url
 
 
 @pytest.fixture

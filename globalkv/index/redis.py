@@ -1,18 +1,25 @@
-"""The shared index in Redis: any number of gateways read it, one indexer writes it.
+"""The shared index in Redis or a Redis Cluster: any number of gateways read it, one
+indexer writes it.
 
 Key names and layout: `redis_keys.py`. The choices, and why:
 
-- Lookup is one round trip to the chain's shard: a pipeline of one `EVALSHA` over the
-  chain's block keys (one hash slot, tagged by the chain's first block; sent as one hex
-  string, since one argument per key cost more Python time than the script) and `HGETALL` of
-  the live generations (another slot, so it cannot be read inside the script). The
-  script returns every generation's contiguous depth; generations not live are dropped
-  here, so a reset source vanishes from lookups the moment its generation is retired.
+- Lookup (redis_reads.py): the chain is cut into segments of a fixed number of blocks,
+  each in its own slot; one `EVALSHA` per master walks that master's segments (keys sent
+  as one hex string per segment, since one argument per key cost more Python time than
+  the script), then `HGETALL` of the live generations. On one Redis that is one pipeline;
+  on a cluster at most one call per master, concurrently, then the live read. Generations
+  not live are dropped, so a reset source vanishes from lookups the moment its generation
+  is retired.
 - Generations are the per-source epoch. A source's life (until a reset or a clear) has a
   fresh id; block hashes are keyed by it. Retiring one is O(1) (`live` loses it); its
   blocks are then dropped in chunks named by its own reverse log, never by SCAN/KEYS.
-- Writes: one `EVALSHA` per batch with flat ARGV (block keys, field values, fingerprint
-  deltas, one binary reverse-log entry), so a batch is atomic and costs one round trip.
+- Writes: one `EVALSHA` per batch with flat ARGV (block keys, field values, one binary
+  reverse-log entry). On one Redis that call holds the block writes, so a batch is atomic
+  and costs one round trip. On a cluster the block writes go first, one call per master
+  holding some (concurrently), then the batch's call with the checks, the generation
+  switch and the log: a lookup meanwhile sees each master's part of the batch applied or
+  not (docs/architecture.md says what that means for answers); a batch that failed
+  half-way is not logged, and its retry repeats the block writes, which are idempotent.
 - Fingerprints: a generation's field in a block hash holds a 48-bit hash of (generation,
   mask) whose low bits are the mask, and "#" holds the sum of the fields, kept by the
   writer's `HINCRBY`. Equal fingerprints on adjacent blocks mean the same holders in the
@@ -27,8 +34,6 @@ Key names and layout: `redis_keys.py`. The choices, and why:
   count differs (Redis lost recent writes); the writer then forgets its caches and
   raises `IndexDataLost` once, and ingest resyncs. Redis must run with
   `maxmemory-policy noeviction`: an evicted key would be silent loss.
-- Redis Cluster: lookups already touch one slot; a batch's writes span slots and are
-  atomic only on a single Redis (or a future per-slot split of the batch).
 - Layout: the first lookup and the first write of a process check the prefix's layout
   version (`redis_keys.check_layout`), so processes of different versions sharing a Redis
   refuse each other's data (`LayoutMismatch`, an `IndexUnavailable`) instead of misreading.
@@ -42,11 +47,10 @@ import asyncio
 import logging
 import secrets
 from collections.abc import AsyncIterator, Mapping, Sequence
-from functools import lru_cache
 from typing import Any, cast
 
-import redis.asyncio as aioredis
 from redis import exceptions as redis_errors
+from redis.asyncio.cluster import RedisCluster
 
 from globalkv.index.base import (
     ApplyResult,
@@ -58,14 +62,17 @@ from globalkv.index.base import (
     SourceStats,
     Tier,
 )
-from globalkv.index.packing import EngineBlock
-from globalkv.index.redis_batch import Writer, apply_args, seq_ts
+from globalkv.index.packing import EngineBlock, place
+from globalkv.index.redis_batch import BlockWrites, Writer, apply_args, seq_ts
 from globalkv.index.redis_failures import reachable
 from globalkv.index.redis_keys import RedisKeys, check_layout, parse_source_name, source_name
+from globalkv.index.redis_reads import lookup
 from globalkv.index.redis_scripts import APPLY, DROP, LOOKUP, replay_log
-from globalkv.index.scoring import TierWeights, make_hit, ranked
+from globalkv.index.redis_shards import Shards
+from globalkv.index.scoring import TierWeights
 from globalkv.index.state import SourceState
 from globalkv.keys import BlockKey, EngineHash
+from globalkv.redis_client import Client
 
 log = logging.getLogger(__name__)
 _DROP_CHUNK = 1000
@@ -79,7 +86,7 @@ class RedisIndex:
 
     def __init__(
         self,
-        redis: aioredis.Redis,
+        redis: Client,
         block_size: int,
         *,
         tier_weights: Mapping[Tier, float] | None = None,
@@ -87,11 +94,17 @@ class RedisIndex:
     ) -> None:
         if block_size <= 0:
             raise ValueError("block_size must be positive")
-        if redis.connection_pool.connection_kwargs.get("decode_responses"):
+        options = (
+            redis.get_connection_kwargs()
+            if isinstance(redis, RedisCluster)
+            else redis.connection_pool.connection_kwargs
+        )
+        if options.get("decode_responses"):
             raise ValueError("RedisIndex needs a client with decode_responses=False")
         self.block_size = block_size
         self.keys = RedisKeys(prefix)
         self._redis = redis
+        self._shards = Shards(redis)
         self._weights = TierWeights(tier_weights)
         self._writers: dict[Source, Writer] = {}
         self._locks: dict[Source, asyncio.Lock] = {}
@@ -107,42 +120,12 @@ class RedisIndex:
             with reachable("checking the layout"):
                 await check_layout(self._redis, self.keys)
             self._layout_checked = True
-        head, digits = self.keys.chain(keys)
         with reachable("looking up"):
             try:
-                rows, live = await self._lookup_round_trip(head, digits)
-            except redis_errors.NoScriptError:
+                return await lookup(self._redis, self._shards, self.keys, keys, self._weights)
+            except redis_errors.NoScriptError:  # one Redis: its pipeline does not reload
                 await self._redis.script_load(LOOKUP.source)
-                rows, live = await self._lookup_round_trip(head, digits)
-        return self._hits(rows, live)
-
-    async def _lookup_round_trip(
-        self, head: str, digits: str
-    ) -> tuple[list[int], dict[bytes, bytes]]:
-        pipe = self._redis.pipeline(transaction=False)
-        pipe.evalsha(LOOKUP.sha, 1, head + digits[:16], head, digits)
-        pipe.hgetall(self.keys.live)
-        rows, live = await pipe.execute()
-        return rows, live
-
-    def _hits(self, rows: list[int], live: dict[bytes, bytes]) -> list[Hit]:
-        """Hits of the live generations in the script's rows, best first."""
-        by_mask = self._weights.by_mask
-        hits = []
-        i, end = 0, len(rows)
-        while i < end:
-            gen, pairs = rows[i], rows[i + 1]
-            name = live.get(b"%d" % gen)  # a generation not live is a retired source
-            if name is not None and pairs == 1:  # one tier mask all the way: no dict
-                mask, blocks = rows[i + 2], rows[i + 3]
-                hits.append(Hit(_source(name), blocks, by_mask[mask] * blocks))
-            elif name is not None:
-                counts: dict[int, int] = {}
-                for j in range(i + 2, i + 2 + 2 * pairs, 2):
-                    counts[rows[j]] = counts.get(rows[j], 0) + rows[j + 1]
-                hits.append(make_hit(_source(name), counts, self._weights))
-            i += 2 + 2 * pairs
-        return ranked(hits)
+                return await lookup(self._redis, self._shards, self.keys, keys, self._weights)
 
     async def stats(self, pod: str | None = None) -> list[SourceStats]:
         with reachable("reading statistics"):
@@ -168,9 +151,18 @@ class RedisIndex:
             try:
                 with reachable("applying a batch"):
                     target = await self._new_gen() if changes.cleared or old is None else None
-                    args, logged = apply_args(
-                        self.keys, self._token, source, writer, changes, target, batch.seq, batch.ts
+                    args, writes, logged = apply_args(
+                        self.keys,
+                        self._token,
+                        source,
+                        writer,
+                        changes,
+                        target,
+                        batch.seq,
+                        batch.ts,
+                        inline=self._shards.cluster is None,
                     )
+                    await self._write_blocks(writes)
                     await self._run_apply(args)
             except BaseException:
                 self._writers.pop(source, None)  # Redis may hold the batch or not: reload
@@ -196,8 +188,16 @@ class RedisIndex:
             state = SourceState(epoch=target, resets=int(info.get(b"resets", 0)) + 1)
             state.last_seq, state.last_ts = seq_ts(info)
             writer = Writer(state, gen=None, version=0)
-            args, _ = apply_args(
-                self.keys, self._token, source, writer, None, target, state.last_seq, state.last_ts
+            args, _, _ = apply_args(
+                self.keys,
+                self._token,
+                source,
+                writer,
+                None,
+                target,
+                state.last_seq,
+                state.last_ts,
+                inline=True,
             )
             self._writers.pop(source, None)
             with reachable("resetting a source"):
@@ -301,8 +301,34 @@ class RedisIndex:
     async def _new_gen(self) -> int:
         return await self._redis.incr(self.keys.next_gen)
 
+    async def _write_blocks(self, writes: BlockWrites) -> None:
+        """A cluster's block writes, one call per master, before the batch's own call: a
+        failure half-way leaves the batch unlogged, so its retry sends them all again
+        (they are idempotent). On one Redis they went inside that call."""
+        if self._shards.cluster is None or not writes.names:
+            return
+        groups = self._shards.group(
+            writes.slots, list(zip(writes.names, writes.values, strict=True))
+        )
+        await asyncio.gather(
+            *(
+                APPLY.run(
+                    self._redis,
+                    (group[0][0],),
+                    (
+                        "blocks",
+                        writes.gen,
+                        len(group),
+                        "\n".join(n for n, _ in group),
+                        ",".join(v for _, v in group),
+                    ),
+                )
+                for group in groups
+            )
+        )
+
     async def _run_apply(self, args: list[Any]) -> None:
-        status = await APPLY.run(self._redis, (), args)
+        status = await APPLY.run(self._redis, (self.keys.marker,), args)
         if status == b"ok":
             return
         self._writers.clear()
@@ -326,29 +352,34 @@ class RedisIndex:
                 await self._drop_generation(int(raw))
 
     async def _drop_generation(self, gen: int) -> None:
-        names: set[str] = set()
+        slots: list[int] = []
+        names: list[str] = []
         async for entries in self._log(gen):
             try:
                 for _, block in replay_log(entries):
-                    if block is not None:
-                        names.update(self.keys.block(block.root, key) for key in block.keys)
+                    if block is None:
+                        continue
+                    at = place(block.root, block.depth)
+                    for i, key in enumerate(block.keys):
+                        slots.append(self.keys.block_slot(at + i))
+                        names.append(self.keys.block(at + i, key))
             except ValueError as exc:  # what it named is kept: it cannot be found any more
                 log.error("retired generation %d has a corrupt reverse log: %s", gen, exc)
             if len(names) >= _DROP_CHUNK:
-                await DROP.run(self._redis, (), [gen, *names])
-                names.clear()
+                await self._drop_blocks(gen, slots, names)
+                slots, names = [], []
         if names:
-            await DROP.run(self._redis, (), [gen, *names])
+            await self._drop_blocks(gen, slots, names)
         pipe = self._redis.pipeline(transaction=True)
         pipe.delete(self.keys.log(gen), self.keys.info(gen))
         pipe.srem(self.keys.dead, gen)
         await pipe.execute()
 
-
-@lru_cache(maxsize=4096)
-def _source(name: bytes) -> Source:
-    """Sources by their live-hash name: a lookup meets the same few every time."""
-    return parse_source_name(name.decode())
+    async def _drop_blocks(self, gen: int, slots: list[int], names: list[str]) -> None:
+        """The drop script per master (names repeat across log entries: sent once)."""
+        unique = dict(zip(names, slots, strict=True))
+        groups = self._shards.group(list(unique.values()), list(unique))
+        await asyncio.gather(*(DROP.run(self._redis, (g[0],), [gen, *g]) for g in groups))
 
 
 def _text(raw: bytes | str) -> str:

@@ -1,24 +1,65 @@
--- Apply one source batch atomically: every write of the batch, or none.
+-- Apply one source batch: on one Redis atomically, every write of the batch or none; on a
+-- cluster as one call per master holding its block keys, then this call with the checks.
 -- Refuses to write, returning 'lost', when the dataset marker is not the writer's (Redis
 -- restarted empty or was flushed), and 'stale' when the source's generation or batch
 -- count is not what the writer holds (Redis lost recent writes, or two writers).
+-- Block writes are idempotent (a field already holding its value is skipped, "#" moves by
+-- the field's change), so a block call repeated after a lost reply changes nothing.
 --
 -- ARGV (built by redis_batch.apply_args; names from globalkv/index/redis_keys.py):
---   1-5   marker key, the writer's marker token, sources hash, live hash, dead set
---   6     source name
---   7     generation the writer holds: a number, '' (none yet) or '*' (a reset: any)
---   8     batches the writer applied to it ('' = do not check)
---   9     generation to switch to ('' = keep; the old one is retired: hidden, then dropped)
---   10    info key of the generation held; 11, 12: info and log keys written
---   then  n, then the n block keys joined by newlines, their new field values (0 = no
---         longer held) and their fingerprint deltas, both joined by commas
+--   1     'blocks' (only the block writes below, for one cluster master) or 'batch'
+--   for 'blocks': 2 generation, 3 n, 4 the n block keys joined by newlines, 5 their new
+--         field values (0 = no longer held) joined by commas; nothing else
+--   for 'batch':
+--   2-6   marker key, the writer's marker token, sources hash, live hash, dead set
+--   7     source name
+--   8     generation the writer holds: a number, '' (none yet) or '*' (a reset: any)
+--   9     batches the writer applied to it ('' = do not check)
+--   10    generation to switch to ('' = keep; the old one is retired: hidden, then dropped)
+--   11    info key of the generation held; 12, 13: info and log keys written
+--   then  n, the n block keys, their values as for 'blocks' (n = 0 on a cluster)
 --   then  '1' when the log entries below replace the log (a snapshot), else '0'
 --   then  n, n x log entry to append (binary records of engine blocks stored or deleted)
 --   then  the info hash's field/value pairs
 
-local marker_key, token, sources_key, live_key, dead_key = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
-local name, gen, version, target = ARGV[6], ARGV[7], ARGV[8], ARGV[9]
-local old_info_key, info_key, log_key = ARGV[10], ARGV[11], ARGV[12]
+local call, find, sub, format = redis.call, string.find, string.sub, string.format
+
+-- Field values are below 2^48, so their difference is exact in a double; '%d' writes it
+-- in full (tostring would round it to 14 digits).
+local function write_blocks(gen, n, names, values)
+  local at_name, at_value = 1, 1
+  for _ = 1, n do
+    local stop = find(names, '\n', at_name, true) or #names + 1
+    local key = sub(names, at_name, stop - 1)
+    at_name = stop + 1
+    stop = find(values, ',', at_value, true) or #values + 1
+    local value = sub(values, at_value, stop - 1)
+    at_value = stop + 1
+    local current = call('HGET', key, gen)
+    if value == '0' then
+      if current then
+        call('HDEL', key, gen)
+        if call('HLEN', key) <= 1 then
+          call('DEL', key)
+        else
+          call('HINCRBY', key, '#', '-' .. current)
+        end
+      end
+    elseif current ~= value then
+      call('HSET', key, gen, value)
+      call('HINCRBY', key, '#', format('%d', tonumber(value) - tonumber(current or '0')))
+    end
+  end
+end
+
+if ARGV[1] == 'blocks' then
+  write_blocks(ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5])
+  return 'ok'
+end
+
+local marker_key, token, sources_key, live_key, dead_key = ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+local name, gen, version, target = ARGV[7], ARGV[8], ARGV[9], ARGV[10]
+local old_info_key, info_key, log_key = ARGV[11], ARGV[12], ARGV[13]
 
 if redis.call('GET', marker_key) ~= token then
   return 'lost'
@@ -46,40 +87,15 @@ if target ~= '' then
   batches = 0
 end
 
-local call, find, sub = redis.call, string.find, string.sub
-local i = 13
-local n = tonumber(ARGV[i])
-local names, values, deltas = ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
-i = i + 4
-local at_name, at_value, at_delta = 1, 1, 1
-for _ = 1, n do
-  local stop = find(names, '\n', at_name, true) or #names + 1
-  local key = sub(names, at_name, stop - 1)
-  at_name = stop + 1
-  stop = find(values, ',', at_value, true) or #values + 1
-  local value = sub(values, at_value, stop - 1)
-  at_value = stop + 1
-  stop = find(deltas, ',', at_delta, true) or #deltas + 1
-  local delta = sub(deltas, at_delta, stop - 1)
-  at_delta = stop + 1
-  if value == '0' then
-    call('HDEL', key, gen)
-    if call('HLEN', key) <= 1 then
-      call('DEL', key)
-    else
-      call('HINCRBY', key, '#', delta)
-    end
-  else
-    call('HSET', key, gen, value)
-    call('HINCRBY', key, '#', delta)
-  end
-end
+local i = 14
+write_blocks(gen, tonumber(ARGV[i]), ARGV[i + 1], ARGV[i + 2])
+i = i + 3
 
 local unpack = unpack or table.unpack
 if ARGV[i] == '1' then
   call('DEL', log_key)  -- the entries below are a snapshot of the whole state
 end
-n = tonumber(ARGV[i + 1])
+local n = tonumber(ARGV[i + 1])
 i = i + 2
 local CHUNK = 1000
 local stop = i + n

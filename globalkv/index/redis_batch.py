@@ -1,18 +1,20 @@
 """What one batch sends to the apply script, and the writer's view of a source it builds on.
 
 The script (redis_apply.lua, whose header names the ARGV positions) gets flat ARGV: the
-checks that make a write refuse stale or lost state, the changed block fields with their
-fingerprint deltas, the reverse-log entries and the generation's statistics.
+checks that make a write refuse stale or lost state, the changed block fields (inline on
+one Redis; on a cluster in calls of their own, per master, sent first), the reverse-log
+entries and the generation's statistics.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from globalkv.index.base import Source
-from globalkv.index.redis_keys import RedisKeys, source_name
+from globalkv.index.packing import DEPTH_BITS, DEPTH_MASK
+from globalkv.index.redis_keys import SEGMENT, RedisKeys, segment_slot, slot_tags, source_name
 from globalkv.index.redis_scripts import fingerprints, log_delete, log_put
 from globalkv.index.state import BatchChanges, SourceState
 
@@ -33,6 +35,15 @@ class Writer:
     """Records in the generation's reverse log (it is compacted when it outgrows the state)."""
 
 
+class BlockWrites(NamedTuple):
+    """The block fields a batch changes, each in its slot (for a cluster to group)."""
+
+    gen: int
+    slots: list[int]
+    names: list[str]
+    values: list[str]
+
+
 def apply_args(
     keys: RedisKeys,
     token: bytes | None,
@@ -42,13 +53,17 @@ def apply_args(
     target: int | None,
     seq: int | None,
     ts: float | None,
-) -> tuple[list[Any], int]:
-    """ARGV of redis_apply.lua (its header names the positions), and how many records
-    the generation's log holds once the script ran."""
+    *,
+    inline: bool,
+) -> tuple[list[Any], BlockWrites, int]:
+    """ARGV of redis_apply.lua's 'batch' call (its header names the positions), the block
+    writes (inside that ARGV when `inline`, for one Redis), and how many records the
+    generation's log holds once the script ran."""
     state = writer.state
     gen = writer.gen
     resetting = changes is None
     args: list[Any] = [
+        "batch",
         keys.marker,
         token,
         keys.sources,
@@ -64,22 +79,11 @@ def apply_args(
     assert writing is not None
     args += [keys.info(writing), keys.log(writing)]
     fresh = target is not None
-    names: list[str] = []
-    values: list[str] = []
-    deltas: list[str] = []
+    writes = BlockWrites(writing, [], [], [])
     records: list[bytes] = []
     snapshot = False
     if changes is not None:
-        prints = fingerprints(writing)
-        masks = state.masks
-        name_of = keys.block
-        for key, root in changes.keys.items():
-            old = 0 if fresh else changes.stored_mask(key)
-            new = masks.get(key, 0)
-            if old != new:
-                names.append(name_of(root, key))
-                values.append(str(prints[new]))
-                deltas.append(str(prints[new] - prints[old]))
+        _block_writes(keys, fingerprints(writing), state, changes, fresh, writes)
         logged = 0 if fresh else writer.log_records
         if logged + len(changes.blocks) > 2 * len(state.blocks) + _LOG_SLACK:
             snapshot = True
@@ -92,7 +96,10 @@ def apply_args(
                 elif not fresh:
                     records.append(log_delete(engine_hash))
     entries = [b"".join(records[i : i + _LOG_ENTRY]) for i in range(0, len(records), _LOG_ENTRY)]
-    args += (len(names), "\n".join(names), ",".join(values), ",".join(deltas))
+    if inline:
+        args += (len(writes.names), "\n".join(writes.names), ",".join(writes.values))
+    else:
+        args += (0, "", "")
     args += ("1" if snapshot else "0", len(entries), *entries)
     logged_after = len(records) if snapshot or fresh else writer.log_records + len(records)
     counts = state.counts
@@ -101,7 +108,29 @@ def apply_args(
         "seq", "" if seq is None else seq, "ts", "" if ts is None else repr(ts),
         *(x for bit in sorted(counts) for x in (f"t{bit}", counts[bit])),
     )  # fmt: skip
-    return args, logged_after
+    return args, writes, logged_after
+
+
+def _block_writes(
+    keys: RedisKeys,
+    prints: tuple[int, ...],
+    state: SourceState,
+    changes: BatchChanges,
+    fresh: bool,
+    writes: BlockWrites,
+) -> None:
+    """The changed keys' new field values (0: no longer held), named and placed."""
+    masks = state.masks
+    tags, prefix = slot_tags(), keys.block_prefix
+    slots, names, values = writes.slots, writes.names, writes.values
+    for key, at in changes.keys.items():
+        old = 0 if fresh else changes.stored_mask(key)
+        new = masks.get(key, 0)
+        if old != new:
+            slot = segment_slot(at >> DEPTH_BITS, (at & DEPTH_MASK) // SEGMENT)
+            slots.append(slot)
+            names.append(f"{prefix}{{{tags[slot]}}}{key:016x}")
+            values.append(str(prints[new]))
 
 
 def seq_ts(info: Mapping[bytes | str, bytes | str]) -> tuple[int | None, float | None]:

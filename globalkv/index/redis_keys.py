@@ -1,13 +1,18 @@
 """Every Redis key the index uses, named here and nowhere else (the scripts receive names).
 
 Block keys (millions; short):
-    {p}:b:{<chain's first key, hex>}<key, hex>   hash: generation -> tier mask under a
-                                                  48-bit hash (redis_scripts.fingerprints),
-                                                  "#" -> the sum of those fields
-The hash tag is the chain's first block, so every key a lookup walks sits in one slot and
-Redis Cluster shards by conversation root.
+    {p}:b:{<slot tag>}<key, hex>   hash: generation -> tier mask under a 48-bit hash
+                                   (redis_scripts.fingerprints), "#" -> the sum of those
+A chain is cut into segments of `SEGMENT` blocks by position; the blocks of one segment
+share a hash tag (one slot), so one script walks them. Segment i of the chain rooted at r
+sits on slot `(r's top 14 bits + i * STRIDE) mod 16384`, named by `slot_tag`: consecutive
+segments land a golden-ratio fraction of the slot ring apart, so on a cluster they fall on
+different masters, and the chat template and system prompt every prompt starts with are
+spread over all masters instead of making one slot hot. A lookup sends one script per
+master its segments touch (at most the number of masters, concurrently).
 
-Per source (one generation per source life; a reset or clear starts a new one):
+Per source and the dataset (one generation per source life; a reset or clear starts a
+new one), all under the hash tag `{p}`, one slot, so each write's checks are one script:
     {p}:index:sources          hash: "<pod>@<dp_rank>" -> current generation
     {p}:index:live             hash: generation -> "<pod>@<dp_rank>"; lookups trust only these
     {p}:index:dead             set: generations hidden, their blocks not yet dropped
@@ -17,24 +22,37 @@ Per source (one generation per source life; a reset or clear starts a new one):
     {p}:index:gen:<g>:info     hash: that generation's statistics and batch count
     {p}:index:marker           string: dataset token; gone when Redis lost its data
     {p}:index:layout           string: `LAYOUT`, the version of every name and value above
+(`{p}` is the prefix in braces: `{gkv}:index:live`.) The pod registry's keys share the tag.
 """
 
 from __future__ import annotations
 
 import re
 import struct
+from binascii import crc_hqx
 from collections.abc import Sequence
+from functools import cache
+from typing import Any, NamedTuple
 
-import redis.asyncio as aioredis
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS
 
 from globalkv.index.base import IndexUnavailable, Source
+from globalkv.index.packing import DEPTH_BITS, DEPTH_MASK
 from globalkv.keys import BlockKey
 
 _PREFIX_RE = re.compile(r"[A-Za-z0-9_.:-]+")
 
-LAYOUT = b"2"
+LAYOUT = b"3"
 """Bump with any change to the names or value formats above. Layout 1 is what came before
-the key existed (generations without a `layout` key)."""
+the key existed (generations without a `layout` key); layouts 1 and 2 had untagged names
+(`{p}:index:layout`), still read to refuse them."""
+SEGMENT = 16
+"""Blocks per segment: a 1k-token system prompt at block size 16 spans 4 of them."""
+SLOTS = REDIS_CLUSTER_HASH_SLOTS
+STRIDE = 10125
+"""Slots between consecutive segments: 16384 / golden ratio, odd so it visits every slot."""
+_ROOT_SHIFT = 50
+"""A root's top 14 bits pick its first segment's slot."""
 
 
 class LayoutMismatch(IndexUnavailable):
@@ -43,16 +61,51 @@ class LayoutMismatch(IndexUnavailable):
     Unavailable rather than a crash, so a gateway routes by load and says why."""
 
 
+class Segment(NamedTuple):
+    """Blocks `start` to `start + length` of a looked-up chain, all in one slot."""
+
+    slot: int
+    head: str
+    """Every name of the segment starts with it (up to the hash tag, included)."""
+    digits: str
+    """The segment's keys as 16 hex digits each: key i is head + digits[16i:16i+16]."""
+    start: int
+    length: int
+
+
+@cache
+def slot_tags() -> tuple[str, ...]:
+    """For each cluster slot a short hash tag that hashes to it (found once, by trying)."""
+    tags: list[str | None] = [None] * SLOTS
+    missing, n = SLOTS, 0
+    while missing:
+        tag = format(n, "x")
+        slot = crc_hqx(tag.encode(), 0) % SLOTS  # redis.crc.key_slot of "{tag}"
+        if tags[slot] is None:
+            tags[slot] = tag
+            missing -= 1
+        n += 1
+    return tuple(t for t in tags if t is not None)
+
+
+def segment_slot(root: int, segment: int) -> int:
+    return ((root >> _ROOT_SHIFT) + segment * STRIDE) % SLOTS
+
+
 class RedisKeys:
     __slots__ = (
         "block_prefix",
         "dead",
         "layout",
+        "legacy_layout",
+        "legacy_marker",
+        "legacy_sources",
         "live",
         "marker",
         "next_gen",
         "prefix",
         "sources",
+        "tag",
     )
 
     def __init__(self, prefix: str = "gkv") -> None:
@@ -62,49 +115,66 @@ class RedisKeys:
                 "(braces would break the hash tags)"
             )
         self.prefix = prefix
+        self.tag = f"{{{prefix}}}"
+        """The hash tag of every key but the blocks (the registry's too)."""
         self.block_prefix = f"{prefix}:b:"
-        self.sources = f"{prefix}:index:sources"
-        self.live = f"{prefix}:index:live"
-        self.dead = f"{prefix}:index:dead"
-        self.next_gen = f"{prefix}:index:gen:next"
-        self.marker = f"{prefix}:index:marker"
-        self.layout = f"{prefix}:index:layout"
+        index = f"{self.tag}:index"
+        self.sources = f"{index}:sources"
+        self.live = f"{index}:live"
+        self.dead = f"{index}:dead"
+        self.next_gen = f"{index}:gen:next"
+        self.marker = f"{index}:marker"
+        self.layout = f"{index}:layout"
+        self.legacy_layout = f"{prefix}:index:layout"
+        self.legacy_marker = f"{prefix}:index:marker"
+        self.legacy_sources = f"{prefix}:index:sources"
 
-    def block(self, root: BlockKey, key: BlockKey) -> str:
-        return f"{self.block_prefix}{{{root:016x}}}{key:016x}"
+    def block(self, at: int, key: BlockKey) -> str:
+        """The name of `key` at place `at` (`packing.place`: its chain root and position)."""
+        slot = segment_slot(at >> DEPTH_BITS, (at & DEPTH_MASK) // SEGMENT)
+        return f"{self.block_prefix}{{{slot_tags()[slot]}}}{key:016x}"
 
-    def chain(self, keys: Sequence[BlockKey]) -> tuple[str, str]:
-        """A looked-up chain as (head, digits): key i is named head + digits[16i:16i+16].
+    def block_slot(self, at: int) -> int:
+        return segment_slot(at >> DEPTH_BITS, (at & DEPTH_MASK) // SEGMENT)
 
-        The same names as `block(keys[0], key)`, built once as one string, because a
-        lookup sends hundreds of them and per-name formatting is most of its Python cost.
+    def segments(self, keys: Sequence[BlockKey]) -> list[Segment]:
+        """A looked-up chain (`keys[0]` its root) cut into its segments, in order.
+
+        Names are built once per segment as one string, because a lookup sends hundreds
+        of them and per-name formatting is most of its Python cost.
         """
-        return f"{self.block_prefix}{{{keys[0]:016x}}}", struct.pack(f">{len(keys)}Q", *keys).hex()
+        root, tags, prefix = keys[0], slot_tags(), self.block_prefix
+        digits = struct.pack(f">{len(keys)}Q", *keys).hex()
+        out = []
+        for i, start in enumerate(range(0, len(keys), SEGMENT)):
+            slot = segment_slot(root, i)
+            length = min(SEGMENT, len(keys) - start)
+            part = digits[16 * start : 16 * (start + length)]
+            out.append(Segment(slot, f"{prefix}{{{tags[slot]}}}", part, start, length))
+        return out
 
     def log(self, gen: int) -> str:
-        return f"{self.prefix}:index:gen:{gen}:log"
+        return f"{self.tag}:index:gen:{gen}:log"
 
     def info(self, gen: int) -> str:
-        return f"{self.prefix}:index:gen:{gen}:info"
+        return f"{self.tag}:index:gen:{gen}:info"
 
 
-async def check_layout(redis: aioredis.Redis, keys: RedisKeys) -> None:
+async def check_layout(redis: Any, keys: RedisKeys) -> None:
     """Claim an empty prefix for `LAYOUT`, or raise `LayoutMismatch` if it holds another.
 
     A reader or writer of another layout does not fail by itself: it misreads (wrong
-    depths, wrong pods) or corrupts. Not atomic (the keys span slots): two processes of
-    different layouts starting on one empty prefix at the same instant are not caught.
+    depths, wrong pods) or corrupts. Not atomic (older layouts' keys are in other slots):
+    two processes of different layouts starting on one empty prefix at the same instant
+    are not caught. `redis` is a client of one Redis or of a cluster (`redis_client`).
     Redis errors pass through: callers turn them into `IndexUnavailable`.
     """
     found = await redis.get(keys.layout)
     if found is None:
-        # Every writer of layout 1 set the dataset marker; writers since claim the layout
-        # first. (Not `gen:next`: a refused write after a restart still increments it.)
-        if await redis.exists(keys.marker, keys.sources):
-            found = b"1"
-        else:
-            await redis.set(keys.layout, LAYOUT, nx=True)
-            found = await redis.get(keys.layout)
+        found = await _legacy_layout(redis, keys)
+    if found is None:
+        await redis.set(keys.layout, LAYOUT, nx=True)
+        found = await redis.get(keys.layout)
     found = found.encode() if isinstance(found, str) else found
     if found not in (None, LAYOUT):
         raise LayoutMismatch(
@@ -112,6 +182,19 @@ async def check_layout(redis: aioredis.Redis, keys: RedisKeys) -> None:
             f"globalkv reads layout {LAYOUT.decode()}: run the same version everywhere, or "
             f"use another prefix (or delete its keys) for this one"
         )
+
+
+async def _legacy_layout(redis: Any, keys: RedisKeys) -> bytes | None:
+    """The layout of an index under the untagged names of layouts 1 and 2, if any."""
+    found = await redis.get(keys.legacy_layout)
+    if found is not None:
+        return found.encode() if isinstance(found, str) else bytes(found)
+    # Every writer of layout 1 set the dataset marker; writers since claim the layout
+    # first. (Not `gen:next`: a refused write after a restart still increments it.)
+    for name in (keys.legacy_marker, keys.legacy_sources):
+        if await redis.exists(name):
+            return b"1"
+    return None
 
 
 def source_name(source: Source) -> str:

@@ -1,6 +1,8 @@
--- One lookup: walk a chain's block keys (all in one hash slot) in order and report,
--- per generation holding the first block, how many blocks it holds contiguously and
--- under which tier masks. Stops where no generation continues.
+-- One lookup's walk on one Redis (or one cluster master): for each segment of the chain
+-- it is given (blocks of one hash slot, in chain order), report per generation holding the
+-- segment's first block how many blocks it holds contiguously from there and under which
+-- tier masks. The caller joins the segments: a generation's later segments count only
+-- while it held every block before them (see RedisIndex.lookup).
 --
 -- A generation's field holds a 48-bit hash of (generation, mask) with the mask in its low
 -- 3 bits, and "#" the sum of the fields (see redis_scripts.fingerprints). So the walk
@@ -13,40 +15,20 @@
 -- The cost is O(blocks + other changes x holders): 64 pods whose runs end one by one cost
 -- 64 small reads, not 64 reads of up to 64 fields.
 --
--- KEYS[1]: the chain's first block key (so a cluster routes the call to its slot).
--- ARGV[1]: the name every key of the chain starts with (up to its hash tag, included);
--- ARGV[2]: the chain's keys as 16 hex digits each, first block first. Block i's key name
---          is ARGV[1] .. (its 16 digits): see globalkv/index/redis_keys.py.
--- Returns: flat {generation, n, mask_1, blocks_1, ..., mask_n, blocks_n, ...}, one
--- (mask, blocks) pair per run of equal masks (a mask may come back).
+-- Only generations that held the whole of this call's earlier segments are followed into
+-- its later ones (the others cannot count there), and the walk stops at a segment nobody
+-- followed holds.
+--
+-- KEYS[1]: a key of the first segment (so a cluster routes the call to its master).
+-- ARGV: per segment, the name its keys start with (up to its hash tag, included), then
+--       its keys as 16 hex digits each, first block first. Block i's key name is that
+--       name .. (its 16 digits): see globalkv/index/redis_keys.py.
+-- Returns: per segment walked, in order, a flat {generation, n, mask_1, blocks_1, ...,
+-- mask_n, blocks_n, ...}: one (mask, blocks) pair per run of equal masks (a mask may come
+-- back). Segments after the last one walked are left out.
 -- Liveness of generations is checked by the caller (the live hash is in another slot).
 
 local call, sub = redis.call, string.sub
-local head, chain = ARGV[1], ARGV[2]
-local n = #chain / 16
-
-local first = call('HGETALL', KEYS[1])
-if #first == 0 then
-  return {}
-end
-
--- Parallel arrays over the generations whose run goes on; `by_value` finds one by the
--- number its field holds.
-local gens, values, since, runs, by_value = {}, {}, {}, {}, {}
-local fingerprint = '0'
-for j = 1, #first, 2 do
-  if first[j] == '#' then
-    fingerprint = first[j + 1]
-  else
-    local k = #gens + 1
-    gens[k], values[k], since[k] = first[j], first[j + 1], 1
-    by_value[tonumber(first[j + 1])] = k
-  end
-end
-if #gens == 0 then
-  return {}
-end
-local out = {}
 
 -- "#" exactly, as hi * 1e8 + lo: a sum of many fields can pass 2^53, a double's limit.
 local function limbs(s)
@@ -57,91 +39,129 @@ local function limbs(s)
   return tonumber(sub(s, 1, cut)), tonumber(sub(s, cut + 1))
 end
 
--- A generation's run under one value ended before block `at` (the mask changed): kept
--- in `runs`, which most generations never need.
-local function close(j, at)
-  local r = runs[j]
-  if not r then
-    r = {}
-    runs[j] = r
-  end
-  r[#r + 1] = tonumber(values[j]) % 8
-  r[#r + 1] = at - since[j]
-end
-
-local function finish(j, at)
-  local r = runs[j]
-  out[#out + 1] = tonumber(gens[j])
-  if r then
-    out[#out + 1] = #r / 2 + 1
-    for _, v in ipairs(r) do
-      out[#out + 1] = v
-    end
-  else
-    out[#out + 1] = 1
-  end
-  out[#out + 1] = tonumber(values[j]) % 8
-  out[#out + 1] = at - since[j]
-end
-
--- Generation j's run ended: move the last one into its place.
-local function forget(j)
-  local last = #gens
-  by_value[tonumber(values[j])] = nil
-  if j ~= last then
-    gens[j], values[j], since[j], runs[j] = gens[last], values[last], since[last], runs[last]
-    by_value[tonumber(values[j])] = j
-  end
-  gens[last], values[last], since[last], runs[last] = nil, nil, nil, nil
-end
-
--- Compare every running generation with block i's hash.
-local function reread(key, i)
-  local now = {}
-  local h = call('HGETALL', key)
-  for j = 1, #h, 2 do
-    now[h[j]] = h[j + 1]
-  end
-  for j = #gens, 1, -1 do
-    local value = now[gens[j]]
-    if not value then
-      finish(j, i)
-      forget(j)
-    elseif value ~= values[j] then
-      close(j, i)
-      by_value[tonumber(values[j])] = nil
-      values[j], since[j] = value, i
-      by_value[tonumber(value)] = j
+-- One segment: its rows (as returned) and the set of generations that held all of it.
+-- `followed`, when not nil, is the set of generations worth following.
+local function walk(head, chain, followed)
+  local n = #chain / 16
+  local first = call('HGETALL', head .. sub(chain, 1, 16))
+  local out, full = {}, {}
+  -- Parallel arrays over the generations whose run goes on; `by_value` finds one by
+  -- the number its field holds.
+  local gens, values, since, runs, by_value = {}, {}, {}, {}, {}
+  local fingerprint = '0'
+  for j = 1, #first, 2 do
+    if first[j] == '#' then
+      fingerprint = first[j + 1]
+    elseif not followed or followed[first[j]] then
+      local k = #gens + 1
+      gens[k], values[k], since[k] = first[j], first[j + 1], 1
+      by_value[tonumber(first[j + 1])] = k
     end
   end
-end
-
-local hi, lo = limbs(fingerprint)
-local stop = n + 1
-for i = 2, n do
-  local key = head .. sub(chain, 16 * i - 15, 16 * i)
-  local f = call('HGET', key, '#')
-  if not f then
-    stop = i
-    break
+  if #gens == 0 then
+    return out, full
   end
-  if f ~= fingerprint then
-    local f_hi, f_lo = limbs(f)
-    local j = by_value[(hi - f_hi) * 1e8 + (lo - f_lo)]
-    if j and call('HEXISTS', key, gens[j]) == 0 then
-      finish(j, i)
-      forget(j)
+
+  -- A generation's run under one value ended before block `at` (the mask changed): kept
+  -- in `runs`, which most generations never need.
+  local function close(j, at)
+    local r = runs[j]
+    if not r then
+      r = {}
+      runs[j] = r
+    end
+    r[#r + 1] = tonumber(values[j]) % 8
+    r[#r + 1] = at - since[j]
+  end
+
+  local function finish(j, at)
+    local r = runs[j]
+    out[#out + 1] = tonumber(gens[j])
+    if r then
+      out[#out + 1] = #r / 2 + 1
+      for _, v in ipairs(r) do
+        out[#out + 1] = v
+      end
     else
-      reread(key, i)
+      out[#out + 1] = 1
     end
-    fingerprint, hi, lo = f, f_hi, f_lo
-    if #gens == 0 then
+    out[#out + 1] = tonumber(values[j]) % 8
+    out[#out + 1] = at - since[j]
+  end
+
+  -- Generation j's run ended: move the last one into its place.
+  local function forget(j)
+    local last = #gens
+    by_value[tonumber(values[j])] = nil
+    if j ~= last then
+      gens[j], values[j], since[j], runs[j] = gens[last], values[last], since[last], runs[last]
+      by_value[tonumber(values[j])] = j
+    end
+    gens[last], values[last], since[last], runs[last] = nil, nil, nil, nil
+  end
+
+  -- Compare every running generation with block i's hash.
+  local function reread(key, i)
+    local now = {}
+    local h = call('HGETALL', key)
+    for j = 1, #h, 2 do
+      now[h[j]] = h[j + 1]
+    end
+    for j = #gens, 1, -1 do
+      local value = now[gens[j]]
+      if not value then
+        finish(j, i)
+        forget(j)
+      elseif value ~= values[j] then
+        close(j, i)
+        by_value[tonumber(values[j])] = nil
+        values[j], since[j] = value, i
+        by_value[tonumber(value)] = j
+      end
+    end
+  end
+
+  local hi, lo = limbs(fingerprint)
+  local stop = n + 1
+  for i = 2, n do
+    local key = head .. sub(chain, 16 * i - 15, 16 * i)
+    local f = call('HGET', key, '#')
+    if not f then
       stop = i
       break
     end
+    if f ~= fingerprint then
+      local f_hi, f_lo = limbs(f)
+      local j = by_value[(hi - f_hi) * 1e8 + (lo - f_lo)]
+      if j and call('HEXISTS', key, gens[j]) == 0 then
+        finish(j, i)
+        forget(j)
+      else
+        reread(key, i)
+      end
+      fingerprint, hi, lo = f, f_hi, f_lo
+      if #gens == 0 then
+        stop = i
+        break
+      end
+    end
   end
+  for j = 1, #gens do
+    if stop == n + 1 then
+      full[gens[j]] = true
+    end
+    finish(j, stop)
+  end
+  return out, full
 end
-for j = 1, #gens do
-  finish(j, stop)
+
+local results, followed = {}, nil
+for s = 1, #ARGV, 2 do
+  local out, full = walk(ARGV[s], ARGV[s + 1], followed)
+  results[#results + 1] = out
+  if next(full) == nil then
+    break
+  end
+  followed = full
 end
-return out
+return results

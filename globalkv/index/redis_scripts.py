@@ -20,13 +20,13 @@ from collections.abc import Iterable, Iterator, Sequence
 from importlib.resources import files
 from typing import Any
 
-import redis.asyncio as aioredis
 import xxhash
 from redis import exceptions as redis_errors
 
 from globalkv.index.packing import EngineBlock
 from globalkv.index.scoring import ALL_TIERS
 from globalkv.keys import BlockKey, EngineHash
+from globalkv.redis_client import Client
 
 
 class Script:
@@ -36,7 +36,7 @@ class Script:
         self.source = (files("globalkv.index") / filename).read_bytes()
         self.sha = hashlib.sha1(self.source).hexdigest()
 
-    async def run(self, client: aioredis.Redis, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+    async def run(self, client: Client, keys: Sequence[Any], args: Sequence[Any]) -> Any:
         try:
             return await client.evalsha(self.sha, len(keys), *keys, *args)
         except redis_errors.NoScriptError:
@@ -63,15 +63,15 @@ def fingerprints(gen: int) -> tuple[int, ...]:
     )
 
 
-_PUT = struct.Struct("<cQBQH")
-"""b"P", engine hash, tiers, chain root, key count; then the keys."""
+_PUT = struct.Struct("<cQBQIH")
+"""b"P", engine hash, tiers, chain root, position of the first key, key count; then the keys."""
 _DELETE = struct.Struct("<cQ")
 """b"D", engine hash."""
 
 
 def log_put(engine_hash: EngineHash, block: EngineBlock) -> bytes:
     count = len(block.keys)
-    head = _PUT.pack(b"P", engine_hash, block.tiers, block.root, count)
+    head = _PUT.pack(b"P", engine_hash, block.tiers, block.root, block.depth, count)
     return head + struct.pack(f"<{count}Q", *block.keys)
 
 
@@ -99,7 +99,7 @@ def _records(entries: Iterable[bytes]) -> Iterator[tuple[EngineHash, EngineBlock
                 at += _DELETE.size
                 yield EngineHash(engine_hash), None
                 continue
-            tag, engine_hash, tiers, root, count = _PUT.unpack_from(entry, at)
+            tag, engine_hash, tiers, root, depth, count = _PUT.unpack_from(entry, at)
             if tag != b"P":
                 raise ValueError(f"unknown log record {tag!r}")
             at += _PUT.size
@@ -107,4 +107,5 @@ def _records(entries: Iterable[bytes]) -> Iterator[tuple[EngineHash, EngineBlock
                 raise ValueError("a stored block without keys")
             keys = struct.unpack_from(f"<{count}Q", entry, at)
             at += 8 * count
-            yield EngineHash(engine_hash), EngineBlock(tuple(map(BlockKey, keys)), root, tiers)
+            block = EngineBlock(tuple(map(BlockKey, keys)), root, tiers, depth)
+            yield EngineHash(engine_hash), block

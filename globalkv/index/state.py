@@ -36,13 +36,18 @@ from globalkv.index.base import (
     StoreBlocks,
 )
 from globalkv.index.packing import (
+    DEPTH_AT,
+    DEPTH_BITS,
     KEY_MASK,
     LAST_AT,
     ROOT_AT,
     TIER_BITS,
     EngineBlock,
     block_keys,
+    first_place,
+    next_depth,
     pack_block,
+    place,
     unpack_block,
 )
 from globalkv.keys import BlockKey, EngineHash, chain_keys, token_bytes
@@ -72,8 +77,9 @@ class BatchChanges:
     def __init__(self, counts: dict[int, int]) -> None:
         self.cleared = False
         """The source was cleared first; `keys` and `blocks` are relative to empty."""
-        self.keys: dict[BlockKey, BlockKey] = {}
-        """Keys whose mask may differ (since the last clear), with their chain root."""
+        self.keys: dict[BlockKey, int] = {}
+        """Keys whose mask may differ (since the last clear), with their `place` (chain
+        root and position): where Redis stores them."""
         self.masks_before: dict[BlockKey, int] = {}
         self.blocks: dict[EngineHash, int | None] = {}
         """Engine blocks added, changed or dropped (since the last clear), packed as before."""
@@ -127,7 +133,8 @@ class SourceState:
         for engine_hash, block in blocks:
             for bit in TIER_BITS:
                 if block.tiers & bit:
-                    state.counts[bit] += state._hold(block.keys, block.root, bit, changes)
+                    at = place(block.root, block.depth)
+                    state.counts[bit] += state._hold(block.keys, at, bit, changes)
             state.blocks[engine_hash] = pack_block(block)
         return state
 
@@ -206,13 +213,14 @@ class SourceState:
         parent: int
         root: int | None
         if event.parent is None:
-            parent, root = event.namespace, None
+            parent, root, depth = event.namespace, None, 0
         else:
             parent_word = blocks.get(event.parent)
             if parent_word is None:
                 result.orphans += count
                 return
             parent, root = parent_word >> LAST_AT & KEY_MASK, parent_word >> ROOT_AT & KEY_MASK
+            depth = next_depth(parent_word)
         try:
             data = token_bytes(event.token_ids)
         except (ValueError, TypeError):  # ids outside u32: the wire should have refused them
@@ -242,8 +250,11 @@ class SourceState:
                     )
                 root = word >> ROOT_AT & KEY_MASK
                 high = bit | root << ROOT_AT
+                depth = next_depth(word)
                 if not word & bit:
-                    added += self._hold(block_keys(word), BlockKey(root), bit, changes)
+                    held_keys = block_keys(word)
+                    at = first_place(word, len(held_keys))
+                    added += self._hold(held_keys, at, bit, changes)
                     block_before(engine_hash, word)
                     blocks[engine_hash] = word | bit
                 stored += 1
@@ -262,10 +273,11 @@ class SourceState:
                 else:
                     mask_before(key, mask)
                     masks[key] = mask | bit
-                    changed[key] = root  # type: ignore[assignment]
+                    changed[key] = root << DEPTH_BITS | depth
                     added += 1
                 block_before(engine_hash, None)
-                blocks[engine_hash] = high | key << LAST_AT
+                blocks[engine_hash] = high | depth << DEPTH_AT | key << LAST_AT
+                depth += 1
             else:
                 new = tuple(keys[j * per_block : (j + 1) * per_block])
                 if root is None:
@@ -276,9 +288,10 @@ class SourceState:
                     if fresh and len(masks) + fresh > max_keys:
                         result.over_capacity += count - j
                         break
-                added += self._hold(new, BlockKey(root), bit, changes)
+                added += self._hold(new, place(root, depth), bit, changes)
                 block_before(engine_hash, None)
-                blocks[engine_hash] = pack_block(EngineBlock(new, BlockKey(root), bit))
+                blocks[engine_hash] = pack_block(EngineBlock(new, BlockKey(root), bit, depth))
+                depth += per_block
             stored += 1
         self.counts[bit] += added
         result.stored += stored
@@ -291,8 +304,8 @@ class SourceState:
             word = blocks.get(engine_hash)
             if word is None or not word & bit:
                 continue
-            root = BlockKey(word >> ROOT_AT & KEY_MASK)
-            released += self._release(block_keys(word), root, bit, changes)
+            held_keys = block_keys(word)
+            released += self._release(held_keys, first_place(word, len(held_keys)), bit, changes)
             changes.blocks.setdefault(engine_hash, word)
             if word & 7 == bit:
                 del blocks[engine_hash]
@@ -322,30 +335,28 @@ class SourceState:
 
     # ---------------------------------------------------------------- mutations
 
-    def _hold(
-        self, keys: Iterable[BlockKey], root: BlockKey, bit: int, changes: BatchChanges
-    ) -> int:
-        """One more engine block holds `keys` in tier `bit`; returns the keys newly held."""
+    def _hold(self, keys: Iterable[BlockKey], at: int, bit: int, changes: BatchChanges) -> int:
+        """One more engine block holds `keys` (the first at place `at`) in tier `bit`;
+        returns the keys newly held."""
         masks = self.masks
         added = 0
-        for key in keys:
+        for i, key in enumerate(keys):
             mask = masks.get(key, 0)
             if mask & bit:
                 self._set_extra(key << 3 | bit, 1, changes)
             else:
                 changes.masks_before.setdefault(key, mask)
                 masks[key] = mask | bit
-                changes.keys[key] = root
+                changes.keys[key] = at + i
                 added += 1
         return added
 
-    def _release(
-        self, keys: Iterable[BlockKey], root: BlockKey, bit: int, changes: BatchChanges
-    ) -> int:
-        """One engine block less holds `keys` in tier `bit`; returns the keys no longer held."""
+    def _release(self, keys: Iterable[BlockKey], at: int, bit: int, changes: BatchChanges) -> int:
+        """One engine block less holds `keys` (the first at place `at`) in tier `bit`;
+        returns the keys no longer held."""
         masks, extra = self.masks, self.extra
         released = 0
-        for key in keys:
+        for i, key in enumerate(keys):
             if extra and extra.get(key << 3 | bit):
                 self._set_extra(key << 3 | bit, -1, changes)
                 continue
@@ -357,7 +368,7 @@ class SourceState:
                 del masks[key]
             else:
                 masks[key] = mask ^ bit
-            changes.keys[key] = root
+            changes.keys[key] = at + i
             released += 1
         return released
 

@@ -32,6 +32,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
+from globalkv import redis_client
 from globalkv.cli import parse
 from kvplumbing.auth import is_loopback
 from kvplumbing.environment import env_var_name
@@ -110,9 +111,7 @@ class StackConfig(BaseModel):
     @field_validator("redis_url")
     @classmethod
     def _redis_scheme(cls, value: str | None) -> str | None:
-        if value is not None and not value.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"{value!r} is not a redis://, rediss:// or unix:// URL")
-        return value
+        return None if value is None else redis_client.check_url(value)
 
     @model_validator(mode="after")
     def _reachable_without_a_token(self) -> StackConfig:

@@ -1,4 +1,5 @@
-"""The backends every shared index test runs against: memory, fakeredis, a real Redis."""
+"""The backends every shared index test runs against: memory, fakeredis, a real Redis and
+a real Redis Cluster (3 masters, 3 replicas)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,15 @@ import redis.asyncio as aioredis
 from globalkv.index.base import Index
 from globalkv.index.memory import MemoryIndex
 from globalkv.index.redis import RedisIndex
+from globalkv.redis_client import Client, connect
 
-BACKENDS = ["memory", "fakeredis", "redis"]
+BACKENDS = ["memory", "fakeredis", "redis", "cluster"]
 
 
 class Backend:
     """Builds indexes of one kind; `restart` gives a new writer on the same data."""
 
-    def __init__(self, name: str, client: aioredis.Redis | None = None) -> None:
+    def __init__(self, name: str, client: Client | None = None) -> None:
         self.name = name
         self.client = client
         self._kwargs: dict[str, Any] = {}
@@ -50,9 +52,11 @@ async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
     if request.param == "memory":
         yield Backend("memory")
         return
-    client: aioredis.Redis
+    client: Client
     if request.param == "fakeredis":
         client = fakeredis.FakeAsyncRedis()
+    elif request.param == "cluster":
+        client = connect(request.getfixturevalue("redis_cluster_url"))
     else:
         client = aioredis.from_url(request.getfixturevalue("redis_url"))
     yield Backend(request.param, client)

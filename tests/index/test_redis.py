@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import fakeredis
@@ -11,6 +12,7 @@ from redis.cluster import key_slot
 
 from globalkv.index.base import ApplyResult, IndexDataLost, IndexUnavailable, Source, Tier
 from globalkv.index.redis import RedisIndex
+from globalkv.index.redis_keys import SEGMENT, SLOTS
 from globalkv.index.redis_scripts import fingerprints, replay_log
 from tests.index.events import (
     BS,
@@ -184,17 +186,23 @@ async def test_fakeredis_disconnected_raises_unavailable() -> None:
     await client.aclose()
 
 
-async def test_a_chain_lives_in_one_hash_slot(client: aioredis.Redis) -> None:
+async def test_a_chain_is_spread_over_slots_one_segment_each(client: aioredis.Redis) -> None:
+    """A cluster walks a segment with one script, and consecutive segments sit far apart
+    on the slot ring (on other masters), so a prefix every prompt shares is no hot slot."""
     index = RedisIndex(client, BS)
-    t = tokens(64)
-    await Feeder(index)(P0, store(range(1, 65), t))
-    names = await client.keys(f"{index.keys.block_prefix}*")
-    assert len(names) == 64
-    assert len({key_slot(name) for name in names}) == 1
-    head, digits = index.keys.chain(keys(t))
-    assert {head + digits[i : i + 16] for i in range(0, len(digits), 16)} == {
-        n.decode() for n in names
-    }
+    t = tokens(4 * SEGMENT)
+    await Feeder(index)(P0, store(range(1, 4 * SEGMENT + 1), t))
+    names = {n.decode() for n in await client.keys(f"{index.keys.block_prefix}*")}
+    segments = index.keys.segments(keys(t))
+    assert [s.length for s in segments] == [SEGMENT] * 4
+    named = {s.head + s.digits[i : i + 16] for s in segments for i in range(0, len(s.digits), 16)}
+    assert named == names
+    for segment in segments:
+        assert {key_slot((segment.head + segment.digits[i : i + 16]).encode()) for i in
+                range(0, len(segment.digits), 16)} == {segment.slot}  # fmt: skip
+    slots = [s.slot for s in segments]
+    gaps = [min((b - a) % SLOTS, (a - b) % SLOTS) for a, b in itertools.pairwise(slots)]
+    assert min(gaps) > SLOTS // 4
 
 
 async def test_resets_and_removals_drop_everything_without_scanning_the_keyspace(
@@ -271,8 +279,11 @@ async def test_runs_ending_one_by_one_cost_no_reads_of_the_holders(
     await client.config_resetstat()
     await index.lookup(chain)
     calls = {k: v["calls"] for k, v in (await client.info("commandstats")).items()}
-    assert calls["cmdstat_hgetall"] == 2  # the first block, and the live generations
-    assert calls["cmdstat_hexists"] == 19  # one per run that ends before the chain does
+    assert SEGMENT == 16
+    # Each segment's first block (at 0, 16 and 32), and the live generations
+    assert calls["cmdstat_hgetall"] == 3 + 1
+    # One per run that ends before the chain does, but at a segment's end (16, 32)
+    assert calls["cmdstat_hexists"] == 19 - 2
     # Two runs ending at one block: read there. A running holder whose tier changes for
     # one block: read where it changes, and where it changes back.
     twin = Source("twin")
@@ -283,4 +294,4 @@ async def test_runs_ending_one_by_one_cost_no_reads_of_the_holders(
     assert depths(hits)[twin] == depths(hits)[sources[2]] == 6
     assert scores(hits)[sources[19]] == 40.0
     calls = {k: v["calls"] for k, v in (await client.info("commandstats")).items()}
-    assert calls["cmdstat_hgetall"] == 2 + 1 + 2
+    assert calls["cmdstat_hgetall"] == 3 + 1 + 1 + 2

@@ -86,11 +86,12 @@ async def test_a_failed_batch_changes_nothing_visible(
     keys=st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=6),
     root=st.integers(0, 2**64 - 1),
     tiers=st.integers(1, 7),
+    depth=st.integers(0, 2**32 - 7),
 )
 def test_an_engine_block_packs_into_one_int_and_back(
-    keys: list[int], root: int, tiers: int
+    keys: list[int], root: int, tiers: int, depth: int
 ) -> None:
-    block = EngineBlock(tuple(map(BlockKey, keys)), BlockKey(root), tiers)
+    block = EngineBlock(tuple(map(BlockKey, keys)), BlockKey(root), tiers, depth)
     word = pack_block(block)
     assert unpack_block(word) == block
     assert unpack_block(word ^ tiers | 4) == block._replace(tiers=4)

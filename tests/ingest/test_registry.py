@@ -8,7 +8,9 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 from pydantic import ValidationError
+from redis.asyncio.cluster import RedisCluster
 
+from globalkv import redis_client
 from globalkv.registry import (
     KvEventsConfig,
     MemoryRegistry,
@@ -67,12 +69,16 @@ def test_connectable_endpoints(endpoint: str) -> None:
     assert KvEventsConfig(endpoint=endpoint).endpoint == endpoint
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "cluster"])
 async def registry(request: pytest.FixtureRequest) -> AsyncIterator[Registry]:
     if request.param == "memory":
         yield MemoryRegistry()
         return
-    client = aioredis.from_url(request.getfixturevalue("redis_url"))
+    if request.param == "cluster":
+        url = request.getfixturevalue("redis_cluster_url")
+    else:
+        url = request.getfixturevalue("redis_url")
+    client = redis_client.connect(url)
     yield RedisRegistry(client, prefix="test")
     await client.aclose()
 
@@ -109,6 +115,10 @@ async def _listening(registry: Registry) -> None:
         channel = registry.channel.encode()
 
         async def subscribed() -> bool:
+            if isinstance(registry.redis, RedisCluster):  # counted by the node subscribed to
+                nodes = registry.redis.get_nodes()
+                found = [await registry.redis.pubsub_numsub(channel, target_nodes=n) for n in nodes]
+                return any(dict(f).get(channel) for f in found)
             counts = dict(await registry.redis.pubsub_numsub(channel))
             return bool(counts.get(channel))
 

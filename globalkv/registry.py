@@ -9,13 +9,13 @@ reconciliation, because pub/sub messages are lost while a subscriber reconnects.
 Next to each pod the indexer writes its ingest state (subscribed, last seq, last event
 time, resets, drops), so `globalkv pods` and `doctor` read freshness from any process.
 
-Redis keys, all here and under the index's hash tag `{prefix}` (one slot on a cluster, so
-each write is one transaction): `{{prefix}}:registry:pods` (hash id → PodInfo JSON),
-`{{prefix}}:registry:state` (hash id → PodState JSON, written only beside a listed pod,
-so a state published just after its pod was removed does not outlive it),
-`{{prefix}}:registry:marker` (absent after a Redis restart or flush, so the indexer can
-tell "everyone deleted their pods" from "Redis lost them" and write back what it knows),
-channel `{{prefix}}:registry:changed` (a cluster forwards it to every node).
+Redis keys, all here and under the index's hash tag, the prefix in braces (one slot on a
+cluster, so each write is one script): `{gkv}:registry:pods` (hash id → PodInfo JSON),
+`{gkv}:registry:state` (hash id → PodState JSON, written only beside a listed pod, so a
+state published just after its pod was removed does not outlive it),
+`{gkv}:registry:marker` (absent after a Redis restart or flush, so the indexer can tell
+"everyone deleted their pods" from "Redis lost them" and write back what it knows),
+channel `{gkv}:registry:changed` (a cluster forwards it to every node).
 """
 
 from __future__ import annotations

@@ -60,6 +60,13 @@ class StackConfig(BaseModel):
         description="Keep the index in this Redis (the gateway then reads it directly); "
         "None: the indexer's in-memory index.",
     )
+    redis_cluster: int | None = Field(
+        None,
+        ge=3,
+        le=16,
+        description="Start a local Redis Cluster of this many masters (one replica each) "
+        "and keep the index there; exclusive with redis_url.",
+    )
     run_dir: Path | None = Field(
         None, description="Where logs and cluster.json go; None: a fresh directory under runs/."
     )
@@ -112,6 +119,12 @@ class StackConfig(BaseModel):
     @classmethod
     def _redis_scheme(cls, value: str | None) -> str | None:
         return None if value is None else redis_client.check_url(value)
+
+    @model_validator(mode="after")
+    def _one_redis(self) -> StackConfig:
+        if self.redis_url is not None and self.redis_cluster is not None:
+            raise ValueError("--redis-url and --redis-cluster are exclusive: give one")
+        return self
 
     @model_validator(mode="after")
     def _reachable_without_a_token(self) -> StackConfig:

@@ -1,15 +1,18 @@
 """`globalkv up`: a whole local cluster in one command, supervised until Ctrl-C.
 
-    globalkv up [--prefill 2] [--decode 2] [--port 8000] [--redis-url URL] [--run-dir D]
+    globalkv up [--prefill 2] [--decode 2] [--port 8000] [--redis-url URL | --redis-cluster N]
+        [--run-dir D]
         [--model M] [--block-size 16] [--tokenizer byte|PATH] [--policy prefix]
         [--kv-capacity PAGES] [--prefill-args="--prefill-tokens-per-s 5000"]
         [--decode-args=…] [--gateway-args=…] [--indexer-args=…] [--admin-token T | --insecure]
 
 No Docker and no Redis needed: the indexer keeps its index in memory unless `--redis-url`
-is given. Once everything is ready it prints every component with its address and the
-requests to try, then watches the processes: a component that dies is reported with the
-tail of its log, and SIGINT or SIGTERM stops everything and exits 0. Every flag also
-reads `GLOBALKV_UP_<FLAG>`.
+is given, or `--redis-cluster N`, which starts a local Redis Cluster of N masters with a
+replica each (redis-server processes, nothing saved) and prints its seed URL. Once
+everything is ready it prints every component with its address and the requests to try,
+then watches the processes: a component that dies is reported with the tail of its log,
+and SIGINT or SIGTERM stops everything and exits 0. Every flag also reads
+`GLOBALKV_UP_<FLAG>`.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any, TextIO
 
 from globalkv.stack.cluster import ClusterError, LocalCluster
 from globalkv.stack.plan import StackConfig, check_plan, plan_stack, ports_needed
+from globalkv.stack.redis_cluster import ClusterStartError, LocalRedisCluster
 from globalkv.stack.render import curl_lines, table
 from kvplumbing.validation import validation_as_value_error
 
@@ -49,6 +53,12 @@ def register(subparsers: Any) -> None:
     add("--port", type=int, default=8000, help="gateway port (0: a free one)")
     add("--host", default=defaults.host, help="address the gateway and the index API listen on")
     add("--redis-url", help="keep the index in this Redis (default: in memory)")
+    add(
+        "--redis-cluster",
+        type=int,
+        metavar="N",
+        help="start a local Redis Cluster of N masters (and a replica each) for the index",
+    )
     add("--run-dir", type=Path, help="logs and cluster.json (default: a new runs/up-… dir)")
     add("--model", default=defaults.model, help="served model name")
     add(
@@ -112,6 +122,7 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
             host=args.host,
             gateway_port=args.port,
             redis_url=args.redis_url,
+            redis_cluster=args.redis_cluster,
             run_dir=args.run_dir,
             model=args.model,
             engine=args.engine,
@@ -132,6 +143,8 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
 def check_config(args: argparse.Namespace) -> None:
     """The stack's settings and every component's planned arguments, with stand-in ports."""
     config = config_from_args(args)
+    if config.redis_cluster is not None:
+        config = config.model_copy(update={"redis_url": "redis+cluster://127.0.0.1:7000/"})
     stand_in = iter(range(20000, 20000 + ports_needed(config)))
     check_plan(plan_stack(config, stand_in, args.run_dir or Path("runs")))
 
@@ -181,6 +194,35 @@ def run(args: argparse.Namespace) -> int:
     # The readiness polls would flood the terminal with one line per request.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     out = sys.stdout
+    try:
+        with _redis_cluster(config, out) as with_redis:
+            return _run(with_redis, out)
+    except ClusterStartError as exc:
+        print(f"globalkv up: could not start the Redis Cluster: {exc}", file=sys.stderr)
+        return 1
+
+
+@contextmanager
+def _redis_cluster(config: StackConfig, out: TextIO) -> Iterator[StackConfig]:
+    """`config` as given, or with the URL of the Redis Cluster started for it."""
+    if config.redis_cluster is None:
+        yield config
+        return
+    redis = LocalRedisCluster(masters=config.redis_cluster, replicas=1)
+    print(
+        f"globalkv up: starting a Redis Cluster of {config.redis_cluster} masters…",
+        file=out,
+        flush=True,
+    )
+    redis.start()
+    try:
+        print(f"globalkv up: Redis Cluster seed URL {redis.url}", file=out, flush=True)
+        yield config.model_copy(update={"redis_url": redis.url})
+    finally:
+        redis.stop()
+
+
+def _run(config: StackConfig, out: TextIO) -> int:
     cluster = LocalCluster(config)
     index = f"Redis index at {config.redis_url}" if config.redis_url else "in-memory index"
     print(

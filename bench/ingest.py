@@ -5,8 +5,10 @@
 A publisher child process (an engine stand-in) pre-encodes `--batches` vLLM batches, each
 one BlockStored of `--blocks-per-batch` 16-token blocks continuing one of 64
 conversations, waits for the indexer's subscription, then sends them all as fast as ZMQ
-takes them. This process runs the real `IngestService` into `MemoryIndex` and into
-`RedisIndex` on a throw-away `redis-server`, and times first-applied → last-applied.
+takes them. This process runs the real `IngestService` into `MemoryIndex`, into
+`RedisIndex` on a throw-away `redis-server` and into `RedisIndex` on a throw-away local
+Redis Cluster of 3 masters (no replicas), and times first-applied → last-applied; the
+redis-servers' own CPU per block is read from `INFO cpu` around each run.
 The denominator for Redis is `redis-benchmark` pipelined HSET on the same server, same
 run: one HSET is the cheapest conceivable "record one block for one pod". `--baseline REF`
 adds the indexes as of git ref REF (see bench.baseline), run in turn with today's.
@@ -35,13 +37,14 @@ import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
 from bench import baseline
-from bench.redis_process import redis_server
+from bench.redis_process import cpu_seconds, redis_cluster, redis_server
 from globalkv.index.base import ApplyResult, Hit, Index, Source, SourceBatch, SourceStats
 from globalkv.index.memory import MemoryIndex
 from globalkv.index.redis import RedisIndex
 from globalkv.ingest.service import IngestConfig, IngestService
 from globalkv.keys import BlockKey
 from globalkv.metrics import IngestMetrics
+from globalkv.redis_client import connect
 from globalkv.registry import KvEventsConfig, MemoryRegistry, PodInfo
 from globalkv.wire import live_frames
 from kvplumbing.ports import unclaimed_ports
@@ -210,8 +213,11 @@ async def run(args: argparse.Namespace) -> None:
     rates: dict[str, list[Rate]] = {"null": []}
     hset: list[float] = []
     scripts: list[tuple[int, float]] = []
-    with redis_server() as port:
+    server_cpu: dict[str, list[list[float]]] = {"redis": [], "cluster": []}
+    with redis_server() as port, redis_cluster() as cluster:
         client = aioredis.from_url(f"redis://127.0.0.1:{port}/0")
+        clustered = connect(cluster.url)
+        masters = cluster.master_ports()
         for _ in range(args.repeat):
             n, b, p = args.batches, args.blocks_per_batch, args.pods
             rates["null"].append(await measure(NullIndex(), n, b, p))
@@ -221,13 +227,22 @@ async def run(args: argparse.Namespace) -> None:
             for name, _, redis_index in versions:
                 await client.flushall()
                 await client.config_resetstat()
+                before = cpu_seconds([port])
                 rate = await measure(redis_index(client, BLOCK), n, b, p)
                 rates.setdefault(f"redis{name}", []).append(rate)
                 if not name:
                     scripts.append(await script_time(client))
+                    server_cpu["redis"].append(_spent(before, cpu_seconds([port])))
+            await clustered.flushall()
+            before = cpu_seconds(masters)
+            rates.setdefault("cluster", []).append(
+                await measure(RedisIndex(clustered, BLOCK), n, b, p)
+            )
+            server_cpu["cluster"].append(_spent(before, cpu_seconds(masters)))
             await client.flushall()
             hset.append(redis_benchmark_hset(port))
         await client.aclose()
+        await clustered.aclose()
     med = statistics.median
     print(
         f"ingest, {args.pods} pods x {args.batches} batches x {args.blocks_per_batch} blocks "
@@ -240,20 +255,32 @@ async def run(args: argparse.Namespace) -> None:
         labels[f"memory{name}"] = f"MemoryIndex{name} (goal 300,000)"
     for name, _, _ in versions:
         labels[f"redis{name}"] = f"RedisIndex{name} (goal 100,000)"
+    labels["cluster"] = "RedisIndex, 3-master Redis Cluster"
     for name, label in labels.items():
         wall = med(r.wall for r in rates[name])
         cpu = med(r.cpu for r in rates[name])
         print(f"  {label:<40}{wall:>12,.0f}{cpu:>15,.0f}")
     redis_wall = med(r.wall for r in rates["redis"])
+    cluster_wall = med(r.wall for r in rates["cluster"])
+    print(f"  cluster / single Redis: {cluster_wall / redis_wall:.2f} (goal >= 0.8)")
+    blocks = args.batches * args.blocks_per_batch * args.pods
+    for name in ("redis", "cluster"):
+        runs = server_cpu[name]
+        per_master = [med(run[i] for run in runs) for i in range(len(runs[0]))]
+        shown = ", ".join(f"{s / blocks * 1e6:.1f}" for s in per_master)
+        print(f"  redis-server CPU per block ({name}, per master): {shown} µs")
     print(f"  redis-benchmark HSET -P64 -c1: {med(hset):,.0f} requests/s")
     print(f"  RedisIndex ingest / HSET ceiling: {redis_wall / med(hset):.3f}")
     calls, busy = scripts[len(scripts) // 2]
-    blocks = args.batches * args.blocks_per_batch * args.pods
     print(
         f"  inside redis-server: {calls} script calls, {busy:.2f}s busy in them "
         f"({busy / blocks * 1e6:.1f} µs per block) out of "
         f"{blocks / redis_wall:.2f}s elapsed"
     )
+
+
+def _spent(before: list[float], after: list[float]) -> list[float]:
+    return [b - a for a, b in zip(before, after, strict=True)]
 
 
 def main() -> None:

@@ -11,14 +11,18 @@ index query; Dynamo's = `compute_block_hash_for_seq` (tokens to u32 and hashed, 
 reports p50/p99 over the same number of lookups per backend, backends taking turns, and
 p50 ratios against Dynamo.
 
-    python -m bench.lookup [--quick] [--new-tail 0.5] [--baseline REF]
+    python -m bench.lookup [--quick] [--new-tail 0.5] [--baseline REF] [--tokens 1024 8192]
+        [--no-cluster]
 
 `--baseline REF` adds the memory and Redis indexes as of git ref REF (see bench.baseline),
 run turn by turn with today's: before and after in one run.
 
-Redis is a throw-away redis-server on a free port. Dynamo's columns need the
-`ai-dynamo-runtime` wheel (run from a venv that has it, e.g. /work/peers/venv with
-globalkv installed editable); without it they are absent and the output says why.
+Redis is a throw-away redis-server on a free port; the `cluster` column the same RedisIndex
+on a throw-away local Redis Cluster of 3 masters (no replicas), with `cluster/redis`, the
+ratio of their p50s (goal at 8k tokens: <= 1.5), and the masters' CPU per lookup.
+Dynamo's columns need the `ai-dynamo-runtime` wheel (run from a venv that has it, e.g.
+/work/peers/venv with globalkv installed editable); without it they are absent and the
+output says why.
 Targets: RedisIndex p50 <= 1 ms at 8k tokens (a lookup per request must not be the gateway's
 largest cost); MemoryIndex <= 2x Dynamo's Rust radix tree.
 """
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -39,11 +44,13 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from bench import baseline
-from bench.redis_process import redis_server
+from bench.redis_process import cpu_seconds, redis_cluster, redis_server
 from globalkv.index.base import Index, Source, SourceBatch, StoreBlocks, Tier
 from globalkv.index.memory import MemoryIndex
 from globalkv.index.redis import RedisIndex
 from globalkv.keys import BlockKey, EngineHash, request_chain, root_key
+from globalkv.redis_client import Client, connect
+from globalkv.stack.redis_cluster import LocalRedisCluster
 
 BLOCK = 16
 MODEL = "bench-model"
@@ -178,12 +185,13 @@ async def _row(
     new_tail: float,
     redis_port: int,
     backends: list[Backend],
+    cluster: LocalRedisCluster | None,
 ) -> Row:
     chains = _chains(prompt_tokens, pods, new_tail, random.Random(prompt_tokens * 1000 + pods))
     prompt = chains[-1][0]
     expect = len(chains[-2][0]) // BLOCK
     calls: dict[str, Callable[[], Awaitable[int]]] = {}
-    clients = []
+    clients: list[Client] = []
 
     def ask(index: Index, keys: Keyer) -> Callable[[], Awaitable[int]]:
         async def call() -> int:
@@ -202,6 +210,13 @@ async def _row(
         await _fill(redis_index, chains)
         calls[f"memory{backend.name}"] = ask(memory, backend.keys)
         calls[f"redis{backend.name}"] = ask(redis_index, backend.keys)
+    if cluster is not None:
+        clustered = connect(cluster.url)
+        clients.append(clustered)
+        await clustered.flushall()
+        cluster_index = RedisIndex(clustered, BLOCK)
+        await _fill(cluster_index, chains)
+        calls["cluster"] = ask(cluster_index, request_chain)
     if DYNAMO is None:
         tree = RadixTree()
         _fill_dynamo(tree, chains)
@@ -211,9 +226,18 @@ async def _row(
             return int(max(scores.values()))
 
         calls["dynamo"] = ask_dynamo
+    before = None if cluster is None else cpu_seconds(cluster.master_ports())
     samples = await _time(calls, count, expect)
-    for client in clients:
-        await client.aclose()
+    if cluster is not None and before is not None:
+        spent = cpu_seconds(cluster.master_ports())
+        # Every backend took its turn: the cluster's masters served only its lookups.
+        per_lookup = [(b - a) / count * 1e6 for a, b in zip(before, spent, strict=True)]
+        print(
+            f"  {prompt_tokens} tokens, {pods} pods: cluster redis-server CPU per lookup "
+            f"(per master): {', '.join(f'{us:.0f}' for us in per_lookup)} µs"
+        )
+    for opened in clients:
+        await opened.aclose()
     return Row(
         prompt_tokens,
         pods,
@@ -225,14 +249,18 @@ async def _row(
 def _print(rows: list[Row]) -> None:
     names = list(rows[0].p50)
     versus = [n for n in names if n != "dynamo"] if "dynamo" in names else []
+    clustered = "cluster" in names
     head = f"{'tokens':>7} {'pods':>4} " + " ".join(f"{n + ' p50/p99 ms':>24}" for n in names)
     head += "".join(f" {n + '/dynamo':>{max(12, len(n) + 7)}}" for n in versus)
+    head += f" {'cluster/redis':>14}" if clustered else ""
     print(head)
     for row in rows:
         line = f"{row.tokens:>7} {row.pods:>4} "
         line += " ".join(f"{row.p50[n]:>12.3f} / {row.p99[n]:>9.3f}" for n in names)
         for n in versus:
             line += f" {row.p50[n] / row.p50['dynamo']:>{max(12, len(n) + 7)}.2f}"
+        if clustered:
+            line += f" {row.p50['cluster'] / row.p50['redis']:>14.2f}"
         print(line)
 
 
@@ -254,6 +282,12 @@ async def main(argv: Sequence[str] | None = None) -> None:
         "--new-tail", type=float, default=0.0, help="fraction of the prompt nobody holds"
     )
     parser.add_argument("--baseline", metavar="REF", help="also run the index as of git REF")
+    parser.add_argument(
+        "--tokens", type=int, nargs="+", default=list(PROMPTS), help="prompt lengths to run"
+    )
+    parser.add_argument(
+        "--no-cluster", action="store_true", help="leave out the 3-master cluster column"
+    )
     args = parser.parse_args(argv)
     if not 0 <= args.new_tail < 1:
         parser.error("--new-tail must be in [0, 1)")
@@ -262,13 +296,14 @@ async def main(argv: Sequence[str] | None = None) -> None:
     print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores at the start")
     backends = _backends(args.baseline)
     rows = []
-    with redis_server() as port:
-        for tokens in PROMPTS:
+    with redis_server() as port, contextlib.ExitStack() as stack:
+        cluster = None if args.no_cluster else stack.enter_context(redis_cluster())
+        for tokens in args.tokens:
             for pods in PODS:
                 # At least 100 lookups per row: long prompts' p50 was noise over 20.
                 count = (200_000 if not args.quick else 50_000) // (tokens // BLOCK)
                 count = min(1000, max(100 if not args.quick else 20, count))
-                row = await _row(tokens, pods, count, args.new_tail, port, backends)
+                row = await _row(tokens, pods, count, args.new_tail, port, backends, cluster)
                 rows.append(row)
     _print(rows)
 

@@ -1,4 +1,5 @@
-"""A throw-away `redis-server` for the index benchmarks (never the machine's own Redis)."""
+"""Throw-away `redis-server`s for the index benchmarks (never the machine's own Redis): one,
+or a local cluster."""
 
 from __future__ import annotations
 
@@ -7,8 +8,12 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+
+import redis
+
+from globalkv.stack.redis_cluster import LocalRedisCluster
 
 
 def _free_port() -> int:
@@ -47,3 +52,25 @@ def redis_server() -> Iterator[int]:
         process.terminate()
         process.wait(10)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+@contextmanager
+def redis_cluster(masters: int = 3) -> Iterator[LocalRedisCluster]:
+    """A fresh local Redis Cluster of `masters` masters, no replicas (the benchmarks'
+    cluster column: replicas would only add replication work to the same two cores)."""
+    cluster = LocalRedisCluster(masters=masters, replicas=0)
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def cpu_seconds(ports: Sequence[int]) -> list[float]:
+    """CPU seconds (user + system) each redis-server on `ports` has used so far."""
+    out = []
+    for port in ports:
+        with redis.Redis(port=port, socket_timeout=5) as client:
+            info = client.info("cpu")
+        out.append(float(info["used_cpu_user"]) + float(info["used_cpu_sys"]))
+    return out

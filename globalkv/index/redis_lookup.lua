@@ -1,8 +1,10 @@
--- One lookup's walk on one Redis (or one cluster master): for each segment of the chain
--- it is given (blocks of one hash slot, in chain order), report per generation holding the
--- segment's first block how many blocks it holds contiguously from there and under which
--- tier masks. The caller joins the segments: a generation's later segments count only
--- while it held every block before them (see RedisIndex.lookup).
+-- One lookup's walk on one Redis (or one cluster master): for each stretch of the chain it
+-- is given (one or more adjacent segments, each of blocks in one hash slot), report per
+-- generation holding the stretch's first block how many blocks it holds contiguously from
+-- there and under which tier masks. The caller joins the stretches: a generation's later
+-- ones count only while it held every block before them (see redis_reads.py). On one
+-- Redis the whole chain is one stretch; on a cluster, adjacent segments sit on different
+-- masters, so a stretch is mostly one segment.
 --
 -- A generation's field holds a 48-bit hash of (generation, mask) with the mask in its low
 -- 3 bits, and "#" the sum of the fields (see redis_scripts.fingerprints). So the walk
@@ -15,17 +17,18 @@
 -- The cost is O(blocks + other changes x holders): 64 pods whose runs end one by one cost
 -- 64 small reads, not 64 reads of up to 64 fields.
 --
--- Only generations that held the whole of this call's earlier segments are followed into
--- its later ones (the others cannot count there), and the walk stops at a segment nobody
+-- Only generations that held the whole of this call's earlier stretches are followed into
+-- its later ones (the others cannot count there), and the walk stops at a stretch nobody
 -- followed holds.
 --
--- KEYS[1]: a key of the first segment (so a cluster routes the call to its master).
--- ARGV: per segment, the name its keys start with (up to its hash tag, included), then
---       its keys as 16 hex digits each, first block first. Block i's key name is that
---       name .. (its 16 digits): see globalkv/index/redis_keys.py.
--- Returns: per segment walked, in order, a flat {generation, n, mask_1, blocks_1, ...,
+-- KEYS[1]: a key of the first stretch (so a cluster routes the call to its master).
+-- ARGV: per stretch, its number of segments k, then k times: the name the segment's keys
+--       start with (up to its hash tag, included) and its keys as 16 hex digits each,
+--       first block first. Block i's key name is that name .. (its 16 digits): see
+--       globalkv/index/redis_keys.py.
+-- Returns: per stretch walked, in order, a flat {generation, n, mask_1, blocks_1, ...,
 -- mask_n, blocks_n, ...}: one (mask, blocks) pair per run of equal masks (a mask may come
--- back). Segments after the last one walked are left out.
+-- back). Stretches after the last one walked are left out.
 -- Liveness of generations is checked by the caller (the live hash is in another slot).
 
 local call, sub = redis.call, string.sub
@@ -39,11 +42,15 @@ local function limbs(s)
   return tonumber(sub(s, 1, cut)), tonumber(sub(s, cut + 1))
 end
 
--- One segment: its rows (as returned) and the set of generations that held all of it.
--- `followed`, when not nil, is the set of generations worth following.
-local function walk(head, chain, followed)
-  local n = #chain / 16
-  local first = call('HGETALL', head .. sub(chain, 1, 16))
+-- One stretch (`parts`: {head, chain} per segment): its rows (as returned) and the set of
+-- generations that held all of it. `followed`, when not nil, is the set of generations
+-- worth following.
+local function walk(parts, followed)
+  local n = 0
+  for p = 1, #parts do
+    n = n + #parts[p][2] / 16
+  end
+  local first = call('HGETALL', parts[1][1] .. sub(parts[1][2], 1, 16))
   local out, full = {}, {}
   -- Parallel arrays over the generations whose run goes on; `by_value` finds one by
   -- the number its field holds.
@@ -122,28 +129,35 @@ local function walk(head, chain, followed)
   end
 
   local hi, lo = limbs(fingerprint)
-  local stop = n + 1
-  for i = 2, n do
-    local key = head .. sub(chain, 16 * i - 15, 16 * i)
-    local f = call('HGET', key, '#')
-    if not f then
-      stop = i
-      break
-    end
-    if f ~= fingerprint then
-      local f_hi, f_lo = limbs(f)
-      local j = by_value[(hi - f_hi) * 1e8 + (lo - f_lo)]
-      if j and call('HEXISTS', key, gens[j]) == 0 then
-        finish(j, i)
-        forget(j)
-      else
-        reread(key, i)
-      end
-      fingerprint, hi, lo = f, f_hi, f_lo
-      if #gens == 0 then
+  local stop, i = n + 1, 1
+  for p = 1, #parts do
+    local head, chain = parts[p][1], parts[p][2]
+    for b = (p == 1 and 2 or 1), #chain / 16 do
+      i = i + 1
+      local key = head .. sub(chain, 16 * b - 15, 16 * b)
+      local f = call('HGET', key, '#')
+      if not f then
         stop = i
         break
       end
+      if f ~= fingerprint then
+        local f_hi, f_lo = limbs(f)
+        local j = by_value[(hi - f_hi) * 1e8 + (lo - f_lo)]
+        if j and call('HEXISTS', key, gens[j]) == 0 then
+          finish(j, i)
+          forget(j)
+        else
+          reread(key, i)
+        end
+        fingerprint, hi, lo = f, f_hi, f_lo
+        if #gens == 0 then
+          stop = i
+          break
+        end
+      end
+    end
+    if stop <= n then
+      break
     end
   end
   for j = 1, #gens do
@@ -156,8 +170,15 @@ local function walk(head, chain, followed)
 end
 
 local results, followed = {}, nil
-for s = 1, #ARGV, 2 do
-  local out, full = walk(ARGV[s], ARGV[s + 1], followed)
+local a = 1
+while a <= #ARGV do
+  local k = tonumber(ARGV[a])
+  local parts = {}
+  for p = 1, k do
+    parts[p] = {ARGV[a + 2 * p - 1], ARGV[a + 2 * p]}
+  end
+  a = a + 1 + 2 * k
+  local out, full = walk(parts, followed)
   results[#results + 1] = out
   if next(full) == nil then
     break

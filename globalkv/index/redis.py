@@ -46,8 +46,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any, cast
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from redis import exceptions as redis_errors
 from redis.asyncio.cluster import RedisCluster
@@ -62,12 +62,14 @@ from globalkv.index.base import (
     SourceStats,
     Tier,
 )
-from globalkv.index.packing import EngineBlock, place
-from globalkv.index.redis_batch import BlockWrites, Writer, apply_args, seq_ts
+from globalkv.index.packing import EngineBlock
+from globalkv.index.redis_batch import BlockWrites, Writer, apply_args, seq_ts, source_stats
+from globalkv.index.redis_checkpoints import TTL, Checkpoints
 from globalkv.index.redis_failures import reachable
 from globalkv.index.redis_keys import RedisKeys, check_layout, parse_source_name, source_name
+from globalkv.index.redis_log import drop_generation, read_log
 from globalkv.index.redis_reads import lookup
-from globalkv.index.redis_scripts import APPLY, DROP, LOOKUP, replay_log
+from globalkv.index.redis_scripts import APPLY, LOOKUP, replay_log
 from globalkv.index.redis_shards import Shards
 from globalkv.index.scoring import TierWeights
 from globalkv.index.state import SourceState
@@ -75,10 +77,6 @@ from globalkv.keys import BlockKey, EngineHash
 from globalkv.redis_client import Client
 
 log = logging.getLogger(__name__)
-_DROP_CHUNK = 1000
-"""Block keys per call of the drop script."""
-_LOG_READ = 64
-"""Log entries per LRANGE when replaying a log."""
 
 
 class RedisIndex:
@@ -105,6 +103,7 @@ class RedisIndex:
         self.keys = RedisKeys(prefix)
         self._redis = redis
         self._shards = Shards(redis)
+        self._checks = Checkpoints(self.keys)
         self._weights = TierWeights(tier_weights)
         self._writers: dict[Source, Writer] = {}
         self._locks: dict[Source, asyncio.Lock] = {}
@@ -136,11 +135,13 @@ class RedisIndex:
             for _, gen in chosen:
                 pipe.hgetall(self.keys.info(gen))
             infos = await pipe.execute() if chosen else []
-        return [_stats(s, gen, info) for (s, gen), info in zip(chosen, infos, strict=True)]
+        return [source_stats(s, gen, info) for (s, gen), info in zip(chosen, infos, strict=True)]
 
     # ------------------------------------------------------------------- writes
 
     async def apply(self, batch: SourceBatch) -> ApplyResult:
+        if self._checks.suspect:
+            await self._check_writes()
         source = batch.source
         async with self._lock(source):
             writer = await self._writer(source)
@@ -162,8 +163,13 @@ class RedisIndex:
                         batch.ts,
                         inline=self._shards.cluster is None,
                     )
-                    await self._write_blocks(writes)
+                    await self._write_blocks(writes, source)
                     await self._run_apply(args)
+            except IndexUnavailable as exc:
+                # A failover shows as an unavailable cluster; a loss already found does not.
+                self._checks.suspect |= not isinstance(exc, IndexDataLost)
+                self._writers.pop(source, None)  # Redis may hold the batch or not: reload
+                raise
             except BaseException:
                 self._writers.pop(source, None)  # Redis may hold the batch or not: reload
                 raise
@@ -273,7 +279,7 @@ class RedisIndex:
         blocks: dict[EngineHash, EngineBlock] = {}
         records = 0
         try:
-            async for entries in self._log(gen):
+            async for entries in read_log(self._redis, self.keys, gen):
                 for engine_hash, block in replay_log(entries):
                     records += 1
                     if block is None:
@@ -286,45 +292,39 @@ class RedisIndex:
         state.last_seq, state.last_ts = seq_ts(info)
         return Writer(state, gen, int(info.get(b"v", 0)), records)
 
-    async def _log(self, gen: int) -> AsyncIterator[list[bytes]]:
-        """A generation's reverse log, a few entries at a time."""
-        key, start = self.keys.log(gen), 0
-        while True:
-            # bytes: the client does not decode (checked in __init__)
-            entries = cast(list[bytes], await self._redis.lrange(key, start, start + _LOG_READ - 1))
-            if entries:
-                yield entries
-            if len(entries) < _LOG_READ:
-                return
-            start += _LOG_READ
-
     async def _new_gen(self) -> int:
         return await self._redis.incr(self.keys.next_gen)
 
-    async def _write_blocks(self, writes: BlockWrites) -> None:
+    async def _write_blocks(self, writes: BlockWrites, source: Source) -> None:
         """A cluster's block writes, one call per master, before the batch's own call: a
         failure half-way leaves the batch unlogged, so its retry sends them all again
         (they are idempotent). On one Redis they went inside that call."""
         if self._shards.cluster is None or not writes.names:
             return
-        groups = self._shards.group(
-            writes.slots, list(zip(writes.names, writes.values, strict=True))
-        )
-        await asyncio.gather(
-            *(
-                APPLY.run(
-                    self._redis,
-                    (group[0][0],),
-                    (
-                        "blocks",
-                        writes.gen,
-                        len(group),
-                        "\n".join(n for n, _ in group),
-                        ",".join(v for _, v in group),
-                    ),
-                )
-                for group in groups
-            )
+        items = list(zip(writes.slots, writes.names, writes.values, strict=True))
+        groups = self._shards.group(writes.slots, items)
+        counts = await asyncio.gather(*(self._write_group(writes.gen, g) for g in groups))
+        for group, count in zip(groups, counts, strict=True):
+            self._checks.wrote(group[0][0], int(count), source)
+
+    async def _write_group(self, gen: int, group: list[tuple[int, str, str]]) -> Any:
+        names = "\n".join(name for _, name, _ in group)
+        values = ",".join(value for _, _, value in group)
+        checkpoint = self._checks.name(group[0][0])
+        argv = ("blocks", gen, len(group), names, values, checkpoint, TTL)
+        return await APPLY.run(self._redis, (group[0][1],), argv)
+
+    async def _check_writes(self) -> None:
+        """After the cluster was unavailable: hide the sources a failover lost writes of."""
+        with reachable("checking for lost writes"):
+            lost = await self._checks.lost(self._redis)
+        if not lost:
+            return
+        for source in sorted(lost):
+            await self.reset_source(source)
+        self._writers.clear()
+        raise IndexDataLost(
+            f"a Redis Cluster failover lost block writes of {len(lost)} sources: reset"
         )
 
     async def _run_apply(self, args: list[Any]) -> None:
@@ -349,50 +349,8 @@ class RedisIndex:
         """Drop the blocks of every retired generation, in chunks, then the generation."""
         with reachable("dropping retired generations"):
             for raw in await self._redis.smembers(self.keys.dead):
-                await self._drop_generation(int(raw))
-
-    async def _drop_generation(self, gen: int) -> None:
-        slots: list[int] = []
-        names: list[str] = []
-        async for entries in self._log(gen):
-            try:
-                for _, block in replay_log(entries):
-                    if block is None:
-                        continue
-                    at = place(block.root, block.depth)
-                    for i, key in enumerate(block.keys):
-                        slots.append(self.keys.block_slot(at + i))
-                        names.append(self.keys.block(at + i, key))
-            except ValueError as exc:  # what it named is kept: it cannot be found any more
-                log.error("retired generation %d has a corrupt reverse log: %s", gen, exc)
-            if len(names) >= _DROP_CHUNK:
-                await self._drop_blocks(gen, slots, names)
-                slots, names = [], []
-        if names:
-            await self._drop_blocks(gen, slots, names)
-        pipe = self._redis.pipeline(transaction=True)
-        pipe.delete(self.keys.log(gen), self.keys.info(gen))
-        pipe.srem(self.keys.dead, gen)
-        await pipe.execute()
-
-    async def _drop_blocks(self, gen: int, slots: list[int], names: list[str]) -> None:
-        """The drop script per master (names repeat across log entries: sent once)."""
-        unique = dict(zip(names, slots, strict=True))
-        groups = self._shards.group(list(unique.values()), list(unique))
-        await asyncio.gather(*(DROP.run(self._redis, (g[0],), [gen, *g]) for g in groups))
+                await drop_generation(self._redis, self.keys, self._shards, int(raw))
 
 
 def _text(raw: bytes | str) -> str:
     return raw.decode() if isinstance(raw, bytes) else raw
-
-
-def _stats(source: Source, gen: int, info: Mapping[bytes | str, bytes | str]) -> SourceStats:
-    last_seq, last_ts = seq_ts(info)
-    return SourceStats(
-        source=source,
-        epoch=gen,
-        blocks={tier: int(info.get(b"t%d" % tier, 0)) for tier in Tier},
-        last_seq=last_seq,
-        last_event_ts=last_ts,
-        resets=int(info.get(b"resets", 0)),
-    )

@@ -9,7 +9,8 @@
 -- ARGV (built by redis_batch.apply_args; names from globalkv/index/redis_keys.py):
 --   1     'blocks' (only the block writes below, for one cluster master) or 'batch'
 --   for 'blocks': 2 generation, 3 n, 4 the n block keys joined by newlines, 5 their new
---         field values (0 = no longer held) joined by commas; nothing else
+--         field values (0 = no longer held) joined by commas, 6 the writer's checkpoint
+--         counter on this call's slot, 7 its time to live; returns the counter's new value
 --   for 'batch':
 --   2-6   marker key, the writer's marker token, sources hash, live hash, dead set
 --   7     source name
@@ -54,7 +55,9 @@ end
 
 if ARGV[1] == 'blocks' then
   write_blocks(ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5])
-  return 'ok'
+  local count = call('INCR', ARGV[6])
+  call('EXPIRE', ARGV[6], ARGV[7])
+  return count
 end
 
 local marker_key, token, sources_key, live_key, dead_key = ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from globalkv.index.base import Source
+from globalkv.index.base import Source, SourceStats, Tier
 from globalkv.index.packing import DEPTH_BITS, DEPTH_MASK
 from globalkv.index.redis_keys import SEGMENT, RedisKeys, segment_slot, slot_tags, source_name
 from globalkv.index.redis_scripts import fingerprints, log_delete, log_put
@@ -136,3 +136,15 @@ def _block_writes(
 def seq_ts(info: Mapping[bytes | str, bytes | str]) -> tuple[int | None, float | None]:
     seq, ts = info.get(b"seq", b""), info.get(b"ts", b"")
     return (int(seq) if seq else None, float(ts) if ts else None)
+
+
+def source_stats(source: Source, gen: int, info: Mapping[bytes | str, bytes | str]) -> SourceStats:
+    last_seq, last_ts = seq_ts(info)
+    return SourceStats(
+        source=source,
+        epoch=gen,
+        blocks={tier: int(info.get(b"t%d" % tier, 0)) for tier in Tier},
+        last_seq=last_seq,
+        last_event_ts=last_ts,
+        resets=int(info.get(b"resets", 0)),
+    )

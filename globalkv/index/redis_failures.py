@@ -6,6 +6,7 @@ and the indexer by retrying; anything else is a bug and propagates.
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -13,7 +14,25 @@ from redis import exceptions as redis_errors
 
 from globalkv.index.base import IndexUnavailable
 
-UNAVAILABLE_REPLIES = ("OOM", "LOADING", "MASTERDOWN", "READONLY", "BUSY", "NOREPLICAS")
+UNAVAILABLE_REPLIES = (
+    "OOM",
+    "LOADING",
+    "MASTERDOWN",
+    "READONLY",
+    "BUSY",
+    "NOREPLICAS",
+    "CLUSTERDOWN",
+    "TRYAGAIN",
+    "Script attempted to access a non local key",  # a slot moved since the grouping
+)
+_TRANSPORT_FILES = (
+    "redis/asyncio/connection.py",
+    "asyncio/streams.py",
+    "asyncio/selector_events.py",
+)
+"""Where redis-py's asyncio client leaks a connection closed under a write as a TypeError or
+AttributeError instead of a ConnectionError (redis/redis-py#3546, #4287; seen here when
+a cluster master was killed)."""
 
 
 @contextmanager
@@ -24,7 +43,19 @@ def reachable(what: str) -> Iterator[None]:
     except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
         reason = f"{type(exc).__name__}: {exc}"  # redis-py's repr leaves out the message
         raise IndexUnavailable(f"redis unreachable while {what}: {reason}") from exc
+    except (redis_errors.ClusterError, redis_errors.SlotNotCoveredError) as exc:
+        raise IndexUnavailable(f"redis cluster cannot serve {what}: {exc!r}") from exc
     except redis_errors.ResponseError as exc:
         if str(exc).startswith(UNAVAILABLE_REPLIES):
             raise IndexUnavailable(f"redis cannot serve {what}: {exc}") from exc
         raise
+    except (AttributeError, TypeError) as exc:
+        if not _closed_under_a_write(exc):
+            raise
+        raise IndexUnavailable(f"redis connection closed while {what}: {exc!r}") from exc
+
+
+def _closed_under_a_write(exc: BaseException) -> bool:
+    """The error was raised inside the client's transport, not by our code."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return bool(frames) and frames[-1].filename.endswith(_TRANSPORT_FILES)

@@ -23,6 +23,9 @@ new one), all under the hash tag `{p}`, one slot, so each write's checks are one
     {p}:index:marker           string: dataset token; gone when Redis lost its data
     {p}:index:layout           string: `LAYOUT`, the version of every name and value above
 (`{p}` is the prefix in braces: `{gkv}:index:live`.) The pod registry's keys share the tag.
+
+Per writer and slot, on a cluster (redis_checkpoints.py):
+    {p}:ck:{<slot tag>}<writer>   counter of the writer's block calls on that slot
 """
 
 from __future__ import annotations
@@ -152,6 +155,10 @@ class RedisKeys:
             part = digits[16 * start : 16 * (start + length)]
             out.append(Segment(slot, f"{prefix}{{{tags[slot]}}}", part, start, length))
         return out
+
+    def checkpoint(self, slot: int, writer: str) -> str:
+        """A writer's counter of block calls on `slot` (redis_checkpoints.py)."""
+        return f"{self.prefix}:ck:{{{slot_tags()[slot]}}}{writer}"
 
     def log(self, gen: int) -> str:
         return f"{self.tag}:index:gen:{gen}:log"

@@ -29,7 +29,12 @@ def _gone(pid: int) -> bool:
     return False
 
 
-def test_a_redis_backed_cluster_serves_and_reports_a_death(redis_url: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("redis", ["redis_url", "redis_cluster_url"])
+def test_a_redis_backed_cluster_serves_and_reports_a_death(
+    redis: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """On one Redis and on a Redis Cluster (3 masters, 3 replicas)."""
+    redis_url = request.getfixturevalue(redis)
     config = StackConfig(prefill=1, decode=2, redis_url=redis_url, run_dir=tmp_path / "run", **FAST)
     with LocalCluster(config) as cluster:
         assert [c.name for c in cluster.components] == [

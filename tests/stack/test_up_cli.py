@@ -75,6 +75,8 @@ def test_the_admin_token_and_insecure_from_flags_or_the_environment() -> None:
 def test_check_plans_the_cluster_without_starting_it(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--check", "up", "--redis-url", "redis://127.0.0.1:7000/0"]) == 0
     assert "configuration ok" in capsys.readouterr().out
+    assert main(["--check", "up", "--redis-url", "redis+cluster://a:7000,b:7001/"]) == 0
+    assert main(["--check", "up", "--redis-cluster", "3"]) == 0
 
 
 @pytest.mark.parametrize(
@@ -83,6 +85,9 @@ def test_check_plans_the_cluster_without_starting_it(capsys: pytest.CaptureFixtu
         (["--prefill-args=--kv-capacity 0"], "prefill-0: kv_capacity"),
         (["--prefill", "0"], "prefill"),
         (["--redis-url", "localhost:6379"], "redis_url"),
+        (["--redis-url", "redis+cluster://a:x/"], "is not host:port"),
+        (["--redis-cluster", "2"], "redis_cluster"),
+        (["--redis-cluster", "3", "--redis-url", "redis://a:1/0"], "exclusive"),
         (["--gateway-args=--decode-policy prefix"], "gateway: "),
     ],
 )

@@ -226,15 +226,20 @@ async def _row(
             return int(max(scores.values()))
 
         calls["dynamo"] = ask_dynamo
-    before = None if cluster is None else cpu_seconds(cluster.master_ports())
+    masters = [] if cluster is None else cluster.master_ports()
+    before = cpu_seconds([redis_port, *masters])
     samples = await _time(calls, count, expect)
-    if cluster is not None and before is not None:
-        spent = cpu_seconds(cluster.master_ports())
-        # Every backend took its turn: the cluster's masters served only its lookups.
-        per_lookup = [(b - a) / count * 1e6 for a, b in zip(before, spent, strict=True)]
+    # Every backend took its turn: each server's CPU went to its own index's lookups
+    # (the single Redis serves the baseline's db too, when there is one).
+    per_lookup = [
+        (b - a) / count * 1e6
+        for a, b in zip(before, cpu_seconds([redis_port, *masters]), strict=True)
+    ]
+    if masters:
         print(
-            f"  {prompt_tokens} tokens, {pods} pods: cluster redis-server CPU per lookup "
-            f"(per master): {', '.join(f'{us:.0f}' for us in per_lookup)} µs"
+            f"  {prompt_tokens} tokens, {pods} pods: redis-server CPU per lookup: single "
+            f"{per_lookup[0]:.0f} µs, cluster {sum(per_lookup[1:]):.0f} µs (per master "
+            f"{', '.join(f'{us:.0f}' for us in per_lookup[1:])})"
         )
     for opened in clients:
         await opened.aclose()

@@ -14,7 +14,13 @@ from typing import Any, NamedTuple
 
 from globalkv.index.base import Source, SourceStats, Tier
 from globalkv.index.packing import DEPTH_BITS, DEPTH_MASK
-from globalkv.index.redis_keys import SEGMENT, RedisKeys, segment_slot, slot_tags, source_name
+from globalkv.index.redis_keys import (
+    RedisKeys,
+    segment_of,
+    segment_slot,
+    slot_tags,
+    source_name,
+)
 from globalkv.index.redis_scripts import fingerprints, log_delete, log_put
 from globalkv.index.state import BatchChanges, SourceState
 
@@ -127,7 +133,7 @@ def _block_writes(
         old = 0 if fresh else changes.stored_mask(key)
         new = masks.get(key, 0)
         if old != new:
-            slot = segment_slot(at >> DEPTH_BITS, (at & DEPTH_MASK) // SEGMENT)
+            slot = segment_slot(at >> DEPTH_BITS, segment_of(at & DEPTH_MASK))
             slots.append(slot)
             names.append(f"{prefix}{{{tags[slot]}}}{key:016x}")
             values.append(str(prints[new]))

@@ -3,13 +3,15 @@
 Block keys (millions; short):
     {p}:b:{<slot tag>}<key, hex>   hash: generation -> tier mask under a 48-bit hash
                                    (redis_scripts.fingerprints), "#" -> the sum of those
-A chain is cut into segments of `SEGMENT` blocks by position; the blocks of one segment
-share a hash tag (one slot), so one script walks them. Segment i of the chain rooted at r
-sits on slot `(r's top 14 bits + i * STRIDE) mod 16384`, named by `slot_tag`: consecutive
-segments land a golden-ratio fraction of the slot ring apart, so on a cluster they fall on
-different masters, and the chat template and system prompt every prompt starts with are
-spread over all masters instead of making one slot hot. A lookup sends one script per
-master its segments touch (at most the number of masters, concurrently).
+A chain is cut into segments by position (`segment_of`: 16 blocks each for the first 256,
+where the prompts of a deployment share their chat template and system prompt, 128 each
+after); the blocks of one segment share a hash tag (one slot), so one script walks them.
+Segment i of the chain rooted at r sits on slot `(r's top 14 bits + i * STRIDE) mod
+16384`, named by `slot_tags`: consecutive segments land a golden-ratio fraction of the
+slot ring apart, so on a cluster they fall on different masters, and the chat template
+and system prompt every prompt starts with are spread over all masters instead of making
+one slot hot. A lookup sends one script per master its segments touch (at most the
+number of masters, concurrently).
 
 Per source and the dataset (one generation per source life; a reset or clear starts a
 new one), all under the hash tag `{p}`, one slot, so each write's checks are one script:
@@ -50,7 +52,12 @@ LAYOUT = b"3"
 the key existed (generations without a `layout` key); layouts 1 and 2 had untagged names
 (`{p}:index:layout`), still read to refuse them."""
 SEGMENT = 16
-"""Blocks per segment: a 1k-token system prompt at block size 16 spans 4 of them."""
+"""Blocks per head segment: a 1k-token system prompt at block size 16 spans 4 of them."""
+HEAD_SEGMENTS = 16
+"""Head segments; after them a segment is `TAIL_SEGMENT` blocks, since every segment costs
+a lookup a walk of its own and far into a chain few prompts share one."""
+TAIL_SEGMENT = 128
+_HEAD = SEGMENT * HEAD_SEGMENTS
 SLOTS = REDIS_CLUSTER_HASH_SLOTS
 STRIDE = 10125
 """Slots between consecutive segments: 16384 / golden ratio, odd so it visits every slot."""
@@ -95,6 +102,13 @@ def segment_slot(root: int, segment: int) -> int:
     return ((root >> _ROOT_SHIFT) + segment * STRIDE) % SLOTS
 
 
+def segment_of(depth: int) -> int:
+    """The segment holding the block at position `depth` of its chain."""
+    if depth < _HEAD:
+        return depth // SEGMENT
+    return HEAD_SEGMENTS + (depth - _HEAD) // TAIL_SEGMENT
+
+
 class RedisKeys:
     __slots__ = (
         "block_prefix",
@@ -134,11 +148,11 @@ class RedisKeys:
 
     def block(self, at: int, key: BlockKey) -> str:
         """The name of `key` at place `at` (`packing.place`: its chain root and position)."""
-        slot = segment_slot(at >> DEPTH_BITS, (at & DEPTH_MASK) // SEGMENT)
+        slot = segment_slot(at >> DEPTH_BITS, segment_of(at & DEPTH_MASK))
         return f"{self.block_prefix}{{{slot_tags()[slot]}}}{key:016x}"
 
     def block_slot(self, at: int) -> int:
-        return segment_slot(at >> DEPTH_BITS, (at & DEPTH_MASK) // SEGMENT)
+        return segment_slot(at >> DEPTH_BITS, segment_of(at & DEPTH_MASK))
 
     def segments(self, keys: Sequence[BlockKey]) -> list[Segment]:
         """A looked-up chain (`keys[0]` its root) cut into its segments, in order.
@@ -149,11 +163,13 @@ class RedisKeys:
         root, tags, prefix = keys[0], slot_tags(), self.block_prefix
         digits = struct.pack(f">{len(keys)}Q", *keys).hex()
         out = []
-        for i, start in enumerate(range(0, len(keys), SEGMENT)):
+        start, i = 0, 0
+        while start < len(keys):
             slot = segment_slot(root, i)
-            length = min(SEGMENT, len(keys) - start)
+            length = min(SEGMENT if i < HEAD_SEGMENTS else TAIL_SEGMENT, len(keys) - start)
             part = digits[16 * start : 16 * (start + length)]
             out.append(Segment(slot, f"{prefix}{{{tags[slot]}}}", part, start, length))
+            start, i = start + length, i + 1
         return out
 
     def checkpoint(self, slot: int, writer: str) -> str:

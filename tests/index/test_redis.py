@@ -12,7 +12,7 @@ from redis.cluster import key_slot
 
 from globalkv.index.base import ApplyResult, IndexDataLost, IndexUnavailable, Source, Tier
 from globalkv.index.redis import RedisIndex
-from globalkv.index.redis_keys import SEGMENT, SLOTS
+from globalkv.index.redis_keys import HEAD_SEGMENTS, SEGMENT, SLOTS, TAIL_SEGMENT
 from globalkv.index.redis_scripts import fingerprints, replay_log
 from tests.index.events import (
     BS,
@@ -190,11 +190,12 @@ async def test_a_chain_is_spread_over_slots_one_segment_each(client: aioredis.Re
     """A cluster walks a segment with one script, and consecutive segments sit far apart
     on the slot ring (on other masters), so a prefix every prompt shares is no hot slot."""
     index = RedisIndex(client, BS)
-    t = tokens(4 * SEGMENT)
-    await Feeder(index)(P0, store(range(1, 4 * SEGMENT + 1), t))
+    blocks = HEAD_SEGMENTS * SEGMENT + TAIL_SEGMENT + 3
+    t = tokens(blocks)
+    await Feeder(index)(P0, store(range(1, blocks + 1), t))
     names = {n.decode() for n in await client.keys(f"{index.keys.block_prefix}*")}
     segments = index.keys.segments(keys(t))
-    assert [s.length for s in segments] == [SEGMENT] * 4
+    assert [s.length for s in segments] == [SEGMENT] * HEAD_SEGMENTS + [TAIL_SEGMENT, 3]
     named = {s.head + s.digits[i : i + 16] for s in segments for i in range(0, len(s.digits), 16)}
     assert named == names
     for segment in segments:

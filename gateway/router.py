@@ -3,8 +3,9 @@
 Per request, `lookup()` asks the index once (only when the prefill policy uses it and the
 prompt's tokens are known); per attempt, `plan()` picks a prefill and a decode among the
 eligible workers — avoiding those that already failed this request while others remain,
-serving the request's model when workers advertise it, the decode of the prefill's kind
-(SGLang or vLLM) — and draws fresh rooms. When the index cannot be used the request is
+serving the request's model when workers advertise it, of the kind asked for when one is
+(SGLang's `/generate` goes to SGLang pairs only: vLLM serves no such path), the decode of
+the prefill's kind — and draws fresh rooms. When the index cannot be used the request is
 still routed, by load; the reason is counted in `globalkv_gateway_routing_fallbacks` and
 logged once.
 
@@ -139,11 +140,15 @@ class Router:
         batch: int | None,
         avoid: Collection[str] = (),
         model: str | None = None,
+        kind: Kind | None = None,
     ) -> RoutePlan:
         """Choose a pair for one attempt; raises `NoCandidates` naming the empty role."""
-        prefills = self._candidates("prefill", avoid, None, model)
+        prefills = self._candidates("prefill", avoid, kind, model)
         if not prefills:
-            raise NoCandidates("no prefill worker is available (healthy, circuit closed, ready)")
+            which = "" if kind is None else f", {kind}"
+            raise NoCandidates(
+                f"no prefill worker is available (healthy, circuit closed, ready{which})"
+            )
         if request.lookup is not None:
             pending = self.loads.pending_blocks(request.lookup.keys)
             request = replace(request, pending=pending)

@@ -282,3 +282,13 @@ def test_allowed_recompute_serves_when_every_prefill_failed(cluster: Cluster) ->
     reason = {"reason": "prefill_failed"}
     assert cluster.metric("recompute", "globalkv_gateway_vllm_recomputes_total", **reason) == 1
     assert cluster.metric("vd-0", "globalkv_engine_vllm_recomputed_prompts_total") == computed + 1
+
+
+def test_sglangs_generate_goes_to_the_sglang_pair_of_a_mixed_gateway(cluster: Cluster) -> None:
+    served = cluster.metric("sd-0", "globalkv_engine_requests_total", endpoint="/generate")
+    body = {"input_ids": _tokens(1), "sampling_params": {"max_new_tokens": 2}}
+    for _ in range(3):
+        response = httpx.post(f"{cluster.gateways['mixed']}/generate", json=body, timeout=30)
+        assert response.status_code == 200, response.text
+    after = cluster.metric("sd-0", "globalkv_engine_requests_total", endpoint="/generate")
+    assert after == served + 3

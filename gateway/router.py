@@ -60,7 +60,7 @@ class Router:
         clock: Clock,
         *,
         lookup: PrefixLookup | None,
-        model: Callable[[], str | None],
+        model: Callable[[str | None], str | None],
         lookup_timeout: float = 0.5,
         room_rng: Random | None = None,
     ) -> None:
@@ -97,9 +97,10 @@ class Router:
             )
 
     async def lookup(
-        self, tokens: Sequence[int] | None, missing: str | None
+        self, tokens: Sequence[int] | None, missing: str | None, named: str | None = None
     ) -> LookupResult | None:
-        """The index's answer for the prompt, or None (with the reason counted)."""
+        """The index's answer for the prompt, or None (with the reason counted); `named`
+        is the model the request names."""
         if not self.uses_index:
             return None
         if tokens is None:
@@ -108,7 +109,7 @@ class Router:
         if self._lookup is None:
             self.fallback("no_index", "neither --indexer-url nor --redis-url is set")
             return None
-        model = self._model()
+        model = self._model(named)
         if model is None:
             self.fallback("no_model", "no --model and no prefill advertised its model yet")
             return None

@@ -7,7 +7,8 @@ indexer and several gateways, each a real process on its own ports.
   EOS (so it answers without `kv_transfer_params`).
 - sp-0, sd-0: an SGLang pair of model `sg-model`.
 - The `mixed` gateway is given every healthy worker with `--prefill`/`--decode` only, so
-  the kinds are detected, and routes vLLM's prefill by the index; the other gateways
+  the kinds are detected, and no `--model`, so each pool is keyed in the index by its own
+  model; it routes vLLM's prefill by the index; the other gateways
   each isolate one failure (`--vllm-prefill`/`--vllm-decode`, kinds given).
 
 The decode refuses a pull whose `remote_request_id` was not made from its own
@@ -79,7 +80,7 @@ def _gateway_argv(name: str, urls: dict[str, str], indexer: str) -> list[str]:
         info = httpx.get(f"{urls['sp-0']}/server_info", timeout=5).json()
         argv = ["--prefill", urls["vp-0"], "--prefill", urls["vp-1"], "--decode", urls["vd-0"]]
         argv += ["--prefill", urls["sp-0"], str(info["disaggregation_bootstrap_port"])]
-        argv += ["--decode", urls["sd-0"], "--indexer-url", indexer, "--model", VL]
+        argv += ["--decode", urls["sd-0"], "--indexer-url", indexer]
         argv += ["--decode-policy", "round_robin", "--prefix-pending-grace-secs", "off"]
         return [*argv, *common]
     pairs = {

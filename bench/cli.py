@@ -87,6 +87,11 @@ def register(subparsers: Any) -> None:
     add("--block-size", type=int, help="tokens per hash id (inferred from the trace)")
     add("--policies", default=",".join(DEFAULT_POLICIES), help="comma-separated, or 'all'")
     add("--time-scale", type=float, default=1.0, help="wall seconds per trace second")
+    add(
+        "--engine",
+        choices=["sglang", "vllm"],
+        help="live: the engines' PD protocol (default sglang; vllm: requests on /v1/completions)",
+    )
     add("--limit", type=int, help="replay the first N requests")
     add("--out", help="JSON output (default replay-<trace>[-live].json); .md and .png beside")
     add("--prefill-tokens-per-s", type=float, help="per pod (default: from --utilisation)")
@@ -155,7 +160,8 @@ def build_settings(args: argparse.Namespace) -> tuple[ReplaySettings, Sweep | No
         "time_scale": args.time_scale,
         "oracle": not args.no_oracle,
     }
-    names = ("block_size", "limit", "arrivals", "seed", "vocab", "model", "bucket_s", "run_dir")
+    names: tuple[str, ...] = ("block_size", "limit", "arrivals", "seed", "vocab", "model")
+    names += ("bucket_s", "run_dir", "engine")
     for name in names:
         if getattr(args, name) is not None:
             top[name] = getattr(args, name)

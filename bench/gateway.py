@@ -232,7 +232,7 @@ def cluster(args: argparse.Namespace, logs: Path) -> Iterator[dict[str, Target]]
     ports = (
         gateway_vllm.mock_ports(prefills, decodes) if vllm else list(map(str, prefills + decodes))
     )
-    path = gateway_vllm.PATH if vllm else "/generate"
+    endpoint = gateway_vllm.PATH if vllm else "/generate"
     children: list[Child] = []
     try:
         mocks_argv = [sys.executable, "-m", "bench.gateway_mocks", *ports]
@@ -241,7 +241,7 @@ def cluster(args: argparse.Namespace, logs: Path) -> Iterator[dict[str, Target]]
         probe: dict[str, object] = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1}}
         if vllm:
             probe = json.loads(gateway_vllm.body(False, 1))
-        _wait_ok(mocks, f"http://{HOST}:{decodes[0]}{path}", probe)
+        _wait_ok(mocks, f"http://{HOST}:{decodes[0]}{endpoint}", probe)
         targets = {"direct": Target(decodes[0], None)}
         ours = [sys.executable, "-m", "globalkv", "gateway"]
         ours_flags = ["--prometheus-port", "0", "--router-log-level", "warn"]
@@ -274,7 +274,7 @@ def cluster(args: argparse.Namespace, logs: Path) -> Iterator[dict[str, Target]]
             argv = plan(command, prefills, decodes, port) + extra
             child = _spawn(name, argv, router_cpus, logs, cwd)
             children.append(child)
-            _wait_ok(child, f"http://{HOST}:{port}{path}", probe)
+            _wait_ok(child, f"http://{HOST}:{port}{endpoint}", probe)
             targets[name] = Target(port, child.popen.pid)
         if load_cpus is not None:
             os.sched_setaffinity(0, load_cpus)

@@ -238,7 +238,9 @@ class GatewayConfig(BaseModel):
         description="The indexer's admin token, sent when registering pods.",
     )
     model: str | None = Field(
-        None, description="Model name keyed in the index; default: the prefills' served name."
+        None,
+        description="Model name keyed in the index; default: the request's model when a "
+        "prefill serves it, else the first prefill's served name.",
     )
     tokenizer: str | None = Field(
         None, description="tokenizer.json, a model directory, or 'byte'; None = no tokenizer."

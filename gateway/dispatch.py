@@ -41,6 +41,7 @@ import httpx
 
 from gateway.answers import Answer, error_body
 from gateway.breaker import is_failure_status
+from gateway.config import Kind
 from gateway.deadline import DeadlineWatch, Progress
 from gateway.inject import inject_bootstrap
 from gateway.metrics import GatewayMetrics
@@ -135,9 +136,10 @@ class Dispatcher:
         avoid: set[str] = set()
         last: Failure | None = None
         attempts = self._retries.max_attempts
+        kind: Kind | None = "sglang" if request.endpoint == "generate" else None
         for attempt in range(attempts):
             try:
-                plan = self._router.plan(route, request.batch, avoid, request.model)
+                plan = self._router.plan(route, request.batch, avoid, request.model, kind)
             except NoCandidates as exc:
                 if last is not None:
                     return last.answer

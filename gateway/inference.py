@@ -115,7 +115,7 @@ class Inference:
                 tokens = prompt_tokens(parsed, gateway.tokenizer)
             lookup = None
             if router.uses_index:
-                lookup = await router.lookup(tokens.tokens, tokens.missing)
+                lookup = await router.lookup(tokens.tokens, tokens.missing, parsed.model)
             route = RouteRequest(tokens.tokens, tokens.text, lookup, now=gateway.clock())
             outcome = await gateway.dispatcher.forward(parsed, route, path)
         except (BadRequest, TokenizeError) as exc:  # BadRequest also from the first attempt

@@ -181,11 +181,16 @@ class Monitor:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
-    def served_model(self) -> str | None:
-        """The configured model, else the first one a prefill advertised."""
+    def served_model(self, named: str | None = None) -> str | None:
+        """The configured model; else `named` (a request's) when a prefill advertises it,
+        so a gateway in front of pools of several models keys each in the index by its
+        own; else the first one a prefill advertised."""
         if self._model:
             return self._model
-        return next((w.served_model for w in self.pool.role("prefill") if w.served_model), None)
+        advertised = [w.served_model for w in self.pool.role("prefill") if w.served_model]
+        if named is not None and named in advertised:
+            return named
+        return advertised[0] if advertised else None
 
     def start(self) -> None:
         if self._task is None:
@@ -325,7 +330,7 @@ class Monitor:
             return
         pod = PodRegistration(
             id=worker.pod,
-            model=self.served_model(),
+            model=self.served_model(worker.served_model),
             block_size=worker.engine_block_size or self._block_size,
             role="prefill",
             url=worker.url,

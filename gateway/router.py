@@ -3,8 +3,9 @@
 Per request, `lookup()` asks the index once (only when the prefill policy uses it and the
 prompt's tokens are known); per attempt, `plan()` picks a prefill and a decode among the
 eligible workers — avoiding those that already failed this request while others remain,
-serving the request's model when workers advertise it, the decode of the prefill's kind
-(SGLang or vLLM) — and draws fresh rooms. When the index cannot be used the request is
+serving the request's model when workers advertise it, of the kind asked for when one is
+(SGLang's `/generate` goes to SGLang pairs only: vLLM serves no such path), the decode of
+the prefill's kind — and draws fresh rooms. When the index cannot be used the request is
 still routed, by load; the reason is counted in `globalkv_gateway_routing_fallbacks` and
 logged once.
 
@@ -59,7 +60,7 @@ class Router:
         clock: Clock,
         *,
         lookup: PrefixLookup | None,
-        model: Callable[[], str | None],
+        model: Callable[[str | None], str | None],
         lookup_timeout: float = 0.5,
         room_rng: Random | None = None,
     ) -> None:
@@ -96,9 +97,10 @@ class Router:
             )
 
     async def lookup(
-        self, tokens: Sequence[int] | None, missing: str | None
+        self, tokens: Sequence[int] | None, missing: str | None, named: str | None = None
     ) -> LookupResult | None:
-        """The index's answer for the prompt, or None (with the reason counted)."""
+        """The index's answer for the prompt, or None (with the reason counted); `named`
+        is the model the request names."""
         if not self.uses_index:
             return None
         if tokens is None:
@@ -107,7 +109,7 @@ class Router:
         if self._lookup is None:
             self.fallback("no_index", "neither --indexer-url nor --redis-url is set")
             return None
-        model = self._model()
+        model = self._model(named)
         if model is None:
             self.fallback("no_model", "no --model and no prefill advertised its model yet")
             return None
@@ -139,11 +141,15 @@ class Router:
         batch: int | None,
         avoid: Collection[str] = (),
         model: str | None = None,
+        kind: Kind | None = None,
     ) -> RoutePlan:
         """Choose a pair for one attempt; raises `NoCandidates` naming the empty role."""
-        prefills = self._candidates("prefill", avoid, None, model)
+        prefills = self._candidates("prefill", avoid, kind, model)
         if not prefills:
-            raise NoCandidates("no prefill worker is available (healthy, circuit closed, ready)")
+            which = "" if kind is None else f", {kind}"
+            raise NoCandidates(
+                f"no prefill worker is available (healthy, circuit closed, ready{which})"
+            )
         if request.lookup is not None:
             pending = self.loads.pending_blocks(request.lookup.keys)
             request = replace(request, pending=pending)

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import orjson
 from prometheus_client import Counter
 
-from gateway.answers import Answer, error_body
+from gateway.answers import Answer
 from gateway.deadline import Progress
 from gateway.metrics import GatewayMetrics
 from gateway.policies.base import LoadTicket
@@ -172,11 +172,6 @@ class Sequential:
         *,
         final: bool,
     ) -> Answer | Stream | Failure:
-        if request.endpoint == "generate":
-            message = "vLLM workers serve /v1/completions and /v1/chat/completions only"
-            return Failure(
-                "prefill", plan.prefill, False, Answer(400, error_body(message, "bad_request"))
-            )
         extra = ((b"X-Request-Id", uuid.uuid4().hex.encode()),)
         payload = encode_body(prefill_body(request.body))
         call = self._legs.start_prefill(plan, path, payload, extra)

@@ -102,6 +102,10 @@ class ReplaySettings(BaseModel):
     seed: int = Field(0, description="Seed of every policy's RNG (same for all policies).")
     vocab: int = Field(DEFAULT_VOCAB, ge=2, le=2**32, description="Token ids drawn below this.")
     model: str = Field("replay-model", min_length=1, description="Model name keyed in the index.")
+    engine: Literal["sglang", "vllm"] = Field(
+        "sglang",
+        description="Live: the PD protocol of the stack's engines (`globalkv up --engine`).",
+    )
     cluster: ClusterModel = Field(default_factory=ClusterModel)
     prefix: PrefixWeights = Field(default_factory=PrefixWeights)
     cache_aware: CacheAwareConfig = Field(default_factory=CacheAwareConfig)

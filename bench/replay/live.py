@@ -6,7 +6,10 @@ simulation, time-scaled: the engines' rates are divided by the time scale and th
 arrivals multiplied by it. Each request is sent at its (scaled) arrival time to the
 gateway's `/generate` with `input_ids` (the deterministic expansion) and `stream: true`;
 TTFT is measured at the first streamed chunk, and the cached tokens, queue and prefill
-times are read from the answer's `meta_info`, as the engines report them. After the run,
+times are read from the answer's `meta_info`, as the engines report them. With
+`engine: vllm` the stack's engines speak vLLM's protocol and each request goes to
+`/v1/completions` with the ids as its prompt; the cached tokens come from the stream's
+`usage.prompt_tokens_details` (vLLM reports no queue or prefill time there: 0). After the run,
 every prefill's `/metrics` gives its computed and cached tokens and evictions.
 
 What differs from the simulation: real overheads (HTTP, JSON bodies of thousands of ids,
@@ -80,6 +83,7 @@ def stack_config(
         prefill_args=prefill,
         decode_args=decode,
         gateway_args=gateway,
+        engine=settings.engine,
     )
 
 
@@ -103,21 +107,40 @@ def _number(meta: dict[str, Any], key: str, default: float | None = None) -> flo
     return float(value)
 
 
+def _request(tokens: list[int], max_new_tokens: int, vllm: bool) -> tuple[str, dict[str, Any]]:
+    if vllm:
+        body: dict[str, Any] = {"prompt": tokens, "max_tokens": max_new_tokens, "stream": True}
+        body["stream_options"] = {"include_usage": True}
+        return "/v1/completions", body
+    sampling = {"max_new_tokens": max_new_tokens}
+    return "/generate", {"input_ids": tokens, "sampling_params": sampling, "stream": True}
+
+
+def _usage_meta(chunk: dict[str, Any]) -> dict[str, Any] | None:
+    """An OpenAI stream's usage chunk as `meta_info` fields, or None for another chunk."""
+    usage = chunk.get("usage")
+    if not isinstance(usage, dict):
+        return None
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return {"cached_tokens": cached}
+
+
 async def _send(
-    client: httpx.AsyncClient, url: str, tokens: list[int], max_new_tokens: int
+    client: httpx.AsyncClient,
+    url: str,
+    tokens: list[int],
+    max_new_tokens: int,
+    vllm: bool = False,
 ) -> _Answer:
-    body = {
-        "input_ids": tokens,
-        "sampling_params": {"max_new_tokens": max_new_tokens},
-        "stream": True,
-    }
+    path, body = _request(tokens, max_new_tokens, vllm)
     sent = time.perf_counter()
     first: float | None = None
     meta: dict[str, Any] = {}
-    async with client.stream("POST", f"{url}/generate", json=body) as response:
+    async with client.stream("POST", f"{url}{path}", json=body) as response:
         if response.status_code != 200:
             text = (await response.aread()).decode(errors="replace")[:200]
-            raise LiveRequestError(f"/generate answered {response.status_code}: {text}")
+            raise LiveRequestError(f"{path} answered {response.status_code}: {text}")
         async for line in response.aiter_lines():
             if not line.startswith("data:"):
                 continue
@@ -132,6 +155,8 @@ async def _send(
                 raise LiveRequestError(f"a streamed chunk is not JSON: {exc.msg}") from None
             if isinstance(chunk, dict) and isinstance(chunk.get("meta_info"), dict):
                 meta = chunk["meta_info"]
+            elif vllm and isinstance(chunk, dict):
+                meta = _usage_meta(chunk) or meta
     if first is None or "cached_tokens" not in meta:
         raise LiveRequestError("the stream ended without a token and its meta_info")
     return _Answer(
@@ -192,7 +217,8 @@ async def _replay(
             await asyncio.sleep(delay)
         sent = time.perf_counter() - started
         try:
-            answer = await _send(client, url, tokens, max(output, 1))
+            vllm = settings.engine == "vllm"
+            answer = await _send(client, url, tokens, max(output, 1), vllm)
         except (httpx.HTTPError, LiveRequestError) as exc:
             failures.append(f"request {i}: {exc}")
             return

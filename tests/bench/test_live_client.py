@@ -65,3 +65,30 @@ async def test_answers_are_read_and_bad_ones_counted_as_failures(tmp_path: Path)
     assert first["sampling_params"] == {"max_new_tokens": 3}
     capped = next(body for body in seen if body["input_ids"] == expand([1, 3], 8, 4))
     assert capped["sampling_params"] == {"max_new_tokens": 16}
+
+
+async def test_a_vllm_stack_is_asked_on_completions_and_read_from_usage(tmp_path: Path) -> None:
+    path = write_trace(tmp_path / "t.jsonl", [row(0, 8, [1, 2], output=3), row(1, 8, [1, 3])])
+    settings = ReplaySettings(trace=str(path), time_scale=0.001, engine="vllm")
+    trace = read_trace(path, block_size=4)
+    seen: list[tuple[str, dict[str, object]]] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        seen.append((request.url.path, body))
+        usage = {"prompt_tokens": 8, "prompt_tokens_details": {"cached_tokens": 4}}
+        if body["prompt"] == expand([1, 3], 8, 4):
+            usage = {"prompt_tokens": 8}  # no cached count: not a vLLM answer
+        return httpx.Response(
+            200, content=_sse({"choices": [{"text": "a"}]}, {"choices": [], "usage": usage})
+        )
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+        record = await replay_through("http://gateway", settings, trace, "prefix", client=client)
+    assert record.failed == 1
+    assert record.cached[0] == 4
+    assert record.queue[0] == record.prefill[0] == 0
+    path_sent, body = next(s for s in seen if s[1]["prompt"] == expand([1, 2], 8, 4))
+    assert path_sent == "/v1/completions"
+    assert body["max_tokens"] == 3
+    assert body["stream_options"] == {"include_usage": True}

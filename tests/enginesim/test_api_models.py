@@ -13,6 +13,7 @@ from enginesim.api_models import (
     generate_prompts,
 )
 from enginesim.engine import Bootstrap
+from enginesim.vllm import room_of
 from globalkv.tokenize import ByteTokenizer
 
 TOKENIZER = ByteTokenizer()
@@ -133,3 +134,30 @@ def test_host_names_and_addresses_are_bootstrap_hosts(host: str) -> None:
 def test_mixed_prompt_kinds_are_refused() -> None:
     with pytest.raises(ValidationError):
         CompletionRequest.model_validate({"prompt": [[1, 2], "text"]})
+
+
+def test_vllm_transfer_params_reach_every_prompt_and_bad_ones_are_refused() -> None:
+    params = {
+        "do_remote_prefill": True,
+        "remote_request_id": "req-1",
+        "remote_host": "10.0.0.1",
+        "remote_port": 5600,
+        "remote_block_ids": [0, 1],
+    }
+    body = CompletionRequest.model_validate(
+        {"prompt": [1, 2, 3], "n": 2, "kv_transfer_params": params}
+    )
+    prompts = completion_prompts(body, TOKENIZER)
+    assert [p.kv_transfer for p in prompts] == [
+        {**params, "do_remote_decode": False, "remote_engine_id": None, "tp_size": None}
+    ] * 2
+    for bad in ({"remote_port": 0}, {"remote_host": "a/b"}, {"remote_block_ids": [-1]}):
+        with pytest.raises(ValidationError):
+            CompletionRequest.model_validate({"prompt": "x", "kv_transfer_params": bad})
+
+
+def test_the_transfer_room_of_a_request_id_is_stable_and_never_zero() -> None:
+    rooms = {room_of(f"req-{i}") for i in range(1000)}
+    assert len(rooms) == 1000
+    assert 0 not in rooms
+    assert room_of("req-7") == room_of("req-7")

@@ -9,8 +9,17 @@ import pytest
 from gateway.config import HealthConfig, KvEventsSpec, WorkerSpec
 from gateway.monitor import PodRegistration, RegistrationFailed, parse_server_info
 from gateway.pods import pod_info
+from gateway.requests import parse_request
 from gateway.workers import DirectoryStatus, worker_id
-from tests.gateway.fakes import Cluster, Reading, StubProbe, config, make_gateway
+from tests.gateway.fakes import (
+    PREFILLS,
+    Cluster,
+    Reading,
+    StubLookup,
+    StubProbe,
+    config,
+    make_gateway,
+)
 from tests.support.clock import FakeClock
 from tests.support.net import await_for
 
@@ -241,3 +250,22 @@ def _async(check: Callable[[], bool]) -> Callable[[], Awaitable[bool]]:
         return check()
 
     return condition
+
+
+async def test_pools_of_two_models_are_keyed_in_the_index_by_their_own() -> None:
+    cluster = Cluster()
+    for url, model in zip(PREFILLS, ("model-a", "model-b"), strict=True):
+        topic = f"kv@{model}-pod@{model}"
+        info = {"served_model_name": model, "kv_events": {"endpoint": "tcp://*:1", "topic": topic}}
+        cluster.server_info[url.split("//")[1]] = info
+    registrar, lookup = Registrar(), StubLookup()
+    cfg = config(model=None, block_size=4)
+    gateway = await make_gateway(cluster, cfg, registrar=registrar, lookup=lookup)
+    assert {(pod.id, pod.model) for pod in registrar.pods} == {
+        ("model-a-pod", "model-a"),
+        ("model-b-pod", "model-b"),
+    }
+    for named in ("model-b", "model-a", "not-served", None):
+        parsed = parse_request("completions", {"prompt": [1, 2], "model": named})
+        await gateway.router.lookup([1, 2], None, parsed.model)
+    assert [model for model, _ in lookup.asked] == ["model-b", "model-a", "model-a", "model-a"]

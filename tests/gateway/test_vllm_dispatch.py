@@ -217,11 +217,12 @@ async def test_the_deadline_names_the_leg_it_stopped_in() -> None:
     await gateway.dispatcher.drain()
 
 
-async def test_a_vllm_pair_refuses_sglangs_generate() -> None:
+async def test_sglangs_generate_is_never_sent_to_a_vllm_pair() -> None:
     cluster = Cluster()
     gateway = await make_gateway(cluster, vllm_config())
     answer = await send(gateway, {"text": "x"}, endpoint="generate")
-    assert answer.status == 400
+    assert answer.status == 503
+    assert "ready, sglang)" in json.loads(answer.body)["error"]["message"]
     assert cluster.inference() == []
 
 

@@ -49,5 +49,8 @@ async def test_doctor_walks_a_vllm_cluster_and_its_repeat_is_served_from_cache(
     assert probe["stages"].message.startswith("vLLM pool")
     routing = {f.subject: f for f in report.stage("routing").findings}
     assert routing["repeated probe"].level is Level.OK
+    workers = [f.subject for f in report.stage("gateway").findings if "127.0.0.1" in f.subject]
+    assert len(workers) == 3
+    assert all("[vLLM]" in subject for subject in workers)
     directories = report.stage("directories").findings
     assert {f.level for f in directories} == {Level.SKIP}

@@ -4,10 +4,11 @@ indexer and several gateways, each a real process on its own ports.
 
 - vp-0, vp-1: vLLM prefills of model `vl-model` publishing KV events in vLLM's wire shape;
   vd-0 their decode; vp-bad and vd-bad fail every request; vp-eos ends every prefill on
-  EOS (so it answers without `kv_transfer_params`).
+  EOS (so it answers without `kv_transfer_params`); vp-short holds its blocks 0.3 s.
 - sp-0, sd-0: an SGLang pair of model `sg-model`.
 - The `mixed` gateway is given every healthy worker with `--prefill`/`--decode` only, so
-  the kinds are detected, and routes vLLM's prefill by the index; the other gateways
+  the kinds are detected, and no `--model`, so each pool is keyed in the index by its own
+  model; it routes vLLM's prefill by the index; the other gateways
   each isolate one failure (`--vllm-prefill`/`--vllm-decode`, kinds given).
 
 The decode refuses a pull whose `remote_request_id` was not made from its own
@@ -59,7 +60,8 @@ def _engine_argv(name: str, port: int) -> list[str]:
     if name.startswith("v"):
         argv += ["--api", "vllm", "--model", VL]
         if role == "prefill":
-            argv += ["--kv-events-format", "vllm", "--handshake-timeout", "10"]
+            hold = "0.3" if name == "vp-short" else "10"
+            argv += ["--kv-events-format", "vllm", "--handshake-timeout", hold]
     else:
         argv += ["--model", SG]
     if role == "prefill":
@@ -79,7 +81,7 @@ def _gateway_argv(name: str, urls: dict[str, str], indexer: str) -> list[str]:
         info = httpx.get(f"{urls['sp-0']}/server_info", timeout=5).json()
         argv = ["--prefill", urls["vp-0"], "--prefill", urls["vp-1"], "--decode", urls["vd-0"]]
         argv += ["--prefill", urls["sp-0"], str(info["disaggregation_bootstrap_port"])]
-        argv += ["--decode", urls["sd-0"], "--indexer-url", indexer, "--model", VL]
+        argv += ["--decode", urls["sd-0"], "--indexer-url", indexer]
         argv += ["--decode-policy", "round_robin", "--prefix-pending-grace-secs", "off"]
         return [*argv, *common]
     pairs = {
@@ -119,7 +121,7 @@ def cluster() -> Iterator[Cluster]:
         procs.append(proc)
         return proc
 
-    names = ["vp-0", "vp-1", "vp-bad", "vp-eos", "vd-0", "vd-bad", "sp-0", "sd-0"]
+    names = ["vp-0", "vp-1", "vp-bad", "vp-eos", "vp-short", "vd-0", "vd-bad", "sp-0", "sd-0"]
     try:
         indexer_port = free_port()
         indexer_proc = spawn(
@@ -282,3 +284,39 @@ def test_allowed_recompute_serves_when_every_prefill_failed(cluster: Cluster) ->
     reason = {"reason": "prefill_failed"}
     assert cluster.metric("recompute", "globalkv_gateway_vllm_recomputes_total", **reason) == 1
     assert cluster.metric("vd-0", "globalkv_engine_vllm_recomputed_prompts_total") == computed + 1
+
+
+def test_sglangs_generate_goes_to_the_sglang_pair_of_a_mixed_gateway(cluster: Cluster) -> None:
+    served = cluster.metric("sd-0", "globalkv_engine_requests_total", endpoint="/generate")
+    body = {"input_ids": _tokens(1), "sampling_params": {"max_new_tokens": 2}}
+    for _ in range(3):
+        response = httpx.post(f"{cluster.gateways['mixed']}/generate", json=body, timeout=30)
+        assert response.status_code == 200, response.text
+    after = cluster.metric("sd-0", "globalkv_engine_requests_total", endpoint="/generate")
+    assert after == served + 3
+
+
+def test_blocks_no_decode_pulled_are_freed_and_a_late_pull_fails_at_once(
+    cluster: Cluster,
+) -> None:
+    """Called directly, as a router would: the prefill's params, then no decode in time."""
+    freed = ("globalkv_engine_transfer_messages_dropped_total", {"reason": "vllm_blocks_freed"})
+    before = cluster.metric("vp-short", freed[0], **freed[1])
+    body = {"model": VL, "prompt": _tokens(2), "max_tokens": 1}
+    body["kv_transfer_params"] = {"do_remote_decode": True}
+    headers = {"x-request-id": uuid.uuid4().hex}
+    prefill = httpx.post(
+        f"{cluster.engines['vp-short']}/v1/completions", json=body, headers=headers, timeout=10
+    )
+    assert prefill.status_code == 200, prefill.text
+    params = prefill.json()["kv_transfer_params"]
+    assert params["remote_request_id"].startswith(headers["x-request-id"] + "-")
+    assert params["remote_block_ids"] == [0, 1]  # two pages of ids
+    wait_for(lambda: cluster.metric("vp-short", freed[0], **freed[1]) == before + 1, timeout=10)
+    late = {**body, "max_tokens": 4, "kv_transfer_params": params}
+    decode = httpx.post(
+        f"{cluster.engines['vd-0']}/v1/completions", json=late, headers=headers, timeout=10
+    )
+    assert decode.status_code == 500
+    assert decode.json()["stage"] == "connect"
+    assert "prefill handshake stage" in decode.json()["message"]

@@ -26,7 +26,8 @@ _NEEDS_TOKEN = (
 
 def _subject(worker: WorkerView) -> str:
     pod = f" (pod {worker.pod})" if worker.pod and worker.pod != worker.id else ""
-    return f"{worker.role} {worker.id}{pod}"
+    kind = " [vLLM]" if worker.kind == "vllm" else ""
+    return f"{worker.role} {worker.id}{kind}{pod}"
 
 
 def _state(worker: WorkerView) -> str:

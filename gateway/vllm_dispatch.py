@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
-from prometheus_client import Counter
 
 from gateway.answers import Answer
 from gateway.deadline import Progress
@@ -153,14 +152,7 @@ class Sequential:
     def __init__(self, legs: Legs, metrics: GatewayMetrics, *, allow_recompute: bool) -> None:
         self._legs = legs
         self._allow_recompute = allow_recompute
-        self._recomputes = Counter(
-            "globalkv_gateway_vllm_recomputes",
-            "vLLM decodes sent without the prefill's kv_transfer_params, so the decode "
-            "computed the prompt: no_params (the prefill ended on EOS) or prefill_failed "
-            "(--vllm-allow-recompute).",
-            ["reason"],
-            registry=metrics.registry,
-        )
+        self._recomputes = metrics.vllm_recomputes
 
     async def attempt(
         self,

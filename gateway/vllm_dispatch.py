@@ -30,9 +30,9 @@ prefill, the deadline's stages (`prefill` until the prefill answered, then `deco
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
+from random import Random
 from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
@@ -153,6 +153,9 @@ class Sequential:
         self._legs = legs
         self._allow_recompute = allow_recompute
         self._recomputes = metrics.vllm_recomputes
+        self._ids = Random()
+        """Request ids: 128 random bits from a generator seeded by the OS. An id must not
+        repeat, but nothing is guarded by its secrecy, so it needs no system call."""
 
     async def attempt(
         self,
@@ -164,7 +167,7 @@ class Sequential:
         *,
         final: bool,
     ) -> Answer | Stream | Failure:
-        extra = ((b"X-Request-Id", uuid.uuid4().hex.encode()),)
+        extra = ((b"X-Request-Id", b"%032x" % self._ids.getrandbits(128)),)
         payload = encode_body(prefill_body(request.body))
         call = self._legs.start_prefill(plan, path, payload, extra)
         progress.begin(attempt, plan.prefill.id, plan.decode.id, call)

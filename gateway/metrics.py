@@ -127,6 +127,14 @@ class GatewayMetrics:
             ["endpoint", "stage"],
             registry=registry,
         )
+        self.vllm_recomputes = Counter(
+            "globalkv_gateway_vllm_recomputes",
+            "vLLM decodes sent without the prefill's kv_transfer_params, so the decode "
+            "computed the prompt: no_params (the prefill ended on EOS) or prefill_failed "
+            "(--vllm-allow-recompute).",
+            ["reason"],
+            registry=registry,
+        )
         self.upstream_failures = Counter(
             "globalkv_gateway_upstream_failures",
             "Failed upstream calls, by role and reason (status code or error type).",

@@ -30,13 +30,12 @@ prefill, the deadline's stages (`prefill` until the prefill answered, then `deco
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
+from random import Random
 from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
-from prometheus_client import Counter
 
 from gateway.answers import Answer
 from gateway.deadline import Progress
@@ -153,14 +152,10 @@ class Sequential:
     def __init__(self, legs: Legs, metrics: GatewayMetrics, *, allow_recompute: bool) -> None:
         self._legs = legs
         self._allow_recompute = allow_recompute
-        self._recomputes = Counter(
-            "globalkv_gateway_vllm_recomputes",
-            "vLLM decodes sent without the prefill's kv_transfer_params, so the decode "
-            "computed the prompt: no_params (the prefill ended on EOS) or prefill_failed "
-            "(--vllm-allow-recompute).",
-            ["reason"],
-            registry=metrics.registry,
-        )
+        self._recomputes = metrics.vllm_recomputes
+        self._ids = Random()
+        """Request ids: 128 random bits from a generator seeded by the OS. An id must not
+        repeat, but nothing is guarded by its secrecy, so it needs no system call."""
 
     async def attempt(
         self,
@@ -172,7 +167,7 @@ class Sequential:
         *,
         final: bool,
     ) -> Answer | Stream | Failure:
-        extra = ((b"X-Request-Id", uuid.uuid4().hex.encode()),)
+        extra = ((b"X-Request-Id", b"%032x" % self._ids.getrandbits(128)),)
         payload = encode_body(prefill_body(request.body))
         call = self._legs.start_prefill(plan, path, payload, extra)
         progress.begin(attempt, plan.prefill.id, plan.decode.id, call)

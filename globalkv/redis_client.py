@@ -38,7 +38,7 @@ Client: TypeAlias = aioredis.Redis | RedisCluster
 def check_url(url: str) -> str:
     """`url` if `connect` can use it, else ValueError saying why (for config models)."""
     if not url.startswith(SCHEMES):
-        raise ValueError(f"{url!r} is not a Redis URL: it starts with one of {', '.join(SCHEMES)}")
+        raise ValueError(f"{url!r} is not a {', '.join(SCHEMES[:-1])} or {SCHEMES[-1]} URL")
     if is_cluster_url(url):
         cluster_nodes(url)
     return url

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 
 from globalkv import redis_client
 from tests.support.redis import RedisServer
@@ -54,3 +55,38 @@ async def test_a_plain_from_url_client_fails_there_which_is_why_connect_exists(
     """redis-py's behaviour that `connect` corrects; if this starts passing with 0, redis-py
     gave `from_url` clients a retry and `connect` can go."""
     assert await _failures_after_a_restart(own_redis, aioredis.from_url) >= 1
+
+
+@pytest.mark.parametrize(
+    ("url", "nodes"),
+    [
+        ("redis+cluster://a:7000/", [("a", 7000)]),
+        ("redis+cluster://u:pw@a:7000,b:7001/", [("a", 7000), ("b", 7001)]),
+        (
+            "rediss+cluster://[::1]:7000,10.0.0.2:7001/?socket_timeout=2",
+            [("::1", 7000), ("10.0.0.2", 7001)],
+        ),
+    ],
+)
+def test_cluster_urls_name_their_startup_nodes(url: str, nodes: list[tuple[str, int]]) -> None:
+    assert redis_client.check_url(url) == url
+    assert redis_client.cluster_nodes(url) == nodes
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["redis+cluster://a/", "redis+cluster://a:7000,b/", "redis+cluster://a:99999/", "http://a:1"],
+)
+def test_bad_redis_urls_are_refused_with_the_reason(url: str) -> None:
+    with pytest.raises(ValueError, match=r"host:port|is not a"):
+        redis_client.check_url(url)
+
+
+async def test_a_cluster_url_gives_a_cluster_client_with_its_options() -> None:
+    client = redis_client.connect("redis+cluster://u:pw@a:7000,b:7001/?socket_timeout=2")
+    assert isinstance(client, RedisCluster)
+    seeds = {(n.host, n.port) for n in client.nodes_manager.startup_nodes.values()}
+    assert seeds == {("a", 7000), ("b", 7001)}
+    options = client.get_connection_kwargs()
+    assert (options["username"], options["password"], options["socket_timeout"]) == ("u", "pw", 2.0)
+    await client.aclose()

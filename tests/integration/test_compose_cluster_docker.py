@@ -4,8 +4,8 @@ published gateway twice until the second reuses the first's prefix, the keys on 
 cluster's nodes.
 
 Skipped, with the reason, only where no engine can start (`tests.support.docker`). The
-image is built under a tag of this test's own and named by an extra compose file, so the
-`globalkv:local` other runs use is left alone.
+image is built under a tag of this run's own (removed after) and named by an extra compose
+file, so the `globalkv:local` other runs use is left alone.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from tests.support.net import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
 
-IMAGE = "globalkv:compose-cluster-test"
+IMAGE = f"globalkv:compose-cluster-test-{os.getpid()}"
+"""Of this run alone: other checkouts may run this test at the same time."""
 GLOBALKV = ("indexer", "prefill-0", "prefill-1", "decode-0", "decode-1", "gateway")
 NODES = {f"redis-node-{n}" for n in range(6)}
 SERVICES = {*GLOBALKV, *NODES, "redis"}
@@ -65,6 +66,7 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ComposeP
         yield stack, f"http://127.0.0.1:{ports['GATEWAY']}"
     finally:
         stack.down()
+        subprocess.run(["docker", "image", "rm", IMAGE], capture_output=True, check=False)
 
 
 def _chat(gateway: str) -> dict[str, Any]:

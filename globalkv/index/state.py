@@ -201,32 +201,14 @@ class SourceState:
         changes: BatchChanges,
         max_keys: int | None,
     ) -> None:
+        start = self._chain_start(event, block_size, result)
+        if start is None:
+            return
+        data, keys, root, depth = start
         hashes = event.hashes
         count = len(hashes)
-        if not count:
-            return
-        per_block, rest = divmod(event.block_size, block_size)
-        if per_block <= 0 or rest or len(event.token_ids) != count * event.block_size:
-            result.partial += count
-            return
+        per_block = event.block_size // block_size
         blocks = self.blocks
-        parent: int
-        root: int | None
-        if event.parent is None:
-            parent, root, depth = event.namespace, None, 0
-        else:
-            parent_word = blocks.get(event.parent)
-            if parent_word is None:
-                result.orphans += count
-                return
-            parent, root = parent_word >> LAST_AT & KEY_MASK, parent_word >> ROOT_AT & KEY_MASK
-            depth = next_depth(parent_word)
-        try:
-            data = token_bytes(event.token_ids)
-        except (ValueError, TypeError):  # ids outside u32: the wire should have refused them
-            result.invalid += count
-            return
-        keys = chain_keys(BlockKey(parent), data, block_size)
         bit = int(event.tier)
         # The loop every stored block takes: local names, no call per block for the usual
         # engine block of one index block that the source did not hold.
@@ -283,18 +265,66 @@ class SourceState:
                 if root is None:
                     root = new[0]
                     high = bit | root << ROOT_AT
-                if max_keys is not None:
-                    fresh = sum(1 for key in new if key not in masks)
-                    if fresh and len(masks) + fresh > max_keys:
-                        result.over_capacity += count - j
-                        break
-                added += self._hold(new, place(root, depth), bit, changes)
-                block_before(engine_hash, None)
-                blocks[engine_hash] = pack_block(EngineBlock(new, BlockKey(root), bit, depth))
+                held_new = self._store_wide(engine_hash, new, root, depth, bit, changes, max_keys)
+                if held_new is None:
+                    result.over_capacity += count - j
+                    break
+                added += held_new
                 depth += per_block
             stored += 1
         self.counts[bit] += added
         result.stored += stored
+
+    def _chain_start(
+        self, event: StoreBlocks, block_size: int, result: ApplyResult
+    ) -> tuple[bytes, list[BlockKey], int | None, int] | None:
+        """The store's tokens as bytes, its chain keys, and the root and depth it continues
+        from; None (counted in `result`) when the store cannot be keyed."""
+        count = len(event.hashes)
+        if not count:
+            return None
+        per_block, rest = divmod(event.block_size, block_size)
+        if per_block <= 0 or rest or len(event.token_ids) != count * event.block_size:
+            result.partial += count
+            return None
+        parent: int
+        root: int | None
+        if event.parent is None:
+            parent, root, depth = event.namespace, None, 0
+        else:
+            parent_word = self.blocks.get(event.parent)
+            if parent_word is None:
+                result.orphans += count
+                return None
+            parent, root = parent_word >> LAST_AT & KEY_MASK, parent_word >> ROOT_AT & KEY_MASK
+            depth = next_depth(parent_word)
+        try:
+            data = token_bytes(event.token_ids)
+        except (ValueError, TypeError):  # ids outside u32: the wire should have refused them
+            result.invalid += count
+            return None
+        return data, chain_keys(BlockKey(parent), data, block_size), root, depth
+
+    def _store_wide(
+        self,
+        engine_hash: EngineHash,
+        new: tuple[BlockKey, ...],
+        root: int,
+        depth: int,
+        bit: int,
+        changes: BatchChanges,
+        max_keys: int | None,
+    ) -> int | None:
+        """An engine block of several index blocks the source did not hold: the number of
+        keys it newly holds, or None when they would pass `max_keys` (nothing stored)."""
+        if max_keys is not None:
+            fresh = sum(1 for key in new if key not in self.masks)
+            if fresh and len(self.masks) + fresh > max_keys:
+                return None
+        added = self._hold(new, place(root, depth), bit, changes)
+        changes.blocks.setdefault(engine_hash, None)
+        self.blocks[engine_hash] = pack_block(EngineBlock(new, BlockKey(root), bit, depth))
+        return added
 
     def _remove(self, event: RemoveBlocks, result: ApplyResult, changes: BatchChanges) -> None:
         bit = int(event.tier)

@@ -42,7 +42,12 @@ _CLUSTER = {
     "decode_tokens_per_s": float,
     "event_delay_s": float,
 }
-_PREFIX = {"uncached_weight": float, "queued_weight": float, "request_cost": float}
+_PREFIX = {
+    "uncached_weight": float,
+    "queued_weight": float,
+    "request_cost": float,
+    "pressure_weight": float,
+}
 _CACHE_AWARE = {
     "cache_threshold": float,
     "balance_abs_threshold": int,

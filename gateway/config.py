@@ -170,6 +170,11 @@ class PrefixWeights(BaseModel):
     request_cost: float = Field(
         0.0, ge=0, description="Extra cost, in tokens, per request in flight there."
     )
+    pressure_weight: float = Field(
+        2.0,
+        ge=0,
+        description="Cost per token expected evicted there and wanted again (cache pressure).",
+    )
     pending_grace_secs: float | None = Field(
         2.0,
         ge=0,

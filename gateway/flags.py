@@ -61,6 +61,7 @@ SETTINGS: tuple[tuple[str, type[BaseModel], dict[str, str]], ...] = (
             "uncached_weight": "--prefix-uncached-weight",
             "queued_weight": "--prefix-queued-weight",
             "request_cost": "--prefix-request-cost",
+            "pressure_weight": "--prefix-pressure-weight",
             "pending_grace_secs": "--prefix-pending-grace-secs",
         },
     ),

@@ -64,6 +64,7 @@ def stack_config(
     gateway += ["--prefix-uncached-weight", _flag(w.uncached_weight)]
     gateway += ["--prefix-queued-weight", _flag(w.queued_weight)]
     gateway += ["--prefix-request-cost", _flag(w.request_cost)]
+    gateway += ["--prefix-pressure-weight", _flag(w.pressure_weight)]
     grace = w.pending_grace_secs
     gateway += ["--prefix-pending-grace-secs", "off" if grace is None else _flag(grace * scale)]
     gateway += ["--cache-threshold", _flag(ca.cache_threshold)]

@@ -83,8 +83,9 @@ def describe_cluster(point: Point, replay: Replay) -> str:
         f"blocks), prefill {c.prefill_tokens_per_s:,.0f} tokens/s per pod (no-cache "
         f"utilisation {c.utilisation * 100:.0f} %, {attention}), {c.decode_pods} decode pods, "
         f"index event delay {delay}, arrivals {s.arrivals}, time scale {s.time_scale:g}, "
-        f"seed {s.seed}, prefix weights uncached/queued/request "
-        f"{s.prefix.uncached_weight:g}/{s.prefix.queued_weight:g}/{s.prefix.request_cost:g}, "
+        f"seed {s.seed}, prefix weights uncached/queued/request/pressure "
+        f"{s.prefix.uncached_weight:g}/{s.prefix.queued_weight:g}/{s.prefix.request_cost:g}/"
+        f"{s.prefix.pressure_weight:g}, "
         f"pending grace {'off' if grace is None else f'{grace:g} s'}."
     )
 

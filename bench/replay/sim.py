@@ -209,6 +209,8 @@ class _Run:
         self.total = len(self.arrivals)
         self.record = RunRecord.empty(sim.policy_name, len(self.requests), scale)
         self.prefills, self.decodes = list(sim.pods), decode_names(c.decode_pods)
+        # What each emulated prefill reports in /server_info: its pages times their size.
+        self.capacities = {name: c.capacity_blocks * c.block_size for name in self.prefills}
         self.rates = _Rates.of(c, scale)
         self.events = _Events()
         self.flights: dict[int, _InFlight] = {}
@@ -263,7 +265,7 @@ class _Run:
         request = RouteRequest(
             tokens=tokens, lookup=answer, now=now, pending=self.loads.pending_blocks(keys)
         )
-        choice = self.policy.choose(request, self.loads.candidates(self.prefills))
+        choice = self.policy.choose(request, self.loads.candidates(self.prefills, self.capacities))
         decode = self.decode_policy.choose(request, self.loads.candidates(self.decodes)).worker
         flight = _InFlight(
             self.loads.start(

@@ -37,6 +37,7 @@ SWEEPABLE: dict[str, Sweepable] = {
     "prefix-uncached-weight": Sweepable("prefix", "uncached_weight", float),
     "prefix-queued-weight": Sweepable("prefix", "queued_weight", float),
     "prefix-request-cost": Sweepable("prefix", "request_cost", float),
+    "prefix-pressure-weight": Sweepable("prefix", "pressure_weight", float),
     "prefix-pending-grace-secs": Sweepable("prefix", "pending_grace_secs", optional_float),
     "cache-threshold": Sweepable("cache_aware", "cache_threshold", float),
     "balance-abs-threshold": Sweepable("cache_aware", "balance_abs_threshold", int),

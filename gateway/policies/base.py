@@ -69,6 +69,8 @@ class Candidate:
     """The work it is estimated to have left of those, in tokens at its average rate: a
     prompt after a long cached context counts for more than its tokens
     (`gateway.policies.progress`)."""
+    cache_capacity_tokens: int | None = None
+    """Tokens its KV cache holds, as the engine reports them; None: not reported."""
 
 
 @dataclass(slots=True)
@@ -212,10 +214,16 @@ class LoadTracker:
     def load(self, worker: str) -> WorkerLoad:
         return self.loads.get(worker) or WorkerLoad()
 
-    def candidate(self, worker: str, pod: str | None = None, now: float | None = None) -> Candidate:
+    def candidate(
+        self,
+        worker: str,
+        pod: str | None = None,
+        now: float | None = None,
+        capacity_tokens: int | None = None,
+    ) -> Candidate:
         load = self.loads.get(worker)
         if load is None:
-            return Candidate(worker, pod or worker)
+            return Candidate(worker, pod or worker, cache_capacity_tokens=capacity_tokens)
         progress = load.progress
         return Candidate(
             worker,
@@ -223,13 +231,20 @@ class LoadTracker:
             load.in_flight,
             progress.open_tokens,
             progress.remaining(self.clock() if now is None else now),
+            capacity_tokens,
         )
 
-    def candidates(self, workers: Iterable[str | tuple[str, str]]) -> list[Candidate]:
-        """Snapshots of workers given as ids or (id, pod) pairs."""
+    def candidates(
+        self,
+        workers: Iterable[str | tuple[str, str]],
+        capacity_tokens: Mapping[str, int] | None = None,
+    ) -> list[Candidate]:
+        """Snapshots of workers given as ids or (id, pod) pairs; `capacity_tokens`: the KV
+        capacity each worker reported, by worker id."""
         now = self.clock()
+        capacities = capacity_tokens or {}
         out: list[Candidate] = []
         for item in workers:
             worker, pod = (item, item) if isinstance(item, str) else item
-            out.append(self.candidate(worker, pod, now))
+            out.append(self.candidate(worker, pod, now, capacities.get(worker)))
         return out

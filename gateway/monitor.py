@@ -117,6 +117,18 @@ class ServerInfo:
     dp_size: int | None
     block_size: int | None
     model: str | None
+    kv_capacity_tokens: int | None = None
+
+
+def _kv_capacity_tokens(info: Mapping[str, Any], block_size: int | None) -> int | None:
+    """Our engine's `kv_cache`: per DP rank, its `capacity` in pages of `block_size`."""
+    ranks = info.get("kv_cache")
+    if block_size is None or not isinstance(ranks, list) or not ranks:
+        return None
+    pages = [_int_or_none(r.get("capacity")) if isinstance(r, Mapping) else None for r in ranks]
+    if any(p is None or p <= 0 for p in pages):
+        return None
+    return sum(p for p in pages if p is not None) * block_size
 
 
 def parse_server_info(info: Mapping[str, Any], host: str) -> ServerInfo:
@@ -150,6 +162,7 @@ def parse_server_info(info: Mapping[str, Any], host: str) -> ServerInfo:
         dp_size=dp_size,
         block_size=block_size,
         model=model if isinstance(model, str) else None,
+        kv_capacity_tokens=_kv_capacity_tokens(info, block_size),
     )
 
 
@@ -302,6 +315,7 @@ class Monitor:
             worker.kv_events = found.kv_events
         worker.served_model = found.model or worker.served_model
         worker.engine_block_size = found.block_size
+        worker.kv_capacity_tokens = found.kv_capacity_tokens
         if found.dp_size:
             worker.directory.dp_size = found.dp_size
         if worker.directory.port is None:

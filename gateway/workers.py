@@ -91,6 +91,8 @@ class Worker:
     kv_events: KvEventsSpec | None = None
     served_model: str | None = None
     engine_block_size: int | None = None
+    kv_capacity_tokens: int | None = None
+    """Tokens its KV cache holds, summed over its DP ranks, as its /server_info says."""
     discovered: bool = False
     """Its /server_info has been read (prefill only)."""
     detected_kind: Kind | None = None
@@ -253,4 +255,4 @@ class WorkerPool:
             serving = [w for w in workers if w.served_model == model]
             if serving:
                 workers = serving
-        return [loads.candidate(w.id, w.pod) for w in workers]
+        return [loads.candidate(w.id, w.pod, capacity_tokens=w.kv_capacity_tokens) for w in workers]

@@ -115,6 +115,15 @@ async def test_discovery_registers_the_pod_and_reads_its_directory() -> None:
     assert registrar.removed == ["pod-a"]
 
 
+async def test_the_discovered_kv_capacity_reaches_the_prefill_candidates() -> None:
+    cluster = Cluster()
+    cluster.server_info["10.0.0.1:30001"] = {**EMULATOR_INFO, "kv_cache": [{"capacity": 64}]}
+    cfg = config(prefill=[WorkerSpec(url="http://10.0.0.1:30001", role="prefill")])
+    gateway = await make_gateway(cluster, cfg, registrar=Registrar())
+    (candidate,) = gateway.pool.candidates("prefill", gateway.router.loads)
+    assert (candidate.worker, candidate.cache_capacity_tokens) == ("10.0.0.1:30001", 64 * 16)
+
+
 async def test_without_bootstrap_port_the_directory_is_unknown_and_eligible() -> None:
     cluster = Cluster()
     cfg = config(prefill=[WorkerSpec(url="http://10.0.0.1:30001", role="prefill")])
@@ -269,3 +278,13 @@ async def test_pools_of_two_models_are_keyed_in_the_index_by_their_own() -> None
         parsed = parse_request("completions", {"prompt": [1, 2], "model": named})
         await gateway.router.lookup([1, 2], None, parsed.model)
     assert [model for model, _ in lookup.asked] == ["model-b", "model-a", "model-a", "model-a"]
+
+
+def test_parse_server_info_reads_our_engines_kv_capacity_in_tokens() -> None:
+    ranks = [{"dp_rank": 0, "capacity": 100}, {"dp_rank": 1, "capacity": 50}]
+    assert parse_server_info({**EMULATOR_INFO, "kv_cache": ranks}, "h").kv_capacity_tokens == 2400
+    assert parse_server_info(EMULATOR_INFO, "h").kv_capacity_tokens is None
+    for bad in ([{"capacity": "100"}], [{"capacity": 0}], ["x"], [], {"capacity": 5}):
+        assert parse_server_info({**EMULATOR_INFO, "kv_cache": bad}, "h").kv_capacity_tokens is None
+    # Pages without a page size are no token count.
+    assert parse_server_info({"kv_cache": ranks}, "h").kv_capacity_tokens is None

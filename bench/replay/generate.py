@@ -1,0 +1,126 @@
+"""Shared-prefix workloads that stress placement in two opposite ways, as Mooncake traces.
+
+Each workload is groups of prompts sharing a system prefix, each prompt its own question
+after it; a request picks a group by popularity (Zipf, exponent `skew`) and a prompt of it
+uniformly, and arrives as a Poisson process. Block ids follow Mooncake's convention (an id
+names a block and everything before it), so `bench replay` reads the output as a trace.
+
+- `small-groups`: many groups of short prompts and a cluster that could hold them all.
+  Every group fits on any pod with room to spare, so what matters is that a new group
+  goes where it evicts nothing wanted and that a group's prompts do not end up copied
+  onto several pods: the case where placing by queue alone scatters prefixes.
+- `large-groups`: a few groups of long prompts, the most popular one more than a pod can
+  compute, in caches that hold a fraction of them. A group must spread over pods, and
+  each copy of its prefix evicts another group's: the case where the pressure cost must
+  not keep a hot group on a pod it overloads.
+
+    python -m bench.replay.generate small-groups -o /tmp/small-groups.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from random import Random
+from typing import TextIO
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    groups: int
+    prompts_per_group: int
+    system_tokens: int
+    question_tokens: int
+    output_tokens: int
+    requests: int
+    rate_per_s: float
+    skew: float
+    """Zipf exponent of the groups' popularity; 0: all equally popular."""
+    block_size: int = 64
+
+
+WORKLOADS = {
+    "small-groups": Workload(
+        groups=400,
+        prompts_per_group=4,
+        system_tokens=1536,
+        question_tokens=256,
+        output_tokens=200,
+        requests=6000,
+        rate_per_s=20.0,
+        skew=0.0,
+    ),
+    "large-groups": Workload(
+        groups=6,
+        prompts_per_group=64,
+        system_tokens=12_000,
+        question_tokens=800,
+        output_tokens=200,
+        requests=3000,
+        rate_per_s=10.0,
+        skew=1.0,
+    ),
+}
+
+
+def _prompts(w: Workload) -> list[list[list[int]]]:
+    """Per group, each prompt's block ids: the group's shared blocks, then its own."""
+    shared = w.system_tokens // w.block_size
+    total = math.ceil((w.system_tokens + w.question_tokens) / w.block_size)
+    next_id = 0
+    groups: list[list[list[int]]] = []
+    for _ in range(w.groups):
+        prefix = list(range(next_id, next_id + shared))
+        next_id += shared
+        prompts = []
+        for _ in range(w.prompts_per_group):
+            prompts.append(prefix + list(range(next_id, next_id + total - shared)))
+            next_id += total - shared
+        groups.append(prompts)
+    return groups
+
+
+def requests(w: Workload, seed: int = 0) -> Iterator[dict[str, object]]:
+    """The workload's trace lines, in arrival order."""
+    rng = Random(seed)
+    groups = _prompts(w)
+    weights = [1.0 / (g + 1) ** w.skew for g in range(w.groups)]
+    order = list(range(w.groups))
+    rng.shuffle(order)  # popularity is not the order the groups' ids were given in
+    t = 0.0
+    for _ in range(w.requests):
+        t += rng.expovariate(w.rate_per_s)
+        group = groups[order[rng.choices(range(w.groups), weights)[0]]]
+        yield {
+            "timestamp": round(t * 1000),
+            "input_length": w.system_tokens + w.question_tokens,
+            "output_length": w.output_tokens,
+            "hash_ids": group[rng.randrange(len(group))],
+        }
+
+
+def write(w: Workload, out: TextIO, seed: int = 0) -> int:
+    count = 0
+    for line in requests(w, seed):
+        out.write(json.dumps(line) + "\n")
+        count += 1
+    return count
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("workload", choices=sorted(WORKLOADS))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("-o", "--output", required=True, help="the JSONL trace to write")
+    args = parser.parse_args(argv)
+    with open(args.output, "w", encoding="utf-8") as out:
+        count = write(WORKLOADS[args.workload], out, args.seed)
+    print(f"{args.workload}: {count} requests -> {args.output}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

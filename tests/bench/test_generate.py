@@ -1,0 +1,57 @@
+"""The generated placement workloads read back as Mooncake traces with the stated shape."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from bench.replay.generate import WORKLOADS, Workload, main, requests, write
+from bench.replay.trace import read_trace, trace_stats
+
+TINY = Workload(
+    groups=3,
+    prompts_per_group=2,
+    system_tokens=256,
+    question_tokens=100,
+    output_tokens=5,
+    requests=50,
+    rate_per_s=10.0,
+    skew=1.0,
+)
+
+
+def test_a_generated_trace_reads_back_with_its_groups_shared_prefixes(tmp_path: Path) -> None:
+    out = tmp_path / "tiny.jsonl"
+    with out.open("w") as f:
+        assert write(TINY, f, seed=1) == 50
+    trace = read_trace(out)
+    assert trace.block_size == 64
+    assert len(trace.requests) == 50
+    # 4 shared blocks per group, then ceil(356 / 64) - 4 = 2 of the prompt's own.
+    firsts = {r.hash_ids[:4] for r in trace.requests}
+    assert len(firsts) <= 3
+    assert all(len(r.hash_ids) == 6 for r in trace.requests)
+    assert trace_stats(trace).unique_blocks <= 3 * 4 + 6 * 2
+    times = [r.timestamp_ms for r in trace.requests]
+    assert times == sorted(times)
+
+
+def test_generation_is_seeded_and_skew_favours_one_group() -> None:
+    assert list(requests(TINY, seed=2)) == list(requests(TINY, seed=2))
+    assert list(requests(TINY, seed=2)) != list(requests(TINY, seed=3))
+    skewed = replace(TINY, groups=10, requests=2000, skew=1.5)
+    counts: dict[object, int] = {}
+    for line in requests(skewed):
+        first = line["hash_ids"][0]  # type: ignore[index]
+        counts[first] = counts.get(first, 0) + 1
+    assert max(counts.values()) > 2000 / 10 * 2
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_the_cli_writes_each_named_workload(name: str, tmp_path: Path) -> None:
+    out = tmp_path / f"{name}.jsonl"
+    main([name, "-o", str(out)])
+    trace = read_trace(out)
+    assert len(trace.requests) == WORKLOADS[name].requests

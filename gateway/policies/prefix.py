@@ -34,17 +34,22 @@ holder (0.25: 34.0 %, 4 % slower).
 Cache pressure. `evicted(w)` is what computing this prompt's uncached blocks on w is
 expected to cost other prompts, in tokens: the blocks it will evict there that are wanted
 again (`gateway.policies.placement`: how full w is with what this gateway placed on it,
-its capacity as the engine reports it, and the cluster's share of computed blocks that
-had been evicted before). Without it a prompt nobody holds goes wherever the queue is
-shortest, and on a full cluster one pod ends with more groups than its cache holds and
-recomputes them for the rest of the run (llm-d's shared-prefix workload at 100 %
-capacity: 93.8 % hits without it, 98.1 % with it). It also makes leaving a prefix's
-holder dearer, since the copy evicts something elsewhere. The weight is the one of the
-replayed workloads' sweep (README, "Routing quality") that kept every group on a pod
-that holds it on llm-d's workload at 50-137 % capacity without costing Mooncake mean TTFT;
-that workload at 100 % capacity is a knife edge (each pod's cache holds 19.2 of its 150
-groups), where weights 1, 4 and 8 each left one pod a group too many. A worker whose
-capacity is not reported costs nothing here.
+against the capacity its engine reports, times the cluster's share of computed blocks
+that had been evicted and were asked for again). Without it a prompt nobody holds goes
+wherever the queue is shortest, and on a full cluster one pod ends with more groups than
+its cache holds and recomputes them for the rest of the run (llm-d's shared-prefix
+workload at 100 % capacity: 93.8 % hits without it, 98.1 % with it, no block evicted).
+It also makes leaving a prefix's holder dearer, since the copy evicts something where it
+lands: that keeps groups together while pods are briefly overloaded, and keeps a group
+that is hotter than one pod on that pod (README, "Routing quality", section 5).
+
+Why the pressure weighs 2: of the weights replayed (0, 1, 2, 4, 8), 2 is the one that
+matched or beat `cache_aware`'s hit rate on llm-d's workload at 50, 80, 100 and 137 %
+capacity while Mooncake's mean TTFT stayed where it was (2.45 s). At 100 % capacity that
+workload is a knife edge (each pod's cache holds 19.2 of its 150 groups): 1, 4 and 8
+each left one pod a group too many. Higher weights buy hits elsewhere with TTFT: 8
+reaches 34.3 % on Mooncake at 2.54 s. A worker whose capacity is not reported costs
+nothing here.
 
 Without a lookup (no tokens, no index configured, index unreachable) the policy hands the
 choice to its load fallback (least_load) and marks it `fallback="no_lookup"`.

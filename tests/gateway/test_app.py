@@ -333,6 +333,7 @@ async def test_the_settings_in_force_are_shown_without_secrets(
         "uncached_weight": 1.0,
         "queued_weight": 0.5,
         "request_cost": 0.0,
+        "pressure_weight": 2.0,
         "pending_grace_secs": 2.0,
     }
     assert (settings["index"], settings["model"], settings["model_in_use"]) == (None, "m", "m")

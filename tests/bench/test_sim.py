@@ -310,3 +310,36 @@ async def test_the_prefix_policy_leaves_a_busy_holder_and_the_record_counts_it(
     assert record.indexed_hit == [0, 8, 8]
     assert record.expected_hit == [0, 8, 0]
     assert summarize(record, bucket_s=60)["left_indexed_holder"] == 1
+
+
+async def test_the_simulated_prefills_report_their_capacity_to_the_policy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As an engine's /server_info does live: pages × page size, for every prefill."""
+    seen: list[set[tuple[str, int | None]]] = []
+
+    def spying_build(name: PolicyName, rng: Random, **kwargs: Any) -> gateway_policies.Policy:
+        policy = gateway_policies.build_policy(name, rng, **kwargs)
+        real = policy.choose
+
+        def choose(
+            request: gateway_policies.RouteRequest, candidates: Any
+        ) -> gateway_policies.Choice:
+            seen.append({(c.worker, c.cache_capacity_tokens) for c in candidates})
+            return real(request, candidates)
+
+        policy.choose = choose  # type: ignore[method-assign]
+        return policy
+
+    monkeypatch.setattr(sim_module, "build_policy", spying_build)
+    rows = [row(i * 100, 8, [i, 50 + i]) for i in range(3)]
+    await replay(
+        write_trace(tmp_path / "t.jsonl", rows),
+        "prefix",
+        pods=2,
+        capacity_blocks=8,
+        prefill_tokens_per_s=100.0,
+    )
+    prefills = {("prefill-0", 32), ("prefill-1", 32)}
+    decodes = {("decode-0", None), ("decode-1", None)}
+    assert seen == [prefills, decodes] * 3

@@ -10,8 +10,9 @@ replay from the engine's buffer, else resets the source).
 
 A lease this indexer cannot renew — another took it, or Redis did not answer within the
 TTL — is given up locally: the pod is no longer followed, so at steady state no pod is
-followed twice. Writes it still makes before noticing are refused by the index's fence
-check and counted (`globalkv_ingest_fenced_writes_total`).
+followed twice. What its workers already hold is offered to the index first, briefly
+(an indexer resuming from a pause holds batches received before it): the index's fence
+check refuses those late writes and they are counted (`globalkv_ingest_fenced_writes_total`).
 """
 
 from __future__ import annotations
@@ -74,8 +75,7 @@ class Ownership:
                 if self.fences and self.clock() >= self._valid_until:
                     log.warning("leases not renewed within %.1fs: following no pod", self.ttl)
                     async with self._lock:
-                        for pod in sorted(self.fences):
-                            await self._drop(pod, clear=False)
+                        await self._drop_lost(sorted(self.fences))
             await asyncio.sleep(self.interval)
 
     async def step(self) -> None:
@@ -87,9 +87,10 @@ class Ownership:
             pods = {p.id: p for p in await self.registry.list()}
             kept = await self.leases.renew(self.fences, self.ttl)
             self._valid_until = started + self.ttl
-            for pod in sorted(set(self.fences) - kept):
+            lost = sorted(set(self.fences) - kept)
+            for pod in lost:
                 log.warning("lease of pod %s lost; no longer following it", pod)
-                await self._drop(pod, clear=False)
+            await self._drop_lost(lost)
             wanted = {p for p, m in assign(pods, self.members).items() if m == self.member}
             for pod in sorted(set(self.fences) - wanted):
                 await self._give_up(pod, gone=pod not in pods)
@@ -134,10 +135,13 @@ class Ownership:
         if fence is not None:
             await self.leases.release(pod, fence)
 
-    async def _drop(self, pod: str, *, clear: bool) -> None:
-        """Stop the workers first: a write refused now would be counted as fenced."""
+    async def _drop_lost(self, pods: list[str]) -> None:
+        await asyncio.gather(*(self._drop(p, clear=False, drain=self.interval) for p in pods))
+
+    async def _drop(self, pod: str, *, clear: bool, drain: float = 0.0) -> None:
+        """Stop the workers before the fence goes: a write is refused only by the index."""
         try:
-            await self.service.remove_pod(pod, clear=clear)
+            await self.service.remove_pod(pod, clear=clear, drain=drain)
         except IndexUnavailable as exc:  # the service clears it later (clear_removed)
             log.warning("pod %s: blocks not cleared yet: %s", pod, exc)
         self.fences.pop(pod, None)

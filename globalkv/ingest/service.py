@@ -169,9 +169,18 @@ class IngestService:
                 log.warning("pod %s publishes to a bound SUB, and this indexer binds none", info.id)
             self._refresh_subscribed()
 
-    async def remove_pod(self, pod_id: str, *, clear: bool = True) -> bool:
+    async def remove_pod(self, pod_id: str, *, clear: bool = True, drain: float = 0.0) -> bool:
         """Stop following a pod; with `clear`, forget its blocks in the index too (when
-        the index cannot answer, `IndexUnavailable` is raised and `clear_removed` retries)."""
+        the index cannot answer, `IndexUnavailable` is raised and `clear_removed` retries).
+
+        `drain`: first let its workers offer what they hold to the index, for at most this
+        long (a pod whose lease was lost: the index refuses those writes, and counts them).
+        """
+        pod = self._pods.get(pod_id)
+        if drain > 0 and pod is not None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(drain):
+                    await asyncio.gather(*(w.idle() for w in pod.workers.values()))
         async with self._lock:
             existed = await self._stop_pod(pod_id)
         if clear:

@@ -67,11 +67,12 @@ class IndexerConfig(BaseModel):
         "followed by the one holding its lease (needs redis_url).",
     )
     lease_ttl: float = Field(
-        5.0,
+        4.0,
         ge=0.3,
         le=300,
-        description="Seconds a pod's lease lasts unrenewed: the longest a pod goes "
-        "unfollowed when its indexer dies. Renewed every third of it.",
+        description="Seconds a pod's lease lasts unrenewed: about the longest a pod goes "
+        "unfollowed when its indexer dies (4 s: a takeover within 5 s, with the time the "
+        "survivor takes to subscribe). Renewed every third of it.",
     )
     indexer_id: str | None = Field(
         None,

@@ -43,9 +43,14 @@ if ARGV[2] ~= '' then
   redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
 end
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-return redis.call('ZRANGEBYSCORE', KEYS[1], now, '+inf')
+local live = redis.call('ZRANGEBYSCORE', KEYS[1], now, '+inf', 'WITHSCORES')
+for i = 2, #live, 2 do
+  live[i] = tonumber(live[i]) - now
+end
+return live
 """
-"""KEYS: members. ARGV: id, TTL ms ('' = leave: only prune and list). Live ids."""
+"""KEYS: members. ARGV: id, TTL ms ('' = only prune and list). Live ids, each followed by
+the ms its heartbeat has left."""
 
 _ACQUIRE = """
 local t = redis.call('TIME')
@@ -58,7 +63,7 @@ if held then
     redis.call('HSET', KEYS[2], 'renewed', now)
     return {held, -1}
   end
-  return {false, -1}
+  return {false, redis.call('PTTL', KEYS[1])}
 end
 local last = tonumber(redis.call('HGET', KEYS[2], 'renewed') or '-1')
 local n = redis.call('HINCRBY', KEYS[2], 'n', 1)
@@ -70,8 +75,8 @@ if last < 0 then
 end
 return {token, now - last}
 """
-"""KEYS: owner, fence. ARGV: holder, TTL ms. {token or false, ms since the previous holder
-last renewed (-1: none, or the same holder)}."""
+"""KEYS: owner, fence. ARGV: holder, TTL ms. {token, ms since the previous holder last
+renewed (-1: none, or the same holder)}, or {false, ms the other holder's lease has left}."""
 
 _RENEW = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
@@ -92,6 +97,13 @@ end
 return 0
 """
 """KEYS: owner. ARGV: token. A released pod is free at once (no TTL to wait out)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """Someone else holds the lease, for `expires_in` seconds more unless renewed."""
+
+    expires_in: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,11 +134,12 @@ class Leases:
     def fence_key(self, pod: str) -> str:
         return f"{self.prefix}:lease:{{{pod}}}:fence"
 
-    async def heartbeat(self, member: str, ttl: float) -> list[str]:
-        """Announce `member` alive for `ttl` seconds; every live member, sorted."""
+    async def heartbeat(self, member: str, ttl: float) -> dict[str, float]:
+        """Announce `member` alive for `ttl` seconds; every live member, with the seconds
+        its heartbeat has left."""
         with _reachable("heartbeat"):
             live = await self._heartbeat(keys=[self.members_key], args=[member, _ms(ttl)])
-        return sorted(_text(m) for m in live)
+        return _members(live)
 
     async def leave(self, member: str) -> None:
         with _reachable("leaving"):
@@ -135,16 +148,16 @@ class Leases:
     async def members(self) -> list[str]:
         with _reachable("listing indexers"):
             live = await self._heartbeat(keys=[self.members_key], args=["", ""])
-        return sorted(_text(m) for m in live)
+        return sorted(_members(live))
 
-    async def acquire(self, pod: str, holder: str, ttl: float) -> Grant | None:
-        """The pod's lease for `holder`, or None while someone else holds it."""
+    async def acquire(self, pod: str, holder: str, ttl: float) -> Grant | Held:
+        """The pod's lease for `holder`, or how long the other holder's lease has left."""
         keys = [self.owner_key(pod), self.fence_key(pod)]
         with _reachable("acquiring a lease"):
-            token, gap_ms = await self._acquire(keys=keys, args=[holder, _ms(ttl)])
+            token, ms = await self._acquire(keys=keys, args=[holder, _ms(ttl)])
         if token is None:
-            return None
-        unfollowed = None if gap_ms < 0 else gap_ms / 1000
+            return Held(max(0, ms) / 1000)
+        unfollowed = None if ms < 0 else ms / 1000
         return Grant(Fence(self.fence_key(pod), _text(token)), unfollowed)
 
     async def renew(self, fences: dict[str, Fence], ttl: float) -> set[str]:
@@ -198,6 +211,11 @@ def assign(pods: Iterable[str], members: Sequence[str]) -> dict[str, str]:
         load[chosen] += 1
         owners[pod] = chosen
     return owners
+
+
+def _members(reply: Sequence[bytes | str | int]) -> dict[str, float]:
+    pairs = zip(reply[::2], reply[1::2], strict=True)
+    return {_text(m): int(ms) / 1000 for m, ms in pairs if isinstance(m, bytes | str)}
 
 
 def _weight(member: str, pod: str) -> int:

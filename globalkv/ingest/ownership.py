@@ -4,7 +4,9 @@ Every `interval` (a third of the lease TTL) the indexer announces itself, renews
 leases it holds, computes the assignment of the registry's pods over the live indexers
 (`leases.assign`, the same on every indexer) and moves towards it: a pod it holds but is
 no longer assigned is stopped and released (another indexer takes it at its next step),
-an assigned pod that is free is acquired and followed. Following starts where the index
+an assigned pod that is free is acquired and followed; one still held by another is tried
+again the moment that lease runs out, so a dead indexer's pods go unfollowed at most about
+the TTL after it last renewed. Following starts where the index
 says the previous holder stopped (`IngestService` resumes from the last applied seq, by
 replay from the engine's buffer, else resets the source).
 
@@ -23,7 +25,7 @@ import time
 from collections.abc import Callable
 
 from globalkv.index.base import Fence, IndexUnavailable
-from globalkv.ingest.leases import Leases, assign
+from globalkv.ingest.leases import Held, Leases, assign
 from globalkv.ingest.service import IngestService
 from globalkv.metrics import IngestMetrics
 from globalkv.registry import PodInfo, Registry
@@ -57,6 +59,8 @@ class Ownership:
         self.clock = clock
         self.fences: dict[str, Fence] = {}
         self.members: list[str] = []
+        self._retry_at: float | None = None
+        """When a lease we are waiting for runs out (monotonic), if sooner than a step."""
         self._valid_until = 0.0
         """Monotonic time until which the leases renewed last are surely still ours."""
         self._lock = asyncio.Lock()
@@ -76,14 +80,21 @@ class Ownership:
                     log.warning("leases not renewed within %.1fs: following no pod", self.ttl)
                     async with self._lock:
                         await self._drop_lost(sorted(self.fences))
-            await asyncio.sleep(self.interval)
+            await asyncio.sleep(self._pause())
+
+    def _pause(self) -> float:
+        """Until the next step: an interval, or less when a lease we want runs out sooner."""
+        if self._retry_at is None:
+            return self.interval
+        return min(self.interval, max(0.01, self._retry_at - self.clock()))
 
     async def step(self) -> None:
         """One round: heartbeat, renew, rebalance. `IndexUnavailable` when Redis fails."""
         async with self._lock:
             started = self.clock()
-            self.members = await self.leases.heartbeat(self.member, self.ttl)
-            self.metrics.live_indexers.set(len(self.members))
+            live = await self.leases.heartbeat(self.member, self.ttl)
+            self.members = sorted(live)
+            self.metrics.live_indexers.set(len(live))
             pods = {p.id: p for p in await self.registry.list()}
             kept = await self.leases.renew(self.fences, self.ttl)
             self._valid_until = started + self.ttl
@@ -94,6 +105,10 @@ class Ownership:
             wanted = {p for p, m in assign(pods, self.members).items() if m == self.member}
             for pod in sorted(set(self.fences) - wanted):
                 await self._give_up(pod, gone=pod not in pods)
+            # A member whose heartbeat runs out before our next step has stopped renewing:
+            # step again the moment it drops out, to take its pods without delay.
+            fading = [left for m, left in live.items() if m != self.member and left < self.interval]
+            self._retry_at = None if not fading else self.clock() + min(fading) + 0.01
             for pod in sorted(wanted - set(self.fences)):
                 await self._take(pods[pod])
             self.metrics.leases_held.set(len(self.fences))
@@ -115,8 +130,10 @@ class Ownership:
 
     async def _take(self, info: PodInfo) -> None:
         grant = await self.leases.acquire(info.id, self.member, self.ttl)
-        if grant is None:
-            return  # still held by the previous owner: it releases or expires
+        if isinstance(grant, Held):  # the previous owner releases it, or it runs out
+            retry = self.clock() + grant.expires_in + 0.01
+            self._retry_at = retry if self._retry_at is None else min(self._retry_at, retry)
+            return
         if grant.unfollowed is not None:
             self.metrics.takeovers.inc()
             self.metrics.unfollowed.observe(grant.unfollowed)

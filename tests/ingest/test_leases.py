@@ -11,7 +11,7 @@ from redis.cluster import key_slot
 
 from globalkv.index.base import IndexFenced, Source, SourceBatch
 from globalkv.index.redis import RedisIndex
-from globalkv.ingest.leases import Leases, assign
+from globalkv.ingest.leases import Grant, Held, Leases, assign
 from tests.index.events import BS, store, tokens
 
 
@@ -47,18 +47,20 @@ async def test_leases_are_exclusive_renewed_released_and_fenced_on_takeover(
 ) -> None:
     leases = Leases(client, prefix="t")
     first = await leases.acquire("p0", "ix-a", ttl=5.0)
-    assert first is not None
+    assert isinstance(first, Grant)
     assert first.unfollowed is None
-    assert await leases.acquire("p0", "ix-b", ttl=5.0) is None
+    held = await leases.acquire("p0", "ix-b", ttl=5.0)
+    assert isinstance(held, Held)
+    assert 0 < held.expires_in <= 5.0
     again = await leases.acquire("p0", "ix-a", ttl=5.0)  # idempotent for the holder
-    assert again is not None
+    assert isinstance(again, Grant)
     assert again.fence == first.fence
     assert await leases.owners(["p0", "p1"]) == {"p0": "ix-a"}
     assert await leases.renew({"p0": first.fence}, ttl=5.0) == {"p0"}
 
     await client.delete(leases.owner_key("p0"))  # the TTL ran out
     taken = await leases.acquire("p0", "ix-b", ttl=5.0)
-    assert taken is not None
+    assert isinstance(taken, Grant)
     assert taken.fence.token != first.fence.token
     assert taken.unfollowed is not None
     assert taken.unfollowed >= 0
@@ -72,7 +74,7 @@ async def test_leases_are_exclusive_renewed_released_and_fenced_on_takeover(
 async def test_a_lease_expires_by_its_ttl(client: aioredis.Redis) -> None:
     leases = Leases(client, prefix="t")
     grant = await leases.acquire("p0", "ix-a", ttl=5.0)
-    assert grant is not None
+    assert isinstance(grant, Grant)
     ttl_ms = await client.pttl(leases.owner_key("p0"))
     assert 0 < ttl_ms <= 5000
 
@@ -81,8 +83,10 @@ async def test_membership_lists_live_members_and_forgets_the_departed(
     client: aioredis.Redis,
 ) -> None:
     leases = Leases(client, prefix="t")
-    assert await leases.heartbeat("ix-a", ttl=5.0) == ["ix-a"]
-    assert await leases.heartbeat("ix-b", ttl=5.0) == ["ix-a", "ix-b"]
+    assert list(await leases.heartbeat("ix-a", ttl=5.0)) == ["ix-a"]
+    live = await leases.heartbeat("ix-b", ttl=5.0)
+    assert sorted(live) == ["ix-a", "ix-b"]
+    assert all(0 < left <= 5.0 for left in live.values())
     await client.zadd(leases.members_key, {"ix-dead": 1})  # its heartbeat expired long ago
     assert await leases.members() == ["ix-a", "ix-b"]
     await leases.leave("ix-a")
@@ -103,13 +107,13 @@ async def test_the_index_refuses_writes_without_the_current_fence(
     with pytest.raises(IndexFenced):  # no lease at all
         await old.apply(batch(0))
     first = await leases.acquire("p0", "old", ttl=5.0)
-    assert first is not None
+    assert isinstance(first, Grant)
     old.set_fence("p0", first.fence)
     await old.apply(batch(0))
 
     await client.delete(leases.owner_key("p0"))  # old paused past its lease
     second = await leases.acquire("p0", "new", ttl=5.0)
-    assert second is not None
+    assert isinstance(second, Grant)
     new.set_fence("p0", second.fence)
     await new.apply(batch(1))
     with pytest.raises(IndexFenced):

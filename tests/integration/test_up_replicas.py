@@ -1,6 +1,7 @@
-"""`globalkv up --gateways 2 --indexers 2` as real processes: every gateway serves, the
-pods are split over the indexers, and after a kill -9 of one indexer the survivor follows
-them all and the index equals what the engines cache (their `/_sim/cache`)."""
+"""`globalkv up --gateways 2 --indexers 2` as real processes: every gateway serves and
+shares its state with the other, the pods are split over the indexers, and after a kill -9
+of one indexer the survivor follows them all and the index equals what the engines cache
+(their `/_sim/cache`)."""
 
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ def test_two_gateways_two_indexers_survive_an_indexer_kill(redis_url: str, tmp_p
         gateway_port=0,
         run_dir=tmp_path / "run",
         block_size=BS,
+        gateway_args=["--share-state-interval-secs", "0.1"],
         **FAST,
     )
     with LocalCluster(config) as cluster:
@@ -67,6 +69,16 @@ def test_two_gateways_two_indexers_survive_an_indexer_kill(redis_url: str, tmp_p
             body = {"text": f"prompt {i} " * 20, "sampling_params": {"max_new_tokens": 2}}
             answer = httpx.post(f"{gateway}/generate", json=body, timeout=30)
             assert answer.status_code == 200, answer.text
+        for gateway in cluster.gateway_urls:  # each shares with the other through Redis
+
+            def sharing(url: str = gateway) -> bool:
+                text = httpx.get(f"{url}/metrics", timeout=5).text
+                return (
+                    "globalkv_gateway_shared_replicas 1.0" in text
+                    and "globalkv_gateway_shared_state_available 1.0" in text
+                )
+
+            wait_for(sharing, timeout=20, what=f"{gateway} to share with the other")
         survivor = cluster.indexer_urls[1]
         owners = _owners(survivor)
         assert sorted(owners) == ["prefill-0", "prefill-1"]

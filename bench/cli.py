@@ -120,7 +120,7 @@ def register(subparsers: Any) -> None:
     add("--run-dir", help="live: the stacks' logs, one directory per policy (default runs/)")
     add("--sweep", help=f"NAME=V1,V2,… with NAME in {', '.join(sorted(SWEEPABLE))}")
     add("--bucket-s", type=float, help="hit-rate-over-time bucket width (60)")
-    add("--gateways", type=int, help="gateway replicas the requests are split over (1; sim)")
+    add("--gateways", type=int, help="gateway replicas the requests are split over (1)")
     add("--gateway-sharing", choices=["none", "shared"], help="what replicas share (shared)")
     add("--share-interval-s", type=float, help="replicas' publication interval, trace s (0.1)")
     add("--no-oracle", action="store_true", help="skip the pooled LRU and Belady lines")

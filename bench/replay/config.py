@@ -119,7 +119,7 @@ class ReplaySettings(BaseModel):
     oracle: bool = Field(True, description="Compute the pooled LRU and Belady lines.")
     bucket_s: float = Field(60.0, gt=0, description="Width of the hit-rate-over-time buckets.")
     gateways: int = Field(
-        1, ge=1, le=64, description="Gateway replicas the requests are split over (sim only)."
+        1, ge=1, le=64, description="Gateway replicas the requests are split over."
     )
     gateway_sharing: Literal["none", "shared"] = Field(
         "shared",
@@ -136,8 +136,6 @@ class ReplaySettings(BaseModel):
             raise ValueError("the prefix policy reads prefill caches; choose another for decode")
         if len(set(self.policies)) != len(self.policies):
             raise ValueError("a policy is listed twice")
-        if self.mode == "live" and self.gateways > 1:
-            raise ValueError("several gateways are simulated only (--mode sim)")
         if self.mode == "live":
             if self.cluster.attention_tokens is not None:
                 raise ValueError("live mode: the emulated engines have no attention term")

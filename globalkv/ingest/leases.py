@@ -7,9 +7,11 @@ carries it (`index.base.Fence`): the apply script refuses a write whose token is
 pod's current one, so an indexer that was paused or cut off past its TTL cannot write
 after another took the pod over, even if it does not know yet that it lost the lease.
 
-Keys (`{p}` the index prefix), the lease's two in one hash slot (the tag is the pod id):
-    {p}:lease:{<pod>}:owner    string "<token>" with the lease TTL; gone = the pod is free
-    {p}:lease:{<pod>}:fence    hash: token (the current "<n>:<holder>"), n (the counter),
+Keys, all under the index's hash tag `{p}` (the prefix in braces, as the index's own
+metadata: `redis_keys`), so a lease, its fence and the index's batch checks are one slot
+on a Redis Cluster and the apply script reads the fence where it writes:
+    {p}:lease:<pod>:owner      string "<token>" with the lease TTL; gone = the pod is free
+    {p}:lease:<pod>:fence      hash: token (the current "<n>:<holder>"), n (the counter),
                                holder, renewed (Redis time of the last grant or renewal, ms)
     {p}:indexers               sorted set: indexer id -> expiry (Redis time, ms)
 
@@ -122,17 +124,18 @@ class Leases:
     def __init__(self, redis: Client, *, prefix: str = "gkv") -> None:
         self.redis = redis
         self.prefix = prefix
-        self.members_key = f"{prefix}:indexers"
+        self.tag = f"{{{prefix}}}"
+        self.members_key = f"{self.tag}:indexers"
         self._heartbeat = redis.register_script(_HEARTBEAT)
         self._acquire = redis.register_script(_ACQUIRE)
         self._renew = redis.register_script(_RENEW)
         self._release = redis.register_script(_RELEASE)
 
     def owner_key(self, pod: str) -> str:
-        return f"{self.prefix}:lease:{{{pod}}}:owner"
+        return f"{self.tag}:lease:{pod}:owner"
 
     def fence_key(self, pod: str) -> str:
-        return f"{self.prefix}:lease:{{{pod}}}:fence"
+        return f"{self.tag}:lease:{pod}:fence"
 
     async def heartbeat(self, member: str, ttl: float) -> dict[str, float]:
         """Announce `member` alive for `ttl` seconds; every live member, with the seconds
@@ -165,7 +168,7 @@ class Leases:
         if not fences:
             return set()
         pods = sorted(fences)
-        with _reachable("renewing leases"):  # concurrently: each lease is its own slot
+        with _reachable("renewing leases"):
             held = await asyncio.gather(
                 *(
                     self._renew(

@@ -11,13 +11,16 @@ from redis.cluster import key_slot
 
 from globalkv.index.base import IndexFenced, Source, SourceBatch
 from globalkv.index.redis import RedisIndex
+from globalkv.index.redis_keys import RedisKeys
 from globalkv.ingest.leases import Grant, Held, Leases, assign
+from globalkv.redis_client import Client, connect
 from tests.index.events import BS, store, tokens
 
 
-@pytest.fixture
-async def client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
-    client = aioredis.from_url(redis_url)
+@pytest.fixture(params=["redis_url", "redis_cluster_url"])
+async def client(request: pytest.FixtureRequest) -> AsyncIterator[Client]:
+    """A single Redis and a Redis Cluster: a lease and its fence share one slot."""
+    client = connect(request.getfixturevalue(request.param))
     yield client
     await client.aclose()
 
@@ -36,14 +39,16 @@ def test_assignment_is_even_deterministic_and_moves_little_on_a_join() -> None:
     assert assign(pods, []) == {}
 
 
-def test_a_lease_and_its_fence_share_a_hash_slot() -> None:
+def test_a_lease_its_fence_and_the_index_checks_share_a_hash_slot() -> None:
     leases = Leases(aioredis.Redis(), prefix="gkv")
-    for pod in ("p0", "host:8000", "[::1]:30000"):
-        assert key_slot(leases.owner_key(pod).encode()) == key_slot(leases.fence_key(pod).encode())
+    meta = key_slot(RedisKeys("gkv").marker.encode())
+    for pod in ("p0", "host:8000", "[::1]:30000", "{odd}"):
+        assert key_slot(leases.owner_key(pod).encode()) == meta
+        assert key_slot(leases.fence_key(pod).encode()) == meta
 
 
 async def test_leases_are_exclusive_renewed_released_and_fenced_on_takeover(
-    client: aioredis.Redis,
+    client: Client,
 ) -> None:
     leases = Leases(client, prefix="t")
     first = await leases.acquire("p0", "ix-a", ttl=5.0)
@@ -71,7 +76,7 @@ async def test_leases_are_exclusive_renewed_released_and_fenced_on_takeover(
     assert await leases.owners(["p0"]) == {}
 
 
-async def test_a_lease_expires_by_its_ttl(client: aioredis.Redis) -> None:
+async def test_a_lease_expires_by_its_ttl(client: Client) -> None:
     leases = Leases(client, prefix="t")
     grant = await leases.acquire("p0", "ix-a", ttl=5.0)
     assert isinstance(grant, Grant)
@@ -80,7 +85,7 @@ async def test_a_lease_expires_by_its_ttl(client: aioredis.Redis) -> None:
 
 
 async def test_membership_lists_live_members_and_forgets_the_departed(
-    client: aioredis.Redis,
+    client: Client,
 ) -> None:
     leases = Leases(client, prefix="t")
     assert list(await leases.heartbeat("ix-a", ttl=5.0)) == ["ix-a"]
@@ -94,7 +99,7 @@ async def test_membership_lists_live_members_and_forgets_the_departed(
 
 
 async def test_the_index_refuses_writes_without_the_current_fence(
-    client: aioredis.Redis,
+    client: Client,
 ) -> None:
     leases = Leases(client, prefix="gkv")
     old = RedisIndex(client, BS, fenced=True)
@@ -125,7 +130,7 @@ async def test_the_index_refuses_writes_without_the_current_fence(
     await new.apply(batch(2))
 
 
-async def test_an_unfenced_index_ignores_leases(client: aioredis.Redis) -> None:
+async def test_an_unfenced_index_ignores_leases(client: Client) -> None:
     index = RedisIndex(client, BS)
     await index.apply(SourceBatch(Source("p0"), 0, 0.0, [store([1], tokens(1))]))
     assert [s.last_seq for s in await index.stats("p0")] == [0]

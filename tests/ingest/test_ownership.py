@@ -131,9 +131,11 @@ async def _die(indexer: Indexer) -> None:
     await indexer.ingest.stop()
 
 
+@pytest.mark.parametrize("redis", ["redis_url", "redis_cluster_url"])
 async def test_pods_are_split_and_move_to_the_survivor_continuing_by_replay(
-    redis_url: str, publishers: dict[str, Publisher]
+    redis: str, publishers: dict[str, Publisher], request: pytest.FixtureRequest
 ) -> None:
+    redis_url = request.getfixturevalue(redis)
     await _register(redis_url, publishers)
     a = await _indexer(redis_url, "ix-a")
     b = await _indexer(redis_url, "ix-b")

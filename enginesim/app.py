@@ -318,6 +318,11 @@ class _EngineRoutes:
         await self.engine.flush_cache()
         return Response("Cache flushed.\n", media_type="text/plain")
 
+    async def cache(self) -> dict[str, Any]:
+        """What the emulated cache holds, by DP rank: every cached prefix's tokens."""
+        chains = self.engine.cached_chains()
+        return {"ranks": [{"dp_rank": rank, "prefixes": chains[rank]} for rank in sorted(chains)]}
+
     async def restart(self) -> dict[str, Any]:
         """Emulate an engine restart: KV gone, event seqs back to 0, a clear published."""
         await self.engine.restart()
@@ -367,4 +372,5 @@ def create_app(
     route("/metrics", routes.prometheus, methods=["GET"])
     route("/flush_cache", routes.flush_cache, methods=["GET", "POST"])
     route("/_sim/restart", routes.restart, methods=["POST"])
+    route("/_sim/cache", routes.cache, methods=["GET"])
     return app

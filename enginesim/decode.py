@@ -236,6 +236,9 @@ class DecodeEngine:
     async def flush_cache(self) -> None:
         """The decode keeps no prefix cache of its own; nothing to flush."""
 
+    def cached_chains(self) -> dict[int, list[list[int]]]:
+        return {}
+
     def server_info(self) -> dict[str, Any]:
         address = self.transfer.address
         return {

@@ -266,6 +266,21 @@ class PagedKVCache:
             ]
             heapq.heapify(self._evictable)
 
+    def cached_chains(self) -> list[list[int]]:
+        """The tokens of every cached prefix that no longer one extends: what the engine
+        holds, for checking an index against it (each leaf page's chain from the root)."""
+        chains = []
+        for page in self._walk():
+            if page.children:
+                continue
+            tokens: list[int] = []
+            node: _Page | None = page
+            while node is not None and node is not self._root:
+                tokens[:0] = node.tokens
+                node = node.parent
+            chains.append(tokens)
+        return sorted(chains)
+
     def _walk(self) -> list[_Page]:
         pages: list[_Page] = []
         stack = list(self._root.children.values())

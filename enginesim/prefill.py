@@ -341,6 +341,9 @@ class PrefillEngine:
             rank.commit(changes)
             await rank.drain()
 
+    def cached_chains(self) -> dict[int, list[list[int]]]:
+        return {rank.index: rank.cache.cached_chains() for rank in self.ranks}
+
     async def flush_cache(self) -> None:
         for rank in self.ranks:
             rank.commit(rank.cache.reset())

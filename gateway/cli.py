@@ -14,7 +14,9 @@ import argparse
 import asyncio
 import gc
 import logging
+import os
 import signal
+import socket
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
@@ -22,6 +24,7 @@ from typing import Any
 import httpx
 from fastapi import FastAPI
 from prometheus_client import start_http_server
+from redis.asyncio.cluster import RedisCluster
 
 from bootstrap.reader import DirectoryReader
 from gateway.app import create_app
@@ -33,6 +36,7 @@ from gateway.monitor import PodRegistrar
 from gateway.pods import HttpPodRegistrar, RegistryPodRegistrar
 from gateway.server import GatewayServer
 from gateway.service import Gateway, build_gateway
+from gateway.shared_state import SharedState
 from gateway.transport import upstream_client
 from gateway.upstream import PooledUpstream
 from globalkv import redis_client
@@ -40,6 +44,7 @@ from globalkv.index.redis import RedisIndex
 from globalkv.lookup import HttpLookup, IndexLookup, PrefixLookup
 from globalkv.registry import RedisRegistry
 from globalkv.tokenize import Tokenizer, load_tokenizer
+from kvplumbing.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 _SHUTDOWN_GRACE_SECS = 5.0
@@ -68,6 +73,36 @@ async def _index_parts(
     return None, None
 
 
+async def _share_state(config: GatewayConfig, gateway: Gateway, stack: AsyncExitStack) -> None:
+    """Share loads and pending prompts with the other replicas until the gateway closes
+    (its own client: a blocked pub/sub read must not hold one of the index's)."""
+    assert config.share_state_interval_secs is not None
+    assert config.redis_url is not None
+    redis = redis_client.connect(config.redis_url)
+    stack.push_async_callback(redis.aclose)
+    if isinstance(redis, RedisCluster):  # redis-py's asyncio cluster client has no pub/sub
+        log.warning("--share-state-interval-secs: not shared on a Redis Cluster yet")
+        return
+    grace = config.prefix.pending_grace_secs
+    shared = SharedState(
+        redis,
+        gateway.loads,
+        member=f"{socket.gethostname()}-{os.getpid()}-{config.port}",
+        interval=config.share_state_interval_secs,
+        registry=gateway.metrics.registry,
+        prefix=config.redis_prefix,
+        grace_s=2.0 if grace is None else grace,
+    )
+    gateway.loads.shared = shared
+    task = asyncio.create_task(shared.run(), name="shared state")
+
+    async def stop() -> None:
+        await cancel_and_wait([task])
+        await shared.leave()
+
+    stack.push_async_callback(stop)
+
+
 @asynccontextmanager
 async def running_gateway(
     config: GatewayConfig, tokenizer: Tokenizer | None
@@ -87,6 +122,8 @@ async def running_gateway(
             probe=DirectoryReader(client, timeout=2.0),
             tokenizer=tokenizer,
         )
+        if config.share_state_interval_secs is not None:
+            await _share_state(config, gateway, stack)
         if config.prometheus_port and config.prometheus_port != config.port:
             metrics_server, _ = start_http_server(
                 config.prometheus_port, config.prometheus_host, gateway.metrics.registry

@@ -236,6 +236,15 @@ class GatewayConfig(BaseModel):
         "gkv", min_length=1, description="Key prefix of the index and registry in Redis."
     )
     indexer_url: str | None = Field(None, description="Ask the indexer's HTTP API instead.")
+    share_state_interval_secs: float | None = Field(
+        None,
+        gt=0,
+        le=60,
+        allow_inf_nan=False,
+        description="With --redis-url: share each prefill's load and the prompts sent but "
+        "not yet indexed with the other gateways on that Redis, every this many seconds "
+        "(what the others see is about two intervals old at most); unset: not shared.",
+    )
     indexer_token: str | None = Field(
         None,
         min_length=1,
@@ -283,6 +292,8 @@ class GatewayConfig(BaseModel):
             raise ValueError("give --redis-url or --indexer-url, not both")
         if self.redis_url and self.block_size is None:
             raise ValueError("--redis-url needs --block-size (the index block size)")
+        if self.share_state_interval_secs is not None and not self.redis_url:
+            raise ValueError("--share-state-interval-secs shares through Redis: give --redis-url")
         for spec in self.prefill:
             if spec.role != "prefill":
                 raise ValueError(f"{spec.url} is listed as prefill but has role {spec.role}")

@@ -46,6 +46,7 @@ SETTINGS: tuple[tuple[str, type[BaseModel], dict[str, str]], ...] = (
             "redis_url": "--redis-url",
             "redis_prefix": "--redis-prefix",
             "indexer_url": "--indexer-url",
+            "share_state_interval_secs": "--share-state-interval-secs",
             "indexer_token": "--indexer-token",
             "model": "--model",
             "block_size": "--block-size",

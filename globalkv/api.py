@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from globalkv.index.base import Index, IndexUnavailable
 from globalkv.ingest.config import EndpointRefused
 from globalkv.ingest.followed import TopicTaken
+from globalkv.ingest.leases import Leases
 from globalkv.ingest.service import IngestService
 from globalkv.lookup import IndexLookup
 from globalkv.metrics import ApiMetrics
@@ -96,6 +97,8 @@ class LookupResponse(BaseModel):
 class PodOut(PodInfo):
     model_config = ConfigDict(extra="forbid")
 
+    owner: str | None = None
+    """The indexer following the pod: this one, or with replicas the lease's holder."""
     state: PodState | None = None
 
 
@@ -129,8 +132,12 @@ class _IndexRoutes:
         ingest: IngestService,
         metrics_registry: CollectorRegistry,
         tokenizer: Tokenizer | None,
+        member: str | None,
+        leases: Leases | None,
     ) -> None:
         self.config = config
+        self.member = member
+        self.leases = leases
         self.index = index
         self.registry = registry
         self.ingest = ingest
@@ -221,17 +228,29 @@ class _IndexRoutes:
             raise HTTPException(409, str(exc)) from exc
         except IndexUnavailable as exc:
             raise _unavailable(exc) from exc
-        return PodOut(**pod.model_dump(), state=self.ingest.states().get(pod.id))
+        state = self.ingest.states().get(pod.id)
+        return PodOut(**pod.model_dump(), owner=None if state is None else self.member, state=state)
 
     async def get_pods(self) -> PodList:
-        """Every registered pod with this indexer's own ingest state of it: none for a pod
-        it does not follow (the registry's copy of a state may be an older process's)."""
+        """Every registered pod with its follower and that one's ingest state: ours for a
+        pod this indexer follows; with replicas, the lease holder's as it last wrote it to
+        the registry; none for a pod nobody follows (the registry's copy of a state may be
+        an older process's)."""
+        states = self.ingest.states()
         try:
             pods = await self.registry.list()
+            owners = {} if self.leases is None else await self.leases.owners([p.id for p in pods])
+            shared = await self.registry.states() if set(owners) - set(states) else {}
         except IndexUnavailable as exc:
             raise _unavailable(exc) from exc
-        states = self.ingest.states()
-        return PodList(pods=[PodOut(**p.model_dump(), state=states.get(p.id)) for p in pods])
+        out = []
+        for pod in pods:
+            owner = owners.get(pod.id)
+            if pod.id in states and owner in (None, self.member):
+                out.append(PodOut(**pod.model_dump(), owner=self.member, state=states[pod.id]))
+            else:
+                out.append(PodOut(**pod.model_dump(), owner=owner, state=shared.get(pod.id)))
+        return PodList(pods=out)
 
     async def delete_pod(self, pod_id: str) -> dict[str, str]:
         try:
@@ -273,7 +292,11 @@ def create_app(
     metrics_registry: CollectorRegistry,
     tokenizer: Tokenizer | None = None,
     lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]] | None = None,
+    member: str | None = None,
+    leases: Leases | None = None,
 ) -> FastAPI:
+    """`member`: this indexer's name, shown as the owner of the pods it follows; `leases`:
+    where replicas' owners are read."""
     app = FastAPI(
         title="globalkv indexer",
         description="Which pod holds how long a prefix of a prompt's KV cache.",
@@ -289,6 +312,8 @@ def create_app(
         ingest=ingest,
         metrics_registry=metrics_registry,
         tokenizer=tokenizer,
+        member=member,
+        leases=leases,
     )
     app.middleware("http")(routes.count)
     admin = [Depends(routes.admin)]

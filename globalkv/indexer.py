@@ -3,7 +3,8 @@
 The pieces take their collaborators as arguments (tests build them around a fake index
 or a throw-away Redis); `build_indexer` picks the real ones from the configuration: the
 in-memory index and registry by default, or both in Redis with `redis_url`, where every
-gateway can read them.
+gateway can read them. With `replicas`, several indexers on that Redis share the pods by
+leases (`ingest.ownership`), each following the pods it holds.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 import signal
+import socket
 from collections.abc import AsyncIterator
 
 import zmq.asyncio
@@ -28,6 +31,8 @@ from globalkv.index.memory import MemoryIndex
 from globalkv.index.redis import RedisIndex
 from globalkv.ingest.config import IngestConfig
 from globalkv.ingest.followed import TopicTaken
+from globalkv.ingest.leases import Leases
+from globalkv.ingest.ownership import Ownership
 from globalkv.ingest.podsync import PodSync
 from globalkv.ingest.service import IngestService
 from globalkv.metrics import IngestMetrics
@@ -56,13 +61,43 @@ class IndexerConfig(BaseModel):
     reconcile_interval: float = Field(
         5.0, gt=0, description="Seconds between pod-registry reconciliations."
     )
+    replicas: bool = Field(
+        False,
+        description="Share the pods with the other indexers on this Redis: each pod is "
+        "followed by the one holding its lease (needs redis_url).",
+    )
+    lease_ttl: float = Field(
+        4.0,
+        ge=0.3,
+        le=300,
+        description="Seconds a pod's lease lasts unrenewed: about the longest a pod goes "
+        "unfollowed when its indexer dies (4 s: a takeover within 5 s, with the time the "
+        "survivor takes to subscribe). Renewed every third of it.",
+    )
+    indexer_id: str | None = Field(
+        None,
+        min_length=1,
+        max_length=128,
+        pattern=r"^[A-Za-z0-9._:\-]+$",
+        description="This indexer's name among replicas; host name and pid if unset.",
+    )
     api: ApiConfig = Field(default_factory=ApiConfig)
     ingest: IngestConfig = Field(default_factory=IngestConfig)
+
+    @property
+    def member_id(self) -> str:
+        return self.indexer_id or f"{socket.gethostname()}-{os.getpid()}"
 
     @field_validator("redis_url")
     @classmethod
     def _redis_url(cls, value: str | None) -> str | None:
         return None if value is None else redis_client.check_url(value)
+
+    @model_validator(mode="after")
+    def _replicas_share_redis(self) -> IndexerConfig:
+        if self.replicas and self.redis_url is None:
+            raise ValueError("replicas share pods through Redis: give redis_url too")
+        return self
 
     @model_validator(mode="after")
     def _keyable_pods(self) -> IndexerConfig:
@@ -100,23 +135,34 @@ class Indexer:
         tokenizer: Tokenizer | None = None,
         context: zmq.asyncio.Context | None = None,
         redis: redis_client.Client | None = None,
+        leases: Leases | None = None,
     ) -> None:
         """`redis`, when given, is the client behind index and registry; it is closed on
-        stop (backends never close a client they were handed)."""
+        stop (backends never close a client they were handed). `leases`: share the pods
+        with other indexers (`index` must then be a fenced `RedisIndex`)."""
         self.config = config
         self.redis = redis
         self.registry = registry
         self.metrics_registry = metrics_registry or CollectorRegistry()
         self.index: Index = InstrumentedIndex(index, self.metrics_registry)
-        self.ingest = IngestService(
-            self.index,
-            registry,
-            IngestMetrics(self.metrics_registry),
-            config.ingest,
-            context=context,
-        )
+        metrics = IngestMetrics(self.metrics_registry)
+        self.ingest = IngestService(self.index, registry, metrics, config.ingest, context=context)
+        self.ownership: Ownership | None = None
+        if leases is not None:
+            if not (isinstance(index, RedisIndex) and index.fenced):
+                raise ValueError("indexer replicas need a fenced RedisIndex")
+            self.ownership = Ownership(
+                leases,
+                registry,
+                self.ingest,
+                metrics,
+                member=config.member_id,
+                ttl=config.lease_ttl,
+                set_fence=index.set_fence,
+            )
         self.podsync = PodSync(registry, self.ingest, interval=config.reconcile_interval)
         self._podsync_task: asyncio.Task[None] | None = None
+        self._ownership_task: asyncio.Task[None] | None = None
         self.app: FastAPI = create_app(
             config.api,
             index=self.index,
@@ -125,6 +171,8 @@ class Indexer:
             metrics_registry=self.metrics_registry,
             tokenizer=tokenizer,
             lifespan=self._lifespan,
+            member=config.member_id,
+            leases=leases,
         )
 
     async def start(self) -> None:
@@ -142,6 +190,12 @@ class Indexer:
                 log.error("not following pod %s: %s", pod.id, exc)
         with contextlib.suppress(IndexUnavailable):
             await self.registry.mark()
+        if self.ownership is not None:
+            try:
+                await self.ownership.step()
+            except IndexUnavailable as exc:
+                log.warning("leases: redis unavailable: %s", exc)
+            self._ownership_task = asyncio.create_task(self.ownership.run(), name="ownership")
         self._podsync_task = asyncio.create_task(self.podsync.run(), name="podsync")
         log.info(
             "indexer on %s:%d, %s index, block size %d, %d pods",
@@ -153,8 +207,13 @@ class Indexer:
         )
 
     async def stop(self) -> None:
-        if self._podsync_task is not None:
-            await cancel_and_wait([self._podsync_task])
+        tasks = [t for t in (self._podsync_task, self._ownership_task) if t is not None]
+        await cancel_and_wait(tasks)
+        if self.ownership is not None:
+            try:
+                await self.ownership.stop()
+            except IndexUnavailable as exc:
+                log.warning("leases not released (they expire by themselves): %s", exc)
         await self.ingest.stop()
         await self.registry.close()
         await self.index.close()
@@ -185,12 +244,14 @@ def build_indexer(config: IndexerConfig) -> Indexer:
             tokenizer=tokenizer,
         )
     redis = redis_client.connect(config.redis_url)
+    prefix = config.redis_prefix
     return Indexer(
         config,
-        index=RedisIndex(redis, config.block_size, prefix=config.redis_prefix),
-        registry=RedisRegistry(redis, prefix=config.redis_prefix),
+        index=RedisIndex(redis, config.block_size, prefix=prefix, fenced=config.replicas),
+        registry=RedisRegistry(redis, prefix=prefix),
         tokenizer=tokenizer,
         redis=redis,
+        leases=Leases(redis, prefix=prefix) if config.replicas else None,
     )
 
 

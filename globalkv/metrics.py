@@ -113,6 +113,34 @@ class IngestMetrics:
             buckets=_LAG_BUCKETS,
             registry=registry,
         )
+        self.fenced = Counter(
+            "globalkv_ingest_fenced_writes_total",
+            "Index writes refused because another indexer holds the pod's lease now.",
+            ["pod"],
+            registry=registry,
+        )
+        self.leases_held = Gauge(
+            "globalkv_ingest_leases_held",
+            "Pods whose lease this indexer holds (and so follows).",
+            registry=registry,
+        )
+        self.live_indexers = Gauge(
+            "globalkv_ingest_live_indexers",
+            "Indexers with a live heartbeat on this Redis, as this one last saw them.",
+            registry=registry,
+        )
+        self.takeovers = Counter(
+            "globalkv_ingest_lease_takeovers_total",
+            "Leases taken from another indexer after it released or lost them.",
+            registry=registry,
+        )
+        self.unfollowed = Histogram(
+            "globalkv_ingest_unfollowed_seconds",
+            "At a takeover, seconds since the previous holder last renewed the pod's lease: "
+            "an upper bound on the time nobody followed it.",
+            buckets=(0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 4.0, 5.0, 7.5, 10.0, 30.0),
+            registry=registry,
+        )
         self.subscribed = Gauge(
             "globalkv_ingest_subscribed_sources",
             "Sources with a live subscription (or seen on a bound socket).",

@@ -118,6 +118,17 @@ class ReplaySettings(BaseModel):
     )
     oracle: bool = Field(True, description="Compute the pooled LRU and Belady lines.")
     bucket_s: float = Field(60.0, gt=0, description="Width of the hit-rate-over-time buckets.")
+    gateways: int = Field(
+        1, ge=1, le=64, description="Gateway replicas the requests are split over."
+    )
+    gateway_sharing: Literal["none", "shared"] = Field(
+        "shared",
+        description="What replicas share besides the index: nothing, or their loads and "
+        "pending prompts every share_interval_s (bench.replay.gateways).",
+    )
+    share_interval_s: float = Field(
+        0.1, ge=0, allow_inf_nan=False, description="Replicas' publication interval, trace s."
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> ReplaySettings:

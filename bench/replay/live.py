@@ -22,10 +22,12 @@ must be configured without them (the settings refuse a live run that has either)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.redis_process import redis_server
 from bench.replay.config import ReplaySettings, ResolvedCluster
 from bench.replay.record import PodStats, Progress, ProgressHook, RunRecord
 from bench.replay.tokens import expand
@@ -49,9 +52,13 @@ def _flag(value: float) -> str:
 
 
 def stack_config(
-    settings: ReplaySettings, cluster: ResolvedCluster, policy: PolicyName
+    settings: ReplaySettings,
+    cluster: ResolvedCluster,
+    policy: PolicyName,
+    redis_url: str | None = None,
 ) -> StackConfig:
-    """The local stack that emulates `cluster`, routing prefills with `policy`."""
+    """The local stack that emulates `cluster`, routing prefills with `policy`; with
+    several gateways sharing their state, through the Redis at `redis_url`."""
     scale = settings.time_scale
     prefill = ["--kv-capacity", str(cluster.capacity_blocks)]
     prefill += ["--prefill-tokens-per-s", _flag(cluster.prefill_tokens_per_s / scale)]
@@ -72,9 +79,13 @@ def stack_config(
     gateway += ["--balance-rel-threshold", _flag(ca.balance_rel_threshold)]
     gateway += ["--eviction-interval-secs", _flag(ca.eviction_interval_secs)]
     gateway += ["--max-tree-size", str(ca.max_tree_size)]
+    if redis_url is not None and settings.gateway_sharing == "shared":
+        gateway += ["--share-state-interval-secs", _flag(settings.share_interval_s * scale)]
     run_dir = None if settings.run_dir is None else Path(settings.run_dir) / policy
     return StackConfig(
         run_dir=run_dir,
+        gateways=settings.gateways,
+        redis_url=redis_url,
         prefill=cluster.pods,
         decode=cluster.decode_pods,
         model=settings.model,
@@ -170,7 +181,7 @@ async def _send(
 
 
 async def replay_through(
-    url: str,
+    url: str | Sequence[str],
     settings: ReplaySettings,
     trace: Trace,
     policy: PolicyName,
@@ -178,7 +189,8 @@ async def replay_through(
     *,
     client: httpx.AsyncClient | None = None,
 ) -> RunRecord:
-    """Send the trace to a running gateway at its scaled arrival times.
+    """Send the trace to a running gateway (request i to the i mod G-th of several, as a
+    load balancer would) at its scaled arrival times.
 
     `client` is the one pooled client to use (tests pass one over `httpx.MockTransport`);
     without it one is made for the run, with no connection limit: arrivals must not
@@ -194,7 +206,7 @@ async def replay_through(
 
 async def _replay(
     client: httpx.AsyncClient,
-    url: str,
+    url: str | Sequence[str],
     settings: ReplaySettings,
     trace: Trace,
     policy: PolicyName,
@@ -206,6 +218,7 @@ async def _replay(
     record = RunRecord.empty(policy, len(requests), scale)
     failures: list[str] = []
     started = time.perf_counter()
+    urls = [url] if isinstance(url, str) else list(url)
 
     async def one(i: int) -> None:
         req = requests[i]
@@ -219,7 +232,7 @@ async def _replay(
         sent = time.perf_counter() - started
         try:
             vllm = settings.engine == "vllm"
-            answer = await _send(client, url, tokens, max(output, 1), vllm)
+            answer = await _send(client, urls[i % len(urls)], tokens, max(output, 1), vllm)
         except (httpx.HTTPError, LiveRequestError) as exc:
             failures.append(f"request {i}: {exc}")
             return
@@ -287,9 +300,15 @@ def run_live(
     """Every policy through its own fresh stack (empty caches, fresh index)."""
     records: dict[str, RunRecord] = {}
     for policy in settings.policies:
-        with LocalCluster(stack_config(settings, cluster, policy)) as stack:
+        with contextlib.ExitStack() as resources:
+            redis_url = None
+            if settings.gateways > 1 and settings.gateway_sharing == "shared":
+                port = resources.enter_context(redis_server())
+                redis_url = f"redis://127.0.0.1:{port}/0"
+            config = stack_config(settings, cluster, policy, redis_url)
+            stack = resources.enter_context(LocalCluster(config))
             record = asyncio.run(
-                replay_through(stack.gateway_url, settings, trace, policy, progress)
+                replay_through(stack.gateway_urls, settings, trace, policy, progress)
             )
             record.close(pod_stats(stack), {}, wall_s=record.wall_s)
         records[policy] = record

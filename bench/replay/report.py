@@ -14,6 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from bench.replay.config import ReplaySettings
 from bench.replay.runner import Point, Replay
 
 
@@ -86,8 +87,19 @@ def describe_cluster(point: Point, replay: Replay) -> str:
         f"seed {s.seed}, prefix weights uncached/queued/request/pressure "
         f"{s.prefix.uncached_weight:g}/{s.prefix.queued_weight:g}/{s.prefix.request_cost:g}/"
         f"{s.prefix.pressure_weight:g}, "
-        f"pending grace {'off' if grace is None else f'{grace:g} s'}."
+        f"pending grace {'off' if grace is None else f'{grace:g} s'}{_gateways(s)}."
     )
+
+
+def _gateways(s: ReplaySettings) -> str:
+    if s.gateways == 1:
+        return ""
+    shared = (
+        "sharing nothing but the index"
+        if s.gateway_sharing == "none"
+        else f"sharing loads and pending prompts every {s.share_interval_s:g} s"
+    )
+    return f", {s.gateways} gateways ({shared})"
 
 
 _HEAD = (

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.replay.config import ReplaySettings, ResolvedCluster, resolve
+from bench.replay.gateways import GatewaysSimulation
 from bench.replay.oracle import OracleLines, oracle_lines
 from bench.replay.record import ProgressHook, RunRecord, summarize
 from bench.replay.sim import Simulation
@@ -65,7 +66,8 @@ async def simulate(
 ) -> dict[str, RunRecord]:
     records: dict[str, RunRecord] = {}
     for name in settings.policies:
-        records[name] = await Simulation(trace, settings, cluster, name, progress).run()
+        kind = Simulation if settings.gateways == 1 else GatewaysSimulation
+        records[name] = await kind(trace, settings, cluster, name, progress).run()
     return records
 
 

@@ -42,6 +42,8 @@ SWEEPABLE: dict[str, Sweepable] = {
     "cache-threshold": Sweepable("cache_aware", "cache_threshold", float),
     "balance-abs-threshold": Sweepable("cache_aware", "balance_abs_threshold", int),
     "arrivals": Sweepable("", "arrivals", str),
+    "gateways": Sweepable("", "gateways", int),
+    "gateway-sharing": Sweepable("", "gateway_sharing", str),
 }
 
 

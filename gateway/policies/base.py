@@ -139,6 +139,21 @@ class LoadTicket:
     pending: PendingEntry | None = None
 
 
+class SharedView(Protocol):
+    """What other gateway replicas published (`gateway.shared_state`): added to this
+    gateway's own view, and told what this one sends."""
+
+    def load(self, worker: str) -> tuple[int, int, int]:
+        """The others' (in flight, queued prefill tokens, remaining tokens) on `worker`."""
+        ...
+
+    def pending(self, keys: Sequence[int], now: float) -> Mapping[str, PendingHit]: ...
+
+    def sent(self, serial: int, worker: str, keys: Sequence[int], dp_rank: int | None) -> None: ...
+
+    def answered(self, serial: int, computed: bool) -> None: ...
+
+
 @dataclass(slots=True)
 class LoadTracker:
     """Per-worker load that the dispatcher (or simulator) updates through explicit hooks,
@@ -150,6 +165,8 @@ class LoadTracker:
     pending: PendingPrefixes | None = field(default_factory=PendingPrefixes)
     """None: nothing is counted as pending (`--prefix-pending-grace-secs off`)."""
     clock: Clock = time.monotonic
+    shared: SharedView | None = None
+    """Other replicas' loads and pending prompts, when they share them."""
     _serials: Iterator[int] = field(default_factory=itertools.count, repr=False)
 
     def start(
@@ -168,17 +185,24 @@ class LoadTracker:
         serial = next(self._serials)
         if prefill_tokens > 0:
             load.progress.sent(serial, prefill_tokens, self.clock(), cached_tokens)
+        pending = self.pending.add(worker, keys, dp_rank) if keys and self.pending else None
+        if pending is not None and self.shared is not None:
+            self.shared.sent(serial, worker, keys, dp_rank)
         return LoadTicket(
-            worker,
-            prefill_tokens,
-            load,
-            serial,
-            prefill_open=prefill_tokens > 0,
-            pending=self.pending.add(worker, keys, dp_rank) if keys and self.pending else None,
+            worker, prefill_tokens, load, serial, prefill_open=prefill_tokens > 0, pending=pending
         )
 
     def pending_blocks(self, keys: Sequence[int]) -> Mapping[str, PendingHit]:
-        return {} if self.pending is None else self.pending.depths(keys, self.clock())
+        if self.pending is None:
+            return {}
+        own = self.pending.depths(keys, self.clock())
+        if self.shared is None:
+            return own
+        merged = dict(own)
+        for worker, hit in self.shared.pending(keys, self.clock()).items():
+            if worker not in merged or hit.blocks > merged[worker].blocks:
+                merged[worker] = hit
+        return merged
 
     def pending_keys(self) -> int:
         """Keys in the pending table now (the metric), entries past their grace dropped."""
@@ -193,6 +217,8 @@ class LoadTracker:
             ticket.prefill_open = False
             ticket.load.progress.answered(ticket.serial, self.clock(), computed)
         if ticket.pending is not None and self.pending is not None:
+            if self.shared is not None:
+                self.shared.answered(ticket.serial, computed)
             if computed:
                 self.pending.settle(ticket.pending, self.clock())
             else:
@@ -223,16 +249,23 @@ class LoadTracker:
     ) -> Candidate:
         load = self.loads.get(worker)
         if load is None:
-            return Candidate(worker, pod or worker, cache_capacity_tokens=capacity_tokens)
-        progress = load.progress
-        return Candidate(
-            worker,
-            pod or worker,
-            load.in_flight,
-            progress.open_tokens,
-            progress.remaining(self.clock() if now is None else now),
-            capacity_tokens,
-        )
+            candidate = Candidate(worker, pod or worker, cache_capacity_tokens=capacity_tokens)
+        else:
+            progress = load.progress
+            candidate = Candidate(
+                worker,
+                pod or worker,
+                load.in_flight,
+                progress.open_tokens,
+                progress.remaining(self.clock() if now is None else now),
+                capacity_tokens,
+            )
+        if self.shared is not None:
+            in_flight, queued, remaining = self.shared.load(worker)
+            candidate.in_flight += in_flight
+            candidate.queued_prefill_tokens += queued
+            candidate.remaining_prefill_tokens += remaining
+        return candidate
 
     def candidates(
         self,

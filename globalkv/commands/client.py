@@ -140,6 +140,7 @@ def pod_rows(pods: Sequence[dict[str, Any]], now: float) -> list[tuple[object, .
                     pod.get("role", "-"),
                     source.get("dp_rank", "-"),
                     where,
+                    pod.get("owner") or "-",
                     "yes" if state.get("subscribed") else "no",
                     "yes" if state.get("receiving") else "no",
                     "-" if source.get("last_seq") is None else source["last_seq"],
@@ -168,5 +169,5 @@ def _pods_text(data: Any, now: float) -> str:
         rows = pod_rows(data["pods"], now)
     except (KeyError, TypeError, AttributeError, ValueError) as exc:
         raise ValueError(f"the indexer's answer is not a pod list ({exc!r})") from None
-    headers = ("POD", "MODEL", "ROLE", "DP", "EVENTS", "SUBSCRIBED", "RECEIVING", "LAST SEQ")
-    return table((*headers, "AGE", "RESETS", "DROPS"), rows)
+    headers = ("POD", "MODEL", "ROLE", "DP", "EVENTS", "OWNER", "SUBSCRIBED", "RECEIVING")
+    return table((*headers, "LAST SEQ", "AGE", "RESETS", "DROPS"), rows)

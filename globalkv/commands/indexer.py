@@ -5,6 +5,7 @@
         [--pods-file pods.json] [--admin-token T | --insecure] [--tokenizer PATH|byte]
         [--allow-endpoint-scheme ipc|inproc]...
         [--max-tokens N] [--max-body-bytes N] [--queue-size N] [--reconcile-interval S]
+        [--replicas [--lease-ttl S] [--indexer-id NAME]]
 
 Every flag also reads `GLOBALKV_INDEXER_<FLAG>`. A repeatable flag's environment value is
 split at commas, which JSON pods contain: give pods through the environment with
@@ -80,6 +81,21 @@ def register(subparsers: Any) -> None:
         metavar="SECONDS",
         help="how often the pod registry is reconciled",
     )
+    add(
+        "--replicas",
+        action="store_true",
+        help="share the pods with the other indexers on the same Redis: each pod is "
+        "followed by the one indexer holding its lease",
+    )
+    add(
+        "--lease-ttl",
+        type=float,
+        default=defaults.lease_ttl,
+        metavar="SECONDS",
+        help="how long a pod's lease lasts unrenewed: the longest a pod goes unfollowed "
+        "when its indexer dies",
+    )
+    add("--indexer-id", metavar="NAME", help="this indexer's name among replicas (host-pid)")
     parser.set_defaults(run=run, check_config=check_config)
 
 
@@ -116,6 +132,9 @@ def config_from_args(args: argparse.Namespace) -> IndexerConfig:
                 "tokenizer": args.tokenizer,
                 "pods": _pods(args),
                 "reconcile_interval": args.reconcile_interval,
+                "replicas": args.replicas,
+                "lease_ttl": args.lease_ttl,
+                "indexer_id": args.indexer_id,
                 "api": {
                     "admin_token": args.admin_token,
                     "insecure": args.insecure,

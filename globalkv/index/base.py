@@ -121,6 +121,22 @@ class IndexUnavailable(RuntimeError):
     """The backend cannot be reached; callers answer 503 or route by load, never guess."""
 
 
+@dataclass(frozen=True, slots=True)
+class Fence:
+    """The lease a pod's writes are made under: the key holding the pod's current fencing
+    token and the token this writer was granted (`ingest.leases`)."""
+
+    key: str
+    token: str
+
+
+class IndexFenced(RuntimeError):
+    """Another writer took the pod's lease over: this writer's write was refused.
+
+    Not an `IndexUnavailable`: retrying cannot succeed, the pod is no longer ours.
+    """
+
+
 class IndexDataLost(IndexUnavailable):
     """The backend came back without the data it held (a Redis restart or flush).
 

@@ -34,6 +34,15 @@ Key names and layout: `redis_keys.py`. The choices, and why:
   count differs (Redis lost recent writes); the writer then forgets its caches and
   raises `IndexDataLost` once, and ingest resyncs. Redis must run with
   `maxmemory-policy noeviction`: an evicted key would be silent loss.
+- Fencing: with `fenced`, a write of a pod is made under the pod's lease (`set_fence`,
+  kept by ingest's ownership): the apply script's batch call checks the writer's token
+  against the pod's current one, and a pod without a fence is not written at all, so an
+  indexer that lost a lease cannot write, whatever it still believes (`IndexFenced`). On
+  one Redis the check and every write are one script. On a cluster the block writes go
+  to their masters first: the token is read before them, so a writer fenced since is
+  refused before it writes, but one whose lease is taken over within that round trip can
+  still write its block fields (its batch call is then refused): a window of one round
+  trip, which only a per-master copy of the fence would close.
 - Layout: the first lookup and the first write of a process check the prefix's layout
   version (`redis_keys.check_layout`), so processes of different versions sharing a Redis
   refuse each other's data (`LayoutMismatch`, an `IndexUnavailable`) instead of misreading.
@@ -54,8 +63,10 @@ from redis.asyncio.cluster import RedisCluster
 
 from globalkv.index.base import (
     ApplyResult,
+    Fence,
     Hit,
     IndexDataLost,
+    IndexFenced,
     IndexUnavailable,
     Source,
     SourceBatch,
@@ -89,7 +100,9 @@ class RedisIndex:
         *,
         tier_weights: Mapping[Tier, float] | None = None,
         prefix: str = "gkv",
+        fenced: bool = False,
     ) -> None:
+        """`fenced`: writes of a pod need its lease's fence (`set_fence`)."""
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         options = (
@@ -109,6 +122,18 @@ class RedisIndex:
         self._locks: dict[Source, asyncio.Lock] = {}
         self._token: bytes | None = None
         self._layout_checked = False
+        self.fenced = fenced
+        self._fences: dict[str, Fence] = {}
+
+    def set_fence(self, pod: str, fence: Fence | None) -> None:
+        """The lease this process writes `pod` under from now on; None: it may not write it."""
+        if fence is None:
+            self._fences.pop(pod, None)
+        else:
+            self._fences[pod] = fence
+        # Another writer may have written the pod while we did not hold it: reload.
+        for source in [s for s in self._writers if s.pod == pod]:
+            del self._writers[source]
 
     # -------------------------------------------------------------------- reads
 
@@ -162,7 +187,9 @@ class RedisIndex:
                         batch.seq,
                         batch.ts,
                         inline=self._shards.cluster is None,
+                        fence=self._fence_args(source.pod),
                     )
+                    await self._check_fence(source.pod)
                     await self._write_blocks(writes, source)
                     await self._run_apply(args)
             except IndexUnavailable as exc:
@@ -204,6 +231,7 @@ class RedisIndex:
                 state.last_seq,
                 state.last_ts,
                 inline=True,
+                fence=self._fence_args(source.pod),
             )
             self._writers.pop(source, None)
             with reachable("resetting a source"):
@@ -327,10 +355,30 @@ class RedisIndex:
             f"a Redis Cluster failover lost block writes of {len(lost)} sources: reset"
         )
 
+    async def _check_fence(self, pod: str) -> None:
+        """On a cluster, before the block writes go to their masters: the batch call that
+        checks the fence comes after them."""
+        if self._shards.cluster is None or not self.fenced:
+            return
+        key, token = self._fence_args(pod)
+        current = await self._redis.hget(key, "token")
+        if current is None or _text(current) != token:
+            raise IndexFenced(f"pod {pod}: its lease was taken over")
+
+    def _fence_args(self, pod: str) -> tuple[str, str]:
+        if not self.fenced:
+            return "", ""
+        fence = self._fences.get(pod)
+        if fence is None:
+            raise IndexFenced(f"pod {pod}: this indexer holds no lease of it")
+        return fence.key, fence.token
+
     async def _run_apply(self, args: list[Any]) -> None:
         status = await APPLY.run(self._redis, (self.keys.marker,), args)
         if status == b"ok":
             return
+        if status == b"fenced":
+            raise IndexFenced(f"pod {args[6].rpartition('@')[0]}: its lease was taken over")
         self._writers.clear()
         self._token = None
         if status == b"lost":

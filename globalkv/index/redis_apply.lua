@@ -1,8 +1,10 @@
 -- Apply one source batch: on one Redis atomically, every write of the batch or none; on a
 -- cluster as one call per master holding its block keys, then this call with the checks.
 -- Refuses to write, returning 'lost', when the dataset marker is not the writer's (Redis
--- restarted empty or was flushed), and 'stale' when the source's generation or batch
--- count is not what the writer holds (Redis lost recent writes, or two writers).
+-- restarted empty or was flushed), 'stale' when the source's generation or batch
+-- count is not what the writer holds (Redis lost recent writes, or two writers), and
+-- 'fenced' when the writer's fencing token is not the pod's current one (its lease was
+-- taken over: ingest/leases.py).
 -- Block writes are idempotent (a field already holding its value is skipped, "#" moves by
 -- the field's change), so a block call repeated after a lost reply changes nothing.
 --
@@ -18,6 +20,7 @@
 --   9     batches the writer applied to it ('' = do not check)
 --   10    generation to switch to ('' = keep; the old one is retired: hidden, then dropped)
 --   11    info key of the generation held; 12, 13: info and log keys written
+--   14, 15  the pod's fence key ('' = not fenced) and the writer's token
 --   then  n, the n block keys, their values as for 'blocks' (n = 0 on a cluster)
 --   then  '1' when the log entries below replace the log (a snapshot), else '0'
 --   then  n, n x log entry to append (binary records of engine blocks stored or deleted)
@@ -67,6 +70,9 @@ local old_info_key, info_key, log_key = ARGV[11], ARGV[12], ARGV[13]
 if redis.call('GET', marker_key) ~= token then
   return 'lost'
 end
+if ARGV[14] ~= '' and redis.call('HGET', ARGV[14], 'token') ~= ARGV[15] then
+  return 'fenced'
+end
 local current = redis.call('HGET', sources_key, name)
 if gen == '*' then
   gen = current or ''  -- a reset retires whatever generation the source has
@@ -90,7 +96,7 @@ if target ~= '' then
   batches = 0
 end
 
-local i = 14
+local i = 16
 write_blocks(gen, tonumber(ARGV[i]), ARGV[i + 1], ARGV[i + 2])
 i = i + 3
 

@@ -61,10 +61,12 @@ def apply_args(
     ts: float | None,
     *,
     inline: bool,
+    fence: tuple[str, str] = ("", ""),
 ) -> tuple[list[Any], BlockWrites, int]:
     """ARGV of redis_apply.lua's 'batch' call (its header names the positions), the block
     writes (inside that ARGV when `inline`, for one Redis), and how many records the
-    generation's log holds once the script ran."""
+    generation's log holds once the script ran. `fence`: the pod's fence key and the
+    writer's token, or ("", "") for an unfenced write."""
     state = writer.state
     gen = writer.gen
     resetting = changes is None
@@ -83,7 +85,7 @@ def apply_args(
     ]
     writing = target if target is not None else gen
     assert writing is not None
-    args += [keys.info(writing), keys.log(writing)]
+    args += [keys.info(writing), keys.log(writing), *fence]
     fresh = target is not None
     writes = BlockWrites(writing, [], [], [])
     records: list[bytes] = []

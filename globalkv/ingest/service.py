@@ -9,6 +9,12 @@ would read as deleted there). A removed pod's blocks are cleared from the index;
 index cannot answer then, `clear_removed` (run by podsync too) tries again, so they do
 not linger in lookups.
 
+With several indexers on one Redis, `gate` (set by `ownership.Ownership`) says which pods
+this one may follow: `add_pod` of another's pod records nothing, and a bound-socket
+message of another's pod is dropped (`not_owner`) once its pod is in the registry. A
+fenced write (`IndexFenced`: the pod's lease is another's now) stops the pod here and
+calls `lease_lost`.
+
 When the index reports lost data, every source is rebuilt and `ready` stays False until
 all are, so the API answers 503 instead of a lookup against a half-empty index.
 """
@@ -55,6 +61,10 @@ __all__ = ["IngestConfig", "IngestService"]  # the config lives in ingest.config
 
 log = logging.getLogger(__name__)
 
+MAX_UNOWNED = 4096
+"""Other indexers' pods remembered as seen on the bound socket (a bound SUB takes any
+topic anyone sends: the set must not grow without end)."""
+
 
 class IngestService:
     def __init__(
@@ -92,6 +102,13 @@ class IngestService:
         self._lock = asyncio.Lock()
         self._source_added = asyncio.Event()
         self.bound_endpoints: list[str] = []
+        self.gate: Callable[[str], bool] | None = None
+        """Whether this indexer may follow a pod; None: every pod (a single indexer)."""
+        self.lease_lost: Callable[[str], None] | None = None
+        self._fencing: set[str] = set()
+        """Pods being stopped because a write of theirs was fenced."""
+        self._unowned_seen: set[str] = set()
+        """Pods of others seen on the bound socket, written to the registry once."""
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -134,6 +151,8 @@ class IngestService:
         Raises `followed.TopicTaken` when its bound topic names another followed pod, and
         `config.EndpointRefused` when an endpoint's scheme is not allowed.
         """
+        if self.gate is not None and not self.gate(info.id):
+            return
         async with self._lock:
             current = self._pods.get(info.id)
             if current is not None and current.info == info:
@@ -150,9 +169,18 @@ class IngestService:
                 log.warning("pod %s publishes to a bound SUB, and this indexer binds none", info.id)
             self._refresh_subscribed()
 
-    async def remove_pod(self, pod_id: str, *, clear: bool = True) -> bool:
+    async def remove_pod(self, pod_id: str, *, clear: bool = True, drain: float = 0.0) -> bool:
         """Stop following a pod; with `clear`, forget its blocks in the index too (when
-        the index cannot answer, `IndexUnavailable` is raised and `clear_removed` retries)."""
+        the index cannot answer, `IndexUnavailable` is raised and `clear_removed` retries).
+
+        `drain`: first let its workers offer what they hold to the index, for at most this
+        long (a pod whose lease was lost: the index refuses those writes, and counts them).
+        """
+        pod = self._pods.get(pod_id)
+        if drain > 0 and pod is not None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(drain):
+                    await asyncio.gather(*(w.idle() for w in pod.workers.values()))
         async with self._lock:
             existed = await self._stop_pod(pod_id)
         if clear:
@@ -247,7 +275,9 @@ class IngestService:
             return
         pod = self._bound_pod(topic)
         if pod is None:
-            self.metrics.dropped.labels("unknown_topic").inc()
+            parsed = parse_topic(topic)
+            owned = parsed is None or parsed[0] not in self._unowned_seen
+            self.metrics.dropped.labels("unknown_topic" if owned else "not_owner").inc()
             return
         try:
             batch = decode_batch(frame.payload)
@@ -278,11 +308,25 @@ class IngestService:
             return None
         if info.id in self._pods:
             return None  # the id is taken by a pod configured differently
+        if self.gate is not None and not self.gate(info.id):
+            if info.id not in self._unowned_seen and len(self._unowned_seen) < MAX_UNOWNED:
+                self._unowned_seen.add(info.id)
+                self._spawn(self._register_unowned(info), f"registering pod {info.id}")
+            return None
         log.info("pod %s appeared on the bound socket (topic %r)", info.id, topic)
         pod = self._pods.add(info)
         self._unregistered.add(info.id)
         self._spawn(self._register_now(), f"registering pod {info.id}")
         return pod
+
+    async def _register_unowned(self, info: PodInfo) -> None:
+        """Another indexer may be assigned it, but only once the registry lists it."""
+        try:
+            if await self.registry.get(info.id) is None:
+                await self.registry.put(info)
+        except IndexUnavailable as exc:
+            self._unowned_seen.discard(info.id)
+            log.warning("could not write discovered pod %s to the registry: %s", info.id, exc)
 
     async def register_discovered(self) -> None:
         """Write the pods found on the bound socket to the registry (IndexUnavailable
@@ -318,6 +362,21 @@ class IngestService:
                 worker.request_resync()
         self.metrics.resyncing.set(len(self._resyncing))
         self._spawn(self.restore_registry(), "restoring the pod registry")
+
+    def fenced(self, source: Source) -> None:
+        """Worker hook: another indexer holds the pod's lease; stop following it here."""
+        if source.pod in self._fencing:
+            return
+        self._fencing.add(source.pod)
+        if self.lease_lost is not None:
+            self.lease_lost(source.pod)
+        self._spawn(self._stop_fenced(source.pod), f"stopping fenced pod {source.pod}")
+
+    async def _stop_fenced(self, pod_id: str) -> None:
+        try:
+            await self.remove_pod(pod_id, clear=False)
+        finally:
+            self._fencing.discard(pod_id)
 
     def resynced(self, source: Source) -> None:
         self._resyncing.discard(source)

@@ -10,7 +10,9 @@ source, so it drops the batch (`queue_full`), which becomes a gap the same way.
 Index failures: `IndexUnavailable` holds the batch and retries with capped exponential
 backoff, the bounded queue behind it filling meanwhile; `IndexDataLost` tells the service,
 which asks every worker to rebuild its source (replay from seq 0 where the engine's
-buffer still starts there, otherwise reset and apply what the buffer has).
+buffer still starts there, otherwise reset and apply what the buffer has). `IndexFenced`
+(another indexer holds the pod's lease now) drops the write, counts it and tells the
+service, which stops following the pod: retrying could only be refused again.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from globalkv.index.base import (
     Index,
     IndexDataLost,
     IndexEvent,
+    IndexFenced,
     IndexUnavailable,
     Source,
     SourceBatch,
@@ -66,6 +69,10 @@ class WorkerHooks(Protocol):
         ...
 
     def resynced(self, source: Source) -> None: ...
+
+    def fenced(self, source: Source) -> None:
+        """A write of the source was refused: another indexer holds the pod's lease."""
+        ...
 
 
 _WAKE = None
@@ -282,8 +289,12 @@ class SourceWorker:
     async def _reset(self, reason: str) -> None:
         self.metrics.resets.labels(self.source.pod, reason).inc()
         self.state.resets += 1
-        with contextlib.suppress(IndexDataLost):  # nothing of the source is left to hide
+        try:
             await self._while_index_unavailable(partial(self.index.reset_source, self.source))
+        except IndexDataLost:  # nothing of the source is left to hide
+            pass
+        except IndexFenced:
+            self._refused()
 
     # ---------------------------------------------------------------- applying
 
@@ -334,6 +345,9 @@ class SourceWorker:
         while True:
             try:
                 return await self._while_index_unavailable(partial(self.index.apply, batch))
+            except IndexFenced:
+                self._refused()
+                return ApplyResult()
             except IndexDataLost:
                 log.warning("%s: the index lost its data; resyncing", self.source)
                 self.metrics.data_lost.inc()
@@ -374,6 +388,10 @@ class SourceWorker:
         for condition, future in self._waiters:
             if not future.done() and condition(self.state):
                 future.set_result(None)
+
+    def _refused(self) -> None:
+        self.metrics.fenced.labels(self.source.pod).inc()
+        self.hooks.fenced(self.source)
 
     def _drop(self, reason: str) -> None:
         self.metrics.dropped.labels(reason).inc()

@@ -159,10 +159,11 @@ class LocalCluster:
         return self
 
     def stop(self) -> None:
-        """Stop the gateway first (no new traffic), then everything else; idempotent."""
-        gateway = self._children.get("gateway")
-        if gateway is not None:
-            stop_all([gateway], self.config.stop_timeout)
+        """Stop the gateways first (no new traffic), then everything else; idempotent."""
+        names = [] if self._plan is None else [g.name for g in self._plan.gateways]
+        gateways = [self._children[n] for n in names if n in self._children]
+        if gateways:
+            stop_all(gateways, self.config.stop_timeout)
         stop_all(self._children.values(), self.config.stop_timeout)
 
     def _wait_ready(self, plan: Plan) -> None:
@@ -189,7 +190,9 @@ class LocalCluster:
     def _write_manifest(self) -> None:
         manifest = {
             "gateway_url": self.gateway_url,
+            "gateway_urls": self.gateway_urls,
             "indexer_url": self.indexer_url,
+            "indexer_urls": self.indexer_urls,
             "config": self.config.model_dump(mode="json"),
             "components": [
                 {
@@ -230,8 +233,16 @@ class LocalCluster:
         return self.plan.gateway.url
 
     @property
+    def gateway_urls(self) -> list[str]:
+        return [c.url for c in self.plan.gateways]
+
+    @property
     def indexer_url(self) -> str:
         return self.plan.indexer.url
+
+    @property
+    def indexer_urls(self) -> list[str]:
+        return [c.url for c in self.plan.by_role("indexer")]
 
     @property
     def prefill_urls(self) -> list[str]:

@@ -12,6 +12,11 @@ on a free port it advertises, and the gateway adopts every prefill from its `/se
 and registers it as a pod with the index. Flags given in `*_args` come last, so they
 override the planned ones.
 
+With several indexers (`indexers`, on Redis only) they share the pods by leases
+(`globalkv indexer --replicas`): then each prefill binds its own PUB on a free port, every
+indexer can connect to whichever it holds, and nothing binds for the indexers. With
+several gateways (`gateways`) each is a full gateway of the same workers, on its own port.
+
 With an admin token, every component that guards state gets it (the indexer's pods, the
 gateway's workers and its registrations with the indexer, each prefill's directory)
 through its environment, never its command line, which `ps` and `cluster.json` show.
@@ -51,6 +56,15 @@ class StackConfig(BaseModel):
 
     prefill: int = Field(2, ge=1, le=32, description="Prefill engines, one pod each.")
     decode: int = Field(2, ge=1, le=32, description="Decode engines.")
+    gateways: int = Field(
+        1, ge=1, le=16, description="Gateways, each serving every worker on its own port."
+    )
+    indexers: int = Field(
+        1,
+        ge=1,
+        le=16,
+        description="Indexers; more than one share the pods by leases and need redis_url.",
+    )
     host: str = Field(
         LOOPBACK, min_length=1, description="Address the gateway and the index API listen on."
     )
@@ -127,6 +141,15 @@ class StackConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _replicas_share_redis(self) -> StackConfig:
+        if self.indexers > 1 and self.redis_url is None and self.redis_cluster is None:
+            raise ValueError(
+                f"--indexers {self.indexers}: indexer replicas share the pods through Redis; "
+                "give --redis-url or --redis-cluster too"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _reachable_without_a_token(self) -> StackConfig:
         """On an address of its own the gateway reaches the indexer from that address,
         and the indexer in protected mode would refuse its registrations."""
@@ -185,6 +208,10 @@ class Plan:
         return self.by_role("gateway")[0]
 
     @property
+    def gateways(self) -> list[Component]:
+        return self.by_role("gateway")
+
+    @property
     def indexer(self) -> Component:
         return self.by_role("indexer")[0]
 
@@ -199,8 +226,11 @@ def reserve_ports(count: int, host: str = LOOPBACK) -> list[int]:
 
 
 def ports_needed(config: StackConfig) -> int:
-    """Indexer HTTP and events, each prefill's HTTP and directory, each decode, the gateway."""
-    return 2 + 2 * config.prefill + config.decode + (1 if config.gateway_port == 0 else 0)
+    """Each indexer's HTTP (and a single one's events), each prefill's HTTP and directory,
+    each decode, each gateway (but a first one on a port given)."""
+    indexers = 2 if config.indexers == 1 else config.indexers
+    gateways = config.gateways - (0 if config.gateway_port == 0 else 1)
+    return indexers + 2 * config.prefill + config.decode + gateways
 
 
 def _reachable(host: str) -> str:
@@ -215,33 +245,70 @@ def _secrets(command: str, config: StackConfig, *flags: str) -> dict[str, str]:
 
 def plan_stack(config: StackConfig, ports: Iterator[int], log_dir: Path) -> Plan:
     """Every component with its arguments; takes `ports_needed(config)` ports from `ports`."""
+    local = _reachable(config.host)
+    components = _indexers(config, ports, log_dir)
+    events = components[0].events_endpoint or "tcp://*:0"  # replicas: each prefill binds
+    components += _engines(config, ports, log_dir, events)
+    indexer_url = components[0].url
+    for i in range(config.gateways):
+        name = "gateway" if config.gateways == 1 else f"gateway-{i}"
+        port = config.gateway_port + i if config.gateway_port else next(ports)
+        components.append(
+            Component(
+                name,
+                "gateway",
+                f"http://{local}:{port}",
+                (*_gateway_argv(config, port, indexer_url, components), *config.gateway_args),
+                log_dir / f"{name}.log",
+                env=_secrets("gateway", config, "--admin-token", "--indexer-token"),
+            )
+        )
+    return Plan(tuple(components))
+
+
+def _indexers(config: StackConfig, ports: Iterator[int], log_dir: Path) -> list[Component]:
+    """One indexer binding the SUB every prefill publishes to, or replicas sharing pods."""
+    common = ("--log-level", config.log_level)
+    local = _reachable(config.host)
+    components = []
+    for i in range(config.indexers):
+        name = "indexer" if config.indexers == 1 else f"indexer-{i}"
+        port = next(ports)
+        argv = [*common, "indexer", "--host", config.host, "--port", str(port)]
+        argv += ["--block-size", str(config.block_size), "--tokenizer", config.tokenizer]
+        events = None
+        if config.indexers == 1:
+            events = f"tcp://{LOOPBACK}:{next(ports)}"
+            argv += ["--bind", events]
+        else:
+            argv += ["--replicas", "--indexer-id", name, "--reconcile-interval", "1"]
+        if config.redis_url:
+            argv += ["--redis-url", config.redis_url]
+        if config.insecure and config.token is None:
+            argv.append("--insecure")
+        components.append(
+            Component(
+                name,
+                "indexer",
+                f"http://{local}:{port}",
+                (*argv, *config.indexer_args),
+                log_dir / f"{name}.log",
+                events_endpoint=events,
+                env=_secrets("indexer", config, "--admin-token"),
+            )
+        )
+    return components
+
+
+def _engines(
+    config: StackConfig, ports: Iterator[int], log_dir: Path, events: str
+) -> list[Component]:
     common = ("--log-level", config.log_level)
     insecure = config.insecure and config.token is None
-    local = _reachable(config.host)
-    index_port, events_port = next(ports), next(ports)
-    events = f"tcp://{LOOPBACK}:{events_port}"
-    indexer_url = f"http://{local}:{index_port}"
-    indexer_argv = [*common, "indexer", "--host", config.host, "--port", str(index_port)]
-    indexer_argv += ["--bind", events, "--block-size", str(config.block_size)]
-    indexer_argv += ["--tokenizer", config.tokenizer]
-    if config.redis_url:
-        indexer_argv += ["--redis-url", config.redis_url]
-    if insecure:
-        indexer_argv.append("--insecure")
-    components = [
-        Component(
-            "indexer",
-            "indexer",
-            indexer_url,
-            (*indexer_argv, *config.indexer_args),
-            log_dir / "indexer.log",
-            events_endpoint=events,
-            env=_secrets("indexer", config, "--admin-token"),
-        )
-    ]
     engine_common = ["--host", LOOPBACK, "--model", config.model]
     engine_common += ["--page-size", str(config.block_size), "--tokenizer", config.tokenizer]
     engine_common += ["--api", config.engine]
+    components = []
     for i in range(config.prefill):
         name, port, bootstrap_port = f"prefill-{i}", next(ports), next(ports)
         argv = [*common, "engine", "--role", "prefill", "--port", str(port), *engine_common]
@@ -277,18 +344,7 @@ def plan_stack(config: StackConfig, ports: Iterator[int], log_dir: Path) -> Plan
                 log_dir / f"{name}.log",
             )
         )
-    gateway_port = config.gateway_port or next(ports)
-    components.append(
-        Component(
-            "gateway",
-            "gateway",
-            f"http://{local}:{gateway_port}",
-            (*_gateway_argv(config, gateway_port, indexer_url, components), *config.gateway_args),
-            log_dir / "gateway.log",
-            env=_secrets("gateway", config, "--admin-token", "--indexer-token"),
-        )
-    )
-    return Plan(tuple(components))
+    return components
 
 
 def _gateway_argv(

@@ -2,7 +2,7 @@
 
 - the indexer and every engine answer `/health`;
 - every prefill's bootstrap directory is complete (a decode cannot resolve a room before);
-- the gateway lists every worker as eligible and has registered each prefill as its pod
+- every gateway lists every worker as eligible and has registered each prefill as its pod
   with the index;
 - the indexer follows each of those pods and is subscribed to its events.
 
@@ -77,24 +77,28 @@ class Readiness:
         return []
 
     def _gateway(self) -> list[str]:
-        listing = self._read(
-            f"{self._plan.gateway.url}/workers", WorkersView, self._gateway_headers
-        )
+        reasons = []
+        for gateway in self._plan.gateways:
+            reasons += self._one_gateway(gateway.name, gateway.url)
+        return reasons
+
+    def _one_gateway(self, name: str, url: str) -> list[str]:
+        listing = self._read(f"{url}/workers", WorkersView, self._gateway_headers)
         if isinstance(listing, str):
-            return [f"gateway: /workers {listing}"]
+            return [f"{name}: /workers {listing}"]
         by_url = {w.url: w for w in listing.workers}
         reasons = []
         for engine in self._plan.by_role("prefill") + self._plan.by_role("decode"):
             worker = by_url.get(engine.url)
             if worker is None:
-                reasons.append(f"gateway: does not list {engine.name} ({engine.url})")
+                reasons.append(f"{name}: does not list {engine.name} ({engine.url})")
             elif not worker.eligible:
                 state = f"health {worker.health}, circuit {worker.circuit}"
                 if worker.directory is not None:
                     state += f", directory {worker.directory}"
-                reasons.append(f"gateway: {engine.name} not eligible yet ({state})")
+                reasons.append(f"{name}: {engine.name} not eligible yet ({state})")
             elif engine.pod is not None and worker.registered_pod != engine.pod:
-                reasons.append(f"gateway: has not registered {engine.name} with the index yet")
+                reasons.append(f"{name}: has not registered {engine.name} with the index yet")
         return reasons
 
     def _pods(self) -> list[str]:

@@ -40,6 +40,8 @@ def _details(status: ComponentStatus, plan: Plan) -> str:
         return f"pod {component.pod}, bootstrap {component.bootstrap_url}"
     if component.role == "gateway":
         return "the endpoint for clients"
+    if component.role == "indexer":
+        return "follows the pods whose lease it holds"
     return ""
 
 

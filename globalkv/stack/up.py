@@ -1,7 +1,7 @@
 """`globalkv up`: a whole local cluster in one command, supervised until Ctrl-C.
 
-    globalkv up [--prefill 2] [--decode 2] [--port 8000] [--redis-url URL | --redis-cluster N]
-        [--run-dir D]
+    globalkv up [--prefill 2] [--decode 2] [--gateways 1] [--indexers 1] [--port 8000]
+        [--redis-url URL | --redis-cluster N] [--run-dir D]
         [--model M] [--block-size 16] [--tokenizer byte|PATH] [--policy prefix]
         [--kv-capacity PAGES] [--prefill-args="--prefill-tokens-per-s 5000"]
         [--decode-args=…] [--gateway-args=…] [--indexer-args=…] [--admin-token T | --insecure]
@@ -50,6 +50,13 @@ def register(subparsers: Any) -> None:
     add = parser.add_argument
     add("--prefill", type=int, default=defaults.prefill, help="prefill engines")
     add("--decode", type=int, default=defaults.decode, help="decode engines")
+    add("--gateways", type=int, default=defaults.gateways, help="gateways, on ports from --port")
+    add(
+        "--indexers",
+        type=int,
+        default=defaults.indexers,
+        help="indexers; more than one share the pods by leases (needs --redis-url)",
+    )
     add("--port", type=int, default=8000, help="gateway port (0: a free one)")
     add("--host", default=defaults.host, help="address the gateway and the index API listen on")
     add("--redis-url", help="keep the index in this Redis (default: in memory)")
@@ -119,6 +126,8 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
         return StackConfig(
             prefill=args.prefill,
             decode=args.decode,
+            gateways=args.gateways,
+            indexers=args.indexers,
             host=args.host,
             gateway_port=args.port,
             redis_url=args.redis_url,

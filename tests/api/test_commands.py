@@ -113,6 +113,7 @@ def test_pod_rows_and_table() -> None:
             "model": "m",
             "role": "prefill",
             "kv_events": {"endpoint": "tcp://h:1"},
+            "owner": "ix-1",
             "state": {
                 "subscribed": True,
                 "receiving": True,
@@ -123,8 +124,8 @@ def test_pod_rows_and_table() -> None:
     ]
     rows = pod_rows(pods, now=100.0)
     assert rows == [
-        ("p0", "m", "prefill", 0, "tcp://h:1", "yes", "yes", 7, "5.0s", 1, 0),
-        ("p1", "-", "prefill", "-", "bind:kv@p1@m", "no", "no", "-", "-", 0, 0),
+        ("p0", "m", "prefill", 0, "tcp://h:1", "ix-1", "yes", "yes", 7, "5.0s", 1, 0),
+        ("p1", "-", "prefill", "-", "bind:kv@p1@m", "-", "no", "no", "-", "-", 0, 0),
     ]
     assert table(("A", "LONG"), [("xx", 1)]).splitlines() == ["A   LONG", "xx  1"]
 

@@ -92,3 +92,23 @@ async def test_a_vllm_stack_is_asked_on_completions_and_read_from_usage(tmp_path
     assert path_sent == "/v1/completions"
     assert body["max_tokens"] == 3
     assert body["stream_options"] == {"include_usage": True}
+
+
+async def test_several_gateways_take_the_requests_in_turn(tmp_path: Path) -> None:
+    path = write_trace(tmp_path / "t.jsonl", [row(i, 8, [1, 2 + i]) for i in range(4)])
+    settings = ReplaySettings(trace=str(path), time_scale=0.001, gateways=2)
+    trace = read_trace(path, block_size=4)
+    hosts: dict[int, str] = {}
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        ids = json.loads(request.content)["input_ids"]
+        hosts[ids[-1]] = request.url.host
+        meta = {"cached_tokens": 0}
+        return httpx.Response(200, content=_sse({"text": "a", "meta_info": meta}))
+
+    urls = ["http://gw-0", "http://gw-1"]
+    async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+        record = await replay_through(urls, settings, trace, "prefix", client=client)
+    assert record.failed == 0
+    last_ids = [expand([1, 2 + i], 8, 4)[-1] for i in range(4)]
+    assert [hosts[i] for i in last_ids] == ["gw-0", "gw-1", "gw-0", "gw-1"]

@@ -83,6 +83,9 @@ class ScriptedEngine:
     async def flush_cache(self) -> None:
         return None
 
+    def cached_chains(self) -> dict[int, list[list[int]]]:
+        return {0: [[1, 2, 3, 4]]}
+
 
 @pytest.fixture
 def engine() -> ScriptedEngine:
@@ -230,6 +233,8 @@ async def test_info_endpoints_and_restart(
     assert (await client.get("/get_model_info")).json()["model_path"] == "sim"
     assert (await client.post("/_sim/restart")).json()["restarted"] is True
     assert engine.restarts == 1
+    cache = (await client.get("/_sim/cache")).json()
+    assert cache == {"ranks": [{"dp_rank": 0, "prefixes": [[1, 2, 3, 4]]}]}
     metrics = (await client.get("/metrics")).text
     assert "globalkv_engine_requests_total" in metrics
 

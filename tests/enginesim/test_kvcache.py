@@ -138,3 +138,14 @@ def test_events_replayed_describe_exactly_the_cached_pages(prompts: list[list[in
                 held.difference_update(change.hashes)
         cache.release(match)
         assert len(held) == len(cache) <= 5
+
+
+def test_cached_chains_are_each_leaf_prefix_from_the_root_and_follow_eviction() -> None:
+    cache = PagedKVCache(page_size=2, capacity=4)
+    cache.insert([1, 2, 3, 4, 5])  # pages [1,2] [3,4]; the partial 5 is not kept
+    cache.insert([1, 2, 7, 8, 9])  # shares [1,2]
+    assert cache.cached_chains() == [[1, 2, 3, 4], [1, 2, 7, 8]]
+    cache.insert([20, 21, 22, 23, 24])  # two more pages: the oldest leaf goes
+    assert cache.cached_chains() == [[1, 2, 7, 8], [20, 21, 22, 23]]
+    cache.reset()
+    assert cache.cached_chains() == []

@@ -95,7 +95,8 @@ async def test_indexer_process_end_to_end(context: zmq.asyncio.Context) -> None:
         assert pods.returncode == 0, pods.stderr
         rows = {line.split()[0]: line.split() for line in pods.stdout.splitlines()[1:]}
         assert set(rows) == {"b0", "c0"}
-        assert rows["c0"][5:8] == ["yes", "yes", "0"]
+        assert rows["c0"][6:9] == ["yes", "yes", "0"]
+        assert rows["c0"][5] == rows["b0"][5] != "-"  # this indexer follows both
         assert rows["b0"][4] == "bind:kv@b0@m"
 
         down = cli("pods", "--indexer", f"http://127.0.0.1:{free_port()}")

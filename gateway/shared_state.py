@@ -1,0 +1,221 @@
+"""What gateway replicas share through Redis besides the index: their loads and the prompts
+they sent but the index may not show yet.
+
+Every `interval` a gateway publishes, per worker, its own requests in flight, queued
+prefill tokens and remaining-work estimate (a hash with a TTL of three intervals), reads
+the other live replicas' hashes, and sends the changes to its pending table since the last
+round (prompts sent, prompts answered) on a pub/sub channel. Its policies then see its own
+load plus the others' (`LoadTracker.shared`), at most about two intervals old, and the
+others' pending prompts about one interval after they were sent.
+
+Losing Redis falls back to the gateway's own view: the others' loads and pending prompts
+are forgotten (not kept growing stale), `globalkv_gateway_shared_state_available` says 0
+and each failed round is counted; the next round that succeeds shares again. Pending
+messages lost while the subscription reconnects are forgotten the same way.
+
+Keys (`{p}` the prefix): `{p}:gateways` (sorted set: replica -> expiry, Redis time in ms),
+`{p}:gw:{<replica>}:load` (hash: worker -> "in_flight,queued,remaining"), channel
+`{p}:gw:pending`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from redis.exceptions import RedisError
+
+from gateway.policies.base import LoadTracker
+from gateway.policies.pending import PendingEntry, PendingHit, PendingPrefixes
+from kvplumbing.tasks import cancel_and_wait
+
+log = logging.getLogger(__name__)
+
+_HEARTBEAT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+return redis.call('ZRANGEBYSCORE', KEYS[1], now, '+inf')
+"""
+
+
+class SharedState:
+    """A `LoadTracker.shared` view over Redis; `run()` publishes and reads until cancelled."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        tracker: LoadTracker,
+        *,
+        member: str,
+        interval: float,
+        registry: CollectorRegistry,
+        prefix: str = "gkv",
+        grace_s: float = 2.0,
+    ) -> None:
+        self.redis = redis
+        self.tracker = tracker
+        self.member = member
+        self.interval = interval
+        self.grace_s = grace_s
+        self.members_key = f"{prefix}:gateways"
+        self.channel = f"{prefix}:gw:pending"
+        self._prefix = prefix
+        self._heartbeat = redis.register_script(_HEARTBEAT)
+        self._loads: dict[str, tuple[int, int, int]] = {}
+        self._remote = PendingPrefixes(grace_s)
+        self._remote_entries: dict[tuple[str, int], PendingEntry] = {}
+        self._outbox: list[list[Any]] = []
+        self.available = Gauge(
+            "globalkv_gateway_shared_state_available",
+            "1 while this gateway shares loads and pending prompts with the other replicas "
+            "through Redis; 0: it routes on its own view only.",
+            registry=registry,
+        )
+        self.failures = Counter(
+            "globalkv_gateway_shared_state_failures",
+            "Rounds of sharing (publish, read, subscribe) that Redis failed.",
+            registry=registry,
+        )
+        self.replicas = Gauge(
+            "globalkv_gateway_shared_replicas",
+            "Other gateway replicas whose loads this one last read.",
+            registry=registry,
+        )
+
+    def load_key(self, member: str) -> str:
+        return f"{self._prefix}:gw:{{{member}}}:load"
+
+    # ------------------------------------------------------------ LoadTracker.shared
+
+    def load(self, worker: str) -> tuple[int, int, int]:
+        return self._loads.get(worker, (0, 0, 0))
+
+    def pending(self, keys: Sequence[int], now: float) -> Mapping[str, PendingHit]:
+        return self._remote.depths(keys, now)
+
+    def sent(self, serial: int, worker: str, keys: Sequence[int], dp_rank: int | None) -> None:
+        self._outbox.append(["add", serial, worker, list(keys), dp_rank])
+
+    def answered(self, serial: int, computed: bool) -> None:
+        self._outbox.append(["done", serial, computed])
+
+    # ------------------------------------------------------------ the rounds
+
+    async def run(self) -> None:
+        listener = asyncio.create_task(self._listen(), name="shared state pending")
+        try:
+            while True:
+                try:
+                    await self.step()
+                except (RedisError, OSError) as exc:
+                    self._fall_back(f"sharing round failed: {exc}")
+                await asyncio.sleep(self.interval)
+        finally:
+            await cancel_and_wait([listener])
+
+    async def step(self) -> None:
+        """Publish our loads and pending changes, read the others' loads."""
+        now = self.tracker.clock()
+        own = {
+            worker: f"{load.in_flight},{load.progress.open_tokens},{load.progress.remaining(now)}"
+            for worker, load in self.tracker.loads.items()
+        }
+        ttl = max(1, round(self.interval * 3000))
+        outbox, self._outbox = self._outbox, []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.delete(self.load_key(self.member))
+            if own:
+                pipe.hset(self.load_key(self.member), items=[x for kv in own.items() for x in kv])
+            pipe.pexpire(self.load_key(self.member), ttl)
+            if outbox:
+                pipe.publish(self.channel, json.dumps({"from": self.member, "changes": outbox}))
+            await pipe.execute()
+        members = [
+            m.decode() if isinstance(m, bytes) else m
+            for m in await self._heartbeat(keys=[self.members_key], args=[self.member, ttl])
+        ]
+        others = [m for m in members if m != self.member]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for member in others:
+                pipe.hgetall(self.load_key(member))
+            tables = await pipe.execute() if others else []
+        loads: dict[str, tuple[int, int, int]] = {}
+        for table in tables:
+            for raw_worker, raw in table.items():
+                worker = raw_worker.decode() if isinstance(raw_worker, bytes) else raw_worker
+                parts = (raw.decode() if isinstance(raw, bytes) else raw).split(",")
+                if len(parts) != 3:
+                    continue
+                a, b, c = loads.get(worker, (0, 0, 0))
+                loads[worker] = (a + int(parts[0]), b + int(parts[1]), c + int(parts[2]))
+        self._loads = loads
+        self.replicas.set(len(others))
+        self.available.set(1)
+
+    async def leave(self) -> None:
+        with contextlib.suppress(RedisError, OSError):
+            await self.redis.zrem(self.members_key, self.member)
+            await self.redis.delete(self.load_key(self.member))
+
+    def _fall_back(self, why: str) -> None:
+        if self._loads or self._remote_entries:
+            log.warning("routing on this gateway's own view: %s", why)
+        self.failures.inc()
+        self.available.set(0)
+        self._loads = {}
+        self._forget_pending()
+
+    def _forget_pending(self) -> None:
+        self._remote = PendingPrefixes(self.grace_s)
+        self._remote_entries.clear()
+
+    async def _listen(self) -> None:
+        while True:
+            pubsub = self.redis.pubsub()
+            try:
+                await pubsub.subscribe(self.channel)
+                while True:
+                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=None)
+                    if message is not None and message.get("type") == "message":
+                        self._apply(message["data"])
+            except (RedisError, OSError) as exc:
+                self._fall_back(f"pending prompts' channel lost: {exc}")
+                await asyncio.sleep(self.interval)
+            finally:
+                with contextlib.suppress(RedisError, OSError):
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+    def _apply(self, data: bytes | str) -> None:
+        """Another replica's pending-table changes; malformed messages are ignored."""
+        try:
+            message = json.loads(data)
+            origin = str(message["from"])
+            changes = list(message["changes"])
+        except (ValueError, KeyError, TypeError):
+            return
+        if origin == self.member:
+            return
+        now = self.tracker.clock()
+        for change in changes:
+            try:
+                if change[0] == "add":
+                    _, serial, worker, keys, dp_rank = change
+                    entry = self._remote.add(str(worker), [int(k) for k in keys], dp_rank)
+                    self._remote_entries[(origin, int(serial))] = entry
+                elif change[0] == "done":
+                    _, serial, computed = change
+                    entry = self._remote_entries.pop((origin, int(serial)))
+                    if computed:
+                        self._remote.settle(entry, now)
+                    else:
+                        self._remote.drop(entry)
+            except (ValueError, KeyError, TypeError, IndexError):
+                continue

@@ -1,0 +1,165 @@
+"""Which pods this indexer follows when several share one Redis: leases, kept and moved.
+
+Every `interval` (a third of the lease TTL) the indexer announces itself, renews the
+leases it holds, computes the assignment of the registry's pods over the live indexers
+(`leases.assign`, the same on every indexer) and moves towards it: a pod it holds but is
+no longer assigned is stopped and released (another indexer takes it at its next step),
+an assigned pod that is free is acquired and followed; one still held by another is tried
+again the moment that lease runs out, so a dead indexer's pods go unfollowed at most about
+the TTL after it last renewed. Following starts where the index
+says the previous holder stopped (`IngestService` resumes from the last applied seq, by
+replay from the engine's buffer, else resets the source).
+
+A lease this indexer cannot renew — another took it, or Redis did not answer within the
+TTL — is given up locally: the pod is no longer followed, so at steady state no pod is
+followed twice. What its workers already hold is offered to the index first, briefly
+(an indexer resuming from a pause holds batches received before it): the index's fence
+check refuses those late writes and they are counted (`globalkv_ingest_fenced_writes_total`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from globalkv.index.base import Fence, IndexUnavailable
+from globalkv.ingest.leases import Held, Leases, assign
+from globalkv.ingest.service import IngestService
+from globalkv.metrics import IngestMetrics
+from globalkv.registry import PodInfo, Registry
+from kvplumbing.clock import Clock
+
+log = logging.getLogger(__name__)
+
+
+class Ownership:
+    def __init__(
+        self,
+        leases: Leases,
+        registry: Registry,
+        service: IngestService,
+        metrics: IngestMetrics,
+        *,
+        member: str,
+        ttl: float,
+        set_fence: Callable[[str, Fence | None], None],
+        clock: Clock = time.monotonic,
+    ) -> None:
+        """`set_fence(pod, fence)` tells the index which lease its writes of a pod carry."""
+        self.leases = leases
+        self.registry = registry
+        self.service = service
+        self.metrics = metrics
+        self.member = member
+        self.ttl = ttl
+        self.interval = ttl / 3
+        self._set_fence = set_fence
+        self.clock = clock
+        self.fences: dict[str, Fence] = {}
+        self.members: list[str] = []
+        self._retry_at: float | None = None
+        """When a lease we are waiting for runs out (monotonic), if sooner than a step."""
+        self._valid_until = 0.0
+        """Monotonic time until which the leases renewed last are surely still ours."""
+        self._lock = asyncio.Lock()
+        service.gate = self.holds
+        service.lease_lost = self.lost
+
+    def holds(self, pod: str) -> bool:
+        return pod in self.fences and self.clock() < self._valid_until
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.step()
+            except IndexUnavailable as exc:
+                log.warning("leases: redis unavailable: %s", exc)
+                if self.fences and self.clock() >= self._valid_until:
+                    log.warning("leases not renewed within %.1fs: following no pod", self.ttl)
+                    async with self._lock:
+                        await self._drop_lost(sorted(self.fences))
+            await asyncio.sleep(self._pause())
+
+    def _pause(self) -> float:
+        """Until the next step: an interval, or less when a lease we want runs out sooner."""
+        if self._retry_at is None:
+            return self.interval
+        return min(self.interval, max(0.01, self._retry_at - self.clock()))
+
+    async def step(self) -> None:
+        """One round: heartbeat, renew, rebalance. `IndexUnavailable` when Redis fails."""
+        async with self._lock:
+            started = self.clock()
+            live = await self.leases.heartbeat(self.member, self.ttl)
+            self.members = sorted(live)
+            self.metrics.live_indexers.set(len(live))
+            pods = {p.id: p for p in await self.registry.list()}
+            kept = await self.leases.renew(self.fences, self.ttl)
+            self._valid_until = started + self.ttl
+            lost = sorted(set(self.fences) - kept)
+            for pod in lost:
+                log.warning("lease of pod %s lost; no longer following it", pod)
+            await self._drop_lost(lost)
+            wanted = {p for p, m in assign(pods, self.members).items() if m == self.member}
+            for pod in sorted(set(self.fences) - wanted):
+                await self._give_up(pod, gone=pod not in pods)
+            # A member whose heartbeat runs out before our next step has stopped renewing:
+            # step again the moment it drops out, to take its pods without delay.
+            fading = [left for m, left in live.items() if m != self.member and left < self.interval]
+            self._retry_at = None if not fading else self.clock() + min(fading) + 0.01
+            for pod in sorted(wanted - set(self.fences)):
+                await self._take(pods[pod])
+            self.metrics.leases_held.set(len(self.fences))
+
+    async def stop(self) -> None:
+        """Release every lease and leave, so the others take the pods over at once."""
+        async with self._lock:
+            for pod in sorted(self.fences):
+                await self._give_up(pod, gone=False)
+            await self.leases.leave(self.member)
+
+    def lost(self, pod: str) -> None:
+        """Service hook: a write was fenced, so the lease is another's already."""
+        fence = self.fences.pop(pod, None)
+        if fence is not None:
+            log.warning("pod %s: a write was fenced; its lease is another indexer's", pod)
+            self._set_fence(pod, None)
+            self.metrics.leases_held.set(len(self.fences))
+
+    async def _take(self, info: PodInfo) -> None:
+        grant = await self.leases.acquire(info.id, self.member, self.ttl)
+        if isinstance(grant, Held):  # the previous owner releases it, or it runs out
+            retry = self.clock() + grant.expires_in + 0.01
+            self._retry_at = retry if self._retry_at is None else min(self._retry_at, retry)
+            return
+        if grant.unfollowed is not None:
+            self.metrics.takeovers.inc()
+            self.metrics.unfollowed.observe(grant.unfollowed)
+            log.info("pod %s taken over, unfollowed for at most %.2fs", info.id, grant.unfollowed)
+        self.fences[info.id] = grant.fence
+        self._set_fence(info.id, grant.fence)
+        try:
+            await self.service.add_pod(info)
+        except ValueError as exc:  # TopicTaken, EndpointRefused: reported, lease kept
+            log.warning("not following pod %s: %s", info.id, exc)
+
+    async def _give_up(self, pod: str, *, gone: bool) -> None:
+        """Stop following (clearing its blocks when it left the registry), then release."""
+        fence = self.fences.get(pod)
+        await self._drop(pod, clear=gone)
+        if fence is not None:
+            await self.leases.release(pod, fence)
+
+    async def _drop_lost(self, pods: list[str]) -> None:
+        await asyncio.gather(*(self._drop(p, clear=False, drain=self.interval) for p in pods))
+
+    async def _drop(self, pod: str, *, clear: bool, drain: float = 0.0) -> None:
+        """Stop the workers before the fence goes: a write is refused only by the index."""
+        try:
+            await self.service.remove_pod(pod, clear=clear, drain=drain)
+        except IndexUnavailable as exc:  # the service clears it later (clear_removed)
+            log.warning("pod %s: blocks not cleared yet: %s", pod, exc)
+        self.fences.pop(pod, None)
+        self._set_fence(pod, None)

@@ -1,0 +1,101 @@
+"""Gateway replicas sharing loads and pending prompts through a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+from prometheus_client import CollectorRegistry
+
+from gateway.policies.base import LoadTracker
+from gateway.policies.pending import PendingPrefixes
+from gateway.shared_state import SharedState
+from kvplumbing.tasks import cancel_and_wait
+from tests.support.metrics import sample
+from tests.support.net import await_for
+from tests.support.redis import RedisServer
+
+
+def _replica(
+    client: aioredis.Redis, name: str, registry: CollectorRegistry | None = None
+) -> tuple[LoadTracker, SharedState]:
+    tracker = LoadTracker(pending=PendingPrefixes(0.0))
+    registry = registry or CollectorRegistry()
+    shared = SharedState(client, tracker, member=name, interval=0.05, registry=registry, grace_s=0)
+    tracker.shared = shared
+    return tracker, shared
+
+
+@pytest.fixture
+async def own_redis() -> AsyncIterator[RedisServer]:
+    server = RedisServer()
+    yield server
+    server.stop()
+
+
+async def test_a_replica_sees_the_others_load_and_pending_prompts(redis_url: str) -> None:
+    client = aioredis.from_url(redis_url)
+    a_loads, a = _replica(client, "gw-a")
+    b_prom = CollectorRegistry()
+    b_loads, b = _replica(client, "gw-b", b_prom)
+    tasks = [asyncio.create_task(a.run()), asyncio.create_task(b.run())]
+    try:
+
+        async def both_listening() -> bool:  # pub/sub drops what is sent before
+            ((_, listeners),) = await client.pubsub_numsub(a.channel)
+            return int(listeners) == 2
+
+        await await_for(both_listening, timeout=10, what="both replicas to subscribe")
+        ticket = a_loads.start("p0", 100, keys=[11, 12])
+
+        async def b_sees_it() -> bool:
+            (seen,) = b_loads.candidates(["p0"])
+            held = b_loads.pending_blocks([11, 12, 13]).get("p0")
+            return seen.in_flight == 1 and seen.queued_prefill_tokens == 100 and held is not None
+
+        await await_for(b_sees_it, timeout=10, what="b to see a's load and pending prompt")
+        assert b_loads.pending_blocks([11, 12, 13])["p0"].blocks == 2
+        (own,) = a_loads.candidates(["p0"])
+        assert own.in_flight == 1  # its own only: a replica never counts itself twice
+        assert sample(b_prom, "globalkv_gateway_shared_replicas") == 1
+
+        a_loads.finish(ticket)
+
+        async def b_sees_it_done() -> bool:
+            (seen,) = b_loads.candidates(["p0"])
+            return seen.in_flight == 0 and not b_loads.pending_blocks([11, 12, 13])
+
+        await await_for(b_sees_it_done, timeout=10, what="b to see a's request done")
+    finally:
+        await cancel_and_wait(tasks)
+        await client.aclose()
+
+
+async def test_losing_redis_falls_back_to_the_replica_s_own_view(own_redis: RedisServer) -> None:
+    client = aioredis.from_url(own_redis.url)
+    a_loads, a = _replica(client, "gw-a")
+    registry = CollectorRegistry()
+    b_loads, b = _replica(client, "gw-b", registry)
+    tasks = [asyncio.create_task(a.run()), asyncio.create_task(b.run())]
+    try:
+        a_loads.start("p0", 100)
+        b_loads.start("p0", 7)
+
+        async def shared() -> bool:
+            return b_loads.candidates(["p0"])[0].queued_prefill_tokens == 107
+
+        await await_for(shared, timeout=10, what="b to add a's load")
+        assert sample(registry, "globalkv_gateway_shared_state_available") == 1
+        own_redis.stop()
+
+        async def alone() -> bool:
+            return b_loads.candidates(["p0"])[0].queued_prefill_tokens == 7
+
+        await await_for(alone, timeout=10, what="b to fall back to its own view")
+        assert sample(registry, "globalkv_gateway_shared_state_available") == 0
+        assert sample(registry, "globalkv_gateway_shared_state_failures_total") >= 1
+    finally:
+        await cancel_and_wait(tasks)
+        await client.aclose()

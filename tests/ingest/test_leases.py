@@ -1,0 +1,136 @@
+"""Leases, membership and assignment on a real Redis, and the index's fence check."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+from redis.cluster import key_slot
+
+from globalkv.index.base import IndexFenced, Source, SourceBatch
+from globalkv.index.redis import RedisIndex
+from globalkv.index.redis_keys import RedisKeys
+from globalkv.ingest.leases import Grant, Held, Leases, assign
+from globalkv.redis_client import Client, connect
+from tests.index.events import BS, store, tokens
+
+
+@pytest.fixture(params=["redis_url", "redis_cluster_url"])
+async def client(request: pytest.FixtureRequest) -> AsyncIterator[Client]:
+    """A single Redis and a Redis Cluster: a lease and its fence share one slot."""
+    client = connect(request.getfixturevalue(request.param))
+    yield client
+    await client.aclose()
+
+
+def test_assignment_is_even_deterministic_and_moves_little_on_a_join() -> None:
+    pods = [f"pod-{i}" for i in range(30)]
+    three = assign(pods, ["a", "b", "c"])
+    assert set(three) == set(pods)
+    assert sorted(Counter(three.values()).values()) == [10, 10, 10]
+    assert assign(reversed(pods), ["c", "a", "b"]) == three  # same inputs, any order
+    four = assign(pods, ["a", "b", "c", "d"])
+    assert max(Counter(four.values()).values()) == 8  # ceil(30 / 4)
+    moved = [p for p in pods if four[p] != three[p]]
+    assert len(moved) < len(pods) // 2  # a join moves some pods, not most
+    assert Counter(four[p] for p in moved)["d"] >= len(moved) // 2
+    assert assign(pods, []) == {}
+
+
+def test_a_lease_its_fence_and_the_index_checks_share_a_hash_slot() -> None:
+    leases = Leases(aioredis.Redis(), prefix="gkv")
+    meta = key_slot(RedisKeys("gkv").marker.encode())
+    for pod in ("p0", "host:8000", "[::1]:30000", "{odd}"):
+        assert key_slot(leases.owner_key(pod).encode()) == meta
+        assert key_slot(leases.fence_key(pod).encode()) == meta
+
+
+async def test_leases_are_exclusive_renewed_released_and_fenced_on_takeover(
+    client: Client,
+) -> None:
+    leases = Leases(client, prefix="t")
+    first = await leases.acquire("p0", "ix-a", ttl=5.0)
+    assert isinstance(first, Grant)
+    assert first.unfollowed is None
+    held = await leases.acquire("p0", "ix-b", ttl=5.0)
+    assert isinstance(held, Held)
+    assert 0 < held.expires_in <= 5.0
+    again = await leases.acquire("p0", "ix-a", ttl=5.0)  # idempotent for the holder
+    assert isinstance(again, Grant)
+    assert again.fence == first.fence
+    assert await leases.owners(["p0", "p1"]) == {"p0": "ix-a"}
+    assert await leases.renew({"p0": first.fence}, ttl=5.0) == {"p0"}
+
+    await client.delete(leases.owner_key("p0"))  # the TTL ran out
+    taken = await leases.acquire("p0", "ix-b", ttl=5.0)
+    assert isinstance(taken, Grant)
+    assert taken.fence.token != first.fence.token
+    assert taken.unfollowed is not None
+    assert taken.unfollowed >= 0
+    assert await leases.renew({"p0": first.fence}, ttl=5.0) == set()
+    await leases.release("p0", first.fence)  # not ours any more: no effect
+    assert await leases.owners(["p0"]) == {"p0": "ix-b"}
+    await leases.release("p0", taken.fence)
+    assert await leases.owners(["p0"]) == {}
+
+
+async def test_a_lease_expires_by_its_ttl(client: Client) -> None:
+    leases = Leases(client, prefix="t")
+    grant = await leases.acquire("p0", "ix-a", ttl=5.0)
+    assert isinstance(grant, Grant)
+    ttl_ms = await client.pttl(leases.owner_key("p0"))
+    assert 0 < ttl_ms <= 5000
+
+
+async def test_membership_lists_live_members_and_forgets_the_departed(
+    client: Client,
+) -> None:
+    leases = Leases(client, prefix="t")
+    assert list(await leases.heartbeat("ix-a", ttl=5.0)) == ["ix-a"]
+    live = await leases.heartbeat("ix-b", ttl=5.0)
+    assert sorted(live) == ["ix-a", "ix-b"]
+    assert all(0 < left <= 5.0 for left in live.values())
+    await client.zadd(leases.members_key, {"ix-dead": 1})  # its heartbeat expired long ago
+    assert await leases.members() == ["ix-a", "ix-b"]
+    await leases.leave("ix-a")
+    assert await leases.members() == ["ix-b"]
+
+
+async def test_the_index_refuses_writes_without_the_current_fence(
+    client: Client,
+) -> None:
+    leases = Leases(client, prefix="gkv")
+    old = RedisIndex(client, BS, fenced=True)
+    new = RedisIndex(client, BS, fenced=True)
+    source = Source("p0")
+
+    def batch(seq: int) -> SourceBatch:
+        return SourceBatch(source, seq, 0.0, [store([100 + seq], tokens(1, 10 * seq))])
+
+    with pytest.raises(IndexFenced):  # no lease at all
+        await old.apply(batch(0))
+    first = await leases.acquire("p0", "old", ttl=5.0)
+    assert isinstance(first, Grant)
+    old.set_fence("p0", first.fence)
+    await old.apply(batch(0))
+
+    await client.delete(leases.owner_key("p0"))  # old paused past its lease
+    second = await leases.acquire("p0", "new", ttl=5.0)
+    assert isinstance(second, Grant)
+    new.set_fence("p0", second.fence)
+    await new.apply(batch(1))
+    with pytest.raises(IndexFenced):
+        await old.apply(batch(2))
+    with pytest.raises(IndexFenced):
+        await old.reset_source(source)
+    (stats,) = await new.stats("p0")
+    assert stats.last_seq == 1  # the fenced writes left nothing
+    await new.apply(batch(2))
+
+
+async def test_an_unfenced_index_ignores_leases(client: Client) -> None:
+    index = RedisIndex(client, BS)
+    await index.apply(SourceBatch(Source("p0"), 0, 0.0, [store([1], tokens(1))]))
+    assert [s.last_seq for s in await index.stats("p0")] == [0]

@@ -1,17 +1,14 @@
 """The ingest service: which sources exist, their workers and subscriptions, and resync.
 
 Pods come and go through `add_pod` / `remove_pod` (called by the API, the CLI's `--pod`
-flags and `podsync`, all idempotent), or appear by themselves on the bound socket when a
-`kv@<pod>@<model>` topic names a pod nobody registered; such pods are written to the
-registry so every gateway sees them, a failed write being retried by
-`register_discovered`, which podsync runs before it reads the registry (an unwritten pod
-would read as deleted there). A removed pod's blocks are cleared from the index; if the
-index cannot answer then, `clear_removed` (run by podsync too) tries again, so they do
-not linger in lookups.
+flags and `podsync`, all idempotent), or appear by themselves on the bound socket
+(`discovery.Discovery`). A removed pod's blocks are cleared from the index; if the index
+cannot answer then, `clear_removed` (run by podsync too) tries again, so they do not
+linger in lookups.
 
 With several indexers on one Redis, `gate` (set by `ownership.Ownership`) says which pods
 this one may follow: `add_pod` of another's pod records nothing, and a bound-socket
-message of another's pod is dropped (`not_owner`) once its pod is in the registry. A
+message of another's pod is dropped (`not_owner`). A
 fenced write (`IndexFenced`: the pod's lease is another's now) stops the pod here and
 calls `lease_lost`.
 
@@ -29,10 +26,10 @@ from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
 import zmq.asyncio
-from pydantic import ValidationError
 
 from globalkv.index.base import Index, IndexUnavailable, Source
 from globalkv.ingest.config import IngestConfig
+from globalkv.ingest.discovery import Discovery
 from globalkv.ingest.followed import FollowedPod, FollowedPods, watched
 from globalkv.ingest.replay import ReplayClient
 from globalkv.ingest.subscribers import (
@@ -45,7 +42,6 @@ from globalkv.ingest.worker import Received, SourceWorker
 from globalkv.metrics import IngestMetrics
 from globalkv.registry import (
     MAX_DP_SIZE,
-    KvEventsConfig,
     PodInfo,
     PodState,
     Registry,
@@ -55,15 +51,10 @@ from globalkv.wire import Frame, WireError, decode_batch
 from kvplumbing.backoff import Backoff
 from kvplumbing.endpoints import offset_endpoint
 from kvplumbing.tasks import cancel_and_wait
-from kvplumbing.topics import parse_topic
 
 __all__ = ["IngestConfig", "IngestService"]  # the config lives in ingest.config, used with this
 
 log = logging.getLogger(__name__)
-
-MAX_UNOWNED = 4096
-"""Other indexers' pods remembered as seen on the bound socket (a bound SUB takes any
-topic anyone sends: the set must not grow without end)."""
 
 
 class IngestService:
@@ -93,8 +84,6 @@ class IngestService:
         self._pods = FollowedPods()
         self._uncleared: set[str] = set()
         """Removed pods whose blocks the index could not drop yet."""
-        self._unregistered: set[str] = set()
-        """Pods that appeared on the bound socket and are not in the registry yet."""
         self._resyncing: set[Source] = set()
         self._bound: BoundSubscriber | None = None
         self._bound_task: asyncio.Task[None] | None = None
@@ -107,8 +96,12 @@ class IngestService:
         self.lease_lost: Callable[[str], None] | None = None
         self._fencing: set[str] = set()
         """Pods being stopped because a write of theirs was fenced."""
-        self._unowned_seen: set[str] = set()
-        """Pods of others seen on the bound socket, written to the registry once."""
+        self.discovery = Discovery(
+            self._pods,
+            lambda: self.registry,
+            lambda pod_id: self.gate is None or self.gate(pod_id),
+            self._spawn,
+        )
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -273,11 +266,10 @@ class IngestService:
         except UnicodeDecodeError:
             self.metrics.dropped.labels("unknown_topic").inc()
             return
-        pod = self._bound_pod(topic)
+        pod = self.discovery.pod_for(topic)
         if pod is None:
-            parsed = parse_topic(topic)
-            owned = parsed is None or parsed[0] not in self._unowned_seen
-            self.metrics.dropped.labels("unknown_topic" if owned else "not_owner").inc()
+            unowned = self.discovery.is_unowned(topic)
+            self.metrics.dropped.labels("not_owner" if unowned else "unknown_topic").inc()
             return
         try:
             batch = decode_batch(frame.payload)
@@ -293,55 +285,10 @@ class IngestService:
             worker = self._new_worker(pod, rank, None)
         worker.offer(Received(frame.seq, batch, at))
 
-    def _bound_pod(self, topic: str) -> FollowedPod | None:
-        pod = self._pods.by_topic(topic)
-        if pod is not None:
-            return pod
-        parsed = parse_topic(topic)
-        if parsed is None:
-            return None
-        try:
-            info = PodInfo(
-                id=parsed[0], model=parsed[1], kv_events=KvEventsConfig(mode="bind", topic=topic)
-            )
-        except ValidationError:
-            return None
-        if info.id in self._pods:
-            return None  # the id is taken by a pod configured differently
-        if self.gate is not None and not self.gate(info.id):
-            if info.id not in self._unowned_seen and len(self._unowned_seen) < MAX_UNOWNED:
-                self._unowned_seen.add(info.id)
-                self._spawn(self._register_unowned(info), f"registering pod {info.id}")
-            return None
-        log.info("pod %s appeared on the bound socket (topic %r)", info.id, topic)
-        pod = self._pods.add(info)
-        self._unregistered.add(info.id)
-        self._spawn(self._register_now(), f"registering pod {info.id}")
-        return pod
-
-    async def _register_unowned(self, info: PodInfo) -> None:
-        """Another indexer may be assigned it, but only once the registry lists it."""
-        try:
-            if await self.registry.get(info.id) is None:
-                await self.registry.put(info)
-        except IndexUnavailable as exc:
-            self._unowned_seen.discard(info.id)
-            log.warning("could not write discovered pod %s to the registry: %s", info.id, exc)
-
     async def register_discovered(self) -> None:
         """Write the pods found on the bound socket to the registry (IndexUnavailable
         when it cannot be written: they are tried again on the next call)."""
-        for pod_id in sorted(self._unregistered):
-            pod = self._pods.get(pod_id)
-            if pod is not None:
-                await self.registry.put(pod.info)
-            self._unregistered.discard(pod_id)
-
-    async def _register_now(self) -> None:
-        try:
-            await self.register_discovered()
-        except IndexUnavailable as exc:
-            log.warning("could not write discovered pods to the registry yet: %s", exc)
+        await self.discovery.register_discovered()
 
     # ---------------------------------------------------------------- resync
 

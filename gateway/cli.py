@@ -24,7 +24,6 @@ from typing import Any
 import httpx
 from fastapi import FastAPI
 from prometheus_client import start_http_server
-from redis.asyncio.cluster import RedisCluster
 
 from bootstrap.reader import DirectoryReader
 from gateway.app import create_app
@@ -80,9 +79,6 @@ async def _share_state(config: GatewayConfig, gateway: Gateway, stack: AsyncExit
     assert config.redis_url is not None
     redis = redis_client.connect(config.redis_url)
     stack.push_async_callback(redis.aclose)
-    if isinstance(redis, RedisCluster):  # redis-py's asyncio cluster client has no pub/sub
-        log.warning("--share-state-interval-secs: not shared on a Redis Cluster yet")
-        return
     grace = config.prefix.pending_grace_secs
     shared = SharedState(
         redis,

@@ -15,7 +15,9 @@ messages lost while the subscription reconnects are forgotten the same way.
 
 Keys (`{p}` the prefix): `{p}:gateways` (sorted set: replica -> expiry, Redis time in ms),
 `{p}:gw:{<replica>}:load` (hash: worker -> "in_flight,queued,remaining"), channel
-`{p}:gw:pending`.
+`{p}:gw:pending`. The same works on a Redis Cluster: each command names one key, the load
+tables are read by a pipeline the cluster client splits per master, and a cluster forwards
+a PUBLISH to every node, so a subscriber on any one of them hears every replica.
 """
 
 from __future__ import annotations
@@ -27,12 +29,13 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Gauge
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from gateway.policies.base import LoadTracker
 from gateway.policies.pending import PendingEntry, PendingHit, PendingPrefixes
+from globalkv.redis_client import Client
 from kvplumbing.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -51,7 +54,7 @@ class SharedState:
 
     def __init__(
         self,
-        redis: aioredis.Redis,
+        redis: Client,
         tracker: LoadTracker,
         *,
         member: str,
@@ -73,6 +76,9 @@ class SharedState:
         self._remote = PendingPrefixes(grace_s)
         self._remote_entries: dict[tuple[str, int], PendingEntry] = {}
         self._outbox: list[list[Any]] = []
+        self.listening = asyncio.Event()
+        """Set while subscribed to the others' pending prompts (what is published before
+        is not heard)."""
         self.available = Gauge(
             "globalkv_gateway_shared_state_available",
             "1 while this gateway shares loads and pending prompts with the other replicas "
@@ -135,9 +141,11 @@ class SharedState:
             if own:
                 pipe.hset(self.load_key(self.member), items=[x for kv in own.items() for x in kv])
             pipe.pexpire(self.load_key(self.member), ttl)
-            if outbox:
-                pipe.publish(self.channel, json.dumps({"from": self.member, "changes": outbox}))
             await pipe.execute()
+        if outbox:  # apart: a cluster pipeline may not PUBLISH
+            await self.redis.publish(
+                self.channel, json.dumps({"from": self.member, "changes": outbox})
+            )
         members = [
             m.decode() if isinstance(m, bytes) else m
             for m in await self._heartbeat(keys=[self.members_key], args=[self.member, ttl])
@@ -181,12 +189,16 @@ class SharedState:
         while True:
             pubsub = self.redis.pubsub()
             try:
+                if isinstance(self.redis, RedisCluster):
+                    await self.redis.initialize()  # its pub/sub needs the slot map
                 await pubsub.subscribe(self.channel)
+                self.listening.set()
                 while True:
                     message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=None)
                     if message is not None and message.get("type") == "message":
                         self._apply(message["data"])
             except (RedisError, OSError) as exc:
+                self.listening.clear()
                 self._fall_back(f"pending prompts' channel lost: {exc}")
                 await asyncio.sleep(self.interval)
             finally:

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 from gateway.policies.base import LoadTracker
 from gateway.policies.pending import PendingPrefixes
 from gateway.shared_state import SharedState
+from globalkv import redis_client
 from kvplumbing.tasks import cancel_and_wait
 from tests.support.metrics import sample
 from tests.support.net import await_for
@@ -19,7 +20,7 @@ from tests.support.redis import RedisServer
 
 
 def _replica(
-    client: aioredis.Redis, name: str, registry: CollectorRegistry | None = None
+    client: redis_client.Client, name: str, registry: CollectorRegistry | None = None
 ) -> tuple[LoadTracker, SharedState]:
     tracker = LoadTracker(pending=PendingPrefixes(0.0))
     registry = registry or CollectorRegistry()
@@ -35,19 +36,23 @@ async def own_redis() -> AsyncIterator[RedisServer]:
     server.stop()
 
 
-async def test_a_replica_sees_the_others_load_and_pending_prompts(redis_url: str) -> None:
-    client = aioredis.from_url(redis_url)
+@pytest.fixture(params=["redis", "cluster"])
+def shared_url(request: pytest.FixtureRequest) -> str:
+    """One Redis, or a Redis Cluster (loads on several masters, pub/sub across nodes)."""
+    fixture = "redis_url" if request.param == "redis" else "redis_cluster_url"
+    return str(request.getfixturevalue(fixture))
+
+
+async def test_a_replica_sees_the_others_load_and_pending_prompts(shared_url: str) -> None:
+    client = redis_client.connect(shared_url)
     a_loads, a = _replica(client, "gw-a")
     b_prom = CollectorRegistry()
     b_loads, b = _replica(client, "gw-b", b_prom)
     tasks = [asyncio.create_task(a.run()), asyncio.create_task(b.run())]
     try:
-
-        async def both_listening() -> bool:  # pub/sub drops what is sent before
-            ((_, listeners),) = await client.pubsub_numsub(a.channel)
-            return int(listeners) == 2
-
-        await await_for(both_listening, timeout=10, what="both replicas to subscribe")
+        async with asyncio.timeout(10):  # pub/sub drops what is sent before
+            await a.listening.wait()
+            await b.listening.wait()
         ticket = a_loads.start("p0", 100, keys=[11, 12])
 
         async def b_sees_it() -> bool:

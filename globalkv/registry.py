@@ -32,6 +32,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from globalkv.index.base import IndexUnavailable
+from globalkv.index.redis_failures import closed_under_a_write
 from globalkv.index.redis_keys import RedisKeys
 from globalkv.redis_client import Client
 from kvplumbing.endpoints import offset_endpoint
@@ -352,6 +353,10 @@ class RedisRegistry:
         except (RedisError, OSError) as exc:
             reason = f"{type(exc).__name__}: {exc}"  # redis-py's repr leaves out the message
             raise IndexUnavailable(f"pod registry unreachable: {reason}") from exc
+        except (AttributeError, TypeError) as exc:
+            if not closed_under_a_write(exc):
+                raise
+            raise IndexUnavailable(f"pod registry connection closed: {exc!r}") from exc
 
 
 def _text(value: bytes | str) -> str:

@@ -50,12 +50,12 @@ def reachable(what: str) -> Iterator[None]:
             raise IndexUnavailable(f"redis cannot serve {what}: {exc}") from exc
         raise
     except (AttributeError, TypeError) as exc:
-        if not _closed_under_a_write(exc):
+        if not closed_under_a_write(exc):
             raise
         raise IndexUnavailable(f"redis connection closed while {what}: {exc!r}") from exc
 
 
-def _closed_under_a_write(exc: BaseException) -> bool:
+def closed_under_a_write(exc: BaseException) -> bool:
     """The error was raised inside the client's transport, not by our code."""
     frames = traceback.extract_tb(exc.__traceback__)
     return bool(frames) and frames[-1].filename.endswith(_TRANSPORT_FILES)

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from redis.asyncio.cluster import RedisCluster
 
 from globalkv import redis_client
+from globalkv.index.base import IndexUnavailable
 from globalkv.registry import (
     KvEventsConfig,
     MemoryRegistry,
@@ -134,4 +135,31 @@ async def test_redis_registry_knows_when_it_lost_its_data(redis_url: str) -> Non
     assert await registry.intact()
     await client.flushall()
     assert not await registry.intact()
+    await client.aclose()
+
+
+async def test_a_connection_closed_under_a_write_is_unavailable(redis_url: str) -> None:
+    """redis-py leaks a transport torn down mid-write as an AttributeError from asyncio's
+    stream (redis/redis-py#3546): the registry reports it as unavailable, like the index."""
+    client = aioredis.Redis.from_url(redis_url, single_connection_client=True)
+    registry = RedisRegistry(client, prefix="test")
+    await registry.mark()  # the one connection is open
+    connection = client.connection
+    assert connection is not None
+    writer = connection._writer
+    assert writer is not None
+    transport = writer.transport
+    writer._transport = None  # type: ignore[assignment]
+    with pytest.raises(IndexUnavailable, match="pod registry connection closed"):
+        await registry.put(PodInfo(id="a", kv_events=EVENTS))
+    writer._transport = transport  # the client dropped the writer: close it for it
+    transport.close()
+    await client.aclose()
+
+
+async def test_an_attribute_error_of_our_own_still_propagates(redis_url: str) -> None:
+    client = aioredis.from_url(redis_url)
+    registry = RedisRegistry(client, prefix="test")
+    with pytest.raises(AttributeError):
+        await registry.put(None)  # type: ignore[arg-type]
     await client.aclose()

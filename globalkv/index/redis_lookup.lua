@@ -1,35 +1,31 @@
--- One lookup's walk on one Redis (or one cluster master): for each stretch of the chain it
--- is given (one or more adjacent segments, each of blocks in one hash slot), report per
--- generation holding the stretch's first block how many blocks it holds contiguously from
--- there and under which tier masks. The caller joins the stretches: a generation's later
--- ones count only while it held every block before them (see redis_reads.py). On one
--- Redis the whole chain is one stretch; on a cluster, adjacent segments sit on different
--- masters, so a stretch is mostly one segment.
+-- One lookup's walk on one Redis (or one cluster master): the segments of the chain it is
+-- given (each of blocks in one hash slot, in chain order) are walked as one run of blocks,
+-- and for each generation holding the first of them it reports how many of those blocks
+-- it holds contiguously from there and under which tier masks. On one Redis that is the
+-- whole chain; on a cluster the segments of one master, with other masters' segments
+-- between them, and the caller joins the masters' runs (see redis_reads.py): a generation
+-- counts on a later segment only while it held every block before it.
 --
 -- A generation's field holds a 48-bit hash of (generation, mask) with the mask in its low
 -- 3 bits, and "#" the sum of the fields (see redis_scripts.fingerprints). So the walk
--- reads one small field per block, and between adjacent blocks:
+-- reads one small field per block, and between consecutive blocks walked:
 -- - an equal "#" means the same holders in the same tiers: nothing to do;
 -- - a "#" lower by exactly the value of one generation still running means that one
 --   generation's run ended (confirmed with HEXISTS): drop it, read nothing else;
 -- - anything else (a mask changed, several runs ended, other holders came or went):
 --   read the hash and compare the generations still running.
 -- The cost is O(blocks + other changes x holders): 64 pods whose runs end one by one cost
--- 64 small reads, not 64 reads of up to 64 fields.
+-- 64 small reads, not 64 reads of up to 64 fields; a master's segments cost one read of
+-- the holders, not one each.
 --
--- Only generations that held the whole of this call's earlier stretches are followed into
--- its later ones (the others cannot count there), and the walk stops at a stretch nobody
--- followed holds.
---
--- KEYS[1]: a key of the first stretch (so a cluster routes the call to its master).
--- ARGV: per stretch, its number of segments k, then k times: the name the segment's keys
---       start with (up to its hash tag, included) and its keys as 16 hex digits each,
---       first block first. Block i's key name is that name .. (its 16 digits): see
---       globalkv/index/redis_keys.py.
--- Returns: per stretch walked, in order, a flat {generation, n, mask_1, blocks_1, ...,
--- mask_n, blocks_n, ...}: one (mask, blocks) pair per run of equal masks (a mask may come
--- back). Stretches after the last one walked are left out.
--- Liveness of generations is checked by the caller (the live hash is in another slot).
+-- KEYS[1]: a key of the first segment (so a cluster routes the call to its master).
+-- ARGV[1]: the name of the live-generations hash when it is on this Redis, else "".
+-- ARGV[2..]: per segment, the name its keys start with (up to its hash tag, included) and
+--       its keys as 16 hex digits each, first block first. Block i's key name is that
+--       name .. (its 16 digits): see globalkv/index/redis_keys.py.
+-- Returns {rows, live}: rows a flat {generation, n, mask_1, blocks_1, ..., mask_n,
+-- blocks_n, ...}, one (mask, blocks) pair per run of equal masks (a mask may come back);
+-- live the HGETALL of ARGV[1], read after the walk (absent when ARGV[1] is "").
 
 local call, sub = redis.call, string.sub
 
@@ -42,16 +38,14 @@ local function limbs(s)
   return tonumber(sub(s, 1, cut)), tonumber(sub(s, cut + 1))
 end
 
--- One stretch (`parts`: {head, chain} per segment): its rows (as returned) and the set of
--- generations that held all of it. `followed`, when not nil, is the set of generations
--- worth following.
-local function walk(parts, followed)
+-- The segments (`parts`: {head, chain} each) walked as one run: their rows, as returned.
+local function walk(parts)
   local n = 0
   for p = 1, #parts do
     n = n + #parts[p][2] / 16
   end
   local first = call('HGETALL', parts[1][1] .. sub(parts[1][2], 1, 16))
-  local out, full = {}, {}
+  local out = {}
   -- Parallel arrays over the generations whose run goes on; `by_value` finds one by
   -- the number its field holds.
   local gens, values, since, runs, by_value = {}, {}, {}, {}, {}
@@ -59,14 +53,14 @@ local function walk(parts, followed)
   for j = 1, #first, 2 do
     if first[j] == '#' then
       fingerprint = first[j + 1]
-    elseif not followed or followed[first[j]] then
+    else
       local k = #gens + 1
       gens[k], values[k], since[k] = first[j], first[j + 1], 1
       by_value[tonumber(first[j + 1])] = k
     end
   end
   if #gens == 0 then
-    return out, full
+    return out
   end
 
   -- A generation's run under one value ended before block `at` (the mask changed): kept
@@ -161,28 +155,17 @@ local function walk(parts, followed)
     end
   end
   for j = 1, #gens do
-    if stop == n + 1 then
-      full[gens[j]] = true
-    end
     finish(j, stop)
   end
-  return out, full
+  return out
 end
 
-local results, followed = {}, nil
-local a = 1
-while a <= #ARGV do
-  local k = tonumber(ARGV[a])
-  local parts = {}
-  for p = 1, k do
-    parts[p] = {ARGV[a + 2 * p - 1], ARGV[a + 2 * p]}
-  end
-  a = a + 1 + 2 * k
-  local out, full = walk(parts, followed)
-  results[#results + 1] = out
-  if next(full) == nil then
-    break
-  end
-  followed = full
+local parts = {}
+for a = 2, #ARGV, 2 do
+  parts[#parts + 1] = {ARGV[a], ARGV[a + 1]}
 end
-return results
+local rows = walk(parts)
+if ARGV[1] == '' then
+  return {rows}
+end
+return {rows, call('HGETALL', ARGV[1])}

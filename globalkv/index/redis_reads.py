@@ -1,11 +1,12 @@
 """One lookup in Redis: the chain's segments walked by one script per master, then joined.
 
-Round trips: on one Redis, one pipeline (the script over the whole chain, then `HGETALL`
-of the live generations). On a cluster, one script per master holding a segment of the
-chain and the live read on the master of the index's own slot, all concurrently: at most
-the number of masters plus one calls, however long the chain. A script walks adjacent
-segments of its master as one stretch, so on one Redis the walk is the single-slot walk
-it always was.
+Round trips: on one Redis, one script call (the walk over the whole chain, then `HGETALL`
+of the live generations, in the same script). On a cluster, one script per master holding
+a segment of the chain, all concurrently; the script on the master of the index's own
+slot also reads the live generations after its walk (a separate read, concurrent with the
+walks, only when no segment is there): at most the number of masters plus one calls,
+however long the chain. A script walks all of its master's segments as one run of blocks,
+so on one Redis the walk is the single-slot walk it always was.
 
 Which sources count is decided by that one read of the live generations (one key, on one
 master, so no shard can disagree about a source's epoch): a generation is only ever
@@ -14,19 +15,25 @@ the walks find of a generation live at that read is one its source held while li
 source reset or removed before the lookup began is never reported, whatever shard its
 blocks are on and however far their dropping got; a lookup that overlaps a reset answers
 as if it ran just before it. On one Redis the live read runs after the walk, in the same
-pipeline, so even an overlapping reset is seen.
+script, so even an overlapping reset is seen.
 
-Joining keeps the contiguous-prefix semantics: segment i of a generation counts only if
-the generation held every block of segments 0..i-1; a script reports, per stretch, the
-run of each generation from the stretch's first block.
+Joining keeps the contiguous-prefix semantics: a master reports, per generation holding
+its first segment's first block, how many of its segments' blocks that generation holds
+contiguously (across the other masters' segments between them); the generation's depth
+is where the first of those runs ends in chain order, and only generations holding the
+chain's first block count.
 """
 
 from __future__ import annotations
 
 import asyncio
+from bisect import bisect_right
 from collections.abc import Sequence
 from functools import lru_cache
-from typing import Any, NamedTuple
+from itertools import accumulate
+from typing import Any
+
+from redis.crc import key_slot
 
 from globalkv.index.base import Hit, Source
 from globalkv.index.redis_keys import RedisKeys, Segment, parse_source_name
@@ -36,15 +43,48 @@ from globalkv.index.scoring import TierWeights, make_hit, ranked
 from globalkv.keys import BlockKey
 
 Rows = list[int]
-"""A segment's rows from the script: generation, n, n x (mask, blocks), ..."""
+"""A walk's rows from the script: generation, n, n x (mask, blocks), ..."""
+_UNBOUNDED = 1 << 62
 
 
-class Stretch(NamedTuple):
-    """Adjacent segments of a chain on one master: one walk of the lookup script."""
+class Walk:
+    """One master's segments of a chain (in chain order) and, once walked, its runs."""
 
-    start: int
-    length: int
-    segments: list[Segment]
+    __slots__ = ("lengths", "offsets", "runs", "segments", "starts", "total")
+
+    def __init__(self, segments: list[Segment]) -> None:
+        self.segments = segments
+        self.starts = [s.start for s in segments]
+        self.lengths = [s.length for s in segments]
+        self.offsets = list(accumulate(self.lengths, initial=0))
+        self.total = self.offsets.pop()
+        self.runs: dict[int, tuple[int, Rows]] = {}
+        """generation -> (blocks held from the walk's first, flat (mask, blocks) pairs)"""
+
+    def parse(self, rows: Rows) -> None:
+        i, end = 0, len(rows)
+        while i < end:
+            pairs = rows[i + 2 : i + 2 + 2 * rows[i + 1]]
+            self.runs[rows[i]] = (sum(pairs[1::2]), pairs)
+            i += 2 + len(pairs)
+
+    def end(self, gen: int) -> int:
+        """Where in the chain this walk saw `gen`'s run end (`_UNBOUNDED`: it never did)."""
+        run = self.runs.get(gen)
+        if run is None:
+            return self.starts[0]
+        held = run[0]
+        if held >= self.total:
+            return _UNBOUNDED
+        j = bisect_right(self.offsets, held) - 1
+        return self.starts[j] + held - self.offsets[j]
+
+    def within(self, depth: int) -> int:
+        """How many of this walk's blocks lie before chain position `depth`."""
+        j = bisect_right(self.starts, depth - 1) - 1
+        if j < 0:
+            return 0
+        return self.offsets[j] + min(depth - self.starts[j], self.lengths[j])
 
 
 async def lookup(
@@ -52,93 +92,58 @@ async def lookup(
 ) -> list[Hit]:
     """The hits of a chain (`keys[0]` its root), best first. Redis errors pass through."""
     segments = names.segments(keys)
-    groups = [_stretches(g) for g in shards.group([s.slot for s in segments], segments)]
-    if shards.cluster is None:
-        pipe = client.pipeline(transaction=False)
-        pipe.evalsha(LOOKUP.sha, 1, _route(groups[0]), *_argv(groups[0]))
-        pipe.hgetall(names.live)
-        walked, live = await pipe.execute()
-        replies = [walked]
+    by_node = shards.by_node([s.slot for s in segments], segments)
+    home = shards.node_of(_slot(names.live))
+    walks = {node: Walk(group) for node, group in by_node.items()}
+    calls = [_walk(client, w, names.live if node == home else "") for node, w in walks.items()]
+    if home not in walks:
+        calls.append(client.hgetall(names.live))
+    replies: list[Any] = await asyncio.gather(*calls)
+    for walk, reply in zip(walks.values(), replies, strict=False):
+        walk.parse(reply[0])
+    if home in walks:
+        flat = replies[list(walks).index(home)][1]
+        live: dict[bytes, bytes] = dict(zip(flat[::2], flat[1::2], strict=True))
     else:
-        *replies, live = await asyncio.gather(
-            *(_walk(client, group) for group in groups), client.hgetall(names.live)
-        )
-    rows: dict[int, Rows] = {}
-    stretches: list[Stretch] = []
-    for group, walked in zip(groups, replies, strict=True):
-        rows.update(zip((s.start for s in group), walked, strict=False))
-        stretches += group
-    stretches.sort(key=lambda s: s.start)
-    return _hits(stretches, rows, live, weights)
+        live = replies[-1]
+    return _hits(sorted(walks.values(), key=lambda w: w.starts[0]), live, weights)
 
 
-def _stretches(segments: list[Segment]) -> list[Stretch]:
-    """One master's segments (in chain order) as runs of adjacent ones."""
-    out: list[Stretch] = []
-    for segment in segments:
-        last = out[-1] if out else None
-        if last is not None and last.start + last.length == segment.start:
-            last.segments.append(segment)
-            out[-1] = last._replace(length=last.length + segment.length)
-        else:
-            out.append(Stretch(segment.start, segment.length, [segment]))
-    return out
-
-
-async def _walk(client: Any, group: list[Stretch]) -> list[Rows]:
-    result: list[Rows] = await LOOKUP.run(client, (_route(group),), _argv(group))
+async def _walk(client: Any, walk: Walk, live: str) -> list[Any]:
+    first = walk.segments[0]
+    argv: list[Any] = [live]
+    for segment in walk.segments:
+        argv += (segment.head, segment.digits)
+    result: list[Any] = await LOOKUP.run(client, (first.head + first.digits[:16],), argv)
     return result
 
 
-def _route(group: list[Stretch]) -> str:
-    first = group[0].segments[0]
-    return first.head + first.digits[:16]
+@lru_cache(maxsize=64)
+def _slot(name: str) -> int:
+    return key_slot(name.encode())
 
 
-def _argv(group: list[Stretch]) -> list[Any]:
-    argv: list[Any] = []
-    for stretch in group:
-        argv.append(len(stretch.segments))
-        for segment in stretch.segments:
-            argv += (segment.head, segment.digits)
-    return argv
-
-
-def _hits(
-    stretches: Sequence[Stretch],
-    rows: dict[int, Rows],
-    live: dict[bytes, bytes],
-    weights: TierWeights,
-) -> list[Hit]:
-    """Hits of the live generations, joining the stretches in chain order."""
-    counts: dict[int, dict[int, int]] = {}
-    running: set[int] | None = None
-    for stretch in stretches:
-        found = rows.get(stretch.start)
-        if not found:
-            break
-        following: set[int] = set()
-        i, end = 0, len(found)
-        while i < end:
-            gen, pairs = found[i], found[i + 1]
-            if running is None or gen in running:
-                held = counts.setdefault(gen, {})
-                total = 0
-                for j in range(i + 2, i + 2 + 2 * pairs, 2):
-                    held[found[j]] = held.get(found[j], 0) + found[j + 1]
-                    total += found[j + 1]
-                if total == stretch.length:
-                    following.add(gen)
-            i += 2 + 2 * pairs
-        running = following
-        if not running:
-            break
+def _hits(walks: Sequence[Walk], live: dict[bytes, bytes], weights: TierWeights) -> list[Hit]:
+    """Hits of the live generations holding the chain's first block, by contiguous depth."""
     by_mask = weights.by_mask
     hits = []
-    for gen, held in counts.items():
+    for gen in walks[0].runs:  # walks[0] holds the chain's first segment
         name = live.get(b"%d" % gen)  # a generation not live is a retired source
         if name is None:
             continue
+        depth = min(w.end(gen) for w in walks)
+        held: dict[int, int] = {}
+        for walk in walks:
+            run = walk.runs.get(gen)
+            if run is None:
+                continue
+            left, pairs = walk.within(depth), run[1]
+            for j in range(0, len(pairs), 2):
+                if left <= 0:
+                    break
+                blocks = min(pairs[j + 1], left)
+                held[pairs[j]] = held.get(pairs[j], 0) + blocks
+                left -= blocks
         if len(held) == 1:  # one tier mask all the way: no scoring over masks
             [(mask, blocks)] = held.items()
             hits.append(Hit(source_of(name), blocks, by_mask[mask] * blocks))

@@ -16,6 +16,8 @@ from typing import Any, TypeVar
 from redis.asyncio.cluster import RedisCluster
 
 _T = TypeVar("_T")
+_ONE = "redis"
+"""The name of one Redis's only node."""
 
 
 class Shards:
@@ -24,8 +26,12 @@ class Shards:
 
     def group(self, slots: Sequence[int], items: Sequence[_T]) -> list[list[_T]]:
         """`items` (item i in slot `slots[i]`) split per master, each in its given order."""
+        return list(self.by_node(slots, items).values())
+
+    def by_node(self, slots: Sequence[int], items: Sequence[_T]) -> dict[str, list[_T]]:
+        """`group`, by the name of the master (`node_of`) serving each group."""
         if self.cluster is None:
-            return [list(items)] if items else []
+            return {_ONE: list(items)} if items else {}
         node_of = self.cluster.nodes_manager.get_node_from_slot
         names: dict[int, str] = {}
         groups: dict[str, list[_T]] = {}
@@ -34,4 +40,10 @@ class Shards:
             if name is None:
                 name = names[slot] = node_of(slot).name
             groups.setdefault(name, []).append(item)
-        return list(groups.values())
+        return groups
+
+    def node_of(self, slot: int) -> str:
+        """The name of the master serving `slot` (one name for all slots of one Redis)."""
+        if self.cluster is None:
+            return _ONE
+        return str(self.cluster.nodes_manager.get_node_from_slot(slot).name)

@@ -245,6 +245,32 @@ async def test_long_chains_with_many_holders(index: Index, feed: Feeder) -> None
     assert [h.source for h in hits] == sorted(expected, key=lambda s: -expected[s])
 
 
+async def test_runs_across_many_segments_join_as_one_contiguous_prefix(
+    index: Index, feed: Feeder
+) -> None:
+    """A chain past the head segments (on a cluster, segments alternate between masters):
+    tiers change and runs end on later segments, and a later segment's holders that miss an
+    earlier block do not count beyond it."""
+    t = tokens(600)
+    full, offload, hole, evicted, tail_only = (
+        Source(n) for n in ("full", "off", "hole", "ev", "tail")
+    )
+    await feed(full, store(range(1, 601), t))
+    await feed(
+        offload,
+        store(range(1, 101), t[: 100 * BS]),
+        store(range(101, 301), t[100 * BS : 300 * BS], parent=100, tier=Tier.CPU),
+    )
+    await feed(hole, store(range(1, 601), t), remove([41]))  # block 40 missing
+    await feed(evicted, store(range(1, 601), t), remove([401]))
+    await feed(tail_only, store(range(1, 601), t), remove([1]))
+    await feed(P0, store(range(1, 601), t))
+    await feed(P0, clear())  # a source that dropped everything is not reported
+    hits = await index.lookup(keys(t))
+    assert depths(hits) == {full: 600, offload: 300, hole: 40, evicted: 400}
+    assert scores(hits)[offload] == pytest.approx(100 + 200 * 0.8)
+
+
 async def test_runs_that_end_alone_together_or_change_tier(index: Index, feed: Feeder) -> None:
     t = tokens(12)
     await feed(P0, store(range(1, 13), t))

@@ -12,14 +12,16 @@ reports p50/p99 over the same number of lookups per backend, backends taking tur
 p50 ratios against Dynamo.
 
     python -m bench.lookup [--quick] [--new-tail 0.5] [--baseline REF] [--tokens 1024 8192]
-        [--no-cluster]
+        [--no-cluster] [--repeat N]
 
 `--baseline REF` adds the memory and Redis indexes as of git ref REF (see bench.baseline),
-run turn by turn with today's: before and after in one run.
+run turn by turn with today's: before and after in one run. `--repeat N` times each row
+N times over the same data and reports the medians of the N p50s and p99s.
 
-Redis is a throw-away redis-server on a free port; the `cluster` column the same RedisIndex
-on a throw-away local Redis Cluster of 3 masters (no replicas), with `cluster/redis`, the
-ratio of their p50s (goal at 8k tokens: <= 1.5), and the masters' CPU per lookup.
+Redis is a throw-away redis-server on a free port; the `cluster` columns the same Redis
+indexes on a throw-away local Redis Cluster of 3 masters (no replicas, one key prefix per
+index), with `cluster/redis`, the ratio of their p50s (goal at 8k tokens: <= 1.5), and
+the servers' CPU per lookup (of every index each serves).
 Dynamo's columns need the `ai-dynamo-runtime` wheel (run from a venv that has it, e.g.
 /work/peers/venv with globalkv installed editable); without it they are absent and the
 output says why.
@@ -84,7 +86,8 @@ class Backend:
 
     name: str
     memory: Callable[[int], Index]
-    redis: Callable[[aioredis.Redis, int], Index]
+    redis: Callable[..., Index]
+    """(client, block size, prefix=...) -> the Redis index."""
     keys: Keyer
     db: int
 
@@ -186,6 +189,7 @@ async def _row(
     redis_port: int,
     backends: list[Backend],
     cluster: LocalRedisCluster | None,
+    repeat: int = 1,
 ) -> Row:
     chains = _chains(prompt_tokens, pods, new_tail, random.Random(prompt_tokens * 1000 + pods))
     prompt = chains[-1][0]
@@ -214,9 +218,10 @@ async def _row(
         clustered = connect(cluster.url)
         clients.append(clustered)
         await clustered.flushall()
-        cluster_index = RedisIndex(clustered, BLOCK)
-        await _fill(cluster_index, chains)
-        calls["cluster"] = ask(cluster_index, request_chain)
+        for backend in backends:  # one cluster, one prefix per backend
+            cluster_index = backend.redis(clustered, BLOCK, prefix=f"c{backend.db}")
+            await _fill(cluster_index, chains)
+            calls[f"cluster{backend.name}"] = ask(cluster_index, backend.keys)
     if DYNAMO is None:
         tree = RadixTree()
         _fill_dynamo(tree, chains)
@@ -228,11 +233,11 @@ async def _row(
         calls["dynamo"] = ask_dynamo
     masters = [] if cluster is None else cluster.master_ports()
     before = cpu_seconds([redis_port, *masters])
-    samples = await _time(calls, count, expect)
+    runs = [await _time(calls, count, expect) for _ in range(repeat)]
     # Every backend took its turn: each server's CPU went to its own index's lookups
-    # (the single Redis serves the baseline's db too, when there is one).
+    # (with a baseline, the single Redis and the cluster serve its index too).
     per_lookup = [
-        (b - a) / count * 1e6
+        (b - a) / (count * repeat) * 1e6
         for a, b in zip(before, cpu_seconds([redis_port, *masters]), strict=True)
     ]
     if masters:
@@ -246,26 +251,27 @@ async def _row(
     return Row(
         prompt_tokens,
         pods,
-        {name: statistics.median(s) for name, s in samples.items()},
-        {name: _p99(s) for name, s in samples.items()},
+        {name: statistics.median(statistics.median(r[name]) for r in runs) for name in calls},
+        {name: statistics.median(_p99(r[name]) for r in runs) for name in calls},
     )
 
 
 def _print(rows: list[Row]) -> None:
     names = list(rows[0].p50)
     versus = [n for n in names if n != "dynamo"] if "dynamo" in names else []
-    clustered = "cluster" in names
+    clustered = [n.removeprefix("cluster") for n in names if n.startswith("cluster")]
     head = f"{'tokens':>7} {'pods':>4} " + " ".join(f"{n + ' p50/p99 ms':>24}" for n in names)
     head += "".join(f" {n + '/dynamo':>{max(12, len(n) + 7)}}" for n in versus)
-    head += f" {'cluster/redis':>14}" if clustered else ""
+    head += "".join(f" {f'cluster{n}/redis{n}':>{max(14, 2 * len(n) + 14)}}" for n in clustered)
     print(head)
     for row in rows:
         line = f"{row.tokens:>7} {row.pods:>4} "
         line += " ".join(f"{row.p50[n]:>12.3f} / {row.p99[n]:>9.3f}" for n in names)
         for n in versus:
             line += f" {row.p50[n] / row.p50['dynamo']:>{max(12, len(n) + 7)}.2f}"
-        if clustered:
-            line += f" {row.p50['cluster'] / row.p50['redis']:>14.2f}"
+        for n in clustered:
+            ratio = row.p50[f"cluster{n}"] / row.p50[f"redis{n}"]
+            line += f" {ratio:>{max(14, 2 * len(n) + 14)}.2f}"
         print(line)
 
 
@@ -293,7 +299,12 @@ async def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--no-cluster", action="store_true", help="leave out the 3-master cluster column"
     )
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="time each row N times, report the medians"
+    )
     args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
     if not 0 <= args.new_tail < 1:
         parser.error("--new-tail must be in [0, 1)")
     if DYNAMO is not None:
@@ -308,7 +319,9 @@ async def main(argv: Sequence[str] | None = None) -> None:
                 # At least 100 lookups per row: long prompts' p50 was noise over 20.
                 count = (200_000 if not args.quick else 50_000) // (tokens // BLOCK)
                 count = min(1000, max(100 if not args.quick else 20, count))
-                row = await _row(tokens, pods, count, args.new_tail, port, backends, cluster)
+                row = await _row(
+                    tokens, pods, count, args.new_tail, port, backends, cluster, args.repeat
+                )
                 rows.append(row)
     _print(rows)
 

@@ -6,8 +6,9 @@ Key names and layout: `redis_keys.py`. The choices, and why:
 - Lookup (redis_reads.py): the chain is cut into segments of a fixed number of blocks,
   each in its own slot; one `EVALSHA` per master walks that master's segments (keys sent
   as one hex string per segment, since one argument per key cost more Python time than
-  the script), then `HGETALL` of the live generations. On one Redis that is one pipeline;
-  on a cluster at most one call per master, concurrently, then the live read. Generations
+  the script), then `HGETALL` of the live generations in the script on their master. On
+  one Redis that is one call; on a cluster at most one call per master, concurrently
+  (plus the live read when no segment is on its master). Generations
   not live are dropped, so a reset source vanishes from lookups the moment its generation
   is retired.
 - Generations are the per-source epoch. A source's life (until a reset or a clear) has a

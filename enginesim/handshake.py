@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 REGISTER_TAG = b"None"
 MAX_ROOM = 2**63 - 1
@@ -90,6 +90,20 @@ class KVMetadata:
     first_token: int
     queue_us: int
     prefill_us: int
+
+    @classmethod
+    def computed(
+        cls, room: int, cached: int, prompt_tokens: int, first_token: int, meta: dict[str, Any]
+    ) -> KVMetadata:
+        """What a prefill tells the decode of a prompt it computed (`meta`: its timings)."""
+        return cls(
+            room=room,
+            cached_tokens=cached,
+            prompt_tokens=prompt_tokens,
+            first_token=first_token,
+            queue_us=round(meta["queue_ms"] * 1000),
+            prefill_us=round(meta["prefill_ms"] * 1000),
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -313,13 +313,8 @@ class PrefillEngine:
         bootstrap_ms = round((self._clock() - started) * 1000, 3)
         cached, meta = await self._prefill(prompt, rank)
         first = self._writer.tokens(1)
-        metadata = KVMetadata(
-            room=self._faults.metadata_room(room),
-            cached_tokens=cached,
-            prompt_tokens=len(prompt.input_ids),
-            first_token=first[0],
-            queue_us=round(meta["queue_ms"] * 1000),
-            prefill_us=round(meta["prefill_ms"] * 1000),
+        metadata = KVMetadata.computed(
+            self._faults.metadata_room(room), cached, len(prompt.input_ids), first[0], meta
         )
         try:
             await self.transfer.send_ready(room, dests, metadata)

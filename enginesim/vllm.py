@@ -98,13 +98,8 @@ class VllmPrefill:
         room = room_of(request_id)
         rank_id = RankId(rank.index, 0, 0)
         host, port = self._transfer.addresses[rank_id]
-        metadata = KVMetadata(
-            room=self._faults.metadata_room(room),
-            cached_tokens=cached,
-            prompt_tokens=len(prompt.input_ids),
-            first_token=first[0],
-            queue_us=round(meta["queue_ms"] * 1000),
-            prefill_us=round(meta["prefill_ms"] * 1000),
+        metadata = KVMetadata.computed(
+            self._faults.metadata_room(room), cached, len(prompt.input_ids), first[0], meta
         )
         task = asyncio.create_task(self._hold(room, rank_id, metadata))
         self._held.add(task)

@@ -379,8 +379,12 @@ class Monitor:
         reading = await self._probe.read(url)
         directory.registered, directory.expected = reading.registered, reading.expected
         directory.error = reading.error
+        directory.misses = 0 if reading.reachable else directory.misses + 1
         if not reading.reachable:
-            directory.status = DirectoryStatus.UNREACHABLE
+            if before is not DirectoryStatus.READY or (
+                directory.misses >= self._config.failure_threshold
+            ):
+                directory.status = DirectoryStatus.UNREACHABLE
         elif reading.ready:
             directory.status = DirectoryStatus.READY
             topology = reading.topology or {}

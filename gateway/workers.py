@@ -19,7 +19,9 @@ detected by the monitor (`gateway.kinds`); SGLang's until then. A request is pai
 one kind and, when workers advertise their models, within the model it names.
 
 Eligibility (`Worker.eligible`): healthy, circuit not open and, for a prefill, directory
-`ready` or `unknown`. Computed on the request path from state the monitor keeps fresh.
+`ready` or `unknown`; a ready directory turns `unreachable` only after the health checks'
+failure threshold of unanswered reads in a row. Computed on the request path from state
+the monitor keeps fresh.
 """
 
 from __future__ import annotations
@@ -78,6 +80,10 @@ class Directory:
     registered: int | None = None
     expected: int | None = None
     error: str | None = None
+    misses: int = 0
+    """Consecutive reads that got no answer: a ready directory turns unreachable only after
+    the health checks' failure threshold of them, as a worker turns unhealthy (one probe
+    timing out in a network hiccup must not take every prefill out at once)."""
 
 
 @dataclass(slots=True)

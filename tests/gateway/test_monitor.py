@@ -10,7 +10,7 @@ from gateway.config import HealthConfig, KvEventsSpec, WorkerSpec
 from gateway.monitor import PodRegistration, RegistrationFailed, parse_server_info
 from gateway.pods import pod_info
 from gateway.requests import parse_request
-from gateway.workers import DirectoryStatus, worker_id
+from gateway.workers import DirectoryStatus, Worker, worker_id
 from tests.gateway.fakes import (
     PREFILLS,
     Cluster,
@@ -232,6 +232,34 @@ async def test_unready_directory_takes_no_traffic(
     assert [c.worker for c in gateway.pool.candidates("prefill", gateway.loads)] == [
         "10.0.0.2:30001"
     ]
+
+
+async def test_a_ready_directory_turns_unreachable_only_after_the_failure_threshold() -> None:
+    cluster = Cluster()
+    probe = StubProbe()
+    url = "http://10.0.0.1:8998"
+    probe.readings[url] = Reading(ready=True, registered=1, expected=1)
+    health = HealthConfig(failure_threshold=3)
+    gateway = await make_gateway(cluster, config(health=health), probe=probe)
+    worker = gateway.pool.get("10.0.0.1:30001")
+    assert worker is not None
+
+    def status(worker: Worker) -> DirectoryStatus:  # read anew: no narrowing between reads
+        return worker.directory.status
+
+    assert status(worker) is DirectoryStatus.READY
+    probe.readings[url] = Reading(reachable=False, ready=False, error="timed out")
+    for _ in range(2):
+        await gateway.monitor.run_once(force=True)
+        assert status(worker) is DirectoryStatus.READY
+        assert worker.eligible, "one missed read is a hiccup, not a dead directory"
+    await gateway.monitor.run_once(force=True)
+    assert status(worker) is DirectoryStatus.UNREACHABLE
+    assert not worker.eligible
+    probe.readings[url] = Reading(ready=True, registered=1, expected=1)
+    await gateway.monitor.run_once(force=True)
+    assert status(worker) is DirectoryStatus.READY
+    assert worker.directory.misses == 0
 
 
 async def test_health_checks_follow_the_interval_and_thresholds() -> None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import socket
 import ssl
 from collections.abc import Sequence
 from typing import cast
@@ -46,6 +47,14 @@ Origin = tuple[str, str, int]
 Headers = Sequence[tuple[bytes, bytes]]
 
 _BODYLESS_STATUSES = frozenset({204, 304})
+DEAD_PEER_SECS = 10.0
+"""How long a worker's host may leave a connection attempt or sent bytes unacknowledged
+before the connection counts as failed (the connect stage, and TCP_USER_TIMEOUT after it).
+A killed container or a powered-off host sends no reset: without this bound a request
+waited for the whole request timeout on a connection to nobody, where a retry on another
+worker answers at once. The kernel acknowledges bytes whatever the worker's own delay, so
+a slow prefill is never cut off by it."""
+_DEAD_PEER_MS = round(DEAD_PEER_SECS * 1000)
 _TARGETS_KEPT = 4096
 
 
@@ -125,6 +134,9 @@ class Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        sock = transport.get_extra_info("socket")
+        if sock is not None and hasattr(socket, "TCP_USER_TIMEOUT"):  # Linux
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, _DEAD_PEER_MS)
 
     def data_received(self, data: bytes) -> None:
         if self._response is None:
@@ -305,8 +317,9 @@ class ConnectionPool:
         context = (self._ssl or ssl.create_default_context()) if scheme == "https" else None
         loop = asyncio.get_running_loop()
         address: str | None = None
+        bound = DEAD_PEER_SECS if timeout is None else min(timeout, DEAD_PEER_SECS)
         try:
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout(bound):
                 address = await self._resolver.resolve(host, port)
                 _, connection = await loop.create_connection(
                     lambda: Connection(self, origin),

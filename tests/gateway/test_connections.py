@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from collections.abc import Awaitable, Callable
 
 import httpx
@@ -11,7 +12,7 @@ import pytest
 
 from gateway.calls import PAUSE_AT
 from gateway.config import WorkerSpec
-from gateway.connections import ConnectionPool
+from gateway.connections import DEAD_PEER_SECS, ConnectionPool
 from gateway.dispatch import Stream
 from gateway.policies.base import RouteRequest
 from gateway.requests import parse_request
@@ -314,3 +315,18 @@ async def test_a_connection_paused_for_its_last_answer_reads_the_next_one() -> N
         assert again.body == first + last
         await pool.aclose()
     assert server.connections == 1
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_USER_TIMEOUT"), reason="TCP_USER_TIMEOUT is Linux's")
+async def test_a_worker_connection_gives_up_on_a_peer_that_acknowledges_nothing() -> None:
+    """A killed container sends no reset; the kernel must fail the connection within
+    DEAD_PEER_SECS instead of the request waiting out its whole timeout."""
+    echo = keep_alive(lambda _, body: answer(body, b"content-type: x/y"), [])
+    async with running(echo) as server:
+        pool = ConnectionPool()
+        await PooledUpstream(pool).fetch(f"{server.url}/generate", b"x", 5.0)
+        ((connection,),) = pool._idle.values()
+        sock = connection._transport.get_extra_info("socket")
+        user_timeout = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT)
+        await pool.aclose()
+    assert user_timeout == round(DEAD_PEER_SECS * 1000)

@@ -35,6 +35,9 @@ class PodSync:
         self.service = service
         self.interval = interval
         self.retry = retry
+        self.refused: dict[str, str] = {}
+        """Pods of the registry this indexer refuses, with why: each is reported once,
+        not at every reconciliation, and again only when the reason changes."""
 
     async def run(self) -> None:
         """Reconcile now and every `interval`, and apply notifications as they come."""
@@ -59,7 +62,10 @@ class PodSync:
         pods = await self.registry.list()
         for pod in pods:
             await self._follow(pod)
-        gone = followed - {p.id for p in pods}
+        listed = {p.id for p in pods}
+        for pod_id in set(self.refused) - listed:
+            del self.refused[pod_id]
+        gone = followed - listed
         if gone and not await self.registry.intact():
             # Lost after the check above, before the list was read: what the list lacks
             # was not deleted. Asked after the list, "intact" vouches for what it read.
@@ -79,6 +85,7 @@ class PodSync:
         if pod is not None:
             await self._follow(pod)
             return
+        self.refused.pop(pod_id, None)
         if pod_id not in {p.id for p in self.service.pods()}:
             return
         if not await self.registry.intact():
@@ -93,7 +100,13 @@ class PodSync:
         try:
             await self.service.add_pod(pod)
         except (TopicTaken, EndpointRefused) as exc:
-            log.warning("not following a pod of the registry: %s", exc)
+            reason = str(exc)
+            if self.refused.get(pod.id) != reason:
+                log.warning("not following a pod of the registry: %s", reason)
+            self.refused[pod.id] = reason
+            return
+        if self.refused.pop(pod.id, None) is not None:
+            log.info("pod %s of the registry is followed now", pod.id)
 
     async def _watch(self) -> None:
         while True:

@@ -325,6 +325,24 @@ async def test_podsync_follows_the_registry_but_a_refused_pod(
     assert "not following a pod of the registry: pod sneaky" in caplog.text
 
 
+async def test_a_refused_pod_is_reported_once_not_at_every_reconciliation(
+    make_service: ServiceFactory,
+    registry: MemoryRegistry,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    sync = PodSync(registry, make_service())
+    await registry.put(_ipc_pod("sneaky"))
+    for _ in range(3):
+        await sync.reconcile()
+    assert caplog.text.count("not following a pod of the registry") == 1
+    await registry.remove("sneaky")
+    await sync.reconcile()
+    assert sync.refused == {}
+    await registry.put(_ipc_pod("sneaky"))
+    await sync.reconcile()
+    assert caplog.text.count("not following a pod of the registry") == 2
+
+
 class _RestartingRegistry(_LosingRegistry):
     """Intact when asked, then empty when listed: Redis restarted between the two calls."""
 

@@ -61,7 +61,7 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ComposeP
         files=[ROOT / "docker-compose.yml", ROOT / "docker-compose.cluster.yml", Path(image)],
     )
     try:
-        stack.run("up", "-d", "--no-build", timeout=300)
+        stack.up()
         stack.wait_healthy(SERVICES, timeout=300)
         yield stack, f"http://127.0.0.1:{ports['GATEWAY']}"
     finally:

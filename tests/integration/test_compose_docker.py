@@ -63,7 +63,7 @@ def stack() -> Iterator[Stack]:
     )
     try:
         started = time.monotonic()
-        project.run("up", "-d", "--no-build", timeout=300)
+        project.up()
         project.wait_healthy(SERVICES, timeout=300)
         up_s = time.monotonic() - started
         print(f"\ncompose: image built in {build_s:.0f} s, every service healthy in {up_s:.0f} s")

@@ -138,6 +138,45 @@ class ComposeProject:
             out[c["Config"]["Labels"]["com.docker.compose.service"]] = status
         return out
 
+    def up(self, timeout: float = 300.0) -> None:
+        """`up -d --no-build`; when it fails (a dependency went unhealthy, say), the error
+        holds each container's state, its last health-check results and, for any not
+        healthy, the tail of its log: a start-up failure in CI must say which and why."""
+        result = self.run("up", "-d", "--no-build", timeout=timeout, check=False)
+        if result.returncode != 0:
+            raise AssertionError(
+                f"up exited {result.returncode}:\n{result.stdout}\n{result.stderr}\n"
+                + self.diagnosis()
+            )
+
+    def diagnosis(self) -> str:
+        """Per container: state, health, the last health-check outputs, a log tail."""
+        ids = self.containers()
+        if not ids:
+            return "no containers"
+        result = _run(["docker", "inspect", *ids.values()], 30.0)
+        if result.returncode != 0:
+            return f"docker inspect failed: {result.stderr}"
+        lines = []
+        for c in json.loads(result.stdout):
+            service = c["Config"]["Labels"]["com.docker.compose.service"]
+            state = c["State"]
+            health = state.get("Health") or {}
+            lines.append(
+                f"== {service}: {state['Status']} (exit {state.get('ExitCode')}, "
+                f"restarts {c.get('RestartCount')}, started {state.get('StartedAt')}), "
+                f"health {health.get('Status')}, failing streak {health.get('FailingStreak')}"
+            )
+            for probe in health.get("Log", [])[-5:]:
+                output = " ".join(str(probe.get("Output", "")).split())[:300]
+                lines.append(
+                    f"   check {probe.get('Start')} exit {probe.get('ExitCode')}: {output}"
+                )
+            if health.get("Status") != "healthy":
+                tail = _run(["docker", "logs", "--tail", "40", c["Id"]], 30.0)
+                lines.append(tail.stdout[-4000:] + tail.stderr[-4000:])
+        return "\n".join(lines)
+
     def wait_healthy(self, services: set[str], timeout: float) -> float:
         """Seconds until every service's health check passes; fails with their logs."""
         started = time.monotonic()
@@ -147,8 +186,9 @@ class ComposeProject:
             if set(health) >= services and all(health[s] == "healthy" for s in services):
                 return time.monotonic() - started
             if time.monotonic() > deadline:
-                logs = self.run("logs", "--no-color", "--tail", "40", check=False).stdout
-                raise AssertionError(f"not all healthy after {timeout:.0f}s: {health}\n{logs}")
+                raise AssertionError(
+                    f"not all healthy after {timeout:.0f}s: {health}\n{self.diagnosis()}"
+                )
             time.sleep(0.5)
 
     def down(self) -> None:

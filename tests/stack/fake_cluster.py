@@ -1,10 +1,11 @@
 """A whole cluster behind one `httpx.MockTransport`, with knobs to break each stage.
 
-One prefill (with its bootstrap directory and one rank) and one decode, a gateway and an
-indexer, answering what `doctor` reads: the gateway's /health, /workers, /metrics and
-/generate; the engines' /health; the directory's /v1/directory and /route; the indexer's
-/health, /v1/pods and /v1/lookup. Probes move the gateway's counters and the indexer's
-applied batches the way the real components do.
+One prefill (with its bootstrap directory and one rank) and one decode (and, when asked,
+a vLLM pool of one prefill and one decode beside them), a gateway and an indexer,
+answering what `doctor` reads: the gateway's /health, /workers, /metrics, /generate and
+/v1/completions; the engines' /health; the directory's /v1/directory and /route; the
+indexer's /health, /v1/pods and /v1/lookup. Probes move the gateway's counters and the
+indexer's applied batches the way the real components do.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ INDEXER = "http://ix.test:8100"
 PREFILL = "http://p0.test:30000"
 DIRECTORY = "http://p0.test:8998"
 DECODE = "http://d0.test:30000"
+VLLM_PREFILL = "http://vp0.test:8000"
+VLLM_DECODE = "http://vd0.test:8000"
+VLLM_MODEL = "mv"
 RANK = ("10.0.0.1", 40000)
 MODEL = "m"
 TIMINGS = {"register": 1.5, "rank": 0.5, "connect": 2.0, "transfer": 10.0, "room": 0.1}
@@ -64,6 +68,10 @@ class FakeCluster:
     """Base URLs that received an Authorization header."""
     gateway_token: str | None = None
     """When set, the gateway's admin reads need `Bearer <it>`, as with --admin-token."""
+    vllm_pool: bool = False
+    """The gateway also pairs a vLLM prefill and decode serving VLLM_MODEL."""
+    completions: list[dict[str, Any]] = field(default_factory=list)
+    """The bodies of the /v1/completions the gateway answered."""
 
     def transport(self) -> httpx.MockTransport:
         return httpx.MockTransport(self.handle)
@@ -95,6 +103,16 @@ class FakeCluster:
     # ------------------------------------------------------------------ gateway
 
     def workers(self) -> list[dict[str, Any]]:
+        return self._sglang_workers() + (self._vllm_workers() if self.vllm_pool else [])
+
+    def _vllm_workers(self) -> list[dict[str, Any]]:
+        common = {"eligible": True, "health": "healthy", "circuit": "closed", "kind": "vllm"}
+        common |= {"consecutive_failures": 0, "in_flight": 0, "served_model": VLLM_MODEL}
+        prefill = {"id": "vp0.test:8000", "url": VLLM_PREFILL, "role": "prefill", "pod": "vp0"}
+        decode = {"id": "vd0.test:8000", "url": VLLM_DECODE, "role": "decode"}
+        return [prefill | common, decode | common]
+
+    def _sglang_workers(self) -> list[dict[str, Any]]:
         return [
             {
                 "id": "p0.test:30000",
@@ -156,7 +174,18 @@ class FakeCluster:
             return httpx.Response(200, text=self.metrics_text())
         if path == "/generate":
             return self._probe(json.loads(request.content))
+        if path == "/v1/completions" and self.vllm_pool:
+            return self._completion(json.loads(request.content))
         return httpx.Response(404)
+
+    def _completion(self, body: dict[str, Any]) -> httpx.Response:
+        repeat = bool(self.completions)
+        self.completions.append(body)
+        self.count("globalkv_gateway_routing_decisions", role="prefill", policy=self.policy)
+        prompt = len(body["prompt"]) + 1
+        cached = (prompt // 16) * 16 if repeat else 0
+        usage = {"prompt_tokens": prompt, "prompt_tokens_details": {"cached_tokens": cached}}
+        return httpx.Response(200, json={"choices": [{"text": "abcd"}], "usage": usage})
 
     def _probe(self, body: dict[str, Any]) -> httpx.Response:
         repeat = self.probes > 0
@@ -231,7 +260,10 @@ class FakeCluster:
             status = "ok" if self.index_status == 200 else "resyncing"
             return httpx.Response(self.index_status, json={"status": status, "pods": 1})
         if path == "/v1/pods":
-            return httpx.Response(200, json={"pods": [self._pod()]})
+            pods = [self._pod()]
+            if self.vllm_pool:
+                pods.append(self._pod() | {"id": "vp0", "model": VLLM_MODEL, "url": VLLM_PREFILL})
+            return httpx.Response(200, json={"pods": pods})
         if path == "/v1/lookup":
             body = json.loads(request.content)
             if "text" in body and not self.index_tokenizer:

@@ -13,6 +13,7 @@ from tests.stack.fake_cluster import (
     INDEXER,
     RANK,
     SETTINGS,
+    VLLM_MODEL,
     FakeCluster,
 )
 
@@ -295,3 +296,22 @@ async def test_the_api_key_goes_to_the_gateway_only() -> None:
     report = await diagnose(fake, api_key="secret")
     assert report.healthy
     assert fake.authorized == {GATEWAY}
+
+
+async def test_a_gateway_with_an_sglang_and_a_vllm_pool_is_probed_in_each() -> None:
+    fake = FakeCluster(vllm_pool=True)
+    report = await diagnose(fake)
+    assert fake.probes == 2  # /generate, then again
+    assert [body.get("model") for body in fake.completions] == [VLLM_MODEL, VLLM_MODEL]
+    probe = findings(report.stage("probe"))
+    assert probe["SGLang pool: answer"][0] is Level.OK
+    assert probe["vLLM pool: answer"][0] is Level.OK
+    routing = findings(report.stage("routing"))
+    assert routing["SGLang pool: repeated probe"][0] is Level.OK
+    assert routing["vLLM pool: repeated probe"][0] is Level.OK
+    assert report.healthy
+
+
+async def test_a_gateway_with_one_pool_keeps_unlabelled_findings() -> None:
+    report = await diagnose(FakeCluster())
+    assert "answer" in findings(report.stage("probe"))

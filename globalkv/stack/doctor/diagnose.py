@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import httpx
@@ -142,7 +143,8 @@ class Doctor:
         if config.indexer:
             await check_lookup(routing, self._reader, config.indexer, _model(workers, pods))
         if config.gateway and config.probe:
-            await self._probe(report, config.gateway, pods, _vllm_only(workers))
+            for pool in _pools(workers):
+                await self._probe(report, config.gateway, pods, pool)
         else:
             why = "--no-probe given" if config.gateway else "the probe needs --gateway"
             report.stage("probe").skip("probe", why)
@@ -152,16 +154,20 @@ class Doctor:
         samples = await self._gateway_reader.samples(f"{gateway}/metrics")
         return samples if isinstance(samples, Samples) else None
 
-    async def _probe(self, report: Report, gateway: str, pods: PodsView | None, vllm: bool) -> None:
-        probe, routing = report.stage("probe"), report.stage("routing")
+    async def _probe(
+        self, report: Report, gateway: str, pods: PodsView | None, pool: ProbedPool
+    ) -> None:
+        probe = report.stage("probe").labelled(pool.label)
+        routing = report.stage("routing").labelled(pool.label)
         prober = Prober(
             self._gateway_reader,
             gateway,
             max_new_tokens=self.config.max_new_tokens,
             clock=self._clock,
-            vllm=vllm,
+            vllm=pool.vllm,
+            model=pool.model,
         )
-        text = probe_text(self._nonce)
+        text = probe_text(f"{self._nonce}{pool.label}")
         before = await self._samples(gateway)
         response, elapsed = await prober.send(text)
         first = interpret(probe, response, elapsed, vllm=prober.vllm)
@@ -176,8 +182,9 @@ class Doctor:
             routing.warn("probe routing", "the gateway's /metrics could not be read")
         by_index = delta is not None and judge_decision(routing, delta, "probe routing")
         if self.config.indexer and pods is not None:
-            await self._wait_visible(report.stage("index"), self.config.indexer, pods)
-        await self._repeat(report, prober, text, by_index=by_index)
+            index = report.stage("index").labelled(pool.label)
+            await self._wait_visible(index, self.config.indexer, pods)
+        await self._repeat(probe, routing, prober, text, by_index=by_index)
 
     async def _wait_visible(self, stage: Stage, indexer: str, pods: PodsView) -> None:
         """The probe's KV events must reach the index: the freshness that matters."""
@@ -202,18 +209,19 @@ class Doctor:
             f"applied from pod {pod} dp{rank} within {waited * 1000:.0f} ms of the answer",
         )
 
-    async def _repeat(self, report: Report, prober: Prober, text: str, *, by_index: bool) -> None:
+    async def _repeat(
+        self, probe: Stage, routing: Stage, prober: Prober, text: str, *, by_index: bool
+    ) -> None:
         """The same prompt again must be served from the cache the first one left."""
         response, elapsed = await prober.send(text)
         scratch = Stage("repeat", "repeated probe")
         again = interpret(scratch, response, elapsed, vllm=prober.vllm)
         if again is None:
             for failure in scratch.failures:
-                report.stage("probe").fail(f"repeated probe, {failure.subject}", failure.message)
+                probe.fail(f"repeated probe, {failure.subject}", failure.message)
             return
         cached = again.cached_tokens or 0
         message = f"{cached} of {again.prompt_tokens} prompt tokens were cached on the prefill"
-        routing = report.stage("routing")
         if cached > 0:
             routing.ok("repeated probe", f"{message}: it went to the pod holding its prefix")
         elif by_index:
@@ -233,11 +241,31 @@ def _retries(stage: Stage, delta: Samples) -> None:
         stage.warn("retries", f"the gateway retried the probe with a new pair: {sides}")
 
 
-def _vllm_only(workers: WorkersView | None) -> bool:
-    """Every prefill speaks vLLM's protocol: the probe asks /v1/completions, which vLLM
-    serves, instead of SGLang's /generate."""
+@dataclass(frozen=True, slots=True)
+class ProbedPool:
+    vllm: bool
+    """Probed through /v1/completions, which vLLM serves, instead of SGLang's /generate."""
+    model: str | None
+    label: str
+    """Before the pool's findings when the gateway serves two pools, else empty."""
+
+
+def _pools(workers: WorkersView | None) -> list[ProbedPool]:
+    """One probe per kind of prefill the gateway pairs. /generate reaches SGLang pairs
+    only; the vLLM probe names the model its prefills serve, so that a gateway with an
+    SGLang pool and a vLLM pool of different models routes it to the vLLM one (when both
+    serve one model, the gateway may answer it from either)."""
     prefills = [w for w in workers.workers if w.role == "prefill"] if workers else []
-    return bool(prefills) and all(w.kind == "vllm" for w in prefills)
+    vllm = [w for w in prefills if w.kind == "vllm"]
+    if not vllm:
+        return [ProbedPool(vllm=False, model=None, label="")]
+    if len(vllm) == len(prefills):
+        return [ProbedPool(vllm=True, model=None, label="")]
+    model = next((w.served_model for w in vllm if w.served_model), None)
+    return [
+        ProbedPool(vllm=False, model=None, label="SGLang pool: "),
+        ProbedPool(vllm=True, model=model, label="vLLM pool: "),
+    ]
 
 
 def _model(workers: WorkersView | None, pods: PodsView | None) -> str | None:

@@ -170,9 +170,13 @@ class Prober:
         max_new_tokens: int,
         clock: Clock = time.monotonic,
         vllm: bool = False,
+        model: str | None = None,
     ) -> None:
+        """`model`: named in the probe, so a gateway with a pool per model routes it to
+        that model's pool."""
         self._reader = reader
         self.vllm = vllm
+        self._model = model
         self._url = f"{gateway}/v1/completions" if vllm else f"{gateway}/generate"
         self._max_new_tokens = max_new_tokens
         self._clock = clock
@@ -184,6 +188,8 @@ class Prober:
         }
         if self.vllm:
             body = {"prompt": text, "max_tokens": self._max_new_tokens, "temperature": 0}
+        if self._model is not None:
+            body["model"] = self._model
         started = self._clock()
         response = await self._reader.post(self._url, body)
         return response, self._clock() - started

@@ -41,11 +41,17 @@ class Stage:
     key: str
     title: str
     findings: list[Finding] = field(default_factory=list)
+    label: str = ""
+    """Put before each subject: a gateway serving two pools is probed once per pool."""
 
     def add(self, level: Level, subject: str, message: str) -> Finding:
-        finding = Finding(level, subject, message)
+        finding = Finding(level, f"{self.label}{subject}", message)
         self.findings.append(finding)
         return finding
+
+    def labelled(self, label: str) -> Stage:
+        """This stage, its findings' subjects led by `label`."""
+        return Stage(self.key, self.title, self.findings, label) if label else self
 
     def ok(self, subject: str, message: str) -> None:
         self.add(Level.OK, subject, message)

@@ -20,9 +20,10 @@ check refuses those late writes and they are counted (`globalkv_ingest_fenced_wr
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from globalkv.index.base import Fence, IndexUnavailable
 from globalkv.ingest.leases import Held, Leases, assign
@@ -45,9 +46,12 @@ class Ownership:
         member: str,
         ttl: float,
         set_fence: Callable[[str, Fence | None], None],
+        copy_fence: Callable[[str, str], Awaitable[None]] | None = None,
         clock: Clock = time.monotonic,
     ) -> None:
-        """`set_fence(pod, fence)` tells the index which lease its writes of a pod carry."""
+        """`set_fence(pod, fence)` tells the index which lease its writes of a pod carry;
+        `copy_fence(pod, token)` writes a token to the index's copies of the pod's fence
+        (`Leases.acquire`'s `copy`: a Redis Cluster's masters each check one)."""
         self.leases = leases
         self.registry = registry
         self.service = service
@@ -56,6 +60,7 @@ class Ownership:
         self.ttl = ttl
         self.interval = ttl / 3
         self._set_fence = set_fence
+        self._copy_fence = copy_fence
         self.clock = clock
         self.fences: dict[str, Fence] = {}
         self.members: list[str] = []
@@ -129,7 +134,9 @@ class Ownership:
             self.metrics.leases_held.set(len(self.fences))
 
     async def _take(self, info: PodInfo) -> None:
-        grant = await self.leases.acquire(info.id, self.member, self.ttl)
+        copy = None if self._copy_fence is None else functools.partial(self._copy_fence, info.id)
+        # Grant, then copies on every master, then following: see `Leases.acquire`.
+        grant = await self.leases.acquire(info.id, self.member, self.ttl, copy=copy)
         if isinstance(grant, Held):  # the previous owner releases it, or it runs out
             retry = self.clock() + grant.expires_in + 0.01
             self._retry_at = retry if self._retry_at is None else min(self._retry_at, retry)

@@ -24,10 +24,12 @@ writer's: an indexer whose lease was taken over writes nothing on any master.
   taken over and a master then lost the taker's copy, all before the re-copy arrived.
 - Where a master's copy is: in every slot of `CANDIDATES`, a fixed set of slots spread
   over the ring (a copy is written to all of them, whichever master serves each), and a
-  block call checks the first candidate its master serves. So a writer whose slot map is
-  out of date still checks a copy the taker wrote; a master serving no candidate (a
-  cluster of many masters) uses the first slot it serves in `STRIDE` order instead, which
-  the taker's slot map must agree on.
+  block call checks the first candidate its master serves. A reshard moves a copy with
+  its slot, so every candidate still holds the taker's token and a writer checks one
+  whichever candidate its master serves now; with a slot map older than the reshard
+  the master refuses the call ("non local key", unavailable: redis_shards.py). A master
+  serving no candidate (a cluster of many masters) uses the first slot it serves in
+  `STRIDE` order instead, which the taker's slot map must agree on.
 - One Redis: the batch call holds every write and the fence check; there are no copies.
 """
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from globalkv.index.base import IndexFenced, Source, SourceBatch
+from globalkv.index.base import IndexFenced, IndexUnavailable, Source, SourceBatch
 from globalkv.index.redis import RedisIndex
 from globalkv.ingest.leases import Grant, Leases
 from globalkv.redis_client import Client, connect
@@ -219,3 +219,57 @@ async def test_a_copy_only_rises(clients: list[Client], redis_cluster: LocalRedi
     assert copies() == {b"8:"}
     await index.copy_fence(POD, "8:c")
     assert copies() == {b"8:c"}
+
+
+def _move_slot(cluster: LocalRedisCluster, slot: int, source: int, target: int) -> None:
+    """Reshard `slot` (its keys with it) from master port `source` to `target`, as
+    `redis-cli --cluster reshard` does."""
+    nodes = {n.port: n for n in cluster.nodes}
+    with nodes[source].client(timeout=5) as src, nodes[target].client(timeout=5) as dst:
+        src_id, dst_id = src.execute_command("CLUSTER MYID"), dst.execute_command("CLUSTER MYID")
+        dst.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", src_id)
+        src.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", dst_id)
+        while keys := src.execute_command("CLUSTER GETKEYSINSLOT", slot, 100):
+            src.execute_command("MIGRATE", "127.0.0.1", target, "", 0, 5000, "KEYS", *keys)
+    for port in cluster.master_ports():
+        with nodes[port].client(timeout=5) as client:
+            client.execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)
+
+
+async def test_a_copys_slot_moved_by_a_reshard_is_found_again(
+    clients: list[Client], redis_cluster: LocalRedisCluster, redis_cluster_url: str
+) -> None:
+    """Slot 0 (the first place of every copy) moves to another master: the writers find
+    their masters' copies in the next place, so the holder writes and the stale writer,
+    with an old slot map or a new one, writes nothing."""
+    old, new = Indexer(clients[0], "old"), Indexer(clients[1], "new")
+    lost = await old.take()
+    await old.write(0)
+    grant = await new.take()
+    await clients[2].initialize()  # type: ignore[union-attr]
+    home = clients[2].nodes_manager.get_node_from_slot(0).port  # type: ignore[union-attr]
+    away = next(p for p in redis_cluster.master_ports() if p != home)
+    _move_slot(redis_cluster, 0, home, away)
+    fresh = [connect(redis_cluster_url) for _ in range(2)]
+    try:
+        before = snapshot(redis_cluster)
+        moved = new.index.keys.fence_copy(0, POD).encode()
+        assert moved in before[away]  # the copy went with its slot
+        assert any(k.startswith(b"gkv:fc:") for k in before[home])  # the next places
+        with pytest.raises((IndexFenced, IndexUnavailable)):  # its slot map is out of date
+            await old.write(1)
+        stale = Indexer(fresh[0], "old")
+        stale.index.set_fence(POD, lost.fence)
+        with pytest.raises(IndexFenced):
+            await stale.write(1)
+        assert snapshot(redis_cluster) == before
+
+        holder = Indexer(fresh[1], "new")
+        holder.index.set_fence(POD, grant.fence)
+        await holder.write(1)
+        (stats,) = await holder.index.stats(POD)
+        assert stats.last_seq == 1
+    finally:
+        for client in fresh:
+            await client.aclose()
+        _move_slot(redis_cluster, 0, away, home)

@@ -29,10 +29,10 @@ new one), all under the hash tag `{p}`, one slot, so each write's checks are one
 Per writer and slot, on a cluster (redis_checkpoints.py):
     {p}:ck:{<slot tag>}<writer>   counter of the writer's block calls on that slot
 
-Per pod and master, on a cluster with leases (redis_fences.py):
+Per pod, on a cluster with leases (redis_fences.py), in each of a fixed set of slots:
     {p}:fc:{<slot tag>}<pod>      string: a copy of the pod's fencing token ("<n>:<holder>",
-                                  or "<n>:" barring every token below n), in a slot of
-                                  that master, checked by the block calls there
+                                  or "<n>:" barring every token below n), checked by the
+                                  block calls of the master serving the slot
 """
 
 from __future__ import annotations

@@ -4,9 +4,10 @@ Every `interval` (a third of the lease TTL) the indexer announces itself, renews
 leases it holds, computes the assignment of the registry's pods over the live indexers
 (`leases.assign`, the same on every indexer) and moves towards it: a pod it holds but is
 no longer assigned is stopped and released (another indexer takes it at its next step),
-an assigned pod that is free is acquired and followed; one still held by another is tried
-again the moment that lease runs out, so a dead indexer's pods go unfollowed at most about
-the TTL after it last renewed. Following starts where the index
+an assigned pod that is free is acquired (on a Redis Cluster its fence copied to every
+master before the grant returns: `Leases.acquire`) and followed; one still held by
+another is tried again the moment that lease runs out, so a dead indexer's pods go
+unfollowed at most about the TTL after it last renewed. Following starts where the index
 says the previous holder stopped (`IngestService` resumes from the last applied seq, by
 replay from the engine's buffer, else resets the source).
 

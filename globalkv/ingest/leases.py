@@ -20,7 +20,9 @@ on a Redis Cluster and the apply script reads the fence where it writes:
 
 The token is compared for equality, counter and holder together. The counter is the
 larger of the last one plus one and Redis's time in ms, so it keeps rising after Redis
-lost its data (the masters' copies compare counters: a lower one is an earlier lease).
+lost its data (the masters' copies compare counters: a lower one is an earlier lease),
+unless the Redis that lost it also came back with a clock behind the last grant: the
+copies then refuse its new holders (`IndexFenced`) until its clock passes that grant.
 
 Assignment (`assign`) is rendezvous hashing with bounded load: every indexer computes it
 from the same registry and the same live members, so they agree without talking; each pod

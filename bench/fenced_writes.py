@@ -91,6 +91,8 @@ async def run(args: argparse.Namespace) -> None:
     grants: dict[str, list[float]] = {name: [] for name, _, _ in versions}
     with redis_cluster() as cluster:
         client = connect(cluster.url)
+        for _, make, copies in versions:  # untimed: connections to every master, scripts
+            await measure(client, make, copies, work[:CONVERSATIONS])
         for _ in range(args.repeat):
             for name, make, copies in versions:
                 batch, grant = await measure(client, make, copies, work)

@@ -159,6 +159,7 @@ class Indexer:
                 member=config.member_id,
                 ttl=config.lease_ttl,
                 set_fence=index.set_fence,
+                copy_fence=index.copy_fence,
             )
         self.podsync = PodSync(registry, self.ingest, interval=config.reconcile_interval)
         self._podsync_task: asyncio.Task[None] | None = None

@@ -39,11 +39,10 @@ Key names and layout: `redis_keys.py`. The choices, and why:
   kept by ingest's ownership): the apply script's batch call checks the writer's token
   against the pod's current one, and a pod without a fence is not written at all, so an
   indexer that lost a lease cannot write, whatever it still believes (`IndexFenced`). On
-  one Redis the check and every write are one script. On a cluster the block writes go
-  to their masters first: the token is read before them, so a writer fenced since is
-  refused before it writes, but one whose lease is taken over within that round trip can
-  still write its block fields (its batch call is then refused): a window of one round
-  trip, which only a per-master copy of the fence would close.
+  one Redis the check and every write are one script. On a cluster each master's block
+  call checks that master's copy of the token, which a taker writes to every master
+  before following the pod (`copy_fence`), so a writer whose lease was taken over writes
+  nothing on any master (redis_fences.py).
 - Layout: the first lookup and the first write of a process check the prefix's layout
   version (`redis_keys.check_layout`), so processes of different versions sharing a Redis
   refuse each other's data (`LayoutMismatch`, an `IndexUnavailable`) instead of misreading.
@@ -75,9 +74,10 @@ from globalkv.index.base import (
     Tier,
 )
 from globalkv.index.packing import EngineBlock
-from globalkv.index.redis_batch import BlockWrites, Writer, apply_args, seq_ts, source_stats
-from globalkv.index.redis_checkpoints import TTL, Checkpoints
+from globalkv.index.redis_batch import Writer, apply_args, seq_ts, source_stats
+from globalkv.index.redis_checkpoints import Checkpoints
 from globalkv.index.redis_failures import reachable
+from globalkv.index.redis_fences import ClusterWrites, fence_of
 from globalkv.index.redis_keys import RedisKeys, check_layout, parse_source_name, source_name
 from globalkv.index.redis_log import drop_generation, read_log
 from globalkv.index.redis_reads import lookup
@@ -118,6 +118,7 @@ class RedisIndex:
         self._redis = redis
         self._shards = Shards(redis)
         self._checks = Checkpoints(self.keys)
+        self._blocks = ClusterWrites(redis, self.keys, self._shards, self._checks)
         self._weights = TierWeights(tier_weights)
         self._writers: dict[Source, Writer] = {}
         self._locks: dict[Source, asyncio.Lock] = {}
@@ -135,6 +136,12 @@ class RedisIndex:
         # Another writer may have written the pod while we did not hold it: reload.
         for source in [s for s in self._writers if s.pod == pod]:
             del self._writers[source]
+
+    async def copy_fence(self, pod: str, token: str) -> None:
+        """On a cluster, `token` to every master's copy of the pod's fence (`Leases.acquire`'s
+        `copy`): each master's block writes check their copy."""
+        if self.fenced:
+            await self._blocks.copy(pod, token)
 
     # -------------------------------------------------------------------- reads
 
@@ -170,6 +177,7 @@ class RedisIndex:
             await self._check_writes()
         source = batch.source
         async with self._lock(source):
+            fence = fence_of(self.fenced, self._fences, source.pod)
             writer = await self._writer(source)
             state = writer.state
             result = ApplyResult()
@@ -188,10 +196,10 @@ class RedisIndex:
                         batch.seq,
                         batch.ts,
                         inline=self._shards.cluster is None,
-                        fence=self._fence_args(source.pod),
+                        fence=_fence_args(fence),
                     )
-                    await self._check_fence(source.pod)
-                    await self._write_blocks(writes, source)
+                    if self._shards.cluster is not None and writes.names:
+                        await self._blocks.write(writes, source, fence)
                     await self._run_apply(args)
             except IndexUnavailable as exc:
                 # A failover shows as an unavailable cluster; a loss already found does not.
@@ -232,7 +240,7 @@ class RedisIndex:
                 state.last_seq,
                 state.last_ts,
                 inline=True,
-                fence=self._fence_args(source.pod),
+                fence=_fence_args(fence_of(self.fenced, self._fences, source.pod)),
             )
             self._writers.pop(source, None)
             with reachable("resetting a source"):
@@ -324,25 +332,6 @@ class RedisIndex:
     async def _new_gen(self) -> int:
         return await self._redis.incr(self.keys.next_gen)
 
-    async def _write_blocks(self, writes: BlockWrites, source: Source) -> None:
-        """A cluster's block writes, one call per master, before the batch's own call: a
-        failure half-way leaves the batch unlogged, so its retry sends them all again
-        (they are idempotent). On one Redis they went inside that call."""
-        if self._shards.cluster is None or not writes.names:
-            return
-        items = list(zip(writes.slots, writes.names, writes.values, strict=True))
-        groups = self._shards.group(writes.slots, items)
-        counts = await asyncio.gather(*(self._write_group(writes.gen, g) for g in groups))
-        for group, count in zip(groups, counts, strict=True):
-            self._checks.wrote(group[0][0], int(count), source)
-
-    async def _write_group(self, gen: int, group: list[tuple[int, str, str]]) -> Any:
-        names = "\n".join(name for _, name, _ in group)
-        values = ",".join(value for _, _, value in group)
-        checkpoint = self._checks.name(group[0][0])
-        argv = ("blocks", gen, len(group), names, values, checkpoint, TTL)
-        return await APPLY.run(self._redis, (group[0][1],), argv)
-
     async def _check_writes(self) -> None:
         """After the cluster was unavailable: hide the sources a failover lost writes of."""
         with reachable("checking for lost writes"):
@@ -355,24 +344,6 @@ class RedisIndex:
         raise IndexDataLost(
             f"a Redis Cluster failover lost block writes of {len(lost)} sources: reset"
         )
-
-    async def _check_fence(self, pod: str) -> None:
-        """On a cluster, before the block writes go to their masters: the batch call that
-        checks the fence comes after them."""
-        if self._shards.cluster is None or not self.fenced:
-            return
-        key, token = self._fence_args(pod)
-        current = await self._redis.hget(key, "token")
-        if current is None or _text(current) != token:
-            raise IndexFenced(f"pod {pod}: its lease was taken over")
-
-    def _fence_args(self, pod: str) -> tuple[str, str]:
-        if not self.fenced:
-            return "", ""
-        fence = self._fences.get(pod)
-        if fence is None:
-            raise IndexFenced(f"pod {pod}: this indexer holds no lease of it")
-        return fence.key, fence.token
 
     async def _run_apply(self, args: list[Any]) -> None:
         status = await APPLY.run(self._redis, (self.keys.marker,), args)
@@ -399,6 +370,10 @@ class RedisIndex:
         with reachable("dropping retired generations"):
             for raw in await self._redis.smembers(self.keys.dead):
                 await drop_generation(self._redis, self.keys, self._shards, int(raw))
+
+
+def _fence_args(fence: Fence | None) -> tuple[str, str]:
+    return ("", "") if fence is None else (fence.key, fence.token)
 
 
 def _text(raw: bytes | str) -> str:

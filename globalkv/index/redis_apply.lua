@@ -12,7 +12,11 @@
 --   1     'blocks' (only the block writes below, for one cluster master) or 'batch'
 --   for 'blocks': 2 generation, 3 n, 4 the n block keys joined by newlines, 5 their new
 --         field values (0 = no longer held) joined by commas, 6 the writer's checkpoint
---         counter on this call's slot, 7 its time to live; returns the counter's new value
+--         counter on this call's slot, 7 its time to live, 8 this master's copy of the
+--         pod's fence ('' = not fenced: redis_fences.py), 9 the writer's token; returns
+--         the counter's new value, or without writing 'fenced' (the copy's counter is
+--         above the token's: a newer lease) or 'recopy' (the copy is missing, older or
+--         a barrier: the writer checks its lease and copies its token again)
 --   for 'batch':
 --   2-6   marker key, the writer's marker token, sources hash, live hash, dead set
 --   7     source name
@@ -56,7 +60,21 @@ local function write_blocks(gen, n, names, values)
   end
 end
 
+-- A fencing token's counter: the digits before its ':'.
+local function counter(token)
+  return tonumber(sub(token, 1, (find(token, ':', 1, true) or 1) - 1)) or 0
+end
+
 if ARGV[1] == 'blocks' then
+  if ARGV[8] ~= '' then
+    local copy = call('GET', ARGV[8])
+    if copy ~= ARGV[9] then
+      if copy and counter(copy) > counter(ARGV[9]) then
+        return 'fenced'
+      end
+      return 'recopy'
+    end
+  end
   write_blocks(ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5])
   local count = call('INCR', ARGV[6])
   call('EXPIRE', ARGV[6], ARGV[7])

@@ -28,6 +28,11 @@ new one), all under the hash tag `{p}`, one slot, so each write's checks are one
 
 Per writer and slot, on a cluster (redis_checkpoints.py):
     {p}:ck:{<slot tag>}<writer>   counter of the writer's block calls on that slot
+
+Per pod, on a cluster with leases (redis_fences.py), in each of a fixed set of slots:
+    {p}:fc:{<slot tag>}<pod>      string: a copy of the pod's fencing token ("<n>:<holder>",
+                                  or "<n>:" barring every token below n), checked by the
+                                  block calls of the master serving the slot
 """
 
 from __future__ import annotations
@@ -175,6 +180,10 @@ class RedisKeys:
     def checkpoint(self, slot: int, writer: str) -> str:
         """A writer's counter of block calls on `slot` (redis_checkpoints.py)."""
         return f"{self.prefix}:ck:{{{slot_tags()[slot]}}}{writer}"
+
+    def fence_copy(self, slot: int, pod: str) -> str:
+        """A master's copy of `pod`'s fencing token, on `slot` (redis_fences.py)."""
+        return f"{self.prefix}:fc:{{{slot_tags()[slot]}}}{pod}"
 
     def log(self, gen: int) -> str:
         return f"{self.tag}:index:gen:{gen}:log"

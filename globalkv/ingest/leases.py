@@ -6,6 +6,9 @@ token comes from a counter that only grows, and every index write of the pod's s
 carries it (`index.base.Fence`): the apply script refuses a write whose token is not the
 pod's current one, so an indexer that was paused or cut off past its TTL cannot write
 after another took the pod over, even if it does not know yet that it lost the lease.
+On a Redis Cluster the block writes go to other masters than the lease, so each master
+holds a copy of the token, written by the taker before and after the grant (`acquire`'s
+`copy`) and checked by the block writes there: `index.redis_fences`.
 
 Keys, all under the index's hash tag `{p}` (the prefix in braces, as the index's own
 metadata: `redis_keys`), so a lease, its fence and the index's batch checks are one slot
@@ -15,8 +18,11 @@ on a Redis Cluster and the apply script reads the fence where it writes:
                                holder, renewed (Redis time of the last grant or renewal, ms)
     {p}:indexers               sorted set: indexer id -> expiry (Redis time, ms)
 
-The token is compared for equality, counter and holder together: after Redis lost its
-data the counter starts again, and a token equal in number but not in holder is refused.
+The token is compared for equality, counter and holder together. The counter is the
+larger of the last one plus one and Redis's time in ms, so it keeps rising after Redis
+lost its data (the masters' copies compare counters: a lower one is an earlier lease),
+unless the Redis that lost it also came back with a clock behind the last grant: the
+copies then refuse its new holders (`IndexFenced`) until its clock passes that grant.
 
 Assignment (`assign`) is rendezvous hashing with bounded load: every indexer computes it
 from the same registry and the same live members, so they agree without talking; each pod
@@ -28,7 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -68,7 +74,8 @@ if held then
   return {false, redis.call('PTTL', KEYS[1])}
 end
 local last = tonumber(redis.call('HGET', KEYS[2], 'renewed') or '-1')
-local n = redis.call('HINCRBY', KEYS[2], 'n', 1)
+local n = string.format('%d', math.max(tonumber(redis.call('HGET', KEYS[2], 'n') or '0') + 1, now))
+redis.call('HSET', KEYS[2], 'n', n)
 local token = n .. ':' .. ARGV[1]
 redis.call('SET', KEYS[1], token, 'PX', ARGV[2])
 redis.call('HSET', KEYS[2], 'token', token, 'holder', ARGV[1], 'renewed', now)
@@ -153,13 +160,36 @@ class Leases:
             live = await self._heartbeat(keys=[self.members_key], args=["", ""])
         return sorted(_members(live))
 
-    async def acquire(self, pod: str, holder: str, ttl: float) -> Grant | Held:
-        """The pod's lease for `holder`, or how long the other holder's lease has left."""
+    async def acquire(
+        self,
+        pod: str,
+        holder: str,
+        ttl: float,
+        *,
+        copy: Callable[[str], Awaitable[None]] | None = None,
+    ) -> Grant | Held:
+        """The pod's lease for `holder`, or how long the other holder's lease has left.
+
+        `copy(token)` puts a token in every copy of the pod's fence (a Redis Cluster's
+        masters each check one: `index.redis_fences`): when the lease is free, first a
+        barrier "<n>:" below every token the grant may give and above every earlier one,
+        and after the grant the granted token, so the grant returns once no master
+        accepts an earlier holder's writes."""
         keys = [self.owner_key(pod), self.fence_key(pod)]
+        if copy is not None:
+            with _reachable("reading a lease"):
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    pipe.get(keys[0])
+                    pipe.hget(keys[1], "n")
+                    owner, last = await pipe.execute()
+            if owner is None:
+                await copy(f"{int(last or 0) + 1}:")
         with _reachable("acquiring a lease"):
             token, ms = await self._acquire(keys=keys, args=[holder, _ms(ttl)])
         if token is None:
             return Held(max(0, ms) / 1000)
+        if copy is not None:
+            await copy(_text(token))
         unfollowed = None if ms < 0 else ms / 1000
         return Grant(Fence(self.fence_key(pod), _text(token)), unfollowed)
 

@@ -4,9 +4,10 @@ Every `interval` (a third of the lease TTL) the indexer announces itself, renews
 leases it holds, computes the assignment of the registry's pods over the live indexers
 (`leases.assign`, the same on every indexer) and moves towards it: a pod it holds but is
 no longer assigned is stopped and released (another indexer takes it at its next step),
-an assigned pod that is free is acquired and followed; one still held by another is tried
-again the moment that lease runs out, so a dead indexer's pods go unfollowed at most about
-the TTL after it last renewed. Following starts where the index
+an assigned pod that is free is acquired (on a Redis Cluster its fence copied to every
+master before the grant returns: `Leases.acquire`) and followed; one still held by
+another is tried again the moment that lease runs out, so a dead indexer's pods go
+unfollowed at most about the TTL after it last renewed. Following starts where the index
 says the previous holder stopped (`IngestService` resumes from the last applied seq, by
 replay from the engine's buffer, else resets the source).
 
@@ -20,9 +21,10 @@ check refuses those late writes and they are counted (`globalkv_ingest_fenced_wr
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from globalkv.index.base import Fence, IndexUnavailable
 from globalkv.ingest.leases import Held, Leases, assign
@@ -45,9 +47,12 @@ class Ownership:
         member: str,
         ttl: float,
         set_fence: Callable[[str, Fence | None], None],
+        copy_fence: Callable[[str, str], Awaitable[None]] | None = None,
         clock: Clock = time.monotonic,
     ) -> None:
-        """`set_fence(pod, fence)` tells the index which lease its writes of a pod carry."""
+        """`set_fence(pod, fence)` tells the index which lease its writes of a pod carry;
+        `copy_fence(pod, token)` writes a token to the index's copies of the pod's fence
+        (`Leases.acquire`'s `copy`: a Redis Cluster's masters each check one)."""
         self.leases = leases
         self.registry = registry
         self.service = service
@@ -56,6 +61,7 @@ class Ownership:
         self.ttl = ttl
         self.interval = ttl / 3
         self._set_fence = set_fence
+        self._copy_fence = copy_fence
         self.clock = clock
         self.fences: dict[str, Fence] = {}
         self.members: list[str] = []
@@ -129,7 +135,9 @@ class Ownership:
             self.metrics.leases_held.set(len(self.fences))
 
     async def _take(self, info: PodInfo) -> None:
-        grant = await self.leases.acquire(info.id, self.member, self.ttl)
+        copy = None if self._copy_fence is None else functools.partial(self._copy_fence, info.id)
+        # Grant, then copies on every master, then following: see `Leases.acquire`.
+        grant = await self.leases.acquire(info.id, self.member, self.ttl, copy=copy)
         if isinstance(grant, Held):  # the previous owner releases it, or it runs out
             retry = self.clock() + grant.expires_in + 0.01
             self._retry_at = retry if self._retry_at is None else min(self._retry_at, retry)

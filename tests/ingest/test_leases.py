@@ -76,6 +76,22 @@ async def test_leases_are_exclusive_renewed_released_and_fenced_on_takeover(
     assert await leases.owners(["p0"]) == {}
 
 
+async def test_tokens_keep_rising_after_redis_lost_the_leases(client: Client) -> None:
+    """The masters' fence copies compare counters: a counter that started again at 1 would
+    be fenced by the copies of the leases before the loss."""
+    leases = Leases(client, prefix="t")
+    first = await leases.acquire("p0", "ix-a", ttl=5.0)
+    assert isinstance(first, Grant)
+    await client.delete(leases.owner_key("p0"))
+    await client.delete(leases.fence_key("p0"))  # Redis came back empty
+    seconds, micros = await client.time()
+    second = await leases.acquire("p0", "ix-b", ttl=5.0)
+    assert isinstance(second, Grant)
+    counter = int(second.fence.token.partition(":")[0])
+    assert counter >= seconds * 1000 + micros // 1000
+    assert counter >= int(first.fence.token.partition(":")[0])
+
+
 async def test_a_lease_expires_by_its_ttl(client: Client) -> None:
     leases = Leases(client, prefix="t")
     grant = await leases.acquire("p0", "ix-a", ttl=5.0)

@@ -178,9 +178,11 @@ async def test_pods_are_split_and_move_to_the_survivor_continuing_by_replay(
         await a.stop()
 
 
+@pytest.mark.parametrize("redis", ["redis_url", "redis_cluster_url"])
 async def test_a_paused_indexer_is_fenced_its_late_writes_refused_and_counted(
-    redis_url: str, publishers: dict[str, Publisher]
+    redis: str, request: pytest.FixtureRequest, publishers: dict[str, Publisher]
 ) -> None:
+    redis_url = request.getfixturevalue(redis)
     pubs = {"p0": publishers["p0"]}
     await _register(redis_url, pubs)
     a = await _indexer(redis_url, "ix-a")

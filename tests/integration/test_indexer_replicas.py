@@ -3,7 +3,8 @@
 kill -9 of one indexer: its pods move to the other (within the lease TTL, measured by
 bench.replicas_faults, not asserted here), each followed once, and the index ends equal
 to what the engines published. SIGSTOP past the lease, then SIGCONT: the paused
-indexer's late writes are refused by the fence and counted, and it stops following.
+indexer's late writes are refused by the fence and counted, and it stops following; on
+one Redis and on a Redis Cluster, where the masters' copies of the fence refuse them.
 """
 
 from __future__ import annotations
@@ -80,18 +81,23 @@ class Indexers:
 
 
 @pytest.fixture
-def own_redis() -> Iterator[RedisServer]:
+def store_url(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The Redis the indexers share: one of the test's own, or with the parameter
+    "cluster" the session's Redis Cluster, emptied."""
+    if getattr(request, "param", "redis") == "cluster":
+        yield request.getfixturevalue("redis_cluster_url")
+        return
     server = RedisServer()
-    yield server
+    yield server.url
     server.stop()
 
 
 @pytest.fixture
 async def publishers(
-    context: zmq.asyncio.Context, own_redis: RedisServer
+    context: zmq.asyncio.Context, store_url: str
 ) -> AsyncIterator[dict[str, PublisherProc]]:
     pubs: dict[str, PublisherProc] = {}
-    registry = RedisRegistry(redis_client.connect(own_redis.url))
+    registry = RedisRegistry(redis_client.connect(store_url))
     try:
         for pod in PODS:
             pubs[pod] = pub = await PublisherProc.start(context, name=f"pub-{pod}")
@@ -105,8 +111,8 @@ async def publishers(
 
 
 @pytest.fixture
-def indexers(own_redis: RedisServer) -> Iterator[Indexers]:
-    group = Indexers(own_redis.url)
+def indexers(store_url: str) -> Iterator[Indexers]:
+    group = Indexers(store_url)
     yield group
     group.stop()
 
@@ -182,6 +188,7 @@ async def test_kill_9_of_an_indexer_moves_its_pods_and_the_index_stays_exact(
     assert all(state[pod]["subscribed"] for pod in PODS)
 
 
+@pytest.mark.parametrize("store_url", ["redis", "cluster"], indirect=True)
 async def test_an_indexer_paused_past_its_lease_is_fenced_when_it_resumes(
     indexers: Indexers, publishers: dict[str, PublisherProc]
 ) -> None:

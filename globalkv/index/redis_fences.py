@@ -1,0 +1,190 @@
+"""Fenced writes on a Redis Cluster: every master holds a copy of each pod's fencing token.
+
+A pod's lease and its fence (ingest/leases.py) live on the `{p}` slot, where the batch
+call checks the writer's token. On a cluster a batch's block fields go to their masters
+first, in calls of their own (one per master, concurrently), so each of those calls
+checks this master's copy of the pod's token and writes nothing unless it is the
+writer's: an indexer whose lease was taken over writes nothing on any master.
+
+- Taking a lease (`Leases.acquire`, through `copy`): when the lease is free, a barrier
+  "<n+1>:" goes to every master before the grant (n: the counter of the last token
+  granted; every token granted later counts at least n+1), then the grant, then the
+  granted token to every master, then ingest follows the pod. So from the grant on no
+  master accepts an earlier holder's token. A taker that dies between copies leaves
+  barriers or its own token, which the next taker's copies replace.
+- Copies only rise: a copy is replaced by a token of a higher counter, or of the same
+  counter when that is a real token and the copy a barrier. The lease counter keeps
+  rising across a Redis that lost its data (leases.py), so old copies bar no new holder.
+- A block call refuses with 'fenced' when the copy counts above the writer's token (a
+  later lease): `IndexFenced`. It refuses with 'recopy' when the copy is missing (a
+  failover lost it, a reshard moved its slot, it expired), older, or a barrier; the
+  writer then reads its lease on `{p}`: still its own, it copies its token to every
+  master again and repeats the refused calls once (else `IndexFenced`). The one write
+  a lost lease can still make: the writer read its lease as its own, the lease was
+  taken over and a master then lost the taker's copy, all before the re-copy arrived.
+- Where a master's copy is: in every slot of `CANDIDATES`, a fixed set of slots spread
+  over the ring (a copy is written to all of them, whichever master serves each), and a
+  block call checks the first candidate its master serves. A reshard moves a copy with
+  its slot, so every candidate still holds the taker's token and a writer checks one
+  whichever candidate its master serves now; with a slot map older than the reshard
+  the master refuses the call ("non local key", unavailable: redis_shards.py). A master
+  serving no candidate (a cluster of many masters) uses the first slot it serves in
+  `STRIDE` order instead, which the taker's slot map must agree on.
+- One Redis: the batch call holds every write and the fence check; there are no copies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+from globalkv.index.base import Fence, IndexFenced, IndexUnavailable, Source
+from globalkv.index.redis_batch import BlockWrites
+from globalkv.index.redis_checkpoints import TTL, Checkpoints
+from globalkv.index.redis_failures import reachable
+from globalkv.index.redis_keys import SLOTS, STRIDE, RedisKeys
+from globalkv.index.redis_scripts import APPLY
+from globalkv.index.redis_shards import Shards
+from globalkv.redis_client import Client
+
+CANDIDATES = tuple(k * STRIDE % SLOTS for k in range(64))
+"""The slots every copy of a pod's token is written to."""
+COPY_TTL = 86_400
+"""Seconds a copy lives unless written again; a block call meeting none has it copied anew."""
+
+_COPY = """
+local function counter(token)
+  return tonumber(string.sub(token, 1, (string.find(token, ':', 1, true) or 1) - 1)) or 0
+end
+local new, token = counter(ARGV[1]), ARGV[1]
+local barrier = string.sub(token, -1) == ':'
+local function put(key)
+  local copy = redis.call('GET', key)
+  if copy then
+    local at = counter(copy)
+    if at > new or (at == new and barrier and copy ~= token) then
+      return
+    end
+  end
+  redis.call('SET', key, token, 'EX', ARGV[2])
+end
+put(KEYS[1])
+for i = 3, #ARGV do
+  put(ARGV[i])
+end
+return 1
+"""
+"""KEYS: one copy key. ARGV: the token, its TTL s, then the other copy keys of this master
+(any slot: the client routes by KEYS[1] alone). Writes each copy the token outranks."""
+
+
+def fence_of(fenced: bool, fences: Mapping[str, Fence], pod: str) -> Fence | None:
+    """The lease a write of `pod` carries (None: unfenced); `IndexFenced` without one."""
+    if not fenced:
+        return None
+    fence = fences.get(pod)
+    if fence is None:
+        raise IndexFenced(f"pod {pod}: this indexer holds no lease of it")
+    return fence
+
+
+class ClusterWrites:
+    """A batch's block calls on a cluster, one per master, each checking the pod's copy."""
+
+    def __init__(self, redis: Client, keys: RedisKeys, shards: Shards, checks: Checkpoints):
+        self._redis = redis
+        self._keys = keys
+        self._shards = shards
+        self._checks = checks
+        self._copy = redis.register_script(_COPY)
+
+    async def copy(self, pod: str, token: str) -> None:
+        """`token` (or a barrier "<n>:") to every master's copies of the pod's fence."""
+        if self._shards.cluster is None:
+            return
+        with reachable("copying a fence"):
+            await self._shards.cluster.initialize()  # the slot map, on a new client
+            masters = {node.name for node in self._shards.cluster.get_primaries()}
+            slots = [*CANDIDATES, *self._fallbacks(masters)]
+            groups = self._shards.group(slots, [self._keys.fence_copy(s, pod) for s in slots])
+            await asyncio.gather(
+                *(self._copy(keys=[g[0]], args=[token, COPY_TTL, *g[1:]]) for g in groups)
+            )
+
+    async def write(self, writes: BlockWrites, source: Source, fence: Fence | None) -> None:
+        """The block calls; a failure half-way leaves the batch unlogged, so its retry
+        sends them all again (they are idempotent)."""
+        items = list(zip(writes.slots, writes.names, writes.values, strict=True))
+        pending = self._shards.by_node(writes.slots, items)
+        for attempt in range(2):
+            with reachable("writing blocks"):
+                replies = await asyncio.gather(
+                    *(self._call(writes.gen, n, g, source.pod, fence) for n, g in pending.items())
+                )
+            refused: dict[str, list[tuple[int, str, str]]] = {}
+            fenced = False
+            for (node, group), reply in zip(pending.items(), replies, strict=True):
+                if reply == b"fenced":
+                    fenced = True
+                elif reply == b"recopy":
+                    refused[node] = group
+                else:
+                    self._checks.wrote(group[0][0], int(reply), source)
+            if fenced:
+                raise IndexFenced(f"pod {source.pod}: its lease was taken over")
+            if not refused or fence is None:
+                return
+            if attempt == 0:
+                await self._recopy(source.pod, fence)
+            pending = refused
+        raise IndexUnavailable(
+            f"pod {source.pod}: masters {sorted(pending)} hold no copy of its fence after "
+            "copying it again (is the cluster moving slots?)"
+        )
+
+    async def _call(
+        self, gen: int, node: str, group: list[tuple[int, str, str]], pod: str, fence: Fence | None
+    ) -> Any:
+        names = "\n".join(name for _, name, _ in group)
+        values = ",".join(value for _, _, value in group)
+        checkpoint = self._checks.name(group[0][0])
+        copy, token = ("", "") if fence is None else (self._copy_key(node, pod), fence.token)
+        argv = ("blocks", gen, len(group), names, values, checkpoint, TTL, copy, token)
+        return await APPLY.run(self._redis, (group[0][1],), argv)
+
+    async def _recopy(self, pod: str, fence: Fence) -> None:
+        """A master holds no copy of our token: copy it again if the lease is still ours."""
+        with reachable("reading a lease"):
+            current = await self._redis.hget(fence.key, "token")
+        if current is None or _text(current) != fence.token:
+            raise IndexFenced(f"pod {pod}: its lease was taken over")
+        await self.copy(pod, fence.token)
+
+    def _copy_key(self, node: str, pod: str) -> str:
+        """The copy a block call on `node` checks: the first candidate `node` serves."""
+        node_of = self._shards.node_of
+        slot = next((s for s in CANDIDATES if node_of(s) == node), None)
+        if slot is None:
+            slot = self._fallbacks({node})[0]
+        return self._keys.fence_copy(slot, pod)
+
+    def _fallbacks(self, masters: set[str]) -> list[int]:
+        """For each of `masters` serving no candidate, the first slot it serves in STRIDE
+        order (past the candidates)."""
+        node_of = self._shards.node_of
+        missing = masters - {node_of(s) for s in CANDIDATES}
+        found = []
+        k = len(CANDIDATES)
+        while missing and k < SLOTS:
+            slot = k * STRIDE % SLOTS
+            node = node_of(slot)
+            if node in missing:
+                missing.discard(node)
+                found.append(slot)
+            k += 1
+        return found
+
+
+def _text(raw: bytes | str) -> str:
+    return raw.decode() if isinstance(raw, bytes) else raw

@@ -5,9 +5,8 @@ One loop per gateway. For each worker, when due:
   `startup_check_interval_secs` until first seen healthy, `timeout_secs` each);
 - the worker's kind, once it answers, when it was given without one (`gateway.kinds`);
 - prefill discovery, once it answers: `GET <url>/server_info`, read for its KV-event
-  endpoints, DP size, bootstrap port and served model (the `kv_events` block of our
-  engines, or real SGLang's `kv_events_config`, `dp_size`, `page_size`,
-  `disaggregation_bootstrap_port`, `served_model_name`);
+  endpoints, DP size, bootstrap port, served model and KV capacity (`gateway.server_info`);
+  a vLLM prefill's capacity from its `/metrics`;
 - registration of the prefill as a pod with the index once its KV-event endpoint is known;
 - the bootstrap directory's readiness and topology (dp_size, follow_bootstrap_room) via the
   `bootstrap/` control-plane reader, every `directory_refresh_secs`.
@@ -20,9 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
@@ -32,13 +29,13 @@ import httpx
 from gateway.config import HealthConfig, KvEventsSpec
 from gateway.health import Health
 from gateway.kinds import detect_kind
+from gateway.server_info import int_or_none, parse_server_info, parse_vllm_capacity
 from gateway.workers import DirectoryStatus, Worker, WorkerPool
 from kvplumbing.clock import Clock, Sleep
 from kvplumbing.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
-_WILDCARD_HOSTS = {"*", "0.0.0.0", "::", "[::]", ""}
 _NO_SERVER_INFO = frozenset({404, 405})
 """Statuses saying a worker has no /server_info: nothing to discover. Any other failure
 (an engine still starting, say) is asked again at the next round."""
@@ -92,78 +89,6 @@ class PodRegistrar(Protocol):
     async def unregister(self, pod_id: str) -> None:
         """Raises `RegistrationFailed`."""
         ...
-
-
-def _endpoint_for(endpoint: str | None, host: str) -> str | None:
-    """A bind address (`tcp://*:5557`) made connectable (`tcp://<worker host>:5557`)."""
-    if endpoint is None or not endpoint.startswith("tcp://"):
-        return endpoint
-    rest = endpoint[len("tcp://") :]
-    bind_host, sep, port = rest.rpartition(":")
-    if sep and bind_host in _WILDCARD_HOSTS:
-        shown = f"[{host}]" if ":" in host else host
-        return f"tcp://{shown}:{port}"
-    return endpoint
-
-
-def _int_or_none(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-@dataclass(frozen=True, slots=True)
-class ServerInfo:
-    kv_events: KvEventsSpec | None
-    bootstrap_port: int | None
-    dp_size: int | None
-    block_size: int | None
-    model: str | None
-    kv_capacity_tokens: int | None = None
-
-
-def _kv_capacity_tokens(info: Mapping[str, Any], block_size: int | None) -> int | None:
-    """Our engine's `kv_cache`: per DP rank, its `capacity` in pages of `block_size`."""
-    ranks = info.get("kv_cache")
-    if block_size is None or not isinstance(ranks, list) or not ranks:
-        return None
-    pages = [_int_or_none(r.get("capacity")) if isinstance(r, Mapping) else None for r in ranks]
-    if any(p is None or p <= 0 for p in pages):
-        return None
-    return sum(p for p in pages if p is not None) * block_size
-
-
-def parse_server_info(info: Mapping[str, Any], host: str) -> ServerInfo:
-    """What routing needs from a worker's /server_info, from either engine's shape."""
-    block: object = info.get("kv_events")
-    if block is None and isinstance(info.get("kv_events_config"), str):
-        with contextlib.suppress(ValueError):
-            block = json.loads(info["kv_events_config"])
-    kv_events = None
-    block_size = _int_or_none(info.get("page_size"))
-    dp_size = _int_or_none(info.get("dp_size"))
-    if isinstance(block, Mapping) and isinstance(block.get("endpoint"), str):
-        replay = block.get("replay_endpoint")
-        topic = block.get("topic")
-        # "bind": false — the engine connects to a bound indexer SUB; `endpoint` is then
-        # the indexer's address, and the pod is recognised there by its topic.
-        connects = block.get("bind") is False
-        kv_events = KvEventsSpec(
-            endpoint=None if connects else _endpoint_for(block["endpoint"], host),
-            replay_endpoint=_endpoint_for(replay, host) if isinstance(replay, str) else None,
-            topic=topic if isinstance(topic, str) else "",
-            mode="bind" if connects else "connect",
-        )
-        block_size = _int_or_none(block.get("block_size")) or block_size
-        dp_size = _int_or_none(block.get("dp_size")) or dp_size
-    model = info.get("served_model_name") or info.get("model")
-    return ServerInfo(
-        kv_events=kv_events,
-        bootstrap_port=_int_or_none(info.get("disaggregation_bootstrap_port"))
-        or _int_or_none(info.get("bootstrap_port")),
-        dp_size=dp_size,
-        block_size=block_size,
-        model=model if isinstance(model, str) else None,
-        kv_capacity_tokens=_kv_capacity_tokens(info, block_size),
-    )
 
 
 class Monitor:
@@ -315,7 +240,10 @@ class Monitor:
             worker.kv_events = found.kv_events
         worker.served_model = found.model or worker.served_model
         worker.engine_block_size = found.block_size
-        worker.kv_capacity_tokens = found.kv_capacity_tokens
+        capacity = found.kv_capacity_tokens
+        if capacity is None and worker.kind == "vllm":
+            capacity = await self._vllm_capacity(worker)
+        worker.kv_capacity_tokens = capacity
         if found.dp_size:
             worker.directory.dp_size = found.dp_size
         if worker.directory.port is None:
@@ -327,6 +255,20 @@ class Monitor:
                 "is unknown and it stays eligible",
                 worker.id,
             )
+
+    async def _vllm_capacity(self, worker: Worker) -> int | None:
+        """vLLM tells its KV capacity only on /metrics (`gateway.server_info`)."""
+        try:
+            response = await self._client.get(
+                worker.url + "/metrics", timeout=self._config.timeout_secs
+            )
+        except httpx.HTTPError as exc:
+            log.info("prefill %s: no KV capacity read from /metrics: %r", worker.id, exc)
+            return None
+        capacity = parse_vllm_capacity(response.text) if response.status_code == 200 else None
+        if capacity is None:
+            log.info("prefill %s: /metrics tells no KV capacity", worker.id)
+        return capacity
 
     def _discovery_failed(self, worker: Worker, error: str) -> None:
         """Noted each time, logged when it is news (discovery is retried every round)."""
@@ -388,7 +330,7 @@ class Monitor:
         elif reading.ready:
             directory.status = DirectoryStatus.READY
             topology = reading.topology or {}
-            dp_size = _int_or_none(topology.get("dp_size"))
+            dp_size = int_or_none(topology.get("dp_size"))
             if dp_size:
                 directory.dp_size = dp_size
             directory.follow_bootstrap_room = bool(topology.get("follow_bootstrap_room"))

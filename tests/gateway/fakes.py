@@ -65,6 +65,8 @@ class Cluster:
         """host:port of workers whose every call fails to connect."""
         self.server_info: dict[str, Any] = {}
         """host:port → its /server_info JSON, or an int: the status it answers instead."""
+        self.metrics: dict[str, str] = {}
+        """host:port → the text its /metrics answers."""
         self._arrived = asyncio.Condition()
 
     async def wait_calls(self, count: int) -> list[Call]:
@@ -136,6 +138,8 @@ class Cluster:
                 if isinstance(info, int):
                     return httpx.Response(info, text="not now")
                 return httpx.Response(200, json=info)
+            if request.url.path == "/metrics" and key in self.metrics:
+                return httpx.Response(200, text=self.metrics[key])
             return httpx.Response(404, json={"detail": "Not Found"})
         body = json.loads(request.content) if request.content else None
         call = Call(key, request.method, request.url.path, body)

@@ -7,9 +7,10 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from gateway.config import HealthConfig, KvEventsSpec, WorkerSpec
-from gateway.monitor import PodRegistration, RegistrationFailed, parse_server_info
+from gateway.monitor import PodRegistration, RegistrationFailed
 from gateway.pods import pod_info
 from gateway.requests import parse_request
+from gateway.server_info import parse_server_info
 from gateway.workers import DirectoryStatus, Worker, worker_id
 from tests.gateway.fakes import (
     PREFILLS,

@@ -1,7 +1,9 @@
 """What routing needs to know of a prefill, read from what the engine itself publishes.
 
 From `/server_info` (our emulated engines' and real SGLang's shape): the KV-event
-endpoints (our `kv_events` block, or SGLang's `kv_events_config` JSON string), the DP size,
+endpoints (the `kv_events` block: a ready URL, or SGLang's descriptor of a host and a
+base port per endpoint; else SGLang's `kv_events_config` server argument, a JSON
+string — also where a descriptor without a replay endpoint finds it), the DP size,
 the page size, the bootstrap port and the served model; and the KV cache's capacity in
 tokens, which the prefix policy's pressure cost divides by: our engines' per-rank
 `kv_cache` pages, else SGLang's `max_total_num_tokens` (one scheduler's pool; every DP
@@ -14,7 +16,6 @@ series per engine core when it runs DP ranks), read with prometheus_client's own
 
 from __future__ import annotations
 
-import contextlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -41,22 +42,23 @@ class ServerInfo:
 
 def parse_server_info(info: Mapping[str, Any], host: str) -> ServerInfo:
     """What routing needs from a worker's /server_info, from either engine's shape."""
-    block: object = info.get("kv_events")
-    if block is None and isinstance(info.get("kv_events_config"), str):
-        with contextlib.suppress(ValueError):
-            block = json.loads(info["kv_events_config"])
-    kv_events = None
+    block = _mapping(info.get("kv_events"))
+    config = _mapping(_json(info.get("kv_events_config")))
     block_size = int_or_none(info.get("page_size"))
     dp_size = int_or_none(info.get("dp_size"))
-    if isinstance(block, Mapping) and isinstance(block.get("endpoint"), str):
-        replay = block.get("replay_endpoint")
-        topic = block.get("topic")
+    kv_events = None
+    endpoint = _dialable(block, "endpoint", host) or _dialable(config, "endpoint", host)
+    connects = block.get("bind") is False
+    if endpoint is not None or (connects and isinstance(block.get("topic"), str)):
+        replay = _dialable(block, "replay_endpoint", host) or _dialable(
+            config, "replay_endpoint", host
+        )
+        topic = block.get("topic", config.get("topic"))
         # "bind": false — the engine connects to a bound indexer SUB; `endpoint` is then
         # the indexer's address, and the pod is recognised there by its topic.
-        connects = block.get("bind") is False
         kv_events = KvEventsSpec(
-            endpoint=None if connects else _endpoint_for(block["endpoint"], host),
-            replay_endpoint=_endpoint_for(replay, host) if isinstance(replay, str) else None,
+            endpoint=None if connects else endpoint,
+            replay_endpoint=replay,
             topic=topic if isinstance(topic, str) else "",
             mode="bind" if connects else "connect",
         )
@@ -72,6 +74,37 @@ def parse_server_info(info: Mapping[str, Any], host: str) -> ServerInfo:
         model=model if isinstance(model, str) else None,
         kv_capacity_tokens=_kv_capacity_tokens(info, block_size, dp_size),
     )
+
+
+def _dialable(block: Mapping[str, Any], name: str, host: str) -> str | None:
+    """DP rank 0's `name` endpoint of a KV-events block, made connectable: the URL given,
+    else SGLang's descriptor's `<name>_host` (a wildcard: the worker's host) and
+    `<name>_port_base`; per-rank ports follow from the base."""
+    given = block.get(name)
+    if isinstance(given, str):
+        return _endpoint_for(given, host)
+    port = int_or_none(block.get(f"{name}_port_base"))
+    if port is None or not 0 < port < 65536:
+        return None
+    named = block.get(f"{name}_host")
+    shown = named if isinstance(named, str) and named not in _WILDCARD_HOSTS else host
+    if ":" in shown and not shown.startswith("["):
+        shown = f"[{shown}]"
+    return f"tcp://{shown}:{port}"
+
+
+def _json(value: object) -> object:
+    """SGLang's `kv_events_config` server argument: a JSON string."""
+    if not isinstance(value, str):
+        return None
+    try:
+        return json.loads(value)
+    except ValueError:
+        return None
+
+
+def _mapping(value: object) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
 
 
 def parse_vllm_capacity(metrics: str) -> int | None:

@@ -3,7 +3,7 @@ vLLM's /metrics; and the monitor reading a vLLM prefill's from there."""
 
 from __future__ import annotations
 
-from gateway.config import WorkerSpec
+from gateway.config import KvEventsSpec, WorkerSpec
 from gateway.server_info import parse_server_info, parse_vllm_capacity
 from tests.gateway.fakes import Cluster, config, make_gateway
 
@@ -59,3 +59,42 @@ async def test_an_sglang_prefill_s_metrics_are_not_asked_for_capacity() -> None:
     gateway = await make_gateway(cluster, config(prefill=[spec]))
     (candidate,) = gateway.pool.candidates("prefill", gateway.router.loads)
     assert candidate.cache_capacity_tokens is None
+
+
+def test_sglang_s_kv_events_descriptor_is_dialled_at_the_worker_s_host() -> None:
+    """SGLang's /server_info `kv_events`: a host (often a bind wildcard) and a base port,
+    no URL; its replay endpoint is only in the `kv_events_config` server argument."""
+    descriptor = {
+        "publisher": "zmq",
+        "endpoint_host": "*",
+        "endpoint_port_base": 5557,
+        "topic": "kv@p@m",
+        "block_size": 32,
+        "dp_size": 2,
+    }
+    info = {
+        "page_size": 16,
+        "dp_size": 2,
+        "kv_events_config": '{"publisher": "zmq", "endpoint": "tcp://*:5557",'
+        ' "replay_endpoint": "tcp://*:5560", "topic": "kv@p@m"}',
+        "kv_events": descriptor,
+    }
+    found = parse_server_info(info, "10.0.0.7")
+    assert found.kv_events == KvEventsSpec(
+        endpoint="tcp://10.0.0.7:5557", replay_endpoint="tcp://10.0.0.7:5560", topic="kv@p@m"
+    )
+    assert (found.block_size, found.dp_size) == (32, 2)
+    named = {**descriptor, "endpoint_host": "fd00::5"}
+    spec = parse_server_info({**info, "kv_events": named}, "h").kv_events
+    assert spec is not None
+    assert spec.endpoint == "tcp://[fd00::5]:5557"
+
+
+def test_a_descriptor_with_a_bad_port_falls_back_to_the_server_argument() -> None:
+    config = '{"endpoint": "tcp://0.0.0.0:6000"}'
+    for port in (0, 70000, "5557", None):
+        block = {"endpoint_host": "*", "endpoint_port_base": port}
+        spec = parse_server_info({"kv_events": block, "kv_events_config": config}, "h").kv_events
+        assert spec is not None
+        assert spec.endpoint == "tcp://h:6000"
+    assert parse_server_info({"kv_events": {"endpoint_port_base": 0}}, "h").kv_events is None

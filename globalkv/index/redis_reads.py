@@ -22,11 +22,13 @@ its first segment's first block, how many of its segments' blocks that generatio
 contiguously (across the other masters' segments between them); the generation's depth
 is where the first of those runs ends in chain order, and only generations holding the
 chain's first block count.
+
+While a slot migrates (a reshard), a lookup is right, shorter or unavailable, never deeper
+and never another pod: docs/architecture.md ("Resharding") says why.
 """
 
 from __future__ import annotations
 
-import asyncio
 from bisect import bisect_right
 from collections.abc import Sequence
 from functools import lru_cache
@@ -38,7 +40,7 @@ from redis.crc import key_slot
 from globalkv.index.base import Hit, Source
 from globalkv.index.redis_keys import RedisKeys, Segment, parse_source_name
 from globalkv.index.redis_scripts import LOOKUP
-from globalkv.index.redis_shards import Shards
+from globalkv.index.redis_shards import Shards, SlotMoved
 from globalkv.index.scoring import TierWeights, make_hit, ranked
 from globalkv.keys import BlockKey
 
@@ -90,7 +92,21 @@ class Walk:
 async def lookup(
     client: Any, shards: Shards, names: RedisKeys, keys: Sequence[BlockKey], weights: TierWeights
 ) -> list[Hit]:
-    """The hits of a chain (`keys[0]` its root), best first. Redis errors pass through."""
+    """The hits of a chain (`keys[0]` its root), best first. Redis errors pass through.
+
+    A slot moved since the grouping (`SlotMoved`) costs one more attempt, grouped by the
+    refreshed slot map, so a completed move is never seen by callers."""
+    try:
+        return await _lookup(client, shards, names, keys, weights)
+    except SlotMoved as exc:
+        if not exc.regroup:
+            raise
+    return await _lookup(client, shards, names, keys, weights)
+
+
+async def _lookup(
+    client: Any, shards: Shards, names: RedisKeys, keys: Sequence[BlockKey], weights: TierWeights
+) -> list[Hit]:
     segments = names.segments(keys)
     by_node = shards.by_node([s.slot for s in segments], segments)
     home = shards.node_of(_slot(names.live))
@@ -98,7 +114,7 @@ async def lookup(
     calls = [_walk(client, w, names.live if node == home else "") for node, w in walks.items()]
     if home not in walks:
         calls.append(client.hgetall(names.live))
-    replies: list[Any] = await asyncio.gather(*calls)
+    replies: list[Any] = await shards.gather(*calls)
     for walk, reply in zip(walks.values(), replies, strict=False):
         walk.parse(reply[0])
     if home in walks:

@@ -70,12 +70,9 @@ class Walk:
             self.runs[rows[i]] = (sum(pairs[1::2]), pairs)
             i += 2 + len(pairs)
 
-    def end(self, gen: int) -> int:
-        """Where in the chain this walk saw `gen`'s run end (`_UNBOUNDED`: it never did)."""
-        run = self.runs.get(gen)
-        if run is None:
-            return self.starts[0]
-        held = run[0]
+    def end(self, held: int) -> int:
+        """Where in the chain a run of `held` blocks from this walk's first ends
+        (`_UNBOUNDED`: past the walk's last)."""
         if held >= self.total:
             return _UNBOUNDED
         j = bisect_right(self.offsets, held) - 1
@@ -140,32 +137,54 @@ def _slot(name: str) -> int:
 
 
 def _hits(walks: Sequence[Walk], live: dict[bytes, bytes], weights: TierWeights) -> list[Hit]:
-    """Hits of the live generations holding the chain's first block, by contiguous depth."""
+    """Hits of the live generations holding the chain's first block, by contiguous depth.
+
+    Most generations hold their whole run under one tier mask: every block before their
+    depth is then theirs under it, and the per-walk counting of `_mixed` is skipped (it
+    was most of a 64-pod lookup's Python time on a cluster)."""
     by_mask = weights.by_mask
     hits = []
     for gen in walks[0].runs:  # walks[0] holds the chain's first segment
         name = live.get(b"%d" % gen)  # a generation not live is a retired source
         if name is None:
             continue
-        depth = min(w.end(gen) for w in walks)
-        held: dict[int, int] = {}
-        for walk in walks:
+        depth, mask = _UNBOUNDED, -1  # mask: the one mask of every run so far, else 0
+        for walk in walks:  # by first block: a walk starting at `depth` or later adds none
+            if depth <= walk.starts[0]:
+                break
             run = walk.runs.get(gen)
-            if run is None:
-                continue
-            left, pairs = walk.within(depth), run[1]
-            for j in range(0, len(pairs), 2):
-                if left <= 0:
-                    break
-                blocks = min(pairs[j + 1], left)
-                held[pairs[j]] = held.get(pairs[j], 0) + blocks
-                left -= blocks
-        if len(held) == 1:  # one tier mask all the way: no scoring over masks
-            [(mask, blocks)] = held.items()
-            hits.append(Hit(source_of(name), blocks, by_mask[mask] * blocks))
+            if run is None:  # it does not hold this walk's first block
+                end = walk.starts[0]
+            else:
+                pairs = run[1]
+                mask = pairs[0] if len(pairs) == 2 and mask in (-1, pairs[0]) else 0
+                end = walk.end(run[0])
+            if end < depth:
+                depth = end
+        if depth == _UNBOUNDED:
+            depth = sum(walk.total for walk in walks)
+        if mask > 0:
+            hits.append(Hit(source_of(name), depth, by_mask[mask] * depth))
         else:
-            hits.append(make_hit(source_of(name), held, weights))
+            hits.append(make_hit(source_of(name), _mixed(walks, gen, depth), weights))
     return ranked(hits)
+
+
+def _mixed(walks: Sequence[Walk], gen: int, depth: int) -> dict[int, int]:
+    """Blocks `gen` holds before `depth`, per tier mask."""
+    held: dict[int, int] = {}
+    for walk in walks:
+        run = walk.runs.get(gen)
+        if run is None:
+            continue
+        left, pairs = walk.within(depth), run[1]
+        for j in range(0, len(pairs), 2):
+            if left <= 0:
+                break
+            blocks = min(pairs[j + 1], left)
+            held[pairs[j]] = held.get(pairs[j], 0) + blocks
+            left -= blocks
+    return held
 
 
 @lru_cache(maxsize=4096)

@@ -60,15 +60,20 @@ class Walk:
         self.lengths = [s.length for s in segments]
         self.offsets = list(accumulate(self.lengths, initial=0))
         self.total = self.offsets.pop()
-        self.runs: dict[int, tuple[int, Rows]] = {}
-        """generation -> (blocks held from the walk's first, flat (mask, blocks) pairs)"""
+        self.runs: dict[int, tuple[int, int, Rows | None]] = {}
+        """generation -> (blocks held from the walk's first, their tier mask if they have
+        one, else 0 and their flat (mask, blocks) pairs)"""
 
     def parse(self, rows: Rows) -> None:
         i, end = 0, len(rows)
         while i < end:
-            pairs = rows[i + 2 : i + 2 + 2 * rows[i + 1]]
-            self.runs[rows[i]] = (sum(pairs[1::2]), pairs)
-            i += 2 + len(pairs)
+            n = rows[i + 1]
+            if n == 1:  # most runs: one tier mask
+                self.runs[rows[i]] = (rows[i + 3], rows[i + 2], None)
+            else:
+                pairs = rows[i + 2 : i + 2 + 2 * n]
+                self.runs[rows[i]] = (sum(pairs[1::2]), 0, pairs)
+            i += 2 + 2 * n
 
     def end(self, held: int) -> int:
         """Where in the chain a run of `held` blocks from this walk's first ends
@@ -156,8 +161,8 @@ def _hits(walks: Sequence[Walk], live: dict[bytes, bytes], weights: TierWeights)
             if run is None:  # it does not hold this walk's first block
                 end = walk.starts[0]
             else:
-                pairs = run[1]
-                mask = pairs[0] if len(pairs) == 2 and mask in (-1, pairs[0]) else 0
+                one = run[1]
+                mask = one if one and mask in (-1, one) else 0
                 end = walk.end(run[0])
             if end < depth:
                 depth = end
@@ -177,7 +182,7 @@ def _mixed(walks: Sequence[Walk], gen: int, depth: int) -> dict[int, int]:
         run = walk.runs.get(gen)
         if run is None:
             continue
-        left, pairs = walk.within(depth), run[1]
+        left, pairs = walk.within(depth), run[2] or [run[1], run[0]]
         for j in range(0, len(pairs), 2):
             if left <= 0:
                 break

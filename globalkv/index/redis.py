@@ -348,7 +348,7 @@ class RedisIndex:
             await self.reset_source(source)
         self._writers.clear()
         raise IndexDataLost(
-            f"a Redis Cluster failover lost block writes of {len(lost)} sources: reset"
+            f"a Redis Cluster failover lost block writes of {len(lost)} sources: reset", lost
         )
 
     async def _check_fence(self, pod: str) -> None:

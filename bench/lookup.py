@@ -162,19 +162,23 @@ def _fill_dynamo(tree: Any, chains: list[list[list[int]]]) -> None:
 
 async def _time(
     calls: dict[str, Callable[[], Awaitable[int]]], count: int, expect: int
-) -> dict[str, list[float]]:
-    """Milliseconds per lookup; backends take turns, so machine load hits them alike."""
+) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Milliseconds per lookup, and this process's CPU µs per lookup (the client's part,
+    which load on the machine delays but does not inflate); backends take turns, so
+    machine load hits them alike."""
     for call in calls.values():
         for _ in range(min(20, count)):
             assert await call() == expect
     samples: dict[str, list[float]] = {name: [] for name in calls}
+    cpu = dict.fromkeys(calls, 0.0)
     for _ in range(count):
         for name, call in calls.items():
-            start = time.perf_counter_ns()
+            start, start_cpu = time.perf_counter_ns(), time.process_time_ns()
             depth = await call()
+            cpu[name] += (time.process_time_ns() - start_cpu) / 1e3 / count
             samples[name].append((time.perf_counter_ns() - start) / 1e6)
             assert depth == expect
-    return samples
+    return samples, cpu
 
 
 def _p99(samples: Sequence[float]) -> float:
@@ -233,7 +237,8 @@ async def _row(
         calls["dynamo"] = ask_dynamo
     masters = [] if cluster is None else cluster.master_ports()
     before = cpu_seconds([redis_port, *masters])
-    runs = [await _time(calls, count, expect) for _ in range(repeat)]
+    timed = [await _time(calls, count, expect) for _ in range(repeat)]
+    runs = [samples for samples, _ in timed]
     # Every backend took its turn: each server's CPU went to its own index's lookups
     # (with a baseline, the single Redis and the cluster serve its index too).
     per_lookup = [
@@ -246,6 +251,11 @@ async def _row(
             f"{per_lookup[0]:.0f} µs, cluster {sum(per_lookup[1:]):.0f} µs (per master "
             f"{', '.join(f'{us:.0f}' for us in per_lookup[1:])})"
         )
+    client_cpu = {name: statistics.median(cpu[name] for _, cpu in timed) for name in calls}
+    print(
+        f"  {prompt_tokens} tokens, {pods} pods: client CPU per lookup: "
+        + ", ".join(f"{name} {us:.0f} µs" for name, us in client_cpu.items())
+    )
     for opened in clients:
         await opened.aclose()
     return Row(

@@ -10,7 +10,7 @@ map, because a parent hash means nothing outside the engine that issued it.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol, runtime_checkable
 
@@ -138,10 +138,16 @@ class IndexFenced(RuntimeError):
 
 
 class IndexDataLost(IndexUnavailable):
-    """The backend came back without the data it held (a Redis restart or flush).
+    """The backend came back without the data it held (a Redis restart or flush), or
+    without some sources' (a cluster master failed over before replicating them).
 
-    Raised once by the writer that notices; ingest then resyncs every source it owns.
+    Raised once by the writer that notices; ingest then resyncs `sources`, or every
+    source it owns when that is None.
     """
+
+    def __init__(self, message: str, sources: Collection[Source] | None = None) -> None:
+        super().__init__(message)
+        self.sources = None if sources is None else frozenset(sources)
 
 
 @runtime_checkable

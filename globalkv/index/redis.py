@@ -58,7 +58,6 @@ import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from redis import exceptions as redis_errors
 from redis.asyncio.cluster import RedisCluster
 
 from globalkv.index.base import (
@@ -81,7 +80,7 @@ from globalkv.index.redis_fences import ClusterWrites, fence_of
 from globalkv.index.redis_keys import RedisKeys, check_layout, parse_source_name, source_name
 from globalkv.index.redis_log import drop_generation, read_log
 from globalkv.index.redis_reads import lookup
-from globalkv.index.redis_scripts import APPLY, LOOKUP, replay_log
+from globalkv.index.redis_scripts import APPLY, replay_log
 from globalkv.index.redis_shards import Shards
 from globalkv.index.scoring import TierWeights
 from globalkv.index.state import SourceState
@@ -153,11 +152,7 @@ class RedisIndex:
                 await check_layout(self._redis, self.keys)
             self._layout_checked = True
         with reachable("looking up"):
-            try:
-                return await lookup(self._redis, self._shards, self.keys, keys, self._weights)
-            except redis_errors.NoScriptError:  # one Redis: its pipeline does not reload
-                await self._redis.script_load(LOOKUP.source)
-                return await lookup(self._redis, self._shards, self.keys, keys, self._weights)
+            return await lookup(self._redis, self._shards, self.keys, keys, self._weights)
 
     async def stats(self, pod: str | None = None) -> list[SourceStats]:
         with reachable("reading statistics"):
@@ -342,7 +337,7 @@ class RedisIndex:
             await self.reset_source(source)
         self._writers.clear()
         raise IndexDataLost(
-            f"a Redis Cluster failover lost block writes of {len(lost)} sources: reset"
+            f"a Redis Cluster failover lost block writes of {len(lost)} sources: reset", lost
         )
 
     async def _run_apply(self, args: list[Any]) -> None:

@@ -23,7 +23,7 @@ UNAVAILABLE_REPLIES = (
     "NOREPLICAS",
     "CLUSTERDOWN",
     "TRYAGAIN",
-    "Script attempted to access a non local key",  # a slot moved since the grouping
+    "Script attempted to access a non local key",  # redis_shards.gather says SlotMoved
 )
 _TRANSPORT_FILES = (
     "redis/asyncio/connection.py",

@@ -35,7 +35,6 @@ writer's: an indexer whose lease was taken over writes nothing on any master.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Mapping
 from typing import Any
 
@@ -108,7 +107,7 @@ class ClusterWrites:
             masters = {node.name for node in self._shards.cluster.get_primaries()}
             slots = [*CANDIDATES, *self._fallbacks(masters)]
             groups = self._shards.group(slots, [self._keys.fence_copy(s, pod) for s in slots])
-            await asyncio.gather(
+            await self._shards.gather(
                 *(self._copy(keys=[g[0]], args=[token, COPY_TTL, *g[1:]]) for g in groups)
             )
 
@@ -119,7 +118,7 @@ class ClusterWrites:
         pending = self._shards.by_node(writes.slots, items)
         for attempt in range(2):
             with reachable("writing blocks"):
-                replies = await asyncio.gather(
+                replies = await self._shards.gather(
                     *(self._call(writes.gen, n, g, source.pod, fence) for n, g in pending.items())
                 )
             refused: dict[str, list[tuple[int, str, str]]] = {}

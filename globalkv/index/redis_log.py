@@ -3,7 +3,6 @@ blocks of a retired generation (named by the log, never found by SCAN/KEYS)."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator
 from typing import Any, cast
@@ -65,4 +64,4 @@ async def _drop_blocks(
     """The drop script per master (names repeat across log entries: sent once)."""
     unique = dict(zip(names, slots, strict=True))
     groups = shards.group(list(unique.values()), list(unique))
-    await asyncio.gather(*(DROP.run(client, (g[0],), [gen, *g]) for g in groups))
+    await shards.gather(*(DROP.run(client, (g[0],), [gen, *g]) for g in groups))

@@ -22,11 +22,13 @@ its first segment's first block, how many of its segments' blocks that generatio
 contiguously (across the other masters' segments between them); the generation's depth
 is where the first of those runs ends in chain order, and only generations holding the
 chain's first block count.
+
+While a slot migrates (a reshard), a lookup is right, shorter or unavailable, never deeper
+and never another pod: docs/architecture.md ("Resharding") says why.
 """
 
 from __future__ import annotations
 
-import asyncio
 from bisect import bisect_right
 from collections.abc import Sequence
 from functools import lru_cache
@@ -38,7 +40,7 @@ from redis.crc import key_slot
 from globalkv.index.base import Hit, Source
 from globalkv.index.redis_keys import RedisKeys, Segment, parse_source_name
 from globalkv.index.redis_scripts import LOOKUP
-from globalkv.index.redis_shards import Shards
+from globalkv.index.redis_shards import Shards, SlotMoved
 from globalkv.index.scoring import TierWeights, make_hit, ranked
 from globalkv.keys import BlockKey
 
@@ -58,22 +60,24 @@ class Walk:
         self.lengths = [s.length for s in segments]
         self.offsets = list(accumulate(self.lengths, initial=0))
         self.total = self.offsets.pop()
-        self.runs: dict[int, tuple[int, Rows]] = {}
-        """generation -> (blocks held from the walk's first, flat (mask, blocks) pairs)"""
+        self.runs: dict[int, tuple[int, int, Rows | None]] = {}
+        """generation -> (blocks held from the walk's first, their tier mask if they have
+        one, else 0 and their flat (mask, blocks) pairs)"""
 
     def parse(self, rows: Rows) -> None:
         i, end = 0, len(rows)
         while i < end:
-            pairs = rows[i + 2 : i + 2 + 2 * rows[i + 1]]
-            self.runs[rows[i]] = (sum(pairs[1::2]), pairs)
-            i += 2 + len(pairs)
+            n = rows[i + 1]
+            if n == 1:  # most runs: one tier mask
+                self.runs[rows[i]] = (rows[i + 3], rows[i + 2], None)
+            else:
+                pairs = rows[i + 2 : i + 2 + 2 * n]
+                self.runs[rows[i]] = (sum(pairs[1::2]), 0, pairs)
+            i += 2 + 2 * n
 
-    def end(self, gen: int) -> int:
-        """Where in the chain this walk saw `gen`'s run end (`_UNBOUNDED`: it never did)."""
-        run = self.runs.get(gen)
-        if run is None:
-            return self.starts[0]
-        held = run[0]
+    def end(self, held: int) -> int:
+        """Where in the chain a run of `held` blocks from this walk's first ends
+        (`_UNBOUNDED`: past the walk's last)."""
         if held >= self.total:
             return _UNBOUNDED
         j = bisect_right(self.offsets, held) - 1
@@ -90,7 +94,21 @@ class Walk:
 async def lookup(
     client: Any, shards: Shards, names: RedisKeys, keys: Sequence[BlockKey], weights: TierWeights
 ) -> list[Hit]:
-    """The hits of a chain (`keys[0]` its root), best first. Redis errors pass through."""
+    """The hits of a chain (`keys[0]` its root), best first. Redis errors pass through.
+
+    A slot moved since the grouping (`SlotMoved`) costs one more attempt, grouped by the
+    refreshed slot map, so a completed move is never seen by callers."""
+    try:
+        return await _lookup(client, shards, names, keys, weights)
+    except SlotMoved as exc:
+        if not exc.regroup:
+            raise
+    return await _lookup(client, shards, names, keys, weights)
+
+
+async def _lookup(
+    client: Any, shards: Shards, names: RedisKeys, keys: Sequence[BlockKey], weights: TierWeights
+) -> list[Hit]:
     segments = names.segments(keys)
     by_node = shards.by_node([s.slot for s in segments], segments)
     home = shards.node_of(_slot(names.live))
@@ -98,7 +116,7 @@ async def lookup(
     calls = [_walk(client, w, names.live if node == home else "") for node, w in walks.items()]
     if home not in walks:
         calls.append(client.hgetall(names.live))
-    replies: list[Any] = await asyncio.gather(*calls)
+    replies: list[Any] = await shards.gather(*calls)
     for walk, reply in zip(walks.values(), replies, strict=False):
         walk.parse(reply[0])
     if home in walks:
@@ -124,32 +142,54 @@ def _slot(name: str) -> int:
 
 
 def _hits(walks: Sequence[Walk], live: dict[bytes, bytes], weights: TierWeights) -> list[Hit]:
-    """Hits of the live generations holding the chain's first block, by contiguous depth."""
+    """Hits of the live generations holding the chain's first block, by contiguous depth.
+
+    Most generations hold their whole run under one tier mask: every block before their
+    depth is then theirs under it, and the per-walk counting of `_mixed` is skipped (it
+    was most of a 64-pod lookup's Python time on a cluster)."""
     by_mask = weights.by_mask
     hits = []
     for gen in walks[0].runs:  # walks[0] holds the chain's first segment
         name = live.get(b"%d" % gen)  # a generation not live is a retired source
         if name is None:
             continue
-        depth = min(w.end(gen) for w in walks)
-        held: dict[int, int] = {}
-        for walk in walks:
+        depth, mask = _UNBOUNDED, -1  # mask: the one mask of every run so far, else 0
+        for walk in walks:  # by first block: a walk starting at `depth` or later adds none
+            if depth <= walk.starts[0]:
+                break
             run = walk.runs.get(gen)
-            if run is None:
-                continue
-            left, pairs = walk.within(depth), run[1]
-            for j in range(0, len(pairs), 2):
-                if left <= 0:
-                    break
-                blocks = min(pairs[j + 1], left)
-                held[pairs[j]] = held.get(pairs[j], 0) + blocks
-                left -= blocks
-        if len(held) == 1:  # one tier mask all the way: no scoring over masks
-            [(mask, blocks)] = held.items()
-            hits.append(Hit(source_of(name), blocks, by_mask[mask] * blocks))
+            if run is None:  # it does not hold this walk's first block
+                end = walk.starts[0]
+            else:
+                one = run[1]
+                mask = one if one and mask in (-1, one) else 0
+                end = walk.end(run[0])
+            if end < depth:
+                depth = end
+        if depth == _UNBOUNDED:
+            depth = sum(walk.total for walk in walks)
+        if mask > 0:
+            hits.append(Hit(source_of(name), depth, by_mask[mask] * depth))
         else:
-            hits.append(make_hit(source_of(name), held, weights))
+            hits.append(make_hit(source_of(name), _mixed(walks, gen, depth), weights))
     return ranked(hits)
+
+
+def _mixed(walks: Sequence[Walk], gen: int, depth: int) -> dict[int, int]:
+    """Blocks `gen` holds before `depth`, per tier mask."""
+    held: dict[int, int] = {}
+    for walk in walks:
+        run = walk.runs.get(gen)
+        if run is None:
+            continue
+        left, pairs = walk.within(depth), run[2] or [run[1], run[0]]
+        for j in range(0, len(pairs), 2):
+            if left <= 0:
+                break
+            blocks = min(pairs[j + 1], left)
+            held[pairs[j]] = held.get(pairs[j], 0) + blocks
+            left -= blocks
+    return held
 
 
 @lru_cache(maxsize=4096)

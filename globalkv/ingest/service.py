@@ -301,14 +301,18 @@ class IngestService:
     def resyncing(self) -> int:
         return len(self._resyncing)
 
-    def data_lost(self, source: Source) -> None:
-        """Worker hook: rebuild every source, and write our pods back to the registry."""
+    def data_lost(self, source: Source, lost: frozenset[Source] | None) -> None:
+        """Worker hook: rebuild the sources lost; when the whole index was (`lost` None),
+        every source, and write our pods back to the registry, which went with it."""
         for worker in self._workers():
+            if lost is not None and worker.source not in lost:
+                continue
             if worker.source not in self._resyncing:
                 self._resyncing.add(worker.source)
                 worker.request_resync()
         self.metrics.resyncing.set(len(self._resyncing))
-        self._spawn(self.restore_registry(), "restoring the pod registry")
+        if lost is None:
+            self._spawn(self.restore_registry(), "restoring the pod registry")
 
     def fenced(self, source: Source) -> None:
         """Worker hook: another indexer holds the pod's lease; stop following it here."""

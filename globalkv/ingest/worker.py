@@ -9,8 +9,10 @@ source, so it drops the batch (`queue_full`), which becomes a gap the same way.
 
 Index failures: `IndexUnavailable` holds the batch and retries with capped exponential
 backoff, the bounded queue behind it filling meanwhile; `IndexDataLost` tells the service,
-which asks every worker to rebuild its source (replay from seq 0 where the engine's
-buffer still starts there, otherwise reset and apply what the buffer has). `IndexFenced`
+which asks the worker of every source lost (all of them, unless the index names some) to
+rebuild it (replay from seq 0 where the engine's buffer still starts there, otherwise
+reset and apply what the buffer has); a worker whose own source was not lost applies its
+batch again. `IndexFenced`
 (another indexer holds the pod's lease now) drops the write, counts it and tells the
 service, which stops following the pod: retrying could only be refused again.
 """
@@ -64,8 +66,8 @@ INDEX_BACKOFF = Backoff(base=0.05, cap=2.0)
 
 
 class WorkerHooks(Protocol):
-    def data_lost(self, source: Source) -> None:
-        """The index lost its data: every source must be rebuilt."""
+    def data_lost(self, source: Source, lost: frozenset[Source] | None) -> None:
+        """The index lost the data of `lost` (None: of every source): rebuild them."""
         ...
 
     def resynced(self, source: Source) -> None: ...
@@ -348,10 +350,13 @@ class SourceWorker:
             except IndexFenced:
                 self._refused()
                 return ApplyResult()
-            except IndexDataLost:
-                log.warning("%s: the index lost its data; resyncing", self.source)
+            except IndexDataLost as exc:
                 self.metrics.data_lost.inc()
-                self.hooks.data_lost(self.source)
+                self.hooks.data_lost(self.source, exc.sources)
+                if exc.sources is not None and self.source not in exc.sources:
+                    log.warning("%s: the index lost other sources' data: %s", self.source, exc)
+                    continue  # this batch was not applied: again, as it was
+                log.warning("%s: the index lost its data; resyncing", self.source)
                 await self._resync(first_seq)
 
     async def _while_index_unavailable(self, call: Callable[[], Awaitable[T]]) -> T:

@@ -165,8 +165,9 @@ async def test_block_writes_a_failover_lost_are_found_and_their_source_hidden(
         for name in names:
             await client.decr(name)
         index._checks.suspect = True  # as after any unavailable call
-        with pytest.raises(IndexDataLost, match="failover lost block writes"):
+        with pytest.raises(IndexDataLost, match="failover lost block writes") as caught:
             await feed(STABLE[0], store([999], tokens(1, start=5_000_000)))
+        assert caught.value.sources == frozenset(STABLE), "ingest resyncs these, no others"
         assert await index.lookup(chain) == [], "every source written there is hidden"
         await feed(STABLE[0], store([999], tokens(1, start=5_000_000)))  # writes go on
     finally:

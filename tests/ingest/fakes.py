@@ -31,6 +31,8 @@ class RecordingIndex:
     """The next this-many calls raise IndexUnavailable."""
     lose_data: bool = False
     """The next apply raises IndexDataLost (once) and the recorded state is wiped."""
+    lose_only: frozenset[Source] | None = None
+    """With `lose_data`: only these sources' state is wiped, and the error names them."""
     gate: asyncio.Event | None = None
     """When set, applies wait for it: a slow index."""
 
@@ -45,8 +47,10 @@ class RecordingIndex:
         self._check()
         if self.lose_data:
             self.lose_data = False
-            self.applied.clear()
-            raise IndexDataLost("told to lose data")
+            for source in list(self.applied):
+                if self.lose_only is None or source in self.lose_only:
+                    del self.applied[source]
+            raise IndexDataLost("told to lose data", self.lose_only)
         self.applied.setdefault(batch.source, []).append(batch.seq)
         self.batches.append(batch)
         result = ApplyResult()

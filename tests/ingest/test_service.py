@@ -242,6 +242,40 @@ async def test_data_lost_resyncs_every_source(
     assert sample(prom, "globalkv_ingest_resyncing_sources") == 0
 
 
+async def test_data_lost_of_some_sources_resyncs_only_those(
+    make_service: ServiceFactory,
+    make_publisher: PublisherFactory,
+    index: RecordingIndex,
+    registry: MemoryRegistry,
+    prom: CollectorRegistry,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A cluster master failed over without some block writes: the sources written there
+    are rebuilt, the others (the one that noticed, too) go on as they were."""
+    service = make_service()
+    pubs = {name: make_publisher(buffer_steps=1) for name in ("busy", "lost", "calm")}
+    for name, pub in pubs.items():
+        await follow(service, pub, pod_for(pub, name))
+    for n in range(3):
+        for name, pub in pubs.items():
+            await pub.publish([store(n)])
+            await service.applied(Source(name), n)
+    restored: list[object] = []
+    monkeypatch.setattr(registry, "mark", lambda: restored.append(None) or asyncio.sleep(0))
+    index.lose_data, index.lose_only = True, frozenset({Source("lost")})
+    await pubs["busy"].publish([store(3)])
+    await service.applied(Source("busy"), 3)
+    await service.flush()
+    assert service.ready
+    assert index.applied[Source("busy")] == [0, 1, 2, 3], "applied again, not rebuilt"
+    assert index.applied[Source("lost")] == [-1, 2]
+    assert index.applied[Source("calm")] == [0, 1, 2]
+    assert sample(prom, "globalkv_ingest_index_data_lost_total") == 1
+    assert sample(prom, "globalkv_ingest_resets_total", pod="lost", reason="data_lost") == 1
+    assert sample(prom, "globalkv_ingest_resyncing_sources") == 0
+    assert not restored, "the registry lost nothing: it is not written back"
+
+
 async def test_bound_socket_names_pods_by_topic_and_dp_rank(
     make_service: ServiceFactory,
     make_publisher: PublisherFactory,

@@ -11,6 +11,12 @@ acknowledged block writes on that master are gone, and with them the truth of wh
 sources written there since the last check hold. The check runs before the next batch
 once a call met an unavailable cluster (a failover shows as one); the sources found are
 reset (hidden at once) and `IndexDataLost` makes ingest resync them.
+
+What it cannot trace: a check forgets who wrote before it, so writes a master had
+acknowledged just before a check but not yet passed to its replica, lost when that master
+dies right after, name no source. That needs a check (it follows an unavailable call)
+and then the master's death within its replication lag; `WAIT` after an increment on
+each master would close it, at a round trip per master per check.
 """
 
 from __future__ import annotations

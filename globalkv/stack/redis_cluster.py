@@ -47,7 +47,21 @@ class ClusterNode:
 class LocalRedisCluster:
     """`masters` masters with `replicas` replicas each; `start` it, `stop` it after."""
 
-    def __init__(self, masters: int = 3, replicas: int = 1, directory: Path | None = None) -> None:
+    def __init__(
+        self,
+        masters: int = 3,
+        replicas: int = 1,
+        directory: Path | None = None,
+        node_timeout_ms: int = 5000,
+    ) -> None:
+        """`node_timeout_ms`: Redis's `cluster-node-timeout`. A master unanswered that long
+        is failed over (or, with no replica, the cluster is down until it answers): short
+        enough for a trial to show a failover in seconds, long enough that a node starved of
+        CPU on a loaded machine for a second is not taken for dead (at 1,000 ms, a loaded
+        2-core machine answered CLUSTERDOWN in the middle of a test)."""
+        if node_timeout_ms < 100:
+            raise ValueError("node_timeout_ms must be at least 100")
+        self.node_timeout_ms = node_timeout_ms
         if masters < 3:
             raise ValueError("a Redis Cluster needs at least 3 masters")
         if replicas < 0:
@@ -96,7 +110,7 @@ class LocalRedisCluster:
                 "--cluster-enabled", "yes",
                 "--cluster-port", str(node.bus_port),
                 "--cluster-config-file", str(node.directory / "nodes.conf"),
-                "--cluster-node-timeout", "1000",
+                "--cluster-node-timeout", str(self.node_timeout_ms),
                 "--save", "",
                 "--appendonly", "no",
                 "--maxmemory-policy", "noeviction",

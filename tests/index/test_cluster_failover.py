@@ -27,7 +27,7 @@ CHAIN = 6 * 16
 @pytest.fixture
 def cluster() -> Iterator[LocalRedisCluster]:
     """A cluster of its own: the test kills one of its masters."""
-    own = LocalRedisCluster(masters=3, replicas=1)
+    own = LocalRedisCluster(masters=3, replicas=1, node_timeout_ms=1000)
     own.start()
     yield own
     own.stop()

@@ -29,11 +29,15 @@ so far understates what a pod will have to hold.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 DEFAULT_RETAIN = 2.0
+DEFAULT_DEMAND_WINDOW = 256
+COPY_FACTOR = 2.0
+"""A copied block counts twice: it evicts a block here as a new one does, and it takes the
+room with a block the cluster already holds."""
 
 
 @dataclass(slots=True)
@@ -50,11 +54,18 @@ class _Worker:
 class PlacementLedger:
     """Per prefill worker: the blocks placed there and how often evicted ones came back."""
 
-    def __init__(self, retain: float = DEFAULT_RETAIN) -> None:
+    def __init__(
+        self, retain: float = DEFAULT_RETAIN, demand_window: int = DEFAULT_DEMAND_WINDOW
+    ) -> None:
         if retain < 1:
             raise ValueError("retain must be at least 1 (one capacity)")
+        if demand_window < 1:
+            raise ValueError("demand_window must be at least 1 prompt")
         self.retain = retain
+        self.demand_window = demand_window
         self._workers: dict[str, _Worker] = {}
+        self._recent: deque[Sequence[int]] = deque()
+        self._wanted: dict[int, int] = {}
 
     def placed(self, worker: str) -> int:
         """Distinct blocks on record for the worker."""
@@ -68,17 +79,26 @@ class PlacementLedger:
         recomputed = sum(state.recomputed for state in self._workers.values())
         return 1.0 if computed == 0 else recomputed / computed
 
-    def eviction(self, worker: str, capacity: int, blocks: int) -> float:
-        """Blocks that other prompts are expected to lose if `blocks` more are computed on
-        the worker, whose cache holds `capacity` blocks."""
+    def demand(self, key: int) -> float:
+        """The share of the last `demand_window` prompts recorded whose keys include `key`
+        (0.0 before any)."""
+        recent = len(self._recent)
+        return self._wanted.get(key, 0) / recent if recent else 0.0
+
+    def eviction(self, worker: str, capacity: int, new: int, copied: int = 0) -> float:
+        """Blocks that other prompts are expected to lose if `new` blocks no pod holds and
+        `copied` blocks another pod holds are computed on the worker, whose cache holds
+        `capacity` blocks (a copied block weighs `COPY_FACTOR`)."""
+        blocks = new + copied
         if blocks <= 0 or capacity <= 0:
             return 0.0
         fill = min((self.placed(worker) + blocks) / capacity, 1.0)
-        return blocks * fill * self.recompute_share()
+        return (new + COPY_FACTOR * copied) * fill * self.recompute_share()
 
     def record(self, worker: str, capacity: int, keys: Sequence[int], hit_blocks: int) -> None:
         """The prompt of `keys` went to the worker, its first `hit_blocks` cached or pending
         there: the rest are computed, and those already on record were recomputed."""
+        self._count_demand(keys)
         state = self._workers.get(worker)
         if state is None or state.capacity != capacity:
             state = self._workers[worker] = _Worker(
@@ -100,3 +120,17 @@ class PlacementLedger:
 
     def forget(self, worker: str) -> None:
         self._workers.pop(worker, None)
+
+    def _count_demand(self, keys: Sequence[int]) -> None:
+        kept = tuple(keys)
+        wanted = self._wanted
+        for key in kept:
+            wanted[key] = wanted.get(key, 0) + 1
+        self._recent.append(kept)
+        if len(self._recent) > self.demand_window:
+            for key in self._recent.popleft():
+                left = wanted[key] - 1
+                if left:
+                    wanted[key] = left
+                else:
+                    del wanted[key]

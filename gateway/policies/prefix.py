@@ -89,13 +89,25 @@ class PrefixPolicy:
         pending = request.pending
         w = self._weights
         blocks = request.lookup.blocks
-        scored: list[tuple[float, Candidate, int | None, int]] = []
+        hits: list[tuple[Candidate, int, int | None]] = []
         for candidate in candidates:
             hit = best.get(candidate.pod)
             hit_tokens, dp_rank = (hit.hit_tokens, hit.dp_rank) if hit else (0, None)
             sent = pending.get(candidate.worker)
             if sent is not None and sent.blocks * block_size > hit_tokens:
                 hit_tokens, dp_rank = sent.blocks * block_size, sent.dp_rank
+            hits.append((candidate, hit_tokens, dp_rank))
+        top = min(max(h[1] for h in hits) // block_size, blocks)
+        keys = request.lookup.keys
+        copies_charged = (
+            bool(w.pressure_weight)
+            and 0 < top <= len(keys)
+            and not self._hotter_than_holders(
+                keys[top - 1], sum(h[1] // block_size >= top for h in hits), len(hits)
+            )
+        )
+        scored: list[tuple[float, Candidate, int | None, int]] = []
+        for candidate, hit_tokens, dp_rank in hits:
             uncached = max(prompt - hit_tokens, 0)
             cost = (
                 w.uncached_weight * uncached
@@ -104,10 +116,9 @@ class PrefixPolicy:
             )
             capacity = candidate.cache_capacity_tokens
             if w.pressure_weight and capacity is not None:
+                copied = max(top - hit_tokens // block_size, 0) if copies_charged else 0
                 evicted = self.ledger.eviction(
-                    candidate.worker,
-                    capacity // block_size,
-                    max(blocks - hit_tokens // block_size, 0),
+                    candidate.worker, capacity // block_size, blocks - top, copied
                 )
                 cost += w.pressure_weight * evicted * block_size
             scored.append((cost, candidate, dp_rank, uncached))
@@ -120,7 +131,7 @@ class PrefixPolicy:
             self.ledger.record(
                 chosen.worker,
                 chosen.cache_capacity_tokens // block_size,
-                request.lookup.keys,
+                keys,
                 (prompt - uncached) // block_size,
             )
         return Choice(
@@ -129,6 +140,11 @@ class PrefixPolicy:
             hit_tokens=prompt - uncached,
             uncached_tokens=uncached,
         )
+
+    def _hotter_than_holders(self, key: int, holders: int, candidates: int) -> bool:
+        """Whether the prefix ending at `key` is wanted by more of the recent prompts than
+        its `holders` can serve as their share of the `candidates`."""
+        return self.ledger.demand(key) * candidates > holders
 
     def forget(self, worker: str) -> None:
         self.ledger.forget(worker)

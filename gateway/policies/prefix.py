@@ -35,21 +35,31 @@ Cache pressure. `evicted(w)` is what computing this prompt's uncached blocks on 
 expected to cost other prompts, in tokens: the blocks it will evict there that are wanted
 again (`gateway.policies.placement`: how full w is with what this gateway placed on it,
 against the capacity its engine reports, times the cluster's share of computed blocks
-that had been evicted and were asked for again). Without it a prompt nobody holds goes
-wherever the queue is shortest, and on a full cluster one pod ends with more groups than
-its cache holds and recomputes them for the rest of the run (llm-d's shared-prefix
-workload at 100 % capacity: 93.8 % hits without it, 98.1 % with it, no block evicted).
-It also makes leaving a prefix's holder dearer, since the copy evicts something where it
-lands: that keeps groups together while pods are briefly overloaded, and keeps a group
-that is hotter than one pod on that pod (README, "Routing quality", section 5).
+that had been evicted and were asked for again). The blocks w would compute split in two:
+those beyond the longest prefix any candidate holds (`top`), which every candidate but a
+holder computes alike, and those between w's hit and `top`, a copy of what another pod
+holds, which weigh twice (a copy evicts as a new block does and duplicates what the
+cluster has). Without the cost a prompt nobody holds goes wherever the queue is shortest,
+and on a full cluster one pod ends with more groups than its cache holds and recomputes
+them for the rest of the run (llm-d's shared-prefix workload at 100 % capacity: 93.8 %
+hits without it, 98.1 % with it, no block evicted). Charging copies keeps groups together
+while pods are briefly overloaded (small-groups: 82.1 % of hits without the cost, 87.0 %
+with it, against `cache_aware`'s 87.3 %).
 
-Why the pressure weighs 2: of the weights replayed (0, 1, 2, 4, 8), 2 is the one that
-matched or beat `cache_aware`'s hit rate on llm-d's workload at 50, 80, 100 and 137 %
-capacity while Mooncake's mean TTFT stayed where it was (2.45 s). At 100 % capacity that
-workload is a knife edge (each pod's cache holds 19.2 of its 150 groups): 1, 4 and 8
-each left one pod a group too many. Higher weights buy hits elsewhere with TTFT: 8
-reaches 34.3 % on Mooncake at 2.54 s. A worker whose capacity is not reported costs
-nothing here.
+A copy is not charged when the prefix (its key at `top`) is in a larger share of the last
+prompts placed than its holders are of the candidates: a group hotter than the pods that
+hold it then spreads to another at the price of its uncached tokens alone, as without the
+cost (large-groups: 0.57 s mean TTFT, 95.0 % hits; charging those copies kept the hot group
+on one overloaded pod, 1.29 s). A copy serves the prompts its holders cannot; below that
+share it only takes room.
+
+Why the pressure weighs 2: of the weights replayed (0, 1, 2, 4, 8; README, "Routing
+quality", section 5), 2 is the one that matched or beat `cache_aware`'s hit rate on
+llm-d's workload at 50, 80, 100 and 137 % capacity with Mooncake's mean TTFT 1.4× lower
+than `cache_aware`'s. At 100 % capacity that workload is a knife edge (each pod's cache
+holds 19.2 of its 150 groups), which other weights miss by a group on one pod. Higher
+weights buy hits elsewhere with TTFT (Mooncake and small-groups); a worker whose capacity
+is not reported costs nothing here.
 
 Without a lookup (no tokens, no index configured, index unreachable) the policy hands the
 choice to its load fallback (least_load) and marks it `fallback="no_lookup"`.

@@ -202,6 +202,29 @@ def test_a_prefix_wanted_beyond_its_holders_share_is_copied_without_the_charge()
     assert (choice.worker, choice.hit_tokens) == ("spare", 0)
 
 
+@pytest.mark.parametrize(("wanting", "copied"), [(5, True), (4, False)])
+def test_two_holders_need_more_than_two_thirds_of_the_prompts_to_be_copied_free(
+    wanting: int, copied: bool
+) -> None:
+    # 3 candidates, 2 of them holding the prefix: free only if demand x 3 > 2. Of the 7
+    # prompts recorded (the two fills and 5 more) 5 want it: 5 / 7 x 3 = 2.14; 4: 1.71.
+    policy = prefix_policy()
+    fill(policy, "holder", CAPACITY)
+    policy.ledger.record("other", CAPACITY, list(range(200, 300)), 0)
+    keys = list(range(10_000, 10_040))
+    for _ in range(wanting):
+        policy.ledger.record("holder", CAPACITY, keys, 30)
+    for i in range(5 - wanting):
+        policy.ledger.record("other", CAPACITY, [50_000 + i], 0)
+    assert policy.ledger.demand(keys[29]) == wanting / 7
+    holder, charged, free = _copy_costs(policy)
+    queued = round(2 * ((charged + free) / 2 - holder))
+    req = request(40, ("holder", 30), ("other", 30))
+    candidates = [cand("holder", queued=queued), cand("other", queued=queued), cand("spare")]
+    choice = policy.choose(req, candidates)
+    assert (choice.worker == "spare") is copied
+
+
 def test_unreported_capacity_costs_nothing_and_records_nothing() -> None:
     policy = prefix_policy()
     choice = policy.choose(request(10), [cand("a", None), cand("b", None, queued=1)])

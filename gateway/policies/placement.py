@@ -79,8 +79,7 @@ class PlacementLedger:
         self.retain = retain
         self.demand_window = demand_window
         self._workers: dict[str, _Worker] = {}
-        self._recent: deque[Sequence[int]] = deque()
-        self._wanted: dict[int, int] = {}
+        self._recent: deque[frozenset[int]] = deque(maxlen=demand_window)
 
     def placed(self, worker: str) -> int:
         """Distinct blocks on record for the worker."""
@@ -97,8 +96,8 @@ class PlacementLedger:
     def demand(self, key: int) -> float:
         """The share of the last `demand_window` prompts recorded whose keys include `key`
         (0.0 before any)."""
-        recent = len(self._recent)
-        return self._wanted.get(key, 0) / recent if recent else 0.0
+        recent = self._recent
+        return sum(key in keys for keys in recent) / len(recent) if recent else 0.0
 
     def eviction(self, worker: str, capacity: int, new: int, copied: int = 0) -> float:
         """Blocks that other prompts are expected to lose if `new` blocks no pod holds and
@@ -113,7 +112,7 @@ class PlacementLedger:
     def record(self, worker: str, capacity: int, keys: Sequence[int], hit_blocks: int) -> None:
         """The prompt of `keys` went to the worker, its first `hit_blocks` cached or pending
         there: the rest are computed, and those already on record were recomputed."""
-        self._count_demand(keys)
+        self._recent.append(frozenset(keys))
         state = self._workers.get(worker)
         if state is None or state.capacity != capacity:
             state = self._workers[worker] = _Worker(
@@ -135,17 +134,3 @@ class PlacementLedger:
 
     def forget(self, worker: str) -> None:
         self._workers.pop(worker, None)
-
-    def _count_demand(self, keys: Sequence[int]) -> None:
-        kept = tuple(keys)
-        wanted = self._wanted
-        for key in kept:
-            wanted[key] = wanted.get(key, 0) + 1
-        self._recent.append(kept)
-        if len(self._recent) > self.demand_window:
-            for key in self._recent.popleft():
-                left = wanted[key] - 1
-                if left:
-                    wanted[key] = left
-                else:
-                    del wanted[key]

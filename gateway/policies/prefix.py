@@ -55,11 +55,11 @@ share it only takes room.
 
 Why the pressure weighs 2: of the weights replayed (0, 1, 2, 4, 8; README, "Routing
 quality", section 5), 2 is the one that matched or beat `cache_aware`'s hit rate on
-llm-d's workload at 50, 80, 100 and 137 % capacity with Mooncake's mean TTFT 1.4× lower
-than `cache_aware`'s. At 100 % capacity that workload is a knife edge (each pod's cache
-holds 19.2 of its 150 groups), which other weights miss by a group on one pod. Higher
-weights buy hits elsewhere with TTFT (Mooncake and small-groups); a worker whose capacity
-is not reported costs nothing here.
+llm-d's workload at 50, 80, 100 and 137 % capacity with Mooncake's mean TTFT 1.40×
+lower than `cache_aware`'s (1.398× unrounded). At 100 % capacity that workload is a
+knife edge (each pod's cache holds 19.2 of its 150 groups), which other weights miss by
+a group on one pod. Higher weights buy hits elsewhere with TTFT (Mooncake and
+small-groups); a worker whose capacity is not reported costs nothing here.
 
 Without a lookup (no tokens, no index configured, index unreachable) the policy hands the
 choice to its load fallback (least_load) and marks it `fallback="no_lookup"`.

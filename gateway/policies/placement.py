@@ -19,21 +19,40 @@ cold prompts looks cheap to evict from and draws every cold prompt, which piles 
 it (measured: 3 points of hit rate lost on Mooncake). Before any data the share is 1 (both
 sums start at one capacity), which the first turnovers wash out.
 
-`eviction(worker, capacity, blocks)`, the blocks other prompts are expected to lose if
-`blocks` more are computed on a worker, is `blocks × fill × share` with `fill = min((placed
-+ blocks) / capacity, 1)`: a cache given less than it holds keeps most of what it has, one
-given more than it holds evicts a block for each new one. Linear in the fill rather than a
-step at the capacity because, as the prompts of a group arrive over time, what was placed
-so far understates what a pod will have to hold.
+`eviction(worker, capacity, new, copied)`, the blocks other prompts are expected to lose
+if `new` blocks no pod holds and `copied` blocks another pod holds are computed on a
+worker, is `(new + 2 × copied) × fill × share` with `fill = min((placed + new + copied) /
+capacity, 1)`: a cache given less than it holds keeps most of what it has, one given more
+than it holds evicts a block for each new one. Linear in the fill rather than a step at
+the capacity because, as the prompts of a group arrive over time, what was placed so far
+understates what a pod will have to hold (a step, tried on the cost that charged copies
+as new blocks: small-groups 82.7 % of hits against 85.5 % with the linear fill). A copied
+block weighs twice: it evicts a block where it lands as a new one does, and the room it
+takes holds a block the cluster already has, which serves no prompt the holder would not.
+Charging copies like new blocks let small groups spread over several pods while the pods
+were busy (small-groups 85.5 % against 87.0 %).
+
+Whether to charge a copy at all depends on the prefix's demand, which the ledger counts
+over the last `demand_window` (256) prompts it recorded: `demand(key)` is the share of
+them that hold `key`. A prefix wanted by a larger share of prompts than its holders are
+of the candidates is more than those holders can serve: a copy relieves them rather than
+wasting room, and the policy does not charge it (`gateway.policies.prefix`). Without
+that, the cost kept a group hotter than one pod on that pod (large-groups: mean TTFT
+1.29 s against 0.58 s without the pressure cost). The window is a count of prompts, not a
+time, so the policy reads no clock; 256 resolves a share of 1/16, one pod of 16.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 DEFAULT_RETAIN = 2.0
+DEFAULT_DEMAND_WINDOW = 256
+COPY_FACTOR = 2.0
+"""A copied block counts twice: it evicts a block here as a new one does, and it takes the
+room with a block the cluster already holds."""
 
 
 @dataclass(slots=True)
@@ -50,11 +69,17 @@ class _Worker:
 class PlacementLedger:
     """Per prefill worker: the blocks placed there and how often evicted ones came back."""
 
-    def __init__(self, retain: float = DEFAULT_RETAIN) -> None:
+    def __init__(
+        self, retain: float = DEFAULT_RETAIN, demand_window: int = DEFAULT_DEMAND_WINDOW
+    ) -> None:
         if retain < 1:
             raise ValueError("retain must be at least 1 (one capacity)")
+        if demand_window < 1:
+            raise ValueError("demand_window must be at least 1 prompt")
         self.retain = retain
+        self.demand_window = demand_window
         self._workers: dict[str, _Worker] = {}
+        self._recent: deque[frozenset[int]] = deque(maxlen=demand_window)
 
     def placed(self, worker: str) -> int:
         """Distinct blocks on record for the worker."""
@@ -68,17 +93,26 @@ class PlacementLedger:
         recomputed = sum(state.recomputed for state in self._workers.values())
         return 1.0 if computed == 0 else recomputed / computed
 
-    def eviction(self, worker: str, capacity: int, blocks: int) -> float:
-        """Blocks that other prompts are expected to lose if `blocks` more are computed on
-        the worker, whose cache holds `capacity` blocks."""
+    def demand(self, key: int) -> float:
+        """The share of the last `demand_window` prompts recorded whose keys include `key`
+        (0.0 before any)."""
+        recent = self._recent
+        return sum(key in keys for keys in recent) / len(recent) if recent else 0.0
+
+    def eviction(self, worker: str, capacity: int, new: int, copied: int = 0) -> float:
+        """Blocks that other prompts are expected to lose if `new` blocks no pod holds and
+        `copied` blocks another pod holds are computed on the worker, whose cache holds
+        `capacity` blocks (a copied block weighs `COPY_FACTOR`)."""
+        blocks = new + copied
         if blocks <= 0 or capacity <= 0:
             return 0.0
         fill = min((self.placed(worker) + blocks) / capacity, 1.0)
-        return blocks * fill * self.recompute_share()
+        return (new + COPY_FACTOR * copied) * fill * self.recompute_share()
 
     def record(self, worker: str, capacity: int, keys: Sequence[int], hit_blocks: int) -> None:
         """The prompt of `keys` went to the worker, its first `hit_blocks` cached or pending
         there: the rest are computed, and those already on record were recomputed."""
+        self._recent.append(frozenset(keys))
         state = self._workers.get(worker)
         if state is None or state.capacity != capacity:
             state = self._workers[worker] = _Worker(

@@ -35,21 +35,31 @@ Cache pressure. `evicted(w)` is what computing this prompt's uncached blocks on 
 expected to cost other prompts, in tokens: the blocks it will evict there that are wanted
 again (`gateway.policies.placement`: how full w is with what this gateway placed on it,
 against the capacity its engine reports, times the cluster's share of computed blocks
-that had been evicted and were asked for again). Without it a prompt nobody holds goes
-wherever the queue is shortest, and on a full cluster one pod ends with more groups than
-its cache holds and recomputes them for the rest of the run (llm-d's shared-prefix
-workload at 100 % capacity: 93.8 % hits without it, 98.1 % with it, no block evicted).
-It also makes leaving a prefix's holder dearer, since the copy evicts something where it
-lands: that keeps groups together while pods are briefly overloaded, and keeps a group
-that is hotter than one pod on that pod (README, "Routing quality", section 5).
+that had been evicted and were asked for again). The blocks w would compute split in two:
+those beyond the longest prefix any candidate holds (`top`), which every candidate but a
+holder computes alike, and those between w's hit and `top`, a copy of what another pod
+holds, which weigh twice (a copy evicts as a new block does and duplicates what the
+cluster has). Without the cost a prompt nobody holds goes wherever the queue is shortest,
+and on a full cluster one pod ends with more groups than its cache holds and recomputes
+them for the rest of the run (llm-d's shared-prefix workload at 100 % capacity: 93.8 %
+hits without it, 98.1 % with it, no block evicted). Charging copies keeps groups together
+while pods are briefly overloaded (small-groups: 82.1 % of hits without the cost, 87.0 %
+with it, against `cache_aware`'s 87.3 %).
 
-Why the pressure weighs 2: of the weights replayed (0, 1, 2, 4, 8), 2 is the one that
-matched or beat `cache_aware`'s hit rate on llm-d's workload at 50, 80, 100 and 137 %
-capacity while Mooncake's mean TTFT stayed where it was (2.45 s). At 100 % capacity that
-workload is a knife edge (each pod's cache holds 19.2 of its 150 groups): 1, 4 and 8
-each left one pod a group too many. Higher weights buy hits elsewhere with TTFT: 8
-reaches 34.3 % on Mooncake at 2.54 s. A worker whose capacity is not reported costs
-nothing here.
+A copy is not charged when the prefix (its key at `top`) is in a larger share of the last
+prompts placed than its holders are of the candidates: a group hotter than the pods that
+hold it then spreads to another at the price of its uncached tokens alone, as without the
+cost (large-groups: 0.57 s mean TTFT, 95.0 % hits; charging those copies kept the hot group
+on one overloaded pod, 1.29 s). A copy serves the prompts its holders cannot; below that
+share it only takes room.
+
+Why the pressure weighs 2: of the weights replayed (0, 1, 2, 4, 8; README, "Routing
+quality", section 5), 2 is the one that matched or beat `cache_aware`'s hit rate on
+llm-d's workload at 50, 80, 100 and 137 % capacity with Mooncake's mean TTFT 1.40×
+lower than `cache_aware`'s (1.398× unrounded). At 100 % capacity that workload is a
+knife edge (each pod's cache holds 19.2 of its 150 groups), which other weights miss by
+a group on one pod. Higher weights buy hits elsewhere with TTFT (Mooncake and
+small-groups); a worker whose capacity is not reported costs nothing here.
 
 Without a lookup (no tokens, no index configured, index unreachable) the policy hands the
 choice to its load fallback (least_load) and marks it `fallback="no_lookup"`.
@@ -89,13 +99,25 @@ class PrefixPolicy:
         pending = request.pending
         w = self._weights
         blocks = request.lookup.blocks
-        scored: list[tuple[float, Candidate, int | None, int]] = []
+        hits: list[tuple[Candidate, int, int | None]] = []
         for candidate in candidates:
             hit = best.get(candidate.pod)
             hit_tokens, dp_rank = (hit.hit_tokens, hit.dp_rank) if hit else (0, None)
             sent = pending.get(candidate.worker)
             if sent is not None and sent.blocks * block_size > hit_tokens:
                 hit_tokens, dp_rank = sent.blocks * block_size, sent.dp_rank
+            hits.append((candidate, hit_tokens, dp_rank))
+        top = min(max(h[1] for h in hits) // block_size, blocks)
+        keys = request.lookup.keys
+        copies_charged = (
+            bool(w.pressure_weight)
+            and 0 < top <= len(keys)
+            and not self._hotter_than_holders(
+                keys[top - 1], sum(h[1] // block_size >= top for h in hits), len(hits)
+            )
+        )
+        scored: list[tuple[float, Candidate, int | None, int]] = []
+        for candidate, hit_tokens, dp_rank in hits:
             uncached = max(prompt - hit_tokens, 0)
             cost = (
                 w.uncached_weight * uncached
@@ -104,10 +126,9 @@ class PrefixPolicy:
             )
             capacity = candidate.cache_capacity_tokens
             if w.pressure_weight and capacity is not None:
+                copied = max(top - hit_tokens // block_size, 0) if copies_charged else 0
                 evicted = self.ledger.eviction(
-                    candidate.worker,
-                    capacity // block_size,
-                    max(blocks - hit_tokens // block_size, 0),
+                    candidate.worker, capacity // block_size, blocks - top, copied
                 )
                 cost += w.pressure_weight * evicted * block_size
             scored.append((cost, candidate, dp_rank, uncached))
@@ -120,7 +141,7 @@ class PrefixPolicy:
             self.ledger.record(
                 chosen.worker,
                 chosen.cache_capacity_tokens // block_size,
-                request.lookup.keys,
+                keys,
                 (prompt - uncached) // block_size,
             )
         return Choice(
@@ -129,6 +150,11 @@ class PrefixPolicy:
             hit_tokens=prompt - uncached,
             uncached_tokens=uncached,
         )
+
+    def _hotter_than_holders(self, key: int, holders: int, candidates: int) -> bool:
+        """Whether the prefix ending at `key` is wanted by more of the recent prompts than
+        its `holders` can serve as their share of the `candidates`."""
+        return self.ledger.demand(key) * candidates > holders
 
     def forget(self, worker: str) -> None:
         self.ledger.forget(worker)

@@ -65,6 +65,25 @@ def test_ledger_share_and_eviction_by_hand() -> None:
     assert ledger.eviction("a", CAPACITY, 10) == pytest.approx(10 * share)
     assert ledger.eviction("b", CAPACITY, 10) == pytest.approx(10 * 0.1 * share)
     assert ledger.eviction("a", CAPACITY, 0) == 0.0
+    # 4 new and 6 copied on b: the fill counts all 10, each copied block weighs twice.
+    assert ledger.eviction("b", CAPACITY, 4, 6) == pytest.approx((4 + 2 * 6) * 0.1 * share)
+    assert ledger.eviction("a", CAPACITY, 0, 10) == pytest.approx(20 * share)
+
+
+def test_demand_is_the_share_of_the_recent_prompts_holding_a_key() -> None:
+    ledger = PlacementLedger(demand_window=4)
+    assert ledger.demand(1) == 0.0
+    ledger.record("a", CAPACITY, [1, 2, 3], 0)
+    ledger.record("b", CAPACITY, [1, 2, 9], 0)
+    ledger.record("a", CAPACITY, [7], 0)
+    assert (ledger.demand(1), ledger.demand(3), ledger.demand(5)) == (2 / 3, 1 / 3, 0.0)
+    # Three more prompts push the first two out of the window of four.
+    ledger.record("a", CAPACITY, [1], 0)
+    ledger.record("a", CAPACITY, [8], 0)
+    ledger.record("b", CAPACITY, [8], 0)
+    assert (ledger.demand(1), ledger.demand(2), ledger.demand(9)) == (1 / 4, 0.0, 0.0)
+    with pytest.raises(ValueError, match="demand_window"):
+        PlacementLedger(demand_window=0)
 
 
 def test_blocks_placed_before_and_computed_again_raise_the_share() -> None:
@@ -128,10 +147,11 @@ def test_a_short_prefix_on_a_full_pod_loses_to_room_elsewhere() -> None:
     policy = prefix_policy()
     fill(policy, "holder", 1000, capacity=1000)
     share = policy.ledger.recompute_share()
-    # A 100-block prompt of which "holder" keeps 2, caches of 1,000 blocks:
-    # holder 98 x 16 x (1 + 2 x share), empty 100 x 16 x (1 + 2 x 0.1 x share).
+    # A 100-block prompt of which "holder" keeps 2, caches of 1,000 blocks: holder
+    # 98 x 16 x (1 + 2 x share); empty computes 98 new and 2 copied blocks at a 10 % fill,
+    # 100 x 16 + 2 x 16 x 0.1 x share x (98 + 2 x 2).
     holder = 98 * BS * (1 + 2 * share)
-    empty = 100 * BS * (1 + 2 * 0.1 * share)
+    empty = 100 * BS + 2 * BS * 0.1 * share * (98 + 2 * 2)
     assert empty < holder
     candidates = [cand("holder", 1000), cand("empty", 1000)]
     assert policy.choose(request(100, ("holder", 2)), candidates).worker == "empty"
@@ -139,6 +159,70 @@ def test_a_short_prefix_on_a_full_pod_loses_to_room_elsewhere() -> None:
     plain = prefix_policy(pressure_weight=0)
     fill(plain, "holder", 1000, capacity=1000)
     assert plain.choose(request(100, ("holder", 2)), candidates).worker == "holder"
+
+
+def _copy_costs(policy: PrefixPolicy) -> tuple[float, float, float]:
+    """A 40-block prompt, 30 of them on a full "holder", against an empty "spare": the
+    costs other than the holder's queue, the spare's with its 30 copied blocks charged
+    and with them free. Caches of 100 blocks: holder fill 1, spare (0 + 40) / 100."""
+    share = policy.ledger.recompute_share()
+    holder = 10 * BS + 2 * BS * share * 10
+    spare_charged = 40 * BS + 2 * BS * share * 0.4 * (10 + 2 * 30)
+    spare_free = 40 * BS + 2 * BS * share * 0.4 * 10
+    return holder, spare_charged, spare_free
+
+
+def test_a_copy_of_a_prefix_few_prompts_want_is_charged_twice() -> None:
+    policy = prefix_policy()
+    fill(policy, "holder", CAPACITY)
+    holder, charged, free = _copy_costs(policy)
+    # A queue on the holder halfway between the two break-even points: with the copy
+    # charged the holder still wins, with it free the spare would.
+    queued = round(2 * ((charged + free) / 2 - holder))
+    assert holder + queued / 2 < charged
+    assert holder + queued / 2 > free
+    req = request(40, ("holder", 30))
+    choice = policy.choose(req, [cand("holder", queued=queued), cand("spare")])
+    assert choice.worker == "holder"
+
+
+def test_a_prefix_wanted_beyond_its_holders_share_is_copied_without_the_charge() -> None:
+    policy = prefix_policy()
+    fill(policy, "holder", CAPACITY)
+    keys = list(range(10_000, 10_040))
+    for _ in range(3):  # 3 of the last 4 prompts want it: 0.75 x 2 candidates > 1 holder
+        policy.ledger.record("holder", CAPACITY, keys, 30)
+    assert policy.ledger.demand(keys[29]) == 0.75
+    holder, charged, free = _copy_costs(policy)
+    queued = round(2 * ((charged + free) / 2 - holder))
+    assert holder + queued / 2 < charged
+    assert holder + queued / 2 > free
+    req = request(40, ("holder", 30))
+    choice = policy.choose(req, [cand("holder", queued=queued), cand("spare")])
+    assert (choice.worker, choice.hit_tokens) == ("spare", 0)
+
+
+@pytest.mark.parametrize(("wanting", "copied"), [(5, True), (4, False)])
+def test_two_holders_need_more_than_two_thirds_of_the_prompts_to_be_copied_free(
+    wanting: int, copied: bool
+) -> None:
+    # 3 candidates, 2 of them holding the prefix: free only if demand x 3 > 2. Of the 7
+    # prompts recorded (the two fills and 5 more) 5 want it: 5 / 7 x 3 = 2.14; 4: 1.71.
+    policy = prefix_policy()
+    fill(policy, "holder", CAPACITY)
+    policy.ledger.record("other", CAPACITY, list(range(200, 300)), 0)
+    keys = list(range(10_000, 10_040))
+    for _ in range(wanting):
+        policy.ledger.record("holder", CAPACITY, keys, 30)
+    for i in range(5 - wanting):
+        policy.ledger.record("other", CAPACITY, [50_000 + i], 0)
+    assert policy.ledger.demand(keys[29]) == wanting / 7
+    holder, charged, free = _copy_costs(policy)
+    queued = round(2 * ((charged + free) / 2 - holder))
+    req = request(40, ("holder", 30), ("other", 30))
+    candidates = [cand("holder", queued=queued), cand("other", queued=queued), cand("spare")]
+    choice = policy.choose(req, candidates)
+    assert (choice.worker == "spare") is copied
 
 
 def test_unreported_capacity_costs_nothing_and_records_nothing() -> None:

@@ -127,7 +127,7 @@ class ReplaySettings(BaseModel):
         "pending prompts every share_interval_s (bench.replay.gateways).",
     )
     share_interval_s: float = Field(
-        0.1, ge=0, allow_inf_nan=False, description="Replicas' publication interval, trace s."
+        0.05, ge=0, allow_inf_nan=False, description="Replicas' publication interval, trace s."
     )
 
     @model_validator(mode="after")

@@ -3,7 +3,9 @@
 Each replica is the gateway's own objects with its own state — prefill and decode policy
 (each seeded `seed + g`), `LoadTracker` and pending-prompt table — behind a load balancer
 that sends request i to replica i mod G. The index is shared, as every gateway reads the
-same Redis. What the replicas share besides the index is `gateway_sharing`:
+same Redis; each replica reads the prefills' capacities, as each gateway reads them from
+the engines, and keeps its own placement ledger (the pressure cost's record). What the
+replicas share besides the index is `gateway_sharing`:
 
 - `none`: nothing; each sees only the load it put on the pods and the prompts it sent
   (today's gateway, run several times over).
@@ -168,7 +170,7 @@ class _SharedRun(_Run):
         return own
 
     def _candidates(self, replica: _Replica, workers: list[str], now: float) -> list[Candidate]:
-        mine = replica.loads.candidates(workers)
+        mine = replica.loads.candidates(workers, self.capacities)
         if self.sharing == "none":
             return mine
         for other in self.replicas:

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.replay.config import ClusterModel, ReplaySettings, resolve
-from bench.replay.gateways import GatewaysSimulation
+from bench.replay.gateways import GatewaysSimulation, _SharedRun
 from bench.replay.record import RunRecord
 from bench.replay.trace import offered_work_per_s, read_trace, trace_stats
 from gateway.config import PolicyName
@@ -17,6 +17,12 @@ from tests.bench.traces import row, write_trace
 async def replay(
     path: Path, policy: PolicyName, gateways: int, sharing: str, interval: float, **cluster: Any
 ) -> RunRecord:
+    return await simulation(path, policy, gateways, sharing, interval, **cluster).run()
+
+
+def simulation(
+    path: Path, policy: PolicyName, gateways: int, sharing: str, interval: float, **cluster: Any
+) -> GatewaysSimulation:
     settings = ReplaySettings(
         trace=str(path),
         policies=(policy,),
@@ -34,7 +40,7 @@ async def replay(
         unique_blocks=stats.unique_blocks,
         offered_work_per_s=offered_work_per_s(trace),
     )
-    return await GatewaysSimulation(trace, settings, resolved, policy).run()
+    return GatewaysSimulation(trace, settings, resolved, policy)
 
 
 async def test_a_prompt_sent_by_another_gateway_counts_as_pending_once_it_is_shared(
@@ -70,3 +76,15 @@ async def test_a_gateway_adds_the_others_published_load_to_its_own(tmp_path: Pat
     stale = await replay(path, "least_load", 2, "shared", 10.0, **kwargs)
     for gateway in (0, 1):  # nothing published yet at 0 s but the empty start
         assert len(set(stale.worker[gateway::2])) == 4
+
+
+def test_every_replica_sees_the_capacity_each_prefill_reports(tmp_path: Path) -> None:
+    """As each live gateway reads it from the engines: without it a replica's prefix
+    policy would weigh no cache pressure, and G replicas would replay another policy."""
+    path = write_trace(tmp_path / "t.jsonl", [row(0, 9, [1, 2, 3])])
+    kwargs: dict[str, Any] = {"pods": 3, "capacity_blocks": 8, "prefill_tokens_per_s": 10.0}
+    sim = simulation(path, "prefix", 2, "shared", 0.1, **kwargs)
+    run = _SharedRun(sim, 0.0)
+    for replica in run.replicas:
+        candidates = run._candidates(replica, run.prefills, 0.0)
+        assert [c.cache_capacity_tokens for c in candidates] == [8 * 4] * 3

@@ -145,7 +145,8 @@ async def test_a_second_process_with_the_same_indexer_id_gets_no_live_token(
     try:
         old = await Leases(old_client).acquire("x", "indexer-0", 30.0)
         new = await Leases(new_client).acquire("x", "indexer-0", 30.0)  # the restarted one
-        assert isinstance(old, Grant) and isinstance(new, Grant)
+        assert isinstance(old, Grant)
+        assert isinstance(new, Grant)
         assert new.fence.token != old.fence.token, "two processes write under one token"
     finally:
         await old_client.aclose()

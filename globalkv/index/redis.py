@@ -215,6 +215,11 @@ class RedisIndex:
             return result
 
     async def reset_source(self, source: Source) -> None:
+        await self._reset(source, fence_of(self.fenced, self._fences, source.pod))
+
+    async def _reset(self, source: Source, fence: Fence | None) -> None:
+        """Retire the source's generation for a fresh, empty one. Without a fence on a
+        fenced index the reset is made whoever holds the pod (`_check_writes`)."""
         async with self._lock(source):
             await self._ensure_marker()
             name = source_name(source)
@@ -235,12 +240,13 @@ class RedisIndex:
                 state.last_seq,
                 state.last_ts,
                 inline=True,
-                fence=_fence_args(fence_of(self.fenced, self._fences, source.pod)),
+                fence=_fence_args(fence),
             )
             self._writers.pop(source, None)
             with reachable("resetting a source"):
                 await self._run_apply(args)
-            self._writers[source] = Writer(state, target, 1)
+            if fence is not None or not self.fenced:
+                self._writers[source] = Writer(state, target, 1)
             await self._drop_dead_later_if_down()
 
     async def remove_pod(self, pod: str) -> None:
@@ -328,13 +334,31 @@ class RedisIndex:
         return await self._redis.incr(self.keys.next_gen)
 
     async def _check_writes(self) -> None:
-        """After the cluster was unavailable: hide the sources a failover lost writes of."""
+        """After the cluster was unavailable: hide the sources a failover lost writes of.
+
+        Each is reset on its own. A reset only hides data (the source's generation is
+        retired, its entries vanish from lookups), so it needs no lease: a source of a pod
+        this indexer no longer holds is reset without a fence, and its holder's
+        next batch call finds the generation changed ('stale': `IndexDataLost`) and
+        resyncs it. A source not reset yet (Redis failed meanwhile) stays pending for the
+        next check. So only `IndexDataLost`, naming the sources, or `IndexUnavailable`
+        leaves here, never the `IndexFenced` of another pod.
+        """
         with reachable("checking for lost writes"):
             lost = await self._checks.lost(self._redis)
         if not lost:
             return
         for source in sorted(lost):
-            await self.reset_source(source)
+            try:
+                await self.reset_source(source)
+            except IndexFenced:
+                await self._reset(source, None)
+            except IndexUnavailable as exc:
+                if isinstance(exc, IndexDataLost):
+                    raise  # Redis lost everything: ingest resyncs every source
+                self._checks.suspect = True  # retry the pending ones before the next write
+                raise
+            self._checks.reset(source)
         self._writers.clear()
         raise IndexDataLost(
             f"a Redis Cluster failover lost block writes of {len(lost)} sources: reset", lost

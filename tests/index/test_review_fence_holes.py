@@ -11,48 +11,13 @@ import time
 
 import pytest
 
-from globalkv.index.base import IndexDataLost, IndexFenced, Source, SourceBatch
+from globalkv.index.base import IndexFenced, Source, SourceBatch
 from globalkv.index.redis import RedisIndex
 from globalkv.ingest.leases import Grant, Leases
 from globalkv.redis_client import connect
 from globalkv.stack.redis_cluster import LocalRedisCluster
 from tests.index.events import BS, clear, depths, keys, store, tokens
 from tests.index.test_redis_fences import Indexer, changed, snapshot
-
-
-async def test_a_lost_write_check_resets_every_lost_source_even_when_one_pod_moved(
-    redis_url: str,
-) -> None:
-    """redis.py:_check_writes resets the sources a failover lost writes of; Checkpoints.lost
-    has already forgotten them (and cleared `suspect`). When one of them is of a pod whose
-    lease moved meanwhile (likely: a failover outlasts the lease TTL), reset_source raises
-    IndexFenced for that pod: the loop stops, the sources after it are never reset (their
-    lost writes stay wrong in the index), and the IndexFenced surfaces from the apply of an
-    unrelated pod we still hold, so ingest drops that pod's batch and its lease locally."""
-    client = connect(redis_url)
-    try:
-        leases, index = Leases(client), RedisIndex(client, BS, fenced=True)
-        for pod in ("x", "y", "z"):
-            grant = await leases.acquire(pod, "a", 30.0)
-            assert isinstance(grant, Grant)
-            index.set_fence(pod, grant.fence)
-            await index.apply(SourceBatch(Source(pod), 0, 0.0, [store(range(1, 5), tokens(4))]))
-        # What Checkpoints.lost finds after a failover lost block writes of x and z there.
-        index._checks.wrote(0, 10**6, Source("x"))
-        index._checks.wrote(0, 10**6, Source("z"))
-        index._checks.suspect = True
-        index.set_fence("x", None)  # x's lease went to another indexer during the outage
-
-        batch = SourceBatch(Source("y"), 1, 1.0, [store(range(10, 14), tokens(4, start=100))])
-        with pytest.raises((IndexDataLost, IndexFenced)) as raised:
-            await index.apply(batch)
-        (z,) = await index.stats("z")
-    finally:
-        await client.aclose()
-    assert z.resets == 1, "z lost writes in the failover and was never reset"
-    # As designed the lost sources are reset and ingest resyncs (IndexDataLost); on main
-    # y's apply raises IndexFenced("pod x: ...") and y's worker drops its batch and lease.
-    assert raised.type is IndexDataLost, raised.value
 
 
 async def test_a_holder_granted_below_a_copy_recovers_once_the_clock_passes_it(

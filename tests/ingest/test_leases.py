@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -17,7 +18,7 @@ from globalkv.index.redis_keys import RedisKeys
 from globalkv.indexer import IndexerConfig
 from globalkv.ingest.leases import Grant, Held, Leases, assign
 from globalkv.redis_client import Client, connect
-from tests.index.events import BS, store, tokens
+from tests.index.events import BS, clear, depths, keys, store, tokens
 
 
 @pytest.fixture(params=["redis_url", "redis_cluster_url"])
@@ -256,3 +257,44 @@ def test_an_indexer_id_with_a_token_separator_is_a_config_error(name: str) -> No
     with pytest.raises(ValidationError, match="may not hold ':' or '/'"):
         IndexerConfig(indexer_id=name)
     assert IndexerConfig(indexer_id="indexer-0.a_b").member_id == "indexer-0.a_b"
+
+
+async def test_a_pod_removed_by_an_indexer_without_its_lease_leaves_no_live_generation(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`DELETE /v1/pods/x` on an indexer that does not follow x, while the holder's batch
+    switches x's generation (the engine cleared and re-cached) right after the remover's
+    first read: the generation x has at the removal is the one retired, so nothing of x
+    stays live, and the holder's next batch is refused as stale (it resyncs)."""
+    leases = Leases(client)
+    grant = await leases.acquire("x", "a", 30.0)
+    assert isinstance(grant, Grant)
+    holder, other = RedisIndex(client, BS, fenced=True), RedisIndex(client, BS, fenced=True)
+    holder.set_fence("x", grant.fence)
+    await holder.apply(SourceBatch(Source("x"), 0, 0.0, [store(range(1, 5), tokens(4))]))
+    switched = False
+
+    def racing(call: Callable[..., Awaitable[Any]], *, before: bool) -> Callable[..., Any]:
+        async def racy(*args: Any, **kwargs: Any) -> Any:
+            nonlocal switched
+            if not before:
+                read = await call(*args, **kwargs)
+            monkeypatch.undo()  # only the remover's first call races
+            await holder.apply(SourceBatch(Source("x"), 1, 1.0, [clear(), *events]))
+            switched = True
+            return read if not before else await call(*args, **kwargs)
+
+        return racy
+
+    events = [store(range(1, 5), tokens(4))]
+    # The switch lands after the remover's first read, or before its first script call.
+    monkeypatch.setattr(client, "hgetall", racing(client.hgetall, before=False))
+    monkeypatch.setattr(client, "evalsha", racing(client.evalsha, before=True))
+    await other.remove_pod("x")
+    assert switched
+    assert depths(await other.lookup(keys(tokens(4)))) == {}
+    assert await other.stats("x") == []
+    live = await client.hgetall(holder.keys.live)
+    assert not any(name.startswith(b"x@") for name in live.values())
+    with pytest.raises(IndexDataLost):
+        await holder.apply(SourceBatch(Source("x"), 2, 2.0, [store([9], tokens(1, 9))]))

@@ -25,9 +25,16 @@ writer's: an indexer whose lease was taken over writes nothing on any master.
   'recopy' when the copy is missing (a failover lost it, a reshard moved its slot, it
   expired), older, or a barrier; the writer then reads its lease on `{p}`: still its
   own, it copies its token to every master again and repeats the refused calls once
-  (else `IndexFenced`). The one write a lost lease can still make: the writer read its
-  lease as its own, the lease was taken over and a master then lost the taker's copy,
-  all before the re-copy arrived.
+  (else `IndexFenced`).
+- What a lost lease can still write: block fields on a master that lost the taker's
+  barrier and copy, i.e. a replica promoted without them. There the old copy is still
+  the old holder's token, so its block calls pass at once (its batch call on `{p}` is
+  refused: a half batch, wrong in the index where the taker does not rewrite those
+  fields). A taker makes that rare: after each master's copies it waits (`WAIT`, at
+  most `COPY_WAIT_MS`) for a replica to hold them, so it takes a replica that did not
+  answer within that, or the promotion of another one. Likewise a writer that read its
+  lease as its own just before a takeover, when a master lost the taker's copy before
+  the writer's re-copy arrived.
 - Where a master's copy is: in every slot of `CANDIDATES`, a fixed set of slots spread
   over the ring (a copy is written to all of them, whichever master serves each), and a
   block call checks the first candidate its master serves. A reshard moves a copy with
@@ -58,6 +65,8 @@ log = logging.getLogger(__name__)
 
 CANDIDATES = tuple(k * STRIDE % SLOTS for k in range(64))
 """The slots every copy of a pod's token is written to."""
+COPY_WAIT_MS = 100
+"""At most this long a copy waits for a replica of its master to have it."""
 COPY_TTL = 86_400
 """Seconds a copy lives unless written again; a block call meeting none has it copied anew."""
 
@@ -130,10 +139,28 @@ class ClusterWrites:
             await self._shards.cluster.initialize()  # the slot map, on a new client
             masters = {node.name for node in self._shards.cluster.get_primaries()}
             slots = [*CANDIDATES, *self._fallbacks(masters)]
-            groups = self._shards.group(slots, [self._keys.fence_copy(s, pod) for s in slots])
-            await self._shards.gather(
-                *(self._copy(keys=[g[0]], args=[token, COPY_TTL, *g[1:]]) for g in groups)
-            )
+            names = [self._keys.fence_copy(s, pod) for s in slots]
+            groups = self._shards.group(slots, list(zip(slots, names, strict=True)))
+            await self._shards.gather(*(self._copy_on(g, token) for g in groups))
+
+    async def _copy_on(self, group: list[tuple[int, str]], token: str) -> None:
+        """One master's copies, then (if it has a replica: `ROLE`) `WAIT` at most
+        `COPY_WAIT_MS` for one to hold them, so a replica promoted later rarely lacks
+        the taker's copy. The copies and `WAIT` go on one connection, as `WAIT` counts
+        the writes of its own connection."""
+        assert self._shards.cluster is not None
+        cluster = self._shards.cluster
+        (slot, first), *rest = group
+        args: list[str | int] = [token, COPY_TTL, *(name for _, name in rest)]
+        node = cluster.nodes_manager.get_node_from_slot(slot)
+        role = await cluster.execute_command("ROLE", target_nodes=node)
+        if not role[2:] or not role[2]:  # a master without a connected replica
+            await self._copy(keys=[first], args=args)
+            return
+        pipe = cluster.pipeline(transaction=False)
+        pipe.execute_command("EVAL", _COPY, 1, first, *args)  # EVALSHA: not in a pipeline
+        pipe.execute_command("WAIT", 1, COPY_WAIT_MS, target_nodes=node)
+        await pipe.execute()
 
     async def write(self, writes: BlockWrites, source: Source, fence: Fence | None) -> None:
         """The block calls; a failure half-way leaves the batch unlogged, so its retry

@@ -220,7 +220,8 @@ class RedisIndex:
 
     async def _reset(self, source: Source, fence: Fence | None) -> None:
         """Retire the source's generation for a fresh, empty one. Without a fence on a
-        fenced index the reset is made whoever holds the pod (`_check_writes`)."""
+        fenced index the reset is made whoever holds the pod (`_check_writes`), and this
+        writer keeps no state of the source."""
         async with self._lock(source):
             await self._ensure_marker()
             name = source_name(source)
@@ -333,13 +334,13 @@ class RedisIndex:
     async def _check_writes(self) -> None:
         """After the cluster was unavailable: hide the sources a failover lost writes of.
 
-        Each is reset on its own. A reset only hides data (the source's generation is
-        retired, its entries vanish from lookups), so it needs no lease: a source of a pod
-        this indexer no longer holds is reset without a fence, and its holder's
-        next batch call finds the generation changed ('stale': `IndexDataLost`) and
-        resyncs it. A source not reset yet (Redis failed meanwhile) stays pending for the
-        next check. So only `IndexDataLost`, naming the sources, or `IndexUnavailable`
-        leaves here, never the `IndexFenced` of another pod.
+        Each is reset on its own, without a fence: a reset only hides data (the source's
+        generation is retired, its entries vanish from lookups), so it needs no lease. A
+        source of a pod this indexer no longer holds is reset too, and its holder's next
+        batch call finds the generation changed ('stale': `IndexDataLost`) and resyncs it.
+        A source not reset yet (Redis failed meanwhile) stays pending for the next check.
+        So only `IndexDataLost`, naming the sources, or `IndexUnavailable` leaves here,
+        never the `IndexFenced` of another pod.
         """
         with reachable("checking for lost writes"):
             lost = await self._checks.lost(self._redis)
@@ -347,8 +348,6 @@ class RedisIndex:
             return
         for source in sorted(lost):
             try:
-                await self.reset_source(source)
-            except IndexFenced:
                 await self._reset(source, None)
             except IndexUnavailable as exc:
                 if isinstance(exc, IndexDataLost):

@@ -78,8 +78,9 @@ class IndexerConfig(BaseModel):
         None,
         min_length=1,
         max_length=128,
-        pattern=r"^[A-Za-z0-9._:\-]+$",
-        description="This indexer's name among replicas; host name and pid if unset.",
+        pattern=r"^[A-Za-z0-9._\-]+$",
+        description="This indexer's name among replicas; host name and pid if unset. "
+        "Letters, digits, '.', '_' and '-'.",
     )
     api: ApiConfig = Field(default_factory=ApiConfig)
     ingest: IngestConfig = Field(default_factory=IngestConfig)
@@ -87,6 +88,15 @@ class IndexerConfig(BaseModel):
     @property
     def member_id(self) -> str:
         return self.indexer_id or f"{socket.gethostname()}-{os.getpid()}"
+
+    @field_validator("indexer_id", mode="before")
+    @classmethod
+    def _no_separator(cls, value: object) -> object:
+        """A fencing token is "<counter>:<id>/<process>": an id with ':' or '/' could be
+        read as another token's parts (a barrier "<n>:" is a token with no holder)."""
+        if isinstance(value, str) and (":" in value or "/" in value):
+            raise ValueError(f"indexer_id {value!r} may not hold ':' or '/' (fencing tokens)")
+        return value
 
     @field_validator("redis_url")
     @classmethod

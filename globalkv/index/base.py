@@ -124,10 +124,12 @@ class IndexUnavailable(RuntimeError):
 @dataclass(frozen=True, slots=True)
 class Fence:
     """The lease a pod's writes are made under: the key holding the pod's current fencing
-    token and the token this writer was granted (`ingest.leases`)."""
+    token and the token this writer was granted (`ingest.leases`), and the lease's own
+    key, which a writer that finds the copies of the token above its own releases."""
 
     key: str
     token: str
+    owner: str
 
 
 class IndexFenced(RuntimeError):

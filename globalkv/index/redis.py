@@ -53,6 +53,7 @@ The client must use `decode_responses=False`: the reverse log is binary.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 from collections.abc import Mapping, Sequence
@@ -78,7 +79,7 @@ from globalkv.index.redis_checkpoints import Checkpoints
 from globalkv.index.redis_failures import reachable
 from globalkv.index.redis_fences import ClusterWrites, fence_of
 from globalkv.index.redis_keys import RedisKeys, check_layout, parse_source_name, source_name
-from globalkv.index.redis_log import drop_generation, read_log
+from globalkv.index.redis_log import drop_generation, read_log, retire_pod
 from globalkv.index.redis_reads import lookup
 from globalkv.index.redis_scripts import APPLY, replay_log
 from globalkv.index.redis_shards import Shards
@@ -215,6 +216,12 @@ class RedisIndex:
             return result
 
     async def reset_source(self, source: Source) -> None:
+        await self._reset(source, fence_of(self.fenced, self._fences, source.pod))
+
+    async def _reset(self, source: Source, fence: Fence | None) -> None:
+        """Retire the source's generation for a fresh, empty one. Without a fence on a
+        fenced index the reset is made whoever holds the pod (`_check_writes`), and this
+        writer keeps no state of the source."""
         async with self._lock(source):
             await self._ensure_marker()
             name = source_name(source)
@@ -235,32 +242,29 @@ class RedisIndex:
                 state.last_seq,
                 state.last_ts,
                 inline=True,
-                fence=_fence_args(fence_of(self.fenced, self._fences, source.pod)),
+                fence=_fence_args(fence),
             )
             self._writers.pop(source, None)
             with reachable("resetting a source"):
                 await self._run_apply(args)
-            self._writers[source] = Writer(state, target, 1)
+            if fence is not None or not self.fenced:
+                self._writers[source] = Writer(state, target, 1)
             await self._drop_dead_later_if_down()
 
     async def remove_pod(self, pod: str) -> None:
-        with reachable("removing a pod"):
-            sources = await self._redis.hgetall(self.keys.sources)
-        for raw_name, gen in sources.items():
-            source = parse_source_name(_text(raw_name))
-            if source.pod != pod:
-                continue
-            async with self._lock(source):
-                with reachable("removing a pod"):
-                    pipe = self._redis.pipeline(transaction=True)
-                    pipe.hdel(self.keys.sources, raw_name)
-                    pipe.hdel(self.keys.live, gen)
-                    pipe.sadd(self.keys.dead, gen)
-                    await pipe.execute()
+        """Unfenced, as a reset: it only hides data, so an indexer that does not hold the
+        pod may remove it (`DELETE /v1/pods`); a holder's next batch then finds 'stale'."""
+        mine = sorted(s for s in self._writers if s.pod == pod)
+        async with contextlib.AsyncExitStack() as held:
+            for source in mine:
+                await held.enter_async_context(self._lock(source))
+            with reachable("removing a pod"):
+                retired = await retire_pod(self._redis, self.keys, pod)
+            gone = {*mine, *map(parse_source_name, retired)}
+            for source in gone:
                 self._writers.pop(source, None)
+        for source in gone:
             self._locks.pop(source, None)
-        for source in [s for s in self._writers if s.pod == pod]:
-            del self._writers[source]
         await self._drop_dead_later_if_down()
 
     async def close(self) -> None:
@@ -328,13 +332,29 @@ class RedisIndex:
         return await self._redis.incr(self.keys.next_gen)
 
     async def _check_writes(self) -> None:
-        """After the cluster was unavailable: hide the sources a failover lost writes of."""
+        """After the cluster was unavailable: hide the sources a failover lost writes of.
+
+        Each is reset on its own, without a fence: a reset only hides data (the source's
+        generation is retired, its entries vanish from lookups), so it needs no lease. A
+        source of a pod this indexer no longer holds is reset too, and its holder's next
+        batch call finds the generation changed ('stale': `IndexDataLost`) and resyncs it.
+        A source not reset yet (Redis failed meanwhile) stays pending for the next check.
+        So only `IndexDataLost`, naming the sources, or `IndexUnavailable` leaves here,
+        never the `IndexFenced` of another pod.
+        """
         with reachable("checking for lost writes"):
             lost = await self._checks.lost(self._redis)
         if not lost:
             return
         for source in sorted(lost):
-            await self.reset_source(source)
+            try:
+                await self._reset(source, None)
+            except IndexUnavailable as exc:
+                if isinstance(exc, IndexDataLost):
+                    raise  # Redis lost everything: ingest resyncs every source
+                self._checks.suspect = True  # retry the pending ones before the next write
+                raise
+            self._checks.reset(source)
         self._writers.clear()
         raise IndexDataLost(
             f"a Redis Cluster failover lost block writes of {len(lost)} sources: reset", lost

@@ -14,8 +14,8 @@
 --         field values (0 = no longer held) joined by commas, 6 the writer's checkpoint
 --         counter on this call's slot, 7 its time to live, 8 this master's copy of the
 --         pod's fence ('' = not fenced: redis_fences.py), 9 the writer's token; returns
---         the counter's new value, or without writing 'fenced' (the copy's counter is
---         above the token's: a newer lease) or 'recopy' (the copy is missing, older or
+--         the counter's new value, or without writing 'fenced:<the copy's counter>'
+--         (it is above the token's: a newer lease) or 'recopy' (the copy is missing, older or
 --         a barrier: the writer checks its lease and copies its token again)
 --   for 'batch':
 --   2-6   marker key, the writer's marker token, sources hash, live hash, dead set
@@ -70,7 +70,7 @@ if ARGV[1] == 'blocks' then
     local copy = call('GET', ARGV[8])
     if copy ~= ARGV[9] then
       if copy and counter(copy) > counter(ARGV[9]) then
-        return 'fenced'
+        return format('fenced:%d', counter(copy))
       end
       return 'recopy'
     end

@@ -41,6 +41,8 @@ class Checkpoints:
         """A call met an unavailable cluster: check before writing again."""
         self._told: dict[int, int] = {}
         self._since: dict[int, set[Source]] = {}
+        self._pending: set[Source] = set()
+        """Sources found lost and not reset yet."""
 
     def name(self, slot: int) -> str:
         return self.keys.checkpoint(slot, self.writer)
@@ -49,8 +51,13 @@ class Checkpoints:
         self._told[slot] = max(value, self._told.get(slot, 0))
         self._since.setdefault(slot, set()).add(source)
 
+    def reset(self, source: Source) -> None:
+        """`source`, found lost, is reset: the next check no longer names it."""
+        self._pending.discard(source)
+
     async def lost(self, client: Any) -> set[Source]:
-        """The sources whose acknowledged block writes a master no longer holds."""
+        """The sources whose acknowledged block writes a master no longer holds, with
+        those found by earlier checks and not `reset` yet."""
         slots = list(self._since)
         values = []
         if slots:
@@ -58,7 +65,7 @@ class Checkpoints:
             for slot in slots:
                 pipe.get(self.name(slot))
             values = await pipe.execute()
-        lost: set[Source] = set()
+        lost = self._pending
         for slot, raw in zip(slots, values, strict=True):
             now = int(raw or 0)
             if now < self._told[slot]:
@@ -66,4 +73,4 @@ class Checkpoints:
             self._told[slot] = now
         self._since.clear()
         self.suspect = False
-        return lost
+        return set(lost)

@@ -6,7 +6,8 @@ first, in calls of their own (one per master, concurrently), so each of those ca
 checks this master's copy of the pod's token and writes nothing unless it is the
 writer's: an indexer whose lease was taken over writes nothing on any master.
 
-- Taking a lease (`Leases.acquire`, through `copy`): when the lease is free, a barrier
+- Taking a lease (`Leases.acquire`, through `copy`): when the lease is free (or held
+  by another process under the same indexer id), a barrier
   "<n+1>:" goes to every master before the grant (n: the counter of the last token
   granted; every token granted later counts at least n+1), then the grant, then the
   granted token to every master, then ingest follows the pod. So from the grant on no
@@ -14,14 +15,26 @@ writer's: an indexer whose lease was taken over writes nothing on any master.
   barriers or its own token, which the next taker's copies replace.
 - Copies only rise: a copy is replaced by a token of a higher counter, or of the same
   counter when that is a real token and the copy a barrier. The lease counter keeps
-  rising across a Redis that lost its data (leases.py), so old copies bar no new holder.
-- A block call refuses with 'fenced' when the copy counts above the writer's token (a
-  later lease): `IndexFenced`. It refuses with 'recopy' when the copy is missing (a
-  failover lost it, a reshard moved its slot, it expired), older, or a barrier; the
-  writer then reads its lease on `{p}`: still its own, it copies its token to every
-  master again and repeats the refused calls once (else `IndexFenced`). The one write
-  a lost lease can still make: the writer read its lease as its own, the lease was
-  taken over and a master then lost the taker's copy, all before the re-copy arrived.
+  rising across a Redis that lost its data (leases.py), so old copies bar no new holder
+  but when that Redis came back with a clock behind the last grant (below).
+- A block call refuses with 'fenced' and the copy's counter when the copy counts above
+  the writer's token (a later lease): `IndexFenced`. If the lease on `{p}` is still the
+  writer's, its grant counted below an earlier grant's copies: the writer raises the
+  lease counter past the copies' and releases the lease, so its next grant (or another
+  indexer's) counts above them and the copies take it. A block call refuses with
+  'recopy' when the copy is missing (a failover lost it, a reshard moved its slot, it
+  expired), older, or a barrier; the writer then reads its lease on `{p}`: still its
+  own, it copies its token to every master again and repeats the refused calls once
+  (else `IndexFenced`).
+- What a lost lease can still write: block fields on a master that lost the taker's
+  barrier and copy, i.e. a replica promoted without them. There the old copy is still
+  the old holder's token, so its block calls pass at once (its batch call on `{p}` is
+  refused: a half batch, wrong in the index where the taker does not rewrite those
+  fields). A taker makes that rare: after each master's copies it waits (`WAIT`, at
+  most `COPY_WAIT_MS`) for a replica to hold them, so it takes a replica that did not
+  answer within that, or the promotion of another one. Likewise a writer that read its
+  lease as its own just before a takeover, when a master lost the taker's copy before
+  the writer's re-copy arrived.
 - Where a master's copy is: in every slot of `CANDIDATES`, a fixed set of slots spread
   over the ring (a copy is written to all of them, whichever master serves each), and a
   block call checks the first candidate its master serves. A reshard moves a copy with
@@ -35,6 +48,7 @@ writer's: an indexer whose lease was taken over writes nothing on any master.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -47,8 +61,12 @@ from globalkv.index.redis_scripts import APPLY
 from globalkv.index.redis_shards import Shards
 from globalkv.redis_client import Client
 
+log = logging.getLogger(__name__)
+
 CANDIDATES = tuple(k * STRIDE % SLOTS for k in range(64))
 """The slots every copy of a pod's token is written to."""
+COPY_WAIT_MS = 100
+"""At most this long a copy waits for a replica of its master to have it."""
 COPY_TTL = 86_400
 """Seconds a copy lives unless written again; a block call meeting none has it copied anew."""
 
@@ -78,6 +96,20 @@ return 1
 (any slot: the client routes by KEYS[1] alone). Writes each copy the token outranks."""
 
 
+_RELEASE_BELOW = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return 0
+end
+if tonumber(ARGV[2]) > tonumber(redis.call('HGET', KEYS[2], 'n') or '0') then
+  redis.call('HSET', KEYS[2], 'n', ARGV[2])
+end
+redis.call('DEL', KEYS[1])
+return 1
+"""
+"""KEYS: the lease, its fence hash. ARGV: the writer's token, the copies' counter. While the
+lease is the writer's: the counter raised to the copies', the lease released (1)."""
+
+
 def fence_of(fenced: bool, fences: Mapping[str, Fence], pod: str) -> Fence | None:
     """The lease a write of `pod` carries (None: unfenced); `IndexFenced` without one."""
     if not fenced:
@@ -97,6 +129,7 @@ class ClusterWrites:
         self._shards = shards
         self._checks = checks
         self._copy = redis.register_script(_COPY)
+        self._release = redis.register_script(_RELEASE_BELOW)
 
     async def copy(self, pod: str, token: str) -> None:
         """`token` (or a barrier "<n>:") to every master's copies of the pod's fence."""
@@ -106,10 +139,28 @@ class ClusterWrites:
             await self._shards.cluster.initialize()  # the slot map, on a new client
             masters = {node.name for node in self._shards.cluster.get_primaries()}
             slots = [*CANDIDATES, *self._fallbacks(masters)]
-            groups = self._shards.group(slots, [self._keys.fence_copy(s, pod) for s in slots])
-            await self._shards.gather(
-                *(self._copy(keys=[g[0]], args=[token, COPY_TTL, *g[1:]]) for g in groups)
-            )
+            names = [self._keys.fence_copy(s, pod) for s in slots]
+            groups = self._shards.group(slots, list(zip(slots, names, strict=True)))
+            await self._shards.gather(*(self._copy_on(g, token) for g in groups))
+
+    async def _copy_on(self, group: list[tuple[int, str]], token: str) -> None:
+        """One master's copies, then (if it has a replica: `ROLE`) `WAIT` at most
+        `COPY_WAIT_MS` for one to hold them, so a replica promoted later rarely lacks
+        the taker's copy. The copies and `WAIT` go on one connection, as `WAIT` counts
+        the writes of its own connection."""
+        assert self._shards.cluster is not None
+        cluster = self._shards.cluster
+        (slot, first), *rest = group
+        args: list[str | int] = [token, COPY_TTL, *(name for _, name in rest)]
+        node = cluster.nodes_manager.get_node_from_slot(slot)
+        role = await cluster.execute_command("ROLE", target_nodes=node)
+        if not role[2:] or not role[2]:  # a master without a connected replica
+            await self._copy(keys=[first], args=args)
+            return
+        pipe = cluster.pipeline(transaction=False)
+        pipe.execute_command("EVAL", _COPY, 1, first, *args)  # EVALSHA: not in a pipeline
+        pipe.execute_command("WAIT", 1, COPY_WAIT_MS, target_nodes=node)
+        await pipe.execute()
 
     async def write(self, writes: BlockWrites, source: Source, fence: Fence | None) -> None:
         """The block calls; a failure half-way leaves the batch unlogged, so its retry
@@ -122,15 +173,17 @@ class ClusterWrites:
                     *(self._call(writes.gen, n, g, source.pod, fence) for n, g in pending.items())
                 )
             refused: dict[str, list[tuple[int, str, str]]] = {}
-            fenced = False
+            above: int | None = None
             for (node, group), reply in zip(pending.items(), replies, strict=True):
-                if reply == b"fenced":
-                    fenced = True
+                if isinstance(reply, bytes) and reply.startswith(b"fenced:"):
+                    above = max(above or 0, int(reply[len(b"fenced:") :]))
                 elif reply == b"recopy":
                     refused[node] = group
                 else:
                     self._checks.wrote(group[0][0], int(reply), source)
-            if fenced:
+            if above is not None:
+                if fence is not None:
+                    await self._release_below(source.pod, fence, above)
                 raise IndexFenced(f"pod {source.pod}: its lease was taken over")
             if not refused or fence is None:
                 return
@@ -159,6 +212,21 @@ class ClusterWrites:
         if current is None or _text(current) != fence.token:
             raise IndexFenced(f"pod {pod}: its lease was taken over")
         await self.copy(pod, fence.token)
+
+    async def _release_below(self, pod: str, fence: Fence, above: int) -> None:
+        """The copies count `above` our token's. When the lease is another's, that is a
+        later lease. When it is still ours, the grant counted below an earlier one's
+        copies (the `{p}` master lost its data, its clock behind that grant): raise the
+        counter past them and release the lease, so the next grant counts above."""
+        with reachable("releasing a lease granted below the fence copies"):
+            if await self._release(keys=[fence.owner, fence.key], args=[fence.token, above]):
+                log.warning(
+                    "pod %s: the fence copies count %d, above our lease's %s: released, "
+                    "so that the next grant counts above them",
+                    pod,
+                    above,
+                    fence.token,
+                )
 
     def _copy_key(self, node: str, pod: str) -> str:
         """The copy a block call on `node` checks: the first candidate `node` serves."""

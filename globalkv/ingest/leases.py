@@ -15,14 +15,17 @@ metadata: `redis_keys`), so a lease, its fence and the index's batch checks are 
 on a Redis Cluster and the apply script reads the fence where it writes:
     {p}:lease:<pod>:owner      string "<token>" with the lease TTL; gone = the pod is free
     {p}:lease:<pod>:fence      hash: token (the current "<n>:<holder>"), n (the counter),
-                               holder, renewed (Redis time of the last grant or renewal, ms)
+                               holder ("<member>/<process>": `acquire`), renewed (Redis
+                               time of the last grant or renewal, ms)
     {p}:indexers               sorted set: indexer id -> expiry (Redis time, ms)
 
 The token is compared for equality, counter and holder together. The counter is the
 larger of the last one plus one and Redis's time in ms, so it keeps rising after Redis
-lost its data (the masters' copies compare counters: a lower one is an earlier lease),
-unless the Redis that lost it also came back with a clock behind the last grant: the
-copies then refuse its new holders (`IndexFenced`) until its clock passes that grant.
+lost its data (the masters' copies compare counters: a lower one is an earlier lease).
+When the Redis that lost it also came back with a clock behind the last grant, a new
+holder's token counts below the copies of that grant: its first block call is refused
+(`IndexFenced`), and finding the lease still its own it raises the counter past the
+copies' and releases the lease (`index.redis_fences`), so its next grant counts above.
 
 Assignment (`assign`) is rendezvous hashing with bounded load: every indexer computes it
 from the same registry and the same live members, so they agree without talking; each pod
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import secrets
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -65,13 +69,18 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local held = redis.call('GET', KEYS[1])
 if held then
-  if redis.call('HGET', KEYS[2], 'holder') == ARGV[1] and
-     redis.call('HGET', KEYS[2], 'token') == held then
+  local holder = redis.call('HGET', KEYS[2], 'holder') or ''
+  if redis.call('HGET', KEYS[2], 'token') ~= held then
+    holder = ''
+  end
+  if holder == ARGV[1] then
     redis.call('PEXPIRE', KEYS[1], ARGV[2])
     redis.call('HSET', KEYS[2], 'renewed', now)
     return {held, -1}
   end
-  return {false, redis.call('PTTL', KEYS[1])}
+  if string.sub(holder, 1, #ARGV[3] + 1) ~= ARGV[3] .. '/' then
+    return {false, redis.call('PTTL', KEYS[1])}
+  end
 end
 local last = tonumber(redis.call('HGET', KEYS[2], 'renewed') or '-1')
 local n = string.format('%d', math.max(tonumber(redis.call('HGET', KEYS[2], 'n') or '0') + 1, now))
@@ -84,8 +93,10 @@ if last < 0 then
 end
 return {token, now - last}
 """
-"""KEYS: owner, fence. ARGV: holder, TTL ms. {token, ms since the previous holder last
-renewed (-1: none, or the same holder)}, or {false, ms the other holder's lease has left}."""
+"""KEYS: owner, fence. ARGV: holder ("<member>/<process>"), TTL ms, member. {token, ms since
+the previous holder last renewed (-1: none, or the same holder)}, or {false, ms the other
+holder's lease has left}. A lease held by another process of the same member (a restart
+under the same id) is taken over with a new token."""
 
 _RENEW = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
@@ -137,6 +148,9 @@ class Leases:
         self._acquire = redis.register_script(_ACQUIRE)
         self._renew = redis.register_script(_RENEW)
         self._release = redis.register_script(_RELEASE)
+        self.process = secrets.token_hex(4)
+        """This process's part of the holder: a restart under the same member id is
+        another holder."""
 
     def owner_key(self, pod: str) -> str:
         return f"{self.tag}:lease:{pod}:owner"
@@ -163,18 +177,26 @@ class Leases:
     async def acquire(
         self,
         pod: str,
-        holder: str,
+        member: str,
         ttl: float,
         *,
         copy: Callable[[str], Awaitable[None]] | None = None,
     ) -> Grant | Held:
-        """The pod's lease for `holder`, or how long the other holder's lease has left.
+        """The pod's lease for this process of `member`, or how long the other holder's
+        lease has left.
+
+        The holder is "<member>/<process>" (`process`: random per `Leases`), so a process
+        restarted under the same member id while the old one lives (paused, say) takes
+        the lease over with a new token instead of writing under the old one's.
 
         `copy(token)` puts a token in every copy of the pod's fence (a Redis Cluster's
-        masters each check one: `index.redis_fences`): when the lease is free, first a
-        barrier "<n>:" below every token the grant may give and above every earlier one,
-        and after the grant the granted token, so the grant returns once no master
-        accepts an earlier holder's writes."""
+        masters each check one: `index.redis_fences`): when the lease is free or another
+        process of `member` holds it, first a barrier "<n>:" below every token the grant
+        may give and above every earlier one, and after the grant the granted token, so
+        the grant returns once no master accepts an earlier holder's writes."""
+        if not member or ":" in member or "/" in member:
+            raise ValueError(f"an indexer id may hold neither ':' nor '/': {member!r}")
+        holder = f"{member}/{self.process}"
         keys = [self.owner_key(pod), self.fence_key(pod)]
         if copy is not None:
             with _reachable("reading a lease"):
@@ -182,16 +204,17 @@ class Leases:
                     pipe.get(keys[0])
                     pipe.hget(keys[1], "n")
                     owner, last = await pipe.execute()
-            if owner is None:
+            previous = None if owner is None else _text(owner).partition(":")[2]
+            if previous is None or (previous != holder and _member(previous) == member):
                 await copy(f"{int(last or 0) + 1}:")
         with _reachable("acquiring a lease"):
-            token, ms = await self._acquire(keys=keys, args=[holder, _ms(ttl)])
+            token, ms = await self._acquire(keys=keys, args=[holder, _ms(ttl), member])
         if token is None:
             return Held(max(0, ms) / 1000)
         if copy is not None:
             await copy(_text(token))
         unfollowed = None if ms < 0 else ms / 1000
-        return Grant(Fence(self.fence_key(pod), _text(token)), unfollowed)
+        return Grant(Fence(self.fence_key(pod), _text(token), keys[0]), unfollowed)
 
     async def renew(self, fences: dict[str, Fence], ttl: float) -> set[str]:
         """Extend every lease we hold; the pods whose lease is still ours."""
@@ -224,7 +247,7 @@ class Leases:
                     pipe.get(self.owner_key(pod))
                 tokens = await pipe.execute()
         return {
-            pod: _text(token).partition(":")[2]
+            pod: _member(_text(token).partition(":")[2])
             for pod, token in zip(pods, tokens, strict=True)
             if token is not None
         }
@@ -249,6 +272,11 @@ def assign(pods: Iterable[str], members: Sequence[str]) -> dict[str, str]:
 def _members(reply: Sequence[bytes | str | int]) -> dict[str, float]:
     pairs = zip(reply[::2], reply[1::2], strict=True)
     return {_text(m): int(ms) / 1000 for m, ms in pairs if isinstance(m, bytes | str)}
+
+
+def _member(holder: str) -> str:
+    """The member id of a holder "<member>/<process>"."""
+    return holder.rpartition("/")[0] or holder
 
 
 def _weight(member: str, pod: str) -> int:

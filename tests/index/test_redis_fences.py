@@ -1,15 +1,20 @@
 """Fencing on a real Redis Cluster: a writer whose lease was taken over writes nothing on
 any master, also when the takeover lands between its reads and its block calls, when the
-taker died between its copies, and when a master lost its copy of the token."""
+taker died between its copies, and when a master lost its copy of the token; a holder
+granted below the copies recovers; a taker returns once the replicas hold its copies.
+The one known hole (a replica promoted without the taker's copies) is a strict xfail."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from itertools import count
 from typing import Any
 
 import pytest
+from redis.cluster import key_slot
 
 from globalkv.index.base import IndexFenced, IndexUnavailable, Source, SourceBatch
 from globalkv.index.redis import RedisIndex
@@ -17,6 +22,7 @@ from globalkv.ingest.leases import Grant, Leases
 from globalkv.redis_client import Client, connect
 from globalkv.stack.redis_cluster import LocalRedisCluster
 from tests.index.events import BS, remove, store, tokens
+from tests.support.net import await_for
 
 POD = "p0"
 SOURCE = Source(POD)
@@ -273,3 +279,116 @@ async def test_a_copys_slot_moved_by_a_reshard_is_found_again(
         for client in fresh:
             await client.aclose()
         _move_slot(redis_cluster, 0, away, home)
+
+
+async def test_a_holder_granted_below_the_copies_releases_and_is_granted_above_them(
+    clients: list[Client],
+) -> None:
+    """The `{p}` master came back empty with a clock behind the last grant: the copies of
+    that grant count above the next one. The new holder's first block call is fenced;
+    its lease still its own, it releases it, and its next grant counts above the copies."""
+    ahead = int(time.time() * 1000) + 60_000  # a grant "ahead" of the {p} master's clock
+    index = RedisIndex(clients[0], BS, fenced=True)
+    await index.copy_fence(POD, f"{ahead}:old/0")
+    new = Indexer(clients[1], "new")
+    grant = await new.take()
+    assert int(grant.fence.token.partition(":")[0]) < ahead
+    with pytest.raises(IndexFenced):
+        await new.write(0)
+    assert await new.leases.owners([POD]) == {}  # released
+    new.index.set_fence(POD, None)  # Ownership.lost
+
+    again = await new.take()
+    assert int(again.fence.token.partition(":")[0]) > ahead
+    await new.write(0)
+    (stats,) = await new.index.stats(POD)
+    assert stats.last_seq == 0
+
+
+def _replicas_ack(cluster: LocalRedisCluster) -> bool:
+    """Whether every master's replica acknowledges a write within a second."""
+    for port in cluster.master_ports():
+        node = next(n for n in cluster.nodes if n.port == port)
+        with node.client(timeout=5) as client:
+            ranges = [
+                (r[0], r[1]) for r in client.execute_command("CLUSTER SLOTS") if r[2][1] == port
+            ]
+            probe = next(
+                f"probe{i}"
+                for i in count()
+                if any(a <= key_slot(f"probe{i}".encode()) <= b for a, b in ranges)
+            )
+            client.set(probe, 1)
+            if client.wait(1, 1000) < 1:
+                return False
+    return True
+
+
+def _waits(cluster: LocalRedisCluster) -> dict[int, int]:
+    """WAIT calls served so far, per master."""
+    out = {}
+    for port in cluster.master_ports():
+        node = next(n for n in cluster.nodes if n.port == port)
+        with node.client(timeout=5) as client:
+            stats = client.info("commandstats")
+            out[port] = int(stats.get("cmdstat_wait", {}).get("calls", 0))
+    return out
+
+
+async def test_a_taker_returns_once_every_masters_replica_holds_its_copies(
+    clients: list[Client], redis_cluster: LocalRedisCluster
+) -> None:
+    """A replica promoted after the grant then holds the taker's copies, not the previous
+    holder's, so the previous holder's block calls there are refused."""
+
+    async def replicas_in_sync() -> bool:  # not yet while in their first sync
+        return _replicas_ack(redis_cluster)
+
+    await await_for(replicas_in_sync, timeout=30, what="every master's replica to be in sync")
+    before = _waits(redis_cluster)
+    grant = await Indexer(clients[0], "new").take()
+    after = _waits(redis_cluster)
+    assert all(after[port] > before[port] for port in before), (before, after)
+    masters = set(redis_cluster.master_ports())
+    replicas = [n for n in redis_cluster.nodes if n.port not in masters]
+    assert replicas
+    for node in replicas:
+        with node.client(timeout=5) as client:
+            client.execute_command("READONLY")
+            copies = list(client.scan_iter(match=f"gkv:fc:*{POD}", count=1000))
+            assert copies, f"replica {node.port} holds no copy"
+            assert {client.get(key) for key in copies} == {grant.fence.token.encode()}
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known hole (redis_fences docstring): a master promoted without the taker's "
+    "copies holds the old token; the taker's WAIT makes this rare, not impossible",
+)
+async def test_a_master_promoted_without_the_takers_copies_refuses_the_old_writer(
+    redis_cluster_url: str, redis_cluster: LocalRedisCluster
+) -> None:
+    """A replica promoted before it got the taker's barrier and copy (its master did not
+    hear back within `COPY_WAIT_MS`) still holds the old holder's copy, and the old
+    holder's block call there passes at once. (Its batch call is refused, so this is a
+    half batch.) Closing it needs a check on `{p}` before the block calls: a round trip
+    per batch."""
+    clients = [connect(redis_cluster_url) for _ in range(2)]
+    try:
+        old, new = Indexer(clients[0], "old"), Indexer(clients[1], "new")
+        lost = await old.take()
+        await old.write(0)
+        await new.take()
+        victim = sorted(snapshot(redis_cluster))[0]
+        node = next(n for n in redis_cluster.nodes if n.port == victim)
+        with node.client(timeout=5) as client:  # the promoted replica's copies
+            for key in list(client.scan_iter(match="gkv:fc:*", count=1000)):
+                client.set(key, lost.fence.token)
+        before = snapshot(redis_cluster)
+        with pytest.raises(IndexFenced):
+            await old.write(1)
+        after = snapshot(redis_cluster)
+    finally:
+        for client in clients:
+            await client.aclose()
+    assert changed(before, after) == set(), "the old holder wrote on the promoted master"

@@ -35,6 +35,12 @@ Client: TypeAlias = aioredis.Redis | RedisCluster
 """A client of one Redis or of a Redis Cluster: the index and registry take either."""
 
 
+def text(reply: bytes | str) -> str:
+    """A Redis reply as text: our clients keep `decode_responses=False` (the index's
+    reverse log is binary), so strings come back as bytes."""
+    return reply.decode() if isinstance(reply, bytes) else reply
+
+
 def check_url(url: str) -> str:
     """`url` if `connect` can use it, else ValueError saying why (for config models)."""
     if not url.startswith(SCHEMES):

@@ -34,7 +34,7 @@ from redis.exceptions import RedisError
 from globalkv.index.base import IndexUnavailable
 from globalkv.index.redis_failures import closed_under_a_write
 from globalkv.index.redis_keys import RedisKeys
-from globalkv.redis_client import Client
+from globalkv.redis_client import Client, text
 from kvplumbing.endpoints import offset_endpoint
 from kvplumbing.topics import parse_topic
 
@@ -314,7 +314,7 @@ class RedisRegistry:
         out: dict[str, PodState] = {}
         for key, value in raw.items():
             with contextlib.suppress(ValidationError):
-                out[_text(key)] = PodState.model_validate_json(value)
+                out[text(key)] = PodState.model_validate_json(value)
         return out
 
     async def intact(self) -> bool:
@@ -338,7 +338,7 @@ class RedisRegistry:
                 async with self._errors():
                     message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=None)
                 if message is not None and message.get("type") == "message":
-                    yield _text(message["data"])
+                    yield text(message["data"])
         finally:
             with contextlib.suppress(RedisError, OSError):
                 await pubsub.aclose()  # type: ignore[no-untyped-call]
@@ -357,10 +357,6 @@ class RedisRegistry:
             if not closed_under_a_write(exc):
                 raise
             raise IndexUnavailable(f"pod registry connection closed: {exc!r}") from exc
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def _parse_pod(raw: bytes | str) -> PodInfo | None:

@@ -86,7 +86,7 @@ from globalkv.index.redis_shards import Shards
 from globalkv.index.scoring import TierWeights
 from globalkv.index.state import SourceState
 from globalkv.keys import BlockKey, EngineHash
-from globalkv.redis_client import Client
+from globalkv.redis_client import Client, text
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ class RedisIndex:
     async def stats(self, pod: str | None = None) -> list[SourceStats]:
         with reachable("reading statistics"):
             sources = await self._redis.hgetall(self.keys.sources)
-            chosen = sorted((parse_source_name(_text(n)), int(g)) for n, g in sources.items())
+            chosen = sorted((parse_source_name(text(n)), int(g)) for n, g in sources.items())
             chosen = [(s, g) for s, g in chosen if pod is None or s.pod == pod]
             pipe = self._redis.pipeline(transaction=False)
             for _, gen in chosen:
@@ -389,7 +389,3 @@ class RedisIndex:
 
 def _fence_args(fence: Fence | None) -> tuple[str, str]:
     return ("", "") if fence is None else (fence.key, fence.token)
-
-
-def _text(raw: bytes | str) -> str:
-    return raw.decode() if isinstance(raw, bytes) else raw

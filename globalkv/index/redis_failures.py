@@ -14,6 +14,9 @@ from redis import exceptions as redis_errors
 
 from globalkv.index.base import IndexUnavailable
 
+NON_LOCAL = "Script attempted to access a non local key"
+"""A cluster master's refusal of a key whose slot it does not serve (now): a slot moved
+since the caller grouped its keys (`redis_shards.Shards.gather` turns it into `SlotMoved`)."""
 UNAVAILABLE_REPLIES = (
     "OOM",
     "LOADING",
@@ -23,7 +26,7 @@ UNAVAILABLE_REPLIES = (
     "NOREPLICAS",
     "CLUSTERDOWN",
     "TRYAGAIN",
-    "Script attempted to access a non local key",  # redis_shards.gather says SlotMoved
+    NON_LOCAL,
 )
 _TRANSPORT_FILES = (
     "redis/asyncio/connection.py",

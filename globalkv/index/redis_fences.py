@@ -57,9 +57,9 @@ from globalkv.index.redis_batch import BlockWrites
 from globalkv.index.redis_checkpoints import TTL, Checkpoints
 from globalkv.index.redis_failures import reachable
 from globalkv.index.redis_keys import SLOTS, STRIDE, RedisKeys
-from globalkv.index.redis_scripts import APPLY
+from globalkv.index.redis_scripts import APPLY, FENCE_COPY, FENCE_RELEASE
 from globalkv.index.redis_shards import Shards
-from globalkv.redis_client import Client
+from globalkv.redis_client import Client, text
 
 log = logging.getLogger(__name__)
 
@@ -69,45 +69,6 @@ COPY_WAIT_MS = 100
 """At most this long a copy waits for a replica of its master to have it."""
 COPY_TTL = 86_400
 """Seconds a copy lives unless written again; a block call meeting none has it copied anew."""
-
-_COPY = """
-local function counter(token)
-  return tonumber(string.sub(token, 1, (string.find(token, ':', 1, true) or 1) - 1)) or 0
-end
-local new, token = counter(ARGV[1]), ARGV[1]
-local barrier = string.sub(token, -1) == ':'
-local function put(key)
-  local copy = redis.call('GET', key)
-  if copy then
-    local at = counter(copy)
-    if at > new or (at == new and barrier and copy ~= token) then
-      return
-    end
-  end
-  redis.call('SET', key, token, 'EX', ARGV[2])
-end
-put(KEYS[1])
-for i = 3, #ARGV do
-  put(ARGV[i])
-end
-return 1
-"""
-"""KEYS: one copy key. ARGV: the token, its TTL s, then the other copy keys of this master
-(any slot: the client routes by KEYS[1] alone). Writes each copy the token outranks."""
-
-
-_RELEASE_BELOW = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then
-  return 0
-end
-if tonumber(ARGV[2]) > tonumber(redis.call('HGET', KEYS[2], 'n') or '0') then
-  redis.call('HSET', KEYS[2], 'n', ARGV[2])
-end
-redis.call('DEL', KEYS[1])
-return 1
-"""
-"""KEYS: the lease, its fence hash. ARGV: the writer's token, the copies' counter. While the
-lease is the writer's: the counter raised to the copies', the lease released (1)."""
 
 
 def fence_of(fenced: bool, fences: Mapping[str, Fence], pod: str) -> Fence | None:
@@ -128,8 +89,6 @@ class ClusterWrites:
         self._keys = keys
         self._shards = shards
         self._checks = checks
-        self._copy = redis.register_script(_COPY)
-        self._release = redis.register_script(_RELEASE_BELOW)
 
     async def copy(self, pod: str, token: str) -> None:
         """`token` (or a barrier "<n>:") to every master's copies of the pod's fence."""
@@ -155,10 +114,10 @@ class ClusterWrites:
         node = cluster.nodes_manager.get_node_from_slot(slot)
         role = await cluster.execute_command("ROLE", target_nodes=node)
         if not role[2:] or not role[2]:  # a master without a connected replica
-            await self._copy(keys=[first], args=args)
+            await FENCE_COPY.run(self._redis, (first,), args)
             return
         pipe = cluster.pipeline(transaction=False)
-        pipe.execute_command("EVAL", _COPY, 1, first, *args)  # EVALSHA: not in a pipeline
+        pipe.execute_command("EVAL", FENCE_COPY.source, 1, first, *args)  # no EVALSHA retry here
         pipe.execute_command("WAIT", 1, COPY_WAIT_MS, target_nodes=node)
         await pipe.execute()
 
@@ -209,7 +168,7 @@ class ClusterWrites:
         """A master holds no copy of our token: copy it again if the lease is still ours."""
         with reachable("reading a lease"):
             current = await self._redis.hget(fence.key, "token")
-        if current is None or _text(current) != fence.token:
+        if current is None or text(current) != fence.token:
             raise IndexFenced(f"pod {pod}: its lease was taken over")
         await self.copy(pod, fence.token)
 
@@ -219,7 +178,8 @@ class ClusterWrites:
         copies (the `{p}` master lost its data, its clock behind that grant): raise the
         counter past them and release the lease, so the next grant counts above."""
         with reachable("releasing a lease granted below the fence copies"):
-            if await self._release(keys=[fence.owner, fence.key], args=[fence.token, above]):
+            keys, args = (fence.owner, fence.key), (fence.token, above)
+            if await FENCE_RELEASE.run(self._redis, keys, args):
                 log.warning(
                     "pod %s: the fence copies count %d, above our lease's %s: released, "
                     "so that the next grant counts above them",
@@ -251,7 +211,3 @@ class ClusterWrites:
                 found.append(slot)
             k += 1
         return found
-
-
-def _text(raw: bytes | str) -> str:
-    return raw.decode() if isinstance(raw, bytes) else raw

@@ -10,8 +10,9 @@ from typing import Any, cast
 
 from globalkv.index.packing import place
 from globalkv.index.redis_keys import RedisKeys
-from globalkv.index.redis_scripts import DROP, replay_log
+from globalkv.index.redis_scripts import DROP, RETIRE_POD, replay_log
 from globalkv.index.redis_shards import Shards
+from globalkv.redis_client import text
 
 log = logging.getLogger(__name__)
 _DROP_CHUNK = 1000
@@ -20,32 +21,11 @@ _LOG_READ = 64
 """Log entries per LRANGE when replaying a log."""
 
 
-_RETIRE_POD = """
-local retired = {}
-local names = redis.call('HGETALL', KEYS[1])
-for i = 1, #names, 2 do
-  local name, gen = names[i], names[i + 1]
-  if string.sub(name, 1, #ARGV[1] + 1) == ARGV[1] .. '@' and
-     string.match(string.sub(name, #ARGV[1] + 2), '^%d+$') then
-    redis.call('HDEL', KEYS[1], name)
-    redis.call('HDEL', KEYS[2], gen)
-    redis.call('SADD', KEYS[3], gen)
-    retired[#retired + 1] = name
-  end
-end
-return retired
-"""
-"""KEYS: sources, live, dead. ARGV: a pod. Retires the generation each of the pod's sources
-has now (read here, so a writer's generation switch cannot slip in between); returns the
-source names."""
-
-
 async def retire_pod(client: Any, keys: RedisKeys, pod: str) -> list[str]:
     """Hide every source of `pod` in one script: their generations retired, the sources
     forgotten. The source names retired."""
-    script = client.register_script(_RETIRE_POD)
-    names = await script(keys=[keys.sources, keys.live, keys.dead], args=[pod])
-    return [n.decode() if isinstance(n, bytes) else n for n in names]
+    names = await RETIRE_POD.run(client, (keys.sources, keys.live, keys.dead), (pod,))
+    return [text(name) for name in names]
 
 
 async def read_log(client: Any, keys: RedisKeys, gen: int) -> AsyncIterator[list[bytes]]:

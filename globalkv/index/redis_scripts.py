@@ -47,6 +47,9 @@ class Script:
 LOOKUP = Script("redis_lookup.lua")
 APPLY = Script("redis_apply.lua")
 DROP = Script("redis_drop.lua")
+RETIRE_POD = Script("redis_retire_pod.lua")
+FENCE_COPY = Script("redis_fence_copy.lua")
+FENCE_RELEASE = Script("redis_fence_release.lua")
 
 
 def fingerprints(gen: int) -> tuple[int, ...]:

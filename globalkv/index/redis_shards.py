@@ -23,11 +23,11 @@ from redis import exceptions as redis_errors
 from redis.asyncio.cluster import RedisCluster
 
 from globalkv.index.base import IndexUnavailable
+from globalkv.index.redis_failures import NON_LOCAL
 
 _T = TypeVar("_T")
 _ONE = "redis"
 """The name of one Redis's only node."""
-NON_LOCAL = "Script attempted to access a non local key"
 REFRESH_INTERVAL = 0.5
 """Seconds between two refreshes of the slot map: while a slot is migrating, every call
 touching it is refused, and each would otherwise ask the cluster for its whole map."""

@@ -46,7 +46,7 @@ import xxhash
 from redis import exceptions as redis_errors
 
 from globalkv.index.base import Fence, IndexUnavailable
-from globalkv.redis_client import Client
+from globalkv.redis_client import Client, text
 
 _HEARTBEAT = """
 local t = redis.call('TIME')
@@ -204,7 +204,7 @@ class Leases:
                     pipe.get(keys[0])
                     pipe.hget(keys[1], "n")
                     owner, last = await pipe.execute()
-            previous = None if owner is None else _text(owner).partition(":")[2]
+            previous = None if owner is None else text(owner).partition(":")[2]
             if previous is None or (previous != holder and _member(previous) == member):
                 await copy(f"{int(last or 0) + 1}:")
         with _reachable("acquiring a lease"):
@@ -212,9 +212,9 @@ class Leases:
         if token is None:
             return Held(max(0, ms) / 1000)
         if copy is not None:
-            await copy(_text(token))
+            await copy(text(token))
         unfollowed = None if ms < 0 else ms / 1000
-        return Grant(Fence(self.fence_key(pod), _text(token), keys[0]), unfollowed)
+        return Grant(Fence(self.fence_key(pod), text(token), keys[0]), unfollowed)
 
     async def renew(self, fences: dict[str, Fence], ttl: float) -> set[str]:
         """Extend every lease we hold; the pods whose lease is still ours."""
@@ -247,7 +247,7 @@ class Leases:
                     pipe.get(self.owner_key(pod))
                 tokens = await pipe.execute()
         return {
-            pod: _member(_text(token).partition(":")[2])
+            pod: _member(text(token).partition(":")[2])
             for pod, token in zip(pods, tokens, strict=True)
             if token is not None
         }
@@ -271,7 +271,7 @@ def assign(pods: Iterable[str], members: Sequence[str]) -> dict[str, str]:
 
 def _members(reply: Sequence[bytes | str | int]) -> dict[str, float]:
     pairs = zip(reply[::2], reply[1::2], strict=True)
-    return {_text(m): int(ms) / 1000 for m, ms in pairs if isinstance(m, bytes | str)}
+    return {text(m): int(ms) / 1000 for m, ms in pairs if isinstance(m, bytes | str)}
 
 
 def _member(holder: str) -> str:
@@ -285,10 +285,6 @@ def _weight(member: str, pod: str) -> int:
 
 def _ms(seconds: float) -> int:
     return max(1, round(seconds * 1000))
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 @contextmanager

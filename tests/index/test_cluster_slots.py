@@ -12,7 +12,7 @@ from redis import exceptions as redis_errors
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
-from globalkv.index import redis_shards
+from globalkv.index import redis_failures, redis_shards
 from globalkv.index.base import Index, IndexUnavailable, Source
 from globalkv.index.memory import MemoryIndex
 from globalkv.index.redis import RedisIndex
@@ -222,7 +222,7 @@ async def test_refusals_refresh_the_slot_map_once_per_interval(
 
     async def refused() -> None:
         await asyncio.sleep(0)
-        raise redis_errors.ResponseError(f"{redis_shards.NON_LOCAL} in a cluster node script")
+        raise redis_errors.ResponseError(f"{redis_failures.NON_LOCAL} in a cluster node script")
 
     async def one_grouping() -> SlotMoved:
         with pytest.raises(SlotMoved) as caught:

@@ -14,6 +14,12 @@ retry the first command on each fails: the index API answered 503 to lookups aft
 resynced. Repeating a command is safe for everything we send: reads, idempotent writes,
 an INCR whose skipped number nobody misses, and the index's scripts, which refuse a batch
 already applied or skip a block write already done.
+
+A cluster client's `aclose` closes every node's connections (`_Cluster`): redis-py's
+own does nothing while the client waits to re-read the topology, which a connection
+error or a timeout leaves it doing until its next command. After such an error as the
+last command, the connections to the other nodes stayed open, and their `ClusterNode`
+warned of it whenever the collector met it, in whatever code ran then.
 """
 
 from __future__ import annotations
@@ -33,6 +39,15 @@ SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+clust
 
 Client: TypeAlias = aioredis.Redis | RedisCluster
 """A client of one Redis or of a Redis Cluster: the index and registry take either."""
+
+
+class _Cluster(RedisCluster):
+    """redis-py's cluster client, whose `aclose` always closes (the module docstring)."""
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        await self.nodes_manager.aclose()
+        await self.nodes_manager.aclose("startup_nodes")
 
 
 def text(reply: bytes | str) -> str:
@@ -80,4 +95,4 @@ def connect(url: str, **options: Any) -> Client:
     scheme = parts.scheme.replace("+cluster", "")
     single = urlunsplit((scheme, netloc, parts.path, parts.query, ""))
     startup = [ClusterNode(host, port) for host, port in nodes]
-    return RedisCluster.from_url(single, startup_nodes=startup, retry=retry, **options)
+    return _Cluster.from_url(single, startup_nodes=startup, retry=retry, **options)

@@ -1,4 +1,5 @@
-"""After a Redis restart, the first command on each pooled connection is answered."""
+"""After a Redis restart, the first command on each pooled connection is answered; a
+closed cluster client leaves no connection open."""
 
 from __future__ import annotations
 
@@ -90,3 +91,26 @@ async def test_a_cluster_url_gives_a_cluster_client_with_its_options() -> None:
     options = client.get_connection_kwargs()
     assert (options["username"], options["password"], options["socket_timeout"]) == ("u", "pw", 2.0)
     await client.aclose()
+
+
+async def test_a_cluster_client_closes_every_connection_after_a_timed_out_command(
+    redis_cluster_url: str,
+) -> None:
+    """A timeout or connection error leaves redis-py's cluster client waiting to re-read
+    the topology, and its own `aclose` then closed nothing: the connections to the other
+    masters stayed open until the collector met their `ClusterNode`, which warned then,
+    in whatever test ran."""
+    client = redis_client.connect(redis_cluster_url, socket_timeout=0.2)
+    assert isinstance(client, RedisCluster)
+    for i in range(32):  # one connection to every master (not concurrently: on a timeout,
+        await client.set(f"key{i}", 1)  # redis-py races to reuse a connection it closes)
+
+    def open_connections() -> int:
+        nodes = [*client.get_nodes(), *client.nodes_manager.startup_nodes.values()]
+        return sum(c.is_connected for node in nodes for c in node._connections)
+
+    assert open_connections() >= 3
+    with pytest.raises(aioredis.TimeoutError):
+        await client.blpop(["nothing"], 1)  # blocks past the socket timeout, on every try
+    await client.aclose()
+    assert open_connections() == 0, "what ClusterNode.__del__ warns of"

@@ -99,26 +99,33 @@ async def test_a_killed_master_gives_right_answers_or_unavailable_then_right_aga
     assert expected[0] == {s: CHAIN - 10 * i for i, s in enumerate(STABLE)}
 
     reader = RedisIndex(client, BS)
-    answers = {"right": 0, "unavailable": 0}
+    answered: list[tuple[float, float, bool]] = []  # start, end, answered (not unavailable)
     wrong: list[object] = []
     killed_at: list[float] = []
-    back_after: list[float] = []
+
+    def streak() -> int:
+        """Answers in a row since the last unavailable, among lookups begun after the kill."""
+        count = 0
+        for start, _, ok in reversed(answered):
+            if not ok or start < killed_at[0]:
+                break
+            count += 1
+        return count
 
     async def lookups() -> None:
-        while not back_after or answers["right"] < 50:
+        while not killed_at or streak() < 50:
             if killed_at and time.monotonic() - killed_at[0] > 30:
                 return
             for chain, want in zip(chains, expected, strict=True):
+                start = time.monotonic()
                 try:
                     got = depths(await reader.lookup(chain))
                 except IndexUnavailable:
-                    answers["unavailable"] += 1
+                    answered.append((start, time.monotonic(), False))
                     continue
+                answered.append((start, time.monotonic(), True))
                 if got != want:
                     wrong.append(got)
-                answers["right"] += 1
-                if killed_at and not back_after and answers["unavailable"]:
-                    back_after.append(time.monotonic() - killed_at[0])
             await asyncio.sleep(0.01)
 
     async def kill_one() -> None:
@@ -137,8 +144,13 @@ async def test_a_killed_master_gives_right_answers_or_unavailable_then_right_aga
     resyncs = await _apply_until_done(index, batches)
     await asyncio.wait_for(looking, 60)
     assert not wrong, f"wrong answers during the failover: {wrong[:3]}"
-    assert answers["unavailable"], "the kill was never seen (no lookup touched that master?)"
-    print(f"lookups right again {back_after[0]:.2f}s after the kill; {resyncs} resyncs")
+    assert streak() >= 50, "lookups were not answering again 30 s after the kill"
+    # Right again: the end of the first answer after the last unavailable one, among
+    # lookups begun after the kill (redis-py's retries may also hide the outage inside
+    # one slow lookup, which then counts until it answers).
+    back = answered[-streak()][1] - killed_at[0]
+    unavailable = sum(1 for _, _, ok in answered if not ok)
+    print(f"right again {back:.2f}s after the kill ({unavailable} unavailable, {resyncs} resyncs)")
 
     await asyncio.to_thread(cluster.wait_ok, 30)
     after = RedisIndex(client, BS)

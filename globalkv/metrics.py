@@ -129,6 +129,12 @@ class IngestMetrics:
             "Indexers with a live heartbeat on this Redis, as this one last saw them.",
             registry=registry,
         )
+        self.displaced = Gauge(
+            "globalkv_ingest_displaced",
+            "1 once another live process under this indexer's id took a lease of this one's "
+            "(two indexers configured with one id): this one then takes none from it.",
+            registry=registry,
+        )
         self.takeovers = Counter(
             "globalkv_ingest_lease_takeovers_total",
             "Leases taken from another indexer after it released or lost them.",

@@ -16,6 +16,13 @@ TTL — is given up locally: the pod is no longer followed, so at steady state n
 followed twice. What its workers already hold is offered to the index first, briefly
 (an indexer resuming from a pause holds batches received before it): the index's fence
 check refuses those late writes and they are counted (`globalkv_ingest_fenced_writes_total`).
+
+Two live processes under one indexer id (a copied configuration): a process restarted
+under its id takes its predecessor's leases at once (`Leases.acquire`), which is right
+for a restart but, with both alive, each would take the pods back from the other at every
+step, and every takeover fences the other's writes. So a process that lost a lease to
+another of its own id is displaced: it says so (an error, `globalkv_ingest_displaced` 1)
+and takes no lease that process holds, only pods whose lease runs out.
 """
 
 from __future__ import annotations
@@ -69,6 +76,10 @@ class Ownership:
         """When a lease we are waiting for runs out (monotonic), if sooner than a step."""
         self._valid_until = 0.0
         """Monotonic time until which the leases renewed last are surely still ours."""
+        self.displaced = False
+        """A later process under our id took a lease of ours: we take none from it."""
+        self._fenced_out: set[str] = set()
+        """Pods given up because a write was fenced, not yet checked for who took them."""
         self._lock = asyncio.Lock()
         service.gate = self.holds
         service.lease_lost = self.lost
@@ -108,6 +119,7 @@ class Ownership:
             for pod in lost:
                 log.warning("lease of pod %s lost; no longer following it", pod)
             await self._drop_lost(lost)
+            await self._check_displaced([*lost, *sorted(self._fenced_out)])
             wanted = {p for p, m in assign(pods, self.members).items() if m == self.member}
             for pod in sorted(set(self.fences) - wanted):
                 await self._give_up(pod, gone=pod not in pods)
@@ -133,8 +145,28 @@ class Ownership:
             log.warning("pod %s: a write was fenced; its lease is another indexer's", pod)
             self._set_fence(pod, None)
             self.metrics.leases_held.set(len(self.fences))
+            self._fenced_out.add(pod)
+
+    async def _check_displaced(self, pods: list[str]) -> None:
+        """Whether a process of our own id took any of these lost pods (module docstring)."""
+        self._fenced_out.clear()
+        if self.displaced or not pods:
+            return
+        takers = await self.leases.owners(pods)
+        taken = sorted(pod for pod, member in takers.items() if member == self.member)
+        if taken:
+            self.displaced = True
+            self.metrics.displaced.set(1)
+            log.error(
+                "indexer id %r is also used by another live process, which took pod(s) %s: "
+                "this one takes no lease from it from now on; give each indexer its own id",
+                self.member,
+                ", ".join(taken),
+            )
 
     async def _take(self, info: PodInfo) -> None:
+        if self.displaced and (await self.leases.owners([info.id])).get(info.id) == self.member:
+            return  # the other process under our id holds it
         copy = None if self._copy_fence is None else functools.partial(self._copy_fence, info.id)
         # Grant, then copies on every master, then following: see `Leases.acquire`.
         grant = await self.leases.acquire(info.id, self.member, self.ttl, copy=copy)

@@ -210,3 +210,31 @@ async def test_a_paused_indexer_is_fenced_its_late_writes_refused_and_counted(
             await b.stop()
     finally:
         await a.stop()
+
+
+async def test_a_second_live_process_under_one_id_is_yielded_to_not_fought(
+    redis_url: str, publishers: dict[str, Publisher]
+) -> None:
+    """A restart under an id takes its predecessor's leases at once; when both live, the
+    earlier one says it is displaced and stops taking them back (else each step of either
+    took the pods from the other, fencing its writes)."""
+    pubs = {pod: publishers[pod] for pod in PODS[:2]}
+    await _register(redis_url, pubs)
+    a = await _indexer(redis_url, "same")
+    try:
+        assert sorted(p.id for p in a.ingest.pods()) == sorted(pubs)
+        b = await _indexer(redis_url, "same")  # its first step took both pods
+        try:
+            assert sorted(p.id for p in b.ingest.pods()) == sorted(pubs)
+            await await_for(_condition(lambda: a.ownership.displaced), 10, "a to see b")
+            for indexer in (a, b, a, b):  # and the steps of their own loops meanwhile
+                assert indexer.ownership is not None
+                await indexer.ownership.step()
+            assert not a.ingest.pods()
+            assert sorted(p.id for p in b.ingest.pods()) == sorted(pubs)
+            assert sample(a.metrics_registry, "globalkv_ingest_displaced") == 1
+            assert sample(b.metrics_registry, "globalkv_ingest_displaced") == 0
+        finally:
+            await b.stop()
+    finally:
+        await a.stop()

@@ -35,6 +35,7 @@ from redis.exceptions import RedisError
 
 from gateway.policies.base import LoadTracker
 from gateway.policies.pending import PendingEntry, PendingHit, PendingPrefixes
+from globalkv.index.redis_failures import CONNECTION_FAILURES, redis_failed
 from globalkv.redis_client import Client
 from kvplumbing.tasks import cancel_and_wait
 
@@ -121,8 +122,10 @@ class SharedState:
             while True:
                 try:
                     await self.step()
-                except (RedisError, OSError) as exc:
-                    self._fall_back(f"sharing round failed: {exc}")
+                except CONNECTION_FAILURES as exc:
+                    if not redis_failed(exc):
+                        raise
+                    self._fall_back(f"sharing round failed: {exc!r}")
                 await asyncio.sleep(self.interval)
         finally:
             await cancel_and_wait([listener])
@@ -197,9 +200,11 @@ class SharedState:
                     message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=None)
                     if message is not None and message.get("type") == "message":
                         self._apply(message["data"])
-            except (RedisError, OSError) as exc:
+            except CONNECTION_FAILURES as exc:
+                if not redis_failed(exc):
+                    raise
                 self.listening.clear()
-                self._fall_back(f"pending prompts' channel lost: {exc}")
+                self._fall_back(f"pending prompts' channel lost: {exc!r}")
                 await asyncio.sleep(self.interval)
             finally:
                 with contextlib.suppress(RedisError, OSError):

@@ -32,7 +32,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from globalkv.index.base import IndexUnavailable
-from globalkv.index.redis_failures import closed_under_a_write
+from globalkv.index.redis_failures import CONNECTION_FAILURES, redis_failed
 from globalkv.index.redis_keys import RedisKeys
 from globalkv.redis_client import Client, text
 from kvplumbing.endpoints import offset_endpoint
@@ -350,13 +350,11 @@ class RedisRegistry:
     async def _errors(self) -> AsyncIterator[None]:
         try:
             yield
-        except (RedisError, OSError) as exc:
+        except CONNECTION_FAILURES as exc:
+            if not redis_failed(exc):
+                raise
             reason = f"{type(exc).__name__}: {exc}"  # redis-py's repr leaves out the message
             raise IndexUnavailable(f"pod registry unreachable: {reason}") from exc
-        except (AttributeError, TypeError) as exc:
-            if not closed_under_a_write(exc):
-                raise
-            raise IndexUnavailable(f"pod registry connection closed: {exc!r}") from exc
 
 
 def _parse_pod(raw: bytes | str) -> PodInfo | None:

@@ -58,6 +58,16 @@ def reachable(what: str) -> Iterator[None]:
         raise IndexUnavailable(f"redis connection closed while {what}: {exc!r}") from exc
 
 
+CONNECTION_FAILURES = (redis_errors.RedisError, OSError, AttributeError, TypeError)
+"""What a caller that treats every Redis error alike catches, then sorts with `redis_failed`."""
+
+
+def redis_failed(exc: BaseException) -> bool:
+    """Whether `exc` (one of `CONNECTION_FAILURES`) is Redis failing, not our code: any
+    redis-py error or OSError, or a connection closed under a write (module constants)."""
+    return isinstance(exc, redis_errors.RedisError | OSError) or closed_under_a_write(exc)
+
+
 def closed_under_a_write(exc: BaseException) -> bool:
     """The error was raised inside the client's transport, not by our code."""
     frames = traceback.extract_tb(exc.__traceback__)

@@ -43,9 +43,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import xxhash
-from redis import exceptions as redis_errors
 
 from globalkv.index.base import Fence, IndexUnavailable
+from globalkv.index.redis_failures import CONNECTION_FAILURES, redis_failed
 from globalkv.redis_client import Client, text
 
 _HEARTBEAT = """
@@ -293,6 +293,8 @@ def _reachable(what: str) -> Iterator[None]:
     one it may be losing."""
     try:
         yield
-    except (redis_errors.RedisError, OSError) as exc:
+    except CONNECTION_FAILURES as exc:
+        if not redis_failed(exc):
+            raise
         reason = f"{type(exc).__name__}: {exc}"  # redis-py's repr leaves out the message
         raise IndexUnavailable(f"redis unreachable while {what}: {reason}") from exc

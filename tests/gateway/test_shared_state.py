@@ -16,7 +16,7 @@ from globalkv import redis_client
 from kvplumbing.tasks import cancel_and_wait
 from tests.support.metrics import sample
 from tests.support.net import await_for
-from tests.support.redis import RedisServer
+from tests.support.redis import RedisServer, write_torn
 
 
 def _replica(
@@ -104,3 +104,27 @@ async def test_losing_redis_falls_back_to_the_replica_s_own_view(own_redis: Redi
     finally:
         await cancel_and_wait(tasks)
         await client.aclose()
+
+
+async def test_a_connection_closed_under_a_write_falls_back_instead_of_ending_the_loop(
+    redis_url: str,
+) -> None:
+    """redis-py's AttributeError for a transport closed under a write would have ended the
+    sharing loop and left the others' last loads in place for good."""
+    client = aioredis.Redis.from_url(redis_url, single_connection_client=True)
+    registry = CollectorRegistry()
+    _, shared = _replica(client, "gw-a", registry)
+    await shared.step()  # the one connection is open
+    assert sample(registry, "globalkv_gateway_shared_state_available") == 1
+    async with write_torn(client):
+        task = asyncio.create_task(shared.run())
+        try:
+
+            async def fell_back() -> bool:
+                return sample(registry, "globalkv_gateway_shared_state_failures_total") >= 1
+
+            await await_for(fell_back, timeout=10, what="the round to fail")
+            assert not task.done(), "the sharing loop ended"
+            assert sample(registry, "globalkv_gateway_shared_state_available") == 0
+        finally:
+            await cancel_and_wait([task])

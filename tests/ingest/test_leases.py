@@ -19,6 +19,7 @@ from globalkv.indexer import IndexerConfig
 from globalkv.ingest.leases import Grant, Held, Leases, assign
 from globalkv.redis_client import Client, connect
 from tests.index.events import BS, clear, depths, keys, store, tokens
+from tests.support.redis import write_torn
 
 
 @pytest.fixture(params=["redis_url", "redis_cluster_url"])
@@ -298,3 +299,17 @@ async def test_a_pod_removed_by_an_indexer_without_its_lease_leaves_no_live_gene
     assert not any(name.startswith(b"x@") for name in live.values())
     with pytest.raises(IndexDataLost):
         await holder.apply(SourceBatch(Source("x"), 2, 2.0, [store([9], tokens(1, 9))]))
+
+
+async def test_a_connection_closed_under_a_write_is_unavailable_not_a_crash(
+    redis_url: str,
+) -> None:
+    """redis-py's AttributeError for a transport closed under a write (seen when a cluster
+    master died) would have ended the indexer's lease loop, which only expects
+    `IndexUnavailable`: it is one."""
+    client = aioredis.Redis.from_url(redis_url, single_connection_client=True)
+    leases = Leases(client)
+    await leases.heartbeat("ix-a", 5.0)  # the one connection is open
+    async with write_torn(client):
+        with pytest.raises(IndexUnavailable, match="heartbeat: AttributeError"):
+            await leases.heartbeat("ix-a", 5.0)

@@ -22,6 +22,7 @@ from globalkv.registry import (
     SourceProgress,
 )
 from tests.support.net import await_for
+from tests.support.redis import write_torn
 
 EVENTS = KvEventsConfig(endpoint="tcp://10.0.0.5:5557", replay_endpoint="tcp://10.0.0.5:5558")
 
@@ -144,17 +145,9 @@ async def test_a_connection_closed_under_a_write_is_unavailable(redis_url: str) 
     client = aioredis.Redis.from_url(redis_url, single_connection_client=True)
     registry = RedisRegistry(client, prefix="test")
     await registry.mark()  # the one connection is open
-    connection = client.connection
-    assert connection is not None
-    writer = connection._writer
-    assert writer is not None
-    transport = writer.transport
-    writer._transport = None  # type: ignore[assignment]
-    with pytest.raises(IndexUnavailable, match="pod registry connection closed"):
-        await registry.put(PodInfo(id="a", kv_events=EVENTS))
-    writer._transport = transport  # the client dropped the writer: close it for it
-    transport.close()
-    await client.aclose()
+    async with write_torn(client):
+        with pytest.raises(IndexUnavailable, match="pod registry unreachable: AttributeError"):
+            await registry.put(PodInfo(id="a", kv_events=EVENTS))
 
 
 async def test_an_attribute_error_of_our_own_still_propagates(redis_url: str) -> None:

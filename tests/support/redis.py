@@ -5,8 +5,11 @@ from __future__ import annotations
 import shutil
 import subprocess
 import tempfile
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import redis
+import redis.asyncio as aioredis
 
 from tests.support.net import free_port, wait_for
 
@@ -67,3 +70,23 @@ class RedisServer:
         """Stop and start again on the same port with an empty dataset."""
         self.stop()
         self._spawn()
+
+
+@asynccontextmanager
+async def write_torn(client: aioredis.Redis) -> AsyncIterator[None]:
+    """Inside: the single connection of `client` (`single_connection_client=True`, already
+    connected) lost its transport under redis-py, which then raises an AttributeError from
+    asyncio's stream on the next write (redis/redis-py#3546). On leaving, the transport
+    redis-py dropped is closed and the client with it."""
+    connection = client.connection
+    assert connection is not None
+    assert connection._writer is not None
+    writer = connection._writer
+    transport = writer.transport
+    writer._transport = None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        writer._transport = transport
+        transport.close()
+        await client.aclose()

@@ -31,8 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
-from globalkv.index.base import IndexUnavailable
-from globalkv.index.redis_failures import CONNECTION_FAILURES, redis_failed
+from globalkv.index.redis_failures import any_failure_unavailable
 from globalkv.index.redis_keys import RedisKeys
 from globalkv.redis_client import Client, text
 from kvplumbing.endpoints import offset_endpoint
@@ -348,13 +347,8 @@ class RedisRegistry:
 
     @contextlib.asynccontextmanager
     async def _errors(self) -> AsyncIterator[None]:
-        try:
+        with any_failure_unavailable("pod registry unreachable"):
             yield
-        except CONNECTION_FAILURES as exc:
-            if not redis_failed(exc):
-                raise
-            reason = f"{type(exc).__name__}: {exc}"  # redis-py's repr leaves out the message
-            raise IndexUnavailable(f"pod registry unreachable: {reason}") from exc
 
 
 def _parse_pod(raw: bytes | str) -> PodInfo | None:

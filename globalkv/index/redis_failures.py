@@ -68,6 +68,19 @@ def redis_failed(exc: BaseException) -> bool:
     return isinstance(exc, redis_errors.RedisError | OSError) or closed_under_a_write(exc)
 
 
+@contextmanager
+def any_failure_unavailable(message: str) -> Iterator[None]:
+    """Every Redis failure (`redis_failed`) as `IndexUnavailable("<message>: <error>")`,
+    for callers with no reply worth telling apart (the registry, the leases)."""
+    try:
+        yield
+    except CONNECTION_FAILURES as exc:
+        if not redis_failed(exc):
+            raise
+        reason = f"{type(exc).__name__}: {exc}"  # redis-py's repr leaves out the message
+        raise IndexUnavailable(f"{message}: {reason}") from exc
+
+
 def closed_under_a_write(exc: BaseException) -> bool:
     """The error was raised inside the client's transport, not by our code."""
     frames = traceback.extract_tb(exc.__traceback__)

@@ -38,14 +38,14 @@ from __future__ import annotations
 import asyncio
 import math
 import secrets
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import xxhash
 
-from globalkv.index.base import Fence, IndexUnavailable
-from globalkv.index.redis_failures import CONNECTION_FAILURES, redis_failed
+from globalkv.index.base import Fence
+from globalkv.index.redis_failures import any_failure_unavailable
 from globalkv.redis_client import Client, text
 
 _HEARTBEAT = """
@@ -287,14 +287,7 @@ def _ms(seconds: float) -> int:
     return max(1, round(seconds * 1000))
 
 
-@contextmanager
-def _reachable(what: str) -> Iterator[None]:
+def _reachable(what: str) -> AbstractContextManager[None]:
     """Redis errors as `IndexUnavailable`: the caller treats a lease it cannot confirm as
     one it may be losing."""
-    try:
-        yield
-    except CONNECTION_FAILURES as exc:
-        if not redis_failed(exc):
-            raise
-        reason = f"{type(exc).__name__}: {exc}"  # redis-py's repr leaves out the message
-        raise IndexUnavailable(f"redis unreachable while {what}: {reason}") from exc
+    return any_failure_unavailable(f"redis unreachable while {what}")

@@ -127,7 +127,7 @@ class Ownership:
             # step again the moment it drops out, to take its pods without delay.
             fading = [left for m, left in live.items() if m != self.member and left < self.interval]
             self._retry_at = None if not fading else self.clock() + min(fading) + 0.01
-            for pod in sorted(wanted - set(self.fences)):
+            for pod in await self._takeable(sorted(wanted - set(self.fences))):
                 await self._take(pods[pod])
             self.metrics.leases_held.set(len(self.fences))
 
@@ -164,9 +164,14 @@ class Ownership:
                 ", ".join(taken),
             )
 
+    async def _takeable(self, pods: list[str]) -> list[str]:
+        """The pods to try to take: all, or once displaced, those no process of our id holds."""
+        if not self.displaced or not pods:
+            return pods
+        holders = await self.leases.owners(pods)
+        return [pod for pod in pods if holders.get(pod) != self.member]
+
     async def _take(self, info: PodInfo) -> None:
-        if self.displaced and (await self.leases.owners([info.id])).get(info.id) == self.member:
-            return  # the other process under our id holds it
         copy = None if self._copy_fence is None else functools.partial(self._copy_fence, info.id)
         # Grant, then copies on every master, then following: see `Leases.acquire`.
         grant = await self.leases.acquire(info.id, self.member, self.ttl, copy=copy)

@@ -1,9 +1,17 @@
-"""Shared-prefix workloads that stress placement in two opposite ways, as Mooncake traces.
+"""Shared-prefix workloads as Mooncake traces: llm-d's benchmark and two that stress placement.
 
 Each workload is groups of prompts sharing a system prefix, each prompt its own question
-after it; a request picks a group by popularity (Zipf, exponent `skew`) and a prompt of it
-uniformly, and arrives as a Poisson process. Block ids follow Mooncake's convention (an id
-names a block and everything before it), so `bench replay` reads the output as a trace.
+after it. Block ids follow Mooncake's convention (an id names a block and everything
+before it), so `bench replay` reads the output as a trace.
+
+- `llmd73`: llm-d's 73-capacity benchmark (llm-d-kv-cache-manager, benchmarking/
+  73-capacity), as inference-perf's `shared_prefix` data drives it: 150 groups × 5
+  prompts of 6,000 system and 1,200 question tokens, shuffled once and sent in that order
+  over and over, at Poisson rates that step up from 3 to 60 requests/s over 17 stages
+  (17,144 requests in 502 s). The README's llm-d figures replay it.
+
+The two placement workloads pick a group by popularity (Zipf, exponent `skew`) and a
+prompt of it uniformly, and arrive as one Poisson process:
 
 - `small-groups`: many groups of short prompts and a cluster that could hold them all.
   Every group fits on any pod with room to spare, so what matters is that a new group
@@ -14,7 +22,7 @@ names a block and everything before it), so `bench replay` reads the output as a
   each copy of its prefix evicts another group's: the case where the pressure cost must
   not keep a hot group on a pod it overloads.
 
-    python -m bench.replay.generate small-groups -o /tmp/small-groups.jsonl
+    python -m bench.replay.generate llmd73 -o /tmp/llmd73.jsonl
 """
 
 from __future__ import annotations
@@ -43,7 +51,50 @@ class Workload:
     block_size: int = 64
 
 
-WORKLOADS = {
+@dataclass(frozen=True, slots=True)
+class StagedWorkload:
+    """Prompts shuffled once and cycled, at a Poisson rate that steps up stage by stage."""
+
+    groups: int
+    prompts_per_group: int
+    system_tokens: int
+    question_tokens: int
+    output_tokens: int
+    stages: tuple[tuple[float, float], ...]
+    """(requests/s, seconds) of each stage, in order."""
+    block_size: int = 64
+
+
+LLMD73 = StagedWorkload(
+    groups=150,
+    prompts_per_group=5,
+    system_tokens=6000,
+    question_tokens=1200,
+    output_tokens=1000,
+    stages=(
+        (15, 50),
+        (3, 20),
+        (10, 20),
+        (15, 20),
+        (20, 38),
+        (22, 34),
+        (25, 30),
+        (30, 25),
+        (35, 21),
+        (40, 38),
+        (43, 36),
+        (46, 33),
+        (49, 30),
+        (52, 29),
+        (55, 27),
+        (57, 26),
+        (60, 25),
+    ),
+)
+"""The stages are llm-d's: a 50 s warm-up at 15/s, then 3 to 60/s."""
+
+WORKLOADS: dict[str, Workload | StagedWorkload] = {
+    "llmd73": LLMD73,
     "small-groups": Workload(
         groups=400,
         prompts_per_group=4,
@@ -67,7 +118,7 @@ WORKLOADS = {
 }
 
 
-def _prompts(w: Workload) -> list[list[list[int]]]:
+def _prompts(w: Workload | StagedWorkload) -> list[list[list[int]]]:
     """Per group, each prompt's block ids: the group's shared blocks, then its own."""
     shared = w.system_tokens // w.block_size
     total = math.ceil((w.system_tokens + w.question_tokens) / w.block_size)
@@ -84,8 +135,11 @@ def _prompts(w: Workload) -> list[list[list[int]]]:
     return groups
 
 
-def requests(w: Workload, seed: int = 0) -> Iterator[dict[str, object]]:
+def requests(w: Workload | StagedWorkload, seed: int = 0) -> Iterator[dict[str, object]]:
     """The workload's trace lines, in arrival order."""
+    if isinstance(w, StagedWorkload):
+        yield from _staged(w, seed)
+        return
     rng = Random(seed)
     groups = _prompts(w)
     weights = [1.0 / (g + 1) ** w.skew for g in range(w.groups)]
@@ -103,7 +157,27 @@ def requests(w: Workload, seed: int = 0) -> Iterator[dict[str, object]]:
         }
 
 
-def write(w: Workload, out: TextIO, seed: int = 0) -> int:
+def _staged(w: StagedWorkload, seed: int) -> Iterator[dict[str, object]]:
+    """Each stage draws gaps until one would pass its end; the next starts at that end."""
+    rng = Random(seed)
+    prompts = [prompt for group in _prompts(w) for prompt in group]
+    rng.shuffle(prompts)
+    t, sent = 0.0, 0
+    for rate, seconds in w.stages:
+        end = t + seconds
+        while (gap := rng.expovariate(rate)) + t <= end:
+            t += gap
+            yield {
+                "timestamp": round(t * 1000),
+                "input_length": w.system_tokens + w.question_tokens,
+                "output_length": w.output_tokens,
+                "hash_ids": prompts[sent % len(prompts)],
+            }
+            sent += 1
+        t = end
+
+
+def write(w: Workload | StagedWorkload, out: TextIO, seed: int = 0) -> int:
     count = 0
     for line in requests(w, seed):
         out.write(json.dumps(line) + "\n")

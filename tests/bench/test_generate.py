@@ -1,13 +1,14 @@
-"""The generated placement workloads read back as Mooncake traces with the stated shape."""
+"""The generated workloads read back as Mooncake traces with the stated shape."""
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from bench.replay.generate import WORKLOADS, Workload, main, requests, write
+from bench.replay.generate import LLMD73, WORKLOADS, Workload, main, requests, write
 from bench.replay.trace import read_trace, trace_stats
 
 TINY = Workload(
@@ -49,9 +50,27 @@ def test_generation_is_seeded_and_skew_favours_one_group() -> None:
     assert max(counts.values()) > 2000 / 10 * 2
 
 
-@pytest.mark.parametrize("name", sorted(WORKLOADS))
+@pytest.mark.parametrize("name", sorted(set(WORKLOADS) - {"llmd73"}))
 def test_the_cli_writes_each_named_workload(name: str, tmp_path: Path) -> None:
     out = tmp_path / f"{name}.jsonl"
     main([name, "-o", str(out)])
     trace = read_trace(out)
-    assert len(trace.requests) == WORKLOADS[name].requests
+    workload = WORKLOADS[name]
+    assert isinstance(workload, Workload)
+    assert len(trace.requests) == workload.requests
+
+
+LLMD73_SHA256 = "022627aca00c9b6cecb25fbfbad1de0653140b15c5d9165240b4b6243d0c006c"
+"""The trace the README's llm-d figures were measured on, byte for byte."""
+
+
+def test_llmd73_is_the_trace_the_readme_figures_replay(tmp_path: Path) -> None:
+    out = tmp_path / "llmd73.jsonl"
+    main(["llmd73", "-o", str(out)])
+    assert hashlib.sha256(out.read_bytes()).hexdigest() == LLMD73_SHA256
+    trace = read_trace(out)
+    assert len(trace.requests) == 17_144
+    assert len({r.hash_ids for r in trace.requests}) == 150 * 5
+    assert len({r.hash_ids[:93] for r in trace.requests}) == 150  # 6,000 // 64 shared
+    assert all(len(r.hash_ids) == 113 for r in trace.requests)  # ceil(7,200 / 64)
+    assert trace.requests[-1].timestamp_ms <= sum(s for _, s in LLMD73.stages) * 1000

@@ -110,7 +110,8 @@ class GatewayServer:
         if self.connections:
             self._emptied = asyncio.get_running_loop().create_future()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(self._emptied), grace)
+                async with asyncio.timeout(grace):
+                    await self._emptied
         for connection in list(self.connections):
             connection.abort()
         if self._server is not None:

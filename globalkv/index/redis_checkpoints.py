@@ -4,7 +4,7 @@ A master acknowledges a write before its replica has it; when the master dies, t
 promoted replica may lack the last writes. On one Redis the apply script's checks catch
 lost data (the dataset marker, the source's batch count), but on a cluster those live on
 one master and the blocks on others. So every block call also increments a counter of
-this writer on the call's slot (`{p}:ck:{<slot tag>}<writer>`), and the writer remembers
+this writer on the call's slot (`<prefix>:ck:{<slot tag>}<writer>`), and the writer remembers
 the value each call returned. A replica holds a prefix of its master's writes, and a
 script's writes replicate together, so a counter that reads lower than remembered means
 acknowledged block writes on that master are gone, and with them the truth of what the

@@ -1,8 +1,8 @@
 """Every Redis key the index uses, named here and nowhere else (the scripts receive names).
 
 Block keys (millions; short):
-    {p}:b:{<slot tag>}<key, hex>   hash: generation -> tier mask under a 48-bit hash
-                                   (redis_scripts.fingerprints), "#" -> the sum of those
+    <prefix>:b:{<slot tag>}<key hex> hash: generation -> tier mask under a
+                                     48-bit hash (redis_scripts.fingerprints), "#" -> their sum
 A chain is cut into segments by position (`segment_of`: 16 blocks each for the first 256,
 where the prompts of a deployment share their chat template and system prompt, 128 each
 after); the blocks of one segment share a hash tag (one slot), so one script walks them.
@@ -24,15 +24,17 @@ new one), all under the hash tag `{p}`, one slot, so each write's checks are one
     {p}:index:gen:<g>:info     hash: that generation's statistics and batch count
     {p}:index:marker           string: dataset token; gone when Redis lost its data
     {p}:index:layout           string: `LAYOUT`, the version of every name and value above
-(`{p}` is the prefix in braces: `{gkv}:index:live`.) The pod registry's keys share the tag.
+(`{p}` is the prefix in braces: `{gkv}:index:live`; the names tagged by a slot start with
+the bare prefix instead: `gkv:b:{265b}...`.) The pod registry's keys share the tag.
 
 Per writer and slot, on a cluster (redis_checkpoints.py):
-    {p}:ck:{<slot tag>}<writer>   counter of the writer's block calls on that slot
+    <prefix>:ck:{<slot tag>}<writer> counter: the writer's block calls on that slot
 
 Per pod, on a cluster with leases (redis_fences.py), in each of a fixed set of slots:
-    {p}:fc:{<slot tag>}<pod>      string: a copy of the pod's fencing token ("<n>:<holder>",
-                                  or "<n>:" barring every token below n), checked by the
-                                  block calls of the master serving the slot
+    <prefix>:fc:{<slot tag>}<pod>    string: a copy of the pod's fencing token
+                                     ("<n>:<holder>", or "<n>:" barring every token below
+                                     n), checked by the block calls of the master serving
+                                     the slot
 """
 
 from __future__ import annotations

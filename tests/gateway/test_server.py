@@ -271,6 +271,21 @@ async def test_shutdown_finishes_what_is_in_flight_and_takes_nothing_new() -> No
             await asyncio.wait_for(stopping, 10)
 
 
+async def test_shutdown_aborts_what_is_still_in_flight_when_the_grace_runs_out() -> None:
+    cluster = Cluster()
+    release = asyncio.Event()
+    cluster.hold_decodes(release)
+    gateway = await make_gateway(cluster)
+    async with serving(gateway) as server:
+        async with connected(server) as (reader, writer):
+            writer.write(post("/generate", {"input_ids": [1]}))
+            await cluster.wait_calls(2)
+            await asyncio.wait_for(server.shutdown(grace=0.05), 10)
+            assert not server.connections
+            assert await asyncio.wait_for(reader.read(), 10) == b"", "aborted, no answer"
+        release.set()
+
+
 def arriving(server: GatewayServer) -> bool:
     """Some connection holds a request that has not fully arrived."""
     return any(not c.idle for c in server.connections)

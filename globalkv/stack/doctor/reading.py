@@ -25,7 +25,8 @@ Connect = Callable[[str, int, float], Awaitable[str | None]]
 
 async def tcp_connect(host: str, port: int, timeout: float) -> str | None:
     try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+        async with asyncio.timeout(timeout):
+            _, writer = await asyncio.open_connection(host, port)
     except (OSError, TimeoutError) as exc:
         return describe_error(exc)
     writer.close()

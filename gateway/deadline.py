@@ -32,8 +32,6 @@ from typing import Any
 
 from gateway.answers import Answer
 
-STAGES = ("prefill", "decode", "decode_first_byte", "retry_backoff")
-
 
 @dataclass(slots=True)
 class Progress:

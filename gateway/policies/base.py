@@ -131,7 +131,6 @@ class LoadTicket:
     """One request's share of one worker's load, so finishing it twice cannot corrupt it."""
 
     worker: str
-    prefill_tokens: int
     load: WorkerLoad
     serial: int
     prefill_open: bool = True
@@ -188,9 +187,7 @@ class LoadTracker:
         pending = self.pending.add(worker, keys, dp_rank) if keys and self.pending else None
         if pending is not None and self.shared is not None:
             self.shared.sent(serial, worker, keys, dp_rank)
-        return LoadTicket(
-            worker, prefill_tokens, load, serial, prefill_open=prefill_tokens > 0, pending=pending
-        )
+        return LoadTicket(worker, load, serial, prefill_open=prefill_tokens > 0, pending=pending)
 
     def pending_blocks(self, keys: Sequence[int]) -> Mapping[str, PendingHit]:
         if self.pending is None:

@@ -19,6 +19,7 @@ others, saying how to open them) unless `--insecure`. Lookups and reads answer a
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
@@ -26,6 +27,7 @@ from functools import partial
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, HTTPException, Request, Response
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -283,6 +285,14 @@ class _IndexRoutes:
         return Response(generate_latest(self.metrics_registry), media_type=CONTENT_TYPE_LATEST)
 
 
+async def _invalid_body(request: Request, exc: RequestValidationError) -> Response:
+    """FastAPI's 422 without the offending values: its own echoes them, and a NaN or a lone
+    surrogate among them made the answer itself fail, a 500. ASCII, for the same reason."""
+    detail = [{"type": e["type"], "loc": e["loc"], "msg": e["msg"]} for e in exc.errors()]
+    body = json.dumps({"detail": detail}, ensure_ascii=True)
+    return Response(body, status_code=422, media_type="application/json")
+
+
 def create_app(
     config: ApiConfig,
     *,
@@ -305,6 +315,7 @@ def create_app(
     app.add_middleware(
         BodyLimit, limit=config.max_body_bytes, refuse=partial(_too_large, config.max_body_bytes)
     )
+    app.exception_handler(RequestValidationError)(_invalid_body)
     routes = _IndexRoutes(
         config,
         index=index,

@@ -226,6 +226,29 @@ async def test_unparseable_json_is_4xx(client: httpx.AsyncClient) -> None:
     assert response.status_code == 422
 
 
+@pytest.mark.parametrize(
+    ("path", "raw"),
+    [
+        ("/v1/lookup", b'{"model": "m", "token_ids": [NaN]}'),
+        ("/v1/lookup", b'{"model": "m", "token_ids": [-Infinity]}'),
+        ("/v1/lookup", b'{"model": "m", "token_ids": [1e400]}'),
+        ("/v1/lookup", b'{"model": "\\ud800", "token_ids": [1]}'),
+        ("/v1/lookup", b"NaN"),
+        ("/v1/pods", b'{"id": "p", "dp_size": NaN, "kv_events": {"endpoint": "tcp://h:1"}}'),
+        ("/v1/pods", b'{"id": "\\ud800", "kv_events": {"endpoint": "tcp://h:1"}}'),
+    ],
+)
+async def test_values_json_cannot_echo_are_422_not_500(
+    client: httpx.AsyncClient, path: str, raw: bytes
+) -> None:
+    """FastAPI's own 422 echoes the offending values, and the answer failed on these."""
+    headers = {"content-type": "application/json", "authorization": f"Bearer {TOKEN}"}
+    response = await client.post(path, content=raw, headers=headers)
+    assert response.status_code == 422, response.text
+    assert response.json()["detail"][0]["loc"][0] == "body"
+    assert "input" not in response.json()["detail"][0]
+
+
 async def test_too_many_tokens_is_413(client: httpx.AsyncClient) -> None:
     response = await client.post("/v1/lookup", json={"model": "m", "token_ids": [1] * 1001})
     assert response.status_code == 413

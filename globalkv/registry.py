@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import re
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -45,7 +46,27 @@ worker ids), nothing that would need escaping in a topic, a Redis key or a log l
 MAX_DP_SIZE = 1024
 """DP ranks one pod may have: each is a publisher with its own worker and subscription,
 so a batch naming a rank beyond this is refused rather than followed."""
-_TCP_ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^\s\[\]/:*]+):(\d{1,5})")
+_TCP_ENDPOINT = re.compile(r"tcp://(\[[^\]]+\]|[^\[\]]+):([0-9]{1,5})", re.ASCII)
+_HOST_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?", re.ASCII)
+
+
+def _tcp_host_ok(host: str) -> bool:
+    """A host ZMQ can connect to: a bracketed IPv6 address (no %zone), a dotted-quad IPv4
+    address, or a DNS name of RFC 1123 labels. ZMQ accepts some malformed names at connect
+    and refuses others (`-`, `%`, `a@b`, non-ASCII) only then, so the rule here is the
+    strict one rather than ZMQ's. A name whose last label is numeric must be an IPv4
+    address, so `999.1.1.1` is not taken for a name."""
+    if host.startswith("["):
+        with contextlib.suppress(ValueError):
+            return ipaddress.IPv6Address(host[1:-1]).scope_id is None
+        return False
+    labels = host.removesuffix(".").split(".")
+    if labels[-1].isdigit():
+        with contextlib.suppress(ValueError):
+            ipaddress.IPv4Address(host)
+            return True
+        return False
+    return len(host) <= 253 and all(_HOST_LABEL.fullmatch(label) for label in labels)
 
 
 class KvEventsConfig(BaseModel):
@@ -81,8 +102,12 @@ class KvEventsConfig(BaseModel):
                 # ZMQ refuses a malformed address only when the SUB connects, long after
                 # the pod was accepted: checked here, it is a 422 instead.
                 match = _TCP_ENDPOINT.fullmatch(value)
-                if match is None or not 0 < int(match[2]) < 65536:
-                    raise ValueError(f"kv_events.{name} {value!r} must be tcp://host:port")
+                if match is None or not _tcp_host_ok(match[1]) or not 0 < int(match[2]) < 65536:
+                    raise ValueError(
+                        f"kv_events.{name} {value!r} must be tcp://host:port: host a DNS name "
+                        "(letters, digits, inner '-', dot-separated), an IPv4 address or a "
+                        "[bracketed] IPv6 address; port 1-65535"
+                    )
         if self.mode == "connect" and self.endpoint is None:
             raise ValueError("kv_events.endpoint is required unless mode is 'bind'")
         if self.mode == "bind" and not self.topic:

@@ -65,10 +65,55 @@ def test_invalid_pods(kw: dict[str, object]) -> None:
 
 
 @pytest.mark.parametrize(
-    "endpoint", ["tcp://10.0.0.5:5557", "tcp://[::1]:5557", "tcp://engine-0.svc:1", "ipc:///t"]
+    "endpoint",
+    [
+        "tcp://10.0.0.5:5557",
+        "tcp://[::1]:5557",
+        "tcp://[fd00::5]:65535",
+        "tcp://engine-0.svc:1",
+        "tcp://engine-0.ns.svc.cluster.local.:1",
+        "tcp://1engine:1",
+        "ipc:///t",
+    ],
 )
 def test_connectable_endpoints(endpoint: str) -> None:
     assert KvEventsConfig(endpoint=endpoint).endpoint == endpoint
+
+
+# Each is refused by ZMQ only when the SUB connects (or resolves to nothing), after the
+# pod would have been accepted.
+@pytest.mark.parametrize(
+    "host",
+    [
+        "-",
+        "%",
+        "a@b",
+        ".",
+        "..",
+        "a..b",
+        "-a",
+        "a-",
+        "a_b",
+        "é.com",
+        "x" * 64,
+        "999.1.1.1",
+        "1.2.3",
+        "[1.2.3.4]",
+        "[fe80::1%eth0]",
+        "[::1]x",
+    ],
+)
+@pytest.mark.parametrize("name", ["endpoint", "replay_endpoint"])
+def test_unconnectable_tcp_hosts_refused(name: str, host: str) -> None:
+    config = {"endpoint": "tcp://h:1", name: f"tcp://{host}:5557"}
+    with pytest.raises(ValidationError, match=f"kv_events.{name} .* must be tcp://host:port"):
+        KvEventsConfig.model_validate(config)
+
+
+@pytest.mark.parametrize("port", ["0", "65536", "99999", "", "5557/x"])
+def test_tcp_ports_outside_1_to_65535_refused(port: str) -> None:
+    with pytest.raises(ValidationError, match="port 1-65535"):
+        KvEventsConfig(endpoint=f"tcp://h:{port}")
 
 
 @pytest.fixture(params=["memory", "redis", "cluster"])

@@ -65,7 +65,8 @@ class IngestMetrics:
         )
         self.replays = Counter(
             "globalkv_ingest_replays_total",
-            "Replay requests by outcome: complete, short, timeout, malformed, limit, no_endpoint.",
+            "Replay requests by outcome: complete, short, timeout, malformed, limit, no_endpoint "
+            "(none configured, or one ZMQ refuses).",
             ["pod", "outcome"],
             registry=registry,
         )

@@ -3,11 +3,14 @@
 A DEALER per request, never REQ: one request gets many replies. Both reply layouts
 (`[b"", seq, payload]` and `[b"", topic, seq, payload]`) and the end marker are accepted.
 ZMQ cannot tell "nobody listens there" from "slow", so an unreachable endpoint shows up
-as a timeout: the wait for each reply is bounded, and so is the whole replay.
+as a timeout: the wait for each reply is bounded, and so is the whole replay. An endpoint
+ZMQ refuses outright (a malformed address, an ipc path too long) is no replay endpoint at
+all: the outcome is `no_endpoint`, as if none were configured, and the source goes on.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Literal
@@ -17,7 +20,9 @@ import zmq.asyncio
 
 from globalkv.wire import Frame, WireError, parse_replay_reply, replay_request
 
-Outcome = Literal["end", "timeout", "malformed", "limit"]
+log = logging.getLogger(__name__)
+
+Outcome = Literal["end", "timeout", "malformed", "limit", "no_endpoint"]
 
 
 @dataclass(slots=True)
@@ -50,8 +55,13 @@ class ReplayClient:
         sock.linger = 0
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         try:
-            sock.connect(endpoint)
-            await sock.send_multipart(replay_request(start))
+            try:
+                sock.connect(endpoint)
+                await sock.send_multipart(replay_request(start))
+            except zmq.ZMQError as exc:
+                log.warning("replay endpoint %r refused by ZMQ: %s", endpoint, exc)
+                result.outcome = "no_endpoint"
+                return result
             deadline = time.monotonic() + self.total_timeout
             while True:
                 wait = min(self.reply_timeout, deadline - time.monotonic())

@@ -104,7 +104,12 @@ async def test_gap_past_the_replay_buffer_resets_and_keeps_the_contiguous_tail(
 
 
 @pytest.mark.parametrize(
-    ("replay_endpoint", "outcome"), [(None, "no_endpoint"), ("tcp://127.0.0.1:9", "timeout")]
+    ("replay_endpoint", "outcome"),
+    [
+        (None, "no_endpoint"),
+        ("tcp://127.0.0.1:9", "timeout"),
+        ("ipc:///tmp/" + "x" * 200, "no_endpoint"),  # valid to the registry; ZMQ refuses it
+    ],
 )
 async def test_a_gap_replay_cannot_fill_resets(
     make_service: ServiceFactory,
@@ -114,8 +119,10 @@ async def test_a_gap_replay_cannot_fill_resets(
     replay_endpoint: str | None,
     outcome: str,
 ) -> None:
-    """No replay endpoint, or one nobody answers on (ZMQ cannot tell it from slow)."""
-    service, pub = make_service(), make_publisher(replay_endpoint=None)
+    """No replay endpoint, one nobody answers on (ZMQ cannot tell it from slow), or one
+    ZMQ refuses to connect to."""
+    service = make_service(allow_endpoint_schemes=["ipc"])
+    pub = make_publisher(replay_endpoint=None)
     events = KvEventsConfig(endpoint=pub.endpoint, replay_endpoint=replay_endpoint)
     await follow(service, pub, PodInfo(id="p0", model="m", kv_events=events))
     await pub.publish([store(0)])
@@ -158,6 +165,26 @@ async def test_late_join_replays_history_without_reset(
     await pub.publish([store(2)])
     await service.applied(P0, 2)
     assert index.applied[P0] == [0, 1, 2]
+
+
+async def test_late_join_with_a_replay_endpoint_zmq_refuses_goes_on_live(
+    make_service: ServiceFactory,
+    make_publisher: PublisherFactory,
+    index: RecordingIndex,
+    prom: CollectorRegistry,
+) -> None:
+    service = make_service(allow_endpoint_schemes=["ipc"])
+    pub = make_publisher(replay_endpoint=None)
+    pub.seq = 5  # the engine published before we followed it
+    refused = "ipc:///tmp/" + "x" * 200  # too long a path for a unix socket
+    events = KvEventsConfig(endpoint=pub.endpoint, replay_endpoint=refused)
+    await follow(service, pub, PodInfo(id="p0", model="m", kv_events=events))
+    await pub.publish([store(5)])
+    await pub.publish([store(6)])
+    await service.applied(P0, 6)
+    assert index.applied[P0] == [5, 6]
+    assert sample(prom, "globalkv_ingest_replays_total", pod="p0", outcome="no_endpoint") == 1
+    assert sample(prom, "globalkv_ingest_dropped_total", reason="internal_error") in (None, 0)
 
 
 async def test_resume_point_comes_from_the_index(

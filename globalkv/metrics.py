@@ -47,7 +47,8 @@ class IngestMetrics:
         self.dropped = Counter(
             "globalkv_ingest_dropped_total",
             "Messages dropped before the index: wire reasons (not_msgpack, bad_batch, ...), "
-            "bad_frames, bad_seq, unknown_topic, bad_dp_rank, queue_full, internal_error "
+            "bad_frames, bad_seq, unknown_topic, not_owner, pod_limit, bad_dp_rank, queue_full, "
+            "internal_error "
             "(a bug while handling a batch: logged with its traceback).",
             ["reason"],
             registry=registry,

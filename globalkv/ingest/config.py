@@ -47,6 +47,13 @@ class IngestConfig(BaseModel):
         description="Largest KV-event message accepted, live or replayed: anyone who can "
         "reach a bound SUB can send one. A larger one closes the sender's connection.",
     )
+    max_discovered_pods: int = Field(
+        4096,
+        ge=0,
+        description="Most pods followed at once because they appeared on the bound socket "
+        "(each costs a worker and a registry entry, and anyone who reaches the socket can "
+        "name one); a new topic past it is dropped as `pod_limit`. 0: discover none.",
+    )
     replay_reply_timeout: float = Field(1.0, gt=0, description="Wait for each replay reply.")
     replay_total_timeout: float = Field(30.0, gt=0, description="Bound on one whole replay.")
     retry_base: float = Field(0.05, gt=0, description="First wait when the index is down.")

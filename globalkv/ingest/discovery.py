@@ -8,6 +8,11 @@ before it reads the registry (an unwritten pod would read as deleted there).
 With several indexers, a pod another indexer may follow (`may_follow` says no) is not
 followed here: it is only written to the registry once, so that it can be assigned, and
 its messages count as `not_owner` rather than `unknown_topic`.
+
+Anyone who reaches the bound socket can name pods, so a pod is discovered only from a
+batch that decoded (the caller's part), and at most `max_discovered` discovered pods are
+followed at once: past that, a new topic's messages are dropped as `pod_limit` (logged
+once each time the limit is reached) until one of them is removed.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import ValidationError
 
@@ -30,6 +35,9 @@ MAX_UNOWNED = 4096
 """Other indexers' pods remembered as seen on the bound socket (a bound SUB takes any
 topic anyone sends: the set must not grow without end)."""
 
+Refusal = Literal["unknown_topic", "not_owner", "pod_limit"]
+"""Why a message names no followed pod: its drop reason."""
+
 Spawn = Callable[[Coroutine[Any, Any, None], str], "asyncio.Task[None]"]
 
 
@@ -40,6 +48,7 @@ class Discovery:
         registry: Callable[[], Registry],
         may_follow: Callable[[str], bool],
         spawn: Spawn,
+        max_discovered: int,
     ) -> None:
         self._pods = pods
         self._registry = registry
@@ -50,39 +59,56 @@ class Discovery:
         """Pods that appeared on the bound socket and are not in the registry yet."""
         self._unowned_seen: set[str] = set()
         """Pods of others seen on the bound socket, written to the registry once."""
+        self.max_discovered = max_discovered
+        self._discovered: set[str] = set()
+        """Pods followed because they appeared here, until removed (`forget`)."""
+        self._limit_logged = False
 
-    def pod_for(self, topic: str) -> FollowedPod | None:
+    def pod_for(self, topic: str) -> FollowedPod | Refusal:
         """The followed pod `topic` belongs to, added if it names a new pod this indexer
-        may follow; None for a topic of no pod, of a clashing id, or of another's pod."""
+        may follow and the limit allows; otherwise why not: a topic of no pod or of a
+        clashing id, another's pod, or one pod too many."""
         pod = self._pods.by_topic(topic)
         if pod is not None:
             return pod
         parsed = parse_topic(topic)
         if parsed is None:
-            return None
+            return "unknown_topic"
         try:
             info = PodInfo(
                 id=parsed[0], model=parsed[1], kv_events=KvEventsConfig(mode="bind", topic=topic)
             )
         except ValidationError:
-            return None
+            return "unknown_topic"
         if info.id in self._pods:
-            return None  # the id is taken by a pod configured differently
+            return "unknown_topic"  # the id is taken by a pod configured differently
         if not self._may_follow(info.id):
             if info.id not in self._unowned_seen and len(self._unowned_seen) < MAX_UNOWNED:
                 self._unowned_seen.add(info.id)
                 self._spawn(self._register_unowned(info), f"registering pod {info.id}")
-            return None
+            return "not_owner" if info.id in self._unowned_seen else "unknown_topic"
+        if len(self._discovered) >= self.max_discovered:
+            if not self._limit_logged:
+                self._limit_logged = True
+                log.warning(
+                    "pod %s appeared on the bound socket, but %d discovered pods are followed "
+                    "already (the limit): its messages are dropped as pod_limit",
+                    info.id,
+                    len(self._discovered),
+                )
+            return "pod_limit"
         log.info("pod %s appeared on the bound socket (topic %r)", info.id, topic)
         pod = self._pods.add(info)
+        self._discovered.add(info.id)
         self._unregistered.add(info.id)
         self._spawn(self._register_now(), f"registering pod {info.id}")
         return pod
 
-    def is_unowned(self, topic: str) -> bool:
-        """Whether `topic` is of a pod another indexer follows (seen here before)."""
-        parsed = parse_topic(topic)
-        return parsed is not None and parsed[0] in self._unowned_seen
+    def forget(self, pod_id: str) -> None:
+        """The pod stopped being followed: it no longer counts against the limit."""
+        if pod_id in self._discovered:
+            self._discovered.discard(pod_id)
+            self._limit_logged = False
 
     async def register_discovered(self) -> None:
         """Write the pods found on the bound socket to the registry (IndexUnavailable

@@ -51,6 +51,7 @@ from globalkv.wire import Frame, WireError, decode_batch
 from kvplumbing.backoff import Backoff
 from kvplumbing.endpoints import offset_endpoint
 from kvplumbing.tasks import cancel_and_wait
+from kvplumbing.topics import parse_topic
 
 __all__ = ["IngestConfig", "IngestService"]  # the config lives in ingest.config, used with this
 
@@ -101,6 +102,7 @@ class IngestService:
             lambda: self.registry,
             lambda pod_id: self.gate is None or self.gate(pod_id),
             self._spawn,
+            self.config.max_discovered_pods,
         )
 
     # ---------------------------------------------------------------- lifecycle
@@ -192,6 +194,7 @@ class IngestService:
 
     async def _stop_pod(self, pod_id: str) -> bool:
         pod = self._pods.pop(pod_id)
+        self.discovery.forget(pod_id)
         if pod is None:
             return False
         await cancel_and_wait(pod.tasks)
@@ -266,15 +269,18 @@ class IngestService:
         except UnicodeDecodeError:
             self.metrics.dropped.labels("unknown_topic").inc()
             return
-        pod = self.discovery.pod_for(topic)
-        if pod is None:
-            unowned = self.discovery.is_unowned(topic)
-            self.metrics.dropped.labels("not_owner" if unowned else "unknown_topic").inc()
+        if self._pods.by_topic(topic) is None and parse_topic(topic) is None:
+            self.metrics.dropped.labels("unknown_topic").inc()  # not worth decoding
             return
         try:
             batch = decode_batch(frame.payload)
         except WireError as exc:
             self.metrics.dropped.labels(exc.reason).inc()
+            return
+        # Only now: a message that is not even a batch must not make (or register) a pod.
+        pod = self.discovery.pod_for(topic)
+        if isinstance(pod, str):
+            self.metrics.dropped.labels(pod).inc()
             return
         rank = batch.dp_rank or 0
         worker = pod.workers.get(rank)

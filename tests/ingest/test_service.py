@@ -344,6 +344,55 @@ async def _registered(registry: MemoryRegistry, pod_id: str) -> None:
     await changes.aclose()
 
 
+async def test_a_bound_message_that_is_no_batch_discovers_no_pod(
+    make_service: ServiceFactory,
+    make_publisher: PublisherFactory,
+    index: RecordingIndex,
+    registry: MemoryRegistry,
+    prom: CollectorRegistry,
+) -> None:
+    service = make_service(bind=["tcp://127.0.0.1:0"])
+    await service.start()
+    pub = make_publisher(
+        endpoint=service.bound_endpoints[0], connect=True, replay_endpoint=None, topic="kv@ok@m"
+    )
+    await pub.wait_subscribed()
+    await pub.raw(live_frames(b"kv@intruder@m", 0, b"\xc1 not msgpack"))
+    await pub.publish([store(0)])  # after the garbage, on the same connection
+    await service.applied(Source("ok"), 0)
+    await asyncio.wait_for(_registered(registry, "ok"), 5)
+    assert [pod.id for pod in service.pods()] == ["ok"]
+    assert await registry.get("intruder") is None
+    assert sample(prom, "globalkv_ingest_dropped_total", reason="not_msgpack") == 1
+
+
+async def test_pods_discovered_on_the_bound_socket_are_bounded(
+    make_service: ServiceFactory,
+    make_publisher: PublisherFactory,
+    index: RecordingIndex,
+    registry: MemoryRegistry,
+    prom: CollectorRegistry,
+) -> None:
+    service = make_service(bind=["tcp://127.0.0.1:0"], max_discovered_pods=2)
+    await service.start()
+    pub = make_publisher(
+        endpoint=service.bound_endpoints[0], connect=True, replay_endpoint=None, topic="kv@a@m"
+    )
+    await pub.wait_subscribed()
+    await pub.publish([store(0)])
+    batch = pub.buffer[-1].payload
+    for name in ("b", "c", "d"):
+        await pub.raw(live_frames(f"kv@{name}@m".encode(), 0, batch))
+    await pub.publish([store(1)])
+    await service.applied(Source("a"), 1)
+    assert sorted(pod.id for pod in service.pods()) == ["a", "b"]
+    assert sample(prom, "globalkv_ingest_dropped_total", reason="pod_limit") == 2
+    await service.remove_pod("b")  # frees its place
+    await pub.raw(live_frames(b"kv@c@m", 0, batch))
+    await service.applied(Source("c"), 0)
+    assert sorted(pod.id for pod in service.pods()) == ["a", "c"]
+
+
 async def test_full_queue_on_the_bound_socket_drops_then_recovers(
     make_service: ServiceFactory,
     make_publisher: PublisherFactory,

@@ -89,9 +89,11 @@ def _request(method: str, url: str, timeout: float, body: object = None) -> Any:
         raise RuntimeError(f"cannot reach {url}: {exc}") from None
     if response.status_code != 200:
         try:
-            detail = response.json().get("detail", response.text)
+            error = response.json()
         except ValueError:
-            detail = response.text
+            error = None
+        # FastAPI's {"detail": ...}; anything else (a proxy's page, a JSON list) verbatim.
+        detail = error.get("detail", response.text) if isinstance(error, dict) else response.text
         raise RuntimeError(f"{url} answered {response.status_code}: {detail}")
     return response.json()
 

@@ -169,3 +169,36 @@ def test_an_unexpected_answer_is_reported_not_a_traceback(
 ) -> None:
     assert main([*argv, "--indexer", odd_indexer]) == 1
     assert message in capsys.readouterr().err
+
+
+class _ListError(BaseHTTPRequestHandler):
+    """Something in front of the indexer answering an error whose JSON is not an object."""
+
+    def _answer(self) -> None:
+        self.send_response(404)
+        self.send_header("content-type", "application/json")
+        self.end_headers()
+        self.wfile.write(b'["not", "an", "object"]')
+
+    do_GET = do_POST = _answer
+
+    def log_message(self, format: str, *args: object) -> None:
+        return None
+
+
+@pytest.mark.parametrize("argv", [["lookup", "--model", "m", "--tokens", "1"], ["pods"]])
+def test_an_error_whose_body_is_no_json_object_is_reported(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _ListError)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        assert main([*argv, "--indexer", f"http://127.0.0.1:{server.server_address[1]}"]) == 1
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+    err = capsys.readouterr().err
+    assert f"globalkv {argv[0]}: " in err
+    assert 'answered 404: ["not", "an", "object"]' in err

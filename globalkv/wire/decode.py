@@ -4,6 +4,11 @@ Batches of 2 or 3 elements or a map; events as arrays (vLLM ≤ 0.23, SGLang ≤
 maps (newer); unknown fields and extra positions ignored. Token ids are validated here,
 in C, by packing them into an `array("I")`, so nothing downstream meets a float or a
 negative token.
+
+A batch is decoded on the event loop, and a message of `max_message_bytes` can hold
+millions of tiny events, seconds of work: the number of events (and of a map batch's
+fields) is read from the msgpack headers first, without building anything, and a batch
+past `MAX_BATCH_EVENTS` is refused like any malformed one.
 """
 
 from __future__ import annotations
@@ -39,6 +44,16 @@ _ARRAY_STORED = (
     "group_idx",
 )
 _ARRAY_REMOVED = ("block_hashes", "medium", "group_idx")
+MAX_BATCH_EVENTS = 1 << 16
+"""Events one batch may carry. An engine sends a batch per scheduler step: a step's
+stored blocks and evictions, a few thousand even for very large steps; the most allowed
+decode in about 0.3 s."""
+MAX_BATCH_FIELDS = 64
+"""Entries of a map-form batch (`ts`, `events`, the DP rank and fields not known yet)."""
+
+_ARRAY_HEADS = frozenset([*range(0x90, 0xA0), 0xDC, 0xDD])
+_MAP_HEADS = frozenset([*range(0x80, 0x90), 0xDE, 0xDF])
+_STR_HEADS = frozenset([*range(0xA0, 0xC0), 0xD9, 0xDA, 0xDB])
 _UNPACK_ERRORS = (
     msgpack.UnpackException,
     ValueError,
@@ -51,6 +66,7 @@ _UNPACK_ERRORS = (
 
 def decode_batch(payload: bytes) -> EventBatch:
     """One publisher batch from its msgpack payload; raises `WireError` if malformed."""
+    _check_size(payload)
     try:
         raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
     except _UNPACK_ERRORS as exc:
@@ -80,6 +96,45 @@ def decode_batch(payload: bytes) -> EventBatch:
         else:
             decoded.append(event)
     return EventBatch(ts=float(ts), events=decoded, dp_rank=dp_rank, skipped=skipped)
+
+
+def _check_size(payload: bytes) -> None:
+    """Refuse a batch with too many events before any of them is built. Only headers are
+    read and other values skipped (in C); a payload not laid out as a batch is left for
+    the full decode to refuse with its reason."""
+    if not payload or payload[0] not in _ARRAY_HEADS | _MAP_HEADS:
+        return
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=len(payload))
+    unpacker.feed(payload)
+    events: list[int] = []
+    fields = 0
+    try:
+        if payload[0] in _ARRAY_HEADS:
+            if unpacker.read_array_header() >= 2:
+                unpacker.skip()  # ts
+                if payload[unpacker.tell()] in _ARRAY_HEADS:
+                    events.append(unpacker.read_array_header())
+        elif (fields := unpacker.read_map_header()) <= MAX_BATCH_FIELDS:
+            for _ in range(fields):
+                key = unpacker.unpack() if payload[unpacker.tell()] in _STR_HEADS else None
+                if key != "events" or payload[unpacker.tell()] not in _ARRAY_HEADS:
+                    unpacker.skip()
+                    continue
+                events.append(unpacker.read_array_header())
+                if events[-1] > MAX_BATCH_EVENTS:
+                    break
+                for _ in range(events[-1]):  # on to the next key: "events" may come twice
+                    unpacker.skip()
+    except (*_UNPACK_ERRORS, IndexError):
+        return
+    if fields > MAX_BATCH_FIELDS:
+        raise WireError(
+            "bad_batch", f"batch map has {fields} entries, more than {MAX_BATCH_FIELDS}"
+        )
+    if events and max(events) > MAX_BATCH_EVENTS:
+        raise WireError(
+            "bad_batch", f"batch has {max(events)} events, more than {MAX_BATCH_EVENTS}"
+        )
 
 
 def _decode_event(item: object, position: int) -> Event | None:

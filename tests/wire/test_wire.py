@@ -28,6 +28,7 @@ from globalkv.wire import (
     replay_reply,
     replay_request,
 )
+from globalkv.wire.decode import MAX_BATCH_EVENTS, MAX_BATCH_FIELDS
 
 SGLANG_0_5_23_HEX = (
     "93cb3ff80000000000009387a474797065ab426c6f636b53746f726564ac626c6f636b5f68617368657392fe07"
@@ -252,6 +253,37 @@ def test_malformed_payloads_raise_one_typed_error(payload: bytes, reason: str) -
         decode_batch(payload)
     assert info.value.reason == reason
     assert info.value.detail
+
+
+@pytest.mark.parametrize("form", ["array", "map"])
+def test_a_batch_of_too_many_events_is_refused_before_they_are_built(form: str) -> None:
+    def batch(n: int) -> bytes:
+        events = [["AllBlocksCleared"]] * n
+        return msgpack.packb([1.0, events] if form == "array" else {"ts": 1.0, "events": events})
+
+    assert len(decode_batch(batch(MAX_BATCH_EVENTS)).events) == MAX_BATCH_EVENTS
+    with pytest.raises(WireError, match=f"more than {MAX_BATCH_EVENTS}") as info:
+        decode_batch(batch(MAX_BATCH_EVENTS + 1))
+    assert info.value.reason == "bad_batch"
+
+
+def test_a_map_batch_naming_events_twice_is_bounded_by_either() -> None:
+    few, many = [["AllBlocksCleared"]], [["AllBlocksCleared"]] * (MAX_BATCH_EVENTS + 1)
+    for first, last in (few, many), (many, few):
+        # By hand: a dict cannot hold a key twice; msgpack keeps the last one.
+        parts = ("ts", 1.0, "events", first, "events", last)
+        payload = b"\x83" + b"".join(msgpack.packb(part) for part in parts)
+        with pytest.raises(WireError, match="more than") as info:
+            decode_batch(payload)
+        assert info.value.reason == "bad_batch"
+
+
+def test_a_map_batch_of_too_many_fields_is_refused() -> None:
+    fields = {f"f{i}": i for i in range(MAX_BATCH_FIELDS - 2)}
+    assert decode_batch(msgpack.packb({"ts": 1.0, "events": [], **fields})).events == []
+    with pytest.raises(WireError, match="entries") as info:
+        decode_batch(msgpack.packb({"ts": 1.0, "events": [], **fields, "one": 1, "more": 2}))
+    assert info.value.reason == "bad_batch"
 
 
 def test_live_frames_round_trip() -> None:

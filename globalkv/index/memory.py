@@ -8,7 +8,9 @@ while every holder of a key has it on the GPU only; keys held otherwise are list
 second, usually empty, map and scored from the holder's own mask.
 
 Memory bound (`max_entries`, counted in (key, source) pairs): when a store would exceed
-it, that store and the rest of its event are skipped and counted as `over_capacity`,
+it, that store and the rest of its event are skipped and counted as `over_capacity`; a
+source's engine blocks are bounded alike by the room its keys may take (several engine
+hashes may name one key, and each is kept, so keys alone would not bound its memory),
 while removes, clears and resets keep freeing room. Why not evict instead: engines
 report their own evictions, so a correctly sized index mirrors what they hold and never
 reaches the bound; reaching it means lost removes or an undersized bound, and evicting

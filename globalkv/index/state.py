@@ -157,9 +157,9 @@ class SourceState:
     ) -> BatchChanges:
         """Apply a batch's events in order; the state is unchanged if this raises.
 
-        `max_keys` bounds how many keys the source may hold when the batch ends a store;
-        stores beyond it are skipped and counted as over capacity.
-        """
+        `max_keys` bounds how many keys, and engine blocks (several may name one key), the
+        source may hold when the batch ends a store; stores beyond are skipped and counted
+        as over capacity."""
         changes = BatchChanges(self.counts)
         try:
             for event in events:
@@ -247,7 +247,7 @@ class SourceState:
                     root = key
                     high = bit | key << ROOT_AT
                 mask = held(key, 0)
-                if max_keys is not None and not mask and len(masks) >= max_keys:
+                if max_keys is not None and max(len(blocks), 0 if mask else len(masks)) >= max_keys:
                     result.over_capacity += count - j
                     break
                 if mask & bit:
@@ -319,7 +319,7 @@ class SourceState:
         keys it newly holds, or None when they would pass `max_keys` (nothing stored)."""
         if max_keys is not None:
             fresh = sum(1 for key in new if key not in self.masks)
-            if fresh and len(self.masks) + fresh > max_keys:
+            if (fresh and len(self.masks) + fresh > max_keys) or len(self.blocks) >= max_keys:
                 return None
         added = self._hold(new, place(root, depth), bit, changes)
         changes.blocks.setdefault(engine_hash, None)

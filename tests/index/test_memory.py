@@ -20,10 +20,27 @@ async def test_stores_beyond_the_bound_are_skipped_and_counted() -> None:
     assert depths(await index.lookup(keys(t))) == {P0: 3, P1: 2}
     # Its children are orphans now: their parent was never indexed.
     assert await feed(P1, store([4], t[3 * BS :], parent=3)) == ApplyResult(orphans=1)
-    # Tiers and aliases of held keys take no room.
+    # Another tier of a held block takes no room; another engine block naming a held key
+    # is one more block to keep, and the bound is reached.
     held = await feed(P0, store([1], t[:BS], tier=Tier.CPU), store([9], t[:BS]))
-    assert held == ApplyResult(stored=2)
+    assert held == ApplyResult(stored=1, over_capacity=1)
     assert index.entries == 5
+
+
+async def test_engine_blocks_naming_held_keys_count_against_the_bound() -> None:
+    index = MemoryIndex(BS, max_entries=4)
+    feed = Feeder(index)
+    t = tokens(2)
+    assert await feed(P0, store([1], t[:BS])) == ApplyResult(stored=1)
+    # One key, under ever new engine hashes (a page stored again, or a sender's invention).
+    result = await feed(P0, *(store([h], t[:BS]) for h in range(2, 10)))
+    assert result == ApplyResult(stored=3, over_capacity=5)
+    assert index.entries == 1
+    assert len(index._states[P0].blocks) == 4
+    # A wide engine block too: two keys, but no room for one more block.
+    assert await feed(P0, store([10], t, block_size=2 * BS)) == ApplyResult(over_capacity=1)
+    assert await feed(P0, remove([2])) == ApplyResult(removed=1)  # frees a block's room
+    assert await feed(P0, store([11], t[:BS])) == ApplyResult(stored=1)
 
 
 async def test_removes_clears_and_resets_free_room() -> None:

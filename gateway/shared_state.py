@@ -35,6 +35,7 @@ from redis.exceptions import RedisError
 
 from gateway.policies.base import LoadTracker
 from gateway.policies.pending import PendingEntry, PendingHit, PendingPrefixes
+from gateway.shared_wire import sum_loads, text
 from globalkv.index.redis_failures import CONNECTION_FAILURES, redis_failed
 from globalkv.redis_client import Client
 from kvplumbing.tasks import cancel_and_wait
@@ -77,6 +78,8 @@ class SharedState:
         self._remote = PendingPrefixes(grace_s)
         self._remote_entries: dict[tuple[str, int], PendingEntry] = {}
         self._outbox: list[list[Any]] = []
+        self._failing: str | None = None
+        self._logged: set[str] = set()
         self.listening = asyncio.Event()
         """Set while subscribed to the others' pending prompts (what is published before
         is not heard)."""
@@ -89,6 +92,13 @@ class SharedState:
         self.failures = Counter(
             "globalkv_gateway_shared_state_failures",
             "Rounds of sharing (publish, read, subscribe) that Redis failed.",
+            registry=registry,
+        )
+        self.malformed = Counter(
+            "globalkv_gateway_shared_state_malformed",
+            "Values read from the other replicas (load entries, pending messages and changes) "
+            "skipped as malformed.",
+            ["what"],
             registry=registry,
         )
         self.replicas = Gauge(
@@ -124,8 +134,13 @@ class SharedState:
                     await self.step()
                 except CONNECTION_FAILURES as exc:
                     if not redis_failed(exc):
-                        raise
+                        self._unexpected("a sharing round", exc)
                     self._fall_back(f"sharing round failed: {exc!r}")
+                except Exception as exc:  # a bug must not stop sharing and freeze the loads
+                    self._unexpected("a sharing round", exc)
+                    self._fall_back(f"sharing round failed: {exc!r}")
+                else:
+                    self._failing = None
                 await asyncio.sleep(self.interval)
         finally:
             await cancel_and_wait([listener])
@@ -149,24 +164,16 @@ class SharedState:
             await self.redis.publish(
                 self.channel, json.dumps({"from": self.member, "changes": outbox})
             )
-        members = [
-            m.decode() if isinstance(m, bytes) else m
-            for m in await self._heartbeat(keys=[self.members_key], args=[self.member, ttl])
-        ]
+        listed = await self._heartbeat(keys=[self.members_key], args=[self.member, ttl])
+        members = [m for m in map(text, listed) if m is not None]
         others = [m for m in members if m != self.member]
         async with self.redis.pipeline(transaction=False) as pipe:
             for member in others:
                 pipe.hgetall(self.load_key(member))
             tables = await pipe.execute() if others else []
-        loads: dict[str, tuple[int, int, int]] = {}
-        for table in tables:
-            for raw_worker, raw in table.items():
-                worker = raw_worker.decode() if isinstance(raw_worker, bytes) else raw_worker
-                parts = (raw.decode() if isinstance(raw, bytes) else raw).split(",")
-                if len(parts) != 3:
-                    continue
-                a, b, c = loads.get(worker, (0, 0, 0))
-                loads[worker] = (a + int(parts[0]), b + int(parts[1]), c + int(parts[2]))
+        loads, skipped = sum_loads(tables)
+        if skipped:
+            self._malformed("load entries", skipped)
         self._loads = loads
         self.replicas.set(len(others))
         self.available.set(1)
@@ -175,6 +182,21 @@ class SharedState:
         with contextlib.suppress(RedisError, OSError):
             await self.redis.zrem(self.members_key, self.member)
             await self.redis.delete(self.load_key(self.member))
+
+    def _unexpected(self, what: str, exc: BaseException) -> None:
+        """Log a failure that is not Redis's with its traceback, once until it changes."""
+        kind = f"{type(exc).__name__}: {exc}"
+        if kind != self._failing:
+            log.error("%s failed unexpectedly", what, exc_info=exc)
+        self._failing = kind
+
+    def _malformed(self, what: str, count: int) -> None:
+        """Count what was skipped; log it the first time only (one bad table repeats every
+        round)."""
+        self.malformed.labels(what).inc(count)
+        if what not in self._logged:
+            self._logged.add(what)
+            log.warning("skipped %d malformed %s from the other replicas (counted)", count, what)
 
     def _fall_back(self, why: str) -> None:
         if self._loads or self._remote_entries:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -35,7 +34,15 @@ from redis.exceptions import RedisError
 
 from gateway.policies.base import LoadTracker
 from gateway.policies.pending import PendingEntry, PendingHit, PendingPrefixes
-from gateway.shared_wire import sum_loads, text
+from gateway.shared_wire import (
+    MAX_KEYS_PER_ADD,
+    Add,
+    encode,
+    parse_change,
+    parse_message,
+    sum_loads,
+    text,
+)
 from globalkv.index.redis_failures import CONNECTION_FAILURES, redis_failed
 from globalkv.redis_client import Client
 from kvplumbing.tasks import cancel_and_wait
@@ -119,7 +126,7 @@ class SharedState:
         return self._remote.depths(keys, now)
 
     def sent(self, serial: int, worker: str, keys: Sequence[int], dp_rank: int | None) -> None:
-        self._outbox.append(["add", serial, worker, list(keys), dp_rank])
+        self._outbox.append(["add", serial, worker, list(keys[:MAX_KEYS_PER_ADD]), dp_rank])
 
     def answered(self, serial: int, computed: bool) -> None:
         self._outbox.append(["done", serial, computed])
@@ -160,10 +167,8 @@ class SharedState:
                 pipe.hset(self.load_key(self.member), items=[x for kv in own.items() for x in kv])
             pipe.pexpire(self.load_key(self.member), ttl)
             await pipe.execute()
-        if outbox:  # apart: a cluster pipeline may not PUBLISH
-            await self.redis.publish(
-                self.channel, json.dumps({"from": self.member, "changes": outbox})
-            )
+        for message in encode(self.member, outbox):  # apart: a cluster pipeline may not PUBLISH
+            await self.redis.publish(self.channel, message)
         listed = await self._heartbeat(keys=[self.members_key], args=[self.member, ttl])
         members = [m for m in map(text, listed) if m is not None]
         others = [m for m in members if m != self.member]
@@ -221,40 +226,43 @@ class SharedState:
                 while True:
                     message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=None)
                     if message is not None and message.get("type") == "message":
-                        self._apply(message["data"])
+                        self._apply(message.get("data"))
             except CONNECTION_FAILURES as exc:
                 if not redis_failed(exc):
-                    raise
-                self.listening.clear()
+                    self._unexpected("the pending prompts' listener", exc)
                 self._fall_back(f"pending prompts' channel lost: {exc!r}")
-                await asyncio.sleep(self.interval)
+            except Exception as exc:  # a bug must not leave the others' pending prompts unheard
+                self._unexpected("the pending prompts' listener", exc)
+                self._fall_back(f"pending prompts' listener failed: {exc!r}")
             finally:
+                self.listening.clear()  # also when cancelled: nothing is heard any more
                 with contextlib.suppress(RedisError, OSError):
                     await pubsub.aclose()  # type: ignore[no-untyped-call]
+            await asyncio.sleep(self.interval)
 
-    def _apply(self, data: bytes | str) -> None:
-        """Another replica's pending-table changes; malformed messages are ignored."""
-        try:
-            message = json.loads(data)
-            origin = str(message["from"])
-            changes = list(message["changes"])
-        except (ValueError, KeyError, TypeError):
+    def _apply(self, data: object) -> None:
+        """Another replica's pending-table changes; malformed messages and changes are
+        skipped and counted."""
+        parsed = parse_message(data)
+        if parsed is None:
+            self._malformed("pending messages", 1)
             return
+        origin, changes = parsed
         if origin == self.member:
             return
         now = self.tracker.clock()
-        for change in changes:
-            try:
-                if change[0] == "add":
-                    _, serial, worker, keys, dp_rank = change
-                    entry = self._remote.add(str(worker), [int(k) for k in keys], dp_rank)
-                    self._remote_entries[(origin, int(serial))] = entry
-                elif change[0] == "done":
-                    _, serial, computed = change
-                    entry = self._remote_entries.pop((origin, int(serial)))
-                    if computed:
-                        self._remote.settle(entry, now)
-                    else:
-                        self._remote.drop(entry)
-            except (ValueError, KeyError, TypeError, IndexError):
-                continue
+        for raw in changes:
+            change = parse_change(raw)
+            if change is None:
+                self._malformed("pending changes", 1)
+            elif isinstance(change, Add):
+                entry = self._remote.add(change.worker, change.keys, change.dp_rank)
+                self._remote_entries[(origin, change.serial)] = entry
+            else:
+                held = self._remote_entries.pop((origin, change.serial), None)
+                if held is None:
+                    continue  # its add was not heard (sent before we subscribed, or lost)
+                if change.computed:
+                    self._remote.settle(held, now)
+                else:
+                    self._remote.drop(held)

@@ -8,7 +8,8 @@ values a policy or the router trusts (a load below zero, a DP rank that is not o
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import json
+from typing import Any, NamedTuple
 
 MAX_LOAD = 10**12
 """Above any real load (requests, tokens, estimated work of one prefill), and below where one
@@ -71,3 +72,93 @@ def sum_loads(tables: list[object]) -> tuple[dict[str, tuple[int, int, int]], in
             a, b, c = loads.get(worker, (0, 0, 0))
             loads[worker] = (a + load.in_flight, b + load.queued, c + load.remaining)
     return loads, skipped
+
+
+# ---------------------------------------------------------------- pending-table changes
+
+MAX_MESSAGE_BYTES = 8 << 20
+"""Longest pending message read; what a replica sends is split well below it
+(`MAX_KEYS_PER_MESSAGE`), so only a stranger's is longer."""
+MAX_KEYS_PER_ADD = 16_384
+"""Keys one prompt is counted pending for: 262,144 tokens (what one lookup may carry, the
+indexer's `max_tokens`) in 16-token blocks. A longer prompt is counted for its first
+blocks, as a full pending table counts the prefix that fits."""
+MAX_KEYS_PER_MESSAGE = 262_144
+"""Keys one message carries at most (~6 MB of JSON): a round's changes beyond it are sent
+in several messages."""
+_KEY_LIMIT = 1 << 64
+
+
+class Add(NamedTuple):
+    serial: int
+    worker: str
+    keys: list[int]
+    dp_rank: int | None
+
+
+class Done(NamedTuple):
+    serial: int
+    computed: bool
+
+
+def _count(value: object) -> bool:
+    """A serial, rank or key: an int, not a bool, not below zero."""
+    return type(value) is int and value >= 0
+
+
+def parse_message(data: object) -> tuple[str, list[object]] | None:
+    """A pending message's origin and its raw changes; None if it is not one. Parsing is
+    bounded: a message too long is not read, one nested too deep is refused by json."""
+    if isinstance(data, str):
+        data = data.encode()
+    if not isinstance(data, bytes) or len(data) > MAX_MESSAGE_BYTES:
+        return None
+    try:
+        message = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(message, dict):
+        return None
+    origin, changes = message.get("from"), message.get("changes")
+    if not isinstance(origin, str) or not isinstance(changes, list):
+        return None
+    return origin, changes
+
+
+def parse_change(raw: object) -> Add | Done | None:
+    """One change, every field checked; None if malformed. A DP rank that is not one is
+    dropped (the keys still tell where the prompt went): the router would fail the request
+    it picked for."""
+    if not isinstance(raw, list) or not raw:
+        return None
+    if raw[0] == "add" and len(raw) == 5:
+        _, serial, worker, keys, dp_rank = raw
+        if not _count(serial) or not isinstance(worker, str) or not isinstance(keys, list):
+            return None
+        kept = keys[:MAX_KEYS_PER_ADD]
+        if not all(type(k) is int and 0 <= k < _KEY_LIMIT for k in kept):
+            return None
+        return Add(serial, worker, kept, dp_rank if _count(dp_rank) else None)
+    if raw[0] == "done" and len(raw) == 3:
+        _, serial, computed = raw
+        if not _count(serial) or not isinstance(computed, bool):
+            return None
+        return Done(serial, computed)
+    return None
+
+
+def encode(member: str, changes: list[list[Any]]) -> list[str]:
+    """A round's changes as messages of at most `MAX_KEYS_PER_MESSAGE` keys each."""
+    messages: list[str] = []
+    batch: list[list[Any]] = []
+    keys = 0
+    for change in changes:
+        size = len(change[3]) if change[0] == "add" else 0
+        if batch and keys + size > MAX_KEYS_PER_MESSAGE:
+            messages.append(json.dumps({"from": member, "changes": batch}))
+            batch, keys = [], 0
+        batch.append(change)
+        keys += size
+    if batch:
+        messages.append(json.dumps({"from": member, "changes": batch}))
+    return messages

@@ -4,17 +4,23 @@ from another version, a replica with a bug, or a stranger with access to the ser
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import json
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 
-from gateway.policies.base import LoadTracker
+from gateway.dispatch import Answer
+from gateway.policies.base import LoadTracker, RouteRequest
 from gateway.policies.pending import PendingPrefixes
+from gateway.requests import parse_request
 from gateway.shared_state import SharedState
-from gateway.shared_wire import MAX_LOAD, Load, parse_load
+from gateway.shared_wire import MAX_LOAD, MAX_MESSAGE_BYTES, Load, parse_load
+from globalkv.lookup import LookupResult
 from kvplumbing.tasks import cancel_and_wait
+from tests.gateway.fakes import Cluster, Reading, StubLookup, StubProbe, make_gateway
 from tests.support.metrics import sample
 from tests.support.net import await_for
 
@@ -42,6 +48,10 @@ class Replica:
     def in_flight(self, worker: str) -> int:
         return self.loads.candidates([worker])[0].in_flight
 
+    async def listening(self) -> None:
+        async with asyncio.timeout(10):  # pub/sub drops what is sent before
+            await self.shared.listening.wait()
+
     def malformed(self, what: str) -> float:
         return sample(self.registry, MALFORMED, what=what)
 
@@ -60,7 +70,7 @@ async def replicas(client: aioredis.Redis) -> AsyncIterator[list[Replica]]:
     await cancel_and_wait([r.task for r in made if r.task is not None])
 
 
-async def _stranger_table(client: aioredis.Redis, table: dict[bytes | str, bytes | str]) -> None:
+async def _stranger_table(client: aioredis.Redis, table: Mapping[Any, str]) -> None:
     """A load table under a member that stays live, as any replica's would."""
     await client.hset("gkv:gw:{gw-x}:load", mapping=table)
     await client.zadd("gkv:gateways", {"gw-x": 10**15})
@@ -149,3 +159,108 @@ async def test_a_round_failing_on_a_bug_falls_back_and_the_loop_goes_on(
 
     await await_for(shares_again, timeout=10, what="b to share again after the bug")
     assert sample(b.registry, "globalkv_gateway_shared_state_failures_total") == 2
+
+
+def _message(*changes: object, origin: object = "gw-x") -> str:
+    return json.dumps({"from": origin, "changes": list(changes)})
+
+
+POISON = {
+    "infinite serial": '{"from": "gw-x", "changes": [["add", Infinity, "p0", [1], null]]}',
+    "infinite key": '{"from": "gw-x", "changes": [["add", 1, "p0", [Infinity], null]]}',
+    "NaN serial": '{"from": "gw-x", "changes": [["done", NaN, false]]}',
+    "nested too deep": "[" * 100_000,
+    "too long": " " * (MAX_MESSAGE_BYTES + 1),
+    "not an object": "[1, 2]",
+    "origin not text": _message(["add", 1, "p0", [1], None], origin=7),
+    "changes not a list": '{"from": "gw-x", "changes": {"add": 1}}',
+    "worker not text": _message(["add", 1, ["p0"], [1], None]),
+    "keys not a list": _message(["add", 1, "p0", {"1": 1}, None]),
+    "key a float": _message(["add", 1, "p0", [1.5], None]),
+    "key negative": _message(["add", 1, "p0", [-1], None]),
+    "key beyond 64 bits": _message(["add", 1, "p0", [1 << 64], None]),
+    "serial a bool": _message(["add", True, "p0", [1], None]),
+    "computed not a bool": _message(["done", 1, "yes"]),
+    "short change": _message(["add", 1]),
+    "change not a list": _message("add"),
+}
+
+
+@pytest.mark.parametrize("poison", POISON.values(), ids=POISON.keys())
+async def test_a_malformed_pending_message_is_skipped_and_the_others_still_heard(
+    client: aioredis.Redis, replicas: list[Replica], poison: str
+) -> None:
+    """A RecursionError or OverflowError out of one message would have ended the listener,
+    `listening` still set, and no replica's pending prompt would have been heard again."""
+    a, b = Replica(client, "gw-a").start(), Replica(client, "gw-b").start()
+    replicas += [a, b]
+    await a.listening()
+    await b.listening()
+    await client.publish("gkv:gw:pending", poison)
+
+    async def skipped() -> bool:
+        return b.malformed("pending messages") + b.malformed("pending changes") == 1
+
+    await await_for(skipped, timeout=10, what="b to skip the message")
+    assert b.shared.listening.is_set()
+    a.loads.start("p0", 100, keys=[11, 12])
+
+    async def b_hears_a() -> bool:
+        return "p0" in b.loads.pending_blocks([11, 12])
+
+    await await_for(b_hears_a, timeout=10, what="b to hear a's pending prompt after it")
+    assert b.shared._remote.keys == 2  # nothing of the poison was kept
+
+
+@pytest.mark.parametrize("rank", [-1, "0", 1.5, True, [0]])
+async def test_a_remote_dp_rank_that_is_not_one_is_dropped(
+    client: aioredis.Redis, rank: object
+) -> None:
+    """The router would have drawn a room for it and failed the request (a negative rank
+    is below any dp_size; a string or a float breaks the arithmetic)."""
+    cluster, probe = Cluster(), StubProbe()
+    topology = {"dp_size": 4, "follow_bootstrap_room": True}
+    probe.readings["http://10.0.0.1:8998"] = Reading(topology=topology)
+    probe.readings["http://10.0.0.2:8999"] = Reading(topology=topology)
+    keys = [101, 102, 103]
+    result = LookupResult(block_size=4, blocks=3, pods=[], keys=keys)
+    gateway = await make_gateway(cluster, probe=probe, lookup=StubLookup(result))
+    try:
+        shared = SharedState(
+            client, gateway.loads, member="gw-b", interval=INTERVAL, registry=CollectorRegistry()
+        )
+        gateway.loads.shared = shared
+        for serial, worker in enumerate(("10.0.0.1:30001", "10.0.0.2:30001")):
+            shared._apply(_message(["add", serial, worker, keys, rank]))
+            assert gateway.loads.pending_blocks(keys)[worker].dp_rank is None
+        tokens = list(range(13))
+        lookup = await gateway.router.lookup(tokens, None)
+        parsed = parse_request("generate", {"input_ids": tokens})
+        answer = await gateway.dispatcher.forward(
+            parsed, RouteRequest(tokens, None, lookup), "/generate"
+        )
+        assert isinstance(answer, Answer)
+        assert answer.status == 200
+    finally:
+        await gateway.close(drain_secs=0)
+
+
+async def test_a_remote_dp_rank_is_kept(client: aioredis.Redis) -> None:
+    tracker = LoadTracker(pending=PendingPrefixes(0.0))
+    shared = SharedState(
+        client, tracker, member="gw-b", interval=INTERVAL, registry=CollectorRegistry()
+    )
+    tracker.shared = shared
+    shared._apply(_message(["add", 0, "p0", [11], 3], ["add", 1, "p1", [11], None]))
+    assert tracker.pending_blocks([11])["p0"].dp_rank == 3
+    assert tracker.pending_blocks([11])["p1"].dp_rank is None
+
+
+async def test_listening_is_cleared_once_the_listener_stops(
+    client: aioredis.Redis, replicas: list[Replica]
+) -> None:
+    b = Replica(client, "gw-b").start()
+    await b.listening()
+    assert b.task is not None
+    await cancel_and_wait([b.task])
+    assert not b.shared.listening.is_set()

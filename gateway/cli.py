@@ -14,9 +14,7 @@ import argparse
 import asyncio
 import gc
 import logging
-import os
 import signal
-import socket
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
@@ -35,7 +33,7 @@ from gateway.monitor import PodRegistrar
 from gateway.pods import HttpPodRegistrar, RegistryPodRegistrar
 from gateway.server import GatewayServer
 from gateway.service import Gateway, build_gateway
-from gateway.shared_state import SharedState
+from gateway.shared_state import SharedState, member_name
 from gateway.transport import upstream_client
 from gateway.upstream import PooledUpstream
 from globalkv import redis_client
@@ -83,7 +81,7 @@ async def _share_state(config: GatewayConfig, gateway: Gateway, stack: AsyncExit
     shared = SharedState(
         redis,
         gateway.loads,
-        member=f"{socket.gethostname()}-{os.getpid()}-{config.port}",
+        member=member_name(config.port),
         interval=config.share_state_interval_secs,
         registry=gateway.metrics.registry,
         prefix=config.redis_prefix,

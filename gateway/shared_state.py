@@ -11,7 +11,10 @@ others' pending prompts about one interval after they were sent.
 Losing Redis falls back to the gateway's own view: the others' loads and pending prompts
 are forgotten (not kept growing stale), `globalkv_gateway_shared_state_available` says 0
 and each failed round is counted; the next round that succeeds shares again. Pending
-messages lost while the subscription reconnects are forgotten the same way.
+messages lost while the subscription reconnects are forgotten the same way. A replica that
+leaves the member list (its heartbeat ran out: it died) takes its pending prompts with it
+(`gateway.shared_pending`); what is read of the others is checked first
+(`gateway.shared_wire`).
 
 Keys (`{p}` the prefix): `{p}:gateways` (sorted set: replica -> expiry, Redis time in ms),
 `{p}:gw:{<replica>}:load` (hash: worker -> "in_flight,queued,remaining"), channel
@@ -25,6 +28,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import secrets
+import socket
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -33,10 +39,10 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from gateway.policies.base import LoadTracker
-from gateway.policies.pending import PendingEntry, PendingHit, PendingPrefixes
+from gateway.policies.pending import PendingHit
+from gateway.shared_pending import RemotePending
 from gateway.shared_wire import (
     MAX_KEYS_PER_ADD,
-    Add,
     encode,
     parse_change,
     parse_message,
@@ -56,6 +62,14 @@ redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 return redis.call('ZRANGEBYSCORE', KEYS[1], now, '+inf')
 """
+
+
+def member_name(port: int) -> str:
+    """This replica's name among the others: host, process and port say which it is, a
+    random part that it is a new start. A restarted container keeps its host name and, as
+    PID 1, its process id; under the same name its serials, counted from 0 again, would be
+    taken for the ones its predecessor left pending at the others."""
+    return f"{socket.gethostname()}-{os.getpid()}-{port}-{secrets.token_hex(3)}"
 
 
 class SharedState:
@@ -82,8 +96,7 @@ class SharedState:
         self._prefix = prefix
         self._heartbeat = redis.register_script(_HEARTBEAT)
         self._loads: dict[str, tuple[int, int, int]] = {}
-        self._remote = PendingPrefixes(grace_s)
-        self._remote_entries: dict[tuple[str, int], PendingEntry] = {}
+        self._remote = RemotePending(grace_s)
         self._outbox: list[list[Any]] = []
         self._failing: str | None = None
         self._logged: set[str] = set()
@@ -153,7 +166,8 @@ class SharedState:
             await cancel_and_wait([listener])
 
     async def step(self) -> None:
-        """Publish our loads and pending changes, read the others' loads."""
+        """Publish our loads and pending changes, read the others' loads, forget the pending
+        prompts of the replicas that left."""
         now = self.tracker.clock()
         own = {
             worker: f"{load.in_flight},{load.progress.open_tokens},{load.progress.remaining(now)}"
@@ -167,11 +181,16 @@ class SharedState:
                 pipe.hset(self.load_key(self.member), items=[x for kv in own.items() for x in kv])
             pipe.pexpire(self.load_key(self.member), ttl)
             await pipe.execute()
+        asked = self.tracker.clock()
+        listed = await self._heartbeat(keys=[self.members_key], args=[self.member, ttl])
+        members = {m for m in map(text, listed) if m is not None}
+        # after the heartbeat: whoever hears this replica's changes finds it a member
         for message in encode(self.member, outbox):  # apart: a cluster pipeline may not PUBLISH
             await self.redis.publish(self.channel, message)
-        listed = await self._heartbeat(keys=[self.members_key], args=[self.member, ttl])
-        members = [m for m in map(text, listed) if m is not None]
-        others = [m for m in members if m != self.member]
+        gone = self._remote.prune(members, asked)
+        if gone:
+            log.info("forgot the pending prompts of %d gateway replicas that left", gone)
+        others = sorted(members - {self.member})
         async with self.redis.pipeline(transaction=False) as pipe:
             for member in others:
                 pipe.hgetall(self.load_key(member))
@@ -204,7 +223,7 @@ class SharedState:
             log.warning("skipped %d malformed %s from the other replicas (counted)", count, what)
 
     def _fall_back(self, why: str) -> None:
-        if self._loads or self._remote_entries:
+        if self._loads or self._remote.origins():
             log.warning("routing on this gateway's own view: %s", why)
         self.failures.inc()
         self.available.set(0)
@@ -212,8 +231,7 @@ class SharedState:
         self._forget_pending()
 
     def _forget_pending(self) -> None:
-        self._remote = PendingPrefixes(self.grace_s)
-        self._remote_entries.clear()
+        self._remote = RemotePending(self.grace_s)
 
     async def _listen(self) -> None:
         while True:
@@ -255,14 +273,5 @@ class SharedState:
             change = parse_change(raw)
             if change is None:
                 self._malformed("pending changes", 1)
-            elif isinstance(change, Add):
-                entry = self._remote.add(change.worker, change.keys, change.dp_rank)
-                self._remote_entries[(origin, change.serial)] = entry
             else:
-                held = self._remote_entries.pop((origin, change.serial), None)
-                if held is None:
-                    continue  # its add was not heard (sent before we subscribed, or lost)
-                if change.computed:
-                    self._remote.settle(held, now)
-                else:
-                    self._remote.drop(held)
+                self._remote.apply(origin, change, now)

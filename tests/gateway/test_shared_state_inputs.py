@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import socket
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -16,7 +18,7 @@ from gateway.dispatch import Answer
 from gateway.policies.base import LoadTracker, RouteRequest
 from gateway.policies.pending import PendingPrefixes
 from gateway.requests import parse_request
-from gateway.shared_state import SharedState
+from gateway.shared_state import SharedState, member_name
 from gateway.shared_wire import MAX_LOAD, MAX_MESSAGE_BYTES, Load, parse_load
 from globalkv.lookup import LookupResult
 from kvplumbing.tasks import cancel_and_wait
@@ -209,7 +211,7 @@ async def test_a_malformed_pending_message_is_skipped_and_the_others_still_heard
         return "p0" in b.loads.pending_blocks([11, 12])
 
     await await_for(b_hears_a, timeout=10, what="b to hear a's pending prompt after it")
-    assert b.shared._remote.keys == 2  # nothing of the poison was kept
+    assert b.shared._remote.table.keys == 2  # nothing of the poison was kept
 
 
 @pytest.mark.parametrize("rank", [-1, "0", 1.5, True, [0]])
@@ -264,3 +266,34 @@ async def test_listening_is_cleared_once_the_listener_stops(
     assert b.task is not None
     await cancel_and_wait([b.task])
     assert not b.shared.listening.is_set()
+
+
+async def test_a_dead_replica_s_pending_prompts_are_forgotten(
+    client: aioredis.Redis, replicas: list[Replica]
+) -> None:
+    a, b = Replica(client, "gw-a").start(), Replica(client, "gw-b").start()
+    replicas += [a, b]
+    await a.listening()
+    await b.listening()
+    a.loads.start("p0", 100, keys=[11, 12])
+
+    async def b_hears_a() -> bool:
+        return "p0" in b.loads.pending_blocks([11, 12])
+
+    await await_for(b_hears_a, timeout=10, what="b to hear a's pending prompt")
+    assert a.task is not None
+    await cancel_and_wait([a.task])  # killed: no "done" ever comes, nor a leave()
+
+    async def b_forgets_a() -> bool:
+        return not b.loads.pending_blocks([11, 12])
+
+    await await_for(b_forgets_a, timeout=10, what="b to forget a's pending prompt")
+    assert sample(b.registry, "globalkv_gateway_shared_state_available") == 1
+
+
+def test_a_restarted_replica_is_a_new_origin() -> None:
+    """Same host name and process id (a restarted container's PID 1), same port: its serials
+    start again from 0 and must not be taken for its predecessor's."""
+    first, second = member_name(8000), member_name(8000)
+    assert first != second
+    assert first.startswith(f"{socket.gethostname()}-{os.getpid()}-8000-")

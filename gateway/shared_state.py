@@ -43,7 +43,11 @@ from gateway.policies.pending import PendingHit
 from gateway.shared_pending import RemotePending
 from gateway.shared_wire import (
     MAX_KEYS_PER_ADD,
+    MAX_UNSENT_CHANGES,
+    MAX_UNSENT_KEYS,
+    batches,
     encode,
+    keys_in,
     parse_change,
     parse_message,
     sum_loads,
@@ -175,18 +179,28 @@ class SharedState:
         }
         ttl = max(1, round(self.interval * 3000))
         outbox, self._outbox = self._outbox, []
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.delete(self.load_key(self.member))
-            if own:
-                pipe.hset(self.load_key(self.member), items=[x for kv in own.items() for x in kv])
-            pipe.pexpire(self.load_key(self.member), ttl)
-            await pipe.execute()
-        asked = self.tracker.clock()
-        listed = await self._heartbeat(keys=[self.members_key], args=[self.member, ttl])
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.delete(self.load_key(self.member))
+                if own:
+                    items = [x for kv in own.items() for x in kv]
+                    pipe.hset(self.load_key(self.member), items=items)
+                pipe.pexpire(self.load_key(self.member), ttl)
+                await pipe.execute()
+            asked = self.tracker.clock()
+            listed = await self._heartbeat(keys=[self.members_key], args=[self.member, ttl])
+        except BaseException:
+            self._keep_unsent(outbox)
+            raise
         members = {m for m in map(text, listed) if m is not None}
         # after the heartbeat: whoever hears this replica's changes finds it a member
-        for message in encode(self.member, outbox):  # apart: a cluster pipeline may not PUBLISH
-            await self.redis.publish(self.channel, message)
+        unsent = batches(outbox)
+        try:
+            while unsent:  # apart: a cluster pipeline may not PUBLISH
+                await self.redis.publish(self.channel, encode(self.member, unsent[0]))
+                del unsent[0]
+        finally:
+            self._keep_unsent([change for batch in unsent for change in batch])
         gone = self._remote.prune(members, asked)
         if gone:
             log.info("forgot the pending prompts of %d gateway replicas that left", gone)
@@ -201,6 +215,25 @@ class SharedState:
         self._loads = loads
         self.replicas.set(len(others))
         self.available.set(1)
+
+    def _keep_unsent(self, unsent: list[list[Any]]) -> None:
+        """Put back, ahead of what came since, the changes a failed round did not send: a
+        lost "done" would leave the prompt pending at the others for as long as this
+        replica lives. A PUBLISH that failed may still have been delivered; sent again, an
+        add replaces itself and a done finds nothing."""
+        if not unsent:
+            return
+        kept = unsent + self._outbox
+        keys = changes = 0
+        start = len(kept)
+        while start > 0 and changes < MAX_UNSENT_CHANGES:
+            size = keys_in(kept[start - 1])
+            if keys + size > MAX_UNSENT_KEYS:
+                break
+            keys, changes, start = keys + size, changes + 1, start - 1
+        if start:
+            log.warning("dropped %d unsent pending changes (Redis away too long)", start)
+        self._outbox = kept[start:]
 
     async def leave(self) -> None:
         with contextlib.suppress(RedisError, OSError):

@@ -86,6 +86,11 @@ blocks, as a full pending table counts the prefix that fits."""
 MAX_KEYS_PER_MESSAGE = 262_144
 """Keys one message carries at most (~6 MB of JSON): a round's changes beyond it are sent
 in several messages."""
+MAX_UNSENT_KEYS = 4 * MAX_KEYS_PER_MESSAGE
+MAX_UNSENT_CHANGES = 65_536
+"""What a replica keeps of the changes its failed rounds could not send, for the next
+round: the newest, within both bounds. Beyond them Redis has been away long enough that the
+others forget this replica's pending prompts anyway (its heartbeat runs out)."""
 _KEY_LIMIT = 1 << 64
 
 
@@ -147,18 +152,26 @@ def parse_change(raw: object) -> Add | Done | None:
     return None
 
 
-def encode(member: str, changes: list[list[Any]]) -> list[str]:
-    """A round's changes as messages of at most `MAX_KEYS_PER_MESSAGE` keys each."""
-    messages: list[str] = []
+def batches(changes: list[list[Any]]) -> list[list[list[Any]]]:
+    """A round's changes in order, as messages of at most `MAX_KEYS_PER_MESSAGE` keys."""
+    out: list[list[list[Any]]] = []
     batch: list[list[Any]] = []
     keys = 0
     for change in changes:
-        size = len(change[3]) if change[0] == "add" else 0
+        size = keys_in(change)
         if batch and keys + size > MAX_KEYS_PER_MESSAGE:
-            messages.append(json.dumps({"from": member, "changes": batch}))
+            out.append(batch)
             batch, keys = [], 0
         batch.append(change)
         keys += size
     if batch:
-        messages.append(json.dumps({"from": member, "changes": batch}))
-    return messages
+        out.append(batch)
+    return out
+
+
+def keys_in(change: list[Any]) -> int:
+    return len(change[3]) if change[0] == "add" else 0
+
+
+def encode(member: str, batch: list[list[Any]]) -> str:
+    return json.dumps({"from": member, "changes": batch})

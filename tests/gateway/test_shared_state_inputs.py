@@ -13,13 +13,22 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.dispatch import Answer
 from gateway.policies.base import LoadTracker, RouteRequest
 from gateway.policies.pending import PendingPrefixes
 from gateway.requests import parse_request
 from gateway.shared_state import SharedState, member_name
-from gateway.shared_wire import MAX_LOAD, MAX_MESSAGE_BYTES, Load, parse_load
+from gateway.shared_wire import (
+    MAX_KEYS_PER_ADD,
+    MAX_LOAD,
+    MAX_MESSAGE_BYTES,
+    MAX_UNSENT_CHANGES,
+    MAX_UNSENT_KEYS,
+    Load,
+    parse_load,
+)
 from globalkv.lookup import LookupResult
 from kvplumbing.tasks import cancel_and_wait
 from tests.gateway.fakes import Cluster, Reading, StubLookup, StubProbe, make_gateway
@@ -297,3 +306,59 @@ def test_a_restarted_replica_is_a_new_origin() -> None:
     first, second = member_name(8000), member_name(8000)
     assert first != second
     assert first.startswith(f"{socket.gethostname()}-{os.getpid()}-8000-")
+
+
+async def test_a_failed_round_sends_its_changes_with_the_next(
+    redis_url: str, replicas: list[Replica], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A round whose PUBLISH timed out had dropped the changes it took: the others never
+    heard the "done" and kept the prompt pending for as long as its replica lived."""
+    a_client, b_client = aioredis.from_url(redis_url), aioredis.from_url(redis_url)
+    try:
+        a, b = Replica(a_client, "gw-a").start(), Replica(b_client, "gw-b").start()
+        replicas += [a, b]
+        await a.listening()
+        await b.listening()
+        ticket = a.loads.start("p0", 100, keys=[11, 12])
+
+        async def b_hears_a() -> bool:
+            return "p0" in b.loads.pending_blocks([11, 12])
+
+        await await_for(b_hears_a, timeout=10, what="b to hear a's pending prompt")
+        real_publish = a_client.publish
+        failed: list[int] = []
+
+        async def publish_timing_out_once(*args: Any, **kwargs: Any) -> Any:
+            if not failed:
+                failed.append(1)
+                raise RedisTimeoutError("Timeout reading from socket")
+            return await real_publish(*args, **kwargs)
+
+        monkeypatch.setattr(a_client, "publish", publish_timing_out_once)
+        a.loads.finish(ticket, computed=False)
+
+        async def b_hears_it_done() -> bool:
+            return not b.loads.pending_blocks([11, 12])
+
+        await await_for(b_hears_it_done, timeout=10, what="b to hear a's done after the failure")
+        assert failed
+        assert sample(a.registry, "globalkv_gateway_shared_state_failures_total") == 1
+    finally:
+        await cancel_and_wait([r.task for r in replicas if r.task is not None])
+        await a_client.aclose()
+        await b_client.aclose()
+
+
+async def test_what_a_failed_round_keeps_for_the_next_is_bounded(client: aioredis.Redis) -> None:
+    b = Replica(client, "gw-b")
+    for serial in range(MAX_UNSENT_CHANGES + 10):
+        b.shared.answered(serial, computed=True)
+    b.shared._keep_unsent(b.shared._outbox[:5])  # a failed round's five, before the rest
+    assert len(b.shared._outbox) == MAX_UNSENT_CHANGES
+    assert b.shared._outbox[-1] == ["done", MAX_UNSENT_CHANGES + 9, True]  # the newest kept
+    b.shared._outbox = []
+    keys = list(range(MAX_KEYS_PER_ADD))
+    for serial in range(MAX_UNSENT_KEYS // MAX_KEYS_PER_ADD + 3):
+        b.shared.sent(serial, "p0", keys, None)
+    b.shared._keep_unsent([["done", 0, True]])
+    assert sum(len(c[3]) for c in b.shared._outbox if c[0] == "add") == MAX_UNSENT_KEYS

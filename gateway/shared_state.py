@@ -102,7 +102,7 @@ class SharedState:
         self._loads: dict[str, tuple[int, int, int]] = {}
         self._remote = RemotePending(grace_s)
         self._outbox: list[list[Any]] = []
-        self._failing: str | None = None
+        self._failing: dict[str, str] = {}
         self._logged: set[str] = set()
         self.listening = asyncio.Event()
         """Set while subscribed to the others' pending prompts (what is published before
@@ -164,7 +164,7 @@ class SharedState:
                     self._unexpected("a sharing round", exc)
                     self._fall_back(f"sharing round failed: {exc!r}")
                 else:
-                    self._failing = None
+                    self._failing.pop("a sharing round", None)
                 await asyncio.sleep(self.interval)
         finally:
             await cancel_and_wait([listener])
@@ -243,9 +243,9 @@ class SharedState:
     def _unexpected(self, what: str, exc: BaseException) -> None:
         """Log a failure that is not Redis's with its traceback, once until it changes."""
         kind = f"{type(exc).__name__}: {exc}"
-        if kind != self._failing:
+        if self._failing.get(what) != kind:
             log.error("%s failed unexpectedly", what, exc_info=exc)
-        self._failing = kind
+        self._failing[what] = kind
 
     def _malformed(self, what: str, count: int) -> None:
         """Count what was skipped; log it the first time only (one bad table repeats every
@@ -274,6 +274,7 @@ class SharedState:
                     await self.redis.initialize()  # its pub/sub needs the slot map
                 await pubsub.subscribe(self.channel)
                 self.listening.set()
+                self._failing.pop("the pending prompts' listener", None)
                 while True:
                     message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=None)
                     if message is not None and message.get("type") == "message":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import socket
 from collections.abc import AsyncIterator, Mapping
@@ -149,7 +150,10 @@ async def test_a_member_name_that_is_not_text_is_skipped(
 
 
 async def test_a_round_failing_on_a_bug_falls_back_and_the_loop_goes_on(
-    client: aioredis.Redis, replicas: list[Replica], monkeypatch: pytest.MonkeyPatch
+    client: aioredis.Redis,
+    replicas: list[Replica],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     b = Replica(client, "gw-b")
     replicas.append(b)
@@ -170,6 +174,8 @@ async def test_a_round_failing_on_a_bug_falls_back_and_the_loop_goes_on(
 
     await await_for(shares_again, timeout=10, what="b to share again after the bug")
     assert sample(b.registry, "globalkv_gateway_shared_state_failures_total") == 2
+    logged = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(logged) == 1  # the same failure twice in a row: its traceback once
 
 
 def _message(*changes: object, origin: object = "gw-x") -> str:

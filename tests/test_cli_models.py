@@ -54,6 +54,7 @@ INGEST_FLAGLESS = {
     "max_group": "a tuning of the ingest workers, set in code",
     "rcvhwm": "a tuning of the ingest workers, set in code",
     "max_message_bytes": "a protocol bound, set in code",
+    "max_discovered_pods": "a bound on pods that appear by themselves, set in code",
     "replay_reply_timeout": "a protocol timeout, set in code",
     "replay_total_timeout": "a protocol timeout, set in code",
     "retry_base": "the ingest workers' backoff, set in code",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import time
 
 import msgpack
 import pytest
@@ -395,13 +394,15 @@ async def test_pods_discovered_on_the_bound_socket_are_bounded(
     assert sorted(pod.id for pod in service.pods()) == ["a", "c"]
 
 
-async def test_one_huge_bound_batch_does_not_stall_the_loop(
+async def test_one_huge_bound_batch_is_refused_before_its_events_are_built(
     make_service: ServiceFactory,
     make_publisher: PublisherFactory,
     index: RecordingIndex,
     prom: CollectorRegistry,
 ) -> None:
-    """16 MiB of one-byte events, well within max_message_bytes: millions to decode."""
+    """16 MiB of one-byte events, well within max_message_bytes: millions to decode on
+    the event loop, so the count in its header refuses it (the loop's stall, seconds without
+    the check here, is not timed: that is for a benchmark)."""
     service = make_service(bind=["tcp://127.0.0.1:0"])
     await service.start()
     pub = make_publisher(
@@ -409,25 +410,10 @@ async def test_one_huge_bound_batch_does_not_stall_the_loop(
     )
     await pub.wait_subscribed()
     huge = msgpack.packb([1.0, [["x"]] * ((16 << 20) // 3), 0])
-    worst, done = 0.0, asyncio.Event()
-
-    async def ticker() -> None:
-        nonlocal worst
-        last = time.monotonic()
-        while not done.is_set():
-            await asyncio.sleep(0.01)
-            worst, last = max(worst, time.monotonic() - last), time.monotonic()
-
-    tick = asyncio.create_task(ticker())
-    try:
-        await pub.raw(live_frames(b"kv@p@m", 0, huge))
-        pub.seq = 1
-        await pub.publish([store(0)])
-        await service.applied(Source("p"), 1, timeout=30)
-    finally:
-        done.set()
-        await tick
-    assert worst < 1.0, f"the event loop was blocked {worst:.1f}s by one batch"
+    await pub.raw(live_frames(b"kv@p@m", 0, huge))
+    pub.seq = 1
+    await pub.publish([store(0)])
+    await service.applied(Source("p"), 1, timeout=30)
     assert sample(prom, "globalkv_ingest_dropped_total", reason="bad_batch") == 1
 
 

@@ -58,16 +58,17 @@ class RemotePending:
             sender = self._origins[origin] = _Origin(now)
         sender.heard = now
         if isinstance(change, Add):
-            self._remove(sender, change.serial)  # delivered twice: the first must not leak
+            twice = self._pop(sender, change.serial)  # delivered twice: the first must not leak
+            if twice is not None:
+                self.table.drop(twice)
             room = max(self.origin_max_keys - sender.keys, 0)
             entry = self.table.add(change.worker, change.keys[:room], change.dp_rank)
             sender.entries[change.serial] = entry
             sender.keys += len(entry.keys)
             return
-        held = sender.entries.pop(change.serial, None)
+        held = self._pop(sender, change.serial)
         if held is None:
             return  # its add was not heard (sent before we subscribed, or lost)
-        sender.keys -= len(held.keys)
         if change.computed:
             self.table.settle(held, now)
         else:
@@ -83,8 +84,9 @@ class RemotePending:
                 self.table.drop(entry)
         return len(gone)
 
-    def _remove(self, sender: _Origin, serial: int) -> None:
+    @staticmethod
+    def _pop(sender: _Origin, serial: int) -> PendingEntry | None:
         held = sender.entries.pop(serial, None)
         if held is not None:
             sender.keys -= len(held.keys)
-            self.table.drop(held)
+        return held

@@ -15,14 +15,15 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
 RUN python -m venv /opt/globalkv
 WORKDIR /src
 ARG EXTRAS=""
-# The dependencies first, read from pyproject.toml alone: this layer (most of the build's
-# time) stays cached while only the sources change.
-COPY pyproject.toml ./
+# The dependencies first, read from pyproject.toml and pinned by the lock (constraints.txt,
+# refreshed by `bash .ci/lock`), so two builds of one commit install the same software; this
+# layer (most of the build's time) stays cached while only the sources change.
+COPY pyproject.toml constraints.txt ./
 RUN python -c 'import sys, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
 extras = [e for e in sys.argv[1].split(",") if e]; \
 print("\n".join(p["dependencies"] + [d for e in extras for d in p["optional-dependencies"][e]]))' \
       "$EXTRAS" > requirements.txt \
- && /opt/globalkv/bin/pip install -r requirements.txt
+ && /opt/globalkv/bin/pip install -c constraints.txt -r requirements.txt
 # The sources: README.md and the packages (.dockerignore keeps everything else out).
 COPY . ./
 RUN /opt/globalkv/bin/pip install --no-deps . && /opt/globalkv/bin/pip check
@@ -30,6 +31,19 @@ RUN /opt/globalkv/bin/pip install --no-deps . && /opt/globalkv/bin/pip check
 # The runtime: that environment only (no sources, no build caches), an unprivileged user.
 # Everything but the environment comes first, so that a change of sources rebuilds one step.
 FROM python:3.11-slim
+# A release build names what it was built from (tests/test_release.py keeps VERSION's
+# default equal to pyproject.toml's version):
+#   docker build --build-arg REVISION=$(git rev-parse HEAD) \
+#     --build-arg SOURCE=$(git remote get-url origin) -t globalkv .
+ARG VERSION=0.1.0
+ARG REVISION=unknown
+ARG SOURCE=""
+LABEL org.opencontainers.image.title="globalkv" \
+      org.opencontainers.image.description="Control plane for prefill/decode disaggregated LLM serving: bootstrap directories, a cluster-wide KV index and a prefix-routing PD gateway." \
+      org.opencontainers.image.version="$VERSION" \
+      org.opencontainers.image.revision="$REVISION" \
+      org.opencontainers.image.source="$SOURCE" \
+      org.opencontainers.image.licenses="Apache-2.0"
 RUN useradd --system --create-home --uid 10001 globalkv
 ENV PATH=/opt/globalkv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \

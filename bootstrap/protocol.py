@@ -1,4 +1,4 @@
-"""The bootstrap directory's wire contract (PROTOCOLS.md §1), as SGLang's peers speak it.
+"""The bootstrap directory's wire contract (`docs/protocols.md` §1), as SGLang's peers speak it.
 
 Every body the directory accepts or answers is a model here, so the server, the prefill
 registrar, the decode resolver and the control-plane reader cannot drift apart. The

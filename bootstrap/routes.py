@@ -33,6 +33,7 @@ from bootstrap.protocol import (
 from bootstrap.table import Directory, RegisterOutcome, RegistrationRefused, RoomTable
 from kvplumbing.auth import ProtectedMode
 from kvplumbing.clock import Clock
+from kvplumbing.release import VERSION
 from kvplumbing.validation import validation_message
 
 log = logging.getLogger("bootstrap.server")
@@ -154,6 +155,10 @@ class DirectoryRoutes:
 
     async def health(self) -> Response:
         return _text(200, READY_TEXT)
+
+    async def version(self) -> dict[str, str]:
+        """Ours; SGLang's `/health` answers a bare text its clients check, so it stays so."""
+        return {"version": VERSION}
 
     # ------------------------------------------------------------ SGLang's paths
 

@@ -108,6 +108,7 @@ def create_app(
     route("/v1/directory", routes.whole_directory, methods=["GET"])
     route("/v1/directory", routes.reset_directory, methods=["DELETE"])
     route("/metrics", routes.prometheus, methods=["GET"])
+    route("/version", routes.version, methods=["GET"])
     return app
 
 

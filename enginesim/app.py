@@ -49,6 +49,7 @@ from enginesim.responses import (
 from enginesim.textgen import ReplyWriter
 from globalkv.tokenize import NotTokenizable, TokenizeError, Tokenizer
 from kvplumbing.asgi import CLIENT_GONE_STATUS, BodyLimit, ClientGone, unless_client_leaves
+from kvplumbing.release import VERSION
 from kvplumbing.validation import describe_errors
 
 log = logging.getLogger(__name__)
@@ -299,7 +300,7 @@ class _EngineRoutes:
         return Response(status_code=200)
 
     async def info(self) -> dict[str, Any]:
-        return {**self.server_info(), **self.engine.server_info()}
+        return {**self.server_info(), **self.engine.server_info(), "version": VERSION}
 
     async def model_info(self) -> dict[str, Any]:
         return _model_info(self.model, self.tokenizer)
@@ -309,7 +310,7 @@ class _EngineRoutes:
 
     async def version(self) -> dict[str, Any]:
         """vLLM's `/version`, which routers read to tell a vLLM worker from SGLang's."""
-        return {"version": f"enginesim-{self.api}"}
+        return {"version": VERSION}
 
     async def prometheus(self) -> Response:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)

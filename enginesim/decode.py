@@ -1,7 +1,7 @@
 """The decode role: find the room's producer, pull its KV, verify the room, generate.
 
-A prompt walks the stages of DESIGN.md principle 7, each timed into `meta_info.pd_stages_ms`
-and `globalkv_engine_pd_stage_seconds{stage}`:
+A prompt walks the PD stages of `docs/architecture.md` ("Read path"), each timed into
+`meta_info.pd_stages_ms` and `globalkv_engine_pd_stage_seconds{stage}`:
 
 - `register`: the prefill's directory answers with its topology, which it only does once
   every rank registered (SGLang's readiness gate: registration seen and topology read

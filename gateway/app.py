@@ -21,6 +21,7 @@ from gateway.admin import admin_routes
 from gateway.answers import Answer, problem
 from gateway.service import Gateway
 from kvplumbing.auth import bearer_ok
+from kvplumbing.release import VERSION
 
 
 def _response(answer: Answer) -> Response:
@@ -86,7 +87,11 @@ def create_app(gateway: Gateway, *, run_monitor: bool = True) -> FastAPI:
     @app.get("/health")
     @app.get("/liveness")
     async def live() -> Response:
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "ok", "version": VERSION})
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": VERSION})
 
     @app.get("/readiness")
     async def readiness() -> Response:

@@ -1,6 +1,6 @@
 """The gateway's one typed configuration, built from flags in `gateway.flags` only.
 
-Defaults are sglang-router 0.3.2's where it has the setting (PROTOCOLS.md §6), so a user
+Defaults are sglang-router 0.3.2's where it has the setting (`docs/protocols.md` §6), so a user
 moving from it keeps the behaviour they know.
 """
 

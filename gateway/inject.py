@@ -1,7 +1,7 @@
 """Binding a request to its prefill: the bootstrap fields, as one pure function.
 
 Both the prefill and the decode receive the same body with `bootstrap_host`,
-`bootstrap_port` and `bootstrap_room` (PROTOCOLS.md §2). A batch gets lists of equal
+`bootstrap_port` and `bootstrap_room` (`docs/protocols.md` §2). A batch gets lists of equal
 length, one fresh room per element: `/generate` with a list `text` or a list of
 `input_ids` lists, `/v1/completions` with a list of strings or of token lists, a chat
 with `n > 1`. Every other field is kept as the client sent it; bootstrap fields the client

@@ -1,8 +1,8 @@
 """The gateway's HTTP/1.1 server: inference on asyncio protocols, every other route by the app.
 
-Why its own server rather than uvicorn (which DESIGN.md names) or granian: `python -m
-bench.gateway` serves the same gateway code each way, side by side in interleaved runs
-(the figures and their commands are in the README and `bench/results/gateway.md`,
+Why its own server rather than uvicorn (which serves every other globalkv service) or
+granian: `python -m bench.gateway` serves the same gateway code each way, side by side in
+interleaved runs (the figures and their commands are in the README and `bench/results/gateway.md`,
 `bench/results/gateway-granian.md`), and under either it spends clearly more CPU per
 answered request than here, streamed or not, and answers fewer requests/s:
 - uvicorn: the ASGI request path costs it: message dicts, Starlette's middleware stack,

@@ -289,7 +289,7 @@ class SharedState:
             finally:
                 self.listening.clear()  # also when cancelled: nothing is heard any more
                 with contextlib.suppress(RedisError, OSError):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                    await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]  # typed from 8.2
             await asyncio.sleep(self.interval)
 
     def _apply(self, data: object) -> None:

@@ -43,6 +43,7 @@ from globalkv.registry import PodInfo, PodState, Registry
 from globalkv.tokenize import Tokenizer
 from kvplumbing.asgi import BodyLimit
 from kvplumbing.auth import ProtectedMode, ProtectionFlags
+from kvplumbing.release import VERSION
 
 TokenId = Annotated[int, Field(ge=0, le=2**32 - 1)]
 
@@ -110,6 +111,7 @@ class PodList(BaseModel):
 
 class Health(BaseModel):
     status: str
+    version: str
     pods: int
     resyncing_sources: int
 
@@ -277,9 +279,13 @@ class _IndexRoutes:
             response.status_code = 503
         return Health(
             status="ok" if ready else "resyncing",
+            version=VERSION,
             pods=len(self.ingest.pods()),
             resyncing_sources=self.ingest.resyncing,
         )
+
+    async def version(self) -> dict[str, str]:
+        return {"version": VERSION}
 
     async def get_metrics(self) -> Response:
         return Response(generate_latest(self.metrics_registry), media_type=CONTENT_TYPE_LATEST)
@@ -344,5 +350,6 @@ def create_app(
         "/v1/pods/{pod_id}", routes.delete_pod, methods=["DELETE"], dependencies=admin
     )
     app.add_api_route("/health", routes.health, methods=["GET"], response_model=Health)
+    app.add_api_route("/version", routes.version, methods=["GET"])
     app.add_api_route("/metrics", routes.get_metrics, methods=["GET"])
     return app

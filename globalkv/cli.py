@@ -34,6 +34,7 @@ from typing import Any
 
 from globalkv.extras import MissingExtra
 from kvplumbing.environment import env_var_name
+from kvplumbing.release import VERSION
 
 ENTRY_POINT_GROUP = "globalkv.commands"
 _TRUE = {"1", "true", "yes", "on"}
@@ -53,6 +54,7 @@ def build_parser(
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
         help="logging level (env GLOBALKV_LOG_LEVEL)",
     )
+    parser.add_argument("--version", action="version", version=f"globalkv {VERSION}")
     parser.add_argument(
         "--check",
         action="store_true",

@@ -9,11 +9,14 @@ after a failover. Query options (`?socket_timeout=2`) are redis-py's own either 
 
 `redis.asyncio.from_url` leaves its connections without a retry (`Retry(NoBackoff(), 0)`),
 where a client built with `redis.asyncio.Redis(...)` retries a command that met a
-connection error. After a Redis restart every pooled connection is dead, and without a
-retry the first command on each fails: the index API answered 503 to lookups after it had
-resynced. Repeating a command is safe for everything we send: reads, idempotent writes,
-an INCR whose skipped number nobody misses, and the index's scripts, which refuse a batch
-already applied or skip a block write already done.
+connection error; `connect` gives every client that retry. Before redis-py 8.2 a restart
+left every pooled connection dead and the first command on each failed (the index API
+answered 503 to lookups after it had resynced); 8.2 reconnects a dead connection as it
+leaves the pool. A connection lost while a command is under way (a restart or a failover
+under load) still fails that command without a retry on every version, so `connect` keeps
+it. Repeating a command is safe for everything we send: reads, idempotent writes, an INCR
+whose skipped number nobody misses, and the index's scripts, which refuse a batch already
+applied or skip a block write already done.
 
 A cluster client's `aclose` closes every node's connections (`_Cluster`): redis-py's
 own does nothing while the client waits to re-read the topology, which a connection

@@ -365,7 +365,7 @@ class RedisRegistry:
                     yield text(message["data"])
         finally:
             with contextlib.suppress(RedisError, OSError):
-                await pubsub.aclose()  # type: ignore[no-untyped-call]
+                await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]  # typed from 8.2
 
     async def close(self) -> None:
         return None

@@ -5,5 +5,6 @@ Every other package may import it; it imports none of ours (the import contracts
 each write it: backoff delays, the ASGI body limit and the client-disconnect race, the
 words of a pydantic error and of a failed HTTP exchange, `kv@<pod>@<model>` topics, DP-rank
 endpoints, bearer checks and protected mode, the environment variable of a flag, the clock
-and sleep types that make time injectable, and stopping background tasks for good.
+and sleep types that make time injectable, stopping background tasks for good, and the
+release's version.
 """

@@ -1,4 +1,4 @@
-"""KV-cache events as vLLM and SGLang put them on the wire (PROTOCOLS.md §4).
+"""KV-cache events as vLLM and SGLang put them on the wire (`docs/protocols.md` §4).
 
 One package per protocol, data first, one module per role: `events` (the types every
 shape decodes into, and the one error), `decode` (every batch and event shape the peers

@@ -1,4 +1,4 @@
-"""Every batch and event shape the peers have shipped (PROTOCOLS.md §4.2), decoded.
+"""Every batch and event shape the peers have shipped (`docs/protocols.md` §4.2), decoded.
 
 Batches of 2 or 3 elements or a map; events as arrays (vLLM ≤ 0.23, SGLang ≤ 0.5.19) or
 maps (newer); unknown fields and extra positions ignored. Token ids are validated here,

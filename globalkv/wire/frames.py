@@ -1,4 +1,4 @@
-"""The ZMQ frames around a payload (PROTOCOLS.md §4.1): live and replay, both layouts."""
+"""The ZMQ frames around a payload (`docs/protocols.md` §4.1): live and replay, both layouts."""
 
 from __future__ import annotations
 

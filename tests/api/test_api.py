@@ -24,6 +24,7 @@ from globalkv.lookup import HttpLookup, IndexLookup
 from globalkv.metrics import IngestMetrics
 from globalkv.registry import MemoryRegistry, PodInfo, PodState
 from globalkv.tokenize import ByteTokenizer, Tokenizer
+from kvplumbing.release import VERSION
 from tests.ingest.fakes import RecordingIndex
 
 TOKEN = "s3cret"
@@ -289,7 +290,12 @@ async def test_resyncing_index_is_503_on_lookup_and_health(index: MemoryIndex) -
         assert "resyncing" in response.json()["detail"]
         health = await client.get("/health")
     assert health.status_code == 503
-    assert health.json() == {"status": "resyncing", "pods": 0, "resyncing_sources": 3}
+    assert health.json() == {
+        "status": "resyncing",
+        "version": VERSION,
+        "pods": 0,
+        "resyncing_sources": 3,
+    }
 
 
 async def test_pods_need_the_admin_token(client: httpx.AsyncClient) -> None:

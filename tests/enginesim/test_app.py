@@ -17,6 +17,7 @@ from enginesim.engine import EngineError, Generation, Prompt
 from enginesim.metrics import EngineMetrics
 from enginesim.textgen import ReplyWriter
 from globalkv.tokenize import ByteTokenizer
+from kvplumbing.release import VERSION
 from tests.bootstrap.asgi import Exchange
 
 TOKENIZER = ByteTokenizer()
@@ -227,6 +228,7 @@ async def test_info_endpoints_and_restart(
         "dp_size": 1,
         "disaggregation_mode": "prefill",
         "kv_events": None,
+        "version": VERSION,
     }
     assert (await client.get("/get_server_info")).json() == info
     assert (await client.get("/v1/models")).json()["data"][0]["id"] == "sim"

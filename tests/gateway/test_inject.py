@@ -1,4 +1,4 @@
-"""The bootstrap injection table (PROTOCOLS.md §2)."""
+"""The bootstrap injection table (`docs/protocols.md` §2)."""
 
 from __future__ import annotations
 

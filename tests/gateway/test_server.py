@@ -25,6 +25,7 @@ from gateway.client_connection import HEAD_MAX
 from gateway.inference import Inference
 from gateway.server import GatewayServer
 from gateway.service import Gateway
+from kvplumbing.release import VERSION
 from tests.gateway.fakes import DECODES, Cluster, config, make_gateway, sample
 from tests.support.net import await_for
 
@@ -98,7 +99,7 @@ async def test_pipelined_requests_on_one_connection_are_answered_in_order() -> N
         answers.append(await read_answer(reader))
     assert [a[0] for a in answers] == [200, 200, 200, 200]
     assert "room" in json.loads(answers[0][2])
-    assert json.loads(answers[1][2]) == {"status": "ok"}
+    assert json.loads(answers[1][2]) == {"status": "ok", "version": VERSION}
     assert "room" in json.loads(answers[2][2])
 
 

@@ -13,7 +13,7 @@ from globalkv.keys import chain_keys, request_keys, root_key, token_bytes
 
 
 def spelled_out(parent: int, tokens: list[int], block_size: int) -> list[int]:
-    """DESIGN.md's definition, written as plainly as possible."""
+    """The definition in `globalkv/keys.py`'s docstring, written as plainly as possible."""
     keys = []
     prev = parent
     for start in range(0, len(tokens) - block_size + 1, block_size):

@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
+from kvplumbing.release import VERSION
 from tests.support.net import free_port, wait_for
 from tests.support.procs import Proc
 
@@ -121,6 +122,21 @@ def test_up_prints_every_component_and_what_to_try(up: Up) -> None:
     assert f"curl -s {up.gateway}/v1/chat/completions" in out
     assert f"curl -s {up.indexer}/v1/lookup" in out
     assert "Ctrl-C stops everything" in out
+
+
+def test_every_component_names_the_installed_release(up: Up) -> None:
+    for component in up.manifest["components"]:
+        url = component["url"]
+        if component["role"] in ("prefill", "decode"):
+            info = httpx.get(f"{url}/server_info", timeout=10).json()
+            assert info["version"] == VERSION, component["name"]
+        else:
+            assert httpx.get(f"{url}/version", timeout=10).json() == {"version": VERSION}
+            assert httpx.get(f"{url}/health", timeout=10).json()["version"] == VERSION
+        if component["bootstrap_url"]:
+            directory = httpx.get(f"{component['bootstrap_url']}/version", timeout=10)
+            assert directory.json() == {"version": VERSION}
+            assert httpx.get(f"{component['bootstrap_url']}/health", timeout=10).text == "OK"
 
 
 @pytest.mark.parametrize("stream", [False, True])

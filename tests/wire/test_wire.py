@@ -1,4 +1,4 @@
-"""Golden bytes and shapes of PROTOCOLS.md §4, and a decoder that never crashes."""
+"""Golden bytes and shapes of `docs/protocols.md` §4, and a decoder that never crashes."""
 
 from __future__ import annotations
 

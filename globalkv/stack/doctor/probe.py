@@ -1,7 +1,7 @@
 """Stage 5: one real request through the gateway, reported by PD stage.
 
 A disaggregated request passes register → resolve → connect → verify-room → consume
-(DESIGN.md, principle 7). The decode times each of them into `meta_info.pd_stages_ms`
+(`docs/architecture.md`, "Read path"). The decode times each of them into `meta_info.pd_stages_ms`
 and names the stage in every failure (`error.stage`), so the probe's answer says either
 how long each stage took or exactly which one failed; stages before a failure are shown
 as passed and those after as not reached.

@@ -128,7 +128,9 @@ def test_the_build_context_holds_every_package_and_the_readme() -> None:
     readme = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["readme"]
     assert {readme, "pyproject.toml"} <= context
     tops = {rel.split("/")[0] for rel in context}
-    assert tops <= {*_packages(), readme, "pyproject.toml"}, "only what the image needs"
+    # constraints.txt pins the dependencies; LICENSE goes into the wheel (license-files).
+    needed = {*_packages(), readme, "pyproject.toml", "constraints.txt", "LICENSE"}
+    assert tops <= needed, "only what the image needs"
 
 
 def test_the_context_builds_a_wheel_with_every_command(tmp_path: Path) -> None:

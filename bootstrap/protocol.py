@@ -25,6 +25,8 @@ from pydantic import (
     model_validator,
 )
 
+from kvplumbing.hosts import HOST_RULE, is_host, is_ipv6
+
 CompatVersion = Literal["0.5.10", "0.5.16", "0.5.23"]
 COMPAT_VERSIONS: Final = get_args(CompatVersion)
 DEFAULT_COMPAT: Final[CompatVersion] = "0.5.23"
@@ -147,7 +149,7 @@ class RankRegistration(BaseModel):
     pp_rank: Rank
     system_dp_size: Size
     system_dp_rank: Rank
-    rank_ip: Annotated[StrictStr, Field(min_length=1, max_length=255, pattern=r"^\S+$")]
+    rank_ip: Annotated[StrictStr, Field(min_length=1, max_length=255)]
     rank_port: Port
     page_size: Annotated[CoercedInt, Field(ge=1)]
     kv_cache_dtype: StrictStr | None
@@ -168,6 +170,15 @@ class RankRegistration(BaseModel):
         if size is not None and rank >= size:
             raise ValueError(f"{info.field_name}={rank} is out of range for {size_field}={size}")
         return rank
+
+    @field_validator("rank_ip")
+    @classmethod
+    def _a_host(cls, rank_ip: str) -> str:
+        """Decodes dial it: anything else would only fail there, for every request."""
+        bare = rank_ip[1:-1] if rank_ip.startswith("[") and rank_ip.endswith("]") else rank_ip
+        if not (is_host(bare) or is_ipv6(bare)):
+            raise ValueError(f"rank_ip must be {HOST_RULE}")
+        return rank_ip
 
     @model_validator(mode="after")
     def _bounded_world(self) -> RankRegistration:

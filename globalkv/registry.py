@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import re
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -36,6 +35,7 @@ from globalkv.index.redis_failures import any_failure_unavailable
 from globalkv.index.redis_keys import RedisKeys
 from globalkv.redis_client import Client, text
 from kvplumbing.endpoints import offset_endpoint
+from kvplumbing.hosts import is_host, is_ipv6
 from kvplumbing.topics import parse_topic
 
 log = logging.getLogger(__name__)
@@ -47,26 +47,15 @@ MAX_DP_SIZE = 1024
 """DP ranks one pod may have: each is a publisher with its own worker and subscription,
 so a batch naming a rank beyond this is refused rather than followed."""
 _TCP_ENDPOINT = re.compile(r"tcp://(\[[^\]]+\]|[^\[\]]+):([0-9]{1,5})", re.ASCII)
-_HOST_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?", re.ASCII)
 
 
 def _tcp_host_ok(host: str) -> bool:
-    """A host ZMQ can connect to: a bracketed IPv6 address (no %zone), a dotted-quad IPv4
-    address, or a DNS name of RFC 1123 labels. ZMQ accepts some malformed names at connect
-    and refuses others (`-`, `%`, `a@b`, non-ASCII) only then, so the rule here is the
-    strict one rather than ZMQ's. A name whose last label is numeric must be an IPv4
-    address, so `999.1.1.1` is not taken for a name."""
-    if host.startswith("["):
-        with contextlib.suppress(ValueError):
-            return ipaddress.IPv6Address(host[1:-1]).scope_id is None
-        return False
-    labels = host.removesuffix(".").split(".")
-    if labels[-1].isdigit():
-        with contextlib.suppress(ValueError):
-            ipaddress.IPv4Address(host)
-            return True
-        return False
-    return len(host) <= 253 and all(_HOST_LABEL.fullmatch(label) for label in labels)
+    """A host ZMQ can connect to (`kvplumbing.hosts`), IPv6 in brackets. ZMQ accepts some
+    malformed names at connect and refuses others (`-`, `%`, `a@b`, non-ASCII) only then,
+    so the rule is the strict one rather than ZMQ's."""
+    if host.startswith("[") and host.endswith("]"):
+        return is_ipv6(host[1:-1])
+    return is_host(host)
 
 
 class KvEventsConfig(BaseModel):

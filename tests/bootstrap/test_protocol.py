@@ -114,6 +114,11 @@ BAD_VALUES: list[tuple[str, Any]] = [
     ("rank_port", None),
     ("rank_ip", ""),
     ("rank_ip", "10.0.0.1 10.0.0.2"),
+    ("rank_ip", "http://10.0.0.1:8998"),
+    ("rank_ip", "10.0.0.1\x00"),
+    ("rank_ip", "999.999.999.999"),
+    ("rank_ip", "fe80::1%eth0"),
+    ("rank_ip", "-prefill"),
     ("rank_ip", 10),
     ("page_size", 0),
     ("kv_cache_dtype", 16),
@@ -248,3 +253,11 @@ def test_room_queries_are_bounded() -> None:
         RoomQuery.model_validate({"bootstrap_rooms": list(range(MAX_QUERY_ROOMS + 1))})
     with pytest.raises(ValidationError, match="bootstrap_rooms"):
         RoomQuery.model_validate({"bootstrap_rooms": "1,2"})
+
+
+@pytest.mark.parametrize(
+    "rank_ip", ["10.0.0.5", "::1", "[fd00::5]", "prefill-0.prefill.default.svc", "node7"]
+)
+def test_hosts_a_rank_may_register(rank_ip: str) -> None:
+    reg = RankRegistration.model_validate({**SGLANG_0_5_23_PUT, "rank_ip": rank_ip})
+    assert reg.address.rank_ip == rank_ip

@@ -78,6 +78,9 @@ BAD_BODIES: list[tuple[bytes, int, str]] = [
     (json.dumps({**SGLANG_0_5_23_PUT, "attn_tp_rank": 5}).encode(), 422, "attn_tp_rank=5"),
     (json.dumps({**SGLANG_0_5_23_PUT, "rank_port": "x"}).encode(), 422, "rank_port"),
     (json.dumps({"rank_ip": "10.0.0.1"}).encode(), 422, "attn_tp_size: Field required"),
+    (json.dumps({**SGLANG_0_5_23_PUT, "rank_ip": "http://h:1"}).encode(), 422, "rank_ip must be"),
+    (json.dumps({**SGLANG_0_5_23_PUT, "rank_ip": "h\u0000"}).encode(), 422, "rank_ip must be"),
+    (json.dumps({**SGLANG_0_5_23_PUT, "rank_ip": "999.9.9.9"}).encode(), 422, "rank_ip must be"),
     (
         json.dumps({**SGLANG_0_5_23_PUT, "dsv41_spec_layout": {"x": float("nan")}}).encode(),
         400,

@@ -1,0 +1,40 @@
+"""What counts as a host name or address where a peer tells us where it listens.
+
+A pod's KV-event endpoint and a prefill rank's `rank_ip` are written by a peer and later
+dialled by another process; a string that is not a host (a URL, a NUL byte,
+`999.999.999.999`) would only fail there, far from the request that stored it. The rule is
+the strict one, not what a resolver happens to accept: an IPv4 dotted quad, an IPv6
+address without a zone, or a DNS name of RFC 1123 labels. A name whose last label is
+numeric must be an IPv4 address, so `999.1.1.1` is not taken for a name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import re
+
+_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?", re.ASCII)
+
+HOST_RULE = (
+    "a DNS name (letters, digits, inner '-', dot-separated), an IPv4 address or an IPv6 address"
+)
+"""The rule in words, for error messages."""
+
+
+def is_ipv6(host: str) -> bool:
+    """An IPv6 address without a %zone (bare, as a rank registers it)."""
+    with contextlib.suppress(ValueError):
+        return ipaddress.IPv6Address(host).scope_id is None
+    return False
+
+
+def is_host(host: str) -> bool:
+    """A name or IPv4 address (`is_ipv6` for the other family)."""
+    labels = host.removesuffix(".").split(".")
+    if labels[-1].isdigit():
+        with contextlib.suppress(ValueError):
+            ipaddress.IPv4Address(host)
+            return True
+        return False
+    return len(host) <= 253 and all(_LABEL.fullmatch(label) for label in labels)

@@ -25,7 +25,7 @@ from pydantic import (
     model_validator,
 )
 
-from kvplumbing.hosts import HOST_RULE, is_host, is_ipv6
+from kvplumbing.addresses import HOST_RULE, is_host, is_ipv6
 
 CompatVersion = Literal["0.5.10", "0.5.16", "0.5.23"]
 COMPAT_VERSIONS: Final = get_args(CompatVersion)

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import argparse
 from typing import Literal
-from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kvplumbing.addresses import check_http_url
 from kvplumbing.auth import ProtectedMode, ProtectionFlags
 
 PolicyName = Literal["prefix", "cache_aware", "power_of_two", "round_robin", "random", "least_load"]
@@ -25,21 +25,6 @@ def _frozen() -> ConfigDict:
     """Settings are fixed once built, unknown ones are errors, and no number is infinite
     or NaN (an infinite grace or timeout is a typo that would never end, not a choice)."""
     return ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
-
-
-def check_http_url(url: str) -> str:
-    """`url` without its trailing slash; it is written into request lines as it is, so
-    whitespace and control characters are refused (urlsplit would drop CR/LF silently)."""
-    if any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in url):
-        raise ValueError(f"{url!r} contains whitespace or control characters")
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"{url!r} is not an http(s) URL with a host")
-    try:
-        parts.port  # noqa: B018 - parsing the port is the validation
-    except ValueError as exc:
-        raise ValueError(f"{url!r} has an invalid port") from exc
-    return url.rstrip("/")
 
 
 def optional_float(text: str) -> float | None:

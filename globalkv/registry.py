@@ -34,8 +34,8 @@ from redis.exceptions import RedisError
 from globalkv.index.redis_failures import any_failure_unavailable
 from globalkv.index.redis_keys import RedisKeys
 from globalkv.redis_client import Client, text
+from kvplumbing.addresses import is_host, is_ipv6
 from kvplumbing.endpoints import offset_endpoint
-from kvplumbing.hosts import is_host, is_ipv6
 from kvplumbing.topics import parse_topic
 
 log = logging.getLogger(__name__)

@@ -14,6 +14,8 @@ from typing import Any
 
 import httpx
 
+from kvplumbing.addresses import check_http_url
+
 
 def register_lookup(subparsers: Any) -> None:
     parser: argparse.ArgumentParser = subparsers.add_parser(
@@ -44,9 +46,10 @@ def register_pods(subparsers: Any) -> None:
 
 
 def _url(base: str, path: str) -> str:
-    if not base.startswith(("http://", "https://")):
-        raise ValueError(f"--indexer {base!r} must be an http:// or https:// URL")
-    return base.rstrip("/") + path
+    try:
+        return check_http_url(base) + path
+    except ValueError as exc:
+        raise ValueError(f"--indexer: {exc}") from None
 
 
 def lookup_body(args: argparse.Namespace) -> dict[str, object]:

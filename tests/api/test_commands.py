@@ -202,3 +202,23 @@ def test_an_error_whose_body_is_no_json_object_is_reported(
     err = capsys.readouterr().err
     assert f"globalkv {argv[0]}: " in err
     assert 'answered 404: ["not", "an", "object"]' in err
+
+
+@pytest.mark.parametrize(
+    ("indexer", "message"),
+    [
+        ("http://127.0.0.1:INDEX_PORT", "has an invalid port"),
+        ("http://127.0.0.1:99999", "has an invalid port"),
+        ("127.0.0.1:8100", "is not an http(s) URL with a host"),
+        ("http://ix:1/\r\nx: y", "control characters"),
+    ],
+)
+@pytest.mark.parametrize("argv", [["lookup", "--model", "m", "--text", "t"], ["pods"]])
+def test_an_unusable_indexer_url_is_one_line_not_a_traceback(
+    argv: list[str], indexer: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([*argv, "--indexer", indexer]) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1

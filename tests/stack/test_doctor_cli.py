@@ -16,6 +16,8 @@ from tests.support.net import free_port
     [
         ([], "give --gateway and/or --indexer"),
         (["--gateway", "ftp://gw:1"], "gateway: 'ftp://gw:1' is not an http(s) URL"),
+        (["--indexer", "http://127.0.0.1:INDEX_PORT"], "has an invalid port"),
+        (["--indexer", "http://127.0.0.1:99999"], "has an invalid port"),
         (["--indexer", "http://ix:1", "--timeout", "0"], "timeout"),
     ],
 )
@@ -24,6 +26,10 @@ def test_check_refuses_unusable_arguments(
 ) -> None:
     assert main(["--check", "doctor", *argv]) == 2
     assert message in capsys.readouterr().err
+    assert main(["doctor", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "Traceback" not in err
 
 
 def test_check_takes_a_run_directory_without_reading_it() -> None:

@@ -13,7 +13,6 @@ import asyncio
 import secrets
 import time
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -32,6 +31,7 @@ from globalkv.stack.doctor.reading import Connect, Reader, Samples, tcp_connect
 from globalkv.stack.doctor.report import Report, Stage
 from globalkv.stack.doctor.routing import check_lookup, check_settings, judge_decision
 from globalkv.stack.views import PodsView, WorkersView
+from kvplumbing.addresses import check_http_url
 from kvplumbing.clock import Clock, Sleep, WallClock
 
 
@@ -59,12 +59,7 @@ class DoctorConfig(BaseModel):
     @field_validator("gateway", "indexer")
     @classmethod
     def _url(cls, value: str | None) -> str | None:
-        if value is None:
-            return None
-        parts = urlsplit(value)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"{value!r} is not an http(s) URL with a host")
-        return value.rstrip("/")
+        return None if value is None else check_http_url(value)
 
 
 def new_report() -> Report:

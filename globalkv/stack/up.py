@@ -31,6 +31,7 @@ from typing import Any, TextIO
 
 from globalkv.stack.cluster import ClusterError, LocalCluster
 from globalkv.stack.plan import StackConfig, check_plan, plan_stack, ports_needed
+from globalkv.stack.preflight import PreflightError, preflight
 from globalkv.stack.redis_cluster import ClusterStartError, LocalRedisCluster
 from globalkv.stack.render import curl_lines, table
 from kvplumbing.validation import validation_as_value_error
@@ -232,6 +233,11 @@ def _redis_cluster(config: StackConfig, out: TextIO) -> Iterator[StackConfig]:
 
 
 def _run(config: StackConfig, out: TextIO) -> int:
+    try:
+        preflight(config)
+    except PreflightError as exc:
+        print(f"globalkv up: {exc}", file=sys.stderr)
+        return 1
     cluster = LocalCluster(config)
     index = f"Redis index at {config.redis_url}" if config.redis_url else "in-memory index"
     print(

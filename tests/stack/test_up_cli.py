@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import shlex
+import socket
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from globalkv.stack.cluster import ComponentStatus
 from globalkv.stack.plan import StackConfig, plan_stack
 from globalkv.stack.render import DEMO_PROMPT, curl_lines, table
 from globalkv.stack.up import config_from_args
+from tests.support.net import free_port
 
 
 def config(*argv: str, env: dict[str, str] | None = None) -> StackConfig:
@@ -146,3 +148,26 @@ def test_the_curl_lines_are_valid_requests() -> None:
     with_token = curl_lines(_Urls(), "m", admin_token=True).splitlines()
     assert with_token[-1].endswith("--indexer http://127.0.0.1:8100 --admin-token TOKEN")
     assert "TOKEN: the admin token given to up" in with_token[-2]
+
+
+def test_an_unreachable_redis_is_named_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = tmp_path / "run"
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    assert main(["up", "--redis-url", dead, "--run-dir", str(run_dir), "--port", "0"]) == 1
+    assert f"Redis at {dead} does not answer" in capsys.readouterr().err
+    assert not run_dir.exists(), "no component was started"
+
+
+def test_a_taken_gateway_port_is_named_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = tmp_path / "run"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["up", "--port", str(port), "--run-dir", str(run_dir)]) == 1
+    assert f"the gateway's port {port} on 127.0.0.1 is taken" in capsys.readouterr().err
+    assert not run_dir.exists(), "no component was started"

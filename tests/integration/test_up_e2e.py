@@ -22,8 +22,10 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvplumbing.release import VERSION
+from tests.deploy import dashboard
 from tests.support.net import free_port, wait_for
 from tests.support.procs import Proc
 
@@ -137,6 +139,32 @@ def test_every_component_names_the_installed_release(up: Up) -> None:
             directory = httpx.get(f"{component['bootstrap_url']}/version", timeout=10)
             assert directory.json() == {"version": VERSION}
             assert httpx.get(f"{component['bootstrap_url']}/health", timeout=10).text == "OK"
+
+
+def _exported(urls: list[str]) -> dict[str, set[str]]:
+    """Each metric family the services export, with the labels its samples carry."""
+    families: dict[str, set[str]] = {}
+    for url in urls:
+        for metric in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+            labels = families.setdefault(metric.name, set())
+            for sample in metric.samples:
+                labels.update(sample.labels)
+    return families
+
+
+def test_the_dashboard_reads_only_what_the_services_export(up: Up) -> None:
+    urls = [c["url"] for c in up.manifest["components"]]
+    urls += [c["bootstrap_url"] for c in up.manifest["components"] if c["bootstrap_url"]]
+    # One routed request, so that the request and routing metrics carry their labels.
+    assert _post(f"{up.gateway}/generate", {"text": "dashboards"}).status_code == 200
+    exported = _exported(urls)
+    for expr in dashboard.expressions(dashboard.load()):
+        for read in dashboard.reads(dashboard.parse(expr)):
+            name = dashboard.family(read.metric)
+            assert name in exported, f"{read.metric} is exported by no service ({expr})"
+            if exported[name]:  # a family without samples yet has no labels to check
+                grouped = read.grouped_by - {"le", "instance", "job"}
+                assert grouped <= exported[name], f"{expr}: {grouped - exported[name]}"
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -1,51 +1,12 @@
 """The shared index in Redis or a Redis Cluster: any number of gateways read it, one
 indexer writes it.
 
-Key names and layout: `redis_keys.py`. The choices, and why:
-
-- Lookup (redis_reads.py): the chain is cut into segments of a fixed number of blocks,
-  each in its own slot; one `EVALSHA` per master walks that master's segments (keys sent
-  as one hex string per segment, since one argument per key cost more Python time than
-  the script), then `HGETALL` of the live generations in the script on their master. On
-  one Redis that is one call; on a cluster at most one call per master, concurrently
-  (plus the live read when no segment is on its master). Generations
-  not live are dropped, so a reset source vanishes from lookups the moment its generation
-  is retired.
-- Generations are the per-source epoch. A source's life (until a reset or a clear) has a
-  fresh id; block hashes are keyed by it. Retiring one is O(1) (`live` loses it); its
-  blocks are then dropped in chunks named by its own reverse log, never by SCAN/KEYS.
-- Writes: one `EVALSHA` per batch with flat ARGV (block keys, field values, one binary
-  reverse-log entry). On one Redis that call holds the block writes, so a batch is atomic
-  and costs one round trip. On a cluster the block writes go first, one call per master
-  holding some (concurrently), then the batch's call with the checks, the generation
-  switch and the log: a lookup meanwhile sees each master's part of the batch applied or
-  not (docs/architecture.md says what that means for answers); a batch that failed
-  half-way is not logged, and its retry repeats the block writes, which are idempotent.
-- Fingerprints: a generation's field in a block hash holds a 48-bit hash of (generation,
-  mask) whose low bits are the mask, and "#" holds the sum of the fields, kept by the
-  writer's `HINCRBY`. Equal fingerprints on adjacent blocks mean the same holders in the
-  same tiers; a fingerprint that drops by one holder's value means that holder's run
-  ended. So the lookup script reads one small field per block, and the holders only where
-  anything else changed (see redis_lookup.lua).
-- The writer keeps each source's state (engine hash map, masks) in memory, as it must to
-  key stores without reading Redis. It is rebuilt from the reverse log the first time a
-  source is written after a restart, so an indexer restart needs no reset.
-- Data loss: the apply script refuses to write when the dataset marker is not the
-  writer's (Redis restarted empty or was flushed) or the source's generation or batch
-  count differs (Redis lost recent writes); the writer then forgets its caches and
-  raises `IndexDataLost` once, and ingest resyncs. Redis must run with
-  `maxmemory-policy noeviction`: an evicted key would be silent loss.
-- Fencing: with `fenced`, a write of a pod is made under the pod's lease (`set_fence`,
-  kept by ingest's ownership): the apply script's batch call checks the writer's token
-  against the pod's current one, and a pod without a fence is not written at all, so an
-  indexer that lost a lease cannot write, whatever it still believes (`IndexFenced`). On
-  one Redis the check and every write are one script. On a cluster each master's block
-  call checks that master's copy of the token, which a taker writes to every master
-  before following the pod (`copy_fence`), so a writer whose lease was taken over writes
-  nothing on any master (redis_fences.py).
-- Layout: the first lookup and the first write of a process check the prefix's layout
-  version (`redis_keys.check_layout`), so processes of different versions sharing a Redis
-  refuse each other's data (`LayoutMismatch`, an `IndexUnavailable`) instead of misreading.
+Key names and layout: `redis_keys.py`. The rule: a lookup is one script call per master
+its blocks are on and a batch one per master it changes plus one that checks and commits
+it (on one Redis, one call each, a batch atomic), because routing pays every round trip
+on every request. How lookups, generations, writes, fingerprints, data-loss checks and
+fences follow from it, and what a lookup sees mid-batch, in a failover or a resharding:
+docs/redis-cluster.md. Redis must run with `maxmemory-policy noeviction`.
 
 The client must use `decode_responses=False`: the reverse log is binary.
 """

@@ -61,10 +61,10 @@ def test_the_cli_writes_each_named_workload(name: str, tmp_path: Path) -> None:
 
 
 LLMD73_SHA256 = "022627aca00c9b6cecb25fbfbad1de0653140b15c5d9165240b4b6243d0c006c"
-"""The trace the README's llm-d figures were measured on, byte for byte."""
+"""The trace the llm-d figures of docs/routing-quality.md were measured on, byte for byte."""
 
 
-def test_llmd73_is_the_trace_the_readme_figures_replay(tmp_path: Path) -> None:
+def test_llmd73_is_the_trace_the_routing_quality_figures_replay(tmp_path: Path) -> None:
     out = tmp_path / "llmd73.jsonl"
     main(["llmd73", "-o", str(out)])
     assert hashlib.sha256(out.read_bytes()).hexdigest() == LLMD73_SHA256

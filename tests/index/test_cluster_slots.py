@@ -129,7 +129,7 @@ async def test_lookups_while_a_slot_migrates_are_right_shorter_or_unavailable(
     a walk meeting a moved key on the old master is refused (unavailable), and a walk the
     client sent to the new master (its first key moved: ASK) sees the keys not moved yet
     as missing, so its run ends early: shorter, never longer, never another pod. (Whether
-    the ASK is followed depends on redis-py's connection pool: see docs/architecture.md.)"""
+    the ASK is followed depends on redis-py's connection pool: see docs/redis-cluster.md.)"""
     # Every refusal refreshes, so the first lookup after the move is right (with the
     # interval, the first one after it has passed).
     monkeypatch.setattr(redis_shards, "REFRESH_INTERVAL", 0.0)

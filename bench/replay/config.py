@@ -13,7 +13,7 @@ Defaults and why (the Markdown report repeats the values used):
   of the time. 0.7 is where random routing's mean TTFT is 3.7× load balancing's on the
   Mooncake trace, the ratio of the paper's Fig. 5 (19.65 s / 5.27 s): loaded enough that
   random routing queues, not so loaded that balancing does (3,655 tokens/s per pod; see
-  the README, "Routing quality", for the calibration sweep).
+  `docs/routing-quality.md` for the calibration sweep).
 - `prefill_overhead_s` 5 ms per request and `max_batch_tokens` 8192 (SGLang's chunked
   prefill size): the emulated engine's defaults, so sim and live step the same way.
 - `attention_tokens`: attention's superlinear cost. A token at context position p costs

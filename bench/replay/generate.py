@@ -8,7 +8,7 @@ before it), so `bench replay` reads the output as a trace.
   73-capacity), as inference-perf's `shared_prefix` data drives it: 150 groups × 5
   prompts of 6,000 system and 1,200 question tokens, shuffled once and sent in that order
   over and over, at Poisson rates that step up from 3 to 60 requests/s over 17 stages
-  (17,144 requests in 502 s). The README's llm-d figures replay it.
+  (17,144 requests in 502 s). The llm-d figures of `docs/routing-quality.md` replay it.
 
 The two placement workloads pick a group by popularity (Zipf, exponent `skew`) and a
 prompt of it uniformly, and arrive as one Poisson process:

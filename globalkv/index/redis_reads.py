@@ -24,7 +24,7 @@ is where the first of those runs ends in chain order, and only generations holdi
 chain's first block count.
 
 While a slot migrates (a reshard), a lookup is right, shorter or unavailable, never deeper
-and never another pod: docs/architecture.md ("Resharding") says why.
+and never another pod: docs/redis-cluster.md ("Resharding") says why.
 """
 
 from __future__ import annotations

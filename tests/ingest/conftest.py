@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry
 from globalkv.ingest.config import IngestConfig
 from globalkv.ingest.service import IngestService
 from globalkv.metrics import IngestMetrics
-from globalkv.registry import MemoryRegistry
+from globalkv.registry import MemoryRegistry, Registry
 from tests.ingest.fakes import RecordingIndex
 from tests.ingest.publisher import Publisher
 
@@ -41,7 +41,8 @@ async def make_service(
 ) -> AsyncIterator[ServiceFactory]:
     services: list[IngestService] = []
 
-    def make(**config: object) -> IngestService:
+    def make(own_registry: Registry | None = None, **config: object) -> IngestService:
+        """`own_registry`: one the test made, instead of the fixture's."""
         settings = {
             "replay_reply_timeout": 0.3,
             "retry_base": 0.005,
@@ -51,7 +52,7 @@ async def make_service(
         }
         service = IngestService(
             index,
-            registry,
+            registry if own_registry is None else own_registry,
             IngestMetrics(prom),
             IngestConfig.model_validate(settings),
             context=context,

@@ -98,7 +98,7 @@ async def publish_until_applied(
             seq = await pub.publish(block(pod, n))
             n += 1
             try:
-                await indexer.ingest.applied(Source(pod), seq, timeout=0.5)
+                await indexer.ingest.followed.applied(Source(pod), seq, timeout=0.5)
                 return n
             except TimeoutError:
                 continue
@@ -107,7 +107,7 @@ async def publish_until_applied(
 def _followed(*indexers: Indexer) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for indexer in indexers:
-        for info in indexer.ingest.pods():
+        for info in indexer.ingest.following.pods():
             out.setdefault(info.id, []).append(indexer.config.member_id)
     return out
 
@@ -146,15 +146,15 @@ async def test_pods_are_split_and_move_to_the_survivor_continuing_by_replay(
             return (
                 set(followed) == set(PODS)
                 and all(len(f) == 1 for f in followed.values())
-                and len(a.ingest.pods()) == len(b.ingest.pods()) == 2
+                and len(a.ingest.following.pods()) == len(b.ingest.following.pods()) == 2
             )
 
         await await_for(_condition(split_evenly), timeout=15, what="the pods split 2 + 2")
         published: dict[str, int] = {}
         for pod, pub in publishers.items():
-            owner = a if pod in {p.id for p in a.ingest.pods()} else b
+            owner = a if pod in {p.id for p in a.ingest.following.pods()} else b
             published[pod] = await publish_until_applied(pub, owner, pod, 0)
-        a_pods = sorted(p.id for p in a.ingest.pods())
+        a_pods = sorted(p.id for p in a.ingest.following.pods())
 
         await _die(a)
         for pod in a_pods:  # while nobody follows them: only in the engines' buffers
@@ -222,16 +222,16 @@ async def test_a_second_live_process_under_one_id_is_yielded_to_not_fought(
     await _register(redis_url, pubs)
     a = await _indexer(redis_url, "same")
     try:
-        assert sorted(p.id for p in a.ingest.pods()) == sorted(pubs)
+        assert sorted(p.id for p in a.ingest.following.pods()) == sorted(pubs)
         b = await _indexer(redis_url, "same")  # its first step took both pods
         try:
-            assert sorted(p.id for p in b.ingest.pods()) == sorted(pubs)
+            assert sorted(p.id for p in b.ingest.following.pods()) == sorted(pubs)
             await await_for(_condition(lambda: a.ownership.displaced), 10, "a to see b")
             for indexer in (a, b, a, b):  # and the steps of their own loops meanwhile
                 assert indexer.ownership is not None
                 await indexer.ownership.step()
-            assert not a.ingest.pods()
-            assert sorted(p.id for p in b.ingest.pods()) == sorted(pubs)
+            assert not a.ingest.following.pods()
+            assert sorted(p.id for p in b.ingest.following.pods()) == sorted(pubs)
             assert sample(a.metrics_registry, "globalkv_ingest_displaced") == 1
             assert sample(b.metrics_registry, "globalkv_ingest_displaced") == 0
         finally:

@@ -157,7 +157,9 @@ class SourceWorker:
         await self.wait(lambda state: state.last_seq is not None and state.last_seq >= seq)
 
     async def wait(self, condition: Callable[[SourceProgress], bool]) -> None:
-        """Return once `condition` holds for the source's state, checked after each batch."""
+        """Return once `condition` holds for the source's state, checked now (its queue
+        depth read afresh: puts refresh it only for waiters) and after each batch."""
+        self.state.queue_depth = self.queue.qsize()
         if condition(self.state):
             return
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()

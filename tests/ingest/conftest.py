@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 import zmq.asyncio
@@ -65,21 +65,21 @@ async def make_service(
         await service.stop()
 
 
-PublisherFactory = Callable[..., Publisher]
+PublisherFactory = Callable[..., Awaitable[Publisher]]
 
 
 @pytest.fixture
 async def make_publisher(context: zmq.asyncio.Context) -> AsyncIterator[PublisherFactory]:
     publishers: list[Publisher] = []
 
-    def make(**kw: object) -> Publisher:
+    async def make(**kw: object) -> Publisher:
         kw.setdefault("endpoint", "tcp://127.0.0.1:0")
         kw.setdefault("replay_endpoint", "tcp://127.0.0.1:0")
         publisher = Publisher(context, **kw)  # type: ignore[arg-type]
-        publisher.start()
+        await publisher.start()
         publishers.append(publisher)
         return publisher
 
     yield make
     for publisher in publishers:
-        await publisher.close()
+        await publisher.stop()

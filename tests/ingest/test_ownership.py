@@ -71,16 +71,16 @@ async def publishers(context: zmq.asyncio.Context) -> AsyncIterator[dict[str, Pu
         for pod in PODS
     }
     for pub in pubs.values():
-        pub.start()
+        await pub.start()
     yield pubs
     for pub in pubs.values():
-        await pub.close()
+        await pub.stop()
 
 
 async def _register(url: str, pubs: dict[str, Publisher]) -> None:
     registry = RedisRegistry(redis_client.connect(url))
     for pod, pub in pubs.items():
-        events = KvEventsConfig(endpoint=pub.endpoint, replay_endpoint=pub.replay_endpoint)
+        events = KvEventsConfig(endpoint=pub.endpoint, replay_endpoint=pub.bound_replay_endpoint)
         await registry.put(PodInfo(id=pod, model="m", kv_events=events))
     await registry.redis.aclose()
 
@@ -95,7 +95,7 @@ async def publish_until_applied(
     n = first
     async with asyncio.timeout(timeout):
         while True:
-            seq = await pub.publish(block(pod, n))
+            seq = await pub.send(block(pod, n))
             n += 1
             try:
                 await indexer.ingest.followed.applied(Source(pod), seq, timeout=0.5)
@@ -158,7 +158,7 @@ async def test_pods_are_split_and_move_to_the_survivor_continuing_by_replay(
 
         await _die(a)
         for pod in a_pods:  # while nobody follows them: only in the engines' buffers
-            await publishers[pod].publish(block(pod, published[pod]), send=False)
+            await publishers[pod].send(block(pod, published[pod]), live=False)
 
         def b_follows_all() -> bool:
             return sorted(_followed(b)) == sorted(PODS)

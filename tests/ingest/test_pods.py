@@ -20,7 +20,7 @@ from globalkv.registry import KvEventsConfig, MemoryRegistry, PodInfo
 from globalkv.wire import live_frames
 from tests.ingest.conftest import PublisherFactory, ServiceFactory
 from tests.ingest.fakes import RecordingIndex
-from tests.ingest.test_service import follow, pod_for, store
+from tests.ingest.test_service import follow, of_rank, pod_for, store
 from tests.support.metrics import sample
 from tests.support.net import await_for
 
@@ -35,12 +35,12 @@ def bind_pod(pod_id: str, topic: str, replay: str | None = None) -> PodInfo:
 async def test_a_connected_pod_is_subscribed_and_says_when_events_arrive(
     make_service: ServiceFactory, make_publisher: PublisherFactory
 ) -> None:
-    service, pub = make_service(), make_publisher()
+    service, pub = make_service(), await make_publisher()
     await follow(service, pub, pod_for(pub))
     before = service.states()["p0"]
     assert (before.subscribed, before.receiving) == (True, False)
     assert before.sources[0].received == 0
-    await pub.publish([store(0)])
+    await pub.send([store(0)])
     await service.followed.applied(P0, 0)
     after = service.states()["p0"]
     assert (after.subscribed, after.receiving) == (True, True)
@@ -55,11 +55,11 @@ async def test_a_bind_pod_listens_but_receives_nothing_before_its_first_event(
     await service.following.add(bind_pod("b0", "kv@b0@m"))
     before = service.states()["b0"]
     assert (before.subscribed, before.receiving, before.sources) == (True, False, [])
-    pub = make_publisher(
+    pub = await make_publisher(
         endpoint=service.bound.endpoints[0], connect=True, replay_endpoint=None, topic="kv@b0@m"
     )
     await pub.wait_subscribed()
-    await pub.publish([store(0)])
+    await pub.send([store(0)])
     await service.followed.applied(Source("b0"), 0)
     after = service.states()["b0"]
     assert (after.subscribed, after.receiving) == (True, True)
@@ -106,16 +106,14 @@ async def test_bad_input_on_the_bound_socket_is_counted_and_the_socket_keeps_ser
     service = make_service(bind=["tcp://127.0.0.1:0"], allow_endpoint_schemes=["ipc"])
     await service.start()
     await service.following.add(bind_pod("b0", "kv@b0@m", replay="ipc:///tmp/globalkv-no-offset"))
-    pub = make_publisher(
+    pub = await make_publisher(
         endpoint=service.bound.endpoints[0], connect=True, replay_endpoint=None, topic="kv@b0@m"
     )
     await pub.wait_subscribed()
     await pub.raw(live_frames(b"\xff\xfe", 0, msgpack.packb([0.0, [], 0])))
-    await pub.publish([store(0)], dp_rank=4096)
-    pub.seq = 0
-    await pub.publish([store(0)], dp_rank=1)  # rank 1 of an ipc:// replay: no replay for it
-    pub.seq = 0
-    await pub.publish([store(0)], dp_rank=0)
+    await pub.raw(of_rank(pub, 4096, [store(0)]))
+    await pub.raw(of_rank(pub, 1, [store(0)]))  # rank 1 of an ipc:// replay: no replay for it
+    await pub.send([store(0)])
     await service.followed.applied(Source("b0", 0), 0)
     await service.followed.applied(Source("b0", 1), 0)
     assert index.applied == {Source("b0", 0): [0], Source("b0", 1): [0]}
@@ -146,7 +144,7 @@ async def test_a_bound_topic_names_one_pod(
 async def test_blocks_of_a_removed_pod_are_cleared_once_the_index_answers(
     make_service: ServiceFactory, make_publisher: PublisherFactory, index: RecordingIndex
 ) -> None:
-    service, pub = make_service(), make_publisher()
+    service, pub = make_service(), await make_publisher()
     await follow(service, pub, pod_for(pub))
     index.unavailable = 1
     with pytest.raises(IndexUnavailable):
@@ -182,11 +180,11 @@ async def test_a_discovered_pod_the_registry_missed_is_written_not_dropped(
     registry = _FlakyRegistry(failures=1)
     service = make_service(registry, bind=["tcp://127.0.0.1:0"])
     await service.start()
-    pub = make_publisher(
+    pub = await make_publisher(
         endpoint=service.bound.endpoints[0], connect=True, replay_endpoint=None, topic="kv@d0@m"
     )
     await pub.wait_subscribed()
-    await pub.publish([store(0)])
+    await pub.send([store(0)])
     await service.followed.applied(Source("d0"), 0)
     assert "could not write discovered pods" in caplog.text
     await PodSync(registry, service).reconcile()
@@ -219,7 +217,7 @@ async def test_a_notification_after_the_registry_lost_its_data_restores_it_not_t
     """A change notice arriving before the periodic reconcile must not read the lost
     registry as "this pod was deleted", or the pod is never followed again."""
     registry = _LosingRegistry()
-    service, pub = make_service(registry), make_publisher()
+    service, pub = make_service(registry), await make_publisher()
     pod = pod_for(pub)
     await registry.put(pod)
     await follow(service, pub, pod)
@@ -259,7 +257,7 @@ async def test_a_message_over_the_size_limit_never_reaches_ingest(
     meanwhile is lost, as in any gap: so batches are sent until one arrives."""
     service = make_service(bind=["tcp://127.0.0.1:0"], max_message_bytes=1024)
     await service.start()
-    pub = make_publisher(
+    pub = await make_publisher(
         endpoint=service.bound.endpoints[0], connect=True, replay_endpoint=None, topic="kv@b0@m"
     )
     await pub.wait_subscribed()
@@ -267,7 +265,7 @@ async def test_a_message_over_the_size_limit_never_reaches_ingest(
     await pub.raw(live_frames(b"kv@b0@m", 10**6, oversized))
 
     async def flowing() -> bool:
-        await pub.publish([store(0)])
+        await pub.send([store(0)])
         return Source("b0") in index.applied
 
     await await_for(flowing, timeout=10, what="batches after the oversized one")
@@ -353,7 +351,7 @@ async def test_a_registry_lost_between_the_check_and_the_list_is_restored_not_it
     make_service: ServiceFactory, make_publisher: PublisherFactory, index: RecordingIndex
 ) -> None:
     registry = _RestartingRegistry()
-    service, pub = make_service(registry), make_publisher()
+    service, pub = make_service(registry), await make_publisher()
     pod = pod_for(pub)
     await registry.put(pod)
     await follow(service, pub, pod)

@@ -175,11 +175,11 @@ async def test_bind_mode_names_pods_by_topic(
 ) -> None:
     (bound,) = service.bound.endpoints
     a = await publishers(connect_to=bound, topic="kv@a@m", replay=False, name="pub-a")
-    b = await publishers(connect_to=bound, topic="kv@b@m", replay=False, name="pub-b")
+    b = await publishers(connect_to=bound, topic="kv@b@m", replay=False, dp_rank=3, name="pub-b")
     await a.call(op="wait_subscribed")
     await b.call(op="wait_subscribed")
     await a.publish(block(0), block(1))
-    seq = await b.publish(block(0), dp_rank=3)
+    seq = await b.publish(block(0))
     await service.followed.applied(Source("a"), 0)
     await service.followed.applied(Source("b", 3), seq)
     result = await IndexLookup(index).lookup("m", PROMPT)

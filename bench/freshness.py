@@ -54,7 +54,8 @@ from globalkv.index.base import (
 )
 from globalkv.index.memory import MemoryIndex
 from globalkv.index.redis import RedisIndex
-from globalkv.ingest.service import IngestConfig, IngestService
+from globalkv.ingest.config import IngestConfig
+from globalkv.ingest.service import IngestService
 from globalkv.keys import BlockKey, EngineHash, chain_keys
 from globalkv.metrics import IngestMetrics
 from globalkv.registry import KvEventsConfig, MemoryRegistry, PodInfo
@@ -210,13 +211,13 @@ async def measure(index: Index, args: argparse.Namespace, gc_mode: str) -> str:
         assert child.stdin is not None
         await child.stdout.readline()
         pod = PodInfo(id="fresh", model="m", kv_events=KvEventsConfig(endpoint=endpoint))
-        await service.add_pod(pod)
+        await service.following.add(pod)
         with collector(gc_mode) as watch:
             child.stdin.write(b"go\n")
             await child.stdin.drain()
             report = json.loads(await child.stdout.readline())
             sent = {int(k): v for k, v in report["sent"].items()}
-            await service.applied(Source("fresh"), max(sent), timeout=120)
+            await service.followed.applied(Source("fresh"), max(sent), timeout=120)
         child.stdin.write(b"done\n")
         await child.stdin.drain()
     finally:

@@ -41,7 +41,8 @@ from bench.redis_process import cpu_seconds, redis_cluster, redis_server
 from globalkv.index.base import ApplyResult, Hit, Index, Source, SourceBatch, SourceStats
 from globalkv.index.memory import MemoryIndex
 from globalkv.index.redis import RedisIndex
-from globalkv.ingest.service import IngestConfig, IngestService
+from globalkv.ingest.config import IngestConfig
+from globalkv.ingest.service import IngestService
 from globalkv.keys import BlockKey
 from globalkv.metrics import IngestMetrics
 from globalkv.redis_client import connect
@@ -179,13 +180,13 @@ async def measure(index: Index, batches: int, blocks: int, pods: int) -> Rate:
         await child.stdout.readline()
         for n, endpoint in enumerate(endpoints):
             kv_events = KvEventsConfig(endpoint=endpoint)
-            await service.add_pod(PodInfo(id=f"pod{n}", model="m", kv_events=kv_events))
+            await service.following.add(PodInfo(id=f"pod{n}", model="m", kv_events=kv_events))
         await child.stdout.readline()
         start, cpu = time.perf_counter(), time.process_time()
         child.stdin.write(b"go\n")
         await child.stdin.drain()
         for n in range(pods):
-            await service.applied(Source(f"pod{n}"), batches - 1, timeout=600)
+            await service.followed.applied(Source(f"pod{n}"), batches - 1, timeout=600)
         elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
         child.stdin.write(b"done\n")
         await child.stdin.drain()

@@ -32,6 +32,7 @@ from redis.crc import key_slot
 from bench.replay.trace import read_trace
 from globalkv.index.base import Source, SourceBatch, StoreBlocks, Tier
 from globalkv.index.redis import RedisIndex
+from globalkv.index.redis_keys import RedisKeys
 from globalkv.keys import EngineHash, request_chain, root_key
 from globalkv.redis_client import connect
 from globalkv.stack.redis_cluster import LocalRedisCluster
@@ -101,7 +102,7 @@ def _entries(cluster: LocalRedisCluster, prefix: str) -> list[tuple[int, int]]:
         keys = entries = 0
         with node.client(timeout=30) as client:
             batch: list[bytes] = []
-            for name in client.scan_iter(match=f"{prefix}:b:*", count=1000):
+            for name in client.scan_iter(match=f"{RedisKeys(prefix).block_prefix}*", count=1000):
                 batch.append(name)
                 if len(batch) >= 1000:
                     entries += _fields(client, batch)

@@ -9,8 +9,13 @@ seq on, then the end marker, in the reply layout of the emulated engine version.
 Batches are encoded with `globalkv.wire` in the flavour configured, so the indexer is
 tested against the exact bytes it meets in production. Sending happens on a task fed by a
 queue; `drain()` awaits that everything published so far was handed to ZMQ, which is how
-tests wait for events without sleeping. A batch dropped by fault injection still takes
-its seq and stays replayable: that is the gap an indexer must notice and repair.
+tests wait for events without sleeping. A batch dropped by fault injection (or published
+with `live=False`) still takes its seq and stays replayable: that is the gap an indexer
+must notice and repair. The ingest tests drive the same publisher to misbehave in the
+other ways an engine or a stranger can: garbage frames (`send_raw`), a buffer that lost
+its oldest batches (`forget`), replies held back (`replay_open`), a seq set anywhere.
+The PUB is an XPUB, which sends the same, so `wait_subscribed` can tell when a
+subscriber's subscription has arrived.
 """
 
 from __future__ import annotations
@@ -101,6 +106,10 @@ class PublisherSettings:
     dp_rank: int
     buffer_steps: int = 10_000
     hwm: int = 100_000
+    layout: ReplayLayout | None = None
+    """The replay reply layout; None: the emulated version's (`replay_layout_of`)."""
+    bind: bool | None = None
+    """Bind the PUB (else connect); None: the peers' rule (`endpoint_binds`)."""
 
 
 class KVEventPublisher:
@@ -119,10 +128,14 @@ class KVEventPublisher:
         self._drop = drop
         self._clock = clock
         self._topic = settings.topic.encode()
-        self._layout = replay_layout_of(settings.flavor)
+        self._layout = settings.layout or replay_layout_of(settings.flavor)
         self._rank = str(settings.dp_rank)
         self._seq = 0
-        self._buffer: deque[Frame] = deque(maxlen=settings.buffer_steps)
+        self.buffer: deque[Frame] = deque(maxlen=settings.buffer_steps)
+        """The batches a replay can still give, oldest first."""
+        self.replay_open = asyncio.Event()
+        """Replay requests are answered only while set."""
+        self.replay_open.set()
         self._outbox: asyncio.Queue[list[bytes]] = asyncio.Queue()
         self._pub: zmq.asyncio.Socket | None = None
         self._replay: zmq.asyncio.Socket | None = None
@@ -135,15 +148,21 @@ class KVEventPublisher:
     def next_seq(self) -> int:
         return self._seq
 
+    @next_seq.setter
+    def next_seq(self, seq: int) -> None:
+        """As if the batches before `seq` had been published (or a new run began)."""
+        self._seq = seq
+
     async def start(self) -> None:
         """Bind or connect the sockets; on a bind error nothing stays open."""
-        pub = self._ctx.socket(zmq.PUB)
+        pub = self._ctx.socket(zmq.XPUB)
         pub.setsockopt(zmq.SNDHWM, self.settings.hwm)
         pub.setsockopt(zmq.LINGER, 0)
         self._pub = pub
         endpoint = self.settings.endpoint
         try:
-            if endpoint_binds(endpoint):
+            bind = self.settings.bind
+            if endpoint_binds(endpoint) if bind is None else bind:
                 pub.bind(endpoint)
                 self.bound_endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
             else:
@@ -171,8 +190,16 @@ class KVEventPublisher:
                 sock.close(linger=0)
         self._pub = self._replay = None
 
-    def publish(self, events: Sequence[Event]) -> int | None:
-        """Queue one batch; returns its seq (None for an empty batch, which is not sent)."""
+    async def wait_subscribed(self, timeout: float = 10.0) -> None:
+        """Return once a subscriber's subscription message reached the PUB."""
+        assert self._pub is not None
+        async with asyncio.timeout(timeout):
+            while (await self._pub.recv())[:1] != b"\x01":
+                pass
+
+    def publish(self, events: Sequence[Event], *, live: bool = True) -> int | None:
+        """Queue one batch; returns its seq (None for an empty batch, which is not sent).
+        Not `live`: only buffered for replay, as a batch the PUB dropped."""
         if not events:
             return None
         payload = encode_batch(
@@ -181,15 +208,21 @@ class KVEventPublisher:
         )
         seq = self._seq
         self._seq += 1
-        self._buffer.append(Frame(self._topic, seq, payload))
+        self.buffer.append(Frame(self._topic, seq, payload))
         for event in events:
             self._metrics.events.labels(self._rank, type(event).__name__).inc()
+        if not live:
+            return seq
         if self._drop():
             self._metrics.event_batches.labels(self._rank, "dropped_fault").inc()
             log.info("dp %s: fault dropped KV-event batch seq=%d (live only)", self._rank, seq)
             return seq
         self._outbox.put_nowait(live_frames(self._topic, seq, payload))
         return seq
+
+    def send_raw(self, frames: Sequence[bytes]) -> None:
+        """Queue frames as they are, whatever they hold: what a broken peer sends."""
+        self._outbox.put_nowait(list(frames))
 
     async def drain(self) -> None:
         """Return once every batch published so far has been handed to the PUB socket."""
@@ -198,7 +231,12 @@ class KVEventPublisher:
     def restart(self) -> None:
         """Seq back to 0 and the replay buffer emptied, as a restarted engine process has."""
         self._seq = 0
-        self._buffer.clear()
+        self.buffer.clear()
+
+    def forget(self, keep: int) -> None:
+        """Forget all but the last `keep` buffered batches, as a buffer that wrapped."""
+        while len(self.buffer) > keep:
+            self.buffer.popleft()
 
     async def _send_loop(self) -> None:
         assert self._pub is not None
@@ -214,13 +252,14 @@ class KVEventPublisher:
         assert self._replay is not None
         while True:
             identity, *request = await self._replay.recv_multipart()
+            await self.replay_open.wait()
             try:
                 start_seq = parse_replay_request(request)
             except WireError as exc:
                 self._metrics.replay_requests.labels(self._rank, "malformed").inc()
                 log.warning("dp %s: dropped malformed replay request: %s", self._rank, exc)
                 continue
-            batches = [frame for frame in self._buffer if frame.seq >= start_seq]
+            batches = [frame for frame in self.buffer if frame.seq >= start_seq]
             for frame in batches:
                 await self._replay.send_multipart([identity, *replay_reply(frame, self._layout)])
             await self._replay.send_multipart([identity, *replay_end(self._layout)])

@@ -54,6 +54,7 @@ from gateway.shared_wire import (
     text,
 )
 from globalkv.index.redis_failures import CONNECTION_FAILURES, redis_failed
+from globalkv.index.redis_keys import RedisKeys
 from globalkv.redis_client import Client
 from kvplumbing.tasks import cancel_and_wait
 
@@ -95,9 +96,9 @@ class SharedState:
         self.member = member
         self.interval = interval
         self.grace_s = grace_s
-        self.members_key = f"{prefix}:gateways"
-        self.channel = f"{prefix}:gw:pending"
-        self._prefix = prefix
+        self._keys = RedisKeys(prefix)
+        self.members_key = self._keys.gateways
+        self.channel = self._keys.gateway_pending
         self._heartbeat = redis.register_script(_HEARTBEAT)
         self._loads: dict[str, tuple[int, int, int]] = {}
         self._remote = RemotePending(grace_s)
@@ -132,7 +133,7 @@ class SharedState:
         )
 
     def load_key(self, member: str) -> str:
-        return f"{self._prefix}:gw:{{{member}}}:load"
+        return self._keys.gateway_load(member)
 
     # ------------------------------------------------------------ LoadTracker.shared
 

@@ -166,10 +166,10 @@ class _IndexRoutes:
             raise HTTPException(refusal.status, refusal.message)
 
     def _require_ready(self) -> None:
-        if not self.ingest.ready:
-            raise HTTPException(
-                503, f"index resyncing after data loss ({self.ingest.resyncing} sources left)"
-            )
+        recovery = self.ingest.recovery
+        if not recovery.ready:
+            left = len(recovery.resyncing)
+            raise HTTPException(503, f"index resyncing after data loss ({left} sources left)")
 
     async def _token_ids(self, body: LookupRequest) -> list[int]:
         if body.text is None:
@@ -223,9 +223,9 @@ class _IndexRoutes:
                 f"{self.index.block_size}: its blocks cannot be keyed",
             )
         try:
-            self.ingest.check_pod(pod)
+            self.ingest.following.check(pod)
             await self.registry.put(pod)
-            await self.ingest.add_pod(pod)
+            await self.ingest.following.add(pod)
         except EndpointRefused as exc:
             raise HTTPException(400, str(exc)) from exc
         except TopicTaken as exc:
@@ -262,7 +262,7 @@ class _IndexRoutes:
         except IndexUnavailable as exc:
             raise _unavailable(exc) from exc
         try:
-            followed = await self.ingest.remove_pod(pod_id)
+            followed = await self.ingest.following.remove(pod_id)
         except IndexUnavailable as exc:
             raise HTTPException(
                 503,
@@ -274,14 +274,14 @@ class _IndexRoutes:
         return {"removed": pod_id}
 
     async def health(self, response: Response) -> Health:
-        ready = self.ingest.ready
+        ready = self.ingest.recovery.ready
         if not ready:
             response.status_code = 503
         return Health(
             status="ok" if ready else "resyncing",
             version=VERSION,
-            pods=len(self.ingest.pods()),
-            resyncing_sources=self.ingest.resyncing,
+            pods=len(self.ingest.following.pods()),
+            resyncing_sources=len(self.ingest.recovery.resyncing),
         )
 
     async def version(self) -> dict[str, str]:

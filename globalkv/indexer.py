@@ -32,7 +32,7 @@ from globalkv.index.redis import RedisIndex
 from globalkv.ingest.config import IngestConfig
 from globalkv.ingest.followed import TopicTaken
 from globalkv.ingest.leases import Leases
-from globalkv.ingest.ownership import Ownership
+from globalkv.ingest.ownership import HeldLeases, Ownership
 from globalkv.ingest.podsync import PodSync
 from globalkv.ingest.service import IngestService
 from globalkv.metrics import IngestMetrics
@@ -156,20 +156,31 @@ class Indexer:
         self.metrics_registry = metrics_registry or CollectorRegistry()
         self.index: Index = InstrumentedIndex(index, self.metrics_registry)
         metrics = IngestMetrics(self.metrics_registry)
-        self.ingest = IngestService(self.index, registry, metrics, config.ingest, context=context)
-        self.ownership: Ownership | None = None
+        shared: tuple[Leases, RedisIndex, HeldLeases] | None = None
         if leases is not None:
             if not (isinstance(index, RedisIndex) and index.fenced):
                 raise ValueError("indexer replicas need a fenced RedisIndex")
+            shared = (leases, index, HeldLeases(metrics, set_fence=index.set_fence))
+        self.ingest = IngestService(
+            self.index,
+            registry,
+            metrics,
+            config.ingest,
+            gate=None if shared is None else shared[2],
+            context=context,
+        )
+        self.ownership: Ownership | None = None
+        if shared is not None:
+            leases, fenced, held = shared
             self.ownership = Ownership(
                 leases,
                 registry,
-                self.ingest,
+                self.ingest.following,
+                held,
                 metrics,
                 member=config.member_id,
                 ttl=config.lease_ttl,
-                set_fence=index.set_fence,
-                copy_fence=index.copy_fence,
+                copy_fence=fenced.copy_fence,
             )
         self.podsync = PodSync(registry, self.ingest, interval=config.reconcile_interval)
         self._podsync_task: asyncio.Task[None] | None = None
@@ -196,7 +207,7 @@ class Indexer:
             except IndexUnavailable as exc:
                 log.warning("could not write pod %s to the registry yet: %s", pod.id, exc)
             try:
-                await self.ingest.add_pod(pod)
+                await self.ingest.following.add(pod)
             except TopicTaken as exc:  # a pod appeared on the bound socket first
                 log.error("not following pod %s: %s", pod.id, exc)
         with contextlib.suppress(IndexUnavailable):
@@ -214,7 +225,7 @@ class Indexer:
             self.config.port,
             "redis" if self.config.redis_url else "memory",
             self.config.block_size,
-            len(self.ingest.pods()),
+            len(self.ingest.following.pods()),
         )
 
     async def stop(self) -> None:

@@ -9,13 +9,12 @@ reconciliation, because pub/sub messages are lost while a subscriber reconnects.
 Next to each pod the indexer writes its ingest state (subscribed, last seq, last event
 time, resets, drops), so `globalkv pods` and `doctor` read freshness from any process.
 
-Redis keys, all here and under the index's hash tag, the prefix in braces (one slot on a
-cluster, so each write is one script): `{gkv}:registry:pods` (hash id → PodInfo JSON),
-`{gkv}:registry:state` (hash id → PodState JSON, written only beside a listed pod, so a
-state published just after its pod was removed does not outlive it),
-`{gkv}:registry:marker` (absent after a Redis restart or flush, so the indexer can tell
-"everyone deleted their pods" from "Redis lost them" and write back what it knows),
-channel `{gkv}:registry:changed` (a cluster forwards it to every node).
+In Redis (keys named in `index.redis_keys`, under the index's hash tag, so each write is
+one script): the pods, their states (written only beside a listed pod, so a state
+published just after its pod was removed does not outlive it), a marker (absent after a
+Redis restart or flush, so the indexer can tell "everyone deleted their pods" from "Redis
+lost them" and write back what it knows), and a change channel (a cluster forwards it to
+every node).
 """
 
 from __future__ import annotations
@@ -285,11 +284,11 @@ class RedisRegistry:
         self._put = redis.register_script(_PUT)
         self._remove = redis.register_script(_REMOVE)
         self._put_states = redis.register_script(_PUT_STATES)
-        tag = RedisKeys(prefix).tag  # one slot, shared with the index's own keys
-        self.pods_key = f"{tag}:registry:pods"
-        self.state_key = f"{tag}:registry:state"
-        self.marker_key = f"{tag}:registry:marker"
-        self.channel = f"{tag}:registry:changed"
+        keys = RedisKeys(prefix)
+        self.pods_key = keys.registry_pods
+        self.state_key = keys.registry_state
+        self.marker_key = keys.registry_marker
+        self.channel = keys.registry_changed
 
     async def put(self, pod: PodInfo) -> None:
         keys = [self.pods_key, self.marker_key]

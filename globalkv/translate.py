@@ -1,4 +1,5 @@
-"""Engine events become index events here, and nowhere else (DESIGN principle 3).
+"""Engine events become index events here, and nowhere else: one reading of each engine's
+dialect, so a batch means the same to the index whichever socket brought it.
 
 The index needs three things the wire does not state directly: the chain's namespace
 (model + LoRA name + cache salt, `keys.root_key`), the tier (each engine names its media
@@ -42,6 +43,8 @@ MEDIUM_TIERS: dict[str | None, Tier] = {
 
 @dataclass(slots=True)
 class Translated:
+    ts: float
+    """The batch's publish time (engine clock)."""
     events: list[IndexEvent]
     skipped: Counter[str] = field(default_factory=Counter)
     """Engine events not turned into index events, by reason."""
@@ -68,7 +71,7 @@ def _extra_keys_keyable(extra_keys: Sequence[object] | None, cache_salt: str | N
 
 def translate(batch: EventBatch, model: str) -> Translated:
     """The index events of one decoded batch from a pod serving `model`."""
-    out = Translated(events=[])
+    out = Translated(ts=batch.ts, events=[])
     if batch.skipped:
         out.skipped["not_for_index"] += batch.skipped
     for event in batch.events:

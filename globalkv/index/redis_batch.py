@@ -13,12 +13,8 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from globalkv.index.base import Source, SourceStats, Tier
-from globalkv.index.packing import DEPTH_BITS, DEPTH_MASK
 from globalkv.index.redis_keys import (
     RedisKeys,
-    segment_of,
-    segment_slot,
-    slot_tags,
     source_name,
 )
 from globalkv.index.redis_scripts import fingerprints, log_delete, log_put
@@ -129,15 +125,14 @@ def _block_writes(
 ) -> None:
     """The changed keys' new field values (0: no longer held), named and placed."""
     masks = state.masks
-    tags, prefix = slot_tags(), keys.block_prefix
     slots, names, values = writes.slots, writes.names, writes.values
     for key, at in changes.keys.items():
         old = 0 if fresh else changes.stored_mask(key)
         new = masks.get(key, 0)
         if old != new:
-            slot = segment_slot(at >> DEPTH_BITS, segment_of(at & DEPTH_MASK))
+            slot = keys.block_slot(at)
             slots.append(slot)
-            names.append(f"{prefix}{{{tags[slot]}}}{key:016x}")
+            names.append(keys.block_in(slot, key))
             values.append(str(prints[new]))
 
 

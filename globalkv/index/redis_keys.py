@@ -1,4 +1,7 @@
-"""Every Redis key the index uses, named here and nowhere else (the scripts receive names).
+"""Every Redis key and channel globalkv uses, named here and nowhere else (scripts receive
+names): the index's, and those of the pod registry, the indexers' leases and the gateway
+replicas, which share the index's prefix (so one prefix is one deployment) and, for the
+registry and the leases, its hash tag (so their scripts run where the index checks them).
 
 Block keys (millions; short):
     <prefix>:b:{<slot tag>}<key hex> hash: generation -> tier mask under a
@@ -25,7 +28,25 @@ new one), all under the hash tag `{p}`, one slot, so each write's checks are one
     {p}:index:marker           string: dataset token; gone when Redis lost its data
     {p}:index:layout           string: `LAYOUT`, the version of every name and value above
 (`{p}` is the prefix in braces: `{gkv}:index:live`; the names tagged by a slot start with
-the bare prefix instead: `gkv:b:{265b}...`.) The pod registry's keys share the tag.
+the bare prefix instead: `gkv:b:{265b}...`.)
+
+The pod registry (`globalkv.registry`), same tag, so each of its writes is one script:
+    {p}:registry:pods          hash: pod id -> PodInfo JSON
+    {p}:registry:state         hash: pod id -> PodState JSON (only beside a listed pod)
+    {p}:registry:marker        string: gone after a Redis restart or flush
+    {p}:registry:changed       pub/sub channel: the id of a pod written or removed
+
+Indexer replicas (`globalkv.ingest.leases`), same tag, so the apply script reads a fence
+where it writes:
+    {p}:lease:<pod>:owner      string: the holder's token, with the lease TTL
+    {p}:lease:<pod>:fence      hash: token, counter, holder, last renewal
+    {p}:indexers               sorted set: indexer id -> expiry
+
+Gateway replicas (`gateway.shared_state`), under the bare prefix, one replica's load per
+hash tag (a cluster spreads them):
+    <prefix>:gateways          sorted set: replica -> expiry
+    <prefix>:gw:{<replica>}:load  hash: worker -> its load as that replica sees it
+    <prefix>:gw:pending        pub/sub channel: pending prompts sent and answered
 
 Per writer and slot, on a cluster (redis_checkpoints.py):
     <prefix>:ck:{<slot tag>}<writer> counter: the writer's block calls on that slot
@@ -55,9 +76,7 @@ from globalkv.keys import BlockKey
 _PREFIX_RE = re.compile(r"[A-Za-z0-9_.:-]+")
 
 LAYOUT = b"3"
-"""Bump with any change to the names or value formats above. Layout 1 is what came before
-the key existed (generations without a `layout` key); layouts 1 and 2 had untagged names
-(`{p}:index:layout`), still read to refuse them."""
+"""Bump with any change to the index's names or value formats above."""
 SEGMENT = 16
 """Blocks per head segment: a 1k-token system prompt at block size 16 spans 4 of them."""
 HEAD_SEGMENTS = 16
@@ -120,14 +139,18 @@ class RedisKeys:
     __slots__ = (
         "block_prefix",
         "dead",
+        "gateway_pending",
+        "gateways",
+        "indexers",
         "layout",
-        "legacy_layout",
-        "legacy_marker",
-        "legacy_sources",
         "live",
         "marker",
         "next_gen",
         "prefix",
+        "registry_changed",
+        "registry_marker",
+        "registry_pods",
+        "registry_state",
         "sources",
         "tag",
     )
@@ -149,13 +172,21 @@ class RedisKeys:
         self.next_gen = f"{index}:gen:next"
         self.marker = f"{index}:marker"
         self.layout = f"{index}:layout"
-        self.legacy_layout = f"{prefix}:index:layout"
-        self.legacy_marker = f"{prefix}:index:marker"
-        self.legacy_sources = f"{prefix}:index:sources"
+        registry = f"{self.tag}:registry"
+        self.registry_pods = f"{registry}:pods"
+        self.registry_state = f"{registry}:state"
+        self.registry_marker = f"{registry}:marker"
+        self.registry_changed = f"{registry}:changed"
+        self.indexers = f"{self.tag}:indexers"
+        self.gateways = f"{prefix}:gateways"
+        self.gateway_pending = f"{prefix}:gw:pending"
 
     def block(self, at: int, key: BlockKey) -> str:
         """The name of `key` at place `at` (`packing.place`: its chain root and position)."""
-        slot = segment_slot(at >> DEPTH_BITS, segment_of(at & DEPTH_MASK))
+        return self.block_in(self.block_slot(at), key)
+
+    def block_in(self, slot: int, key: BlockKey) -> str:
+        """The name of `key` in the segment placed on `slot`."""
         return f"{self.block_prefix}{{{slot_tags()[slot]}}}{key:016x}"
 
     def block_slot(self, at: int) -> int:
@@ -193,19 +224,25 @@ class RedisKeys:
     def info(self, gen: int) -> str:
         return f"{self.tag}:index:gen:{gen}:info"
 
+    def lease_owner(self, pod: str) -> str:
+        return f"{self.tag}:lease:{pod}:owner"
+
+    def lease_fence(self, pod: str) -> str:
+        return f"{self.tag}:lease:{pod}:fence"
+
+    def gateway_load(self, member: str) -> str:
+        return f"{self.prefix}:gw:{{{member}}}:load"
+
 
 async def check_layout(redis: Any, keys: RedisKeys) -> None:
     """Claim an empty prefix for `LAYOUT`, or raise `LayoutMismatch` if it holds another.
 
     A reader or writer of another layout does not fail by itself: it misreads (wrong
-    depths, wrong pods) or corrupts. Not atomic (older layouts' keys are in other slots):
-    two processes of different layouts starting on one empty prefix at the same instant
-    are not caught. `redis` is a client of one Redis or of a cluster (`redis_client`).
-    Redis errors pass through: callers turn them into `IndexUnavailable`.
+    depths, wrong pods) or corrupts. `redis` is a client of one Redis or of a cluster
+    (`redis_client`). Redis errors pass through: callers turn them into
+    `IndexUnavailable`.
     """
     found = await redis.get(keys.layout)
-    if found is None:
-        found = await _legacy_layout(redis, keys)
     if found is None:
         await redis.set(keys.layout, LAYOUT, nx=True)
         found = await redis.get(keys.layout)
@@ -216,19 +253,6 @@ async def check_layout(redis: Any, keys: RedisKeys) -> None:
             f"globalkv reads layout {LAYOUT.decode()}: run the same version everywhere, or "
             f"use another prefix (or delete its keys) for this one"
         )
-
-
-async def _legacy_layout(redis: Any, keys: RedisKeys) -> bytes | None:
-    """The layout of an index under the untagged names of layouts 1 and 2, if any."""
-    found = await redis.get(keys.legacy_layout)
-    if found is not None:
-        return found.encode() if isinstance(found, str) else bytes(found)
-    # Every writer of layout 1 set the dataset marker; writers since claim the layout
-    # first. (Not `gen:next`: a refused write after a restart still increments it.)
-    for name in (keys.legacy_marker, keys.legacy_sources):
-        if await redis.exists(name):
-            return b"1"
-    return None
 
 
 def source_name(source: Source) -> str:

@@ -17,15 +17,15 @@ once each time the limit is reached) until one of them is removed.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import Callable, Coroutine
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Literal
 
 from pydantic import ValidationError
 
 from globalkv.index.base import IndexUnavailable
 from globalkv.ingest.followed import FollowedPod, FollowedPods
+from globalkv.ingest.tasks import Background
 from globalkv.registry import KvEventsConfig, PodInfo, Registry
 from kvplumbing.topics import parse_topic
 
@@ -38,23 +38,20 @@ topic anyone sends: the set must not grow without end)."""
 Refusal = Literal["unknown_topic", "not_owner", "pod_limit"]
 """Why a message names no followed pod: its drop reason."""
 
-Spawn = Callable[[Coroutine[Any, Any, None], str], "asyncio.Task[None]"]
-
 
 class Discovery:
     def __init__(
         self,
         pods: FollowedPods,
-        registry: Callable[[], Registry],
+        registry: Registry,
         may_follow: Callable[[str], bool],
-        spawn: Spawn,
+        background: Background,
         max_discovered: int,
     ) -> None:
         self._pods = pods
         self._registry = registry
-        """The service's registry, read at each write (it may be replaced)."""
         self._may_follow = may_follow
-        self._spawn = spawn
+        self._background = background
         self._unregistered: set[str] = set()
         """Pods that appeared on the bound socket and are not in the registry yet."""
         self._unowned_seen: set[str] = set()
@@ -85,7 +82,7 @@ class Discovery:
         if not self._may_follow(info.id):
             if info.id not in self._unowned_seen and len(self._unowned_seen) < MAX_UNOWNED:
                 self._unowned_seen.add(info.id)
-                self._spawn(self._register_unowned(info), f"registering pod {info.id}")
+                self._background.spawn(self._register_unowned(info), f"registering pod {info.id}")
             return "not_owner" if info.id in self._unowned_seen else "unknown_topic"
         if len(self._discovered) >= self.max_discovered:
             if not self._limit_logged:
@@ -101,7 +98,7 @@ class Discovery:
         pod = self._pods.add(info)
         self._discovered.add(info.id)
         self._unregistered.add(info.id)
-        self._spawn(self._register_now(), f"registering pod {info.id}")
+        self._background.spawn(self._register_now(), f"registering pod {info.id}")
         return pod
 
     def forget(self, pod_id: str) -> None:
@@ -116,14 +113,14 @@ class Discovery:
         for pod_id in sorted(self._unregistered):
             pod = self._pods.get(pod_id)
             if pod is not None:
-                await self._registry().put(pod.info)
+                await self._registry.put(pod.info)
             self._unregistered.discard(pod_id)
 
     async def _register_unowned(self, info: PodInfo) -> None:
         """Another indexer may be assigned it, but only once the registry lists it."""
         try:
-            if await self._registry().get(info.id) is None:
-                await self._registry().put(info)
+            if await self._registry.get(info.id) is None:
+                await self._registry.put(info)
         except IndexUnavailable as exc:
             self._unowned_seen.discard(info.id)
             log.warning("could not write discovered pod %s to the registry: %s", info.id, exc)

@@ -1,4 +1,5 @@
-"""The pods an indexer follows, each with its source workers and tasks, by id and by topic.
+"""The pods an indexer follows, each with its source workers and tasks, by id and by topic,
+and what their workers have applied.
 
 The bound SUB knows a message's pod only by its topic, so a topic names one pod at most:
 a second pod claiming a topic another followed pod holds is refused (`TopicTaken`), where
@@ -6,21 +7,22 @@ it would otherwise take that pod's events from it without a word.
 
 A pod's reported state says only what the indexer knows (`registry.PodState`): listening
 is not receiving, and a task that died is not a subscription.
+
+Waiting on a source (`wait`, `applied`, `flush`) is how callers and tests learn that a
+batch is visible without sleeping; a bind-mode source may appear only later, with its
+first batch.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-from collections.abc import Coroutine, Iterator, Set
+import time
+from collections.abc import Callable, Iterator, Set
 from dataclasses import dataclass, field
-from typing import Any
 
 from globalkv.index.base import Source
 from globalkv.ingest.worker import SourceWorker
-from globalkv.registry import PodInfo, PodState
-
-log = logging.getLogger(__name__)
+from globalkv.registry import PodInfo, PodState, SourceProgress
 
 
 class TopicTaken(ValueError):
@@ -60,6 +62,7 @@ class FollowedPods:
     def __init__(self) -> None:
         self._pods: dict[str, FollowedPod] = {}
         self._by_topic: dict[str, str] = {}
+        self._worker_added = asyncio.Event()
 
     def __contains__(self, pod_id: object) -> bool:
         return pod_id in self._pods
@@ -99,15 +102,43 @@ class FollowedPods:
             del self._by_topic[pod.info.kv_events.topic]
         return pod
 
+    def add_worker(self, pod: FollowedPod, worker: SourceWorker) -> None:
+        pod.workers[worker.source.dp_rank] = worker
+        added, self._worker_added = self._worker_added, asyncio.Event()
+        added.set()
 
-def watched(coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
-    """A task whose failure is logged when it happens: nobody awaits these until shutdown,
-    and a subscription that died silently would leave its pod invisible for good."""
-    task = asyncio.create_task(coro, name=name)
-    task.add_done_callback(_log_failure)
-    return task
+    def workers(self) -> Iterator[SourceWorker]:
+        for pod in self:
+            yield from list(pod.workers.values())
 
+    def worker(self, source: Source) -> SourceWorker | None:
+        pod = self._pods.get(source.pod)
+        return None if pod is None else pod.workers.get(source.dp_rank)
 
-def _log_failure(task: asyncio.Task[None]) -> None:
-    if not task.cancelled() and (exc := task.exception()) is not None:
-        log.error("%s stopped: %r", task.get_name(), exc, exc_info=exc)
+    async def applied(self, source: Source, seq: int, timeout: float = 10.0) -> None:
+        """Return once `source`'s batch `seq` (or a later one) is visible in the index."""
+        await self.wait(
+            source, lambda s: s.last_seq is not None and s.last_seq >= seq, timeout=timeout
+        )
+
+    async def wait(
+        self, source: Source, condition: Callable[[SourceProgress], bool], timeout: float = 10.0
+    ) -> None:
+        """Return once `condition` holds for `source`'s ingest state (TimeoutError after
+        `timeout`); the source may appear later (bound socket)."""
+        async with asyncio.timeout(timeout):
+            while (worker := self.worker(source)) is None:
+                await self._worker_added.wait()
+            await worker.wait(condition)
+
+    async def flush(self) -> None:
+        """Return once every batch received so far has been applied (or dropped)."""
+        await asyncio.gather(*(w.idle() for w in self.workers()))
+
+    def states(self, *, listening: bool, resyncing: Set[Source]) -> dict[str, PodState]:
+        """Each pod's state; `listening`: the bound SUB is up."""
+        now = time.time()
+        return {
+            pod.info.id: pod.state(listening=listening, resyncing=resyncing, now=now)
+            for pod in self
+        }

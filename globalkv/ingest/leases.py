@@ -10,14 +10,12 @@ On a Redis Cluster the block writes go to other masters than the lease, so each 
 holds a copy of the token, written by the taker before and after the grant (`acquire`'s
 `copy`) and checked by the block writes there: `index.redis_fences`.
 
-Keys, all under the index's hash tag `{p}` (the prefix in braces, as the index's own
-metadata: `redis_keys`), so a lease, its fence and the index's batch checks are one slot
-on a Redis Cluster and the apply script reads the fence where it writes:
-    {p}:lease:<pod>:owner      string "<token>" with the lease TTL; gone = the pod is free
-    {p}:lease:<pod>:fence      hash: token (the current "<n>:<holder>"), n (the counter),
-                               holder ("<member>/<process>": `acquire`), renewed (Redis
-                               time of the last grant or renewal, ms)
-    {p}:indexers               sorted set: indexer id -> expiry (Redis time, ms)
+Keys (named in `index.redis_keys`), all under the index's hash tag, so a lease, its fence
+and the index's batch checks are one slot on a Redis Cluster and the apply script reads
+the fence where it writes: per pod an owner (string "<token>" with the lease TTL; gone:
+the pod is free) and a fence (hash: token, the current "<n>:<holder>"; n, the counter;
+holder, "<member>/<process>": `acquire`; renewed, Redis time of the last grant or renewal
+in ms), and the members (sorted set: indexer id -> expiry, Redis time in ms).
 
 The token is compared for equality, counter and holder together. The counter is the
 larger of the last one plus one and Redis's time in ms, so it keeps rising after Redis
@@ -46,6 +44,7 @@ import xxhash
 
 from globalkv.index.base import Fence
 from globalkv.index.redis_failures import any_failure_unavailable
+from globalkv.index.redis_keys import RedisKeys
 from globalkv.redis_client import Client, text
 
 _HEARTBEAT = """
@@ -141,9 +140,7 @@ class Leases:
 
     def __init__(self, redis: Client, *, prefix: str = "gkv") -> None:
         self.redis = redis
-        self.prefix = prefix
-        self.tag = f"{{{prefix}}}"
-        self.members_key = f"{self.tag}:indexers"
+        self.keys = RedisKeys(prefix)
         self._heartbeat = redis.register_script(_HEARTBEAT)
         self._acquire = redis.register_script(_ACQUIRE)
         self._renew = redis.register_script(_RENEW)
@@ -152,26 +149,20 @@ class Leases:
         """This process's part of the holder: a restart under the same member id is
         another holder."""
 
-    def owner_key(self, pod: str) -> str:
-        return f"{self.tag}:lease:{pod}:owner"
-
-    def fence_key(self, pod: str) -> str:
-        return f"{self.tag}:lease:{pod}:fence"
-
     async def heartbeat(self, member: str, ttl: float) -> dict[str, float]:
         """Announce `member` alive for `ttl` seconds; every live member, with the seconds
         its heartbeat has left."""
         with _reachable("heartbeat"):
-            live = await self._heartbeat(keys=[self.members_key], args=[member, _ms(ttl)])
+            live = await self._heartbeat(keys=[self.keys.indexers], args=[member, _ms(ttl)])
         return _members(live)
 
     async def leave(self, member: str) -> None:
         with _reachable("leaving"):
-            await self.redis.zrem(self.members_key, member)
+            await self.redis.zrem(self.keys.indexers, member)
 
     async def members(self) -> list[str]:
         with _reachable("listing indexers"):
-            live = await self._heartbeat(keys=[self.members_key], args=["", ""])
+            live = await self._heartbeat(keys=[self.keys.indexers], args=["", ""])
         return sorted(_members(live))
 
     async def acquire(
@@ -197,7 +188,7 @@ class Leases:
         if not member or ":" in member or "/" in member:
             raise ValueError(f"an indexer id may hold neither ':' nor '/': {member!r}")
         holder = f"{member}/{self.process}"
-        keys = [self.owner_key(pod), self.fence_key(pod)]
+        keys = [self.keys.lease_owner(pod), self.keys.lease_fence(pod)]
         if copy is not None:
             with _reachable("reading a lease"):
                 async with self.redis.pipeline(transaction=False) as pipe:
@@ -214,7 +205,7 @@ class Leases:
         if copy is not None:
             await copy(text(token))
         unfollowed = None if ms < 0 else ms / 1000
-        return Grant(Fence(self.fence_key(pod), text(token), keys[0]), unfollowed)
+        return Grant(Fence(self.keys.lease_fence(pod), text(token), keys[0]), unfollowed)
 
     async def renew(self, fences: dict[str, Fence], ttl: float) -> set[str]:
         """Extend every lease we hold; the pods whose lease is still ours."""
@@ -225,7 +216,7 @@ class Leases:
             held = await asyncio.gather(
                 *(
                     self._renew(
-                        keys=[self.owner_key(pod), self.fence_key(pod)],
+                        keys=[self.keys.lease_owner(pod), self.keys.lease_fence(pod)],
                         args=[fences[pod].token, _ms(ttl)],
                     )
                     for pod in pods
@@ -235,7 +226,7 @@ class Leases:
 
     async def release(self, pod: str, fence: Fence) -> None:
         with _reachable("releasing a lease"):
-            await self._release(keys=[self.owner_key(pod)], args=[fence.token])
+            await self._release(keys=[self.keys.lease_owner(pod)], args=[fence.token])
 
     async def owners(self, pods: Sequence[str]) -> dict[str, str]:
         """The holder of each pod's lease, for the pods that have one."""
@@ -244,7 +235,7 @@ class Leases:
         with _reachable("reading leases"):
             async with self.redis.pipeline(transaction=False) as pipe:
                 for pod in pods:
-                    pipe.get(self.owner_key(pod))
+                    pipe.get(self.keys.lease_owner(pod))
                 tokens = await pipe.execute()
         return {
             pod: _member(text(token).partition(":")[2])

@@ -8,8 +8,12 @@ an assigned pod that is free is acquired (on a Redis Cluster its fence copied to
 master before the grant returns: `Leases.acquire`) and followed; one still held by
 another is tried again the moment that lease runs out, so a dead indexer's pods go
 unfollowed at most about the TTL after it last renewed. Following starts where the index
-says the previous holder stopped (`IngestService` resumes from the last applied seq, by
+says the previous holder stopped (`Following` resumes from the last applied seq, by
 replay from the engine's buffer, else resets the source).
+
+`HeldLeases` is what ingest and this loop share: the leases held and until when they are
+surely valid. Ingest asks it whether a pod may be followed and tells it when a write was
+fenced; it is built first and handed to both, so neither reaches into the other.
 
 A lease this indexer cannot renew — another took it, or Redis did not answer within the
 TTL — is given up locally: the pod is no longer followed, so at steady state no pod is
@@ -34,8 +38,8 @@ import time
 from collections.abc import Awaitable, Callable
 
 from globalkv.index.base import Fence, IndexUnavailable
+from globalkv.ingest.following import Following
 from globalkv.ingest.leases import Held, Leases, assign
-from globalkv.ingest.service import IngestService
 from globalkv.metrics import IngestMetrics
 from globalkv.registry import PodInfo, Registry
 from kvplumbing.clock import Clock
@@ -43,49 +47,78 @@ from kvplumbing.clock import Clock
 log = logging.getLogger(__name__)
 
 
+class HeldLeases:
+    """The pod leases this indexer holds: ingest's `PodGate` when indexers share pods."""
+
+    def __init__(
+        self,
+        metrics: IngestMetrics,
+        *,
+        set_fence: Callable[[str, Fence | None], None],
+        clock: Clock = time.monotonic,
+    ) -> None:
+        """`set_fence(pod, fence)` tells the index which lease its writes of a pod carry."""
+        self._metrics = metrics
+        self._set_fence = set_fence
+        self.clock = clock
+        self.fences: dict[str, Fence] = {}
+        self.valid_until = 0.0
+        """Monotonic time until which the leases renewed last are surely still ours."""
+        self.fenced_out: set[str] = set()
+        """Pods given up because a write was fenced, not yet checked for who took them."""
+
+    def holds(self, pod: str) -> bool:
+        return pod in self.fences and self.clock() < self.valid_until
+
+    def lost(self, pod: str) -> None:
+        """A write was fenced, so the lease is another's already."""
+        if pod in self.fences:
+            log.warning("pod %s: a write was fenced; its lease is another indexer's", pod)
+            self.drop(pod)
+            self.fenced_out.add(pod)
+
+    def hold(self, pod: str, fence: Fence) -> None:
+        self.fences[pod] = fence
+        self._set_fence(pod, fence)
+        self._metrics.leases_held.set(len(self.fences))
+
+    def drop(self, pod: str) -> None:
+        self.fences.pop(pod, None)
+        self._set_fence(pod, None)
+        self._metrics.leases_held.set(len(self.fences))
+
+
 class Ownership:
     def __init__(
         self,
         leases: Leases,
         registry: Registry,
-        service: IngestService,
+        following: Following,
+        held: HeldLeases,
         metrics: IngestMetrics,
         *,
         member: str,
         ttl: float,
-        set_fence: Callable[[str, Fence | None], None],
         copy_fence: Callable[[str, str], Awaitable[None]] | None = None,
-        clock: Clock = time.monotonic,
     ) -> None:
-        """`set_fence(pod, fence)` tells the index which lease its writes of a pod carry;
-        `copy_fence(pod, token)` writes a token to the index's copies of the pod's fence
+        """`copy_fence(pod, token)` writes a token to the index's copies of the pod's fence
         (`Leases.acquire`'s `copy`: a Redis Cluster's masters each check one)."""
         self.leases = leases
         self.registry = registry
-        self.service = service
+        self.following = following
+        self.held = held
         self.metrics = metrics
         self.member = member
         self.ttl = ttl
         self.interval = ttl / 3
-        self._set_fence = set_fence
         self._copy_fence = copy_fence
-        self.clock = clock
-        self.fences: dict[str, Fence] = {}
+        self.clock = held.clock
         self.members: list[str] = []
         self._retry_at: float | None = None
         """When a lease we are waiting for runs out (monotonic), if sooner than a step."""
-        self._valid_until = 0.0
-        """Monotonic time until which the leases renewed last are surely still ours."""
         self.displaced = False
         """A later process under our id took a lease of ours: we take none from it."""
-        self._fenced_out: set[str] = set()
-        """Pods given up because a write was fenced, not yet checked for who took them."""
         self._lock = asyncio.Lock()
-        service.gate = self.holds
-        service.lease_lost = self.lost
-
-    def holds(self, pod: str) -> bool:
-        return pod in self.fences and self.clock() < self._valid_until
 
     async def run(self) -> None:
         while True:
@@ -93,10 +126,10 @@ class Ownership:
                 await self.step()
             except IndexUnavailable as exc:
                 log.warning("leases: redis unavailable: %s", exc)
-                if self.fences and self.clock() >= self._valid_until:
+                if self.held.fences and self.clock() >= self.held.valid_until:
                     log.warning("leases not renewed within %.1fs: following no pod", self.ttl)
                     async with self._lock:
-                        await self._drop_lost(sorted(self.fences))
+                        await self._drop_lost(sorted(self.held.fences))
             await asyncio.sleep(self._pause())
 
     def _pause(self) -> float:
@@ -113,43 +146,33 @@ class Ownership:
             self.members = sorted(live)
             self.metrics.live_indexers.set(len(live))
             pods = {p.id: p for p in await self.registry.list()}
-            kept = await self.leases.renew(self.fences, self.ttl)
-            self._valid_until = started + self.ttl
-            lost = sorted(set(self.fences) - kept)
+            kept = await self.leases.renew(self.held.fences, self.ttl)
+            self.held.valid_until = started + self.ttl
+            lost = sorted(set(self.held.fences) - kept)
             for pod in lost:
                 log.warning("lease of pod %s lost; no longer following it", pod)
             await self._drop_lost(lost)
-            await self._check_displaced([*lost, *sorted(self._fenced_out)])
+            await self._check_displaced([*lost, *sorted(self.held.fenced_out)])
             wanted = {p for p, m in assign(pods, self.members).items() if m == self.member}
-            for pod in sorted(set(self.fences) - wanted):
+            for pod in sorted(set(self.held.fences) - wanted):
                 await self._give_up(pod, gone=pod not in pods)
             # A member whose heartbeat runs out before our next step has stopped renewing:
             # step again the moment it drops out, to take its pods without delay.
             fading = [left for m, left in live.items() if m != self.member and left < self.interval]
             self._retry_at = None if not fading else self.clock() + min(fading) + 0.01
-            for pod in await self._takeable(sorted(wanted - set(self.fences))):
+            for pod in await self._takeable(sorted(wanted - set(self.held.fences))):
                 await self._take(pods[pod])
-            self.metrics.leases_held.set(len(self.fences))
 
     async def stop(self) -> None:
         """Release every lease and leave, so the others take the pods over at once."""
         async with self._lock:
-            for pod in sorted(self.fences):
+            for pod in sorted(self.held.fences):
                 await self._give_up(pod, gone=False)
             await self.leases.leave(self.member)
 
-    def lost(self, pod: str) -> None:
-        """Service hook: a write was fenced, so the lease is another's already."""
-        fence = self.fences.pop(pod, None)
-        if fence is not None:
-            log.warning("pod %s: a write was fenced; its lease is another indexer's", pod)
-            self._set_fence(pod, None)
-            self.metrics.leases_held.set(len(self.fences))
-            self._fenced_out.add(pod)
-
     async def _check_displaced(self, pods: list[str]) -> None:
         """Whether a process of our own id took any of these lost pods (module docstring)."""
-        self._fenced_out.clear()
+        self.held.fenced_out.clear()
         if self.displaced or not pods:
             return
         takers = await self.leases.owners(pods)
@@ -183,16 +206,15 @@ class Ownership:
             self.metrics.takeovers.inc()
             self.metrics.unfollowed.observe(grant.unfollowed)
             log.info("pod %s taken over, unfollowed for at most %.2fs", info.id, grant.unfollowed)
-        self.fences[info.id] = grant.fence
-        self._set_fence(info.id, grant.fence)
+        self.held.hold(info.id, grant.fence)
         try:
-            await self.service.add_pod(info)
+            await self.following.add(info)
         except ValueError as exc:  # TopicTaken, EndpointRefused: reported, lease kept
             log.warning("not following pod %s: %s", info.id, exc)
 
     async def _give_up(self, pod: str, *, gone: bool) -> None:
         """Stop following (clearing its blocks when it left the registry), then release."""
-        fence = self.fences.get(pod)
+        fence = self.held.fences.get(pod)
         await self._drop(pod, clear=gone)
         if fence is not None:
             await self.leases.release(pod, fence)
@@ -203,8 +225,7 @@ class Ownership:
     async def _drop(self, pod: str, *, clear: bool, drain: float = 0.0) -> None:
         """Stop the workers before the fence goes: a write is refused only by the index."""
         try:
-            await self.service.remove_pod(pod, clear=clear, drain=drain)
-        except IndexUnavailable as exc:  # the service clears it later (clear_removed)
+            await self.following.remove(pod, clear=clear, drain=drain)
+        except IndexUnavailable as exc:  # cleared later (`Following.clear_removed`)
             log.warning("pod %s: blocks not cleared yet: %s", pod, exc)
-        self.fences.pop(pod, None)
-        self._set_fence(pod, None)
+        self.held.drop(pod)

@@ -56,9 +56,9 @@ class PodSync:
         """Make the followed pods equal to the registry's."""
         if not await self.registry.intact():
             log.warning("the pod registry lost its data; writing back the pods we follow")
-            await self.service.restore_registry()
-        await self.service.register_discovered()
-        followed = {p.id for p in self.service.pods()}
+            await self.service.recovery.restore_registry()
+        await self.service.discovery.register_discovered()
+        followed = {p.id for p in self.service.following.pods()}
         pods = await self.registry.list()
         for pod in pods:
             await self._follow(pod)
@@ -70,12 +70,12 @@ class PodSync:
             # Lost after the check above, before the list was read: what the list lacks
             # was not deleted. Asked after the list, "intact" vouches for what it read.
             log.warning("the pod registry lost its data; writing back the pods we follow")
-            await self.service.restore_registry()
+            await self.service.recovery.restore_registry()
             gone = set()
         for pod_id in gone:
             log.info("pod %s left the registry; unsubscribing", pod_id)
-            await self.service.remove_pod(pod_id)
-        await self.service.clear_removed()
+            await self.service.following.remove(pod_id)
+        await self.service.following.clear_removed()
         await self.service.publish_states()
 
     async def sync_one(self, pod_id: str) -> None:
@@ -86,19 +86,19 @@ class PodSync:
             await self._follow(pod)
             return
         self.refused.pop(pod_id, None)
-        if pod_id not in {p.id for p in self.service.pods()}:
+        if pod_id not in {p.id for p in self.service.following.pods()}:
             return
         if not await self.registry.intact():
             await self.reconcile()
             return
         log.info("pod %s was removed from the registry; unsubscribing", pod_id)
-        await self.service.remove_pod(pod_id)
+        await self.service.following.remove(pod_id)
 
     async def _follow(self, pod: PodInfo) -> None:
         """A pod written by someone else that this indexer refuses (its topic names another
         pod, its endpoint's scheme is not allowed) is reported, and the others followed."""
         try:
-            await self.service.add_pod(pod)
+            await self.service.following.add(pod)
         except (TopicTaken, EndpointRefused) as exc:
             reason = str(exc)
             if self.refused.get(pod.id) != reason:

@@ -1,5 +1,8 @@
 """Asking a publisher for the batches we missed (PROTOCOLS §4.1 replay).
 
+Replayed batches cross the border here (`border.receive`), as live ones do at the
+subscriber: the worker gets `Received` either way.
+
 A DEALER per request, never REQ: one request gets many replies. Both reply layouts
 (`[b"", seq, payload]` and `[b"", topic, seq, payload]`) and the end marker are accepted.
 ZMQ cannot tell "nobody listens there" from "slow", so an unreachable endpoint shows up
@@ -18,7 +21,9 @@ from typing import Literal
 import zmq
 import zmq.asyncio
 
-from globalkv.wire import Frame, WireError, parse_replay_reply, replay_request
+from globalkv.ingest.border import Received, receive
+from globalkv.metrics import IngestMetrics
+from globalkv.wire import WireError, parse_replay_reply, replay_request
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +32,7 @@ Outcome = Literal["end", "timeout", "malformed", "limit", "no_endpoint"]
 
 @dataclass(slots=True)
 class ReplayResult:
-    frames: list[Frame] = field(default_factory=list)
+    batches: list[Received] = field(default_factory=list)
     outcome: Outcome = "end"
     """end: the publisher said it had nothing more (or we got up to `stop`)."""
 
@@ -36,6 +41,7 @@ class ReplayClient:
     def __init__(
         self,
         context: zmq.asyncio.Context,
+        metrics: IngestMetrics,
         *,
         reply_timeout: float = 1.0,
         total_timeout: float = 30.0,
@@ -43,13 +49,15 @@ class ReplayClient:
         max_message_bytes: int = 64 << 20,
     ) -> None:
         self.context = context
+        self.metrics = metrics
         self.reply_timeout = reply_timeout
         self.total_timeout = total_timeout
         self.max_batches = max_batches
         self.max_message_bytes = max_message_bytes
 
-    async def fetch(self, endpoint: str, start: int, stop: int) -> ReplayResult:
-        """Buffered batches with `start <= seq < stop` from the replay ROUTER at `endpoint`."""
+    async def fetch(self, endpoint: str, start: int, stop: int, model: str) -> ReplayResult:
+        """Buffered batches with `start <= seq < stop` from the replay ROUTER at `endpoint`,
+        of a source serving `model`."""
         result = ReplayResult()
         sock = self.context.socket(zmq.DEALER)
         sock.linger = 0
@@ -73,13 +81,13 @@ class ReplayClient:
                 except WireError:
                     result.outcome = "malformed"
                     return result
+                if frame is not None and start <= frame.seq < stop:
+                    at = time.monotonic()
+                    batch = receive(frame.seq, frame.payload, model, at, self.metrics)
+                    result.batches.append(batch)
                 if frame is None or frame.seq >= stop - 1:
-                    if frame is not None:
-                        result.frames.append(frame)
                     return result
-                if frame.seq >= start:
-                    result.frames.append(frame)
-                if len(result.frames) >= self.max_batches:
+                if len(result.batches) >= self.max_batches:
                     result.outcome = "limit"
                     return result
         finally:

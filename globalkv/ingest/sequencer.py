@@ -23,7 +23,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 
-from globalkv.wire import Frame
+from globalkv.ingest.border import Received
 
 
 class Step(enum.Enum):
@@ -42,7 +42,9 @@ def classify(expected: int | None, seq: int) -> Step:
     return Step.GAP if seq > expected else Step.RESTART
 
 
-def contiguous_tail(frames: Sequence[Frame], start: int, stop: int) -> tuple[list[Frame], bool]:
+def contiguous_tail(
+    batches: Sequence[Received], start: int, stop: int
+) -> tuple[list[Received], bool]:
     """The replayed batches to apply for the missing range [start, stop), and whether the
     range is complete.
 
@@ -50,10 +52,10 @@ def contiguous_tail(frames: Sequence[Frame], start: int, stop: int) -> tuple[lis
     `start`, including batches we already have live). When the range is not complete,
     the longest run ending at `stop - 1` is returned: those can be applied after a reset.
     """
-    by_seq = {f.seq: f for f in frames if start <= f.seq < stop}
+    by_seq = {b.seq: b for b in batches if start <= b.seq < stop}
     if len(by_seq) == stop - start:
         return [by_seq[s] for s in range(start, stop)], True
-    tail: list[Frame] = []
+    tail: list[Received] = []
     seq = stop - 1
     while seq >= start and seq in by_seq:
         tail.append(by_seq[seq])

@@ -4,10 +4,11 @@
   engine DP rank, so every message on it belongs to one known source.
 - `BoundSubscriber`: we bind one SUB, engines connect their PUBs to it; a message names its
   pod only by its topic (`kv@<pod>@<model>`) and its DP rank only inside the payload, so
-  it is decoded here and handed to a router.
+  its frame goes to a router (`bound.BoundSocket.route`) that finds its source.
 
-Malformed frames (wrong count, a seq that is not 8 bytes) are counted and dropped here;
-malformed payloads are counted by the worker (or here, for the bound socket). Each SUB
+Malformed frames (wrong count, a seq that is not 8 bytes) are counted and dropped here.
+A connected subscription's payload crosses the border here (`border.receive`); a payload
+that is no batch still reaches the worker, which counts it and keeps its seq. Each SUB
 bounds what it holds (`SubLimits`): a message over the size limit makes ZMQ drop the
 sending connection, which the engine re-opens; the lost batch is a gap like any other.
 """
@@ -23,7 +24,8 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from globalkv.ingest.worker import Received, SourceWorker
+from globalkv.ingest.border import receive
+from globalkv.ingest.worker import SourceWorker
 from globalkv.metrics import IngestMetrics
 from globalkv.registry import PodInfo
 from globalkv.wire import Frame, WireError, parse_live
@@ -41,8 +43,8 @@ every other socket would wait for good."""
 async def drain(sock: zmq.asyncio.Socket) -> AsyncIterator[list[bytes]]:
     """Every message of `sock`: wait until readable, then read what is queued without
     waiting, `DRAIN_BURST` at a time. An awaited recv per message costs a future and a
-    poller round (~15 µs); reading a burst through a synchronous shadow of the same socket
-    costs a C call."""
+    poller round; reading a burst through a synchronous shadow of the same socket costs a
+    C call."""
     raw: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
     while True:
         await sock.poll()
@@ -121,7 +123,9 @@ class EngineSubscription:
                 if self.topic and frame.topic != self.topic:
                     self.metrics.dropped.labels("unknown_topic").inc()
                     continue
-                await self.worker.put(Received(frame.seq, frame.payload, time.monotonic()))
+                worker = self.worker
+                at = time.monotonic()
+                await worker.put(receive(frame.seq, frame.payload, worker.model, at, self.metrics))
         finally:
             sock.close(linger=0)
 

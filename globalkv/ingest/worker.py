@@ -1,20 +1,22 @@
 """One source's writer: its batches, in seq order, into the index.
 
 Each (pod, DP rank) has exactly one worker, so a source's batches are applied by one
-writer in order (DESIGN principle 5), and a slow or failing source never holds up the
+writer in order, and a slow or failing source never holds up the
 others. The worker's queue is bounded: a subscriber connected to one engine awaits room
 (back-pressure reaches the SUB socket, whose high-water mark makes the engine's PUB drop,
 which we later see as a gap and replay); the shared bound socket cannot wait for one
 source, so it drops the batch (`queue_full`), which becomes a gap the same way.
 
+Batches arrive translated (`border.Received`); this writer only orders and applies them.
+
 Index failures: `IndexUnavailable` holds the batch and retries with capped exponential
-backoff, the bounded queue behind it filling meanwhile; `IndexDataLost` tells the service,
+backoff, the bounded queue behind it filling meanwhile; `IndexDataLost` tells `recovery`,
 which asks the worker of every source lost (all of them, unless the index names some) to
 rebuild it (replay from seq 0 where the engine's buffer still starts there, otherwise
 reset and apply what the buffer has); a worker whose own source was not lost applies its
 batch again. `IndexFenced`
-(another indexer holds the pod's lease now) drops the write, counts it and tells the
-service, which stops following the pod: retrying could only be refused again.
+(another indexer holds the pod's lease now) drops the write, counts it and tells
+`following`, which stops following the pod: retrying could only be refused again.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from functools import partial
 from typing import Protocol, TypeVar
 
@@ -38,12 +39,12 @@ from globalkv.index.base import (
     Source,
     SourceBatch,
 )
+from globalkv.ingest.border import Received
 from globalkv.ingest.replay import ReplayClient
 from globalkv.ingest.sequencer import Step, classify, contiguous_tail
 from globalkv.metrics import IngestMetrics
 from globalkv.registry import SourceProgress
-from globalkv.translate import translate
-from globalkv.wire import EventBatch, Frame, WireError, decode_batch
+from globalkv.wire import WireError
 from kvplumbing.backoff import Backoff
 from kvplumbing.clock import WallClock
 
@@ -52,29 +53,18 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-@dataclass(frozen=True, slots=True)
-class Received:
-    seq: int
-    payload: bytes | EventBatch
-    """Raw from a per-engine SUB; already decoded by the bound SUB (it needs dp_rank)."""
-    at: float
-    """time.monotonic() on arrival, for the apply-lag histogram."""
-
-
 INDEX_BACKOFF = Backoff(base=0.05, cap=2.0)
 """Waits while the index is unreachable: 50 ms doubling to 2 s (`IngestConfig.retry_*`)."""
 
 
-class WorkerHooks(Protocol):
+class Resyncs(Protocol):
+    """Who rebuilds what the index lost (`recovery.Recovery`)."""
+
     def data_lost(self, source: Source, lost: frozenset[Source] | None) -> None:
         """The index lost the data of `lost` (None: of every source): rebuild them."""
         ...
 
     def resynced(self, source: Source) -> None: ...
-
-    def fenced(self, source: Source) -> None:
-        """A write of the source was refused: another indexer holds the pod's lease."""
-        ...
 
 
 _WAKE = None
@@ -91,7 +81,8 @@ class SourceWorker:
         index: Index,
         replayer: ReplayClient,
         metrics: IngestMetrics,
-        hooks: WorkerHooks,
+        resyncs: Resyncs,
+        fenced: Callable[[Source], None],
         queue_size: int = 1024,
         max_group: int = 64,
         backoff: Backoff | None = None,
@@ -105,7 +96,9 @@ class SourceWorker:
         self.index = index
         self.replayer = replayer
         self.metrics = metrics
-        self.hooks = hooks
+        self.resyncs = resyncs
+        self.fenced = fenced
+        """Called when a write was refused: another indexer holds the pod's lease."""
         self.backoff = backoff or INDEX_BACKOFF
         self.max_group = max_group
         self.expected = expected
@@ -124,7 +117,7 @@ class SourceWorker:
         self._pending: Received | None = None
         """Taken from the queue while grouping but not next in seq: handled next."""
         self._stopped = asyncio.Event()
-        """Set when the service stops this worker: its queue is abandoned, not drained."""
+        """Set when its pod stops being followed: its queue is abandoned, not drained."""
         pod = source.pod
         self._m_batches = metrics.batches.labels(pod)
         self._m_stored = metrics.blocks_stored.labels(pod)
@@ -164,7 +157,9 @@ class SourceWorker:
         await self.wait(lambda state: state.last_seq is not None and state.last_seq >= seq)
 
     async def wait(self, condition: Callable[[SourceProgress], bool]) -> None:
-        """Return once `condition` holds for the source's state, checked after each batch."""
+        """Return once `condition` holds for the source's state, checked now (its queue
+        depth read afresh: puts refresh it only for waiters) and after each batch."""
+        self.state.queue_depth = self.queue.qsize()
         if condition(self.state):
             return
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -188,7 +183,7 @@ class SourceWorker:
             stopped.cancel()
 
     def stopped(self) -> None:
-        """The service cancelled this worker's loop; whatever is still queued is dropped."""
+        """Its loop was cancelled (the pod is no longer followed); what is queued is dropped."""
         self._stopped.set()
 
     # ---------------------------------------------------------------- the loop
@@ -259,12 +254,12 @@ class SourceWorker:
     async def _recover(self, start: int, stop: int, *, reset_reason: str | None) -> None:
         """Replay [start, stop); reset first if the range cannot be filled and must be."""
         pod = self.source.pod
-        frames: list[Frame] = []
+        replayed: list[Received] = []
         if self.replay_endpoint is None:
             complete, outcome = False, "no_endpoint"
         else:
-            result = await self.replayer.fetch(self.replay_endpoint, start, stop)
-            frames, complete = contiguous_tail(result.frames, start, stop)
+            result = await self.replayer.fetch(self.replay_endpoint, start, stop, self.model)
+            replayed, complete = contiguous_tail(result.batches, start, stop)
             outcome = "complete" if complete else ("short" if result.outcome == "end" else "")
             outcome = outcome or result.outcome
         self.metrics.replays.labels(pod, outcome).inc()
@@ -273,9 +268,7 @@ class SourceWorker:
                 "%s: replay of [%d, %d) %s; resetting the source", self.source, start, stop, outcome
             )
             await self._reset(reset_reason)
-        self.metrics.replayed_batches.labels(pod).inc(len(frames))
-        now = time.monotonic()
-        replayed = [Received(f.seq, f.payload, now) for f in frames]
+        self.metrics.replayed_batches.labels(pod).inc(len(replayed))
         for start_at in range(0, len(replayed), self.max_group):
             await self._apply_group(replayed[start_at : start_at + self.max_group])
 
@@ -286,7 +279,7 @@ class SourceWorker:
             if stop:
                 await self._recover(0, stop, reset_reason="data_lost")
         finally:
-            self.hooks.resynced(self.source)
+            self.resyncs.resynced(self.source)
 
     async def _reset(self, reason: str) -> None:
         self.metrics.resets.labels(self.source.pod, reason).inc()
@@ -301,7 +294,7 @@ class SourceWorker:
     # ---------------------------------------------------------------- applying
 
     async def _apply_group(self, group: Sequence[Received]) -> None:
-        """Consecutive batches of this source, decoded, translated and applied as one.
+        """Consecutive batches of this source applied as one.
 
         A malformed batch is dropped but its seq still counts as handled (it is not a gap).
         """
@@ -309,19 +302,12 @@ class SourceWorker:
         last_ts: float | None = None
         arrivals: list[float] = []
         for item in group:
-            if isinstance(item.payload, EventBatch):
-                batch = item.payload
-            else:
-                try:
-                    batch = decode_batch(item.payload)
-                except WireError as exc:
-                    log.warning("%s: dropping malformed batch %d: %s", self.source, item.seq, exc)
-                    self._drop(exc.reason)
-                    continue
-            translated = translate(batch, self.model)
-            for reason, count in translated.skipped.items():
-                self.metrics.skipped.labels(reason).inc(count)
-            events.extend(translated.events)
+            batch = item.batch
+            if isinstance(batch, WireError):
+                log.warning("%s: dropping malformed batch %d: %s", self.source, item.seq, batch)
+                self._drop(batch.reason)
+                continue
+            events.extend(batch.events)
             last_ts = batch.ts
             arrivals.append(item.at)
         last_seq = group[-1].seq
@@ -352,7 +338,7 @@ class SourceWorker:
                 return ApplyResult()
             except IndexDataLost as exc:
                 self.metrics.data_lost.inc()
-                self.hooks.data_lost(self.source, exc.sources)
+                self.resyncs.data_lost(self.source, exc.sources)
                 if exc.sources is not None and self.source not in exc.sources:
                     log.warning("%s: the index lost other sources' data: %s", self.source, exc)
                     continue  # this batch was not applied: again, as it was
@@ -396,7 +382,7 @@ class SourceWorker:
 
     def _refused(self) -> None:
         self.metrics.fenced.labels(self.source.pod).inc()
-        self.hooks.fenced(self.source)
+        self.fenced(self.source)
 
     def _drop(self, reason: str) -> None:
         self.metrics.dropped.labels(reason).inc()

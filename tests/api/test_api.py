@@ -80,7 +80,11 @@ def _app(
     tokenizer: Tokenizer | None = None,
 ) -> FastAPI:
     """The API over `index`, with a stand-in ingest that only says whether it is ready."""
-    ingest = SimpleNamespace(ready=ready, resyncing=resyncing, pods=list)
+    resyncing_sources = {Source("p", rank) for rank in range(resyncing)}
+    ingest = SimpleNamespace(
+        recovery=SimpleNamespace(ready=ready, resyncing=resyncing_sources),
+        following=SimpleNamespace(pods=list),
+    )
     return create_app(
         config or ApiConfig(),
         index=index,
@@ -323,7 +327,7 @@ async def test_add_list_and_delete_a_pod(
     response = await client.post("/v1/pods", json=POD, headers=AUTH)
     assert response.status_code == 201
     assert response.json()["kv_events"]["endpoint"] == POD["kv_events"]["endpoint"]  # type: ignore[index]
-    assert [p.id for p in ingest.pods()] == ["p0"]
+    assert [p.id for p in ingest.following.pods()] == ["p0"]
     listed = (await client.get("/v1/pods")).json()["pods"]
     assert [p["id"] for p in listed] == ["p0"]
     assert listed[0]["state"]["subscribed"] is True
@@ -358,7 +362,7 @@ async def test_a_pod_removed_while_the_index_is_down_is_503_then_cleared(
             assert response.status_code == 503
             assert "cleared once the index answers" in response.json()["detail"]
             assert (await client.get("/v1/pods")).json() == {"pods": []}
-            await ingest.clear_removed()
+            await ingest.following.clear_removed()
             assert index.removed_pods == ["p0"]
     finally:
         await ingest.stop()

@@ -50,7 +50,7 @@ class Indexer:
         self.index = RedisIndex(client, BS, fenced=True)
 
     async def take(self, copy: Callable[[str], Awaitable[None]] | None = None) -> Grant:
-        await self.leases.redis.delete(self.leases.owner_key(POD))  # the last lease ran out
+        await self.leases.redis.delete(self.leases.keys.lease_owner(POD))  # the last lease ran out
         grant = await self.leases.acquire(
             POD, self.name, 5.0, copy=copy or functools.partial(self.index.copy_fence, POD)
         )

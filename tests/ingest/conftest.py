@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 import zmq.asyncio
@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry
 from globalkv.ingest.config import IngestConfig
 from globalkv.ingest.service import IngestService
 from globalkv.metrics import IngestMetrics
-from globalkv.registry import MemoryRegistry
+from globalkv.registry import MemoryRegistry, Registry
 from tests.ingest.fakes import RecordingIndex
 from tests.ingest.publisher import Publisher
 
@@ -41,7 +41,8 @@ async def make_service(
 ) -> AsyncIterator[ServiceFactory]:
     services: list[IngestService] = []
 
-    def make(**config: object) -> IngestService:
+    def make(own_registry: Registry | None = None, **config: object) -> IngestService:
+        """`own_registry`: one the test made, instead of the fixture's."""
         settings = {
             "replay_reply_timeout": 0.3,
             "retry_base": 0.005,
@@ -51,7 +52,7 @@ async def make_service(
         }
         service = IngestService(
             index,
-            registry,
+            registry if own_registry is None else own_registry,
             IngestMetrics(prom),
             IngestConfig.model_validate(settings),
             context=context,
@@ -64,21 +65,21 @@ async def make_service(
         await service.stop()
 
 
-PublisherFactory = Callable[..., Publisher]
+PublisherFactory = Callable[..., Awaitable[Publisher]]
 
 
 @pytest.fixture
 async def make_publisher(context: zmq.asyncio.Context) -> AsyncIterator[PublisherFactory]:
     publishers: list[Publisher] = []
 
-    def make(**kw: object) -> Publisher:
+    async def make(**kw: object) -> Publisher:
         kw.setdefault("endpoint", "tcp://127.0.0.1:0")
         kw.setdefault("replay_endpoint", "tcp://127.0.0.1:0")
         publisher = Publisher(context, **kw)  # type: ignore[arg-type]
-        publisher.start()
+        await publisher.start()
         publishers.append(publisher)
         return publisher
 
     yield make
     for publisher in publishers:
-        await publisher.close()
+        await publisher.stop()

@@ -1,10 +1,12 @@
-"""A scriptable KV-event publisher for ingest tests, in process or as a child process.
+"""The engine emulator's KV-event publisher, driven by the ingest tests, in process or as a
+child process.
 
-It publishes with `globalkv.wire`'s encoders exactly as an engine would (PUB + a replay
-ROUTER with a bounded buffer), and can misbehave on purpose: skip sending a batch live
-(a gap the replay can fill), forget its buffer (a gap it cannot), restart its seq at 0,
-and send raw garbage frames. It uses XPUB so a test can wait until the subscriber's
-subscription has arrived instead of sleeping.
+`Publisher` is `enginesim.publisher.KVEventPublisher` (the one publisher with replay) with
+the tests' defaults: the PUB binds unless told to connect, the replay layout is chosen
+apart from the flavour, a batch's time is 1 + its seq, and `send` / `raw` return once the
+batch is on the socket. Its misbehaviours are the emulator's: a batch only buffered (a
+gap the replay can fill), a buffer that forgot (a gap it cannot), a restart, garbage
+frames, replies held back.
 
 Child process: `python -m tests.ingest.publisher --control tcp://127.0.0.1:P --endpoint …`;
 commands are JSON objects on a REP socket (see `Control`).
@@ -15,29 +17,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
 import zmq
 import zmq.asyncio
+from prometheus_client import CollectorRegistry
 
+from enginesim.metrics import EngineMetrics
+from enginesim.publisher import KVEventPublisher, PublisherSettings
 from globalkv.keys import EngineHash
 from globalkv.wire import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     Event,
-    EventBatch,
     Flavor,
-    Frame,
     ReplayLayout,
-    WireError,
-    encode_batch,
-    live_frames,
-    parse_replay_request,
-    replay_end,
-    replay_reply,
 )
 
 
@@ -60,7 +56,7 @@ def event_from_json(raw: dict[str, Any]) -> Event:
     return AllBlocksCleared()
 
 
-class Publisher:
+class Publisher(KVEventPublisher):
     def __init__(
         self,
         context: zmq.asyncio.Context,
@@ -72,94 +68,42 @@ class Publisher:
         flavor: Flavor = "vllm",
         layout: ReplayLayout = "topic",
         buffer_steps: int = 10_000,
+        dp_rank: int = 0,
     ) -> None:
-        self.topic = topic.encode()
-        self.flavor: Flavor = flavor
-        self.layout: ReplayLayout = layout
-        self.seq = 0
-        self.buffer: deque[Frame] = deque(maxlen=buffer_steps)
-        self.pub = context.socket(zmq.XPUB)
-        self.pub.linger = 0
-        self.pub.sndhwm = 1_000_000
-        if connect:
-            self.pub.connect(endpoint)
-        else:
-            self.pub.bind(endpoint)
-        self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.router: zmq.asyncio.Socket | None = None
-        self.replay_endpoint: str | None = None
-        if replay_endpoint is not None:
-            self.router = context.socket(zmq.ROUTER)
-            self.router.linger = 0
-            self.router.bind(replay_endpoint)
-            self.replay_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._replay_task: asyncio.Task[None] | None = None
-        self.replay_open = asyncio.Event()
-        self.replay_open.set()
+        settings = PublisherSettings(
+            endpoint,
+            replay_endpoint,
+            topic,
+            flavor,
+            dp_rank,
+            buffer_steps,
+            hwm=1_000_000,
+            layout=layout,
+            bind=not connect,
+        )
+        super().__init__(
+            settings, context, EngineMetrics(CollectorRegistry()), clock=lambda: 1.0 + self.next_seq
+        )
 
-    def start(self) -> None:
-        if self.router is not None:
-            self._replay_task = asyncio.create_task(self._serve_replay())
+    @property
+    def endpoint(self) -> str:
+        return self.bound_endpoint or self.settings.endpoint
 
-    async def wait_subscribed(self, timeout: float = 10.0) -> None:
-        """Return once a subscriber's subscription message reached us."""
-        async with asyncio.timeout(timeout):
-            while True:
-                message = await self.pub.recv()
-                if message[:1] == b"\x01":
-                    return
-
-    async def publish(
-        self, events: Sequence[Event], *, dp_rank: int | None = 0, send: bool = True
-    ) -> int:
-        """Publish one batch (or only buffer it for replay with `send=False`); its seq."""
-        batch = EventBatch(ts=1.0 + self.seq, events=list(events), dp_rank=dp_rank)
-        frame = Frame(self.topic, self.seq, encode_batch(batch, self.flavor))
-        self.buffer.append(frame)
-        if send:
-            await self.pub.send_multipart(live_frames(frame.topic, frame.seq, frame.payload))
-        self.seq += 1
-        return frame.seq
+    async def send(self, events: Sequence[Event], *, live: bool = True) -> int:
+        """Publish one batch (`live` False: only buffer it for replay); its seq, once sent."""
+        seq = self.publish(events, live=live)
+        assert seq is not None, "an empty batch is not published"
+        await self.drain()
+        return seq
 
     async def raw(self, frames: Sequence[bytes]) -> None:
-        await self.pub.send_multipart(list(frames))
-
-    def restart(self) -> None:
-        """As a restarted engine: seq from 0, nothing buffered."""
-        self.seq = 0
-        self.buffer.clear()
-
-    def trim(self, keep: int) -> None:
-        """Forget all but the last `keep` buffered batches."""
-        while len(self.buffer) > keep:
-            self.buffer.popleft()
-
-    async def _serve_replay(self) -> None:
-        assert self.router is not None
-        while True:
-            identity, *request = await self.router.recv_multipart()
-            await self.replay_open.wait()
-            try:
-                start = parse_replay_request(request)
-            except WireError:
-                continue
-            for frame in list(self.buffer):
-                if frame.seq >= start:
-                    await self.router.send_multipart([identity, *replay_reply(frame, self.layout)])
-            await self.router.send_multipart([identity, *replay_end(self.layout)])
-
-    async def close(self) -> None:
-        if self._replay_task is not None:
-            self._replay_task.cancel()
-            await asyncio.gather(self._replay_task, return_exceptions=True)
-        self.pub.close(linger=0)
-        if self.router is not None:
-            self.router.close(linger=0)
+        self.send_raw(frames)
+        await self.drain()
 
 
 class Control:
     """JSON commands for a child-process publisher:
-    {"op": "publish", "events": [...], "dp_rank": 0, "send": true} → {"seq": n}
+    {"op": "publish", "events": [...], "send": true} → {"seq": n}
     {"op": "restart"} · {"op": "trim", "keep": n} · {"op": "raw", "frames": ["hex", …]}
     {"op": "hold_replay"} / {"op": "release_replay"}: answer replay requests only once released
     {"op": "wait_subscribed"} · {"op": "info"} → endpoints · {"op": "stop"}"""
@@ -172,14 +116,12 @@ class Control:
         pub = self.publisher
         if op == "publish":
             events = [event_from_json(e) for e in command["events"]]
-            seq = await pub.publish(
-                events, dp_rank=command.get("dp_rank", 0), send=command.get("send", True)
-            )
+            seq = await pub.send(events, live=command.get("send", True))
             return {"seq": seq}
         if op == "restart":
             pub.restart()
         elif op == "trim":
-            pub.trim(command["keep"])
+            pub.forget(command["keep"])
         elif op == "raw":
             await pub.raw([bytes.fromhex(f) for f in command["frames"]])
         elif op == "hold_replay":
@@ -189,7 +131,7 @@ class Control:
         elif op == "wait_subscribed":
             await pub.wait_subscribed()
         elif op == "info":
-            return {"endpoint": pub.endpoint, "replay_endpoint": pub.replay_endpoint}
+            return {"endpoint": pub.endpoint, "replay_endpoint": pub.bound_replay_endpoint}
         elif op != "stop":
             return {"error": f"unknown op {op!r}"}
         return {"ok": True}
@@ -206,8 +148,9 @@ async def serve(args: argparse.Namespace) -> None:
         flavor=args.flavor,
         layout=args.layout,
         buffer_steps=args.buffer_steps,
+        dp_rank=args.dp_rank,
     )
-    publisher.start()
+    await publisher.start()
     control = Control(publisher)
     rep = context.socket(zmq.REP)
     rep.linger = 0
@@ -220,7 +163,7 @@ async def serve(args: argparse.Namespace) -> None:
                 return
     finally:
         rep.close(linger=0)
-        await publisher.close()
+        await publisher.stop()
         context.term()
 
 
@@ -236,6 +179,7 @@ def main() -> None:
     parser.add_argument("--flavor", default="vllm", choices=["vllm", "vllm-array", "sglang"])
     parser.add_argument("--layout", default="topic", choices=["seq", "topic"])
     parser.add_argument("--buffer-steps", type=int, default=10_000)
+    parser.add_argument("--dp-rank", type=int, default=0, help="the DP rank in every batch")
     asyncio.run(serve(parser.parse_args()))
 
 

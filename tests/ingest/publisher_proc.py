@@ -47,6 +47,7 @@ class PublisherProc:
         connect_to: str | None = None,
         replay: bool = True,
         buffer_steps: int = 10_000,
+        dp_rank: int = 0,
         name: str = "publisher",
     ) -> None:
         self.req = context.socket(zmq.REQ)
@@ -70,6 +71,8 @@ class PublisherProc:
             topic,
             "--buffer-steps",
             str(buffer_steps),
+            "--dp-rank",
+            str(dp_rank),
         ]
         if connect_to is not None:
             argv.append("--connect")
@@ -105,10 +108,8 @@ class PublisherProc:
             raise RuntimeError(reply["error"])
         return reply
 
-    async def publish(
-        self, *events: dict[str, Any], send: bool = True, dp_rank: int | None = 0
-    ) -> int:
-        reply = await self.call(op="publish", events=list(events), send=send, dp_rank=dp_rank)
+    async def publish(self, *events: dict[str, Any], send: bool = True) -> int:
+        reply = await self.call(op="publish", events=list(events), send=send)
         seq: int = reply["seq"]
         return seq
 

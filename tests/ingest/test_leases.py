@@ -48,8 +48,8 @@ def test_a_lease_its_fence_and_the_index_checks_share_a_hash_slot() -> None:
     leases = Leases(aioredis.Redis(), prefix="gkv")
     meta = key_slot(RedisKeys("gkv").marker.encode())
     for pod in ("p0", "host:8000", "[::1]:30000", "{odd}"):
-        assert key_slot(leases.owner_key(pod).encode()) == meta
-        assert key_slot(leases.fence_key(pod).encode()) == meta
+        assert key_slot(leases.keys.lease_owner(pod).encode()) == meta
+        assert key_slot(leases.keys.lease_fence(pod).encode()) == meta
 
 
 async def test_leases_are_exclusive_renewed_released_and_fenced_on_takeover(
@@ -68,7 +68,7 @@ async def test_leases_are_exclusive_renewed_released_and_fenced_on_takeover(
     assert await leases.owners(["p0", "p1"]) == {"p0": "ix-a"}
     assert await leases.renew({"p0": first.fence}, ttl=5.0) == {"p0"}
 
-    await client.delete(leases.owner_key("p0"))  # the TTL ran out
+    await client.delete(leases.keys.lease_owner("p0"))  # the TTL ran out
     taken = await leases.acquire("p0", "ix-b", ttl=5.0)
     assert isinstance(taken, Grant)
     assert taken.fence.token != first.fence.token
@@ -87,8 +87,8 @@ async def test_tokens_keep_rising_after_redis_lost_the_leases(client: Client) ->
     leases = Leases(client, prefix="t")
     first = await leases.acquire("p0", "ix-a", ttl=5.0)
     assert isinstance(first, Grant)
-    await client.delete(leases.owner_key("p0"))
-    await client.delete(leases.fence_key("p0"))  # Redis came back empty
+    await client.delete(leases.keys.lease_owner("p0"))
+    await client.delete(leases.keys.lease_fence("p0"))  # Redis came back empty
     seconds, micros = await client.time()
     second = await leases.acquire("p0", "ix-b", ttl=5.0)
     assert isinstance(second, Grant)
@@ -101,7 +101,7 @@ async def test_a_lease_expires_by_its_ttl(client: Client) -> None:
     leases = Leases(client, prefix="t")
     grant = await leases.acquire("p0", "ix-a", ttl=5.0)
     assert isinstance(grant, Grant)
-    ttl_ms = await client.pttl(leases.owner_key("p0"))
+    ttl_ms = await client.pttl(leases.keys.lease_owner("p0"))
     assert 0 < ttl_ms <= 5000
 
 
@@ -113,7 +113,7 @@ async def test_membership_lists_live_members_and_forgets_the_departed(
     live = await leases.heartbeat("ix-b", ttl=5.0)
     assert sorted(live) == ["ix-a", "ix-b"]
     assert all(0 < left <= 5.0 for left in live.values())
-    await client.zadd(leases.members_key, {"ix-dead": 1})  # its heartbeat expired long ago
+    await client.zadd(leases.keys.indexers, {"ix-dead": 1})  # its heartbeat expired long ago
     assert await leases.members() == ["ix-a", "ix-b"]
     await leases.leave("ix-a")
     assert await leases.members() == ["ix-b"]
@@ -137,7 +137,7 @@ async def test_the_index_refuses_writes_without_the_current_fence(
     old.set_fence("p0", first.fence)
     await old.apply(batch(0))
 
-    await client.delete(leases.owner_key("p0"))  # old paused past its lease
+    await client.delete(leases.keys.lease_owner("p0"))  # old paused past its lease
     second = await leases.acquire("p0", "new", ttl=5.0)
     assert isinstance(second, Grant)
     new.set_fence("p0", second.fence)
@@ -170,7 +170,7 @@ async def test_a_lost_write_check_resets_every_lost_source_also_of_a_pod_whose_l
         assert isinstance(grant, Grant)
         index.set_fence(pod, grant.fence)
         await index.apply(SourceBatch(Source(pod), 0, 0.0, [store(range(1, 5), tokens(4))]))
-    await client.delete(leases.owner_key("x"))  # a's lease of x ran out in the outage
+    await client.delete(leases.keys.lease_owner("x"))  # a's lease of x ran out in the outage
     taken = await leases.acquire("x", "b", 30.0)
     assert isinstance(taken, Grant)
     holder = RedisIndex(client, BS, fenced=True)

@@ -71,16 +71,16 @@ async def publishers(context: zmq.asyncio.Context) -> AsyncIterator[dict[str, Pu
         for pod in PODS
     }
     for pub in pubs.values():
-        pub.start()
+        await pub.start()
     yield pubs
     for pub in pubs.values():
-        await pub.close()
+        await pub.stop()
 
 
 async def _register(url: str, pubs: dict[str, Publisher]) -> None:
     registry = RedisRegistry(redis_client.connect(url))
     for pod, pub in pubs.items():
-        events = KvEventsConfig(endpoint=pub.endpoint, replay_endpoint=pub.replay_endpoint)
+        events = KvEventsConfig(endpoint=pub.endpoint, replay_endpoint=pub.bound_replay_endpoint)
         await registry.put(PodInfo(id=pod, model="m", kv_events=events))
     await registry.redis.aclose()
 
@@ -95,10 +95,10 @@ async def publish_until_applied(
     n = first
     async with asyncio.timeout(timeout):
         while True:
-            seq = await pub.publish(block(pod, n))
+            seq = await pub.send(block(pod, n))
             n += 1
             try:
-                await indexer.ingest.applied(Source(pod), seq, timeout=0.5)
+                await indexer.ingest.followed.applied(Source(pod), seq, timeout=0.5)
                 return n
             except TimeoutError:
                 continue
@@ -107,7 +107,7 @@ async def publish_until_applied(
 def _followed(*indexers: Indexer) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for indexer in indexers:
-        for info in indexer.ingest.pods():
+        for info in indexer.ingest.following.pods():
             out.setdefault(info.id, []).append(indexer.config.member_id)
     return out
 
@@ -146,19 +146,19 @@ async def test_pods_are_split_and_move_to_the_survivor_continuing_by_replay(
             return (
                 set(followed) == set(PODS)
                 and all(len(f) == 1 for f in followed.values())
-                and len(a.ingest.pods()) == len(b.ingest.pods()) == 2
+                and len(a.ingest.following.pods()) == len(b.ingest.following.pods()) == 2
             )
 
         await await_for(_condition(split_evenly), timeout=15, what="the pods split 2 + 2")
         published: dict[str, int] = {}
         for pod, pub in publishers.items():
-            owner = a if pod in {p.id for p in a.ingest.pods()} else b
+            owner = a if pod in {p.id for p in a.ingest.following.pods()} else b
             published[pod] = await publish_until_applied(pub, owner, pod, 0)
-        a_pods = sorted(p.id for p in a.ingest.pods())
+        a_pods = sorted(p.id for p in a.ingest.following.pods())
 
         await _die(a)
         for pod in a_pods:  # while nobody follows them: only in the engines' buffers
-            await publishers[pod].publish(block(pod, published[pod]), send=False)
+            await publishers[pod].send(block(pod, published[pod]), live=False)
 
         def b_follows_all() -> bool:
             return sorted(_followed(b)) == sorted(PODS)
@@ -222,16 +222,16 @@ async def test_a_second_live_process_under_one_id_is_yielded_to_not_fought(
     await _register(redis_url, pubs)
     a = await _indexer(redis_url, "same")
     try:
-        assert sorted(p.id for p in a.ingest.pods()) == sorted(pubs)
+        assert sorted(p.id for p in a.ingest.following.pods()) == sorted(pubs)
         b = await _indexer(redis_url, "same")  # its first step took both pods
         try:
-            assert sorted(p.id for p in b.ingest.pods()) == sorted(pubs)
+            assert sorted(p.id for p in b.ingest.following.pods()) == sorted(pubs)
             await await_for(_condition(lambda: a.ownership.displaced), 10, "a to see b")
             for indexer in (a, b, a, b):  # and the steps of their own loops meanwhile
                 assert indexer.ownership is not None
                 await indexer.ownership.step()
-            assert not a.ingest.pods()
-            assert sorted(p.id for p in b.ingest.pods()) == sorted(pubs)
+            assert not a.ingest.following.pods()
+            assert sorted(p.id for p in b.ingest.following.pods()) == sorted(pubs)
             assert sample(a.metrics_registry, "globalkv_ingest_displaced") == 1
             assert sample(b.metrics_registry, "globalkv_ingest_displaced") == 0
         finally:

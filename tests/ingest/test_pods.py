@@ -20,7 +20,7 @@ from globalkv.registry import KvEventsConfig, MemoryRegistry, PodInfo
 from globalkv.wire import live_frames
 from tests.ingest.conftest import PublisherFactory, ServiceFactory
 from tests.ingest.fakes import RecordingIndex
-from tests.ingest.test_service import follow, pod_for, store
+from tests.ingest.test_service import follow, of_rank, pod_for, store
 from tests.support.metrics import sample
 from tests.support.net import await_for
 
@@ -35,13 +35,13 @@ def bind_pod(pod_id: str, topic: str, replay: str | None = None) -> PodInfo:
 async def test_a_connected_pod_is_subscribed_and_says_when_events_arrive(
     make_service: ServiceFactory, make_publisher: PublisherFactory
 ) -> None:
-    service, pub = make_service(), make_publisher()
+    service, pub = make_service(), await make_publisher()
     await follow(service, pub, pod_for(pub))
     before = service.states()["p0"]
     assert (before.subscribed, before.receiving) == (True, False)
     assert before.sources[0].received == 0
-    await pub.publish([store(0)])
-    await service.applied(P0, 0)
+    await pub.send([store(0)])
+    await service.followed.applied(P0, 0)
     after = service.states()["p0"]
     assert (after.subscribed, after.receiving) == (True, True)
     assert after.sources[0].received == 1
@@ -52,15 +52,15 @@ async def test_a_bind_pod_listens_but_receives_nothing_before_its_first_event(
 ) -> None:
     service = make_service(bind=["tcp://127.0.0.1:0"])
     await service.start()
-    await service.add_pod(bind_pod("b0", "kv@b0@m"))
+    await service.following.add(bind_pod("b0", "kv@b0@m"))
     before = service.states()["b0"]
     assert (before.subscribed, before.receiving, before.sources) == (True, False, [])
-    pub = make_publisher(
-        endpoint=service.bound_endpoints[0], connect=True, replay_endpoint=None, topic="kv@b0@m"
+    pub = await make_publisher(
+        endpoint=service.bound.endpoints[0], connect=True, replay_endpoint=None, topic="kv@b0@m"
     )
     await pub.wait_subscribed()
-    await pub.publish([store(0)])
-    await service.applied(Source("b0"), 0)
+    await pub.send([store(0)])
+    await service.followed.applied(Source("b0"), 0)
     after = service.states()["b0"]
     assert (after.subscribed, after.receiving) == (True, True)
     assert [s.received for s in after.sources] == [1]
@@ -70,7 +70,7 @@ async def test_a_bind_pod_is_not_subscribed_where_nothing_is_bound(
     make_service: ServiceFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
     service = make_service()
-    await service.add_pod(bind_pod("b0", "kv@b0@m"))
+    await service.following.add(bind_pod("b0", "kv@b0@m"))
     state = service.states()["b0"]
     assert (state.subscribed, state.receiving) == (False, False)
     assert "binds none" in caplog.text
@@ -87,8 +87,8 @@ async def test_a_subscription_that_dies_is_logged_and_no_longer_subscribed(
     )
     pod = PodInfo.model_construct(id="p0", model="m", kv_events=events, dp_size=1)
     with caplog.at_level(logging.ERROR):
-        await service.add_pod(pod)
-        followed = service._pods.get("p0")
+        await service.following.add(pod)
+        followed = service.followed.get("p0")
         assert followed is not None
         (subscription,) = [t for t in followed.tasks if "subscription" in t.get_name()]
         with pytest.raises(zmq.ZMQError, match="Invalid argument"):
@@ -105,23 +105,21 @@ async def test_bad_input_on_the_bound_socket_is_counted_and_the_socket_keeps_ser
 ) -> None:
     service = make_service(bind=["tcp://127.0.0.1:0"], allow_endpoint_schemes=["ipc"])
     await service.start()
-    await service.add_pod(bind_pod("b0", "kv@b0@m", replay="ipc:///tmp/globalkv-no-offset"))
-    pub = make_publisher(
-        endpoint=service.bound_endpoints[0], connect=True, replay_endpoint=None, topic="kv@b0@m"
+    await service.following.add(bind_pod("b0", "kv@b0@m", replay="ipc:///tmp/globalkv-no-offset"))
+    pub = await make_publisher(
+        endpoint=service.bound.endpoints[0], connect=True, replay_endpoint=None, topic="kv@b0@m"
     )
     await pub.wait_subscribed()
     await pub.raw(live_frames(b"\xff\xfe", 0, msgpack.packb([0.0, [], 0])))
-    await pub.publish([store(0)], dp_rank=4096)
-    pub.seq = 0
-    await pub.publish([store(0)], dp_rank=1)  # rank 1 of an ipc:// replay: no replay for it
-    pub.seq = 0
-    await pub.publish([store(0)], dp_rank=0)
-    await service.applied(Source("b0", 0), 0)
-    await service.applied(Source("b0", 1), 0)
+    await pub.raw(of_rank(pub, 4096, [store(0)]))
+    await pub.raw(of_rank(pub, 1, [store(0)]))  # rank 1 of an ipc:// replay: no replay for it
+    await pub.send([store(0)])
+    await service.followed.applied(Source("b0", 0), 0)
+    await service.followed.applied(Source("b0", 1), 0)
     assert index.applied == {Source("b0", 0): [0], Source("b0", 1): [0]}
     assert sample(prom, "globalkv_ingest_dropped_total", reason="unknown_topic") == 1
     assert sample(prom, "globalkv_ingest_dropped_total", reason="bad_dp_rank") == 1
-    assert service.worker(Source("b0", 1)).replay_endpoint is None  # type: ignore[union-attr]
+    assert service.followed.worker(Source("b0", 1)).replay_endpoint is None  # type: ignore[union-attr]
     assert service.states()["b0"].subscribed
 
 
@@ -130,32 +128,32 @@ async def test_a_bound_topic_names_one_pod(
 ) -> None:
     service = make_service(bind=["tcp://127.0.0.1:0"])
     await service.start()
-    await service.add_pod(bind_pod("a", "kv@a@m"))
+    await service.following.add(bind_pod("a", "kv@a@m"))
     with pytest.raises(TopicTaken, match="already names pod a"):
-        await service.add_pod(bind_pod("b", "kv@a@m"))
+        await service.following.add(bind_pod("b", "kv@a@m"))
     renamed = bind_pod("a", "kv@a@m").model_copy(update={"model": "other"})
-    await service.add_pod(renamed)
+    await service.following.add(renamed)
     await registry.put(renamed)
     await registry.put(bind_pod("c", "kv@a@m"))
     await registry.put(bind_pod("d", "kv@d@m"))
     await PodSync(registry, service).reconcile()
-    assert [p.id for p in service.pods()] == ["a", "d"]
+    assert [p.id for p in service.following.pods()] == ["a", "d"]
     assert "topic 'kv@a@m' already names pod a" in caplog.text
 
 
 async def test_blocks_of_a_removed_pod_are_cleared_once_the_index_answers(
     make_service: ServiceFactory, make_publisher: PublisherFactory, index: RecordingIndex
 ) -> None:
-    service, pub = make_service(), make_publisher()
+    service, pub = make_service(), await make_publisher()
     await follow(service, pub, pod_for(pub))
     index.unavailable = 1
     with pytest.raises(IndexUnavailable):
-        await service.remove_pod("p0")
-    assert service.pods() == []
+        await service.following.remove("p0")
+    assert service.following.pods() == []
     assert index.removed_pods == []
     await PodSync(MemoryRegistry(), service).reconcile()
     assert index.removed_pods == ["p0"]
-    await service.clear_removed()
+    await service.following.clear_removed()
     assert index.removed_pods == ["p0"], "cleared once"
 
 
@@ -180,18 +178,17 @@ async def test_a_discovered_pod_the_registry_missed_is_written_not_dropped(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     registry = _FlakyRegistry(failures=1)
-    service = make_service(bind=["tcp://127.0.0.1:0"])
-    service.registry = registry
+    service = make_service(registry, bind=["tcp://127.0.0.1:0"])
     await service.start()
-    pub = make_publisher(
-        endpoint=service.bound_endpoints[0], connect=True, replay_endpoint=None, topic="kv@d0@m"
+    pub = await make_publisher(
+        endpoint=service.bound.endpoints[0], connect=True, replay_endpoint=None, topic="kv@d0@m"
     )
     await pub.wait_subscribed()
-    await pub.publish([store(0)])
-    await service.applied(Source("d0"), 0)
+    await pub.send([store(0)])
+    await service.followed.applied(Source("d0"), 0)
     assert "could not write discovered pods" in caplog.text
     await PodSync(registry, service).reconcile()
-    assert [p.id for p in service.pods()] == ["d0"]
+    assert [p.id for p in service.following.pods()] == ["d0"]
     assert await registry.get("d0") is not None
     assert index.removed_pods == []
 
@@ -220,20 +217,19 @@ async def test_a_notification_after_the_registry_lost_its_data_restores_it_not_t
     """A change notice arriving before the periodic reconcile must not read the lost
     registry as "this pod was deleted", or the pod is never followed again."""
     registry = _LosingRegistry()
-    service, pub = make_service(), make_publisher()
-    service.registry = registry
+    service, pub = make_service(registry), await make_publisher()
     pod = pod_for(pub)
     await registry.put(pod)
     await follow(service, pub, pod)
     registry.lose_everything()
     await PodSync(registry, service).sync_one("p0")
-    assert [p.id for p in service.pods()] == ["p0"]
+    assert [p.id for p in service.following.pods()] == ["p0"]
     assert index.removed_pods == []
     assert await registry.get("p0") == pod, "written back"
     assert await registry.intact()
     await registry.remove("p0")
     await PodSync(registry, service).sync_one("p0")
-    assert service.pods() == [], "a pod deleted from an intact registry is unfollowed"
+    assert service.following.pods() == [], "a pod deleted from an intact registry is unfollowed"
 
 
 async def test_a_bind_address_in_use_fails_at_start_and_leaves_no_socket(
@@ -241,13 +237,13 @@ async def test_a_bind_address_in_use_fails_at_start_and_leaves_no_socket(
 ) -> None:
     first = make_service(bind=["tcp://127.0.0.1:0"])
     await first.start()
-    config = IngestConfig(bind=["tcp://127.0.0.1:0", first.bound_endpoints[0]])
+    config = IngestConfig(bind=["tcp://127.0.0.1:0", first.bound.endpoints[0]])
     metrics = IngestMetrics(CollectorRegistry())
     second = IngestService(index, MemoryRegistry(), metrics, config, context=context)
     with pytest.raises(zmq.ZMQError, match="in use"):
         await second.start()
-    assert second._bound is not None
-    assert second._bound.socket.closed
+    assert second.bound.subscriber is not None
+    assert second.bound.subscriber.socket.closed
     await second.stop()
 
 
@@ -261,15 +257,15 @@ async def test_a_message_over_the_size_limit_never_reaches_ingest(
     meanwhile is lost, as in any gap: so batches are sent until one arrives."""
     service = make_service(bind=["tcp://127.0.0.1:0"], max_message_bytes=1024)
     await service.start()
-    pub = make_publisher(
-        endpoint=service.bound_endpoints[0], connect=True, replay_endpoint=None, topic="kv@b0@m"
+    pub = await make_publisher(
+        endpoint=service.bound.endpoints[0], connect=True, replay_endpoint=None, topic="kv@b0@m"
     )
     await pub.wait_subscribed()
     oversized = msgpack.packb([0.0, [], 0]) + b"\x00" * 2048  # not_msgpack, were it read
     await pub.raw(live_frames(b"kv@b0@m", 10**6, oversized))
 
     async def flowing() -> bool:
-        await pub.publish([store(0)])
+        await pub.send([store(0)])
         return Source("b0") in index.applied
 
     await await_for(flowing, timeout=10, what="batches after the oversized one")
@@ -292,22 +288,22 @@ async def test_a_pod_on_a_non_tcp_endpoint_is_refused_unless_allowed(
     service = make_service()
     pod = _ipc_pod(replay=replay)
     with pytest.raises(EndpointRefused, match="--allow-endpoint-scheme ipc") as refused:
-        service.check_pod(pod)
+        service.following.check(pod)
     assert "GLOBALKV_INDEXER_ALLOW_ENDPOINT_SCHEME=ipc" in str(refused.value)
     with pytest.raises(EndpointRefused):
-        await service.add_pod(pod)
-    assert service.pods() == []
+        await service.following.add(pod)
+    assert service.following.pods() == []
 
 
 async def test_an_operator_may_allow_ipc_endpoints(make_service: ServiceFactory) -> None:
     service = make_service(allow_endpoint_schemes=["ipc"])
     pod = _ipc_pod()
-    service.check_pod(pod)
-    await service.add_pod(pod)
-    assert [p.id for p in service.pods()] == ["p0"]
+    service.following.check(pod)
+    await service.following.add(pod)
+    assert [p.id for p in service.following.pods()] == ["p0"]
     inproc = PodInfo(id="p1", model="m", kv_events=KvEventsConfig(endpoint="inproc://x"))
     with pytest.raises(EndpointRefused, match="--allow-endpoint-scheme inproc"):
-        service.check_pod(inproc)
+        service.following.check(inproc)
 
 
 async def test_podsync_follows_the_registry_but_a_refused_pod(
@@ -321,7 +317,7 @@ async def test_podsync_follows_the_registry_but_a_refused_pod(
     await registry.put(_ipc_pod("sneaky"))
     await registry.put(bind_pod("b0", "kv@b0@m"))
     await PodSync(registry, service).reconcile()
-    assert [p.id for p in service.pods()] == ["b0"]
+    assert [p.id for p in service.following.pods()] == ["b0"]
     assert "not following a pod of the registry: pod sneaky" in caplog.text
 
 
@@ -355,13 +351,12 @@ async def test_a_registry_lost_between_the_check_and_the_list_is_restored_not_it
     make_service: ServiceFactory, make_publisher: PublisherFactory, index: RecordingIndex
 ) -> None:
     registry = _RestartingRegistry()
-    service, pub = make_service(), make_publisher()
-    service.registry = registry
+    service, pub = make_service(registry), await make_publisher()
     pod = pod_for(pub)
     await registry.put(pod)
     await follow(service, pub, pod)
     await PodSync(registry, service).reconcile()
-    assert [p.id for p in service.pods()] == ["p0"]
+    assert [p.id for p in service.following.pods()] == ["p0"]
     assert index.removed_pods == []
     assert await registry.get("p0") == pod, "written back"
     assert await registry.intact()

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 from globalkv.index.base import Source, StoreBlocks
 from globalkv.keys import EngineHash, root_key
 from globalkv.registry import KvEventsConfig, MemoryRegistry, PodInfo
-from globalkv.wire import BlockStored, live_frames
+from globalkv.wire import BlockStored, Event, EventBatch, encode_batch, live_frames
 from tests.ingest.conftest import PublisherFactory, ServiceFactory
 from tests.ingest.fakes import RecordingIndex
 from tests.ingest.publisher import Publisher
@@ -33,12 +33,18 @@ def store(n: int) -> BlockStored:
 
 
 def pod_for(pub: Publisher, pod_id: str = "p0") -> PodInfo:
-    events = KvEventsConfig(endpoint=pub.endpoint, replay_endpoint=pub.replay_endpoint)
+    events = KvEventsConfig(endpoint=pub.endpoint, replay_endpoint=pub.bound_replay_endpoint)
     return PodInfo(id=pod_id, model="m", kv_events=events)
 
 
+def of_rank(pub: Publisher, dp_rank: int, events: list[Event], seq: int = 0) -> list[bytes]:
+    """A batch of another DP rank on this publisher's connection: the order is kept."""
+    batch = EventBatch(ts=1.0, events=events, dp_rank=dp_rank)
+    return live_frames(pub.settings.topic, seq, encode_batch(batch, pub.settings.flavor))
+
+
 async def follow(service: object, pub: Publisher, pod: PodInfo) -> None:
-    await service.add_pod(pod)  # type: ignore[attr-defined]
+    await service.following.add(pod)  # type: ignore[attr-defined]
     await pub.wait_subscribed()
 
 
@@ -48,11 +54,11 @@ async def test_live_stream_is_applied_in_order(
     index: RecordingIndex,
     prom: CollectorRegistry,
 ) -> None:
-    service, pub = make_service(), make_publisher(flavor="sglang")
+    service, pub = make_service(), await make_publisher(flavor="sglang")
     await follow(service, pub, pod_for(pub))
     for n in range(5):
-        await pub.publish([store(n)])
-    await service.applied(P0, 4)
+        await pub.send([store(n)])
+    await service.followed.applied(P0, 4)
     assert index.applied[P0] == [0, 1, 2, 3, 4]
     first = index.batches[0].events[0]
     assert isinstance(first, StoreBlocks)
@@ -72,13 +78,13 @@ async def test_gap_is_filled_by_replay_in_either_layout(
     prom: CollectorRegistry,
     layout: str,
 ) -> None:
-    service, pub = make_service(), make_publisher(layout=layout, topic="kv@p0@m")
+    service, pub = make_service(), await make_publisher(layout=layout, topic="kv@p0@m")
     await follow(service, pub, pod_for(pub))
-    await pub.publish([store(0)])
-    await pub.publish([store(1)], send=False)
-    await pub.publish([store(2)], send=False)
-    await pub.publish([store(3)])
-    await service.applied(P0, 3)
+    await pub.send([store(0)])
+    await pub.send([store(1)], live=False)
+    await pub.send([store(2)], live=False)
+    await pub.send([store(3)])
+    await service.followed.applied(P0, 3)
     assert index.applied[P0] == [0, 1, 2, 3]
     assert sample(prom, "globalkv_ingest_gaps_total", pod="p0") == 1
     assert sample(prom, "globalkv_ingest_replays_total", pod="p0", outcome="complete") == 1
@@ -91,14 +97,14 @@ async def test_gap_past_the_replay_buffer_resets_and_keeps_the_contiguous_tail(
     index: RecordingIndex,
     prom: CollectorRegistry,
 ) -> None:
-    service, pub = make_service(), make_publisher()
+    service, pub = make_service(), await make_publisher()
     await follow(service, pub, pod_for(pub))
-    await pub.publish([store(0)])
+    await pub.send([store(0)])
     for n in range(1, 6):
-        await pub.publish([store(n)], send=False)
-    pub.trim(keep=2)
-    await pub.publish([store(6)])
-    await service.applied(P0, 6)
+        await pub.send([store(n)], live=False)
+    pub.forget(keep=2)
+    await pub.send([store(6)])
+    await service.followed.applied(P0, 6)
     assert index.applied[P0] == [0, -1, 4, 5, 6]
     assert sample(prom, "globalkv_ingest_resets_total", pod="p0", reason="gap") == 1
     assert sample(prom, "globalkv_ingest_replays_total", pod="p0", outcome="short") == 1
@@ -123,13 +129,13 @@ async def test_a_gap_replay_cannot_fill_resets(
     """No replay endpoint, one nobody answers on (ZMQ cannot tell it from slow), or one
     ZMQ refuses to connect to."""
     service = make_service(allow_endpoint_schemes=["ipc"])
-    pub = make_publisher(replay_endpoint=None)
+    pub = await make_publisher(replay_endpoint=None)
     events = KvEventsConfig(endpoint=pub.endpoint, replay_endpoint=replay_endpoint)
     await follow(service, pub, PodInfo(id="p0", model="m", kv_events=events))
-    await pub.publish([store(0)])
-    await pub.publish([store(1)], send=False)
-    await pub.publish([store(2)])
-    await service.applied(P0, 2)
+    await pub.send([store(0)])
+    await pub.send([store(1)], live=False)
+    await pub.send([store(2)])
+    await service.followed.applied(P0, 2)
     assert index.applied[P0] == [0, -1, 2]
     assert sample(prom, "globalkv_ingest_replays_total", pod="p0", outcome=outcome) == 1
 
@@ -140,16 +146,16 @@ async def test_engine_restart_resets_and_replays_the_new_first_batches(
     index: RecordingIndex,
     prom: CollectorRegistry,
 ) -> None:
-    service, pub = make_service(), make_publisher()
+    service, pub = make_service(), await make_publisher()
     await follow(service, pub, pod_for(pub))
     for n in range(3):
-        await pub.publish([store(n)])
-    await service.applied(P0, 2)
+        await pub.send([store(n)])
+    await service.followed.applied(P0, 2)
     pub.restart()
-    await pub.publish([store(0)], send=False)
-    await pub.publish([store(1)])
-    await pub.publish([store(2)])
-    await service.wait(P0, lambda state: state.applied == 6)
+    await pub.send([store(0)], live=False)
+    await pub.send([store(1)])
+    await pub.send([store(2)])
+    await service.followed.wait(P0, lambda state: state.applied == 6)
     assert index.applied[P0] == [0, 1, 2, -1, 0, 1, 2]
     assert sample(prom, "globalkv_ingest_resets_total", pod="p0", reason="restart") == 1
 
@@ -159,12 +165,12 @@ async def test_late_join_replays_history_without_reset(
     make_publisher: PublisherFactory,
     index: RecordingIndex,
 ) -> None:
-    service, pub = make_service(), make_publisher()
-    await pub.publish([store(0)])
-    await pub.publish([store(1)])
+    service, pub = make_service(), await make_publisher()
+    await pub.send([store(0)])
+    await pub.send([store(1)])
     await follow(service, pub, pod_for(pub))
-    await pub.publish([store(2)])
-    await service.applied(P0, 2)
+    await pub.send([store(2)])
+    await service.followed.applied(P0, 2)
     assert index.applied[P0] == [0, 1, 2]
 
 
@@ -175,14 +181,14 @@ async def test_late_join_with_a_replay_endpoint_zmq_refuses_goes_on_live(
     prom: CollectorRegistry,
 ) -> None:
     service = make_service(allow_endpoint_schemes=["ipc"])
-    pub = make_publisher(replay_endpoint=None)
-    pub.seq = 5  # the engine published before we followed it
+    pub = await make_publisher(replay_endpoint=None)
+    pub.next_seq = 5  # the engine published before we followed it
     refused = "ipc:///tmp/" + "x" * 200  # too long a path for a unix socket
     events = KvEventsConfig(endpoint=pub.endpoint, replay_endpoint=refused)
     await follow(service, pub, PodInfo(id="p0", model="m", kv_events=events))
-    await pub.publish([store(5)])
-    await pub.publish([store(6)])
-    await service.applied(P0, 6)
+    await pub.send([store(5)])
+    await pub.send([store(6)])
+    await service.followed.applied(P0, 6)
     assert index.applied[P0] == [5, 6]
     assert sample(prom, "globalkv_ingest_replays_total", pod="p0", outcome="no_endpoint") == 1
     assert sample(prom, "globalkv_ingest_dropped_total", reason="internal_error") in (None, 0)
@@ -194,11 +200,11 @@ async def test_resume_point_comes_from_the_index(
     index: RecordingIndex,
 ) -> None:
     index.applied[P0] = [0, 1]
-    service, pub = make_service(), make_publisher()
-    pub.seq = 2
+    service, pub = make_service(), await make_publisher()
+    pub.next_seq = 2
     await follow(service, pub, pod_for(pub))
-    await pub.publish([store(2)])
-    await service.applied(P0, 2)
+    await pub.send([store(2)])
+    await service.followed.applied(P0, 2)
     assert index.applied[P0] == [0, 1, 2]
 
 
@@ -208,15 +214,15 @@ async def test_garbage_frames_are_counted_and_dropped(
     index: RecordingIndex,
     prom: CollectorRegistry,
 ) -> None:
-    service, pub = make_service(), make_publisher()
+    service, pub = make_service(), await make_publisher()
     await follow(service, pub, pod_for(pub))
-    await pub.publish([store(0)])
+    await pub.send([store(0)])
     await pub.raw([b"", b"short", b"x"])
     await pub.raw([b"one frame"])
     await pub.raw(live_frames(b"", 1, b"\xc1 not msgpack"))
-    pub.seq = 2
-    await pub.publish([store(2)])
-    await service.applied(P0, 2)
+    pub.next_seq = 2
+    await pub.send([store(2)])
+    await service.followed.applied(P0, 2)
     assert index.applied[P0] == [0, 2]
     assert sample(prom, "globalkv_ingest_dropped_total", reason="bad_seq") == 1
     assert sample(prom, "globalkv_ingest_dropped_total", reason="bad_frames") == 1
@@ -232,12 +238,12 @@ async def test_index_unavailable_holds_and_retries(
     index: RecordingIndex,
     prom: CollectorRegistry,
 ) -> None:
-    service, pub = make_service(), make_publisher()
+    service, pub = make_service(), await make_publisher()
     await follow(service, pub, pod_for(pub))
     index.unavailable = 3
-    await pub.publish([store(0)])
-    await pub.publish([store(1)])
-    await service.applied(P0, 1)
+    await pub.send([store(0)])
+    await pub.send([store(1)])
+    await service.followed.applied(P0, 1)
     assert index.applied[P0] == [0, 1]
     assert sample(prom, "globalkv_ingest_index_unavailable_total") == 3
 
@@ -250,19 +256,19 @@ async def test_data_lost_resyncs_every_source(
     prom: CollectorRegistry,
 ) -> None:
     service = make_service()
-    busy, idle = make_publisher(), make_publisher(buffer_steps=1)
+    busy, idle = await make_publisher(), await make_publisher(buffer_steps=1)
     await follow(service, busy, pod_for(busy, "busy"))
     await follow(service, idle, pod_for(idle, "idle"))
     for n in range(3):
-        await busy.publish([store(n)])
-        await idle.publish([store(n)])
-    await service.applied(Source("busy"), 2)
-    await service.applied(Source("idle"), 2)
+        await busy.send([store(n)])
+        await idle.send([store(n)])
+    await service.followed.applied(Source("busy"), 2)
+    await service.followed.applied(Source("idle"), 2)
     index.lose_data = True
-    await busy.publish([store(3)])
-    await service.applied(Source("busy"), 3)
-    await service.flush()
-    assert service.ready
+    await busy.send([store(3)])
+    await service.followed.applied(Source("busy"), 3)
+    await service.followed.flush()
+    assert service.recovery.ready
     assert index.applied[Source("busy")] == [0, 1, 2, 3]
     assert index.applied[Source("idle")] == [-1, 2]
     assert sample(prom, "globalkv_ingest_index_data_lost_total") == 1
@@ -281,20 +287,20 @@ async def test_data_lost_of_some_sources_resyncs_only_those(
     """A cluster master failed over without some block writes: the sources written there
     are rebuilt, the others (the one that noticed, too) go on as they were."""
     service = make_service()
-    pubs = {name: make_publisher(buffer_steps=1) for name in ("busy", "lost", "calm")}
+    pubs = {name: await make_publisher(buffer_steps=1) for name in ("busy", "lost", "calm")}
     for name, pub in pubs.items():
         await follow(service, pub, pod_for(pub, name))
     for n in range(3):
         for name, pub in pubs.items():
-            await pub.publish([store(n)])
-            await service.applied(Source(name), n)
+            await pub.send([store(n)])
+            await service.followed.applied(Source(name), n)
     restored: list[object] = []
     monkeypatch.setattr(registry, "mark", lambda: restored.append(None) or asyncio.sleep(0))
     index.lose_data, index.lose_only = True, frozenset({Source("lost")})
-    await pubs["busy"].publish([store(3)])
-    await service.applied(Source("busy"), 3)
-    await service.flush()
-    assert service.ready
+    await pubs["busy"].send([store(3)])
+    await service.followed.applied(Source("busy"), 3)
+    await service.followed.flush()
+    assert service.recovery.ready
     assert index.applied[Source("busy")] == [0, 1, 2, 3], "applied again, not rebuilt"
     assert index.applied[Source("lost")] == [-1, 2]
     assert index.applied[Source("calm")] == [0, 1, 2]
@@ -313,21 +319,20 @@ async def test_bound_socket_names_pods_by_topic_and_dp_rank(
 ) -> None:
     service = make_service(bind=["tcp://127.0.0.1:0"])
     await service.start()
-    (bound,) = service.bound_endpoints
-    pub = make_publisher(
+    (bound,) = service.bound.endpoints
+    pub = await make_publisher(
         endpoint=bound, connect=True, replay_endpoint=None, topic="kv@p9@org/model"
     )
-    stray = make_publisher(
+    stray = await make_publisher(
         endpoint=bound, connect=True, replay_endpoint=None, topic="not-a-kv-topic"
     )
     await pub.wait_subscribed()
     await stray.wait_subscribed()
-    await stray.publish([store(0)])
-    await pub.publish([store(0)], dp_rank=0)
-    pub.seq = 0
-    await pub.publish([store(0)], dp_rank=1)
-    await service.applied(Source("p9", 0), 0)
-    await service.applied(Source("p9", 1), 0)
+    await stray.send([store(0)])
+    await pub.send([store(0)])
+    await pub.raw(of_rank(pub, 1, [store(0)]))
+    await service.followed.applied(Source("p9", 0), 0)
+    await service.followed.applied(Source("p9", 1), 0)
     assert index.applied == {Source("p9", 0): [0], Source("p9", 1): [0]}
     first = index.batches[0].events[0]
     assert isinstance(first, StoreBlocks)
@@ -354,15 +359,15 @@ async def test_a_bound_message_that_is_no_batch_discovers_no_pod(
 ) -> None:
     service = make_service(bind=["tcp://127.0.0.1:0"])
     await service.start()
-    pub = make_publisher(
-        endpoint=service.bound_endpoints[0], connect=True, replay_endpoint=None, topic="kv@ok@m"
+    pub = await make_publisher(
+        endpoint=service.bound.endpoints[0], connect=True, replay_endpoint=None, topic="kv@ok@m"
     )
     await pub.wait_subscribed()
     await pub.raw(live_frames(b"kv@intruder@m", 0, b"\xc1 not msgpack"))
-    await pub.publish([store(0)])  # after the garbage, on the same connection
-    await service.applied(Source("ok"), 0)
+    await pub.send([store(0)])  # after the garbage, on the same connection
+    await service.followed.applied(Source("ok"), 0)
     await asyncio.wait_for(_registered(registry, "ok"), 5)
-    assert [pod.id for pod in service.pods()] == ["ok"]
+    assert [pod.id for pod in service.following.pods()] == ["ok"]
     assert await registry.get("intruder") is None
     assert sample(prom, "globalkv_ingest_dropped_total", reason="not_msgpack") == 1
 
@@ -376,22 +381,22 @@ async def test_pods_discovered_on_the_bound_socket_are_bounded(
 ) -> None:
     service = make_service(bind=["tcp://127.0.0.1:0"], max_discovered_pods=2)
     await service.start()
-    pub = make_publisher(
-        endpoint=service.bound_endpoints[0], connect=True, replay_endpoint=None, topic="kv@a@m"
+    pub = await make_publisher(
+        endpoint=service.bound.endpoints[0], connect=True, replay_endpoint=None, topic="kv@a@m"
     )
     await pub.wait_subscribed()
-    await pub.publish([store(0)])
+    await pub.send([store(0)])
     batch = pub.buffer[-1].payload
     for name in ("b", "c", "d"):
         await pub.raw(live_frames(f"kv@{name}@m".encode(), 0, batch))
-    await pub.publish([store(1)])
-    await service.applied(Source("a"), 1)
-    assert sorted(pod.id for pod in service.pods()) == ["a", "b"]
+    await pub.send([store(1)])
+    await service.followed.applied(Source("a"), 1)
+    assert sorted(pod.id for pod in service.following.pods()) == ["a", "b"]
     assert sample(prom, "globalkv_ingest_dropped_total", reason="pod_limit") == 2
-    await service.remove_pod("b")  # frees its place
+    await service.following.remove("b")  # frees its place
     await pub.raw(live_frames(b"kv@c@m", 0, batch))
-    await service.applied(Source("c"), 0)
-    assert sorted(pod.id for pod in service.pods()) == ["a", "c"]
+    await service.followed.applied(Source("c"), 0)
+    assert sorted(pod.id for pod in service.following.pods()) == ["a", "c"]
 
 
 async def test_one_huge_bound_batch_is_refused_before_its_events_are_built(
@@ -405,15 +410,15 @@ async def test_one_huge_bound_batch_is_refused_before_its_events_are_built(
     the check here, is not timed: that is for a benchmark)."""
     service = make_service(bind=["tcp://127.0.0.1:0"])
     await service.start()
-    pub = make_publisher(
-        endpoint=service.bound_endpoints[0], connect=True, replay_endpoint=None, topic="kv@p@m"
+    pub = await make_publisher(
+        endpoint=service.bound.endpoints[0], connect=True, replay_endpoint=None, topic="kv@p@m"
     )
     await pub.wait_subscribed()
     huge = msgpack.packb([1.0, [["x"]] * ((16 << 20) // 3), 0])
     await pub.raw(live_frames(b"kv@p@m", 0, huge))
-    pub.seq = 1
-    await pub.publish([store(0)])
-    await service.applied(Source("p"), 1, timeout=30)
+    pub.next_seq = 1
+    await pub.send([store(0)])
+    await service.followed.applied(Source("p"), 1, timeout=30)
     assert sample(prom, "globalkv_ingest_dropped_total", reason="bad_batch") == 1
 
 
@@ -425,24 +430,24 @@ async def test_full_queue_on_the_bound_socket_drops_then_recovers(
 ) -> None:
     service = make_service(bind=["tcp://127.0.0.1:0"], queue_size=1)
     await service.start()
-    pub = make_publisher(
-        endpoint=service.bound_endpoints[0], connect=True, replay_endpoint=None, topic="kv@p@m"
+    pub = await make_publisher(
+        endpoint=service.bound.endpoints[0], connect=True, replay_endpoint=None, topic="kv@p@m"
     )
     await pub.wait_subscribed()
     index.gate = asyncio.Event()
     for n in range(6):
-        await pub.publish([store(n)])
+        await pub.send([store(n)])
     source = Source("p")
-    await service.wait(source, lambda state: state.drops > 0)
-    worker = service.worker(source)
+    await service.followed.wait(source, lambda state: state.drops > 0)
+    worker = service.followed.worker(source)
     assert worker is not None
     # All six must have reached the worker and the queue must have drained before the next
     # batch is sent: a batch that meets a still-full queue is dropped too.
-    await service.wait(source, lambda state: worker.received >= 6)
+    await service.followed.wait(source, lambda state: worker.received >= 6)
     index.gate.set()
-    await service.flush()
-    await pub.publish([store(6)])
-    await service.applied(Source("p"), 6)
+    await service.followed.flush()
+    await pub.send([store(6)])
+    await service.followed.applied(Source("p"), 6)
     assert sample(prom, "globalkv_ingest_dropped_total", reason="queue_full") >= 1
     applied = index.applied[Source("p")]
     assert applied[0] == 0
@@ -454,14 +459,14 @@ async def test_remove_pod_stops_and_clears(
     make_publisher: PublisherFactory,
     index: RecordingIndex,
 ) -> None:
-    service, pub = make_service(), make_publisher()
+    service, pub = make_service(), await make_publisher()
     await follow(service, pub, pod_for(pub))
-    await pub.publish([store(0)])
-    await service.applied(P0, 0)
-    assert await service.remove_pod("p0")
+    await pub.send([store(0)])
+    await service.followed.applied(P0, 0)
+    assert await service.following.remove("p0")
     assert index.removed_pods == ["p0"]
-    assert service.pods() == []
-    assert not await service.remove_pod("p0")
+    assert service.following.pods() == []
+    assert not await service.following.remove("p0")
 
 
 async def test_flush_returns_when_a_pod_is_removed_with_batches_still_queued(
@@ -469,14 +474,14 @@ async def test_flush_returns_when_a_pod_is_removed_with_batches_still_queued(
     make_publisher: PublisherFactory,
     index: RecordingIndex,
 ) -> None:
-    service, pub = make_service(), make_publisher()
+    service, pub = make_service(), await make_publisher()
     await follow(service, pub, pod_for(pub))
     index.gate = asyncio.Event()
     for n in range(3):
-        await pub.publish([store(n)])
-    await service.wait(P0, lambda state: state.queue_depth >= 2)
-    flushing = asyncio.ensure_future(service.flush())  # runs first: it holds the worker
-    removing = asyncio.ensure_future(service.remove_pod("p0"))
+        await pub.send([store(n)])
+    await service.followed.wait(P0, lambda state: state.queue_depth >= 2)
+    flushing = asyncio.ensure_future(service.followed.flush())  # runs first: it holds the worker
+    removing = asyncio.ensure_future(service.following.remove("p0"))
     await asyncio.wait_for(asyncio.gather(flushing, removing), 5)
     assert removing.result()
 
@@ -487,14 +492,14 @@ async def test_queued_batches_are_applied_as_one_group(
     index: RecordingIndex,
     prom: CollectorRegistry,
 ) -> None:
-    service, pub = make_service(max_group=3), make_publisher()
+    service, pub = make_service(max_group=3), await make_publisher()
     await follow(service, pub, pod_for(pub))
     index.gate = asyncio.Event()
     for n in range(6):
-        await pub.publish([store(n)])
-    await service.wait(P0, lambda state: state.queue_depth >= 3)
+        await pub.send([store(n)])
+    await service.followed.wait(P0, lambda state: state.queue_depth >= 3)
     index.gate.set()
-    await service.applied(P0, 5)
+    await service.followed.applied(P0, 5)
     sizes = [len(b.events) for b in index.batches]
     assert sum(sizes) == 6
     assert max(sizes) == 3
@@ -503,7 +508,7 @@ async def test_queued_batches_are_applied_as_one_group(
     assert stored == [1, 2, 3, 4, 5, 6]
     assert sample(prom, "globalkv_ingest_batches_applied_total", pod="p0") == 6
     assert service.states()["p0"].sources[0].applied == 6
-    await asyncio.wait_for(service.flush(), 5)
+    await asyncio.wait_for(service.followed.flush(), 5)
 
 
 def _consecutive_ports() -> int:
@@ -526,9 +531,10 @@ async def test_dp_ranks_subscribe_on_port_plus_rank(
 ) -> None:
     port, replay = _consecutive_ports(), _consecutive_ports()
     ranks = [
-        make_publisher(
+        await make_publisher(
             endpoint=f"tcp://127.0.0.1:{port + r}",
             replay_endpoint=f"tcp://127.0.0.1:{replay + r}",
+            dp_rank=r,
         )
         for r in range(2)
     ]
@@ -541,15 +547,15 @@ async def test_dp_ranks_subscribe_on_port_plus_rank(
             endpoint=f"tcp://127.0.0.1:{port}", replay_endpoint=f"tcp://127.0.0.1:{replay}"
         ),
     )
-    await service.add_pod(pod)
+    await service.following.add(pod)
     for pub in ranks:
         await pub.wait_subscribed()
-    await ranks[0].publish([store(0)], dp_rank=0)
-    await ranks[1].publish([store(0)], dp_rank=1)
-    await ranks[1].publish([store(1)], send=False, dp_rank=1)
-    await ranks[1].publish([store(2)], dp_rank=1)
-    await service.applied(Source("dp", 0), 0)
-    await service.applied(Source("dp", 1), 2)
+    await ranks[0].send([store(0)])
+    await ranks[1].send([store(0)])
+    await ranks[1].send([store(1)], live=False)
+    await ranks[1].send([store(2)])
+    await service.followed.applied(Source("dp", 0), 0)
+    await service.followed.applied(Source("dp", 1), 2)
     assert index.applied == {Source("dp", 0): [0], Source("dp", 1): [0, 1, 2]}
 
 
@@ -559,12 +565,12 @@ async def test_first_batch_resets_when_the_index_could_not_say_what_it_held(
     index: RecordingIndex,
     prom: CollectorRegistry,
 ) -> None:
-    service, pub = make_service(), make_publisher(buffer_steps=1)
-    await pub.publish([store(0)])
-    await pub.publish([store(1)])
+    service, pub = make_service(), await make_publisher(buffer_steps=1)
+    await pub.send([store(0)])
+    await pub.send([store(1)])
     index.unavailable = 1
     await follow(service, pub, pod_for(pub))
-    await pub.publish([store(2)])
-    await service.applied(P0, 2)
+    await pub.send([store(2)])
+    await service.followed.applied(P0, 2)
     assert index.applied[P0] == [-1, 2]
     assert sample(prom, "globalkv_ingest_resets_total", pod="p0", reason="unknown") == 1

@@ -69,7 +69,7 @@ async def publishers(
 
 
 async def follow(service: IngestService, pub: PublisherProc, pod_id: str) -> None:
-    await service.add_pod(
+    await service.following.add(
         PodInfo(
             id=pod_id,
             model="m",
@@ -116,12 +116,12 @@ async def test_live_stream_and_a_gap_recovered_by_replay(
     await follow(service, pub, "p0")
     await pub.publish(block(0))
     await pub.publish(block(1))
-    await service.applied(Source("p0"), 1)
+    await service.followed.applied(Source("p0"), 1)
     assert await hits(index) == {"p0": 2}
     await pub.publish(block(2), send=False)
     await pub.publish(block(3), send=False)
     seq = await pub.publish(block(4))
-    await service.applied(Source("p0"), seq)
+    await service.followed.applied(Source("p0"), seq)
     assert await hits(index) == {"p0": 5}
     assert sample(prom, "globalkv_ingest_replays_total", pod="p0", outcome="complete") == 1
 
@@ -135,13 +135,13 @@ async def test_gap_past_the_replay_buffer_resets_the_pod(
     pub = await publishers(buffer_steps=2)
     await follow(service, pub, "p0")
     await pub.publish(block(0))
-    await service.applied(Source("p0"), 0)
+    await service.followed.applied(Source("p0"), 0)
     for n in range(1, 5):
         await pub.publish(block(n), send=False)
     await pub.publish({"type": "BlockRemoved", "block_hashes": [1000]}, send=False)
     other = list(range(500, 508))
     seq = await pub.publish(chain(other, BS, first_hash=1))
-    await service.applied(Source("p0"), seq)
+    await service.followed.applied(Source("p0"), seq)
     assert await hits(index) == {}, "block 0 was removed while we missed it: it must be gone"
     assert await hits(index, other) == {"p0": 2}
     assert sample(prom, "globalkv_ingest_resets_total", pod="p0", reason="gap") == 1
@@ -157,11 +157,13 @@ async def test_engine_restart_drops_what_the_old_engine_held(
     await follow(service, pub, "p0")
     for n in range(3):
         seq = await pub.publish(block(n))
-    await service.applied(Source("p0"), seq)
+    await service.followed.applied(Source("p0"), seq)
     assert await hits(index) == {"p0": 3}
     await pub.call(op="restart")
     await pub.publish(chain(PROMPT[:BS], BS, first_hash=77))
-    await service.wait(Source("p0"), lambda state: state.resets == 1 and state.last_seq == 0)
+    await service.followed.wait(
+        Source("p0"), lambda state: state.resets == 1 and state.last_seq == 0
+    )
     assert await hits(index) == {"p0": 1}
     assert sample(prom, "globalkv_ingest_resets_total", pod="p0", reason="restart") == 1
 
@@ -171,18 +173,18 @@ async def test_bind_mode_names_pods_by_topic(
     index: MemoryIndex,
     publishers: Callable[..., Awaitable[PublisherProc]],
 ) -> None:
-    (bound,) = service.bound_endpoints
+    (bound,) = service.bound.endpoints
     a = await publishers(connect_to=bound, topic="kv@a@m", replay=False, name="pub-a")
-    b = await publishers(connect_to=bound, topic="kv@b@m", replay=False, name="pub-b")
+    b = await publishers(connect_to=bound, topic="kv@b@m", replay=False, dp_rank=3, name="pub-b")
     await a.call(op="wait_subscribed")
     await b.call(op="wait_subscribed")
     await a.publish(block(0), block(1))
-    seq = await b.publish(block(0), dp_rank=3)
-    await service.applied(Source("a"), 0)
-    await service.applied(Source("b", 3), seq)
+    seq = await b.publish(block(0))
+    await service.followed.applied(Source("a"), 0)
+    await service.followed.applied(Source("b", 3), seq)
     result = await IndexLookup(index).lookup("m", PROMPT)
     assert {(p.pod, p.dp_rank, p.hit_blocks) for p in result.pods} == {("a", 0, 2), ("b", 3, 1)}
-    assert {p.id for p in service.pods()} == {"a", "b"}
+    assert {p.id for p in service.following.pods()} == {"a", "b"}
 
 
 async def test_garbage_of_every_kind_is_counted_while_good_pods_flow(
@@ -194,7 +196,7 @@ async def test_garbage_of_every_kind_is_counted_while_good_pods_flow(
     good, bad = await publishers(name="good"), await publishers(name="bad")
     await follow(service, good, "good")
     await follow(service, bad, "bad")
-    (bound,) = service.bound_endpoints
+    (bound,) = service.bound.endpoints
     stray = await publishers(connect_to=bound, topic="whatever", replay=False, name="stray")
     await stray.call(op="wait_subscribed")
     garbage: list[tuple[bytes, ...]] = [
@@ -212,9 +214,9 @@ async def test_garbage_of_every_kind_is_counted_while_good_pods_flow(
         await bad.raw(*garbage[n])
         await stray.publish(block(n))
     seq = await good.publish(block(len(garbage)))
-    await service.applied(Source("good"), seq)
+    await service.followed.applied(Source("good"), seq)
     await bad.raw(*live_frames(b"", 6, msgpack.packb([0.0, []])))
-    await service.wait(Source("bad"), lambda state: state.last_seq == 6)
+    await service.followed.wait(Source("bad"), lambda state: state.last_seq == 6)
     assert await hits(index) == {"good": len(garbage) + 1}
     dropped = {
         reason: sample(prom, "globalkv_ingest_dropped_total", reason=reason) for reason in REASONS

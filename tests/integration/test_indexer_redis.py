@@ -99,7 +99,7 @@ async def test_redis_restart_while_ingesting_answers_503_then_resyncs(
             await pub.call(op="wait_subscribed")
             for n in range(4):
                 seq = await pub.publish(block(n))
-            await indexer.ingest.applied(Source("p0"), seq)
+            await indexer.ingest.followed.applied(Source("p0"), seq)
             assert depth(await lookup(client)) == 4
 
             await bounded(asyncio.to_thread(own_redis.restart), "the Redis restart", 30)
@@ -107,7 +107,7 @@ async def test_redis_restart_while_ingesting_answers_503_then_resyncs(
             seq = await pub.publish(block(4))
 
             async def resyncing() -> bool:
-                return not indexer.ingest.ready
+                return not indexer.ingest.recovery.ready
 
             await await_for(resyncing, timeout=20, what="the indexer to notice the lost data")
             during = await lookup(client)
@@ -116,9 +116,9 @@ async def test_redis_restart_while_ingesting_answers_503_then_resyncs(
             assert (await bounded(client.get("/health"), "/health")).status_code == 503
 
             await pub.call(op="release_replay")
-            await indexer.ingest.applied(Source("p0"), seq, timeout=20)
-            await asyncio.wait_for(indexer.ingest.flush(), 20)
-            assert indexer.ingest.ready
+            await indexer.ingest.followed.applied(Source("p0"), seq, timeout=20)
+            await asyncio.wait_for(indexer.ingest.followed.flush(), 20)
+            assert indexer.ingest.recovery.ready
             assert depth(await lookup(client)) == 5
 
             async def pod_restored() -> bool:
@@ -147,12 +147,12 @@ async def test_pods_written_to_the_redis_registry_by_others_are_followed(
         await gateway_side.put(pod)
 
         async def followed() -> bool:
-            return "g0" in {p.id for p in indexer.ingest.pods()}
+            return "g0" in {p.id for p in indexer.ingest.following.pods()}
 
         await await_for(followed, timeout=10, what="the indexer to follow g0")
         await pub.call(op="wait_subscribed")
         seq = await pub.publish(block(0), block(1))
-        await indexer.ingest.applied(Source("g0"), seq)
+        await indexer.ingest.followed.applied(Source("g0"), seq)
         assert [h.blocks for h in await indexer.index.lookup(_keys())] == [2]
 
         async def state_published() -> bool:

@@ -18,7 +18,7 @@ the gateway's own event loop, so the process's CPU time is all of the serving:
   `bench.gateway_ceilings`' `asgi` (uvicorn) and `raw` (the own server's parser).
 
 Other routes answer 404: this is a measuring instrument, not a product; see
-`gateway.server` for what was decided from it. Over ASGI (granian serving a FastAPI app
+`gateway.http.server` for what was decided from it. Over ASGI (granian serving a FastAPI app
 with the inference routes) the gateway cost more still: `bench/results/gateway-granian.md`.
 """
 
@@ -32,10 +32,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from bench.gateway_ceilings import ANSWER_BODY, SSE_EVENTS, streamed
-from gateway.answers import Answer, problem, too_large
 from gateway.cli import register, running_gateway, tune_garbage_collection
 from gateway.config import GatewayConfig
 from gateway.flags import build_config
+from gateway.http.answer import Answer, problem, too_large
 from gateway.inference import INFERENCE_PATHS, Inference, Relay
 
 MODES = ("rsgi", "rsgi-rust", "rsgi-nodisconnect", "bare")
@@ -46,7 +46,7 @@ def _head(answer: Answer) -> list[tuple[str, str]]:
 
 
 class RsgiFront:
-    """Inference POSTs from RSGI to `Inference`, as `gateway.client_connection` serves them."""
+    """Inference POSTs from RSGI to `Inference`, as `gateway.http.client_connection` serves them."""
 
     def __init__(self, inference: Inference, *, watch_disconnect: bool) -> None:
         self.inference = inference

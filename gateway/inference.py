@@ -1,6 +1,6 @@
 """One inference request, from its body to its answer, apart from the HTTP that carries it.
 
-The server (`gateway.server`, through `gateway.exchange`) reads the request and writes the
+The server (`gateway.http.server`, through `gateway.http.exchange`) reads the request and writes the
 answer; everything in between is here: the API key, the body
 checks (400 with the reason), tokens, one index lookup, the dispatcher, and the request
 metrics (count by status, time to first byte, duration). Reading the body within
@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import httpx
 
-from gateway.answers import Answer, problem
-from gateway.dispatch import Stream
-from gateway.inject import Endpoint
+from gateway.http.answer import Answer, problem
+from gateway.legs.dispatch import Stream
+from gateway.legs.sglang import Endpoint
 from gateway.metrics import EndpointMetrics
 from gateway.policies.base import RouteRequest
 from gateway.requests import BadRequest, decode_body, parse_request, prompt_tokens

@@ -29,7 +29,7 @@ from typing import Any
 
 import orjson
 
-from gateway.inject import Endpoint, batch_size
+from gateway.legs.sglang import Endpoint, batch_size
 from globalkv.tokenize import NotTokenizable, Tokenizer
 
 if array("I").itemsize != 4:

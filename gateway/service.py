@@ -3,7 +3,7 @@
 Built from the configuration and the collaborators the caller owns (the pooled httpx
 client, the upstream the dispatcher calls workers through — by default that same client —,
 the index lookup, the pod registrar, the directory reader, the tokenizer, the clock), so
-tests swap any of them; `gateway.server` and `gateway.app` serve it, `gateway.cli` builds
+tests swap any of them; `gateway.http.server` and `gateway.app` serve it, `gateway.cli` builds
 it.
 """
 
@@ -21,15 +21,15 @@ import httpx
 from prometheus_client import CollectorRegistry
 
 from gateway.config import GatewayConfig, WorkerSpec
-from gateway.dispatch import Dispatcher
+from gateway.http.upstream import HttpxUpstream, Upstream
+from gateway.legs.dispatch import Dispatcher
+from gateway.legs.retry import RetrySchedule
 from gateway.metrics import GatewayMetrics
-from gateway.monitor import DirectoryProbe, Monitor, PodRegistrar
 from gateway.policies import LoadTracker, build_policy
 from gateway.policies.pending import PendingPrefixes
-from gateway.retry import RetrySchedule
-from gateway.router import Router
-from gateway.upstream import HttpxUpstream, Upstream
-from gateway.workers import Worker, WorkerPool
+from gateway.routing.router import Router
+from gateway.workers.monitor import DirectoryProbe, Monitor, PodRegistrar
+from gateway.workers.pool import Worker, WorkerPool
 from globalkv.lookup import PrefixLookup
 from globalkv.tokenize import Tokenizer
 from kvplumbing.clock import Clock, Sleep

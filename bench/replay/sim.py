@@ -1,6 +1,7 @@
 """The discrete-event replay: the gateway's policy chooses, simulated pods serve.
 
-Per request, in the order the gateway does it (`gateway.router.Router`, `gateway.dispatch`):
+Per request, in the order the gateway does it (`gateway.routing.router.Router`,
+`gateway.legs.dispatch`):
 the prompt is looked up in the real `MemoryIndex` (only for a policy that uses the index,
 as `Router.uses_index` decides), the policy object built by `gateway.policies.build_policy`
 chooses a prefill among `LoadTracker` candidates and the decode policy a decode, and the

@@ -139,7 +139,7 @@ class LoadTicket:
 
 
 class SharedView(Protocol):
-    """What other gateway replicas published (`gateway.shared_state`): added to this
+    """What other gateway replicas published (`gateway.replicas.shared_state`): added to this
     gateway's own view, and told what this one sends."""
 
     def load(self, worker: str) -> tuple[int, int, int]:

@@ -13,9 +13,9 @@ import httpx
 from prometheus_client import CollectorRegistry
 
 from gateway.config import GatewayConfig, HealthConfig, KvEventsSpec, WorkerSpec
-from gateway.monitor import PodRegistration
+from gateway.http.upstream import Upstream
 from gateway.service import Gateway, build_gateway
-from gateway.upstream import Upstream
+from gateway.workers.monitor import PodRegistration
 from globalkv.index.base import IndexUnavailable
 from globalkv.lookup import LookupResult
 from globalkv.tokenize import Tokenizer

@@ -12,12 +12,12 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.answers import Answer
 from gateway.app import create_app
 from gateway.config import WorkerSpec
+from gateway.http.answer import Answer
+from gateway.http.server import GatewayServer
 from gateway.inference import TOKENIZE_INLINE_MAX, Inference
 from gateway.requests import MAX_BATCH
-from gateway.server import GatewayServer
 from gateway.service import Gateway
 from globalkv.tokenize import ByteTokenizer
 from tests.gateway.fakes import (

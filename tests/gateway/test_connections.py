@@ -10,13 +10,13 @@ from collections.abc import Awaitable, Callable
 import httpx
 import pytest
 
-from gateway.calls import PAUSE_AT
 from gateway.config import WorkerSpec
-from gateway.connections import DEAD_PEER_SECS, ConnectionPool
-from gateway.dispatch import Stream
+from gateway.http.connections import DEAD_PEER_SECS, ConnectionPool
+from gateway.http.reply import PAUSE_AT
+from gateway.http.upstream import PooledUpstream
+from gateway.legs.dispatch import Stream
 from gateway.policies.base import RouteRequest
 from gateway.requests import parse_request
-from gateway.upstream import PooledUpstream
 from tests.gateway.fakes import Cluster, config, make_gateway, sample
 from tests.gateway.scripted import Handler, answer, keep_alive, read_request, running
 from tests.support.net import await_for, free_port

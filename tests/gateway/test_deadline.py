@@ -13,8 +13,8 @@ from typing import Any
 
 import httpx
 
-from gateway.deadline import DeadlineWatch
-from gateway.dispatch import Answer, Stream
+from gateway.legs.deadline import DeadlineWatch
+from gateway.legs.dispatch import Answer, Stream
 from gateway.service import Gateway
 from tests.gateway.fakes import DECODES, PREFILLS, Cluster, config, make_gateway, sample
 from tests.gateway.test_dispatch import send

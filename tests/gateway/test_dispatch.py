@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from gateway.config import BreakerConfig, RetryConfig
-from gateway.dispatch import Answer, Stream
+from gateway.legs.dispatch import Answer, Stream
 from gateway.policies.base import RouteRequest
 from gateway.requests import parse_request
 from gateway.service import Gateway
@@ -353,7 +353,7 @@ async def test_each_attempt_is_logged_at_debug_with_its_pair_and_rooms(
 ) -> None:
     cluster = Cluster()
     gateway = await make_gateway(cluster)
-    with caplog.at_level("DEBUG", logger="gateway.dispatch"):
+    with caplog.at_level("DEBUG", logger="gateway.legs.dispatch"):
         answer = await send(gateway, {"text": ["a", "b"]})
     await gateway.dispatcher.drain()
     assert isinstance(answer, Answer)

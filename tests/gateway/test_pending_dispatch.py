@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from gateway.config import PrefixWeights
-from gateway.dispatch import Answer
 from gateway.inference import Inference
+from gateway.legs.dispatch import Answer
 from gateway.policies.base import RouteRequest
 from gateway.policies.pending import PendingHit
 from gateway.requests import parse_request

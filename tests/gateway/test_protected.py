@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from gateway.app import create_app
+from gateway.http.server import GatewayServer
 from gateway.inference import Inference
-from gateway.server import GatewayServer
 from gateway.service import Gateway
 from tests.gateway.fakes import Cluster, config, make_gateway
 

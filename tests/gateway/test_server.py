@@ -21,9 +21,9 @@ import httpx
 import pytest
 
 from gateway.app import create_app
-from gateway.client_connection import HEAD_MAX
+from gateway.http.client_connection import HEAD_MAX
+from gateway.http.server import GatewayServer
 from gateway.inference import Inference
-from gateway.server import GatewayServer
 from gateway.service import Gateway
 from kvplumbing.release import VERSION
 from tests.gateway.fakes import DECODES, Cluster, config, make_gateway, sample

@@ -10,11 +10,11 @@ from typing import Any
 import httpx
 
 from gateway.config import WorkerSpec
-from gateway.dispatch import Answer, Stream
-from gateway.kinds import detect_kind
+from gateway.legs.dispatch import Answer, Stream
 from gateway.policies.base import RouteRequest
 from gateway.requests import parse_request
 from gateway.service import Gateway
+from gateway.workers.kinds import detect_kind
 from tests.gateway.fakes import DECODES, PREFILLS, Cluster, config, make_gateway, sample
 
 PARAMS = {

@@ -2,7 +2,7 @@
 
 Health checks, directory reads, pod registration and index lookups go through one
 `httpx.AsyncClient` (tests swap its transport for `httpx.MockTransport`). Its transport
-here is `gateway.connections.ConnectionPool`, the client the dispatcher uses directly, so
+here is `gateway.http.connections.ConnectionPool`, the client the dispatcher uses directly, so
 there is one connection pool per process and one HTTP/1.1 implementation.
 
 Why not httpx's default (httpcore): every request taken from or returned to its pool
@@ -18,8 +18,8 @@ from http.cookiejar import CookieJar, DefaultCookiePolicy
 
 import httpx
 
-from gateway.calls import Response
-from gateway.connections import ConnectionPool
+from gateway.http.connections import ConnectionPool
+from gateway.http.reply import Response
 
 _OWN_HEADERS = frozenset({b"host", b"content-length", b"transfer-encoding"})
 """Written by the pool from the URL and the body."""

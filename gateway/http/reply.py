@@ -1,7 +1,7 @@
-"""One call to a worker as `gateway.connections` carries it: the request bytes, then the
+"""One call to a worker as `gateway.http.connections` carries it: the request bytes, then the
 answer's head and body as they arrive.
 
-The dispatcher sees a `Response` through `gateway.upstream` (`Whole` for an answer read to
+The dispatcher sees a `Response` through `gateway.http.upstream` (`Whole` for an answer read to
 its end, `Reply` for one read piece by piece); the connection fills it (`on_head`,
 `on_piece`, `on_end`, `on_error`) from httptools' callbacks. A streamed body is buffered
 here until read; past `PAUSE_AT` unread bytes the connection stops reading from the
@@ -20,7 +20,7 @@ PAUSE_AT = 256 * 1024
 
 
 class Carrier(Protocol):
-    """What a call needs of the connection carrying it (`gateway.connections.Connection`)."""
+    """What a call needs of the connection carrying it (`gateway.http.connections.Connection`)."""
 
     @property
     def paused(self) -> bool:

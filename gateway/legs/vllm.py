@@ -22,7 +22,7 @@ A prefill that fails is retried on another pair like any failure; the decode is 
 the request without a prefill's answer, unless `--vllm-allow-recompute` lets the last
 attempt's decode compute the prompt itself (`reason="prefill_failed"`).
 
-The calls are the dispatcher's own (`gateway.dispatch.Dispatcher`): the prefill call with
+The calls are the dispatcher's own (`gateway.legs.dispatch.Dispatcher`): the prefill call with
 its load and breaker bookkeeping, the decode legs raced against an already settled
 prefill, the deadline's stages (`prefill` until the prefill answered, then `decode`).
 """
@@ -37,18 +37,18 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 
-from gateway.answers import Answer
-from gateway.deadline import Progress
+from gateway.http.answer import Answer
+from gateway.http.upstream import Extra
+from gateway.legs.deadline import Progress
+from gateway.legs.racing import Call, failed
 from gateway.metrics import GatewayMetrics
 from gateway.policies.base import LoadTicket
-from gateway.racing import Call, failed
 from gateway.requests import ParsedRequest, encode_body
-from gateway.router import RoutePlan
-from gateway.upstream import Extra
-from gateway.workers import Worker
+from gateway.routing.router import RoutePlan
+from gateway.workers.pool import Worker
 
 if TYPE_CHECKING:
-    from gateway.dispatch import Stream
+    from gateway.legs.dispatch import Stream
 
 _REMOTE_DECODE: dict[str, Any] = {
     "do_remote_decode": True,

@@ -6,7 +6,7 @@ builds a `Request` (URL parsing and merging, header models, cookie extraction) a
 wake-up per read. py-spy at concurrency 64 (`bench.gateway`) put httpx's client layer at
 about a third of the gateway's CPU. Here a call is one `transport.write` of prebuilt
 bytes, and the answer is parsed by httptools (C) inside `data_received`, which resolves a
-future: no task, no stream object. `gateway.transport` puts httpx's interface on top of
+future: no task, no stream object. `gateway.http.transport` puts httpx's interface on top of
 this for the calls off the hot path (health checks, directory reads, index lookups).
 
 Host names are resolved by a `HostResolver` (one lookup in flight per name, its answer
@@ -40,8 +40,8 @@ from urllib.parse import urlsplit
 import httptools
 import httpx
 
-from gateway.calls import Response
-from gateway.resolver import HostResolver
+from gateway.http.reply import Response
+from gateway.http.resolver import HostResolver
 
 Origin = tuple[str, str, int]
 Headers = Sequence[tuple[bytes, bytes]]

@@ -1,9 +1,9 @@
 """Sending a request to its pair: both at once, the decode's answer back, retries.
 
 A pair of vLLM workers is sent its legs one after the other instead
-(`gateway.vllm_dispatch`), through the same prefill call, decode legs, retries, breakers
+(`gateway.legs.vllm`), through the same prefill call, decode legs, retries, breakers
 and deadline as below. One SGLang attempt: the same bound body is POSTed to the prefill and
-the decode concurrently through the `gateway.upstream.Upstream` (the gateway's connection
+the decode concurrently through the `gateway.http.upstream.Upstream` (the gateway's connection
 pool in production, httpx in tests). The client gets the decode's answer; for a stream,
 pieces are passed on as they arrive (no buffering). Until the decode's first body byte
 exists nothing is committed to the client, so:
@@ -19,9 +19,9 @@ request are avoided while others remain). Every finished upstream call is record
 its worker's circuit breaker; calls cancelled by the gateway are not. Cancelling
 `forward` (the client went away) cancels both upstream calls.
 
-The calls are futures raced through done-callbacks (`gateway.racing`), not tasks: with
+The calls are futures raced through done-callbacks (`gateway.legs.racing`), not tasks: with
 the connection pool, an attempt costs the task of the request that awaits it and nothing
-more. The whole request is bounded by the request deadline (`gateway.deadline`).
+more. The whole request is bounded by the request deadline (`gateway.legs.deadline`).
 
 Load bookkeeping for the policies: the prefill's queued tokens are released when its
 call ends, each side's in-flight count when its call ends. A failed call is also noted as
@@ -39,20 +39,20 @@ from typing import Any
 
 import httpx
 
-from gateway.answers import Answer, error_body
-from gateway.breaker import is_failure_status
 from gateway.config import Kind
-from gateway.deadline import DeadlineWatch, Progress
-from gateway.inject import inject_bootstrap
+from gateway.http.answer import Answer, error_body
+from gateway.http.upstream import Extra, Reply, Upstream
+from gateway.legs.deadline import DeadlineWatch, Progress
+from gateway.legs.racing import Call, failed, race, settle
+from gateway.legs.retry import RetrySchedule, is_retryable_status
+from gateway.legs.sglang import inject_bootstrap
+from gateway.legs.vllm import Failure, Sequential
 from gateway.metrics import GatewayMetrics
 from gateway.policies.base import LoadTicket, NoCandidates, RouteRequest
-from gateway.racing import Call, failed, race, settle
 from gateway.requests import ParsedRequest, encode_body
-from gateway.retry import RetrySchedule, is_retryable_status
-from gateway.router import RoutePlan, Router
-from gateway.upstream import Extra, Reply, Upstream
-from gateway.vllm_dispatch import Failure, Sequential
-from gateway.workers import Worker
+from gateway.routing.router import RoutePlan, Router
+from gateway.workers.breaker import is_failure_status
+from gateway.workers.pool import Worker
 from kvplumbing.clock import Clock, Sleep
 
 log = logging.getLogger(__name__)

@@ -1,10 +1,10 @@
 """Serving one request on a client's connection: a refusal, inference, or the ASGI app.
 
-`gateway.client_connection` owns the connection's life (parsing, order, timeouts,
+`gateway.http.client_connection` owns the connection's life (parsing, order, timeouts,
 closing); an `Exchange` answers one complete request on it and says whether the
 connection may serve another. Inference POSTs go to `gateway.inference` and their answer
 is written as prebuilt bytes; any other method on an inference path is answered 405 here;
-every other request goes to the FastAPI app through `gateway.http1.serve_asgi`.
+every other request goes to the FastAPI app through `gateway.http.wire.serve_asgi`.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any, Protocol
 
 from starlette.types import ASGIApp
 
-from gateway.answers import Answer, problem, too_large
-from gateway.http1 import (
+from gateway.http.answer import Answer, problem, too_large
+from gateway.http.wire import (
     CLOSE,
     HttpRequest,
     Wire,

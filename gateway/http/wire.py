@@ -1,4 +1,4 @@
-"""HTTP/1.1 on the wire for `gateway.server`: the parsed request, answers, the ASGI bridge.
+"""HTTP/1.1 on the wire for `gateway.http.server`: the parsed request, answers, the ASGI bridge.
 
 The server answers inference itself; every other request (admin, info, health, metrics)
 goes through `serve_asgi` to the FastAPI app with its body already read, so those routes
@@ -19,8 +19,8 @@ from urllib.parse import unquote
 
 from starlette.types import ASGIApp, Message
 
-from gateway.answers import Answer
-from gateway.inject import Endpoint
+from gateway.http.answer import Answer
+from gateway.legs.sglang import Endpoint
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from gateway.upstream import Whole
+from gateway.http.upstream import Whole
 
 Call = asyncio.Future[Whole]
 """The prefill's call."""

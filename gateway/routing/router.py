@@ -26,10 +26,10 @@ from dataclasses import dataclass, replace
 from random import Random
 
 from gateway.config import Kind, Role
-from gateway.inject import draw_room
+from gateway.legs.sglang import draw_room
 from gateway.metrics import GatewayMetrics
 from gateway.policies.base import Candidate, Choice, LoadTracker, NoCandidates, Policy, RouteRequest
-from gateway.workers import Worker, WorkerPool
+from gateway.workers.pool import Worker, WorkerPool
 from globalkv.index.base import IndexUnavailable
 from globalkv.lookup import LookupResult, PrefixLookup
 from kvplumbing.clock import Clock

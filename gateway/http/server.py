@@ -26,9 +26,9 @@ about the same, one run shows the gateway's requests/s above sglang-router's and
 at par or below. On streams the gateway is far ahead in both measures (sglang-router's
 reused connections wait on delayed ACKs, see the README).
 
-What this server does instead: each connection is a `gateway.client_connection`
+What this server does instead: each connection is a `gateway.http.client_connection`
 protocol, which parses requests with httptools in `data_received` and answers each in
-order with a `gateway.exchange.Exchange`: inference through `gateway.inference` (one task
+order with a `gateway.http.exchange.Exchange`: inference through `gateway.inference` (one task
 per request, the answer written as prebuilt bytes), every other request (admin, info,
 health, metrics) to the ASGI app (FastAPI), so those routes keep their one
 implementation. Here: listening, timeouts for clients that make a connection wait (idle
@@ -45,7 +45,7 @@ import contextlib
 
 from starlette.types import ASGIApp
 
-from gateway.client_connection import ClientConnection
+from gateway.http.client_connection import ClientConnection
 from gateway.inference import Inference
 
 

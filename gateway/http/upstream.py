@@ -6,7 +6,7 @@ awaitables that start the call at once (`extra` headers follow the JSON content 
 vLLM legs' `X-Request-Id`); the dispatcher turns them into futures and races
 them, and cancelling one cancels the call. Errors are httpx's exception types.
 
-- `PooledUpstream` is the gateway's own: calls on `gateway.connections.ConnectionPool`,
+- `PooledUpstream` is the gateway's own: calls on `gateway.http.connections.ConnectionPool`,
   whose futures are resolved by the connections' protocol callbacks (no task per call).
 - `HttpxUpstream` goes through an `httpx.AsyncClient`, so tests drive dispatch, retries,
   breakers and cancellation with `httpx.MockTransport`.
@@ -19,8 +19,8 @@ from typing import Protocol
 
 import httpx
 
-from gateway.answers import Answer
-from gateway.connections import ConnectionPool
+from gateway.http.answer import Answer
+from gateway.http.connections import ConnectionPool
 
 _HEADERS = ((b"Content-Type", b"application/json"), (b"Accept-Encoding", b"identity"))
 _HTTPX_HEADERS = {"content-type": "application/json", "accept-encoding": "identity"}

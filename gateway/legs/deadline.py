@@ -30,7 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.answers import Answer
+from gateway.http.answer import Answer
 
 
 @dataclass(slots=True)

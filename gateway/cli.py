@@ -28,7 +28,7 @@ from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.flags import add_flags, build_config
 from gateway.http.connections import ConnectionPool
-from gateway.http.server import GatewayServer
+from gateway.http.server import HttpServer
 from gateway.http.transport import upstream_client
 from gateway.http.upstream import PooledUpstream
 from gateway.inference import Inference
@@ -130,7 +130,7 @@ async def running_gateway(
 
 async def serve(config: GatewayConfig, tokenizer: Tokenizer | None) -> None:
     async with running_gateway(config, tokenizer) as (gateway, app):
-        server = GatewayServer(Inference(gateway), app)
+        server = HttpServer(Inference(gateway), app)
         await server.start(config.host, config.port)
         tune_garbage_collection()
         await _until_signalled()

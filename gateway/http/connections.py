@@ -15,7 +15,7 @@ kept briefly), so a worker whose name stops resolving cannot stall the others' l
 Each origin keeps a stack of idle connections: taking one is a pop (one the peer closed
 while idle has seen EOF and is skipped without a system call), giving it back a push.
 A connection returns to its stack as soon as its answer has been read to the end (the
-rest of the body stays buffered in the `Response`) unless either side asked to close it.
+rest of the body stays buffered in the `Reply`) unless either side asked to close it.
 Cancelling a call's future before its answer ended closes the connection, so the worker
 sees the client go. A request written to a reused connection that the peer closed before
 any byte of an answer arrived (the keep-alive race) is sent once more on a new connection.
@@ -40,7 +40,7 @@ from urllib.parse import urlsplit
 import httptools
 import httpx
 
-from gateway.http.reply import Response
+from gateway.http.reply import Reply
 from gateway.http.resolver import HostResolver
 
 Origin = tuple[str, str, int]
@@ -59,7 +59,7 @@ _TARGETS_KEPT = 4096
 
 
 class Connection(asyncio.Protocol):
-    """One keep-alive connection; carries one `Response` at a time."""
+    """One keep-alive connection; carries one `Reply` at a time."""
 
     def __init__(self, pool: ConnectionPool, origin: Origin) -> None:
         self._pool = pool
@@ -67,7 +67,7 @@ class Connection(asyncio.Protocol):
         self._loop = asyncio.get_running_loop()
         self._parser = httptools.HttpResponseParser(self)
         self._transport: asyncio.Transport | None = None
-        self._response: Response | None = None
+        self._response: Reply | None = None
         self._headers: list[tuple[bytes, bytes]] = []
         self._keep = False
         self._last_read = 0.0
@@ -78,7 +78,7 @@ class Connection(asyncio.Protocol):
     def usable(self) -> bool:
         return not self.closed and self._transport is not None and not self._transport.is_closing()
 
-    def send(self, response: Response) -> None:
+    def send(self, response: Reply) -> None:
         assert self._transport is not None
         self._response = response
         response.connection = self
@@ -246,7 +246,7 @@ class ConnectionPool:
         timeout: float | None,
         connect_timeout: float | None = None,
         whole: bool,
-    ) -> asyncio.Future[Response]:
+    ) -> asyncio.Future[Reply]:
         """Send now; the future resolves at the answer's head, or with `whole` at its end.
 
         `timeout` bounds each silence while the answer is awaited; `connect_timeout`
@@ -261,8 +261,8 @@ class ConnectionPool:
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
-        future: asyncio.Future[Response] = loop.create_future()
-        response = Response(future, b"".join(lines), timeout, whole)
+        future: asyncio.Future[Reply] = loop.create_future()
+        response = Reply(loop, b"".join(lines), timeout, whole, future)
         future.add_done_callback(response.settled)
         self._send(origin, response, timeout if connect_timeout is None else connect_timeout)
         return future
@@ -290,7 +290,7 @@ class ConnectionPool:
             self._targets[key] = (origin, head)
         return origin, head
 
-    def _send(self, origin: Origin, response: Response, connect_timeout: float | None) -> None:
+    def _send(self, origin: Origin, response: Reply, connect_timeout: float | None) -> None:
         idle = self._idle.get(origin)
         while idle:
             connection = idle.pop()
@@ -300,18 +300,18 @@ class ConnectionPool:
         task = asyncio.get_running_loop().create_task(
             self._connect_and_send(origin, response, connect_timeout)
         )
-        response.connecting = task
+        response.task = task
 
-    def _resend(self, origin: Origin, response: Response) -> None:
+    def _resend(self, origin: Origin, response: Reply) -> None:
         """A reused connection closed before answering: once more on a new connection."""
         response.connection = None
         task = asyncio.get_running_loop().create_task(
             self._connect_and_send(origin, response, response.timeout)
         )
-        response.connecting = task
+        response.task = task
 
     async def _connect_and_send(
-        self, origin: Origin, response: Response, timeout: float | None
+        self, origin: Origin, response: Reply, timeout: float | None
     ) -> None:
         scheme, host, port = origin
         context = (self._ssl or ssl.create_default_context()) if scheme == "https" else None
@@ -339,7 +339,7 @@ class ConnectionPool:
             response.on_error(httpx.ConnectError(f"{host}:{port}: {exc}"))
             return
         finally:
-            response.connecting = None
+            response.task = None
         if response.future is None or response.future.cancelled() or response.done:
             self._release(origin, connection)  # unused: good for the next call
             return

@@ -19,14 +19,14 @@ from http.cookiejar import CookieJar, DefaultCookiePolicy
 import httpx
 
 from gateway.http.connections import ConnectionPool
-from gateway.http.reply import Response
+from gateway.http.reply import Reply
 
 _OWN_HEADERS = frozenset({b"host", b"content-length", b"transfer-encoding"})
 """Written by the pool from the URL and the body."""
 
 
 class _Body(httpx.AsyncByteStream):
-    def __init__(self, response: Response) -> None:
+    def __init__(self, response: Reply) -> None:
         self._response = response
 
     async def __aiter__(self) -> AsyncIterator[bytes]:

@@ -1,10 +1,11 @@
-"""How the dispatcher calls a worker: a two-method interface and its two implementations.
+"""How the gateway calls a worker: a two-method interface and its two implementations.
 
 `fetch` gets a whole answer (the prefill's; a non-streamed decode's), `open` an answer
-whose body is then read piece by piece as it arrives (a streamed decode's). Both return
-awaitables that start the call at once (`extra` headers follow the JSON content type: the
-vLLM legs' `X-Request-Id`); the dispatcher turns them into futures and races
-them, and cancelling one cancels the call. Errors are httpx's exception types.
+whose body is then read piece by piece as it arrives (a streamed decode's); both are a
+`gateway.http.reply.Reply`. Both return awaitables that start the call at once (`extra`
+headers follow the JSON content type: the vLLM legs' `X-Request-Id`); the legs turn them
+into futures and race them, and cancelling one cancels the call. Errors are httpx's
+exception types.
 
 - `PooledUpstream` is the gateway's own: calls on `gateway.http.connections.ConnectionPool`,
   whose futures are resolved by the connections' protocol callbacks (no task per call).
@@ -14,53 +15,17 @@ them, and cancelling one cancels the call. Errors are httpx's exception types.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable
+import asyncio
+from collections.abc import Awaitable
 from typing import Protocol
 
 import httpx
 
-from gateway.http.answer import Answer
 from gateway.http.connections import ConnectionPool
+from gateway.http.reply import Reply
 
 _HEADERS = ((b"Content-Type", b"application/json"), (b"Accept-Encoding", b"identity"))
 _HTTPX_HEADERS = {"content-type": "application/json", "accept-encoding": "identity"}
-
-
-class Whole(Protocol):
-    """An answer read to its end."""
-
-    @property
-    def status(self) -> int: ...
-
-    @property
-    def body(self) -> bytes: ...
-
-    @property
-    def media_type(self) -> bytes: ...
-
-
-class Reply(Protocol):
-    """An answer whose head has arrived; its body follows."""
-
-    @property
-    def status(self) -> int: ...
-
-    def header(self, name: bytes) -> bytes | None:
-        """The value of header `name` (lowercase), or None."""
-        ...
-
-    def next(self) -> Awaitable[bytes]:
-        """The next piece of the body; b"" once it has ended."""
-        ...
-
-    def read(self) -> Awaitable[bytes]:
-        """The rest of the body."""
-        ...
-
-    async def aclose(self) -> None:
-        """Done with the answer; an unfinished one closes its connection."""
-        ...
-
 
 Extra = tuple[tuple[bytes, bytes], ...]
 
@@ -68,7 +33,7 @@ Extra = tuple[tuple[bytes, bytes], ...]
 class Upstream(Protocol):
     def fetch(
         self, url: str, body: bytes, timeout: float, extra: Extra = ()
-    ) -> Awaitable[Whole]: ...
+    ) -> Awaitable[Reply]: ...
 
     def open(
         self, url: str, body: bytes, timeout: float, extra: Extra = ()
@@ -79,7 +44,7 @@ class PooledUpstream:
     def __init__(self, pool: ConnectionPool) -> None:
         self._pool = pool
 
-    def fetch(self, url: str, body: bytes, timeout: float, extra: Extra = ()) -> Awaitable[Whole]:
+    def fetch(self, url: str, body: bytes, timeout: float, extra: Extra = ()) -> Awaitable[Reply]:
         headers = _HEADERS + extra if extra else _HEADERS
         return self._pool.request(b"POST", url, body, headers=headers, timeout=timeout, whole=True)
 
@@ -94,48 +59,39 @@ def _httpx_headers(extra: Extra) -> dict[str, str]:
     return {**_HTTPX_HEADERS, **{k.decode(): v.decode("latin-1") for k, v in extra}}
 
 
-class _HttpxReply:
-    def __init__(self, response: httpx.Response) -> None:
-        self._response = response
-        self._pieces: AsyncIterator[bytes] = response.aiter_bytes()
-
-    @property
-    def status(self) -> int:
-        return self._response.status_code
-
-    def header(self, name: bytes) -> bytes | None:
-        value = self._response.headers.get(name.decode())
-        return None if value is None else value.encode()
-
-    async def next(self) -> bytes:
-        async for piece in self._pieces:
+async def _read(response: httpx.Response, reply: Reply) -> None:
+    """`response`'s body into `reply` as it arrives, until it ends or the reply is closed."""
+    try:
+        async for piece in response.aiter_bytes():
             if piece:
-                return piece
-        return b""
-
-    async def read(self) -> bytes:
-        pieces = []
-        while piece := await self.next():
-            pieces.append(piece)
-        return b"".join(pieces)
-
-    async def aclose(self) -> None:
-        await self._response.aclose()
+                reply.on_piece(piece)
+        reply.on_end()
+    except httpx.HTTPError as exc:
+        reply.on_error(exc)
+    finally:
+        await response.aclose()
 
 
 class HttpxUpstream:
     def __init__(self, client: httpx.AsyncClient) -> None:
         self._client = client
 
-    async def fetch(self, url: str, body: bytes, timeout: float, extra: Extra = ()) -> Whole:
+    async def fetch(self, url: str, body: bytes, timeout: float, extra: Extra = ()) -> Reply:
         response = await self._client.post(
             url, content=body, headers=_httpx_headers(extra), timeout=timeout
         )
-        media = response.headers.get("content-type", "application/json").encode()
-        return Answer(response.status_code, response.content, media)
+        reply = Reply(asyncio.get_running_loop(), b"", timeout, whole=True)
+        reply.on_head(response.status_code, response.headers.raw, framed=True)
+        reply.on_piece(response.content)
+        reply.on_end()
+        return reply
 
     async def open(self, url: str, body: bytes, timeout: float, extra: Extra = ()) -> Reply:
         request = self._client.build_request(
             "POST", url, content=body, headers=_httpx_headers(extra), timeout=timeout
         )
-        return _HttpxReply(await self._client.send(request, stream=True))
+        response = await self._client.send(request, stream=True)
+        reply = Reply(asyncio.get_running_loop(), b"", timeout, whole=False)
+        reply.on_head(response.status_code, response.headers.raw, framed=True)
+        reply.task = asyncio.create_task(_read(response, reply))
+        return reply

@@ -1,57 +1,24 @@
-"""Binding a request to its prefill: the bootstrap fields, as one pure function.
+"""SGLang's PD protocol: the same body, bound to the prefill, to both workers at once.
 
-Both the prefill and the decode receive the same body with `bootstrap_host`,
-`bootstrap_port` and `bootstrap_room` (`docs/protocols.md` §2). A batch gets lists of equal
-length, one fresh room per element: `/generate` with a list `text` or a list of
-`input_ids` lists, `/v1/completions` with a list of strings or of token lists, a chat
-with `n > 1`. Every other field is kept as the client sent it; bootstrap fields the client
-sent are replaced, because only the gateway knows which prefill it chose.
+Both the prefill and the decode receive the client's body with `bootstrap_host`,
+`bootstrap_port` and `bootstrap_room` (`docs/protocols.md` §2): the decode finds the
+prefill's ranks through its bootstrap directory and the room binds the two halves. A batch
+gets lists of equal length, one fresh room per element. Every other field is kept as the
+client sent it; bootstrap fields the client sent are replaced, because only the gateway
+knows which prefill it chose. The client gets the decode's answer (`gateway.legs.calls`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from random import Random
-from typing import Any, Literal
+from typing import Any
 
-Endpoint = Literal["generate", "completions", "chat"]
-
-MAX_ROOM = 2**63 - 1
-
-
-def _is_token_list(value: object) -> bool:
-    return isinstance(value, list) and all(isinstance(t, int) for t in value)
-
-
-def batch_size(endpoint: Endpoint, body: Mapping[str, Any]) -> int | None:
-    """Elements of a batch request, or None for a single request."""
-    if endpoint == "generate":
-        text, ids = body.get("text"), body.get("input_ids")
-        if isinstance(text, list):
-            return len(text)
-        if isinstance(ids, list) and ids and isinstance(ids[0], list):
-            return len(ids)
-        return None
-    if endpoint == "completions":
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt and not _is_token_list(prompt):
-            return len(prompt)
-        return None
-    n = body.get("n")
-    return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else None
-
-
-def draw_room(rng: Random, dp_size: int | None = None, dp_rank: int | None = None) -> int:
-    """A room in [1, 2^63-1]; with a DP rank, one whose `room % dp_size == dp_rank`.
-
-    Room 0 is never drawn: a decode reads 0 as "KV metadata not written yet".
-    """
-    if dp_size is None or dp_size <= 1 or dp_rank is None:
-        return rng.randint(1, MAX_ROOM)
-    if not 0 <= dp_rank < dp_size:
-        raise ValueError(f"dp_rank {dp_rank} is outside dp_size {dp_size}")
-    lowest = 1 if dp_rank == 0 else 0
-    return rng.randint(lowest, (MAX_ROOM - dp_rank) // dp_size) * dp_size + dp_rank
+from gateway.http.answer import Answer
+from gateway.legs.attempt import Attempt, Failure
+from gateway.legs.calls import PairCalls
+from gateway.requests import Endpoint, ParsedRequest, batch_size, encode_body
+from gateway.routing.rooms import MAX_ROOM
+from gateway.routing.router import RoutePlan
 
 
 def inject_bootstrap(
@@ -79,3 +46,28 @@ def inject_bootstrap(
         out["bootstrap_port"] = [port] * size
         out["bootstrap_room"] = list(rooms)
     return out
+
+
+class DualLegs:
+    """SGLang attempts: the prefill's and the decode's calls started together."""
+
+    def __init__(self, calls: PairCalls) -> None:
+        self._calls = calls
+
+    async def run(
+        self, request: ParsedRequest, plan: RoutePlan, path: str, attempt: Attempt
+    ) -> Answer | Failure:
+        prefill = plan.prefill
+        body = inject_bootstrap(
+            request.body,
+            request.endpoint,
+            host=prefill.host,
+            port=prefill.bootstrap_port,
+            rooms=plan.rooms,
+        )
+        payload = encode_body(body)
+        call = self._calls.start_prefill(plan, path, payload)
+        attempt.progress.begin(attempt.number, prefill.id, plan.decode.id, call)
+        return await self._calls.decode(
+            plan, call, path, payload, stream=request.stream, progress=attempt.progress
+        )

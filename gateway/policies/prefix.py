@@ -79,6 +79,7 @@ from globalkv.lookup import PodHit
 
 class PrefixPolicy:
     name = "prefix"
+    uses_index = True
 
     def __init__(self, weights: PrefixWeights, rng: Random, fallback: Policy) -> None:
         self._weights = weights

@@ -38,7 +38,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
-from gateway.policies.base import LoadTracker
+from gateway.policies.loads import LoadTracker
 from gateway.policies.pending import PendingHit
 from gateway.replicas.shared_pending import RemotePending
 from gateway.replicas.shared_wire import (

@@ -33,7 +33,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from gateway.config import BreakerConfig, HealthConfig, Kind, KvEventsSpec, Role, WorkerSpec
-from gateway.policies.base import Candidate, LoadTracker
+from gateway.policies.base import Candidate
+from gateway.policies.loads import LoadTracker
 from gateway.workers.breaker import CircuitBreaker
 from gateway.workers.health import HealthTracker
 from kvplumbing.clock import Clock

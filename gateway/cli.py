@@ -140,13 +140,10 @@ async def serve(config: GatewayConfig, tokenizer: Tokenizer | None) -> None:
 def tune_garbage_collection() -> None:
     """Keep the objects of startup out of collections, and collect young objects rarely.
 
-    Measured under `bench.gateway` at concurrency 64. Frozen: the ~100k objects of imports
-    and setup, which full collections walked every few hundred milliseconds, 30 ms each —
-    about 15 % of the CPU and most of the p99 (45 ms before, 15 ms after). Threshold
-    10,000 instead of 700: the request path leaves no cycles behind (`gateway.http.reply`), so
-    a young collection frees nothing, but with 64 requests in flight their live objects
-    outgrew 700 every few milliseconds and each collection walked them all (~4 µs of CPU
-    per request); at 10,000 none ran in a 3 s run.
+    Frozen: the objects of imports and setup, which every full collection walked again.
+    Threshold 10,000 instead of 700: the request path leaves no cycles behind
+    (`gateway.http.reply`), so a young collection frees nothing but walks every live
+    object of the requests in flight. The measurements: `docs/gateway-design.md`.
     """
     gc.collect()
     gc.freeze()

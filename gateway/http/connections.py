@@ -3,11 +3,11 @@
 Why not httpx's own machinery on the request path: each call through `httpx.AsyncClient`
 builds a `Request` (URL parsing and merging, header models, cookie extraction) and a
 `Response` with its stream wrappers, and a `StreamReader` per connection adds a task
-wake-up per read. py-spy at concurrency 64 (`bench.gateway`) put httpx's client layer at
-about a third of the gateway's CPU. Here a call is one `transport.write` of prebuilt
-bytes, and the answer is parsed by httptools (C) inside `data_received`, which resolves a
-future: no task, no stream object. `gateway.http.transport` puts httpx's interface on top of
-this for the calls off the hot path (health checks, directory reads, index lookups).
+wake-up per read, a large share of the gateway's CPU (`docs/gateway-design.md`). Here a
+call is one `transport.write` of prebuilt bytes, and the answer is parsed by httptools (C)
+inside `data_received`, which resolves a future: no task, no stream object.
+`gateway.http.transport` puts httpx's interface on top of this for the calls off the hot
+path (health checks, directory reads, index lookups).
 
 Host names are resolved by a `HostResolver` (one lookup in flight per name, its answer
 kept briefly), so a worker whose name stops resolving cannot stall the others' lookups.
@@ -229,8 +229,8 @@ class ConnectionPool:
         self._targets: dict[object, tuple[Origin, bytes]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         """The loop of the first call, which every connection belongs to. Kept because
-        `asyncio.get_running_loop()` costs a getpid() system call (fork detection): 15 %
-        of the gateway's CPU at concurrency 64 when it was called per request."""
+        `asyncio.get_running_loop()` costs a getpid() system call (fork detection), which
+        per request was a noticeable share of the CPU."""
         self._waiting: set[Connection] = set()
         """Connections awaiting an answer that has a read timeout."""
         self._check: asyncio.TimerHandle | None = None
@@ -347,7 +347,7 @@ class ConnectionPool:
 
     def _watch(self, connection: Connection, deadline: float) -> None:
         """Read timeouts: one timer for the pool, due at the earliest deadline, rather than
-        a timer per call (creating and cancelling two per request cost ~5 % of the CPU)."""
+        a timer per call (creating and cancelling two per request cost CPU on every request)."""
         self._waiting.add(connection)
         if deadline < self._check_at:
             if self._check is not None:

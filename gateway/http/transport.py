@@ -7,8 +7,8 @@ there is one connection pool per process and one HTTP/1.1 implementation.
 
 Why not httpx's default (httpcore): every request taken from or returned to its pool
 scans all pooled connections, and each idle one is checked with a `select` system call
-(`is_socket_readable`). With the 64 concurrent requests of `bench.gateway`, that scan
-took over half of the gateway's CPU and cut its throughput below 200 requests/s.
+(`is_socket_readable`), a cost that grows with the connections in use
+(`docs/gateway-design.md`).
 """
 
 from __future__ import annotations

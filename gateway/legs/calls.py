@@ -20,7 +20,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -40,6 +40,7 @@ from gateway.workers.pool import Worker
 from kvplumbing.clock import Clock
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 _PASSED_HEADERS = (b"cache-control", b"x-request-id")
 
 
@@ -153,6 +154,18 @@ class PairCalls:
             return await self._streamed(plan, call, ticket, url, payload, progress, extra)
         return await self._whole(plan, call, ticket, url, payload, extra)
 
+    async def _decode_step(
+        self, plan: RoutePlan, call: Call, step: asyncio.Future[T], when: str
+    ) -> T | Failure:
+        """`step`'s result (a step of the decode's call), unless the prefill `call` fails
+        first or `step` fails (`when`: what the decode failed to do)."""
+        if not await race(step, call):
+            return self.prefill_failure(plan, call)
+        try:
+            return step.result()
+        except httpx.HTTPError as exc:
+            return self._decode_error(plan.decode, exc, when)
+
     def _decode_error(self, decode: Worker, exc: httpx.HTTPError, when: str) -> Failure:
         self.record("decode", decode, None, exc)
         message = f"decode {decode.id} failed {when}: {type(exc).__name__}"
@@ -179,12 +192,9 @@ class PairCalls:
         step = asyncio.ensure_future(self._upstream.fetch(url, payload, self._timeout, extra))
         succeeded = False
         try:
-            if not await race(step, call):
-                return self.prefill_failure(plan, call)
-            try:
-                reply = step.result()
-            except httpx.HTTPError as exc:
-                return self._decode_error(plan.decode, exc, "to answer")
+            reply = await self._decode_step(plan, call, step, "to answer")
+            if isinstance(reply, Failure):
+                return reply
             answer = Answer(reply.status, reply.body, reply.media_type)
             if answer.status >= 400:
                 return self._decode_refused(plan, call, answer)
@@ -214,12 +224,10 @@ class PairCalls:
         reply: Reply | None = None
         committed = False
         try:
-            if not await race(opening, call):
-                return self.prefill_failure(plan, call)
-            try:
-                reply = opening.result()
-            except httpx.HTTPError as exc:
-                return self._decode_error(plan.decode, exc, "to answer")
+            opened = await self._decode_step(plan, call, opening, "to answer")
+            if isinstance(opened, Failure):
+                return opened
+            reply = opened
             if reply.status >= 400:
                 try:
                     content = await reply.read()
@@ -230,12 +238,9 @@ class PairCalls:
                 )
             progress.decode_head = True
             step = asyncio.ensure_future(reply.next())
-            if not await race(step, call):
-                return self.prefill_failure(plan, call)
-            try:
-                first = step.result()
-            except httpx.HTTPError as exc:
-                return self._decode_error(plan.decode, exc, "before its first byte")
+            first = await self._decode_step(plan, call, step, "before its first byte")
+            if isinstance(first, Failure):
+                return first
             committed = True
             rest = _DecodeStream(self._loads, self.record, reply, plan, ticket, call)
             return Answer(reply.status, first, reply.media_type, _passed_headers(reply), rest)

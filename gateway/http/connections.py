@@ -21,7 +21,7 @@ sees the client go. A request written to a reused connection that the peer close
 any byte of an answer arrived (the keep-alive race) is sent once more on a new connection.
 
 Errors are httpx's exception types (`ConnectError`, `ReadTimeout`, `RemoteProtocolError`,
-…) so the dispatcher handles both clients alike. The read timeout is the longest silence
+…) so their callers handle both clients alike. The read timeout is the longest silence
 allowed while an answer is awaited; a stream whose reader has paused it is not timed out.
 Not supported: HEAD answers are complete at their head (the connection is then closed),
 request bodies are whole bytes, and 1xx interim answers are not expected (none is asked).
@@ -269,7 +269,7 @@ class ConnectionPool:
 
     def _target(self, method: bytes, url: str, headers: Headers) -> tuple[Origin, bytes]:
         """The origin and the request's head up to Content-Length, cached per call shape
-        when `headers` is a tuple (the dispatcher's fixed headers)."""
+        when `headers` is a tuple (`gateway.http.upstream`'s fixed headers)."""
         cached = isinstance(headers, tuple)
         key = (method, url, headers) if cached else None
         found = self._targets.get(key) if cached else None

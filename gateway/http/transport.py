@@ -2,7 +2,7 @@
 
 Health checks, directory reads, pod registration and index lookups go through one
 `httpx.AsyncClient` (tests swap its transport for `httpx.MockTransport`). Its transport
-here is `gateway.http.connections.ConnectionPool`, the client the dispatcher uses directly, so
+here is `gateway.http.connections.ConnectionPool`, the client inference calls use directly, so
 there is one connection pool per process and one HTTP/1.1 implementation.
 
 Why not httpx's default (httpcore): every request taken from or returned to its pool

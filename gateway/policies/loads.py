@@ -60,7 +60,7 @@ class SharedView(Protocol):
 
 @dataclass(slots=True)
 class LoadTracker:
-    """Per-worker load that the dispatcher (or simulator) updates through explicit hooks,
+    """Per-worker load that the legs (or a simulator) update through explicit hooks,
     and the prompts sent to each prefill that the index may not show yet.
 
     `clock` is the one `RouteRequest.now` is read from (the simulator gives its own)."""

@@ -18,7 +18,7 @@ the gateway's own event loop, so the process's CPU time is all of the serving:
   `bench.gateway_ceilings`' `asgi` (uvicorn) and `raw` (the own server's parser).
 
 Other routes answer 404: this is a measuring instrument, not a product; see
-`gateway.server` for what was decided from it. Over ASGI (granian serving a FastAPI app
+`gateway.http.server` for what was decided from it. Over ASGI (granian serving a FastAPI app
 with the inference routes) the gateway cost more still: `bench/results/gateway-granian.md`.
 """
 
@@ -32,11 +32,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from bench.gateway_ceilings import ANSWER_BODY, SSE_EVENTS, streamed
-from gateway.answers import Answer, problem, too_large
 from gateway.cli import register, running_gateway, tune_garbage_collection
 from gateway.config import GatewayConfig
 from gateway.flags import build_config
-from gateway.inference import INFERENCE_PATHS, Inference, Relay
+from gateway.http.answer import Answer, pass_on, problem, too_large
+from gateway.inference import Inference
 
 MODES = ("rsgi", "rsgi-rust", "rsgi-nodisconnect", "bare")
 
@@ -46,37 +46,38 @@ def _head(answer: Answer) -> list[tuple[str, str]]:
 
 
 class RsgiFront:
-    """Inference POSTs from RSGI to `Inference`, as `gateway.client_connection` serves them."""
+    """Inference POSTs from RSGI to `Inference`, as `gateway.http.client_connection` serves them."""
 
     def __init__(self, inference: Inference, *, watch_disconnect: bool) -> None:
         self.inference = inference
         self.watch_disconnect = watch_disconnect
 
     async def __rsgi__(self, scope: Any, protocol: Any) -> None:
-        endpoint = INFERENCE_PATHS.get(scope.path)
-        if endpoint is None or scope.method != "POST":
+        if scope.path not in self.inference.paths or scope.method != "POST":
             answer = problem(404, f"{scope.path}: not served by this measuring front")
             protocol.response_bytes(answer.status, _head(answer), answer.body)
             return
-        limit = self.inference.max_payload_size
+        limit = self.inference.limit
         raw = await protocol()
         if len(raw) > limit:
-            answer = self.inference.refuse(endpoint, too_large(limit))
+            answer = too_large(limit)
+            self.inference.refused(scope.path, answer)
             protocol.response_bytes(answer.status, _head(answer), answer.body)
             return
-        work = self.inference.handle(endpoint, scope.path, scope.headers.get("authorization"), raw)
+        work = self.inference.handle(scope.path, scope.headers.get("authorization"), raw)
         outcome = await (self._until_disconnect(protocol, work) if self.watch_disconnect else work)
         if outcome is None:
             return
-        if isinstance(outcome, Answer):
+        if outcome.rest is None:
             protocol.response_bytes(outcome.status, _head(outcome), outcome.body)
             return
-        transport = protocol.response_stream(outcome.status, list(outcome.headers.items()))
-        await transport.send_bytes(outcome.first)
-        await outcome.run(transport.send_bytes)
+        head = _head(outcome) + list(outcome.headers)
+        transport = protocol.response_stream(outcome.status, head)
+        await transport.send_bytes(outcome.body)
+        await pass_on(outcome.rest, transport.send_bytes)
 
     @staticmethod
-    async def _until_disconnect(protocol: Any, work: Any) -> Answer | Relay | None:
+    async def _until_disconnect(protocol: Any, work: Any) -> Answer | None:
         task = asyncio.ensure_future(work)
         gone = asyncio.ensure_future(protocol.client_disconnect())
         try:
@@ -84,13 +85,13 @@ class RsgiFront:
         finally:
             gone.cancel()
         if task.done():
-            result: Answer | Relay = task.result()
+            result: Answer = task.result()
             return result
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             outcome = await task
-            if isinstance(outcome, Relay):
-                await outcome.abandon()
+            if outcome.rest is not None:
+                await outcome.rest.close("client_gone")
         return None
 
 

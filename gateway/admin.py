@@ -22,8 +22,8 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from gateway.config import WorkerSpec
-from gateway.monitor import RegistrationFailed
-from gateway.workers import DuplicateWorker
+from gateway.workers.monitor import RegistrationFailed
+from gateway.workers.pool import DuplicateWorker
 from kvplumbing.auth import bearer_ok
 from kvplumbing.validation import validation_message
 

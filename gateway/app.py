@@ -1,6 +1,6 @@
 """The gateway's routes other than inference, as an ASGI app: info, health, metrics, admin.
 
-The gateway's own server (`gateway.server`) answers the inference paths (`/generate`,
+The gateway's own server (`gateway.http.server`) answers the inference paths (`/generate`,
 `/v1/completions`, `/v1/chat/completions`) itself, through `gateway.inference`, and hands
 every other request to this app, so those routes are written once, with FastAPI. The
 worker admin API lives in `gateway.admin`.
@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.admin import admin_routes
-from gateway.answers import Answer, problem
+from gateway.http.answer import Answer, problem
 from gateway.service import Gateway
 from kvplumbing.auth import bearer_ok
 from kvplumbing.release import VERSION

@@ -26,16 +26,16 @@ from prometheus_client import start_http_server
 from bootstrap.reader import DirectoryReader
 from gateway.app import create_app
 from gateway.config import GatewayConfig
-from gateway.connections import ConnectionPool
 from gateway.flags import add_flags, build_config
+from gateway.http.connections import ConnectionPool
+from gateway.http.server import HttpServer
+from gateway.http.transport import upstream_client
+from gateway.http.upstream import PooledUpstream
 from gateway.inference import Inference
-from gateway.monitor import PodRegistrar
-from gateway.pods import HttpPodRegistrar, RegistryPodRegistrar
-from gateway.server import GatewayServer
+from gateway.replicas.shared_state import SharedState, member_name
 from gateway.service import Gateway, build_gateway
-from gateway.shared_state import SharedState, member_name
-from gateway.transport import upstream_client
-from gateway.upstream import PooledUpstream
+from gateway.workers.monitor import PodRegistrar
+from gateway.workers.pods import HttpPodRegistrar, RegistryPodRegistrar
 from globalkv import redis_client
 from globalkv.index.redis import RedisIndex
 from globalkv.lookup import HttpLookup, IndexLookup, PrefixLookup
@@ -130,7 +130,7 @@ async def running_gateway(
 
 async def serve(config: GatewayConfig, tokenizer: Tokenizer | None) -> None:
     async with running_gateway(config, tokenizer) as (gateway, app):
-        server = GatewayServer(Inference(gateway), app)
+        server = HttpServer(Inference(gateway), app)
         await server.start(config.host, config.port)
         tune_garbage_collection()
         await _until_signalled()
@@ -140,13 +140,10 @@ async def serve(config: GatewayConfig, tokenizer: Tokenizer | None) -> None:
 def tune_garbage_collection() -> None:
     """Keep the objects of startup out of collections, and collect young objects rarely.
 
-    Measured under `bench.gateway` at concurrency 64. Frozen: the ~100k objects of imports
-    and setup, which full collections walked every few hundred milliseconds, 30 ms each —
-    about 15 % of the CPU and most of the p99 (45 ms before, 15 ms after). Threshold
-    10,000 instead of 700: the request path leaves no cycles behind (`gateway.calls`), so
-    a young collection frees nothing, but with 64 requests in flight their live objects
-    outgrew 700 every few milliseconds and each collection walked them all (~4 µs of CPU
-    per request); at 10,000 none ran in a 3 s run.
+    Frozen: the objects of imports and setup, which every full collection walked again.
+    Threshold 10,000 instead of 700: the request path leaves no cycles behind
+    (`gateway.http.reply`), so a young collection frees nothing but walks every live
+    object of the requests in flight. The measurements: `docs/gateway-design.md`.
     """
     gc.collect()
     gc.freeze()

@@ -1,17 +1,18 @@
-"""One inference request, from its body to its answer, apart from the HTTP that carries it.
+"""One inference request, from its body to its answer: the handler of the gateway's server.
 
-The server (`gateway.server`, through `gateway.exchange`) reads the request and writes the
-answer; everything in between is here: the API key, the body
-checks (400 with the reason), tokens, one index lookup, the dispatcher, and the request
-metrics (count by status, time to first byte, duration). Reading the body within
-`--max-payload-size` is the server's part (it can refuse before reading); it reports a
-refusal through `refuse` so that it is counted like any other answer.
+The server (`gateway.http.server`) reads the request and writes the answer; everything in
+between is here: the API key, the body checks (400 with the reason), tokens, the route
+(`Router.route`: one index lookup), the dispatcher, and the request metrics (count by
+status, time to first byte, duration). Reading the body within `--max-payload-size` is the
+server's part (it can refuse before reading); it reports a refusal through `refused` so
+that it is counted like any other answer.
 
 A client that goes away is the server's to notice: it cancels `handle` (counted as 499)
-or, once a stream is committed, `Relay.run`, which then cancels a prefill still running.
+or, once a stream is under way, closes the stream as `client_gone`, which cancels a
+prefill still running.
 
 A prompt to tokenize in a body over `TOKENIZE_INLINE_MAX` bytes is tokenized in a worker
-thread: a long text took the event loop, and every other request with it, for as long as
+thread: a long text held the event loop, and every other request with it, for as long as
 its tokenizer ran (Hugging Face's releases the GIL). Shorter ones are tokenized inline,
 where a thread would cost more than the work.
 """
@@ -19,17 +20,11 @@ where a thread would cost more than the work.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Collection
 
-import httpx
-
-from gateway.answers import Answer, problem
-from gateway.dispatch import Stream
-from gateway.inject import Endpoint
+from gateway.http.answer import Answer, Outcome, Rest, problem
 from gateway.metrics import EndpointMetrics
-from gateway.policies.base import RouteRequest
-from gateway.requests import BadRequest, decode_body, parse_request, prompt_tokens
+from gateway.requests import BadRequest, Endpoint, decode_body, parse_request, prompt_tokens
 from gateway.service import Gateway
 from globalkv.tokenize import TokenizeError
 from kvplumbing.auth import bearer_matches
@@ -43,99 +38,82 @@ INFERENCE_PATHS: dict[str, Endpoint] = {
 }
 
 
-@dataclass(slots=True)
-class Relay:
-    """A committed stream: the server sends `status`, `headers` and `first`, then `run`."""
+class _Measured:
+    """A stream's rest whose request is measured (duration, status) when it closes."""
 
-    status: int
-    headers: dict[str, str]
-    first: bytes
-    _stream: Stream
-    _metrics: EndpointMetrics
-    _started: float
-    _clock: Clock
+    __slots__ = ("_clock", "_metrics", "_rest", "_started", "_status")
 
-    async def run(self, send: Callable[[bytes], Awaitable[None]]) -> bool:
-        """Pass the rest on as it arrives; True when the decode's stream ended properly.
+    def __init__(
+        self, rest: Rest, status: int, metrics: EndpointMetrics, started: float, clock: Clock
+    ) -> None:
+        self._rest = rest
+        self._status = status
+        self._metrics = metrics
+        self._started = started
+        self._clock = clock
 
-        Cancelled (the client went away) or ended by an error of `send`, the stream is
-        closed as `client_gone`; an upstream error mid-stream closes it as such.
-        """
-        outcome = "client_gone"
+    def next(self) -> Awaitable[bytes]:
+        return self._rest.next()
+
+    async def close(self, outcome: Outcome) -> None:
         try:
-            async for chunk in self._stream.rest:
-                await send(chunk)
-            outcome = "done"
-        except httpx.HTTPError:
-            outcome = "upstream_error"
+            await self._rest.close(outcome)
         finally:
-            await self._stream.close(outcome)
             self._metrics.latency.observe(self._clock() - self._started)
-            self._metrics.answered(self.status)
-        return outcome == "done"
-
-    async def abandon(self) -> None:
-        """The client left before anything was sent."""
-        await self._stream.close("client_gone")
-        self._metrics.answered(499)
+            self._metrics.answered(self._status)
 
 
 class Inference:
     def __init__(self, gateway: Gateway) -> None:
         self._gateway = gateway
         self._metrics = {
-            endpoint: EndpointMetrics(gateway.metrics, endpoint)
-            for endpoint in INFERENCE_PATHS.values()
+            path: EndpointMetrics(gateway.metrics, endpoint)
+            for path, endpoint in INFERENCE_PATHS.items()
         }
 
     @property
-    def max_payload_size(self) -> int:
+    def paths(self) -> Collection[str]:
+        return INFERENCE_PATHS.keys()
+
+    @property
+    def limit(self) -> int:
         return self._gateway.config.max_payload_size
 
-    def refuse(self, endpoint: Endpoint, answer: Answer) -> Answer:
+    def refused(self, path: str, answer: Answer) -> None:
         """An answer given without calling a worker (401, 400, 413), counted."""
-        self._metrics[endpoint].answered(answer.status)
-        return answer
+        self._metrics[path].answered(answer.status)
 
-    async def handle(
-        self, endpoint: Endpoint, path: str, authorization: str | None, raw: bytes
-    ) -> Answer | Relay:
+    async def handle(self, path: str, authorization: str | None, body: bytes) -> Answer:
         gateway = self._gateway
-        metrics = self._metrics[endpoint]
+        metrics = self._metrics[path]
         started = gateway.clock()
         if not bearer_matches(authorization, gateway.config.api_key):
             message = "missing or wrong API key (Authorization: Bearer …)"
-            return self.refuse(endpoint, problem(401, message, "auth_error"))
+            return self._refuse(path, problem(401, message, "auth_error"))
         router = gateway.router
         try:
-            parsed = parse_request(endpoint, decode_body(raw))
-            if len(raw) > TOKENIZE_INLINE_MAX and parsed.token_ids is None:
+            parsed = parse_request(INFERENCE_PATHS[path], decode_body(body))
+            if len(body) > TOKENIZE_INLINE_MAX and parsed.token_ids is None:
                 tokens = await asyncio.to_thread(prompt_tokens, parsed, gateway.tokenizer)
             else:
                 tokens = prompt_tokens(parsed, gateway.tokenizer)
-            lookup = None
-            if router.uses_index:
-                lookup = await router.lookup(tokens.tokens, tokens.missing, parsed.model)
-            route = RouteRequest(tokens.tokens, tokens.text, lookup, now=gateway.clock())
-            outcome = await gateway.dispatcher.forward(parsed, route, path)
+            route = await router.route(tokens, parsed.model)
+            answer = await gateway.dispatcher.forward(parsed, route, path)
         except (BadRequest, TokenizeError) as exc:  # BadRequest also from the first attempt
-            return self.refuse(endpoint, problem(400, str(exc)))
+            return self._refuse(path, problem(400, str(exc)))
         except asyncio.CancelledError:
             metrics.ttfb.observe(gateway.clock() - started)
             metrics.answered(499)
             raise
         now = gateway.clock()
         metrics.ttfb.observe(now - started)
-        if isinstance(outcome, Stream):
-            return Relay(
-                outcome.status,
-                outcome.headers,
-                outcome.first,
-                outcome,
-                metrics,
-                started,
-                gateway.clock,
-            )
+        if answer.rest is not None:
+            answer.rest = _Measured(answer.rest, answer.status, metrics, started, gateway.clock)
+            return answer
         metrics.latency.observe(now - started)
-        metrics.answered(outcome.status)
-        return outcome
+        metrics.answered(answer.status)
+        return answer
+
+    def _refuse(self, path: str, answer: Answer) -> Answer:
+        self.refused(path, answer)
+        return answer

@@ -1,10 +1,9 @@
-"""One gateway's parts wired together: pool, load, policies, router, dispatcher, monitor.
+"""One gateway's parts wired together: pool, load, policies, router, legs, dispatcher, monitor.
 
 Built from the configuration and the collaborators the caller owns (the pooled httpx
-client, the upstream the dispatcher calls workers through — by default that same client —,
-the index lookup, the pod registrar, the directory reader, the tokenizer, the clock), so
-tests swap any of them; `gateway.server` and `gateway.app` serve it, `gateway.cli` builds
-it.
+client, the upstream the legs call workers through — by default that same client —, the
+index lookup, the pod registrar, the directory reader, the tokenizer, the clock), so tests
+swap any of them; `gateway.inference` and `gateway.app` serve it, `gateway.cli` builds it.
 """
 
 from __future__ import annotations
@@ -20,16 +19,21 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 from prometheus_client import CollectorRegistry
 
-from gateway.config import GatewayConfig, WorkerSpec
-from gateway.dispatch import Dispatcher
+from gateway.config import GatewayConfig, Kind, WorkerSpec
+from gateway.http.upstream import HttpxUpstream, Upstream
+from gateway.legs.attempt import Legs
+from gateway.legs.calls import PairCalls
+from gateway.legs.dispatch import Dispatcher
+from gateway.legs.retry import RetrySchedule
+from gateway.legs.sglang import DualLegs
+from gateway.legs.vllm import SequentialLegs
 from gateway.metrics import GatewayMetrics
-from gateway.monitor import DirectoryProbe, Monitor, PodRegistrar
-from gateway.policies import LoadTracker, build_policy
+from gateway.policies import build_policy
+from gateway.policies.loads import LoadTracker
 from gateway.policies.pending import PendingPrefixes
-from gateway.retry import RetrySchedule
-from gateway.router import Router
-from gateway.upstream import HttpxUpstream, Upstream
-from gateway.workers import Worker, WorkerPool
+from gateway.routing.router import Router
+from gateway.workers.monitor import DirectoryProbe, Monitor, PodRegistrar
+from gateway.workers.pool import Worker, WorkerPool
 from globalkv.lookup import PrefixLookup
 from globalkv.tokenize import Tokenizer
 from kvplumbing.clock import Clock, Sleep
@@ -47,6 +51,7 @@ class Gateway:
     pool: WorkerPool
     loads: LoadTracker
     router: Router
+    calls: PairCalls
     dispatcher: Dispatcher
     monitor: Monitor
     metrics: GatewayMetrics
@@ -98,7 +103,7 @@ class Gateway:
         """Stop the monitor; prefill calls still running after `drain_secs` are cancelled
         (their requests were answered: a hung prefill must not hold the shutdown)."""
         await self.monitor.stop()
-        await self.dispatcher.drain(drain_secs)
+        await self.calls.drain(drain_secs)
 
 
 def _without_credentials(url: str | None) -> str | None:
@@ -156,18 +161,29 @@ def build_gateway(
         lookup_timeout=config.lookup_timeout_secs,
         room_rng=room_rng,
     )
-    dispatcher = Dispatcher(
+    calls = PairCalls(
         upstream or HttpxUpstream(client),
-        router,
-        RetrySchedule(config.retry, rng),
+        loads,
         metrics,
         timeout=config.request_timeout_secs,
         clock=clock,
+    )
+    legs: dict[Kind, Legs] = {
+        "sglang": DualLegs(calls),
+        "vllm": SequentialLegs(
+            calls, metrics.vllm_recomputes, allow_recompute=config.vllm_allow_recompute
+        ),
+    }
+    dispatcher = Dispatcher(
+        router,
+        legs,
+        RetrySchedule(config.retry, rng),
+        metrics,
+        timeout=config.request_timeout_secs,
         sleep=sleep,
-        vllm_allow_recompute=config.vllm_allow_recompute,
     )
     gateway = Gateway(
-        config, client, pool, loads, router, dispatcher, monitor, metrics, tokenizer, clock
+        config, client, pool, loads, router, calls, dispatcher, monitor, metrics, tokenizer, clock
     )
     for spec in (*config.prefill, *config.decode):
         pool.add(spec)

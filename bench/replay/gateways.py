@@ -29,7 +29,8 @@ from typing import Literal
 from bench.replay.record import RunRecord
 from bench.replay.sim import Simulation, _InFlight, _Kind, _Run
 from bench.replay.tokens import expand
-from gateway.policies import Candidate, LoadTicket, LoadTracker, Policy, RouteRequest, build_policy
+from gateway.policies import Candidate, Policy, RouteRequest, build_policy
+from gateway.policies.loads import LoadTicket, LoadTracker
 from gateway.policies.pending import PendingEntry, PendingHit, PendingPrefixes
 
 Sharing = Literal["none", "shared"]
@@ -102,7 +103,7 @@ class _SharedRun(_Run):
         replica = self.replicas[i % len(self.replicas)]
         req, settings = self.requests[i], self.settings
         tokens = expand(req.hash_ids, req.input_length, self.sim.cluster.block_size, settings.vocab)
-        uses_index = replica.policy.name == "prefix"
+        uses_index = replica.policy.uses_index
         answer = await self.lookup.lookup(settings.model, tokens) if uses_index else None
         keys = () if answer is None else answer.keys
         pending = self._pending(replica, keys, now)

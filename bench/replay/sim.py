@@ -1,13 +1,14 @@
 """The discrete-event replay: the gateway's policy chooses, simulated pods serve.
 
-Per request, in the order the gateway does it (`gateway.router.Router`, `gateway.dispatch`):
-the prompt is looked up in the real `MemoryIndex` (only for a policy that uses the index,
-as `Router.uses_index` decides), the policy object built by `gateway.policies.build_policy`
-chooses a prefill among `LoadTracker` candidates and the decode policy a decode, and the
-load is started with the policy's own estimate of the uncached tokens. The prefill pod
-then matches, queues, computes and inserts (`bench.replay.pods`); its KV events reach the
-index `event_delay_s` later; the prefill's load ends when it answers (compute + KV
-transfer) and the decode's when the last output token is out.
+Per request, in the order the gateway does it (`gateway.routing.router.Router`,
+`gateway.legs.dispatch`): the prompt is looked up in the real `MemoryIndex` (only for a
+policy that uses the index, as `Policy.uses_index` says), the policy object built by
+`gateway.policies.build_policy` chooses a prefill among `LoadTracker` candidates and the
+decode policy a decode, and the load is started with the policy's own estimate of the
+uncached tokens. The prefill pod then matches, queues, computes and inserts
+(`bench.replay.pods`); its KV events reach the index `event_delay_s` later; the prefill's
+load ends when it answers (compute + KV transfer) and the decode's when the last output
+token is out.
 
 Requests arriving at the same instant are all admitted before an idle pod plans its next
 step (a kick at that instant), as the engine's loop batches what arrived while it
@@ -31,7 +32,8 @@ from bench.replay.tokens import expand
 from bench.replay.trace import Trace, arrival_times
 from enginesim.kvcache import PagedKVCache
 from gateway.config import PolicyName
-from gateway.policies import LoadTicket, LoadTracker, Policy, RouteRequest, build_policy
+from gateway.policies import Policy, RouteRequest, build_policy
+from gateway.policies.loads import LoadTicket, LoadTracker
 from gateway.policies.pending import PendingPrefixes
 from globalkv.index.base import ApplyResult, SourceBatch
 from globalkv.index.memory import MemoryIndex
@@ -203,7 +205,7 @@ class _Run:
             clock=self.clock.read,
         )
         self.lookup = IndexLookup(sim.index)
-        self.uses_index = self.policy.name == "prefix"
+        self.uses_index = self.policy.uses_index
         self.requests = sim.trace.requests
         self.arrivals = [t * scale for t in arrival_times(self.requests, settings.arrivals)]
         self.total = len(self.arrivals)

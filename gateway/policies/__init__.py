@@ -5,15 +5,7 @@ from __future__ import annotations
 from random import Random
 
 from gateway.config import CacheAwareConfig, PolicyName, PrefixWeights
-from gateway.policies.base import (
-    Candidate,
-    Choice,
-    LoadTicket,
-    LoadTracker,
-    NoCandidates,
-    Policy,
-    RouteRequest,
-)
+from gateway.policies.base import Candidate, Choice, NoCandidates, Policy, RouteRequest
 from gateway.policies.cache_aware import CacheAwarePolicy
 from gateway.policies.least_load import LeastLoadPolicy
 from gateway.policies.power_of_two import PowerOfTwoPolicy
@@ -26,8 +18,6 @@ __all__ = [
     "Candidate",
     "Choice",
     "LeastLoadPolicy",
-    "LoadTicket",
-    "LoadTracker",
     "NoCandidates",
     "Policy",
     "PowerOfTwoPolicy",

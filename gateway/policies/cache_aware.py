@@ -26,6 +26,7 @@ from gateway.policies.radix import RadixTree
 
 class CacheAwarePolicy:
     name = "cache_aware"
+    uses_index = False
 
     def __init__(self, config: CacheAwareConfig, fallback: Policy) -> None:
         self._config = config

@@ -16,8 +16,8 @@ last turnover. Summed over the workers, `recomputed / computed` is the share of 
 that came back as misses: the probability that a block one more placement evicts is
 needed again. It is one number for the cluster: per worker, a cache that mostly received
 cold prompts looks cheap to evict from and draws every cold prompt, which piles load on
-it (measured: 3 points of hit rate lost on Mooncake). Before any data the share is 1 (both
-sums start at one capacity), which the first turnovers wash out.
+it. Before any data the share is 1 (both sums start at one capacity), which the first
+turnovers wash out.
 
 `eviction(worker, capacity, new, copied)`, the blocks other prompts are expected to lose
 if `new` blocks no pod holds and `copied` blocks another pod holds are computed on a
@@ -25,20 +25,18 @@ worker, is `(new + 2 × copied) × fill × share` with `fill = min((placed + new
 capacity, 1)`: a cache given less than it holds keeps most of what it has, one given more
 than it holds evicts a block for each new one. Linear in the fill rather than a step at
 the capacity because, as the prompts of a group arrive over time, what was placed so far
-understates what a pod will have to hold (a step, tried on the cost that charged copies
-as new blocks: small-groups 82.7 % of hits against 85.5 % with the linear fill). A copied
+understates what a pod will have to hold. A copied
 block weighs twice: it evicts a block where it lands as a new one does, and the room it
 takes holds a block the cluster already has, which serves no prompt the holder would not.
 Charging copies like new blocks let small groups spread over several pods while the pods
-were busy (small-groups 85.5 % against 87.0 %).
+were busy (each choice's replayed figures: `docs/gateway-design.md`).
 
 Whether to charge a copy at all depends on the prefix's demand, which the ledger counts
 over the last `demand_window` (256) prompts it recorded: `demand(key)` is the share of
 them that hold `key`. A prefix wanted by a larger share of prompts than its holders are
 of the candidates is more than those holders can serve: a copy relieves them rather than
 wasting room, and the policy does not charge it (`gateway.policies.prefix`). Without
-that, the cost kept a group hotter than one pod on that pod (large-groups: mean TTFT
-1.29 s against 0.58 s without the pressure cost). The window is a count of prompts, not a
+that, the cost kept a group hotter than one pod on that pod. The window is a count of prompts, not a
 time, so the policy reads no clock; 256 resolves a share of 1/16, one pod of 16.
 """
 

@@ -14,6 +14,7 @@ from gateway.policies.base import Candidate, Choice, RouteRequest
 
 class PowerOfTwoPolicy:
     name = "power_of_two"
+    uses_index = False
 
     def __init__(self, rng: Random) -> None:
         self._rng = rng

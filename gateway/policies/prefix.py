@@ -21,45 +21,25 @@ loses to an idle pod holding 1,000 (cost 7,000). The lowest cost wins; equal cos
 broken by the seeded RNG. The choice carries the DP rank of the counted hit, so the room
 can select it.
 
-Why the queue weighs half a token: at 1.0 the cost is the greedy estimate of this
-request's time to first token, which leaves a prefix's holder as soon as its queue is
-longer than the prefix; the prompt's later turns or siblings then live on two pods and
-their copies evict other prefixes. Replaying the Mooncake trace and llm-d's shared-prefix
-workload (README, "Routing quality"): on Mooncake 1.0 is 1.2 % faster than 0.5 in mean
-TTFT with 1.7 points fewer hits (31.4 against 33.1 %); on the llm-d workload with a full
-cluster, where every copy of a group evicts another, 1.0 loses 1.1 points at the same
-TTFT. Lower weights raise the hit rate further but make more prompts wait behind a busy
-holder (0.25: 34.0 %, 4 % slower).
+The queue weighs half a token: at 1.0 the cost is the greedy estimate of this request's
+time to first token, which leaves a prefix's holder as soon as its queue is longer than
+the prefix, and the copies it then makes evict other prefixes.
 
 Cache pressure. `evicted(w)` is what computing this prompt's uncached blocks on w is
 expected to cost other prompts, in tokens: the blocks it will evict there that are wanted
-again (`gateway.policies.placement`: how full w is with what this gateway placed on it,
-against the capacity its engine reports, times the cluster's share of computed blocks
-that had been evicted and were asked for again). The blocks w would compute split in two:
-those beyond the longest prefix any candidate holds (`top`), which every candidate but a
-holder computes alike, and those between w's hit and `top`, a copy of what another pod
-holds, which weigh twice (a copy evicts as a new block does and duplicates what the
-cluster has). Without the cost a prompt nobody holds goes wherever the queue is shortest,
-and on a full cluster one pod ends with more groups than its cache holds and recomputes
-them for the rest of the run (llm-d's shared-prefix workload at 100 % capacity: 93.8 %
-hits without it, 98.1 % with it, no block evicted). Charging copies keeps groups together
-while pods are briefly overloaded (small-groups: 82.1 % of hits without the cost, 87.0 %
-with it, against `cache_aware`'s 87.3 %).
+again (`gateway.policies.placement`). The blocks w would compute split in two: those
+beyond the longest prefix any candidate holds (`top`), which every candidate but a holder
+computes alike, and those between w's hit and `top`, a copy of what another pod holds,
+which weigh twice (a copy evicts as a new block does and duplicates what the cluster
+has). Without the cost a prompt nobody holds goes wherever the queue is shortest, and on
+a full cluster one pod ends with more groups than its cache holds.
 
 A copy is not charged when the prefix (its key at `top`) is in a larger share of the last
-prompts placed than its holders are of the candidates: a group hotter than the pods that
-hold it then spreads to another at the price of its uncached tokens alone, as without the
-cost (large-groups: 0.57 s mean TTFT, 95.0 % hits; charging those copies kept the hot group
-on one overloaded pod, 1.29 s). A copy serves the prompts its holders cannot; below that
-share it only takes room.
-
-Why the pressure weighs 2: of the weights replayed (0, 1, 2, 4, 8; README, "Routing
-quality", section 5), 2 is the one that matched or beat `cache_aware`'s hit rate on
-llm-d's workload at 50, 80, 100 and 137 % capacity with Mooncake's mean TTFT 1.40×
-lower than `cache_aware`'s (1.398× unrounded). At 100 % capacity that workload is a
-knife edge (each pod's cache holds 19.2 of its 150 groups), which other weights miss by
-a group on one pod. Higher weights buy hits elsewhere with TTFT (Mooncake and
-small-groups); a worker whose capacity is not reported costs nothing here.
+prompts placed than its holders are of the candidates: a copy then serves the prompts its
+holders cannot keep up with; below that share it only takes room. The pressure weighs 2,
+the weight that kept up with `cache_aware`'s hit rate at every capacity replayed without
+giving up TTFT elsewhere; a worker whose capacity is not reported costs nothing here.
+Every weight's measurements and the commands: `docs/gateway-design.md`.
 
 Without a lookup (no tokens, no index configured, index unreachable) the policy hands the
 choice to its load fallback (least_load) and marks it `fallback="no_lookup"`.
@@ -79,6 +59,7 @@ from globalkv.lookup import PodHit
 
 class PrefixPolicy:
     name = "prefix"
+    uses_index = True
 
     def __init__(self, weights: PrefixWeights, rng: Random, fallback: Policy) -> None:
         self._weights = weights

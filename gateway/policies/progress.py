@@ -4,10 +4,7 @@ The gateway knows what it sent each prefill (the uncached tokens of every prompt
 prefill has not answered) but not how far the worker has got through it. Counting all of
 it as still to do over-states the wait on a busy worker by up to the whole prompt it is
 computing, and the prefix policy then moves prompts off the pod that holds their prefix
-for a wait that is mostly over. Replaying the Mooncake trace, this estimate raised the
-policy's hit rate from 30.7 % to 33.1 % at the same mean TTFT (2.45 s), as much as
-giving it the simulated pods' exact remaining work did (33.1 %; README, "Routing
-quality").
+for a wait that is mostly over (the replayed hit rates: `docs/gateway-design.md`).
 
 The estimate is a fluid queue per worker, in *work*: sending a prompt adds its work to a
 backlog that drains at the worker's measured rate, and every answer caps the backlog at
@@ -24,10 +21,8 @@ in tokens at the worker's average rate (tokens answered over seconds busy), so o
 engine whose cost is linear it is plain tokens. Dividing by the fitted `a` instead blew
 the estimate up wherever a fixed cost per request (HTTP, the KV handshake) made short
 prompts after long contexts look slow: `b` took the overhead, `a` went towards zero, and
-in a live replay the policy fled every busy holder (hit rate 47 % against 68 %).
-Replaying Mooncake with attention's cost (`--attention-tokens 52000`), draining every
-token at the average rate made followers wait behind long-context holders that were far
-from done: mean TTFT 2.26 s, against 2.21 s with the fit (README, "Routing quality").
+the policy fled every busy holder; draining every token at the average rate instead of
+the fit made followers wait behind long-context holders that were far from done.
 Nothing is assumed about the engine. Where several gateways share a prefill, each sees
 the pod busy with the others' prompts too and measures it slower than it is, so its
 estimate errs toward the plain sum.

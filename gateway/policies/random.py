@@ -10,6 +10,7 @@ from gateway.policies.base import Candidate, Choice, RouteRequest
 
 class RandomPolicy:
     name = "random"
+    uses_index = False
 
     def __init__(self, rng: Random) -> None:
         self._rng = rng

@@ -9,6 +9,7 @@ from gateway.policies.base import Candidate, Choice, RouteRequest
 
 class RoundRobinPolicy:
     name = "round_robin"
+    uses_index = False
 
     def __init__(self) -> None:
         self._next = 0

@@ -13,9 +13,10 @@ import httpx
 from prometheus_client import CollectorRegistry
 
 from gateway.config import GatewayConfig, HealthConfig, KvEventsSpec, WorkerSpec
-from gateway.monitor import PodRegistration
+from gateway.http.answer import Answer
+from gateway.http.upstream import Upstream
 from gateway.service import Gateway, build_gateway
-from gateway.upstream import Upstream
+from gateway.workers.monitor import PodRegistration
 from globalkv.index.base import IndexUnavailable
 from globalkv.lookup import LookupResult
 from globalkv.tokenize import Tokenizer
@@ -242,6 +243,15 @@ async def make_gateway(
     )
     await gateway.monitor.run_once(force=True)
     return gateway
+
+
+async def rest_of(answer: Answer) -> bytes:
+    """The pieces of a streamed answer after its first, read to its end."""
+    assert answer.rest is not None
+    pieces = []
+    while piece := await answer.rest.next():
+        pieces.append(piece)
+    return b"".join(pieces)
 
 
 def sample(gateway: Gateway, name: str, **labels: str) -> float:

@@ -12,12 +12,12 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.answers import Answer
 from gateway.app import create_app
 from gateway.config import WorkerSpec
+from gateway.http.answer import Answer
+from gateway.http.server import HttpServer
 from gateway.inference import TOKENIZE_INLINE_MAX, Inference
 from gateway.requests import MAX_BATCH
-from gateway.server import GatewayServer
 from gateway.service import Gateway
 from globalkv.tokenize import ByteTokenizer
 from tests.gateway.fakes import (
@@ -50,7 +50,7 @@ async def client_for(gateway: Gateway, front: str) -> AsyncIterator[httpx.AsyncC
         async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
             yield client
         return
-    server = GatewayServer(Inference(gateway), app)
+    server = HttpServer(Inference(gateway), app)
     await server.start("127.0.0.1", 0)
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}") as client:
@@ -167,7 +167,7 @@ async def test_a_body_too_deep_to_write_gets_400_whichever_parser_read_it() -> N
     inference = Inference(gateway)
     for depth in (1000, 3000, 200_000):
         raw = b'{"input_ids": [1], "a": ' + b"[" * depth + b"]" * depth + b"}"
-        answer = await inference.handle("generate", "/generate", None, raw)
+        answer = await inference.handle("/generate", None, raw)
         assert isinstance(answer, Answer)
         assert (answer.status, b"nested too deeply" in answer.body) == (400, True)
     assert cluster.inference() == []
@@ -177,7 +177,7 @@ async def test_a_batch_of_more_than_max_batch_elements_gets_400() -> None:
     cluster = Cluster()
     inference = Inference(await make_gateway(cluster, config()))
     raw = b'{"input_ids": [' + b"[1]," * MAX_BATCH + b"[2]]}"
-    answer = await inference.handle("generate", "/generate", None, raw)
+    answer = await inference.handle("/generate", None, raw)
     assert isinstance(answer, Answer)
     assert answer.status == 400
     message = json.loads(answer.body)["error"]["message"]
@@ -198,7 +198,7 @@ async def test_a_long_text_is_tokenized_off_the_event_loop() -> None:
     inference = Inference(gateway)
     for text in ("short", "x" * TOKENIZE_INLINE_MAX):
         raw = json.dumps({"text": text}).encode()
-        assert (await inference.handle("generate", "/generate", None, raw)).status == 200
+        assert (await inference.handle("/generate", None, raw)).status == 200
     here = threading.get_ident()
     assert (threads[0] == here, threads[1] != here) == (True, True)
 
@@ -256,7 +256,7 @@ async def test_streaming_through_the_app(setup: tuple[Cluster, Gateway], front: 
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/event-stream")
     assert response.content == b"data: a\n\ndata: b\n\ndata: [DONE]\n\n"
-    await gateway.dispatcher.drain()
+    await gateway.calls.drain()
     assert all(v.in_flight == 0 for v in gateway.loads.loads.values())
 
 

@@ -10,14 +10,13 @@ from collections.abc import Awaitable, Callable
 import httpx
 import pytest
 
-from gateway.calls import PAUSE_AT
 from gateway.config import WorkerSpec
-from gateway.connections import DEAD_PEER_SECS, ConnectionPool
-from gateway.dispatch import Stream
+from gateway.http.connections import DEAD_PEER_SECS, ConnectionPool
+from gateway.http.reply import PAUSE_AT
+from gateway.http.upstream import PooledUpstream
 from gateway.policies.base import RouteRequest
 from gateway.requests import parse_request
-from gateway.upstream import PooledUpstream
-from tests.gateway.fakes import Cluster, config, make_gateway, sample
+from tests.gateway.fakes import Cluster, config, make_gateway, rest_of, sample
 from tests.gateway.scripted import Handler, answer, keep_alive, read_request, running
 from tests.support.net import await_for, free_port
 
@@ -219,7 +218,7 @@ async def test_dispatch_on_real_sockets_cancels_both_workers_when_forward_is_can
         with pytest.raises(asyncio.CancelledError):
             await forward
         await await_for(_async(lambda: len(closed) == 2), timeout=5, what="both closed")
-        await gateway.dispatcher.drain()
+        await gateway.calls.drain()
         await pool.aclose()
     assert all(w.breaker.stats().total_failures == 0 for w in gateway.pool)
     assert all(v.in_flight == 0 for v in gateway.loads.loads.values())
@@ -266,12 +265,12 @@ async def test_dispatch_on_real_sockets_retries_a_failed_prefill_and_streams_the
         gateway = await make_gateway(Cluster(), cfg, upstream=PooledUpstream(pool))
         parsed = parse_request("generate", {"input_ids": [1, 2], "stream": True})
         stream = await gateway.dispatcher.forward(parsed, RouteRequest([1, 2]), "/generate")
-        assert isinstance(stream, Stream)
-        assert stream.headers["content-type"] == "text/event-stream"
-        assert stream.first.startswith(b"data: ")
-        assert [c async for c in stream.rest] == []
-        await stream.close("done")
-        await gateway.dispatcher.drain()
+        assert stream.rest is not None
+        assert stream.media_type == b"text/event-stream"
+        assert stream.body.startswith(b"data: ")
+        assert await rest_of(stream) == b""
+        await stream.rest.close("done")
+        await gateway.calls.drain()
         await pool.aclose()
     bad_worker = gateway.pool.get(bad.url.split("//")[1])
     assert bad_worker is not None

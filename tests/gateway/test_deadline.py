@@ -13,8 +13,8 @@ from typing import Any
 
 import httpx
 
-from gateway.deadline import DeadlineWatch
-from gateway.dispatch import Answer, Stream
+from gateway.http.answer import Answer
+from gateway.legs.deadline import DeadlineWatch
 from gateway.service import Gateway
 from tests.gateway.fakes import DECODES, PREFILLS, Cluster, config, make_gateway, sample
 from tests.gateway.test_dispatch import send
@@ -25,8 +25,8 @@ async def _hanging(_: httpx.Request, __: Any) -> httpx.Response:
     raise AssertionError("unreachable")
 
 
-def _error(answer: Answer | Stream) -> dict[str, Any]:
-    assert isinstance(answer, Answer)
+def _error(answer: Answer) -> dict[str, Any]:
+    assert answer.rest is None
     assert answer.status == 504, answer.body
     error: dict[str, Any] = json.loads(answer.body)["error"]
     assert error["type"] == "request_timeout"
@@ -45,7 +45,7 @@ async def test_a_decode_silent_after_its_prefill_answered_is_a_504_at_stage_deco
     gateway = await make_gateway(cluster)
     request = asyncio.create_task(send(gateway, {"text": "x"}))
     await cluster.wait_calls(2)
-    await gateway.dispatcher.drain()  # the prefill's call has ended: it answered
+    await gateway.calls.drain()  # the prefill's call has ended: it answered
     gateway.dispatcher.deadlines.expire_all()
     error = _error(await request)
     assert error["stage"] == "decode"
@@ -67,7 +67,7 @@ async def test_both_sides_silent_is_stage_prefill_and_the_prefill_call_is_cancel
     await cluster.wait_calls(2)
     gateway.dispatcher.deadlines.expire_all()
     error = _error(await request)
-    await gateway.dispatcher.drain()
+    await gateway.calls.drain()
     assert error["stage"] == "prefill"
     assert error["prefill"]["answered"] is None
     assert all(call.cancelled for call in cluster.inference())
@@ -138,7 +138,7 @@ async def test_the_deadline_fires_by_itself_after_request_timeout_secs() -> None
         asyncio.gather(*(send(gateway, {"text": f"x{i}"}) for i in range(3))), 30
     )
     assert [_error(a)["stage"] for a in answers] == ["prefill"] * 3
-    await gateway.dispatcher.drain()
+    await gateway.calls.drain()
 
 
 async def test_a_request_that_ends_in_time_is_not_touched_by_its_deadline() -> None:
@@ -167,7 +167,7 @@ async def test_a_client_that_leaves_as_the_deadline_passes_still_cancels_the_req
         pass
     else:
         raise AssertionError("the client's cancellation was swallowed")
-    await gateway.dispatcher.drain()
+    await gateway.calls.drain()
 
 
 def test_finished_requests_do_not_pile_up_in_the_watch() -> None:

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from gateway.config import BreakerConfig, RetryConfig
-from gateway.dispatch import Answer, Stream
+from gateway.http.answer import Answer
 from gateway.policies.base import RouteRequest
 from gateway.requests import parse_request
 from gateway.service import Gateway
@@ -25,14 +25,13 @@ from tests.gateway.fakes import (
     StubProbe,
     config,
     make_gateway,
+    rest_of,
     sample,
 )
 from tests.support.clock import FakeClock, RecordedSleep
 
 
-async def send(
-    gateway: Gateway, body: dict[str, Any], endpoint: Any = "generate"
-) -> Answer | Stream:
+async def send(gateway: Gateway, body: dict[str, Any], endpoint: Any = "generate") -> Answer:
     parsed = parse_request(endpoint, body)
     route = RouteRequest(parsed.token_ids, parsed.text, None)
     path = {
@@ -51,7 +50,7 @@ async def test_pair_gets_the_same_bound_body_and_client_gets_the_decode_answer()
     cluster = Cluster()
     gateway = await make_gateway(cluster)
     answer = await send(gateway, {"text": "hello", "extra": {"keep": True}})
-    await gateway.dispatcher.drain()
+    await gateway.calls.drain()
     assert isinstance(answer, Answer)
     assert answer.status == 200
     prefill, decode = cluster.inference("prefill"), cluster.inference("decode")
@@ -76,7 +75,7 @@ async def test_prefill_failure_while_decode_waits_retries_with_new_pair_and_room
     # round_robin makes the first attempt go to the broken prefill.
     gateway = await make_gateway(cluster, config(prefill_policy="round_robin"), sleeps=sleeps)
     answer = await send(gateway, {"text": "x"})
-    await gateway.dispatcher.drain()
+    await gateway.calls.drain()
     assert isinstance(answer, Answer)
     assert answer.status == 200
     first, second = cluster.inference("decode")
@@ -233,16 +232,15 @@ async def test_stream_chunks_pass_through_as_they_arrive() -> None:
     pending = asyncio.ensure_future(send(gateway, {"text": "x", "stream": True}))
     await queue.put(b"data: 1\n\n")
     stream = await pending
-    assert isinstance(stream, Stream)
-    assert (stream.first, stream.headers["content-type"]) == (b"data: 1\n\n", "text/event-stream")
-    rest = stream.rest.__aiter__()
+    assert stream.rest is not None
+    assert (stream.body, stream.media_type) == (b"data: 1\n\n", b"text/event-stream")
     await queue.put(b"data: 2\n\n")
-    assert await rest.__anext__() == b"data: 2\n\n", "chunk 2 arrived before chunk 3 exists"
+    assert await stream.rest.next() == b"data: 2\n\n", "chunk 2 arrived before chunk 3 exists"
     await queue.put(b"data: [DONE]\n\n")
     await queue.put(None)
-    assert [c async for c in rest] == [b"data: [DONE]\n\n"]
-    await stream.close("done")
-    await gateway.dispatcher.drain()
+    assert await rest_of(stream) == b"data: [DONE]\n\n"
+    await stream.rest.close("done")
+    await gateway.calls.drain()
     decode = gateway.pool.get(cluster.inference("decode")[0].worker)
     assert decode is not None
     assert decode.breaker.stats().total_successes == 1
@@ -273,9 +271,9 @@ async def test_stream_prefill_failure_before_first_byte_is_retried() -> None:
         cluster.on(url, decode)
     gateway = await make_gateway(cluster, config(prefill_policy="round_robin"))
     stream = await send(gateway, {"text": "x", "stream": True})
-    assert isinstance(stream, Stream)
-    assert stream.first == b"data: tok\n\n"
-    await stream.close("done")
+    assert stream.rest is not None
+    assert stream.body == b"data: tok\n\n"
+    await stream.rest.close("done")
     assert len(cluster.inference("decode")) == 2
 
 
@@ -288,7 +286,7 @@ async def test_cancelling_forward_cancels_both_upstream_calls() -> None:
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await gateway.dispatcher.drain()
+    await gateway.calls.drain()
     assert [c.cancelled for c in cluster.inference()] == [True, True]
     assert all(
         v.in_flight == 0 and v.queued_prefill_tokens == 0 for v in gateway.loads.loads.values()
@@ -353,9 +351,9 @@ async def test_each_attempt_is_logged_at_debug_with_its_pair_and_rooms(
 ) -> None:
     cluster = Cluster()
     gateway = await make_gateway(cluster)
-    with caplog.at_level("DEBUG", logger="gateway.dispatch"):
+    with caplog.at_level("DEBUG", logger="gateway.legs.dispatch"):
         answer = await send(gateway, {"text": ["a", "b"]})
-    await gateway.dispatcher.drain()
+    await gateway.calls.drain()
     assert isinstance(answer, Answer)
     body = cluster.inference("decode")[0].body
     (line,) = [r.getMessage() for r in caplog.records if "attempt" in r.getMessage()]

@@ -7,7 +7,9 @@ from typing import Any
 
 import pytest
 
-from gateway.inject import MAX_ROOM, Endpoint, batch_size, draw_room, inject_bootstrap
+from gateway.legs.sglang import inject_bootstrap
+from gateway.requests import Endpoint, batch_size
+from gateway.routing.rooms import MAX_ROOM, draw_room
 
 CASES: list[tuple[str, Endpoint, dict[str, Any], int | None]] = [
     ("generate text", "generate", {"text": "hi", "sampling_params": {"x": 1}}, None),

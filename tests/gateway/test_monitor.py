@@ -7,11 +7,11 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from gateway.config import HealthConfig, KvEventsSpec, WorkerSpec
-from gateway.monitor import PodRegistration, RegistrationFailed
-from gateway.pods import pod_info
 from gateway.requests import parse_request
-from gateway.server_info import parse_server_info
-from gateway.workers import DirectoryStatus, Worker, worker_id
+from gateway.workers.monitor import PodRegistration, RegistrationFailed
+from gateway.workers.pods import pod_info
+from gateway.workers.pool import DirectoryStatus, Worker, worker_id
+from gateway.workers.server_info import parse_server_info
 from tests.gateway.fakes import (
     PREFILLS,
     Cluster,

@@ -10,7 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway.config import PrefixWeights
-from gateway.policies import Candidate, LoadTracker, RouteRequest, build_policy
+from gateway.policies import Candidate, RouteRequest, build_policy
+from gateway.policies.loads import LoadTracker
 from gateway.policies.pending import PendingHit, PendingPrefixes
 from globalkv.keys import request_keys
 from globalkv.lookup import LookupResult, PodHit

@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from gateway.config import PrefixWeights
-from gateway.dispatch import Answer
 from gateway.inference import Inference
+from gateway.legs.dispatch import Answer
 from gateway.policies.base import RouteRequest
 from gateway.policies.pending import PendingHit
 from gateway.requests import parse_request
@@ -45,7 +45,7 @@ async def test_a_cancelled_request_leaves_nothing_pending() -> None:
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await gateway.dispatcher.drain()
+    await gateway.calls.drain()
     assert gateway.loads.pending_keys() == 0
 
 
@@ -69,17 +69,17 @@ async def test_a_prompt_in_flight_draws_the_next_one_sharing_it_until_the_grace_
     gateway = await make_gateway(cluster, cfg, lookup=lookup, clock=clock)
     inference = Inference(gateway)
     body = json.dumps({"input_ids": tokens}).encode()
-    first = asyncio.ensure_future(inference.handle("generate", "/generate", None, body))
+    first = asyncio.ensure_future(inference.handle("/generate", None, body))
     await cluster.wait_calls(2)
     (call,) = cluster.inference("prefill")
-    second = asyncio.ensure_future(inference.handle("generate", "/generate", None, body))
+    second = asyncio.ensure_future(inference.handle("/generate", None, body))
     await cluster.wait_calls(4)
     assert [c.worker for c in cluster.inference("prefill")] == [call.worker, call.worker]
     assert gateway.loads.pending_blocks([11, 12, 13, 14]) == {call.worker: PendingHit(4, 0)}
     assert sample(gateway, "globalkv_gateway_pending_prefix_keys") == 8
     release.set()
     await asyncio.gather(first, second)
-    await gateway.dispatcher.drain()
+    await gateway.calls.drain()
     assert gateway.loads.pending_blocks([11, 12, 13, 14])[call.worker].blocks == 4, "grace"
     clock.now += 3.0
     assert sample(gateway, "globalkv_gateway_pending_prefix_keys") == 0
@@ -93,8 +93,8 @@ async def test_a_prefill_that_failed_holds_nothing_for_the_prefix_policy() -> No
     lookup = StubLookup(LookupResult(block_size=4, blocks=3, pods=[], keys=keys))
     gateway = await make_gateway(cluster, lookup=lookup)
     body = json.dumps({"input_ids": list(range(12))}).encode()
-    answer = await Inference(gateway).handle("generate", "/generate", None, body)
-    await gateway.dispatcher.drain()
+    answer = await Inference(gateway).handle("/generate", None, body)
+    await gateway.calls.drain()
     assert isinstance(answer, Answer)
     assert answer.status == 200
     prefills = [c.worker for c in cluster.inference("prefill")]

@@ -10,8 +10,8 @@ import pytest
 
 from gateway.app import create_app
 from gateway.config import KvEventsSpec
-from gateway.monitor import PodRegistration, RegistrationFailed
-from gateway.pods import HttpPodRegistrar, RegistryPodRegistrar, pod_info
+from gateway.workers.monitor import PodRegistration, RegistrationFailed
+from gateway.workers.pods import HttpPodRegistrar, RegistryPodRegistrar, pod_info
 from globalkv.index.base import IndexUnavailable
 from globalkv.registry import MemoryRegistry, PodInfo
 from tests.gateway.fakes import POD, Cluster, config, make_gateway

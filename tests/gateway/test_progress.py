@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.policies import LoadTracker
+from gateway.policies.loads import LoadTracker
 from gateway.policies.progress import CostFit, PrefillProgress
 
 

@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from gateway.app import create_app
+from gateway.http.server import HttpServer
 from gateway.inference import Inference
-from gateway.server import GatewayServer
 from gateway.service import Gateway
 from tests.gateway.fakes import Cluster, config, make_gateway
 
@@ -118,7 +118,7 @@ def _ipv6_loopback() -> bool:
 async def test_the_own_server_passes_the_socket_peer(gateway_no_token: Gateway, host: str) -> None:
     """A loopback peer read from the socket (IPv6 names carry four fields) may change
     workers; the own server hands admin routes the peer as ASGI's (host, port)."""
-    server = GatewayServer(
+    server = HttpServer(
         Inference(gateway_no_token), create_app(gateway_no_token, run_monitor=False)
     )
     await server.start(host, 0)

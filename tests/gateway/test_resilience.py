@@ -6,10 +6,10 @@ from random import Random
 
 import pytest
 
-from gateway.breaker import BreakerState, CircuitBreaker, is_failure_status
 from gateway.config import BreakerConfig, HealthConfig, RetryConfig
-from gateway.health import Health, HealthTracker
-from gateway.retry import RetrySchedule, is_retryable_status
+from gateway.legs.retry import RetrySchedule, is_retryable_status
+from gateway.workers.breaker import BreakerState, CircuitBreaker, is_failure_status
+from gateway.workers.health import Health, HealthTracker
 from tests.support.clock import FakeClock
 
 

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from gateway.resolver import HostResolver
+from gateway.http.resolver import HostResolver
 from tests.support.clock import FakeClock
 
 

@@ -4,7 +4,7 @@ vLLM's /metrics; and the monitor reading a vLLM prefill's from there."""
 from __future__ import annotations
 
 from gateway.config import KvEventsSpec, WorkerSpec
-from gateway.server_info import parse_server_info, parse_vllm_capacity
+from gateway.workers.server_info import parse_server_info, parse_vllm_capacity
 from tests.gateway.fakes import Cluster, config, make_gateway
 
 VLLM_METRICS = """\

@@ -3,8 +3,8 @@ directly)."""
 
 from __future__ import annotations
 
-from gateway.shared_pending import ORIGIN_MAX_KEYS, RemotePending
-from gateway.shared_wire import MAX_KEYS_PER_ADD, Add, Done, parse_change
+from gateway.replicas.shared_pending import ORIGIN_MAX_KEYS, RemotePending
+from gateway.replicas.shared_wire import MAX_KEYS_PER_ADD, Add, Done, parse_change
 
 
 def test_an_add_delivered_twice_leaves_nothing_once_done() -> None:

@@ -9,9 +9,9 @@ import pytest
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 
-from gateway.policies.base import LoadTracker
+from gateway.policies.loads import LoadTracker
 from gateway.policies.pending import PendingPrefixes
-from gateway.shared_state import SharedState
+from gateway.replicas.shared_state import SharedState
 from globalkv import redis_client
 from kvplumbing.tasks import cancel_and_wait
 from tests.support.metrics import sample

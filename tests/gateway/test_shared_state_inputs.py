@@ -16,12 +16,12 @@ import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from gateway.dispatch import Answer
-from gateway.policies.base import LoadTracker, RouteRequest
+from gateway.legs.dispatch import Answer
+from gateway.policies.base import RouteRequest
+from gateway.policies.loads import LoadTracker
 from gateway.policies.pending import PendingPrefixes
-from gateway.requests import parse_request
-from gateway.shared_state import SharedState, member_name
-from gateway.shared_wire import (
+from gateway.replicas.shared_state import SharedState, member_name
+from gateway.replicas.shared_wire import (
     MAX_KEYS_PER_ADD,
     MAX_LOAD,
     MAX_MESSAGE_BYTES,
@@ -30,6 +30,7 @@ from gateway.shared_wire import (
     Load,
     parse_load,
 )
+from gateway.requests import parse_request
 from globalkv.lookup import LookupResult
 from kvplumbing.tasks import cancel_and_wait
 from tests.gateway.fakes import Cluster, Reading, StubLookup, StubProbe, make_gateway

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from gateway.transport import PooledTransport, upstream_client
+from gateway.http.transport import PooledTransport, upstream_client
 from tests.gateway.scripted import Handler, Server, answer, keep_alive, read_request, running
 
 

@@ -10,12 +10,12 @@ from typing import Any
 import httpx
 
 from gateway.config import WorkerSpec
-from gateway.dispatch import Answer, Stream
-from gateway.kinds import detect_kind
+from gateway.http.answer import Answer
 from gateway.policies.base import RouteRequest
 from gateway.requests import parse_request
 from gateway.service import Gateway
-from tests.gateway.fakes import DECODES, PREFILLS, Cluster, config, make_gateway, sample
+from gateway.workers.kinds import detect_kind
+from tests.gateway.fakes import DECODES, PREFILLS, Cluster, config, make_gateway, rest_of, sample
 
 PARAMS = {
     "do_remote_prefill": True,
@@ -119,14 +119,14 @@ async def test_a_stream_is_the_decodes_and_the_prefill_is_asked_not_to_stream() 
     legs = Legs(cluster)
     gateway = await make_gateway(cluster, vllm_config())
     outcome = await send(gateway, {"prompt": "hi", "stream": True})
-    assert isinstance(outcome, Stream)
-    rest = b"".join([piece async for piece in outcome.rest])
-    await outcome.close("done")
+    assert outcome.rest is not None
+    rest = await rest_of(outcome)
+    await outcome.rest.close("done")
     (prefill,), (decode,) = cluster.inference("prefill"), cluster.inference("decode")
     assert prefill.body["stream"] is False
     assert decode.body == {"prompt": "hi", "stream": True, "kv_transfer_params": PARAMS}
-    assert json.loads(outcome.first + rest)["got"] == decode.body
-    assert outcome.headers["x-request-id"] == legs.ids[0][1]
+    assert json.loads(outcome.body + rest)["got"] == decode.body
+    assert dict(outcome.headers)["x-request-id"] == legs.ids[0][1]
 
 
 async def test_a_prefill_without_params_has_the_decode_recompute_and_is_counted() -> None:
@@ -214,7 +214,7 @@ async def test_the_deadline_names_the_leg_it_stopped_in() -> None:
         answer = await pending
         assert answer.status == 504
         assert json.loads(answer.body)["error"]["stage"] == stage
-    await gateway.dispatcher.drain()
+    await gateway.calls.drain()
 
 
 async def test_sglangs_generate_is_never_sent_to_a_vllm_pair() -> None:

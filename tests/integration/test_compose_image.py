@@ -125,11 +125,12 @@ def test_the_build_context_holds_every_package_and_the_readme() -> None:
         assert source == "." or source in context, f"COPY {source}: not in the build context"
     for package in _packages():
         assert f"{package}/__init__.py" in context
-    readme = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["readme"]
-    assert {readme, "pyproject.toml"} <= context
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    readme, licenses = project["readme"], project["license-files"]
+    assert {readme, "pyproject.toml", *licenses} <= context
     tops = {rel.split("/")[0] for rel in context}
-    # constraints.txt pins the dependencies; LICENSE goes into the wheel (license-files).
-    needed = {*_packages(), readme, "pyproject.toml", "constraints.txt", "LICENSE"}
+    named = {source for source in _copied_sources() if source != "."}
+    needed = {*_packages(), readme, "pyproject.toml", *licenses, *named}
     assert tops <= needed, "only what the image needs"
 
 

@@ -2,13 +2,13 @@
 
 Health checks, directory reads, pod registration and index lookups go through one
 `httpx.AsyncClient` (tests swap its transport for `httpx.MockTransport`). Its transport
-here is `gateway.connections.ConnectionPool`, the client the dispatcher uses directly, so
+here is `gateway.http.connections.ConnectionPool`, the client inference calls use directly, so
 there is one connection pool per process and one HTTP/1.1 implementation.
 
 Why not httpx's default (httpcore): every request taken from or returned to its pool
 scans all pooled connections, and each idle one is checked with a `select` system call
-(`is_socket_readable`). With the 64 concurrent requests of `bench.gateway`, that scan
-took over half of the gateway's CPU and cut its throughput below 200 requests/s.
+(`is_socket_readable`), a cost that grows with the connections in use
+(`docs/gateway-design.md`).
 """
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ from http.cookiejar import CookieJar, DefaultCookiePolicy
 
 import httpx
 
-from gateway.calls import Response
-from gateway.connections import ConnectionPool
+from gateway.http.connections import ConnectionPool
+from gateway.http.reply import Reply
 
 _OWN_HEADERS = frozenset({b"host", b"content-length", b"transfer-encoding"})
 """Written by the pool from the URL and the body."""
 
 
 class _Body(httpx.AsyncByteStream):
-    def __init__(self, response: Response) -> None:
+    def __init__(self, response: Reply) -> None:
         self._response = response
 
     async def __aiter__(self) -> AsyncIterator[bytes]:

@@ -13,8 +13,8 @@ are forgotten (not kept growing stale), `globalkv_gateway_shared_state_available
 and each failed round is counted; the next round that succeeds shares again. Pending
 messages lost while the subscription reconnects are forgotten the same way. A replica that
 leaves the member list (its heartbeat ran out: it died) takes its pending prompts with it
-(`gateway.shared_pending`); what is read of the others is checked first
-(`gateway.shared_wire`).
+(`gateway.replicas.shared_pending`); what is read of the others is checked first
+(`gateway.replicas.shared_wire`).
 
 Keys (`{p}` the prefix): `{p}:gateways` (sorted set: replica -> expiry, Redis time in ms),
 `{p}:gw:{<replica>}:load` (hash: worker -> "in_flight,queued,remaining"), channel
@@ -38,10 +38,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
-from gateway.policies.base import LoadTracker
+from gateway.policies.loads import LoadTracker
 from gateway.policies.pending import PendingHit
-from gateway.shared_pending import RemotePending
-from gateway.shared_wire import (
+from gateway.replicas.shared_pending import RemotePending
+from gateway.replicas.shared_wire import (
     MAX_KEYS_PER_ADD,
     MAX_UNSENT_CHANGES,
     MAX_UNSENT_KEYS,

@@ -1,52 +1,74 @@
-"""Serving one request on a client's connection: a refusal, inference, or the ASGI app.
+"""Serving one request on a client's connection: a refusal, the handler, or the ASGI app.
 
-`gateway.client_connection` owns the connection's life (parsing, order, timeouts,
+`gateway.http.client_connection` owns the connection's life (parsing, order, timeouts,
 closing); an `Exchange` answers one complete request on it and says whether the
-connection may serve another. Inference POSTs go to `gateway.inference` and their answer
-is written as prebuilt bytes; any other method on an inference path is answered 405 here;
-every other request goes to the FastAPI app through `gateway.http1.serve_asgi`.
+connection may serve another. POSTs to the paths the `Handler` claims (inference) go to it
+and its answer is written as prebuilt bytes; any other method on those paths is answered
+405 here; every other request goes to the ASGI app through `gateway.http.wire.serve_asgi`.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, Protocol
 
 from starlette.types import ASGIApp
 
-from gateway.answers import Answer, problem, too_large
-from gateway.http1 import (
+from gateway.http.answer import Answer, problem, too_large
+from gateway.http.wire import (
     CLOSE,
     HttpRequest,
     Wire,
     answer_bytes,
     connection_header,
     serve_asgi,
-    write_relay,
+    write_stream,
 )
-from gateway.inference import INFERENCE_PATHS, Inference
 
 log = logging.getLogger(__name__)
 
-INFERENCE_TARGETS = frozenset(path.encode() for path in INFERENCE_PATHS)
 _ALLOW_POST = b"allow: POST\r\n"
+
+
+class Handler(Protocol):
+    """What answers the POSTs the server serves itself (inference)."""
+
+    @property
+    def paths(self) -> Collection[str]:
+        """The paths it answers; other methods there are answered 405."""
+        ...
+
+    @property
+    def limit(self) -> int:
+        """The largest request body it takes, in bytes (413 beyond)."""
+        ...
+
+    async def handle(self, path: str, authorization: str | None, body: bytes) -> Answer:
+        """The answer to a POST of `body` to `path`; cancelled when the client leaves."""
+        ...
+
+    def refused(self, path: str, answer: Answer) -> None:
+        """The server answered a request to `path` itself (413), without calling `handle`."""
+        ...
 
 
 class Serving(Protocol):
     """What serving a request needs of the server."""
 
-    inference: Inference
+    handler: Handler
     app: ASGIApp
+    routes: Mapping[bytes, str]
+    """The handler's paths, as they arrive on the wire."""
     limit: int
-    """--max-payload-size, in bytes."""
+    """The handler's `limit`."""
 
 
 def oversized(server: Serving, request: HttpRequest) -> Answer:
-    """The 413 for `request`, counted as an inference answer when it was one."""
+    """The 413 for `request`, told to the handler when it was one of its requests."""
     answer = too_large(server.limit)
     if request.route is not None:
-        server.inference.refuse(request.route[0], answer)
+        server.handler.refused(request.route, answer)
     return answer
 
 
@@ -83,8 +105,8 @@ class Exchange:
                 self._write(oversized(self._server, request), CLOSE)
                 return False
             if request.route is not None:
-                return await self._inference(request, request.route[1])
-            if request.path in INFERENCE_TARGETS:
+                return await self._handle(request, request.route)
+            if request.path in self._server.routes:
                 answer = problem(405, f"{request.path.decode()} takes POST")
                 keep_alive = self._keep_alive()
                 self._write(answer, self._connection(keep_alive), _ALLOW_POST)
@@ -109,23 +131,21 @@ class Exchange:
             data = data[: len(data) - len(answer.body)]
         self._wire.write(data)
 
-    async def _inference(self, request: HttpRequest, path: str) -> bool:
-        assert request.route is not None
+    async def _handle(self, request: HttpRequest, path: str) -> bool:
         authorization = request.authorization
-        outcome = await self._server.inference.handle(
-            request.route[0],
+        answer = await self._server.handler.handle(
             path,
             None if authorization is None else authorization.decode("latin-1"),
             b"".join(request.body),
         )
         keep_alive = self._keep_alive()
-        if isinstance(outcome, Answer):
-            self._write(outcome, self._connection(keep_alive))
+        if answer.rest is None:
+            self._write(answer, self._connection(keep_alive))
             return keep_alive
         self.answered = True
         # False for HTTP/1.0 or a stream cut short upstream: the close ends the body.
-        return await write_relay(
-            self._wire, outcome, version=request.version, keep_alive=keep_alive
+        return await write_stream(
+            self._wire, answer, version=request.version, keep_alive=keep_alive
         )
 
     async def _asgi(self, request: HttpRequest) -> bool:

@@ -20,7 +20,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from gateway.policies.pending import DEFAULT_MAX_KEYS, PendingEntry, PendingHit, PendingPrefixes
-from gateway.shared_wire import Add, Done
+from gateway.replicas.shared_wire import Add, Done
 
 ORIGIN_MAX_KEYS = DEFAULT_MAX_KEYS // 4
 """Keys one origin's pending prompts may hold: some 240 prompts of 16k tokens (16-token

@@ -1,4 +1,4 @@
-"""Racing a dispatch's two calls: futures watched through done-callbacks, not tasks.
+"""Racing an attempt's two calls: futures watched through done-callbacks, not tasks.
 
 With the connection pool an upstream call is a future its connection resolves, so
 waiting for "this step, unless the prefill fails first" costs a callback on each future
@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from gateway.upstream import Whole
+from gateway.http.reply import Reply
 
-Call = asyncio.Future[Whole]
+Call = asyncio.Future[Reply]
 """The prefill's call."""
 
 

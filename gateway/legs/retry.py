@@ -1,6 +1,6 @@
 """When to try again and how long to wait: sglang-router's retry rules as pure parts.
 
-The executor that loops lives in `gateway.dispatch`; it asks `RetrySchedule.delay(n)` for
+The executor that loops lives in `gateway.legs.dispatch`; it asks `RetrySchedule.delay(n)` for
 the pause before attempt n+1 and `is_retryable_status` whether an answer deserves one.
 """
 

@@ -15,7 +15,7 @@ the port the worker's `/server_info` advertises; when neither is known the direc
 `/workers` and the `globalkv_gateway_directory_ready` metric say so.
 
 Kind. The PD protocol the worker speaks (`gateway.config.Kind`): given with it, else
-detected by the monitor (`gateway.kinds`); SGLang's until then. A request is paired within
+detected by the monitor (`gateway.workers.kinds`); SGLang's until then. A request is paired within
 one kind and, when workers advertise their models, within the model it names.
 
 Eligibility (`Worker.eligible`): healthy, circuit not open and, for a prefill, directory
@@ -32,10 +32,11 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from gateway.breaker import CircuitBreaker
 from gateway.config import BreakerConfig, HealthConfig, Kind, KvEventsSpec, Role, WorkerSpec
-from gateway.health import HealthTracker
-from gateway.policies.base import Candidate, LoadTracker
+from gateway.policies.base import Candidate
+from gateway.policies.loads import LoadTracker
+from gateway.workers.breaker import CircuitBreaker
+from gateway.workers.health import HealthTracker
 from kvplumbing.clock import Clock
 from kvplumbing.topics import parse_topic
 

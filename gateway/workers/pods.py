@@ -13,7 +13,7 @@ from urllib.parse import quote
 import httpx
 from pydantic import ValidationError
 
-from gateway.monitor import PodRegistration, RegistrationFailed
+from gateway.workers.monitor import PodRegistration, RegistrationFailed
 from globalkv.index.base import IndexUnavailable
 from globalkv.registry import KvEventsConfig, PodInfo, Registry
 from kvplumbing.environment import env_var_name

@@ -1,12 +1,12 @@
-"""One call to a worker as `gateway.connections` carries it: the request bytes, then the
-answer's head and body as they arrive.
+"""What a worker answers us: one type, for an answer read whole or piece by piece.
 
-The dispatcher sees a `Response` through `gateway.upstream` (`Whole` for an answer read to
-its end, `Reply` for one read piece by piece); the connection fills it (`on_head`,
-`on_piece`, `on_end`, `on_error`) from httptools' callbacks. A streamed body is buffered
-here until read; past `PAUSE_AT` unread bytes the connection stops reading from the
-worker until the reader catches up, so a slow client slows its decode instead of filling
-the gateway's memory.
+A `Reply` is one call: the request bytes, then the answer's head and body as they arrive.
+Whoever carries the call fills it (`on_head`, `on_piece`, `on_end`, `on_error`): a
+connection of `gateway.http.connections` from httptools' callbacks, or
+`gateway.http.upstream.HttpxUpstream` from an httpx answer. A streamed body is buffered
+here until read; past `PAUSE_AT` unread bytes the connection stops reading from the worker
+until the reader catches up, so a slow client slows its decode instead of filling the
+gateway's memory.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ PAUSE_AT = 256 * 1024
 
 
 class Carrier(Protocol):
-    """What a call needs of the connection carrying it (`gateway.connections.Connection`)."""
+    """What a call needs of the connection carrying it (`gateway.http.connections.Connection`)."""
 
     @property
     def paused(self) -> bool:
@@ -36,7 +36,7 @@ class Carrier(Protocol):
         ...
 
 
-class Response:
+class Reply:
     """One call: its answer's status and headers, then its body as pieces or whole."""
 
     __slots__ = (
@@ -46,7 +46,6 @@ class Response:
         "_pieces",
         "_reader",
         "body",
-        "connecting",
         "connection",
         "data",
         "done",
@@ -56,22 +55,28 @@ class Response:
         "headers",
         "received",
         "status",
+        "task",
         "timeout",
         "whole",
     )
 
     def __init__(
-        self, future: asyncio.Future[Response], data: bytes, timeout: float | None, whole: bool
+        self,
+        loop: asyncio.AbstractEventLoop,
+        data: bytes,
+        timeout: float | None,
+        whole: bool,
+        future: asyncio.Future[Reply] | None = None,
     ) -> None:
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
         self.body = b""
         """The whole body, once a `whole` call's future has resolved."""
         # The pool's side.
-        self.future: asyncio.Future[Response] | None = future
+        self.future = future
         """Resolves at the head (streamed) or at the end (`whole`) of the answer; dropped
         then, since its result is this object: kept, the pair would be a reference cycle
-        left for the garbage collector, two per request (~10 % of the gateway's CPU)."""
+        left for the garbage collector, two per request."""
         self.data = data
         """The request as written."""
         self.timeout = timeout
@@ -80,7 +85,9 @@ class Response:
         self.head_only = data.startswith(b"HEAD ")
         self.connection: Carrier | None = None
         """The connection carrying the call, until its answer ended."""
-        self.connecting: asyncio.Task[None] | None = None
+        self.task: asyncio.Task[None] | None = None
+        """The task connecting for the call, or reading its answer from httpx; cancelled
+        when the reply is closed."""
         self.received = False
         """Some of the answer arrived (a call that got nothing may be sent again)."""
         self.framed = False
@@ -91,7 +98,7 @@ class Response:
         self._buffered = 0
         self._error: BaseException | None = None
         self._reader: asyncio.Future[bytes] | None = None
-        self._loop = future.get_loop()
+        self._loop = loop
 
     def header(self, name: bytes) -> bytes | None:
         """The value of header `name` (lowercase), or None."""
@@ -109,8 +116,7 @@ class Response:
         next piece as it arrives; b"" once the body has ended.
 
         Pieces that arrived together go out together: a decode's SSE events read in one
-        system call are passed on in one write instead of one each (a streamed answer of
-        nine events cost ~50 % more CPU than a whole one before).
+        system call are passed on in one write instead of one each, which costs less CPU.
         """
         future: asyncio.Future[bytes] = self._loop.create_future()
         if self._pieces or self.done or self._error is not None:
@@ -142,14 +148,18 @@ class Response:
         return b"".join(pieces)
 
     async def aclose(self) -> None:
+        """`close`, then until the task carrying the call has ended."""
         self.close()
+        task = self.task
+        if task is not None and not task.done():
+            await asyncio.wait((task,))
 
     def close(self) -> None:
         """Done with this answer: its connection is closed unless the answer was complete."""
         self.done = True
         self._pieces.clear()
-        if self.connecting is not None:
-            self.connecting.cancel()
+        if self.task is not None:
+            self.task.cancel()
         if self.connection is not None:
             self.connection.abort()
 
@@ -200,7 +210,7 @@ class Response:
         if future is not None and not future.done():
             future.set_result(self)
 
-    def settled(self, future: asyncio.Future[Response]) -> None:
+    def settled(self, future: asyncio.Future[Reply]) -> None:
         """`future`'s done-callback: a cancelled call closes its connection."""
         if future.cancelled():
             self.close()

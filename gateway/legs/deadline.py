@@ -17,9 +17,9 @@ the gateway saw of its last attempt:
 - `retry_backoff`: between two attempts.
 
 `DeadlineWatch` keeps one timer for every request in flight rather than one per request
-(the connection pool measured a timer set and cancelled per call at about 5 % of the
-gateway's CPU). Every request gets the same timeout, so deadlines expire in arrival
-order and a queue is enough.
+(a timer set and cancelled per request costs CPU on each, `docs/gateway-design.md`).
+Every request gets the same timeout, so deadlines expire in arrival order and a queue is
+enough.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.answers import Answer
+from gateway.http.answer import Answer
 
 
 @dataclass(slots=True)

@@ -22,33 +22,28 @@ A prefill that fails is retried on another pair like any failure; the decode is 
 the request without a prefill's answer, unless `--vllm-allow-recompute` lets the last
 attempt's decode compute the prompt itself (`reason="prefill_failed"`).
 
-The calls are the dispatcher's own (`gateway.dispatch.Dispatcher`): the prefill call with
-its load and breaker bookkeeping, the decode legs raced against an already settled
-prefill, the deadline's stages (`prefill` until the prefill answered, then `decode`).
+The calls are the same as SGLang's (`gateway.legs.calls`): the prefill call with its load
+and breaker bookkeeping, the decode raced against an already settled prefill, the
+deadline's stages (`prefill` until the prefill answered, then `decode`).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
-from dataclasses import dataclass
 from random import Random
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 import orjson
+from prometheus_client import Counter
 
-from gateway.answers import Answer
-from gateway.deadline import Progress
-from gateway.metrics import GatewayMetrics
-from gateway.policies.base import LoadTicket
-from gateway.racing import Call, failed
+from gateway.http.answer import Answer
+from gateway.http.reply import Reply
+from gateway.legs.attempt import Attempt, Failure
+from gateway.legs.calls import PairCalls
+from gateway.legs.racing import Call, failed
 from gateway.requests import ParsedRequest, encode_body
-from gateway.router import RoutePlan
-from gateway.upstream import Extra
-from gateway.workers import Worker
-
-if TYPE_CHECKING:
-    from gateway.dispatch import Stream
+from gateway.routing.router import RoutePlan
 
 _REMOTE_DECODE: dict[str, Any] = {
     "do_remote_decode": True,
@@ -59,51 +54,6 @@ _REMOTE_DECODE: dict[str, Any] = {
     "remote_port": None,
 }
 _PREFILL_DROPS = ("stream_options", "min_tokens", "min_completion_tokens")
-_SETTLED = Answer(200, b"{}")
-
-
-@dataclass(slots=True)
-class Failure:
-    """An attempt that ended without an answer to pass on; `answer` is the client's if no
-    other attempt does better."""
-
-    role: str
-    worker: Worker
-    retryable: bool
-    answer: Answer
-
-
-class Legs(Protocol):
-    """What a sequential attempt uses of the dispatcher."""
-
-    def start_prefill(
-        self, plan: RoutePlan, path: str, payload: bytes, extra: Extra = ()
-    ) -> Call: ...
-
-    def prefill_failure(self, plan: RoutePlan, call: Call) -> Failure: ...
-
-    def decode_ticket(self, plan: RoutePlan) -> LoadTicket: ...
-
-    async def whole(
-        self,
-        plan: RoutePlan,
-        call: Call,
-        ticket: LoadTicket,
-        url: str,
-        payload: bytes,
-        extra: Extra = (),
-    ) -> Answer | Failure: ...
-
-    async def streamed(
-        self,
-        plan: RoutePlan,
-        call: Call,
-        ticket: LoadTicket,
-        url: str,
-        payload: bytes,
-        progress: Progress,
-        extra: Extra = (),
-    ) -> Stream | Failure: ...
 
 
 def prefill_body(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -141,36 +91,33 @@ def transfer_params(answer: bytes) -> dict[str, Any] | None:
 
 def _settled(loop: asyncio.AbstractEventLoop) -> Call:
     """A prefill call that succeeded, for a decode sent without one (`--vllm-allow-recompute`)."""
+    reply = Reply(loop, b"", None, whole=True)
+    reply.on_head(200, [], framed=True)
+    reply.on_piece(b"{}")
+    reply.on_end()
     call: Call = loop.create_future()
-    call.set_result(_SETTLED)
+    call.set_result(reply)
     return call
 
 
-class Sequential:
-    """vLLM attempts through the dispatcher's legs."""
+class SequentialLegs:
+    """vLLM attempts: the prefill's call, then the decode's with its `kv_transfer_params`."""
 
-    def __init__(self, legs: Legs, metrics: GatewayMetrics, *, allow_recompute: bool) -> None:
-        self._legs = legs
+    def __init__(self, calls: PairCalls, recomputes: Counter, *, allow_recompute: bool) -> None:
+        self._calls = calls
         self._allow_recompute = allow_recompute
-        self._recomputes = metrics.vllm_recomputes
+        self._recomputes = recomputes
         self._ids = Random()
         """Request ids: 128 random bits from a generator seeded by the OS. An id must not
         repeat, but nothing is guarded by its secrecy, so it needs no system call."""
 
-    async def attempt(
-        self,
-        request: ParsedRequest,
-        plan: RoutePlan,
-        path: str,
-        attempt: int,
-        progress: Progress,
-        *,
-        final: bool,
-    ) -> Answer | Stream | Failure:
+    async def run(
+        self, request: ParsedRequest, plan: RoutePlan, path: str, attempt: Attempt
+    ) -> Answer | Failure:
         extra = ((b"X-Request-Id", b"%032x" % self._ids.getrandbits(128)),)
         payload = encode_body(prefill_body(request.body))
-        call = self._legs.start_prefill(plan, path, payload, extra)
-        progress.begin(attempt, plan.prefill.id, plan.decode.id, call)
+        call = self._calls.start_prefill(plan, path, payload, extra)
+        attempt.progress.begin(attempt.number, plan.prefill.id, plan.decode.id, call)
         try:
             await asyncio.wait((call,))
         except asyncio.CancelledError:
@@ -178,8 +125,8 @@ class Sequential:
             raise
         params: dict[str, Any] | None = None
         if failed(call):
-            failure = self._legs.prefill_failure(plan, call)
-            if not (self._allow_recompute and final and failure.retryable):
+            failure = self._calls.prefill_failure(plan, call)
+            if not (self._allow_recompute and attempt.final and failure.retryable):
                 return failure
             self._recomputes.labels("prefill_failed").inc()
             call = _settled(call.get_loop())
@@ -187,21 +134,7 @@ class Sequential:
             params = transfer_params(call.result().body)
             if params is None:
                 self._recomputes.labels("no_params").inc()
-        return await self._decode(request, plan, path, call, params, extra, progress)
-
-    async def _decode(
-        self,
-        request: ParsedRequest,
-        plan: RoutePlan,
-        path: str,
-        call: Call,
-        params: dict[str, Any] | None,
-        extra: Extra,
-        progress: Progress,
-    ) -> Answer | Stream | Failure:
         payload = encode_body(decode_body(request.body, params))
-        ticket = self._legs.decode_ticket(plan)
-        url = plan.decode.url + path
-        if request.stream:
-            return await self._legs.streamed(plan, call, ticket, url, payload, progress, extra)
-        return await self._legs.whole(plan, call, ticket, url, payload, extra)
+        return await self._calls.decode(
+            plan, call, path, payload, stream=request.stream, progress=attempt.progress, extra=extra
+        )

@@ -1,7 +1,7 @@
 """One client's HTTP/1.1 connection to the gateway, on an asyncio protocol: its life.
 
 httptools parses requests in `data_received`; each complete request is answered by a
-`gateway.exchange.Exchange` in one task, in order. A client that goes away is seen in
+`gateway.http.exchange.Exchange` in one task, in order. A client that goes away is seen in
 `connection_lost`, which cancels the request's task — and with it both upstream calls —
 at no cost per request.
 
@@ -12,7 +12,7 @@ HTTP/1.1 keep-alive with pipelined requests answered in order (reading pauses wh
 wait, and the next starts once the client has taken the last answer), `Expect:
 100-continue`, `--max-payload-size` enforced from Content-Length before reading (413) and
 while reading chunked bodies, a bound on heads (431), Upgrade headers ignored, and write
-flow control for streams. `gateway.server.GatewayServer` listens, asks each connection to
+flow control for streams. `gateway.http.server.HttpServer` listens, asks each connection to
 `expire` a client too slow or silent (408), and shuts down.
 """
 
@@ -26,17 +26,12 @@ from typing import Any, Protocol, cast
 
 import httptools
 
-from gateway.answers import Answer, problem
-from gateway.exchange import Exchange, Serving, oversized
-from gateway.http1 import CLOSE, HttpRequest, answer_bytes
-from gateway.inference import INFERENCE_PATHS
-from gateway.inject import Endpoint
+from gateway.http.answer import Answer, problem
+from gateway.http.exchange import Exchange, Serving, oversized
+from gateway.http.wire import CLOSE, HttpRequest, answer_bytes
 
 log = logging.getLogger(__name__)
 
-_HOT: dict[bytes, tuple[Endpoint, str]] = {
-    path.encode(): (endpoint, path) for path, endpoint in INFERENCE_PATHS.items()
-}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _QUEUED_MAX = 8
 """Pipelined requests held before reading from the client pauses."""
@@ -231,7 +226,7 @@ class ClientConnection(asyncio.Protocol):
             parser.get_method(), parser.get_http_version(), parser.should_keep_alive()
         )
         if request.method == b"POST":
-            request.route = _HOT.get(request.path)
+            request.route = self._server.routes.get(request.path)
         length = request.length
         if length is not None and length.isdigit() and int(length) > self._server.limit:
             self._too_large(request)
@@ -396,7 +391,7 @@ class ClientConnection(asyncio.Protocol):
             self._complete(request)
         return rest
 
-    # gateway.http1.Wire
+    # gateway.http.wire.Wire
 
     def write(self, data: bytes) -> None:
         if self.state is not ConnectionState.CLOSED and self._transport is not None:

@@ -1,9 +1,8 @@
-"""HTTP/1.1 on the wire for `gateway.server`: the parsed request, answers, the ASGI bridge.
+"""HTTP/1.1 on the wire for `gateway.http.server`: the parsed request, answers, the ASGI bridge.
 
-The server answers inference itself; every other request (admin, info, health, metrics)
-goes through `serve_asgi` to the FastAPI app with its body already read, so those routes
-keep their one implementation. Nothing here knows what an answer means: a stream is
-anything with the shape of `Relayed` (`gateway.inference.Relay`). The bridge speaks the ASGI HTTP
+The server's handler answers the paths it claims; every other request goes through
+`serve_asgi` to the ASGI app with its body already read, so those routes keep their one
+implementation. Nothing here knows what an answer means. The bridge speaks the ASGI HTTP
 protocol (version 3.0, spec 2.3) as far as the app needs: one `http.request` message with
 the whole body, then `http.disconnect` once the client has gone; the answer framed by its
 Content-Length, else chunked (HTTP/1.0: ended by closing the connection).
@@ -13,14 +12,12 @@ from __future__ import annotations
 
 import http
 import logging
-from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 from urllib.parse import unquote
 
 from starlette.types import ASGIApp, Message
 
-from gateway.answers import Answer
-from gateway.inject import Endpoint
+from gateway.http.answer import Answer, pass_on
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +97,8 @@ class HttpRequest:
         self.query = b""
         self.version = "1.1"
         self.keep_alive = True
-        self.route: tuple[Endpoint, str] | None = None
-        """(endpoint, path) for an inference POST."""
+        self.route: str | None = None
+        """The path, for a POST to a path the server's handler answers."""
         self.refused = False
         """Over the size limit: its body is dropped and a 413 closes the connection."""
 
@@ -137,39 +134,28 @@ class Wire(Protocol):
         ...
 
 
-class Relayed(Protocol):
-    """A committed stream: its head and first piece, then `run` passes on the rest."""
-
-    status: int
-    headers: dict[str, str]
-    first: bytes
-
-    async def run(self, send: Callable[[bytes], Awaitable[None]]) -> bool:
-        """Until the stream ends; True when it ended properly."""
-        ...
-
-
-async def write_relay(wire: Wire, relay: Relayed, *, version: str, keep_alive: bool) -> bool:
-    """A committed stream: head and first piece in one write, then each piece as the decode
+async def write_stream(wire: Wire, answer: Answer, *, version: str, keep_alive: bool) -> bool:
+    """A streamed answer: head and first piece in one write, then each piece as the worker
     sends it. True when the body ended properly (chunked), so the connection may be kept;
     HTTP/1.0 has no chunked encoding, and there the close ends the body."""
+    rest = answer.rest
+    assert rest is not None
     chunked = version != "1.0"
-    head = [status_line(relay.status)]
-    head += [b"%s: %s\r\n" % (k.encode(), v.encode("latin-1")) for k, v in relay.headers.items()]
+    head = [status_line(answer.status), b"content-type: %s\r\n" % answer.media_type]
+    head += [b"%s: %s\r\n" % (k.encode(), v.encode("latin-1")) for k, v in answer.headers]
     if chunked:
         head.append(b"transfer-encoding: chunked\r\n")
     head.append(connection_header(keep_alive and chunked) + b"\r\n")
-    if relay.first:
-        head.append(chunk(relay.first) if chunked else relay.first)
+    if answer.body:
+        head.append(chunk(answer.body) if chunked else answer.body)
     wire.write(b"".join(head))
 
     async def piece(data: bytes) -> None:
-        if data:
-            wire.write(chunk(data) if chunked else data)
-            if wire.write_paused:
-                await wire.drain()
+        wire.write(chunk(data) if chunked else data)
+        if wire.write_paused:
+            await wire.drain()
 
-    if await relay.run(piece) and chunked:
+    if await pass_on(rest, piece) and chunked:
         wire.write(LAST_CHUNK)
         return True
     return False

@@ -3,11 +3,11 @@
 Why not httpx's own machinery on the request path: each call through `httpx.AsyncClient`
 builds a `Request` (URL parsing and merging, header models, cookie extraction) and a
 `Response` with its stream wrappers, and a `StreamReader` per connection adds a task
-wake-up per read. py-spy at concurrency 64 (`bench.gateway`) put httpx's client layer at
-about a third of the gateway's CPU. Here a call is one `transport.write` of prebuilt
-bytes, and the answer is parsed by httptools (C) inside `data_received`, which resolves a
-future: no task, no stream object. `gateway.transport` puts httpx's interface on top of
-this for the calls off the hot path (health checks, directory reads, index lookups).
+wake-up per read, a large share of the gateway's CPU (`docs/gateway-design.md`). Here a
+call is one `transport.write` of prebuilt bytes, and the answer is parsed by httptools (C)
+inside `data_received`, which resolves a future: no task, no stream object.
+`gateway.http.transport` puts httpx's interface on top of this for the calls off the hot
+path (health checks, directory reads, index lookups).
 
 Host names are resolved by a `HostResolver` (one lookup in flight per name, its answer
 kept briefly), so a worker whose name stops resolving cannot stall the others' lookups.
@@ -15,13 +15,13 @@ kept briefly), so a worker whose name stops resolving cannot stall the others' l
 Each origin keeps a stack of idle connections: taking one is a pop (one the peer closed
 while idle has seen EOF and is skipped without a system call), giving it back a push.
 A connection returns to its stack as soon as its answer has been read to the end (the
-rest of the body stays buffered in the `Response`) unless either side asked to close it.
+rest of the body stays buffered in the `Reply`) unless either side asked to close it.
 Cancelling a call's future before its answer ended closes the connection, so the worker
 sees the client go. A request written to a reused connection that the peer closed before
 any byte of an answer arrived (the keep-alive race) is sent once more on a new connection.
 
 Errors are httpx's exception types (`ConnectError`, `ReadTimeout`, `RemoteProtocolError`,
-…) so the dispatcher handles both clients alike. The read timeout is the longest silence
+…) so their callers handle both clients alike. The read timeout is the longest silence
 allowed while an answer is awaited; a stream whose reader has paused it is not timed out.
 Not supported: HEAD answers are complete at their head (the connection is then closed),
 request bodies are whole bytes, and 1xx interim answers are not expected (none is asked).
@@ -40,8 +40,8 @@ from urllib.parse import urlsplit
 import httptools
 import httpx
 
-from gateway.calls import Response
-from gateway.resolver import HostResolver
+from gateway.http.reply import Reply
+from gateway.http.resolver import HostResolver
 
 Origin = tuple[str, str, int]
 Headers = Sequence[tuple[bytes, bytes]]
@@ -59,7 +59,7 @@ _TARGETS_KEPT = 4096
 
 
 class Connection(asyncio.Protocol):
-    """One keep-alive connection; carries one `Response` at a time."""
+    """One keep-alive connection; carries one `Reply` at a time."""
 
     def __init__(self, pool: ConnectionPool, origin: Origin) -> None:
         self._pool = pool
@@ -67,7 +67,7 @@ class Connection(asyncio.Protocol):
         self._loop = asyncio.get_running_loop()
         self._parser = httptools.HttpResponseParser(self)
         self._transport: asyncio.Transport | None = None
-        self._response: Response | None = None
+        self._response: Reply | None = None
         self._headers: list[tuple[bytes, bytes]] = []
         self._keep = False
         self._last_read = 0.0
@@ -78,7 +78,7 @@ class Connection(asyncio.Protocol):
     def usable(self) -> bool:
         return not self.closed and self._transport is not None and not self._transport.is_closing()
 
-    def send(self, response: Response) -> None:
+    def send(self, response: Reply) -> None:
         assert self._transport is not None
         self._response = response
         response.connection = self
@@ -229,8 +229,8 @@ class ConnectionPool:
         self._targets: dict[object, tuple[Origin, bytes]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         """The loop of the first call, which every connection belongs to. Kept because
-        `asyncio.get_running_loop()` costs a getpid() system call (fork detection): 15 %
-        of the gateway's CPU at concurrency 64 when it was called per request."""
+        `asyncio.get_running_loop()` costs a getpid() system call (fork detection), which
+        per request was a noticeable share of the CPU."""
         self._waiting: set[Connection] = set()
         """Connections awaiting an answer that has a read timeout."""
         self._check: asyncio.TimerHandle | None = None
@@ -246,7 +246,7 @@ class ConnectionPool:
         timeout: float | None,
         connect_timeout: float | None = None,
         whole: bool,
-    ) -> asyncio.Future[Response]:
+    ) -> asyncio.Future[Reply]:
         """Send now; the future resolves at the answer's head, or with `whole` at its end.
 
         `timeout` bounds each silence while the answer is awaited; `connect_timeout`
@@ -261,15 +261,15 @@ class ConnectionPool:
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
-        future: asyncio.Future[Response] = loop.create_future()
-        response = Response(future, b"".join(lines), timeout, whole)
+        future: asyncio.Future[Reply] = loop.create_future()
+        response = Reply(loop, b"".join(lines), timeout, whole, future)
         future.add_done_callback(response.settled)
         self._send(origin, response, timeout if connect_timeout is None else connect_timeout)
         return future
 
     def _target(self, method: bytes, url: str, headers: Headers) -> tuple[Origin, bytes]:
         """The origin and the request's head up to Content-Length, cached per call shape
-        when `headers` is a tuple (the dispatcher's fixed headers)."""
+        when `headers` is a tuple (`gateway.http.upstream`'s fixed headers)."""
         cached = isinstance(headers, tuple)
         key = (method, url, headers) if cached else None
         found = self._targets.get(key) if cached else None
@@ -290,7 +290,7 @@ class ConnectionPool:
             self._targets[key] = (origin, head)
         return origin, head
 
-    def _send(self, origin: Origin, response: Response, connect_timeout: float | None) -> None:
+    def _send(self, origin: Origin, response: Reply, connect_timeout: float | None) -> None:
         idle = self._idle.get(origin)
         while idle:
             connection = idle.pop()
@@ -300,18 +300,18 @@ class ConnectionPool:
         task = asyncio.get_running_loop().create_task(
             self._connect_and_send(origin, response, connect_timeout)
         )
-        response.connecting = task
+        response.task = task
 
-    def _resend(self, origin: Origin, response: Response) -> None:
+    def _resend(self, origin: Origin, response: Reply) -> None:
         """A reused connection closed before answering: once more on a new connection."""
         response.connection = None
         task = asyncio.get_running_loop().create_task(
             self._connect_and_send(origin, response, response.timeout)
         )
-        response.connecting = task
+        response.task = task
 
     async def _connect_and_send(
-        self, origin: Origin, response: Response, timeout: float | None
+        self, origin: Origin, response: Reply, timeout: float | None
     ) -> None:
         scheme, host, port = origin
         context = (self._ssl or ssl.create_default_context()) if scheme == "https" else None
@@ -339,7 +339,7 @@ class ConnectionPool:
             response.on_error(httpx.ConnectError(f"{host}:{port}: {exc}"))
             return
         finally:
-            response.connecting = None
+            response.task = None
         if response.future is None or response.future.cancelled() or response.done:
             self._release(origin, connection)  # unused: good for the next call
             return
@@ -347,7 +347,7 @@ class ConnectionPool:
 
     def _watch(self, connection: Connection, deadline: float) -> None:
         """Read timeouts: one timer for the pool, due at the earliest deadline, rather than
-        a timer per call (creating and cancelling two per request cost ~5 % of the CPU)."""
+        a timer per call (creating and cancelling two per request cost CPU on every request)."""
         self._waiting.add(connection)
         if deadline < self._check_at:
             if self._check is not None:

@@ -12,9 +12,7 @@ logged once.
 DP-aware rooms: when the chosen prefill's directory says `follow_bootstrap_room` and its
 DP size is above 1, and the choice names the DP rank holding the hit, every room is drawn
 so that `room % dp_size` is that rank: the decode then reads its KV from the rank that
-has the prefix cached. Otherwise rooms are uniform in [1, 2^63-1]. Rooms come from a
-`random.Random` seeded by the OS: a room binds a prefill to a decode and must not repeat,
-but nothing is guarded by its secrecy (clients cannot set it), so it needs no system call.
+has the prefix cached. Otherwise rooms are uniform in [1, 2^63-1] (`gateway.routing.rooms`).
 """
 
 from __future__ import annotations
@@ -26,10 +24,12 @@ from dataclasses import dataclass, replace
 from random import Random
 
 from gateway.config import Kind, Role
-from gateway.inject import draw_room
 from gateway.metrics import GatewayMetrics
-from gateway.policies.base import Candidate, Choice, LoadTracker, NoCandidates, Policy, RouteRequest
-from gateway.workers import Worker, WorkerPool
+from gateway.policies.base import Candidate, Choice, NoCandidates, Policy, RouteRequest
+from gateway.policies.loads import LoadTracker
+from gateway.requests import PromptTokens
+from gateway.routing.rooms import draw_room
+from gateway.workers.pool import Worker, WorkerPool
 from globalkv.index.base import IndexUnavailable
 from globalkv.lookup import LookupResult, PrefixLookup
 from kvplumbing.clock import Clock
@@ -84,7 +84,7 @@ class Router:
 
     @property
     def uses_index(self) -> bool:
-        return self.prefill_policy.name == "prefix"
+        return self.prefill_policy.uses_index
 
     def fallback(self, reason: str, detail: str = "") -> None:
         self._metrics.fallbacks.labels(reason).inc()
@@ -125,6 +125,12 @@ class Router:
         self._metrics.lookup_latency.observe(self._clock() - started)
         self._metrics.best_hit.observe(max((p.hit_tokens for p in result.pods), default=0))
         return result
+
+    async def route(self, tokens: PromptTokens, model: str | None) -> RouteRequest:
+        """What choosing reads of one request, for all its attempts: its tokens and, for a
+        prefill policy that uses the index, the index's answer; `model` is the one it names."""
+        lookup = await self.lookup(tokens.tokens, tokens.missing, model)
+        return RouteRequest(tokens.tokens, tokens.text, lookup, now=self._clock())
 
     def _candidates(
         self, role: Role, avoid: Collection[str], kind: Kind | None, model: str | None

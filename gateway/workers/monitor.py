@@ -3,9 +3,9 @@
 One loop per gateway. For each worker, when due:
 - health: `GET <url><endpoint>` (sglang-router's check: every `interval_secs`, every
   `startup_check_interval_secs` until first seen healthy, `timeout_secs` each);
-- the worker's kind, once it answers, when it was given without one (`gateway.kinds`);
+- the worker's kind, once it answers, when it was given without one (`gateway.workers.kinds`);
 - prefill discovery, once it answers: `GET <url>/server_info`, read for its KV-event
-  endpoints, DP size, bootstrap port, served model and KV capacity (`gateway.server_info`);
+  endpoints, DP size, bootstrap port, served model and KV capacity (`gateway.workers.server_info`);
   a vLLM prefill's capacity from its `/metrics`;
 - registration of the prefill as a pod with the index once its KV-event endpoint is known;
 - the bootstrap directory's readiness and topology (dp_size, follow_bootstrap_room) via the
@@ -27,10 +27,10 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 
 from gateway.config import HealthConfig, KvEventsSpec
-from gateway.health import Health
-from gateway.kinds import detect_kind
-from gateway.server_info import int_or_none, parse_server_info, parse_vllm_capacity
-from gateway.workers import DirectoryStatus, Worker, WorkerPool
+from gateway.workers.health import Health
+from gateway.workers.kinds import detect_kind
+from gateway.workers.pool import DirectoryStatus, Worker, WorkerPool
+from gateway.workers.server_info import int_or_none, parse_server_info, parse_vllm_capacity
 from kvplumbing.clock import Clock, Sleep
 from kvplumbing.tasks import cancel_and_wait
 
@@ -257,7 +257,7 @@ class Monitor:
             )
 
     async def _vllm_capacity(self, worker: Worker) -> int | None:
-        """vLLM tells its KV capacity only on /metrics (`gateway.server_info`)."""
+        """vLLM tells its KV capacity only on /metrics (`gateway.workers.server_info`)."""
         try:
             response = await self._client.get(
                 worker.url + "/metrics", timeout=self._config.timeout_secs

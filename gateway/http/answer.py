@@ -1,0 +1,75 @@
+"""What the gateway answers a client: one type, whole or streamed.
+
+A whole answer is complete when it is handed over (a worker's passed on, or a refusal).
+A stream is handed over once its first piece exists, since nothing before it commits the
+client to this answer: `body` holds that piece and `rest` the others, read as they arrive.
+The error body is sglang-router's (`{"error": {"message", "type"}}`): its clients read it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import httpx
+
+Outcome = Literal["done", "upstream_error", "client_gone"]
+"""How a stream ended: to its end, broken off upstream, or the client left (or could not be
+written to)."""
+
+
+class Rest(Protocol):
+    """The pieces of a streamed answer after its first."""
+
+    def next(self) -> Awaitable[bytes]:
+        """The next piece; b"" once the stream has ended; `httpx.HTTPError` when it broke off."""
+        ...
+
+    async def close(self, outcome: Outcome) -> None:
+        """The stream is over (always called once, whatever ended it)."""
+        ...
+
+
+@dataclass(slots=True)
+class Answer:
+    """An answer to a client: whole when `rest` is None, else a stream whose first piece is
+    `body`."""
+
+    status: int
+    body: bytes
+    media_type: bytes = b"application/json"
+    headers: tuple[tuple[str, str], ...] = ()
+    """More head lines passed on from the worker (a stream's cache-control, request id)."""
+    rest: Rest | None = None
+
+
+async def pass_on(rest: Rest, send: Callable[[bytes], Awaitable[None]]) -> bool:
+    """Each piece of `rest` to `send` as it arrives; True when the stream ended properly.
+
+    However it ends, `rest` is closed with how: cancelled (the client left) or ended by an
+    error of `send`, as "client_gone"; broken off upstream, as "upstream_error".
+    """
+    outcome: Outcome = "client_gone"
+    try:
+        while piece := await rest.next():
+            await send(piece)
+        outcome = "done"
+    except httpx.HTTPError:
+        outcome = "upstream_error"
+    finally:
+        await rest.close(outcome)
+    return outcome == "done"
+
+
+def error_body(message: str, kind: str) -> bytes:
+    return json.dumps({"error": {"message": message, "type": kind}}).encode()
+
+
+def problem(status: int, message: str, kind: str = "invalid_request_error") -> Answer:
+    return Answer(status, error_body(message, kind))
+
+
+def too_large(limit: int) -> Answer:
+    return problem(413, f"request body exceeds --max-payload-size ({limit} bytes)")

@@ -1,0 +1,95 @@
+"""The gateway's HTTP/1.1 server: its handler's POSTs on asyncio protocols, the rest by an app.
+
+Why its own server rather than uvicorn or granian: it spends less CPU per answered
+request, streamed or not (`docs/gateway-design.md` has the measurements and their
+commands). Each connection is a `gateway.http.client_connection` protocol, which parses
+requests with httptools in `data_received` and answers each in order with a
+`gateway.http.exchange.Exchange`: the handler's paths through the `Handler` (one task per
+request, the answer written as prebuilt bytes), every other request to the ASGI app, so
+those routes keep their one implementation. Here: listening, timeouts for clients that
+make a connection wait (idle keep-alive connections closed after `keep_alive_secs`; a
+request whose head takes longer than `read_timeout_secs` to arrive, or whose body stalls
+that long, answered 408 and closed — a few slow clients must not hold connections
+forever), and a graceful `shutdown` (stop accepting, finish what is in flight, then close).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Mapping
+
+from starlette.types import ASGIApp
+
+from gateway.http.client_connection import ClientConnection
+from gateway.http.exchange import Handler
+
+
+class HttpServer:
+    """Listens, serves each connection with a `ClientConnection`, and stops gracefully."""
+
+    def __init__(
+        self,
+        handler: Handler,
+        app: ASGIApp,
+        *,
+        keep_alive_secs: float = 5.0,
+        read_timeout_secs: float = 30.0,
+    ):
+        self.handler = handler
+        self.app = app
+        self.routes: Mapping[bytes, str] = {path.encode(): path for path in handler.paths}
+        self.limit = handler.limit
+        self.connections: set[ClientConnection] = set()
+        self._keep_alive = keep_alive_secs
+        self._read_timeout = read_timeout_secs
+        self._sweep_every = max(min(keep_alive_secs, read_timeout_secs) / 2, 0.05)
+        self._server: asyncio.Server | None = None
+        self._sweeper: asyncio.TimerHandle | None = None
+        self._emptied: asyncio.Future[None] | None = None
+
+    async def start(self, host: str, port: int) -> None:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            lambda: ClientConnection(self), host, port, backlog=2048, reuse_address=True
+        )
+        self._sweeper = loop.call_later(self._sweep_every, self._sweep)
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None
+        return int(self._server.sockets[0].getsockname()[1])
+
+    def lost(self, connection: ClientConnection) -> None:
+        self.connections.discard(connection)
+        if not self.connections and self._emptied is not None and not self._emptied.done():
+            self._emptied.set_result(None)
+
+    def _sweep(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.expire(loop.time())
+        self._sweeper = loop.call_later(self._sweep_every, self._sweep)
+
+    def expire(self, now: float) -> None:
+        """Close the connections that waited on their client too long at loop time `now`
+        (called every `min(keep_alive_secs, read_timeout_secs) / 2`; tests call it)."""
+        for connection in list(self.connections):
+            connection.expire(now, self._keep_alive, self._read_timeout)
+
+    async def shutdown(self, grace: float = 10.0) -> None:
+        """Stop accepting, let answers in progress finish for up to `grace` s, close all."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        if self._server is not None:
+            self._server.close()
+        for connection in list(self.connections):
+            connection.close()
+        if self.connections:
+            self._emptied = asyncio.get_running_loop().create_future()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(grace):
+                    await self._emptied
+        for connection in list(self.connections):
+            connection.abort()
+        if self._server is not None:
+            await self._server.wait_closed()

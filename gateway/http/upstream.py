@@ -1,0 +1,97 @@
+"""How the gateway calls a worker: a two-method interface and its two implementations.
+
+`fetch` gets a whole answer (the prefill's; a non-streamed decode's), `open` an answer
+whose body is then read piece by piece as it arrives (a streamed decode's); both are a
+`gateway.http.reply.Reply`. Both return awaitables that start the call at once (`extra`
+headers follow the JSON content type: the vLLM legs' `X-Request-Id`); the legs turn them
+into futures and race them, and cancelling one cancels the call. Errors are httpx's
+exception types.
+
+- `PooledUpstream` is the gateway's own: calls on `gateway.http.connections.ConnectionPool`,
+  whose futures are resolved by the connections' protocol callbacks (no task per call).
+- `HttpxUpstream` goes through an `httpx.AsyncClient`, so tests drive dispatch, retries,
+  breakers and cancellation with `httpx.MockTransport`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from typing import Protocol
+
+import httpx
+
+from gateway.http.connections import ConnectionPool
+from gateway.http.reply import Reply
+
+_HEADERS = ((b"Content-Type", b"application/json"), (b"Accept-Encoding", b"identity"))
+_HTTPX_HEADERS = {"content-type": "application/json", "accept-encoding": "identity"}
+
+Extra = tuple[tuple[bytes, bytes], ...]
+
+
+class Upstream(Protocol):
+    def fetch(
+        self, url: str, body: bytes, timeout: float, extra: Extra = ()
+    ) -> Awaitable[Reply]: ...
+
+    def open(
+        self, url: str, body: bytes, timeout: float, extra: Extra = ()
+    ) -> Awaitable[Reply]: ...
+
+
+class PooledUpstream:
+    def __init__(self, pool: ConnectionPool) -> None:
+        self._pool = pool
+
+    def fetch(self, url: str, body: bytes, timeout: float, extra: Extra = ()) -> Awaitable[Reply]:
+        headers = _HEADERS + extra if extra else _HEADERS
+        return self._pool.request(b"POST", url, body, headers=headers, timeout=timeout, whole=True)
+
+    def open(self, url: str, body: bytes, timeout: float, extra: Extra = ()) -> Awaitable[Reply]:
+        headers = _HEADERS + extra if extra else _HEADERS
+        return self._pool.request(b"POST", url, body, headers=headers, timeout=timeout, whole=False)
+
+
+def _httpx_headers(extra: Extra) -> dict[str, str]:
+    if not extra:
+        return _HTTPX_HEADERS
+    return {**_HTTPX_HEADERS, **{k.decode(): v.decode("latin-1") for k, v in extra}}
+
+
+async def _read(response: httpx.Response, reply: Reply) -> None:
+    """`response`'s body into `reply` as it arrives, until it ends or the reply is closed."""
+    try:
+        async for piece in response.aiter_bytes():
+            if piece:
+                reply.on_piece(piece)
+        reply.on_end()
+    except httpx.HTTPError as exc:
+        reply.on_error(exc)
+    finally:
+        await response.aclose()
+
+
+class HttpxUpstream:
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self._client = client
+
+    async def fetch(self, url: str, body: bytes, timeout: float, extra: Extra = ()) -> Reply:
+        response = await self._client.post(
+            url, content=body, headers=_httpx_headers(extra), timeout=timeout
+        )
+        reply = Reply(asyncio.get_running_loop(), b"", timeout, whole=True)
+        reply.on_head(response.status_code, response.headers.raw, framed=True)
+        reply.on_piece(response.content)
+        reply.on_end()
+        return reply
+
+    async def open(self, url: str, body: bytes, timeout: float, extra: Extra = ()) -> Reply:
+        request = self._client.build_request(
+            "POST", url, content=body, headers=_httpx_headers(extra), timeout=timeout
+        )
+        response = await self._client.send(request, stream=True)
+        reply = Reply(asyncio.get_running_loop(), b"", timeout, whole=False)
+        reply.on_head(response.status_code, response.headers.raw, framed=True)
+        reply.task = asyncio.create_task(_read(response, reply))
+        return reply

@@ -1,0 +1,299 @@
+"""The calls of an attempt to its pair, each with its bookkeeping, for every PD protocol.
+
+A prefill call carries its load (queued tokens, pending prompt blocks) until it ends and
+is then recorded in the worker's circuit breaker; a decode call carries its in-flight
+count and is raced against the prefill's call: until the decode's first body byte exists
+nothing is committed to the client, so a prefill failure in that window cancels the
+decode and ends the attempt (retried by the dispatcher), a prefill 4xx is the client's
+fault and returned, and a decode transport error or retryable status fails the attempt.
+After the first byte a failure can only end the stream.
+
+Every finished call is recorded in its worker's breaker; calls cancelled by the gateway
+are not. A failed call is also noted as its worker's last error (`/workers`, `globalkv
+doctor`). A prefill call may outlive its request (its decode answered first); `drain`
+waits for those.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from functools import partial
+from typing import Any, TypeVar
+
+import httpx
+
+from gateway.config import Role
+from gateway.http.answer import Answer, Outcome, error_body
+from gateway.http.reply import Reply
+from gateway.http.upstream import Extra, Upstream
+from gateway.legs.attempt import Failure
+from gateway.legs.deadline import Progress
+from gateway.legs.racing import Call, failed, race, settle
+from gateway.legs.retry import is_retryable_status
+from gateway.metrics import GatewayMetrics
+from gateway.policies.loads import LoadTicket, LoadTracker
+from gateway.routing.router import RoutePlan
+from gateway.workers.breaker import is_failure_status
+from gateway.workers.pool import Worker
+from kvplumbing.clock import Clock
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+_PASSED_HEADERS = (b"cache-control", b"x-request-id")
+
+
+class PairCalls:
+    def __init__(
+        self,
+        upstream: Upstream,
+        loads: LoadTracker,
+        metrics: GatewayMetrics,
+        *,
+        timeout: float,
+        clock: Clock,
+    ) -> None:
+        self._upstream = upstream
+        self._loads = loads
+        self._metrics = metrics
+        self._timeout = timeout
+        self._clock = clock
+        self._background: set[Call] = set()
+
+    async def drain(self, timeout: float | None = None) -> None:
+        """Wait for prefill calls that outlived their request (tests, shutdown); those
+        still running after `timeout` seconds are cancelled."""
+        if self._background and timeout is not None:
+            await asyncio.wait(list(self._background), timeout=timeout)
+            for call in list(self._background):
+                call.cancel()
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
+
+    def record(
+        self, role: Role, worker: Worker, status: int | None, error: BaseException | str | None
+    ) -> None:
+        """One finished call in the worker's breaker; a failure (a transport error, a
+        stream broken off, or a failure status) counted and noted as its last error."""
+        failure = status is None or is_failure_status(status)
+        worker.breaker.record(not failure)
+        if not failure:
+            return
+        if isinstance(error, BaseException):
+            reason, detail = type(error).__name__, f"{type(error).__name__}: {error}"
+        else:
+            reason = detail = error or str(status)
+        self._metrics.upstream_failures.labels(role, reason).inc()
+        what = f"answered HTTP {status}" if status is not None else f"failed ({detail})"
+        worker.note_error(f"{role} call {what}", self._clock())
+
+    def start_prefill(self, plan: RoutePlan, path: str, payload: bytes, extra: Extra = ()) -> Call:
+        """The prefill's call, its load and breaker bookkeeping attached."""
+        choice = plan.prefill_choice
+        ticket = self._loads.start(
+            plan.prefill.id,
+            choice.uncached_tokens,
+            plan.keys,
+            plan.dp_rank,
+            cached_tokens=choice.hit_tokens,
+        )
+        call = asyncio.ensure_future(
+            self._upstream.fetch(plan.prefill.url + path, payload, self._timeout, extra)
+        )
+        self._background.add(call)
+        call.add_done_callback(partial(self._prefill_ended, plan.prefill, ticket))
+        return call
+
+    def _prefill_ended(self, worker: Worker, ticket: LoadTicket, call: Call) -> None:
+        computed = not call.cancelled() and call.exception() is None and call.result().status < 300
+        self._loads.finish(ticket, computed)
+        self._background.discard(call)
+        if call.cancelled():
+            return
+        error = call.exception()
+        if error is None:
+            self.record("prefill", worker, call.result().status, None)
+            return
+        if not isinstance(error, httpx.HTTPError):
+            log.error("the call to prefill %s failed unexpectedly", worker.id, exc_info=error)
+        self.record("prefill", worker, None, error)
+
+    @staticmethod
+    def prefill_failure(plan: RoutePlan, call: Call) -> Failure:
+        """What a failed prefill call answers the client, and whether to retry."""
+        if call.exception() is not None:
+            message = f"prefill {plan.prefill.id} unreachable"
+            return Failure(
+                "prefill", plan.prefill, True, Answer(502, error_body(message, "upstream_error"))
+            )
+        reply = call.result()
+        return Failure(
+            "prefill",
+            plan.prefill,
+            is_retryable_status(reply.status),
+            Answer(reply.status, reply.body, reply.media_type),
+        )
+
+    async def decode(
+        self,
+        plan: RoutePlan,
+        call: Call,
+        path: str,
+        payload: bytes,
+        *,
+        stream: bool,
+        progress: Progress,
+        extra: Extra = (),
+    ) -> Answer | Failure:
+        """The decode's answer (whole, or a stream from its first byte), unless the prefill
+        `call` fails first."""
+        ticket = self._loads.start(plan.decode.id)
+        url = plan.decode.url + path
+        if stream:
+            return await self._streamed(plan, call, ticket, url, payload, progress, extra)
+        return await self._whole(plan, call, ticket, url, payload, extra)
+
+    async def _decode_step(
+        self, plan: RoutePlan, call: Call, step: asyncio.Future[T], when: str
+    ) -> T | Failure:
+        """`step`'s result (a step of the decode's call), unless the prefill `call` fails
+        first or `step` fails (`when`: what the decode failed to do)."""
+        if not await race(step, call):
+            return self.prefill_failure(plan, call)
+        try:
+            return step.result()
+        except httpx.HTTPError as exc:
+            return self._decode_error(plan.decode, exc, when)
+
+    def _decode_error(self, decode: Worker, exc: httpx.HTTPError, when: str) -> Failure:
+        self.record("decode", decode, None, exc)
+        message = f"decode {decode.id} failed {when}: {type(exc).__name__}"
+        return Failure("decode", decode, True, Answer(502, error_body(message, "upstream_error")))
+
+    def _decode_refused(self, plan: RoutePlan, call: Call, answer: Answer) -> Failure:
+        """A decode status >= 400; a prefill that failed for good takes precedence."""
+        self.record("decode", plan.decode, answer.status, None)
+        if failed(call):
+            failure = self.prefill_failure(plan, call)
+            if not failure.retryable:
+                return failure
+        return Failure("decode", plan.decode, is_retryable_status(answer.status), answer)
+
+    async def _whole(
+        self,
+        plan: RoutePlan,
+        call: Call,
+        ticket: LoadTicket,
+        url: str,
+        payload: bytes,
+        extra: Extra,
+    ) -> Answer | Failure:
+        step = asyncio.ensure_future(self._upstream.fetch(url, payload, self._timeout, extra))
+        succeeded = False
+        try:
+            reply = await self._decode_step(plan, call, step, "to answer")
+            if isinstance(reply, Failure):
+                return reply
+            answer = Answer(reply.status, reply.body, reply.media_type)
+            if answer.status >= 400:
+                return self._decode_refused(plan, call, answer)
+            self.record("decode", plan.decode, answer.status, None)
+            succeeded = True
+            return answer
+        finally:
+            self._loads.finish(ticket)
+            if not step.done():
+                step.cancel()
+                await settle(step)
+            if not succeeded:
+                call.cancel()
+
+    async def _streamed(
+        self,
+        plan: RoutePlan,
+        call: Call,
+        ticket: LoadTicket,
+        url: str,
+        payload: bytes,
+        progress: Progress,
+        extra: Extra,
+    ) -> Answer | Failure:
+        opening = asyncio.ensure_future(self._upstream.open(url, payload, self._timeout, extra))
+        step: asyncio.Future[Any] = opening
+        reply: Reply | None = None
+        committed = False
+        try:
+            opened = await self._decode_step(plan, call, opening, "to answer")
+            if isinstance(opened, Failure):
+                return opened
+            reply = opened
+            if reply.status >= 400:
+                try:
+                    content = await reply.read()
+                except httpx.HTTPError as exc:
+                    return self._decode_error(plan.decode, exc, "mid-answer")
+                return self._decode_refused(
+                    plan, call, Answer(reply.status, content, reply.media_type)
+                )
+            progress.decode_head = True
+            step = asyncio.ensure_future(reply.next())
+            first = await self._decode_step(plan, call, step, "before its first byte")
+            if isinstance(first, Failure):
+                return first
+            committed = True
+            rest = _DecodeStream(self._loads, self.record, reply, plan, ticket, call)
+            return Answer(reply.status, first, reply.media_type, _passed_headers(reply), rest)
+        finally:
+            if not committed:
+                step.cancel()
+                opening.cancel()
+                await settle(step, opening)
+                if reply is None and opening.done() and not opening.cancelled():
+                    reply = None if opening.exception() else opening.result()
+                if reply is not None:
+                    await reply.aclose()
+                self._loads.finish(ticket)
+                call.cancel()
+
+
+class _DecodeStream:
+    """The decode's stream after its first piece (`gateway.http.answer.Rest`)."""
+
+    __slots__ = ("_call", "_decode", "_loads", "_record", "_reply", "_ticket")
+
+    def __init__(
+        self,
+        loads: LoadTracker,
+        record: Callable[[Role, Worker, int | None, str], None],
+        reply: Reply,
+        plan: RoutePlan,
+        ticket: LoadTicket,
+        call: Call,
+    ) -> None:
+        self._loads = loads
+        self._record = record
+        self._reply = reply
+        self._decode = plan.decode
+        self._ticket = ticket
+        self._call = call
+
+    def next(self) -> asyncio.Future[bytes]:
+        return self._reply.next()
+
+    async def close(self, outcome: Outcome) -> None:
+        """ "client_gone" cancels a prefill still running and records nothing; otherwise the
+        decode's breaker records the outcome."""
+        await self._reply.aclose()
+        self._loads.finish(self._ticket)
+        if outcome == "client_gone":
+            self._call.cancel()
+        else:
+            self._record("decode", self._decode, 200 if outcome == "done" else None, outcome)
+
+
+def _passed_headers(reply: Reply) -> tuple[tuple[str, str], ...]:
+    found = ((name, reply.header(name)) for name in _PASSED_HEADERS)
+    return tuple(
+        (name.decode(), value.decode("latin-1")) for name, value in found if value is not None
+    )

@@ -1,0 +1,133 @@
+"""Sending a request to a pair until one answers: attempts, retries, the request deadline.
+
+Each attempt asks the `Chooser` for a pair (avoiding workers that already failed this
+request while others remain, of the kind asked for when one is) and hands it to the `Legs`
+of the pair's kind: SGLang's two calls at once (`gateway.legs.sglang`), vLLM's one after
+the other (`gateway.legs.vllm`). The retry loop follows sglang-router: at most
+`max_retries` attempts in all, waiting `RetrySchedule.delay(n)` between them, each with a
+new pair. The whole request is bounded by the request deadline (`gateway.legs.deadline`),
+answered 504 with the PD stage it stopped in. Cancelling `forward` (the client went away)
+cancels the attempt's calls.
+
+The chooser is an interface so that an entry point that chooses differently (a sidecar
+whose decode is itself) runs the same legs with the same retries and deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Collection, Mapping
+from typing import Protocol
+
+from gateway.config import Kind
+from gateway.http.answer import Answer, error_body
+from gateway.legs.attempt import Attempt, Failure, Legs
+from gateway.legs.deadline import DeadlineWatch, Progress
+from gateway.legs.retry import RetrySchedule
+from gateway.metrics import GatewayMetrics
+from gateway.policies.base import NoCandidates, RouteRequest
+from gateway.requests import ParsedRequest
+from gateway.routing.router import RoutePlan
+from kvplumbing.clock import Sleep
+
+log = logging.getLogger(__name__)
+
+
+class Chooser(Protocol):
+    """Chooses a pair for one attempt (`gateway.routing.router.Router`)."""
+
+    def plan(
+        self,
+        request: RouteRequest,
+        batch: int | None,
+        avoid: Collection[str] = (),
+        model: str | None = None,
+        kind: Kind | None = None,
+    ) -> RoutePlan:
+        """Raises `NoCandidates` naming the role without an eligible worker."""
+        ...
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        chooser: Chooser,
+        legs: Mapping[Kind, Legs],
+        retries: RetrySchedule,
+        metrics: GatewayMetrics,
+        *,
+        timeout: float,
+        sleep: Sleep = asyncio.sleep,
+    ) -> None:
+        self._chooser = chooser
+        self._legs = legs
+        self._retries = retries
+        self._metrics = metrics
+        self._sleep = sleep
+        self.deadlines = DeadlineWatch(timeout)
+
+    async def forward(self, request: ParsedRequest, route: RouteRequest, path: str) -> Answer:
+        """The answer within the request deadline, or a 504 saying where it stopped."""
+        deadlines = self.deadlines
+        progress = deadlines.start()
+        try:
+            outcome = await self._forward(request, route, path, progress)
+        except asyncio.CancelledError:
+            if not deadlines.finish(progress):
+                raise
+            stage = progress.stage
+            self._metrics.request_timeouts.labels(request.endpoint, stage).inc()
+            log.warning("%s: %s", request.endpoint, progress.message(deadlines.timeout))
+            return progress.answer(deadlines.timeout)
+        except BaseException:
+            deadlines.finish(progress)
+            raise
+        deadlines.finish(progress)
+        return outcome
+
+    async def _forward(
+        self, request: ParsedRequest, route: RouteRequest, path: str, progress: Progress
+    ) -> Answer:
+        avoid: set[str] = set()
+        last: Failure | None = None
+        attempts = self._retries.max_attempts
+        kind: Kind | None = "sglang" if request.endpoint == "generate" else None
+        for number in range(attempts):
+            try:
+                plan = self._chooser.plan(route, request.batch, avoid, request.model, kind)
+            except NoCandidates as exc:
+                if last is not None:
+                    return last.answer
+                return Answer(503, error_body(str(exc), "no_available_workers"))
+            if log.isEnabledFor(logging.DEBUG):
+                _log_plan(request, plan, number)
+            attempt = Attempt(number, number + 1 >= attempts, progress)
+            outcome = await self._legs[plan.prefill.kind].run(request, plan, path, attempt)
+            if not isinstance(outcome, Failure):
+                return outcome
+            last = outcome
+            avoid.add(outcome.worker.id)
+            if not outcome.retryable or attempt.final:
+                break
+            self._metrics.retries.labels(request.endpoint, outcome.role).inc()
+            progress.between_attempts = True
+            await self._sleep(self._retries.delay(number))
+        assert last is not None
+        return last.answer
+
+
+def _log_plan(request: ParsedRequest, plan: RoutePlan, attempt: int) -> None:
+    """One line per attempt, so an operator can follow a room to both engines' logs."""
+    choice = plan.prefill_choice
+    log.debug(
+        "%s attempt %d: prefill=%s pod=%s hit_tokens=%d dp_rank=%s decode=%s rooms=%s",
+        request.endpoint,
+        attempt + 1,
+        plan.prefill.id,
+        plan.prefill.pod,
+        choice.hit_tokens,
+        choice.dp_rank,
+        plan.decode.id,
+        ",".join(str(room) for room in plan.rooms),
+    )

@@ -1,0 +1,73 @@
+"""SGLang's PD protocol: the same body, bound to the prefill, to both workers at once.
+
+Both the prefill and the decode receive the client's body with `bootstrap_host`,
+`bootstrap_port` and `bootstrap_room` (`docs/protocols.md` §2): the decode finds the
+prefill's ranks through its bootstrap directory and the room binds the two halves. A batch
+gets lists of equal length, one fresh room per element. Every other field is kept as the
+client sent it; bootstrap fields the client sent are replaced, because only the gateway
+knows which prefill it chose. The client gets the decode's answer (`gateway.legs.calls`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from gateway.http.answer import Answer
+from gateway.legs.attempt import Attempt, Failure
+from gateway.legs.calls import PairCalls
+from gateway.requests import Endpoint, ParsedRequest, batch_size, encode_body
+from gateway.routing.rooms import MAX_ROOM
+from gateway.routing.router import RoutePlan
+
+
+def inject_bootstrap(
+    body: Mapping[str, Any],
+    endpoint: Endpoint,
+    *,
+    host: str,
+    port: int | None,
+    rooms: Sequence[int],
+) -> dict[str, Any]:
+    """A copy of `body` bound to one prefill: `rooms` holds one room per batch element."""
+    size = batch_size(endpoint, body)
+    expected = 1 if size is None else size
+    if len(rooms) != expected:
+        raise ValueError(f"{len(rooms)} rooms for a request of {expected} element(s)")
+    if any(not 0 < room <= MAX_ROOM for room in rooms):
+        raise ValueError("rooms must be in [1, 2^63-1]")
+    out = dict(body)
+    if size is None:
+        out["bootstrap_host"] = host
+        out["bootstrap_port"] = port
+        out["bootstrap_room"] = rooms[0]
+    else:
+        out["bootstrap_host"] = [host] * size
+        out["bootstrap_port"] = [port] * size
+        out["bootstrap_room"] = list(rooms)
+    return out
+
+
+class DualLegs:
+    """SGLang attempts: the prefill's and the decode's calls started together."""
+
+    def __init__(self, calls: PairCalls) -> None:
+        self._calls = calls
+
+    async def run(
+        self, request: ParsedRequest, plan: RoutePlan, path: str, attempt: Attempt
+    ) -> Answer | Failure:
+        prefill = plan.prefill
+        body = inject_bootstrap(
+            request.body,
+            request.endpoint,
+            host=prefill.host,
+            port=prefill.bootstrap_port,
+            rooms=plan.rooms,
+        )
+        payload = encode_body(body)
+        call = self._calls.start_prefill(plan, path, payload)
+        attempt.progress.begin(attempt.number, prefill.id, plan.decode.id, call)
+        return await self._calls.decode(
+            plan, call, path, payload, stream=request.stream, progress=attempt.progress
+        )

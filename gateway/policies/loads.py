@@ -1,0 +1,185 @@
+"""Each worker's load as this gateway sees it: requests in flight, prefill work queued,
+and the prompts sent to each prefill that the index may not show yet.
+
+The legs (or a simulator) change it through explicit hooks (`start`, `prefill_done`,
+`finish`) with one ticket per request and worker, so finishing twice cannot corrupt it;
+the policies read it through the `Candidate` snapshots it makes. Other gateway replicas'
+loads join it through a `SharedView` when they share them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from gateway.policies.base import Candidate
+from gateway.policies.pending import PendingEntry, PendingHit, PendingPrefixes
+from gateway.policies.progress import PrefillProgress
+from kvplumbing.clock import Clock
+
+
+@dataclass(slots=True)
+class WorkerLoad:
+    in_flight: int = 0
+    progress: PrefillProgress = field(default_factory=PrefillProgress)
+
+    @property
+    def queued_prefill_tokens(self) -> int:
+        return self.progress.open_tokens
+
+
+@dataclass(slots=True)
+class LoadTicket:
+    """One request's share of one worker's load, so finishing it twice cannot corrupt it."""
+
+    worker: str
+    load: WorkerLoad
+    serial: int
+    prefill_open: bool = True
+    open: bool = True
+    pending: PendingEntry | None = None
+
+
+class SharedView(Protocol):
+    """What other gateway replicas published (`gateway.replicas.shared_state`): added to this
+    gateway's own view, and told what this one sends."""
+
+    def load(self, worker: str) -> tuple[int, int, int]:
+        """The others' (in flight, queued prefill tokens, remaining tokens) on `worker`."""
+        ...
+
+    def pending(self, keys: Sequence[int], now: float) -> Mapping[str, PendingHit]: ...
+
+    def sent(self, serial: int, worker: str, keys: Sequence[int], dp_rank: int | None) -> None: ...
+
+    def answered(self, serial: int, computed: bool) -> None: ...
+
+
+@dataclass(slots=True)
+class LoadTracker:
+    """Per-worker load that the legs (or a simulator) update through explicit hooks,
+    and the prompts sent to each prefill that the index may not show yet.
+
+    `clock` is the one `RouteRequest.now` is read from (the simulator gives its own)."""
+
+    loads: dict[str, WorkerLoad] = field(default_factory=dict)
+    pending: PendingPrefixes | None = field(default_factory=PendingPrefixes)
+    """None: nothing is counted as pending (`--prefix-pending-grace-secs off`)."""
+    clock: Clock = time.monotonic
+    shared: SharedView | None = None
+    """Other replicas' loads and pending prompts, when they share them."""
+    _serials: Iterator[int] = field(default_factory=itertools.count, repr=False)
+
+    def start(
+        self,
+        worker: str,
+        prefill_tokens: int = 0,
+        keys: Sequence[int] = (),
+        dp_rank: int | None = None,
+        cached_tokens: int = 0,
+    ) -> LoadTicket:
+        """`keys`: the prompt's block keys, held as pending on `worker` (on `dp_rank`, when
+        known) until its prefill ends. `cached_tokens`: the prefix it expects cached there,
+        which the `prefill_tokens` follow (their context, which makes them dearer)."""
+        load = self.loads.setdefault(worker, WorkerLoad())
+        load.in_flight += 1
+        serial = next(self._serials)
+        if prefill_tokens > 0:
+            load.progress.sent(serial, prefill_tokens, self.clock(), cached_tokens)
+        pending = self.pending.add(worker, keys, dp_rank) if keys and self.pending else None
+        if pending is not None and self.shared is not None:
+            self.shared.sent(serial, worker, keys, dp_rank)
+        return LoadTicket(worker, load, serial, prefill_open=prefill_tokens > 0, pending=pending)
+
+    def pending_blocks(self, keys: Sequence[int]) -> Mapping[str, PendingHit]:
+        if self.pending is None:
+            return {}
+        own = self.pending.depths(keys, self.clock())
+        if self.shared is None:
+            return own
+        merged = dict(own)
+        for worker, hit in self.shared.pending(keys, self.clock()).items():
+            if worker not in merged or hit.blocks > merged[worker].blocks:
+                merged[worker] = hit
+        return merged
+
+    def pending_keys(self) -> int:
+        """Keys in the pending table now (the metric), entries past their grace dropped."""
+        if self.pending is None:
+            return 0
+        self.pending.expire(self.clock())
+        return self.pending.keys
+
+    def prefill_done(self, ticket: LoadTicket, computed: bool = True) -> None:
+        """`computed`: the prefill answered with success, so it holds the prompt's KV."""
+        if ticket.prefill_open:
+            ticket.prefill_open = False
+            ticket.load.progress.answered(ticket.serial, self.clock(), computed)
+        if ticket.pending is not None and self.pending is not None:
+            if self.shared is not None:
+                self.shared.answered(ticket.serial, computed)
+            if computed:
+                self.pending.settle(ticket.pending, self.clock())
+            else:
+                self.pending.drop(ticket.pending)
+            ticket.pending = None
+
+    def finish(self, ticket: LoadTicket, computed: bool = True) -> None:
+        self.prefill_done(ticket, computed)
+        if ticket.open:
+            ticket.open = False
+            ticket.load.in_flight -= 1
+
+    def forget(self, worker: str) -> None:
+        """A removed worker; tickets still open on it update a load nobody reads."""
+        self.loads.pop(worker, None)
+        if self.pending is not None:
+            self.pending.forget(worker)
+
+    def load(self, worker: str) -> WorkerLoad:
+        return self.loads.get(worker) or WorkerLoad()
+
+    def candidate(
+        self,
+        worker: str,
+        pod: str | None = None,
+        now: float | None = None,
+        capacity_tokens: int | None = None,
+    ) -> Candidate:
+        load = self.loads.get(worker)
+        if load is None:
+            candidate = Candidate(worker, pod or worker, cache_capacity_tokens=capacity_tokens)
+        else:
+            progress = load.progress
+            candidate = Candidate(
+                worker,
+                pod or worker,
+                load.in_flight,
+                progress.open_tokens,
+                progress.remaining(self.clock() if now is None else now),
+                capacity_tokens,
+            )
+        if self.shared is not None:
+            in_flight, queued, remaining = self.shared.load(worker)
+            candidate.in_flight += in_flight
+            candidate.queued_prefill_tokens += queued
+            candidate.remaining_prefill_tokens += remaining
+        return candidate
+
+    def candidates(
+        self,
+        workers: Iterable[str | tuple[str, str]],
+        capacity_tokens: Mapping[str, int] | None = None,
+    ) -> list[Candidate]:
+        """Snapshots of workers given as ids or (id, pod) pairs; `capacity_tokens`: the KV
+        capacity each worker reported, by worker id."""
+        now = self.clock()
+        capacities = capacity_tokens or {}
+        out: list[Candidate] = []
+        for item in workers:
+            worker, pod = (item, item) if isinstance(item, str) else item
+            out.append(self.candidate(worker, pod, now, capacities.get(worker)))
+        return out

@@ -1,0 +1,1 @@
+"""Gateway replicas: each prefill's load and the pending prompts shared through Redis."""

@@ -4,7 +4,7 @@ Routes, bodies and answers are the same through the ASGI app and this server and
 tested through both in `test_app.py`; here: keep-alive and pipelining, limits enforced
 before reading, `Expect: 100-continue`, clients that leave, streams piece by piece,
 HTTP/1.0, malformed requests, Upgrade headers, idle and slow clients (time passed to
-`GatewayServer.expire`, not waited for), clients that do not read their answers, and a
+`HttpServer.expire`, not waited for), clients that do not read their answers, and a
 graceful shutdown.
 """
 
@@ -21,9 +21,9 @@ import httpx
 import pytest
 
 from gateway.app import create_app
-from gateway.client_connection import HEAD_MAX
+from gateway.http.client_connection import HEAD_MAX
+from gateway.http.server import HttpServer
 from gateway.inference import Inference
-from gateway.server import GatewayServer
 from gateway.service import Gateway
 from kvplumbing.release import VERSION
 from tests.gateway.fakes import DECODES, Cluster, config, make_gateway, sample
@@ -31,8 +31,8 @@ from tests.support.net import await_for
 
 
 @asynccontextmanager
-async def serving(gateway: Gateway, **options: Any) -> AsyncIterator[GatewayServer]:
-    server = GatewayServer(Inference(gateway), create_app(gateway, run_monitor=False), **options)
+async def serving(gateway: Gateway, **options: Any) -> AsyncIterator[HttpServer]:
+    server = HttpServer(Inference(gateway), create_app(gateway, run_monitor=False), **options)
     await server.start("127.0.0.1", 0)
     try:
         yield server
@@ -72,7 +72,7 @@ async def read_chunk(reader: asyncio.StreamReader) -> bytes:
 
 @asynccontextmanager
 async def connected(
-    server: GatewayServer,
+    server: HttpServer,
 ) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
     reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
     try:
@@ -147,7 +147,7 @@ async def test_a_client_that_leaves_cancels_both_upstream_calls() -> None:
             return sample(gateway, "globalkv_gateway_requests_total", **labels) == 1
 
         await until(gone, "the request counted as 499")
-        await gateway.dispatcher.drain()
+        await gateway.calls.drain()
     assert [c.cancelled for c in cluster.inference()] == [True, True]
     assert all(w.breaker.stats().total_failures == 0 for w in gateway.pool)
 
@@ -181,7 +181,7 @@ async def test_a_stream_arrives_piece_by_piece_and_a_client_leaving_mid_stream_e
             await queue.put(b"data: 2\n\n")
             assert await read_chunk(reader) == b"data: 2\n\n", "before piece 3 exists"
         await asyncio.wait_for(ended.wait(), 10)
-        await gateway.dispatcher.drain()
+        await gateway.calls.drain()
     assert all(v.in_flight == 0 for v in gateway.loads.loads.values())
     assert all(w.breaker.stats().total_failures == 0 for w in gateway.pool)
 
@@ -287,7 +287,7 @@ async def test_shutdown_aborts_what_is_still_in_flight_when_the_grace_runs_out()
         release.set()
 
 
-def arriving(server: GatewayServer) -> bool:
+def arriving(server: HttpServer) -> bool:
     """Some connection holds a request that has not fully arrived."""
     return any(not c.idle for c in server.connections)
 
@@ -352,8 +352,8 @@ async def test_an_upgrade_request_is_served_over_http_1_1_with_its_body() -> Non
         writer.write(body[3:] + GET_HEALTH)
         status, _, answer = await read_answer(reader)
         assert (status, "room" in json.loads(answer)) == (200, True)
-        status, _, answer = await read_answer(reader)
-        assert (status, json.loads(answer)) == (200, {"status": "ok", "version": VERSION})
+        status, _, health = await read_answer(reader)
+        assert (status, json.loads(health)) == (200, {"status": "ok", "version": VERSION})
     async with serving(gateway) as server, connected(server) as (reader, writer):
         writer.write(b"CONNECT gw:443 HTTP/1.1\r\nhost: gw:443\r\n\r\n")
         assert (await read_answer(reader))[0] == 405
@@ -367,7 +367,7 @@ async def test_an_upgrade_request_is_served_over_http_1_1_with_its_body() -> Non
 async def test_a_client_not_reading_its_answers_is_sent_no_more_until_it_reads() -> None:
     cluster = Cluster()
     big = b"x" * (8 * 1024 * 1024)
-    servers: list[GatewayServer] = []
+    servers: list[HttpServer] = []
     started_while_paused: list[bool] = []
 
     async def large(_: httpx.Request, __: Any) -> httpx.Response:

@@ -15,7 +15,7 @@ import asyncio
 import gc
 import logging
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
@@ -32,7 +32,9 @@ from gateway.http.server import HttpServer
 from gateway.http.transport import upstream_client
 from gateway.http.upstream import PooledUpstream
 from gateway.inference import Inference
+from gateway.legs.dispatch import Chooser
 from gateway.replicas.shared_state import SharedState, member_name
+from gateway.routing.router import Router
 from gateway.service import Gateway, build_gateway
 from gateway.workers.monitor import PodRegistrar
 from gateway.workers.pods import HttpPodRegistrar, RegistryPodRegistrar
@@ -99,10 +101,13 @@ async def _share_state(config: GatewayConfig, gateway: Gateway, stack: AsyncExit
 
 @asynccontextmanager
 async def running_gateway(
-    config: GatewayConfig, tokenizer: Tokenizer | None
+    config: GatewayConfig,
+    tokenizer: Tokenizer | None,
+    chooser: Callable[[Router], Chooser] | None = None,
 ) -> AsyncIterator[tuple[Gateway, FastAPI]]:
     """The gateway and its app, built on the pooled client, with the app's lifespan running
-    (monitor started); closed, with everything they opened, on leaving."""
+    (monitor started); closed, with everything they opened, on leaving. `chooser`: as
+    `build_gateway`'s."""
     async with AsyncExitStack() as stack:
         pool = ConnectionPool()
         client = await stack.enter_async_context(upstream_client(pool))
@@ -115,6 +120,7 @@ async def running_gateway(
             registrar=registrar,
             probe=DirectoryReader(client, timeout=2.0),
             tokenizer=tokenizer,
+            chooser=chooser,
         )
         if config.share_state_interval_secs is not None:
             await _share_state(config, gateway, stack)
@@ -133,7 +139,7 @@ async def serve(config: GatewayConfig, tokenizer: Tokenizer | None) -> None:
         server = HttpServer(Inference(gateway), app)
         await server.start(config.host, config.port)
         tune_garbage_collection()
-        await _until_signalled()
+        await until_signalled()
         await server.shutdown(grace=_SHUTDOWN_GRACE_SECS)
 
 
@@ -151,7 +157,8 @@ def tune_garbage_collection() -> None:
     gc.set_threshold(10_000, older, oldest)
 
 
-async def _until_signalled() -> None:
+async def until_signalled() -> None:
+    """Return on SIGINT or SIGTERM."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     signals = (signal.SIGINT, signal.SIGTERM)
@@ -165,12 +172,23 @@ async def _until_signalled() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = build_config(args)
+    return launch(args, build_config(args), "gateway", serve)
+
+
+def launch(
+    args: argparse.Namespace,
+    config: GatewayConfig,
+    name: str,
+    serving: Callable[[GatewayConfig, Tokenizer | None], Coroutine[Any, Any, None]],
+) -> int:
+    """Run `serving` on uvloop until it returns (a signal), as every command built on the
+    gateway's parts starts: log level, what it serves, the tokenizer; 1 when it cannot."""
     if args.router_log_level:
         level = {"warn": "WARNING"}.get(args.router_log_level, args.router_log_level.upper())
         logging.getLogger("gateway").setLevel(level)
     log.info(
-        "gateway on %s:%d: %d prefill, %d decode, policies %s/%s, index %s",
+        "%s on %s:%d: %d prefill, %d decode, policies %s/%s, index %s",
+        name,
         config.host,
         config.port,
         len(config.prefill),
@@ -184,14 +202,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer else None
     except ValueError as exc:
-        log.error("gateway: cannot load the tokenizer: %s", exc)
+        log.error("%s: cannot load the tokenizer: %s", name, exc)
         return 1
     import uvloop
 
     try:
-        uvloop.run(serve(config, tokenizer))
+        uvloop.run(serving(config, tokenizer))
     except OSError as exc:
-        log.error("gateway cannot serve on %s:%d: %s", config.host, config.port, exc)
+        log.error("%s cannot serve on %s:%d: %s", name, config.host, config.port, exc)
         return 1
     return 0
 

@@ -20,7 +20,7 @@ where a thread would cost more than the work.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Collection
+from collections.abc import Awaitable, Callable, Collection, Sequence
 
 from gateway.http.answer import Answer, Outcome, Rest, problem
 from gateway.metrics import EndpointMetrics
@@ -63,9 +63,16 @@ class _Measured:
             self._metrics.answered(self._status)
 
 
+Headers = Sequence[tuple[bytes, bytes]]
+PrefillNamed = Callable[[Headers], str | None]
+"""The prefill a request's headers name (`RouteRequest.prefill`), or None; raises
+`BadRequest` for a header that names none well."""
+
+
 class Inference:
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Gateway, named_prefill: PrefillNamed | None = None) -> None:
         self._gateway = gateway
+        self._named_prefill = named_prefill
         self._metrics = {
             path: EndpointMetrics(gateway.metrics, endpoint)
             for path, endpoint in INFERENCE_PATHS.items()
@@ -83,7 +90,9 @@ class Inference:
         """An answer given without calling a worker (401, 400, 413), counted."""
         self._metrics[path].answered(answer.status)
 
-    async def handle(self, path: str, authorization: str | None, body: bytes) -> Answer:
+    async def handle(
+        self, path: str, authorization: str | None, body: bytes, headers: Headers = ()
+    ) -> Answer:
         gateway = self._gateway
         metrics = self._metrics[path]
         started = gateway.clock()
@@ -92,12 +101,13 @@ class Inference:
             return self._refuse(path, problem(401, message, "auth_error"))
         router = gateway.router
         try:
+            named = None if self._named_prefill is None else self._named_prefill(headers)
             parsed = parse_request(INFERENCE_PATHS[path], decode_body(body))
             if len(body) > TOKENIZE_INLINE_MAX and parsed.token_ids is None:
                 tokens = await asyncio.to_thread(prompt_tokens, parsed, gateway.tokenizer)
             else:
                 tokens = prompt_tokens(parsed, gateway.tokenizer)
-            route = await router.route(tokens, parsed.model)
+            route = await router.route(tokens, parsed.model, named)
             answer = await gateway.dispatcher.forward(parsed, route, path)
         except (BadRequest, TokenizeError) as exc:  # BadRequest also from the first attempt
             return self._refuse(path, problem(400, str(exc)))

@@ -48,8 +48,8 @@ class EppConfig(BaseModel):
     shed_in_flight: int | None = Field(
         None,
         ge=1,
-        description="Answer 429 when every eligible endpoint has this many requests in "
-        "flight; unset: never shed.",
+        description="Choose only among endpoints with fewer requests in flight than this, "
+        "and answer 429 when none has fewer; unset: never shed.",
     )
 
 

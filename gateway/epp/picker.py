@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from gateway.config import Kind, Role
 from gateway.inference import INFERENCE_PATHS, TOKENIZE_INLINE_MAX
-from gateway.policies.base import Candidate, Choice, NoCandidates, RouteRequest
+from gateway.policies.base import Choice, NoCandidates, RouteRequest
 from gateway.policies.loads import LoadTicket, LoadTracker
 from gateway.requests import BadRequest, PromptTokens, decode_body, parse_request, prompt_tokens
 from gateway.routing.router import Router
@@ -124,8 +124,8 @@ class Picker:
         kind: Kind | None,
         subset: Collection[str] | None,
     ) -> Pick:
-        worker, choice, route = self._router.choose_prefill(route, (), model, kind, subset)
-        self._check_shedding(self._gateway.pool.candidates("prefill", self._loads, kind=kind))
+        among = self._open("prefill", kind, subset)
+        worker, choice, route = self._router.choose_prefill(route, (), model, kind, among)
         self._router.record(choice, route, paired=False)
         pick = Pick(self._endpoints(worker, "prefill", subset), {})
         pick.prefill = self._start_prefill(worker, choice, route)
@@ -140,8 +140,8 @@ class Picker:
         subset: Collection[str] | None,
     ) -> Pick:
         prefill, choice, route = self._router.choose_prefill(route, (), model, kind)
-        decode = self._router.choose_decode(route, prefill.kind, (), model, subset)
-        self._check_shedding(self._gateway.pool.candidates("decode", self._loads, kind=kind))
+        among = self._open("decode", prefill.kind, subset)
+        decode = self._router.choose_decode(route, prefill.kind, (), model, among)
         self._router.record(choice, route)
         headers = {PREFILL_HEADER: prefill.id, LLMD_PREFILL_HEADER: prefill.id}
         pick = Pick(self._endpoints(decode, "decode", subset), headers)
@@ -149,9 +149,23 @@ class Picker:
         pick.tickets += [pick.prefill, self._loads.start(decode.id)]
         return pick
 
-    def _check_shedding(self, candidates: list[Candidate]) -> None:
-        if self._shed is not None and all(c.in_flight >= self._shed for c in candidates):
+    def _open(
+        self, role: Role, kind: Kind | None, subset: Collection[str] | None
+    ) -> Collection[str] | None:
+        """The endpoints that may be chosen: those of `subset` with room, when shedding
+        (`NoCandidates` follows when the subset holds no eligible one, `_Shed` when each
+        eligible one has `shed_in_flight` requests in flight)."""
+        if self._shed is None:
+            return subset
+        candidates = [
+            c
+            for c in self._gateway.pool.candidates(role, self._loads, kind=kind)
+            if subset is None or c.worker in subset
+        ]
+        room = {c.worker for c in candidates if c.in_flight < self._shed}
+        if candidates and not room:
             raise _Shed(f"every endpoint has {self._shed} or more requests in flight")
+        return room
 
     def _start_prefill(self, worker: Worker, choice: Choice, route: RouteRequest) -> LoadTicket:
         keys = route.lookup.keys if route.lookup is not None else ()

@@ -120,7 +120,7 @@ def envoy_config(
 ) -> dict[str, Any]:
     """Envoy's bootstrap for a pool of `endpoints` (`ip:port`, the workers or the decodes'
     sidecars) behind `pickers` (`ip:port` of each `globalkv epp` replica's gRPC port)."""
-    fallback_route = {
+    fallback_route: dict[str, Any] = {
         "match": {"prefix": "/"},
         "route": {"cluster": "globalkv_fallback", "timeout": "0s"},
     }

@@ -16,7 +16,7 @@ benchmarks run Envoy with (JSON, which Envoy reads like YAML):
   on the ext_proc service name, and ext_proc's gRPC stream retried on another replica
   when one refuses the connection, so a replica that dies fails only its streams;
 - `fail_open`: `failure_mode_allow` (FailOpen: a request is served without a picker);
-  otherwise a request whose picker fails is answered by Envoy (FailClose).
+  otherwise a request whose picker fails is answered 503 by Envoy (FailClose).
 
 With no pickers the listener routes every request to `globalkv_fallback`: Envoy as a
 plain round-robin balancer, the baseline the benchmarks compare with.
@@ -91,6 +91,7 @@ def _ext_proc(fail_open: bool, stream_response: bool) -> dict[str, Any]:
                 },
             },
             "failure_mode_allow": fail_open,
+            "status_on_error": {"code": 503},
             "message_timeout": "30s",
             "processing_mode": {
                 "request_header_mode": "SEND",
@@ -170,11 +171,15 @@ def envoy_config(
                     {
                         "timeout": "1s",
                         "interval": "1s",
+                        "no_traffic_interval": "1s",
                         "unhealthy_threshold": 1,
                         "healthy_threshold": 1,
                         "grpc_health_check": {"service_name": EXT_PROC_SERVICE},
                     }
                 ],
+                # No panic routing to replicas known to be down: with none healthy the
+                # stream fails before the body is sent, so FailOpen can still serve.
+                common_lb_config={"healthy_panic_threshold": {"value": 0}},
                 outlier_detection={
                     "split_external_local_origin_errors": True,
                     "consecutive_local_origin_failure": 1,

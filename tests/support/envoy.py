@@ -48,7 +48,7 @@ class Envoy:
             healthy = [
                 line
                 for line in clusters.splitlines()
-                if line.startswith("globalkv_epp::") and line.endswith("health_flags::healthy")
+                if line.startswith("pickers::") and line.endswith("health_flags::healthy")
             ]
             return len(healthy) == pickers
 

@@ -45,6 +45,13 @@ class EppConfig(BaseModel):
         description="Fallback endpoints named after the chosen one, least loaded first, for "
         "a data plane that tries them in turn (Envoy's ORIGINAL_DST cluster takes one).",
     )
+    drain_secs: float = Field(
+        2.0,
+        ge=0,
+        le=60,
+        description="On SIGTERM, answer NOT_SERVING to health checks this long, still picking, "
+        "so the data plane stops opening streams here before the server stops.",
+    )
     shed_in_flight: int | None = Field(
         None,
         ge=1,
@@ -69,6 +76,7 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
         ("grpc_port", int),
         ("fallback_endpoints", int),
         ("shed_in_flight", int),
+        ("drain_secs", float),
     ):
         info = fields[name]
         group.add_argument(
@@ -98,6 +106,7 @@ def build_configs(args: argparse.Namespace) -> tuple[GatewayConfig, EppConfig]:
             grpc_port=args.grpc_port,
             fallback_endpoints=args.fallback_endpoints,
             shed_in_flight=args.shed_in_flight,
+            drain_secs=args.drain_secs,
         )
     except ValidationError as exc:
         raise ValueError(validation_message(exc)) from None
@@ -137,6 +146,8 @@ async def serve(config: GatewayConfig, epp: EppConfig, tokenizer: Tokenizer | No
         tune_garbage_collection()
         try:
             await until_signalled()
+            picker.draining = True
+            await asyncio.sleep(epp.drain_secs)
         finally:
             await asyncio.gather(
                 grpc.stop(_SHUTDOWN_GRACE_SECS), http.shutdown(grace=_SHUTDOWN_GRACE_SECS)

@@ -74,6 +74,8 @@ class Picker:
         self._loads: LoadTracker = gateway.loads
         self._fallbacks = fallbacks
         self._shed = shed_in_flight
+        self.draining = False
+        """Stopping: not ready, so the data plane opens no new stream here."""
 
     @property
     def disaggregated(self) -> bool:
@@ -82,7 +84,10 @@ class Picker:
 
     @property
     def ready(self) -> bool:
-        """Some request could be sent now (each role has an eligible worker)."""
+        """Some request could be sent now (each role has an eligible worker) and the
+        picker is not stopping."""
+        if self.draining:
+            return False
         pool = self._gateway.pool
         roles: tuple[Role, ...] = ("prefill", "decode") if self.disaggregated else ("prefill",)
         return all(pool.eligible(role) for role in roles)

@@ -13,8 +13,9 @@ benchmarks run Envoy with (JSON, which Envoy reads like YAML):
   to an ORIGINAL_DST cluster keyed by that header (`use_http_header`); one without it
   (the picker failed open) to `fallback`, the pool's endpoints in round robin;
 - the pickers' cluster: every picker replica as an HTTP/2 endpoint, gRPC-health-checked
-  on the ext_proc service name, and ext_proc's gRPC stream retried on another replica
-  when one refuses the connection, so a replica that dies fails only its streams;
+  on the ext_proc service name every second, and out at the first connection it refuses
+  (Envoy does not retry an ext_proc stream, so a replica that dies fails its streams and
+  the one that finds it dead; one that stops on SIGTERM fails none, see `globalkv epp`);
 - `fail_open`: `failure_mode_allow` (FailOpen: a request is served without a picker);
   otherwise a request whose picker fails is answered 503 by Envoy (FailClose).
 
@@ -84,10 +85,6 @@ def _ext_proc(fail_open: bool, stream_response: bool) -> dict[str, Any]:
             "grpc_service": {
                 "envoy_grpc": {
                     "cluster_name": "pickers",
-                    "retry_policy": {
-                        "retry_back_off": {"base_interval": "0.01s", "max_interval": "0.1s"},
-                        "num_retries": 3,
-                    },
                 },
             },
             "failure_mode_allow": fail_open,
@@ -180,9 +177,13 @@ def envoy_config(
                 # No panic routing to replicas known to be down: with none healthy the
                 # stream fails before the body is sent, so FailOpen can still serve.
                 common_lb_config={"healthy_panic_threshold": {"value": 0}},
+                # A replica that refuses a connection is out at once (health checks take
+                # up to their interval): only the stream that found it dead fails.
                 outlier_detection={
                     "split_external_local_origin_errors": True,
                     "consecutive_local_origin_failure": 1,
+                    "enforcing_consecutive_local_origin_failure": 100,
+                    "max_ejection_percent": 100,
                     "base_ejection_time": "5s",
                 },
             ),

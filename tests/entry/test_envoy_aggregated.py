@@ -12,7 +12,7 @@ import json
 import signal
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +38,13 @@ class Pool:
     closed: Envoy
     opened: Envoy
     redis_url: str
+    picker_argv: list[list[str]]
+    spawn: Callable[..., Proc]
+
+    def restart_picker(self, i: int) -> Proc:
+        """Picker `i` again, on the same ports (after it stopped)."""
+        self.pickers[i] = self.spawn(*self.picker_argv[i], name=f"epp-{i}-again")
+        return self.pickers[i]
 
     def completion(self, envoy: Envoy, prompt: str, **fields: Any) -> httpx.Response:
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, **fields}
@@ -78,7 +85,7 @@ def pool(redis_server: RedisServer) -> Iterator[Pool]:
             )
             engines[pod] = f"http://127.0.0.1:{port}"
         grpc_ports = [free_port(), free_port()]
-        pickers = []
+        pickers, picker_argv = [], []
         for i, grpc_port in enumerate(grpc_ports):
             argv = ["epp", "--host", "127.0.0.1", "--port", str(free_port())]
             argv += ["--prometheus-port", "0", "--grpc-host", "127.0.0.1"]
@@ -87,6 +94,7 @@ def pool(redis_server: RedisServer) -> Iterator[Pool]:
             argv += ["--worker-startup-check-interval", "0.1", "--directory-refresh-secs", "0.1"]
             for engine in engines.values():
                 argv += ["--worker", engine]
+            picker_argv.append(argv)
             pickers.append(spawn(*argv, name=f"epp-{i}"))
         endpoints = [u.split("//", 1)[1] for u in engines.values()]
         addresses = [f"127.0.0.1:{p}" for p in grpc_ports]
@@ -95,7 +103,7 @@ def pool(redis_server: RedisServer) -> Iterator[Pool]:
         envoys += [closed, opened]
         for envoy in envoys:
             envoy.wait_ready(pickers=2, timeout=60)
-        built = Pool(engines, pickers, closed, opened, url)
+        built = Pool(engines, pickers, closed, opened, url, picker_argv, spawn)
         wait_for(lambda: _ready(built), timeout=60, what="requests through Envoy")
         yield built
     finally:
@@ -158,10 +166,9 @@ def test_a_body_that_is_no_request_is_answered_400_by_the_picker(pool: Pool) -> 
     assert answer.json()["error"]["type"] == "invalid_request_error"
 
 
-def test_one_picker_killed_fails_no_request_beyond_those_in_flight_on_it(pool: Pool) -> None:
-    total, workers, killed_after = 60, 4, 20
+def _under_load(pool: Pool, stop: Callable[[], None]) -> list[int]:
+    """Statuses of 60 requests, 4 at a time, `stop` called once 20 have been answered."""
     done = threading.Semaphore(0)
-    statuses: list[int] = []
 
     def one(i: int) -> int:
         try:
@@ -171,20 +178,37 @@ def test_one_picker_killed_fails_no_request_beyond_those_in_flight_on_it(pool: P
         done.release()
         return status
 
-    with ThreadPoolExecutor(workers) as executor:
-        futures = [executor.submit(one, i) for i in range(total)]
-        for _ in range(killed_after):
+    with ThreadPoolExecutor(4) as executor:
+        futures = [executor.submit(one, i) for i in range(60)]
+        for _ in range(20):
             assert done.acquire(timeout=30)
-        pool.pickers[0].signal(signal.SIGKILL)
-        statuses = [f.result(timeout=60) for f in futures]
-    failed = [s for s in statuses if s != 200]
-    assert len(failed) <= workers, statuses  # at most the requests in flight at the kill
-    assert all(s == 200 for s in statuses[killed_after + workers :]), list(enumerate(statuses))
+        stop()
+        return [f.result(timeout=60) for f in futures]
+
+
+def test_a_picker_stopped_by_sigterm_fails_no_request(pool: Pool) -> None:
+    picker = pool.pickers[0]
+    statuses = _under_load(pool, lambda: picker.signal(signal.SIGTERM))
+    assert statuses == [200] * 60
+    assert picker.popen.wait(30) == 0
+
+
+def test_a_picker_killed_fails_only_requests_in_flight_on_it_and_the_one_finding_it_dead(
+    pool: Pool,
+) -> None:
+    picker = pool.pickers[1]
+    replacement = pool.restart_picker(0)
+    pool.closed.wait_ready(pickers=2)
+    statuses = _under_load(pool, lambda: picker.signal(signal.SIGKILL))
+    failed = [i for i, s in enumerate(statuses) if s != 200]
+    assert len(failed) <= 4 + 1, statuses  # 4 in flight at the kill, at most
+    assert replacement.alive()
 
 
 def test_with_every_picker_down_fail_open_serves_and_fail_close_answers_503(pool: Pool) -> None:
     for picker in pool.pickers:
-        picker.kill()
+        if picker.alive():
+            picker.kill()
     # A request whose body was already streamed to a picker as it died fails either way
     # (Envoy no longer holds that body); once health checks took the pickers out, FailOpen
     # sends every request to the fallback cluster.

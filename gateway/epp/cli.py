@@ -46,7 +46,7 @@ class EppConfig(BaseModel):
         "a data plane that tries them in turn (Envoy's ORIGINAL_DST cluster takes one).",
     )
     drain_secs: float = Field(
-        2.0,
+        3.0,
         ge=0,
         le=60,
         description="On SIGTERM, answer NOT_SERVING to health checks this long, still picking, "

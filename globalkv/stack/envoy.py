@@ -13,7 +13,8 @@ benchmarks run Envoy with (JSON, which Envoy reads like YAML):
   to an ORIGINAL_DST cluster keyed by that header (`use_http_header`); one without it
   (the picker failed open) to `fallback`, the pool's endpoints in round robin;
 - the pickers' cluster: every picker replica as an HTTP/2 endpoint, gRPC-health-checked
-  on the ext_proc service name every second, and out at the first connection it refuses
+  on the ext_proc service name every second (out after two failed checks: a
+  replica slow under load is not taken out for one), and out at the first connection it refuses
   (Envoy does not retry an ext_proc stream, so a replica that dies fails its streams and
   the one that finds it dead; one that stops on SIGTERM fails none, see `globalkv epp`);
 - `fail_open`: `failure_mode_allow` (FailOpen: a request is served without a picker);
@@ -166,10 +167,10 @@ def envoy_config(
                 },
                 health_checks=[
                     {
-                        "timeout": "1s",
+                        "timeout": "2s",
                         "interval": "1s",
                         "no_traffic_interval": "1s",
-                        "unhealthy_threshold": 1,
+                        "unhealthy_threshold": 2,
                         "healthy_threshold": 1,
                         "grpc_health_check": {"service_name": EXT_PROC_SERVICE},
                     }

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import statistics
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -37,24 +36,21 @@ from pathlib import Path
 from bench.gateway import (
     HOST,
     PROMPT,
-    Cell,
     Child,
-    Key,
-    _added,
-    _body,
+    Target,
     _free_port,
     _spawn,
     _wait_ok,
-    cpu_seconds,
+    measure,
     router_argv,
+    table,
 )
-from bench.gateway_load import run_load
 
 TARGETS = ("envoy+epp", "envoy+epp-headers", "envoy-rr", "gateway")
 
 
 @contextmanager
-def _started(logs: Path, pin: bool) -> Iterator[dict[str, tuple[int, list[int]]]]:
+def _started(logs: Path, pin: bool) -> Iterator[dict[str, Target]]:
     """Each target's port and the pids of its router processes (none for `direct`)."""
     router_cpus, load_cpus = ({1}, {0}) if pin else (None, None)
     prefills, decodes = [_free_port(), _free_port()], [_free_port(), _free_port()]
@@ -74,7 +70,7 @@ def _started(logs: Path, pin: bool) -> Iterator[dict[str, tuple[int, list[int]]]
             load_cpus,
         )
         _wait_ok(mocks, f"http://{HOST}:{decodes[0]}/generate", probe)
-        targets: dict[str, tuple[int, list[int]]] = {"direct": (decodes[0], [])}
+        targets = {"direct": Target(decodes[0], ())}
 
         grpc_port = _free_port()
         epp_argv = [*globalkv, "epp", "--host", HOST, "--port", str(_free_port()), *quiet]
@@ -92,10 +88,8 @@ def _started(logs: Path, pin: bool) -> Iterator[dict[str, tuple[int, list[int]]]
             argv = [*globalkv, "envoy", "--port", str(port), "--admin-port", str(_free_port())]
             envoy = spawn(name, [*argv, *endpoints, *pickers], router_cpus)
             _wait_ok(envoy, f"http://{HOST}:{port}/generate", probe)
-            targets[name] = (
-                port,
-                [envoy.popen.pid, epp.popen.pid] if pickers else [envoy.popen.pid],
-            )
+            pids = (envoy.popen.pid, epp.popen.pid) if pickers else (envoy.popen.pid,)
+            targets[name] = Target(port, pids)
 
         port = _free_port()
         gateway = spawn(
@@ -104,67 +98,10 @@ def _started(logs: Path, pin: bool) -> Iterator[dict[str, tuple[int, list[int]]]
             router_cpus,
         )
         _wait_ok(gateway, f"http://{HOST}:{port}/generate", probe)
-        targets["gateway"] = (port, [gateway.popen.pid])
+        targets["gateway"] = Target(port, (gateway.popen.pid,))
         if load_cpus is not None:
             os.sched_setaffinity(0, load_cpus)
         yield targets
-
-
-async def measure(
-    targets: dict[str, tuple[int, list[int]]],
-    concurrencies: Sequence[int],
-    repeats: int,
-    duration: float,
-) -> dict[Key, Cell]:
-    cells: dict[Key, Cell] = {}
-    names = list(targets)
-    for rep in range(repeats):
-        for concurrency in concurrencies:
-            for stream in (False, True):
-                for name in names[rep % len(names) :] + names[: rep % len(names)]:
-                    port, pids = targets[name]
-                    before = sum(cpu_seconds(p) for p in pids)
-                    result = await run_load(
-                        HOST,
-                        port,
-                        "/generate",
-                        _body(stream),
-                        concurrency=concurrency,
-                        duration=duration,
-                    )
-                    if result.errors:
-                        raise RuntimeError(f"{name}: {result.errors} answers were not 200")
-                    cell = cells.setdefault((name, stream, concurrency), Cell())
-                    cell.runs.append(result)
-                    if pids:
-                        spent = sum(cpu_seconds(p) for p in pids) - before
-                        cell.cpu_us.append(spent / max(result.answered, 1) * 1e6)
-        print(f"repetition {rep + 1}/{repeats} done", file=sys.stderr, flush=True)
-    return cells
-
-
-def table(cells: dict[Key, Cell], concurrencies: Sequence[int]) -> str:
-    head = ["stream", "conc", "direct req/s"]
-    for name in TARGETS:
-        head += [f"{name} req/s", f"{name} +p50 ms", f"{name} +p99 ms", f"{name} CPU µs/req"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for stream in (False, True):
-        for c in concurrencies:
-            row = [
-                "on" if stream else "off",
-                str(c),
-                f"{cells[('direct', stream, c)].median('rps'):.0f}",
-            ]
-            for name in TARGETS:
-                cell = cells[(name, stream, c)]
-                row += [
-                    f"{cell.median('rps'):.0f}",
-                    f"{_added(cells, name, stream, c, 'p50') * 1000:.2f}",
-                    f"{_added(cells, name, stream, c, 'p99') * 1000:.2f}",
-                    f"{statistics.median(cell.cpu_us):.0f}",
-                ]
-            lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -180,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logs = Path(tempfile.mkdtemp(prefix="bench-entry-"))
     with _started(logs, pin) as targets:
         cells = asyncio.run(measure(targets, concurrencies, args.repeats, args.duration))
-    text = table(cells, concurrencies)
+    text = table(cells, TARGETS, concurrencies)
     print(text)
     if args.output is not None:
         args.output.write_text(text + "\n")

@@ -13,10 +13,11 @@ benchmarks run Envoy with (JSON, which Envoy reads like YAML):
   to an ORIGINAL_DST cluster keyed by that header (`use_http_header`); one without it
   (the picker failed open) to `fallback`, the pool's endpoints in round robin;
 - the pickers' cluster: every picker replica as an HTTP/2 endpoint, gRPC-health-checked
-  on the ext_proc service name every second (out after two failed checks: a
-  replica slow under load is not taken out for one), and out at the first connection it refuses
-  (Envoy does not retry an ext_proc stream, so a replica that dies fails its streams and
-  the one that finds it dead; one that stops on SIGTERM fails none, see `globalkv epp`);
+  on the ext_proc service name every half second, out after two failed checks (a
+  replica slow under load is not taken out for one). Envoy does not retry an ext_proc
+  stream, so a replica that dies fails its streams and those Envoy opens to it before
+  its health checks take it out (about a second); one that stops on SIGTERM fails none
+  (`globalkv epp --drain-secs`);
 - `fail_open`: `failure_mode_allow` (FailOpen: a request is served without a picker);
   otherwise a request whose picker fails is answered 503 by Envoy (FailClose).
 
@@ -167,9 +168,9 @@ def envoy_config(
                 },
                 health_checks=[
                     {
-                        "timeout": "2s",
-                        "interval": "1s",
-                        "no_traffic_interval": "1s",
+                        "timeout": "1s",
+                        "interval": "0.5s",
+                        "no_traffic_interval": "0.5s",
                         "unhealthy_threshold": 2,
                         "healthy_threshold": 1,
                         "grpc_health_check": {"service_name": EXT_PROC_SERVICE},
@@ -178,15 +179,7 @@ def envoy_config(
                 # No panic routing to replicas known to be down: with none healthy the
                 # stream fails before the body is sent, so FailOpen can still serve.
                 common_lb_config={"healthy_panic_threshold": {"value": 0}},
-                # A replica that refuses a connection is out at once (health checks take
-                # up to their interval): only the stream that found it dead fails.
-                outlier_detection={
-                    "split_external_local_origin_errors": True,
-                    "consecutive_local_origin_failure": 1,
-                    "enforcing_consecutive_local_origin_failure": 100,
-                    "max_ejection_percent": 100,
-                    "base_ejection_time": "5s",
-                },
+
             ),
         ]
     manager = {

@@ -179,7 +179,6 @@ def envoy_config(
                 # No panic routing to replicas known to be down: with none healthy the
                 # stream fails before the body is sent, so FailOpen can still serve.
                 common_lb_config={"healthy_panic_threshold": {"value": 0}},
-
             ),
         ]
     manager = {

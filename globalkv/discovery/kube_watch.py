@@ -82,8 +82,8 @@ class KubernetesSource:
     """Watches pods by `KubernetesDiscovery` and publishes the workers they make.
 
     `async with` starts the watches (and closes the client it made itself on exit);
-    `snapshots()` yields each new worker set until then. `counts` tallies lists, gone
-    versions and failures; `rejected` tallies refused pods by what was wrong.
+    `snapshots()` yields each new worker set until then. `counts` tallies lists, watches,
+    gone versions and failures; `rejected` tallies refused pods by what was wrong.
     """
 
     def __init__(
@@ -97,6 +97,8 @@ class KubernetesSource:
         self.settings = settings
         self.counts: Counter[str] = Counter()
         self.rejected: Counter[str] = Counter()
+        self.left_out = 0
+        """Worker pods the last snapshot left out: past `max_workers`, or a taken address."""
         self._client = client
         self._owns_client = client is None
         self._sleep = sleep
@@ -277,14 +279,15 @@ class KubernetesSource:
         for worker in sorted(merged.values()):
             if worker.url not in chosen and len(chosen) < self.settings.max_workers:
                 chosen[worker.url] = worker
-        if len(chosen) < len(merged):
-            self.rejected["left out"] += len(merged) - len(chosen)
+        left_out = len(merged) - len(chosen)
+        if left_out and left_out != self.left_out:
             log.warning(
                 "discovery: %d of %d pods left out (an address another pod has, or past %d)",
-                len(merged) - len(chosen),
+                left_out,
                 len(merged),
                 self.settings.max_workers,
             )
+        self.left_out = left_out
         await self._cell.publish(frozenset(chosen.values()))
 
     @property

@@ -31,18 +31,16 @@ import hashlib
 import json
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import Coroutine
 from pathlib import Path
-from types import TracebackType
-from typing import Any, Self
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from globalkv.discovery.model import DiscoveredWorker, Role, Snapshot, SnapshotCell
+from globalkv.discovery.model import DiscoveredWorker, Role, Snapshot, Source
 from kvplumbing.addresses import check_http_url
 from kvplumbing.clock import Sleep
-from kvplumbing.tasks import cancel_and_wait
 from kvplumbing.validation import validation_message
 
 log = logging.getLogger(__name__)
@@ -108,43 +106,23 @@ def _first_line(error: BaseException) -> str:
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
-class FileSource:
+class FileSource(Source):
     """Follows a worker file; `async with` starts the polling, `snapshots()` yields each
     new worker set until exit. `errors` counts refused versions of the file by kind."""
 
     def __init__(self, path: Path, *, interval: float = 2.0, sleep: Sleep = asyncio.sleep) -> None:
         if interval <= 0:
             raise ValueError("the file poll interval must be positive")
+        super().__init__()
         self.path = path
         self.interval = interval
         self.errors: Counter[str] = Counter()
         self._sleep = sleep
-        self._cell = SnapshotCell()
         self._seen: bytes | None = None
         """The content hash last acted on (published or refused), or of the last error."""
-        self._task: asyncio.Task[None] | None = None
 
-    @property
-    def current(self) -> Snapshot | None:
-        """The workers of the last good file; None until one was read."""
-        return self._cell.current
-
-    def snapshots(self) -> AsyncIterator[Snapshot]:
-        return self._cell.updates()
-
-    async def __aenter__(self) -> Self:
-        self._task = asyncio.create_task(self._poll(), name="discovery-file")
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        if self._task is not None:
-            await cancel_and_wait([self._task])
-        await self._cell.close()
+    def _loops(self) -> list[Coroutine[Any, Any, None]]:
+        return [self._poll()]
 
     async def _poll(self) -> None:
         while True:

@@ -31,14 +31,13 @@ import contextlib
 import logging
 import random
 from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping
-from types import TracebackType
-from typing import Self
+from collections.abc import AsyncGenerator, Callable, Coroutine, Iterator, Mapping
+from typing import Any, Self
 
 import httpx2
 from lightkube import ApiError, AsyncClient
 from lightkube.core.client import LabelSelector
-from lightkube.core.exceptions import NotReadyError
+from lightkube.core.exceptions import ConfigError, NotReadyError
 from lightkube.core.generic_client import ALL_NS
 from lightkube.resources.core_v1 import Pod
 from lightkube.types import on_error_raise
@@ -49,9 +48,8 @@ from globalkv.discovery.kubernetes import (
     pod_worker,
     selector_query,
 )
-from globalkv.discovery.model import DiscoveredWorker, Role, Snapshot, SnapshotCell
+from globalkv.discovery.model import DiscoveredWorker, Role, Source
 from kvplumbing.clock import Sleep
-from kvplumbing.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +76,7 @@ class _Stream:
         """Pod id -> why it was refused, so a pod is logged once per reason, not per event."""
 
 
-class KubernetesSource:
+class KubernetesSource(Source):
     """Watches pods by `KubernetesDiscovery` and publishes the workers they make.
 
     `async with` starts the watches (and closes the client it made itself on exit);
@@ -94,6 +92,7 @@ class KubernetesSource:
         sleep: Sleep = asyncio.sleep,
         draw: Callable[[], float] = random.random,
     ) -> None:
+        super().__init__()
         self.settings = settings
         self.counts: Counter[str] = Counter()
         self.rejected: Counter[str] = Counter()
@@ -103,40 +102,25 @@ class KubernetesSource:
         self._owns_client = client is None
         self._sleep = sleep
         self._draw = draw
-        self._cell = SnapshotCell()
         selectors: tuple[tuple[Role, Mapping[str, str]], ...] = (
             ("prefill", settings.prefill_selector),
             ("decode", settings.decode_selector),
         )
         self._streams = [_Stream(role, labels) for role, labels in selectors if labels]
-        self._tasks: list[asyncio.Task[None]] = []
 
-    @property
-    def current(self) -> Snapshot | None:
-        """The workers last published; None until a first list succeeded."""
-        return self._cell.current
-
-    def snapshots(self) -> AsyncIterator[Snapshot]:
-        return self._cell.updates()
+    def _loops(self) -> list[Coroutine[Any, Any, None]]:
+        assert self._client is not None  # made on entry
+        return [self._follow(self._client, stream) for stream in self._streams]
 
     async def __aenter__(self) -> Self:
         if self._client is None:
-            self._client = AsyncClient()
-        client = self._client
-        self._tasks = [
-            asyncio.create_task(self._follow(client, stream), name=f"discovery-{stream.role}")
-            for stream in self._streams
-        ]
-        return self
+            try:
+                self._client = AsyncClient()
+            except ConfigError as error:
+                raise ValueError(f"Kubernetes service discovery: {error}") from None
+        return await super().__aenter__()
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        await cancel_and_wait(self._tasks)
-        await self._cell.close()
+    async def _release(self) -> None:
         if self._owns_client and self._client is not None:
             await self._client.close()
 

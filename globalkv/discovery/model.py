@@ -22,9 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Literal
+from types import TracebackType
+from typing import Any, Literal, Self
+
+from kvplumbing.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +117,44 @@ class SnapshotCell:
                 seen, snapshot = self._version, self._snapshot
             assert snapshot is not None  # a version past 0 was published with a snapshot
             yield snapshot
+
+
+class Source:
+    """What every source shares: the loops it runs while `async with` lasts, and the
+    snapshots they publish. `snapshots()` ends when the `async with` does."""
+
+    def __init__(self) -> None:
+        self._cell = SnapshotCell()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def current(self) -> Snapshot | None:
+        """The workers last published; None until the source first knew its truth."""
+        return self._cell.current
+
+    def snapshots(self) -> AsyncIterator[Snapshot]:
+        return self._cell.updates()
+
+    def _loops(self) -> list[Coroutine[Any, Any, None]]:
+        """The loops to run, each until cancelled."""
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        self._tasks = [asyncio.create_task(loop) for loop in self._loops()]
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await cancel_and_wait(self._tasks)
+        await self._cell.close()
+        await self._release()
+
+    async def _release(self) -> None:
+        """Let go of what the loops used, once they have ended."""
 
 
 Apply = Callable[[Changes], Awaitable[None]]

@@ -4,16 +4,18 @@ and objects no real API server would send."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from lightkube import AsyncClient, KubeConfig
 from lightkube.config.models import Cluster, User
 
 from globalkv.discovery.kube_watch import KubernetesSource
-from globalkv.discovery.kubernetes import KubernetesDiscovery
+from globalkv.discovery.kubernetes import KubernetesDiscovery, open_source
 from globalkv.discovery.model import Changes, DiscoveredWorker
 from kvplumbing.backoff import Backoff
 from tests.discovery.support import added_ids, consumer, removed_ids, until
@@ -30,14 +32,6 @@ SETTINGS = KubernetesDiscovery(
     port=30000,
     backoff=Backoff(0.01, 0.2),
 )
-
-
-@pytest.fixture
-async def api() -> AsyncIterator[FakeKubeApi]:
-    server = FakeKubeApi()
-    await server.start()
-    yield server
-    await server.stop()
 
 
 @asynccontextmanager
@@ -349,3 +343,34 @@ async def test_duplicate_addresses_keep_the_first_pod_by_id(api: FakeKubeApi) ->
         api.delete("a")
         await until(lambda: ids(source) == {"default/b"}, "b once a is gone")
         assert source.left_out == 0
+
+
+async def test_the_client_comes_from_kubeconfig(
+    api: FakeKubeApi, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kubeconfig = tmp_path / "config"
+    kubeconfig.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "fake", "cluster": {"server": api.url}}],
+                "users": [{"name": "fake", "user": {"token": "test"}}],
+                "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake"}}],
+                "current-context": "fake",
+            }
+        )
+    )
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    api.apply(pod("d1", DECODE, ip="127.0.0.21"))
+    async with open_source(SETTINGS) as source:
+        await until(lambda: source.current is not None and len(source.current) == 1, "d1")
+
+
+async def test_no_kubernetes_configuration_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "absent"))
+    with pytest.raises(ValueError, match=r"^Kubernetes service discovery: .*absent"):
+        async with open_source(SETTINGS):
+            pass

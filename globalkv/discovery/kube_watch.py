@@ -18,10 +18,11 @@ API server says:
   new list, which succeeds once the object is gone; a decodable pod that states something
   unusable is skipped, logged once and counted (`rejected`).
 
-lightkube is the client: httpx-based and asyncio-native like the rest of globalkv, typed
-(strict mypy checks the pod fields read here), and small. Its watch has no parameter for
-`allowWatchBookmarks`, so `_watch` builds the same request lightkube's `watch` builds,
-plus that parameter.
+lightkube is the client: asyncio-native, on httpx2 (installed already, for the tokenizers'
+hub client), typed (strict mypy checks every pod field read here) and small, where
+kubernetes_asyncio brings aiohttp and generated models and kr8s hands back untyped dicts.
+Its watch has no parameter for `allowWatchBookmarks`, so `_watch` builds the request
+lightkube's `watch` builds, plus that parameter; the tests check the parameter is sent.
 """
 
 from __future__ import annotations

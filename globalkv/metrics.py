@@ -100,6 +100,12 @@ class IngestMetrics:
             "Sources still being rebuilt after the index lost its data (lookups answer 503).",
             registry=registry,
         )
+        self.held = Gauge(
+            "globalkv_ingest_held_sources",
+            "Sources whose next batch the index refuses now (unreachable, or full): held and "
+            "retried, so lookups show what the index held before it.",
+            registry=registry,
+        )
 
     def _flow(self, registry: CollectorRegistry) -> None:
         """Where batches wait and how late they become visible."""

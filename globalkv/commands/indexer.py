@@ -4,7 +4,8 @@
         [--bind tcp://*:5557]... [--pod '{"id": "p0", "kv_events": {…}}']...
         [--pods-file pods.json] [--admin-token T | --insecure] [--tokenizer PATH|byte]
         [--allow-endpoint-scheme ipc|inproc]...
-        [--max-tokens N] [--max-body-bytes N] [--queue-size N] [--reconcile-interval S]
+        [--max-tokens N] [--max-body-bytes N] [--queue-size N] [--replay-max-bytes N]
+        [--reconcile-interval S]
         [--replicas [--lease-ttl S] [--indexer-id NAME]]
 
 Every flag also reads `GLOBALKV_INDEXER_<FLAG>`. A repeatable flag's environment value is
@@ -73,7 +74,15 @@ def register(subparsers: Any) -> None:
     api = ApiConfig()
     add("--max-tokens", type=int, default=api.max_tokens, help="tokens per lookup")
     add("--max-body-bytes", type=int, default=api.max_body_bytes, help="largest request body")
-    add("--queue-size", type=int, default=IngestConfig().queue_size, help="batches per source")
+    ingest = IngestConfig()
+    add("--queue-size", type=int, default=ingest.queue_size, help="batches per source")
+    add(
+        "--replay-max-bytes",
+        type=int,
+        default=ingest.replay_max_bytes,
+        metavar="BYTES",
+        help="payload bytes one replay may hold; past it the replay stops and the source is reset",
+    )
     add(
         "--reconcile-interval",
         type=float,
@@ -144,6 +153,7 @@ def config_from_args(args: argparse.Namespace) -> IndexerConfig:
                 "ingest": {
                     "bind": args.bind,
                     "queue_size": args.queue_size,
+                    "replay_max_bytes": args.replay_max_bytes,
                     "allow_endpoint_schemes": args.allow_endpoint_schemes,
                 },
             }

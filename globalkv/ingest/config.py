@@ -54,6 +54,12 @@ class IngestConfig(BaseModel):
         "(each costs a worker and a registry entry, and anyone who reaches the socket can "
         "name one); a new topic past it is dropped as `pod_limit`. 0: discover none.",
     )
+    replay_max_bytes: int = Field(
+        256 << 20,
+        ge=1024,
+        description="Payload bytes one replay may hold until it is applied; past it the "
+        "replay stops and the source is reset, as for a replay that cannot fill its range.",
+    )
     replay_reply_timeout: float = Field(1.0, gt=0, description="Wait for each replay reply.")
     replay_total_timeout: float = Field(30.0, gt=0, description="Bound on one whole replay.")
     retry_base: float = Field(0.05, gt=0, description="First wait when the index is down.")

@@ -56,6 +56,7 @@ class IngestService:
             reply_timeout=config.replay_reply_timeout,
             total_timeout=config.replay_total_timeout,
             max_message_bytes=config.max_message_bytes,
+            max_bytes=config.replay_max_bytes,
         )
         self.following = Following(
             index,

@@ -3,7 +3,8 @@
     globalkv indexer --host 0.0.0.0 --port 8100 [--redis-url redis://…] [--block-size 16]
         [--bind tcp://*:5557]... [--pod '{"id": "p0", "kv_events": {…}}']...
         [--pods-file pods.json] [--admin-token T | --insecure] [--tokenizer PATH|byte]
-        [--allow-endpoint-scheme ipc|inproc]...
+        [--allow-endpoint-scheme ipc|inproc]... [--allow-publisher CIDR]...
+        [--discovered-idle-secs S]
         [--max-tokens N] [--max-body-bytes N] [--queue-size N] [--replay-max-bytes N]
         [--reconcile-interval S]
         [--replicas [--lease-ttl S] [--indexer-id NAME]]
@@ -23,6 +24,7 @@ from typing import Any, get_args
 from globalkv.api import ApiConfig
 from globalkv.indexer import IndexerConfig, run_indexer
 from globalkv.ingest.config import ALLOW_SCHEME_FLAG, EndpointScheme, IngestConfig
+from globalkv.ingest.publishers import ALLOW_PUBLISHER_FLAG
 from kvplumbing.validation import validation_as_value_error
 
 
@@ -69,6 +71,22 @@ def register(subparsers: Any) -> None:
         choices=list(get_args(EndpointScheme)),
         help="follow pods whose KV-event endpoints have this scheme too (repeatable); "
         "only tcp:// otherwise",
+    )
+    add(
+        ALLOW_PUBLISHER_FLAG,
+        dest="allow_publishers",
+        action="append",
+        default=[],
+        metavar="CIDR",
+        help="let engines in this network publish to the bound SUB (repeatable); only "
+        "loopback otherwise",
+    )
+    add(
+        "--discovered-idle-secs",
+        type=float,
+        default=IngestConfig().discovered_idle_secs,
+        metavar="SECONDS",
+        help="forget a pod discovered on the bound SUB after this long without a message",
     )
     add("--tokenizer", metavar="PATH", help="tokenizer.json, its directory, or 'byte'")
     api = ApiConfig()
@@ -154,6 +172,8 @@ def config_from_args(args: argparse.Namespace) -> IndexerConfig:
                     "bind": args.bind,
                     "queue_size": args.queue_size,
                     "replay_max_bytes": args.replay_max_bytes,
+                    "allow_publishers": args.allow_publishers,
+                    "discovered_idle_secs": args.discovered_idle_secs,
                     "allow_endpoint_schemes": args.allow_endpoint_schemes,
                 },
             }

@@ -96,7 +96,7 @@ class ReplayClient:
                         result.outcome = "limit"
                         return result
                     at = time.monotonic()
-                    batch = receive(frame.seq, frame.payload, model, at, self.metrics)
+                    batch = await receive(frame.seq, frame.payload, model, at, self.metrics)
                     result.batches.append(batch)
                 if frame is None or frame.seq >= stop - 1:
                     return result

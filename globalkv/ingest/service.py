@@ -48,7 +48,13 @@ class IngestService:
         self.followed = FollowedPods()
         self.recovery = Recovery(self.followed, registry, metrics, self.background)
         self.discovery = Discovery(
-            self.followed, registry, gate.holds, self.background, config.max_discovered_pods
+            self.followed,
+            registry,
+            gate.holds,
+            self.background,
+            config.max_discovered_pods,
+            config.max_discovered_sources,
+            config.discovered_idle_secs,
         )
         replayer = ReplayClient(
             self.context,
@@ -71,7 +77,6 @@ class IngestService:
             background=self.background,
         )
         self.bound = BoundSocket(
-            self.context,
             config,
             self.followed,
             self.following,

@@ -21,11 +21,11 @@ from globalkv.registry import MemoryRegistry
 from globalkv.wire import live_frames
 from globalkv.wire.decode import MAX_BATCH_EVENTS
 
-STALL_BOUND = 0.5
+STALL_BOUND = 1.0
 """Seconds the loop may go without a turn. Slices are ~15 ms; what remains above the 100 ms
-target is Python's full garbage collection over the events in flight (~0.3 s measured
+target is Python's full garbage collection over the events in flight (0.25-0.6 s measured
 here with three such batches held; none with the collector off), reported in
-`docs/benchmarks.md`. Before the fix: over 1 s per batch."""
+`docs/benchmarks.md`. Before the fix: 5.9 s for these three batches."""
 
 
 def heavy_batch(first: int) -> bytes:
@@ -50,14 +50,14 @@ async def test_heavy_batches_do_not_stall_the_event_loop(context: zmq.asyncio.Co
     pub = context.socket(zmq.XPUB)
     pub.connect(service.bound.endpoints[0])
     await pub.recv()  # the SUB subscribed
-    longest = 0.0
+    longest, woke = 0.0, time.perf_counter()
 
     async def probe() -> None:
-        nonlocal longest
+        nonlocal longest, woke
         while True:
-            before = time.perf_counter()
             await asyncio.sleep(0.005)
-            longest = max(longest, time.perf_counter() - before - 0.005)
+            now = time.perf_counter()
+            longest, woke = max(longest, now - woke - 0.005), now
 
     payload = heavy_batch(0)
     probing = asyncio.create_task(probe())
@@ -65,6 +65,7 @@ async def test_heavy_batches_do_not_stall_the_event_loop(context: zmq.asyncio.Co
         for seq in range(3):
             await pub.send_multipart(live_frames(b"kv@p@m", seq, payload))
         await service.followed.applied(Source("p"), 2, timeout=120)
+        longest = max(longest, time.perf_counter() - woke - 0.005)  # a stall up to now
     finally:
         probing.cancel()
         pub.close(linger=0)

@@ -47,14 +47,11 @@ async def receive(
 
 async def decode(payload: bytes) -> EventBatch:
     """`wire.decode_batch`, the loop running between slices; raises `WireError`."""
-    steps = decode_steps(payload)
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            batch: EventBatch = done.value
+    for batch in decode_steps(payload):
+        if batch is not None:
             return batch
         await asyncio.sleep(0)
+    raise AssertionError("decode_steps ends with the batch")
 
 
 async def received(

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from array import array
-from collections.abc import Generator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import msgpack
@@ -72,23 +72,19 @@ SLICE_EVENTS = 512
 
 def decode_batch(payload: bytes) -> EventBatch:
     """One publisher batch from its msgpack payload; raises `WireError` if malformed."""
-    steps = decode_steps(payload)
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            batch: EventBatch = done.value
-            return batch
+    return next(batch for batch in decode_steps(payload) if batch is not None)
 
 
-def decode_steps(payload: bytes) -> Generator[None, None, EventBatch]:
-    """`decode_batch` a slice of events at a time: it yields after every `SLICE_EVENTS`
-    events, so a caller on the event loop lets everything else run there, and returns the
-    batch. An array batch is read element by element from one buffer: the largest allowed
-    decoded whole is one C call of a third of a second, which nothing could interrupt."""
+def decode_steps(payload: bytes) -> Iterator[EventBatch | None]:
+    """`decode_batch` a slice of events at a time: it yields None after every
+    `SLICE_EVENTS` events, so a caller on the event loop lets everything else run there,
+    and the batch last. An array batch is read element by element from one buffer: the
+    largest allowed decoded whole is one C call of a third of a second, which nothing
+    could interrupt."""
     _check_size(payload)
     if not payload or payload[0] not in _ARRAY_HEADS:
-        return _batch(_unpack_whole(payload))
+        yield _batch(_unpack_whole(payload))
+        return
     unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=len(payload))
     unpacker.feed(payload)
     try:
@@ -108,7 +104,7 @@ def decode_steps(payload: bytes) -> Generator[None, None, EventBatch]:
             else:
                 decoded.append(event)
             if position % SLICE_EVENTS == SLICE_EVENTS - 1:
-                yield
+                yield None
         dp_rank = unpacker.unpack() if size > 2 else None
         for _ in range(size - 3):
             unpacker.skip()
@@ -119,7 +115,7 @@ def decode_steps(payload: bytes) -> Generator[None, None, EventBatch]:
     except (*_UNPACK_ERRORS, IndexError) as exc:
         raise WireError("not_msgpack", f"{type(exc).__name__}: {exc}"[:200]) from None
     _check_dp_rank(dp_rank)
-    return EventBatch(ts=ts, events=decoded, dp_rank=dp_rank, skipped=skipped)
+    yield EventBatch(ts=ts, events=decoded, dp_rank=dp_rank, skipped=skipped)
 
 
 def _unpack_whole(payload: bytes) -> object:

@@ -110,6 +110,26 @@ async def test_gap_past_the_replay_buffer_resets_and_keeps_the_contiguous_tail(
     assert sample(prom, "globalkv_ingest_replays_total", pod="p0", outcome="short") == 1
 
 
+async def test_a_replay_past_its_byte_budget_stops_and_resets(
+    make_service: ServiceFactory,
+    make_publisher: PublisherFactory,
+    index: RecordingIndex,
+    prom: CollectorRegistry,
+) -> None:
+    """Each buffered batch is ~40 KiB; the replay may hold 64 KiB: it stops at the second."""
+    service, pub = make_service(replay_max_bytes=64 << 10), await make_publisher()
+    await follow(service, pub, pod_for(pub))
+    await pub.send([store(0)])
+    for n in range(1, 6):
+        await pub.send([store(k) for k in range(n, n + 1000)], live=False)
+    assert all(len(batch.payload) > 32 << 10 for batch in list(pub.buffer)[1:])
+    await pub.send([store(6)])
+    await service.followed.applied(P0, 6)
+    assert index.applied[P0] == [0, -1, 6]
+    assert sample(prom, "globalkv_ingest_replays_total", pod="p0", outcome="limit") == 1
+    assert sample(prom, "globalkv_ingest_resets_total", pod="p0", reason="gap") == 1
+
+
 @pytest.mark.parametrize(
     ("replay_endpoint", "outcome"),
     [

@@ -49,6 +49,11 @@ _SHUTDOWN_GRACE_SECS = 5.0
 most supervisors allow before SIGKILL, leaving time for the rest of the shutdown."""
 
 
+class CannotListen(Exception):
+    """A socket the gateway must listen on could not be opened; the message names it, its
+    flag and why."""
+
+
 def check_config(args: argparse.Namespace) -> None:
     build_config(args)
 
@@ -119,9 +124,13 @@ async def running_gateway(
         if config.share_state_interval_secs is not None:
             await _share_state(config, gateway, stack)
         if config.prometheus_port and config.prometheus_port != config.port:
-            metrics_server, _ = start_http_server(
-                config.prometheus_port, config.prometheus_host, gateway.metrics.registry
-            )
+            host, port = config.prometheus_host, config.prometheus_port
+            try:
+                metrics_server, _ = start_http_server(port, host, gateway.metrics.registry)
+            except OSError as exc:
+                message = f"gateway cannot serve its metrics on {host}:{port} (--prometheus-port)"
+                raise CannotListen(f"{message}: {exc}") from exc
+            stack.callback(metrics_server.server_close)
             stack.callback(metrics_server.shutdown)
         app = create_app(gateway)
         async with app.router.lifespan_context(app):
@@ -131,7 +140,11 @@ async def running_gateway(
 async def serve(config: GatewayConfig, tokenizer: Tokenizer | None) -> None:
     async with running_gateway(config, tokenizer) as (gateway, app):
         server = HttpServer(Inference(gateway), app)
-        await server.start(config.host, config.port)
+        try:
+            await server.start(config.host, config.port)
+        except OSError as exc:
+            where = f"{config.host}:{config.port} (--port)"
+            raise CannotListen(f"gateway cannot serve on {where}: {exc}") from exc
         tune_garbage_collection()
         await _until_signalled()
         await server.shutdown(grace=_SHUTDOWN_GRACE_SECS)
@@ -190,8 +203,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         uvloop.run(serve(config, tokenizer))
-    except OSError as exc:
-        log.error("gateway cannot serve on %s:%d: %s", config.host, config.port, exc)
+    except CannotListen as exc:
+        log.error("%s", exc)
         return 1
     return 0
 

@@ -136,6 +136,12 @@ class HealthConfig(BaseModel):
     directory_refresh_secs: float = Field(
         5.0, gt=0, description="How often each prefill's bootstrap directory is read."
     )
+    registration_check_secs: float = Field(
+        5.0,
+        gt=0,
+        description="How often the index's pods are listed, to register again a prefill it "
+        "no longer lists (an indexer that keeps them in memory restarted).",
+    )
 
     @field_validator("endpoint")
     @classmethod

@@ -112,6 +112,7 @@ SETTINGS: tuple[tuple[str, type[BaseModel], dict[str, str]], ...] = (
             "disabled": "--disable-health-check",
             "startup_check_interval_secs": "--worker-startup-check-interval",
             "directory_refresh_secs": "--directory-refresh-secs",
+            "registration_check_secs": "--registration-check-secs",
         },
     ),
 )

@@ -10,8 +10,11 @@ After the first byte a failure can only end the stream.
 
 Every finished call is recorded in its worker's breaker; calls cancelled by the gateway
 are not. A failed call is also noted as its worker's last error (`/workers`, `globalkv
-doctor`). A prefill call may outlive its request (its decode answered first); `drain`
-waits for those.
+doctor`); the first of a run of failures is logged at once (a dead prefill otherwise
+showed in the log only when its health checks or its circuit gave up on it, tens of
+seconds later), the rest by the circuit's transitions, and a worker answering again
+after failures is logged too. A prefill call may outlive its request (its decode answered
+first); `drain` waits for those.
 """
 
 from __future__ import annotations
@@ -77,8 +80,13 @@ class PairCalls:
         """One finished call in the worker's breaker; a failure (a transport error, a
         stream broken off, or a failure status) counted and noted as its last error."""
         failure = status is None or is_failure_status(status)
-        worker.breaker.record(not failure)
         if not failure:
+            failed_before = worker.breaker.failures
+            worker.breaker.record(True)
+            if failed_before:
+                log.info(
+                    "%s %s answers again after %d failed calls", role, worker.id, failed_before
+                )
             return
         if isinstance(error, BaseException):
             reason, detail = type(error).__name__, f"{type(error).__name__}: {error}"
@@ -86,6 +94,9 @@ class PairCalls:
             reason = detail = error or str(status)
         self._metrics.upstream_failures.labels(role, reason).inc()
         what = f"answered HTTP {status}" if status is not None else f"failed ({detail})"
+        worker.breaker.record(False, what)
+        if worker.breaker.failures == 1:
+            log.warning("%s %s: a call %s", role, worker.id, what)
         worker.note_error(f"{role} call {what}", self._clock())
 
     def start_prefill(self, plan: RoutePlan, path: str, payload: bytes, extra: Extra = ()) -> Call:

@@ -210,7 +210,18 @@ class Monitor:
             ok, error = False, f"{type(exc).__name__}: {exc}"
         after = worker.health.record(ok, None if ok else error)
         if after is not before:
-            log.info("worker %s (%s) is now %s (%s)", worker.id, worker.role, after.value, error)
+            circuit = worker.breaker.retry_in()
+            held = "" if circuit is None else f"; its circuit is open for {circuit:.0f} s more"
+            level = logging.WARNING if after is Health.UNHEALTHY else logging.INFO
+            log.log(
+                level,
+                "worker %s (%s) is now %s (%s)%s",
+                worker.id,
+                worker.role,
+                after.value,
+                error,
+                held,
+            )
 
     async def _detect(self, worker: Worker) -> None:
         """Asked each round until the worker tells; undetected, it is treated as SGLang."""

@@ -139,7 +139,7 @@ async def running_gateway(
 
 async def serve(config: GatewayConfig, tokenizer: Tokenizer | None) -> None:
     async with running_gateway(config, tokenizer) as (gateway, app):
-        server = HttpServer(Inference(gateway), app)
+        server = HttpServer(Inference(gateway), app, max_connections=config.max_client_connections)
         try:
             await server.start(config.host, config.port)
         except OSError as exc:

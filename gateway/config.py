@@ -222,6 +222,13 @@ class GatewayConfig(BaseModel):
         "longest silence of one upstream call.",
     )
     max_payload_size: int = Field(512 * 1024 * 1024, ge=1, description="Request body limit.")
+    max_client_connections: int | None = Field(
+        None,
+        ge=1,
+        description="Client connections open at once; past it a new one takes the place of "
+        "the connection idle longest, or is answered 503 and closed when none is idle. "
+        "None: half the open-files limit, the rest left for connections to the workers.",
+    )
     redis_url: str | None = Field(None, description="Read index and pod registry from Redis.")
     redis_prefix: str = Field(
         "gkv", min_length=1, description="Key prefix of the index and registry in Redis."

@@ -29,6 +29,7 @@ import httpx
 
 from gateway.config import Role
 from gateway.http.answer import Answer, Outcome, error_body
+from gateway.http.connections import LocalResourceError
 from gateway.http.reply import Reply
 from gateway.http.upstream import Extra, Upstream
 from gateway.legs.attempt import Failure
@@ -78,7 +79,11 @@ class PairCalls:
         self, role: Role, worker: Worker, status: int | None, error: BaseException | str | None
     ) -> None:
         """One finished call in the worker's breaker; a failure (a transport error, a
-        stream broken off, or a failure status) counted and noted as its last error."""
+        stream broken off, or a failure status) counted and noted as its last error. A
+        call this gateway could not make for want of its own resources is not the worker's
+        doing and is held against nothing of it (`_local_failure` answers it)."""
+        if isinstance(error, LocalResourceError):
+            return
         failure = status is None or is_failure_status(status)
         if not failure:
             failed_before = worker.breaker.failures
@@ -133,7 +138,10 @@ class PairCalls:
     @staticmethod
     def prefill_failure(plan: RoutePlan, call: Call) -> Failure:
         """What a failed prefill call answers the client, and whether to retry."""
-        if call.exception() is not None:
+        error = call.exception()
+        if isinstance(error, LocalResourceError):
+            return _local_failure("prefill", plan.prefill, error)
+        if error is not None:
             message = f"prefill {plan.prefill.id} unreachable"
             return Failure(
                 "prefill", plan.prefill, True, Answer(502, error_body(message, "upstream_error"))
@@ -178,6 +186,8 @@ class PairCalls:
             return self._decode_error(plan.decode, exc, when)
 
     def _decode_error(self, decode: Worker, exc: httpx.HTTPError, when: str) -> Failure:
+        if isinstance(exc, LocalResourceError):
+            return _local_failure("decode", decode, exc)
         self.record("decode", decode, None, exc)
         message = f"decode {decode.id} failed {when}: {type(exc).__name__}"
         return Failure("decode", decode, True, Answer(502, error_body(message, "upstream_error")))
@@ -301,6 +311,17 @@ class _DecodeStream:
             self._call.cancel()
         else:
             self._record("decode", self._decode, 200 if outcome == "done" else None, outcome)
+
+
+def _local_failure(role: Role, worker: Worker, error: LocalResourceError) -> Failure:
+    """503 naming the gateway's own limit, not retried: another pair needs connections the
+    gateway cannot open either, and the worker did nothing wrong."""
+    log.error("the gateway cannot reach %s %s: %s", role, worker.id, error)
+    message = (
+        f"the gateway is out of its own resources, not the worker's: {error}. Raise the "
+        "gateway's open-files limit or lower --max-client-connections"
+    )
+    return Failure(role, worker, False, Answer(503, error_body(message, "gateway_overloaded")))
 
 
 def _passed_headers(reply: Reply) -> tuple[tuple[str, str], ...]:

@@ -30,6 +30,7 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 
 from gateway.config import HealthConfig, KvEventsSpec
+from gateway.http.connections import LocalResourceError
 from gateway.workers.health import Health
 from gateway.workers.kinds import detect_kind
 from gateway.workers.pool import DirectoryStatus, Worker, WorkerPool
@@ -206,6 +207,9 @@ class Monitor:
                 worker.url + self._config.endpoint, timeout=self._config.timeout_secs
             )
             ok, error = response.status_code == 200, f"HTTP {response.status_code}"
+        except LocalResourceError as exc:  # the gateway's own shortage says nothing of it
+            log.error("health check of %s %s not made: %s", worker.role, worker.id, exc)
+            return
         except httpx.HTTPError as exc:
             ok, error = False, f"{type(exc).__name__}: {exc}"
         after = worker.health.record(ok, None if ok else error)

@@ -11,6 +11,14 @@ A client that goes away is the server's to notice: it cancels `handle` (counted 
 or, once a stream is under way, closes the stream as `client_gone`, which cancels a
 prefill still running.
 
+Error bodies, one shape per API family (`docs/operations.md`, "Error answers"): the
+gateway's own refusals are OpenAI's error object on every endpoint
+(`gateway.http.answer.error_body`). A worker's error answer is passed on as it is on
+SGLang's `/generate`; on the OpenAI endpoints one in another shape — SGLang's and older
+vLLM's flat `{"object": "error", "message", …}`, FastAPI's `{"detail": …}`, plain text —
+is rewritten into OpenAI's, its fields kept, so that a client reads one shape whoever
+refused it.
+
 A prompt to tokenize in a body over `TOKENIZE_INLINE_MAX` bytes is tokenized in a worker
 thread: a long text held the event loop, and every other request with it, for as long as
 its tokenizer ran (Hugging Face's releases the GIL). Shorter ones are tokenized inline,
@@ -21,6 +29,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Collection
+from typing import Any
+
+import orjson
 
 from gateway.http.answer import Answer, Outcome, Rest, problem
 from gateway.metrics import EndpointMetrics
@@ -36,6 +47,26 @@ INFERENCE_PATHS: dict[str, Endpoint] = {
     "/v1/completions": "completions",
     "/v1/chat/completions": "chat",
 }
+
+
+def openai_error(answer: Answer) -> Answer:
+    """`answer`, an error, with OpenAI's error object as its body (its fields kept)."""
+    try:
+        body: Any = orjson.loads(answer.body)
+    except orjson.JSONDecodeError:
+        body = answer.body.decode("utf-8", "replace")
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        error = body["error"]
+    elif isinstance(body, dict) and body.get("object") == "error":
+        error = {key: value for key, value in body.items() if key != "object"}
+    else:
+        detail = body.get("detail", body) if isinstance(body, dict) else body
+        message = detail if isinstance(detail, str) else orjson.dumps(detail).decode()
+        error = {"message": message, "type": "upstream_error"}
+    shaped = {"message": "", "type": "upstream_error", "param": None, "code": None, **error}
+    if shaped == error and body == {"error": error}:
+        return answer
+    return Answer(answer.status, orjson.dumps({"error": shaped}), headers=answer.headers)
 
 
 class _Measured:
@@ -107,6 +138,8 @@ class Inference:
             raise
         now = gateway.clock()
         metrics.ttfb.observe(now - started)
+        if answer.status >= 400 and answer.rest is None and path != "/generate":
+            answer = openai_error(answer)
         if answer.rest is not None:
             answer.rest = _Measured(answer.rest, answer.status, metrics, started, gateway.clock)
             return answer

@@ -34,6 +34,7 @@ from gateway.http.upstream import PooledUpstream
 from gateway.inference import Inference
 from gateway.replicas.shared_state import SharedState, member_name
 from gateway.service import Gateway, build_gateway
+from gateway.tracing import configured_endpoint, otlp_tracing
 from gateway.workers.monitor import PodRegistrar
 from gateway.workers.pods import HttpPodRegistrar, RegistryPodRegistrar
 from globalkv import redis_client
@@ -121,6 +122,11 @@ async def running_gateway(
             probe=DirectoryReader(client, timeout=2.0),
             tokenizer=tokenizer,
         )
+        endpoint = configured_endpoint(config.otlp_traces_endpoint)
+        if endpoint is not None:
+            gateway.tracing = otlp_tracing(endpoint, config.otlp_traces_endpoint is not None)
+            stack.callback(gateway.tracing.shutdown)
+            log.info("gateway spans exported by OTLP to %s", endpoint)
         if config.share_state_interval_secs is not None:
             await _share_state(config, gateway, stack)
         if config.prometheus_port and config.prometheus_port != config.port:

@@ -222,6 +222,13 @@ class GatewayConfig(BaseModel):
         "longest silence of one upstream call.",
     )
     max_payload_size: int = Field(512 * 1024 * 1024, ge=1, description="Request body limit.")
+    otlp_traces_endpoint: str | None = Field(
+        None,
+        description="OTLP/HTTP URL the gateway's request spans are exported to (e.g. "
+        "http://collector:4318/v1/traces); without it, OpenTelemetry's "
+        "OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; with neither, "
+        "no spans (a client's traceparent is still passed on). Needs globalkv[otel].",
+    )
     max_client_connections: int | None = Field(
         None,
         ge=1,

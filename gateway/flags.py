@@ -44,6 +44,7 @@ SETTINGS: tuple[tuple[str, type[BaseModel], dict[str, str]], ...] = (
             "request_timeout_secs": "--request-timeout-secs",
             "max_payload_size": "--max-payload-size",
             "max_client_connections": "--max-client-connections",
+            "otlp_traces_endpoint": "--otlp-traces-endpoint",
             "redis_url": "--redis-url",
             "redis_prefix": "--redis-prefix",
             "indexer_url": "--indexer-url",

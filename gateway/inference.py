@@ -37,6 +37,7 @@ from gateway.http.answer import Answer, Outcome, Rest, problem
 from gateway.metrics import EndpointMetrics
 from gateway.requests import BadRequest, Endpoint, decode_body, parse_request, prompt_tokens
 from gateway.service import Gateway
+from gateway.tracing import TracedRequest, bind, passed_on
 from globalkv.tokenize import TokenizeError
 from kvplumbing.auth import bearer_matches
 from kvplumbing.clock import Clock
@@ -72,7 +73,7 @@ def openai_error(answer: Answer) -> Answer:
 class _Measured:
     """A stream's rest whose request is measured (duration, status) when it closes."""
 
-    __slots__ = ("_clock", "_metrics", "_rest", "_started", "_status")
+    __slots__ = ("_clock", "_metrics", "_rest", "_started", "_status", "traced")
 
     def __init__(
         self, rest: Rest, status: int, metrics: EndpointMetrics, started: float, clock: Clock
@@ -82,6 +83,7 @@ class _Measured:
         self._metrics = metrics
         self._started = started
         self._clock = clock
+        self.traced: TracedRequest | None = None
 
     def next(self) -> Awaitable[bytes]:
         return self._rest.next()
@@ -92,6 +94,8 @@ class _Measured:
         finally:
             self._metrics.latency.observe(self._clock() - self._started)
             self._metrics.answered(self._status)
+            if self.traced is not None:
+                self.traced.end(self._status)
 
 
 class Inference:
@@ -114,7 +118,34 @@ class Inference:
         """An answer given without calling a worker (401, 400, 413), counted."""
         self._metrics[path].answered(answer.status)
 
-    async def handle(self, path: str, authorization: str | None, body: bytes) -> Answer:
+    async def handle(
+        self,
+        path: str,
+        authorization: str | None,
+        body: bytes,
+        trace_context: tuple[tuple[bytes, bytes], ...] = (),
+    ) -> Answer:
+        tracing = self._gateway.tracing
+        if tracing is None:
+            if trace_context:
+                bind(passed_on(trace_context))
+            return await self._handle(path, authorization, body, None)
+        traced = tracing.begin(path, trace_context)
+        bind(traced)
+        try:
+            answer = await self._handle(path, authorization, body, traced)
+        except BaseException:
+            traced.end(499)
+            raise
+        if isinstance(answer.rest, _Measured):
+            answer.rest.traced = traced  # ended with the stream
+        else:
+            traced.end(answer.status)
+        return answer
+
+    async def _handle(
+        self, path: str, authorization: str | None, body: bytes, traced: TracedRequest | None
+    ) -> Answer:
         gateway = self._gateway
         metrics = self._metrics[path]
         started = gateway.clock()
@@ -128,7 +159,14 @@ class Inference:
                 tokens = await asyncio.to_thread(prompt_tokens, parsed, gateway.tokenizer)
             else:
                 tokens = prompt_tokens(parsed, gateway.tokenizer)
-            route = await router.route(tokens, parsed.model)
+            if traced is None:
+                route = await router.route(tokens, parsed.model)
+            else:
+                span = traced.stage("route")
+                try:
+                    route = await router.route(tokens, parsed.model)
+                finally:
+                    span.end()
             answer = await gateway.dispatcher.forward(parsed, route, path)
         except (BadRequest, TokenizeError) as exc:  # BadRequest also from the first attempt
             return self._refuse(path, problem(400, str(exc)))

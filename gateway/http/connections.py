@@ -275,18 +275,20 @@ class ConnectionPool:
         body: bytes = b"",
         *,
         headers: Headers = (),
+        more: Headers = (),
         timeout: float | None,
         connect_timeout: float | None = None,
         whole: bool,
     ) -> asyncio.Future[Reply]:
         """Send now; the future resolves at the answer's head, or with `whole` at its end.
 
-        `timeout` bounds each silence while the answer is awaited; `connect_timeout`
-        (default `timeout`) bounds opening a connection. Raises ValueError for a URL that
-        is not http(s).
+        `more`: header lines of this call alone (a request id, a trace context), never
+        cached with the head. `timeout` bounds each silence while the answer is awaited;
+        `connect_timeout` (default `timeout`) bounds opening a connection. Raises
+        ValueError for a URL that is not http(s).
         """
         origin, head = self._target(method, url, headers)
-        lines = [head]
+        lines = [head, *(name + b": " + value + b"\r\n" for name, value in more)]
         if body or method in (b"POST", b"PUT", b"PATCH"):
             lines.append(b"Content-Length: %d\r\n" % len(body))
         lines += (b"\r\n", body)

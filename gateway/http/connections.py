@@ -288,7 +288,9 @@ class ConnectionPool:
         ValueError for a URL that is not http(s).
         """
         origin, head = self._target(method, url, headers)
-        lines = [head, *(name + b": " + value + b"\r\n" for name, value in more)]
+        lines = [head]
+        if more:
+            lines += (name + b": " + value + b"\r\n" for name, value in more)
         if body or method in (b"POST", b"PUT", b"PATCH"):
             lines.append(b"Content-Length: %d\r\n" % len(body))
         lines += (b"\r\n", body)

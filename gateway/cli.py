@@ -34,6 +34,7 @@ from gateway.http.upstream import PooledUpstream
 from gateway.inference import Inference
 from gateway.replicas.shared_state import SharedState, member_name
 from gateway.service import Gateway, build_gateway
+from gateway.tracing import configured_endpoint, otlp_tracing
 from gateway.workers.monitor import PodRegistrar
 from gateway.workers.pods import HttpPodRegistrar, RegistryPodRegistrar
 from globalkv import redis_client
@@ -47,6 +48,11 @@ log = logging.getLogger(__name__)
 _SHUTDOWN_GRACE_SECS = 5.0
 """Answers in flight get this long after SIGTERM, inside the 10 s that `globalkv up` and
 most supervisors allow before SIGKILL, leaving time for the rest of the shutdown."""
+
+
+class CannotListen(Exception):
+    """A socket the gateway must listen on could not be opened; the message names it, its
+    flag and why."""
 
 
 def check_config(args: argparse.Namespace) -> None:
@@ -116,12 +122,21 @@ async def running_gateway(
             probe=DirectoryReader(client, timeout=2.0),
             tokenizer=tokenizer,
         )
+        endpoint = configured_endpoint(config.otlp_traces_endpoint)
+        if endpoint is not None:
+            gateway.tracing = otlp_tracing(endpoint, config.otlp_traces_endpoint is not None)
+            stack.callback(gateway.tracing.shutdown)
+            log.info("gateway spans exported by OTLP to %s", endpoint)
         if config.share_state_interval_secs is not None:
             await _share_state(config, gateway, stack)
         if config.prometheus_port and config.prometheus_port != config.port:
-            metrics_server, _ = start_http_server(
-                config.prometheus_port, config.prometheus_host, gateway.metrics.registry
-            )
+            host, port = config.prometheus_host, config.prometheus_port
+            try:
+                metrics_server, _ = start_http_server(port, host, gateway.metrics.registry)
+            except OSError as exc:
+                message = f"gateway cannot serve its metrics on {host}:{port} (--prometheus-port)"
+                raise CannotListen(f"{message}: {exc}") from exc
+            stack.callback(metrics_server.server_close)
             stack.callback(metrics_server.shutdown)
         app = create_app(gateway)
         async with app.router.lifespan_context(app):
@@ -130,8 +145,12 @@ async def running_gateway(
 
 async def serve(config: GatewayConfig, tokenizer: Tokenizer | None) -> None:
     async with running_gateway(config, tokenizer) as (gateway, app):
-        server = HttpServer(Inference(gateway), app)
-        await server.start(config.host, config.port)
+        server = HttpServer(Inference(gateway), app, max_connections=config.max_client_connections)
+        try:
+            await server.start(config.host, config.port)
+        except OSError as exc:
+            where = f"{config.host}:{config.port} (--port)"
+            raise CannotListen(f"gateway cannot serve on {where}: {exc}") from exc
         tune_garbage_collection()
         await _until_signalled()
         await server.shutdown(grace=_SHUTDOWN_GRACE_SECS)
@@ -190,8 +209,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         uvloop.run(serve(config, tokenizer))
-    except OSError as exc:
-        log.error("gateway cannot serve on %s:%d: %s", config.host, config.port, exc)
+    except CannotListen as exc:
+        log.error("%s", exc)
         return 1
     return 0
 

@@ -136,6 +136,12 @@ class HealthConfig(BaseModel):
     directory_refresh_secs: float = Field(
         5.0, gt=0, description="How often each prefill's bootstrap directory is read."
     )
+    registration_check_secs: float = Field(
+        5.0,
+        gt=0,
+        description="How often the index's pods are listed, to register again a prefill it "
+        "no longer lists (an indexer that keeps them in memory restarted).",
+    )
 
     @field_validator("endpoint")
     @classmethod
@@ -216,6 +222,20 @@ class GatewayConfig(BaseModel):
         "longest silence of one upstream call.",
     )
     max_payload_size: int = Field(512 * 1024 * 1024, ge=1, description="Request body limit.")
+    otlp_traces_endpoint: str | None = Field(
+        None,
+        description="OTLP/HTTP URL the gateway's request spans are exported to (e.g. "
+        "http://collector:4318/v1/traces); without it, OpenTelemetry's "
+        "OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; with neither, "
+        "no spans (a client's traceparent is still passed on). Needs globalkv[otel].",
+    )
+    max_client_connections: int | None = Field(
+        None,
+        ge=1,
+        description="Client connections open at once; past it a new one takes the place of "
+        "the connection idle longest, or is answered 503 and closed when none is idle. "
+        "None: half the open-files limit, the rest left for connections to the workers.",
+    )
     redis_url: str | None = Field(None, description="Read index and pod registry from Redis.")
     redis_prefix: str = Field(
         "gkv", min_length=1, description="Key prefix of the index and registry in Redis."

@@ -43,6 +43,8 @@ SETTINGS: tuple[tuple[str, type[BaseModel], dict[str, str]], ...] = (
             "insecure": "--insecure",
             "request_timeout_secs": "--request-timeout-secs",
             "max_payload_size": "--max-payload-size",
+            "max_client_connections": "--max-client-connections",
+            "otlp_traces_endpoint": "--otlp-traces-endpoint",
             "redis_url": "--redis-url",
             "redis_prefix": "--redis-prefix",
             "indexer_url": "--indexer-url",
@@ -112,6 +114,7 @@ SETTINGS: tuple[tuple[str, type[BaseModel], dict[str, str]], ...] = (
             "disabled": "--disable-health-check",
             "startup_check_interval_secs": "--worker-startup-check-interval",
             "directory_refresh_secs": "--directory-refresh-secs",
+            "registration_check_secs": "--registration-check-secs",
         },
     ),
 )

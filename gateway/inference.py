@@ -11,6 +11,14 @@ A client that goes away is the server's to notice: it cancels `handle` (counted 
 or, once a stream is under way, closes the stream as `client_gone`, which cancels a
 prefill still running.
 
+Error bodies, one shape per API family (`docs/operations.md`, "Error answers"): the
+gateway's own refusals are OpenAI's error object on every endpoint
+(`gateway.http.answer.error_body`). A worker's error answer is passed on as it is on
+SGLang's `/generate`; on the OpenAI endpoints one in another shape — SGLang's and older
+vLLM's flat `{"object": "error", "message", …}`, FastAPI's `{"detail": …}`, plain text —
+is rewritten into OpenAI's, its fields kept, so that a client reads one shape whoever
+refused it.
+
 A prompt to tokenize in a body over `TOKENIZE_INLINE_MAX` bytes is tokenized in a worker
 thread: a long text held the event loop, and every other request with it, for as long as
 its tokenizer ran (Hugging Face's releases the GIL). Shorter ones are tokenized inline,
@@ -21,11 +29,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Collection
+from typing import Any
+
+import orjson
 
 from gateway.http.answer import Answer, Outcome, Rest, problem
 from gateway.metrics import EndpointMetrics
 from gateway.requests import BadRequest, Endpoint, decode_body, parse_request, prompt_tokens
 from gateway.service import Gateway
+from gateway.tracing import TracedRequest, bind, passed_on
 from globalkv.tokenize import TokenizeError
 from kvplumbing.auth import bearer_matches
 from kvplumbing.clock import Clock
@@ -38,10 +50,30 @@ INFERENCE_PATHS: dict[str, Endpoint] = {
 }
 
 
+def openai_error(answer: Answer) -> Answer:
+    """`answer`, an error, with OpenAI's error object as its body (its fields kept)."""
+    try:
+        body: Any = orjson.loads(answer.body)
+    except orjson.JSONDecodeError:
+        body = answer.body.decode("utf-8", "replace")
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        error = body["error"]
+    elif isinstance(body, dict) and body.get("object") == "error":
+        error = {key: value for key, value in body.items() if key != "object"}
+    else:
+        detail = body.get("detail", body) if isinstance(body, dict) else body
+        message = detail if isinstance(detail, str) else orjson.dumps(detail).decode()
+        error = {"message": message, "type": "upstream_error"}
+    shaped = {"message": "", "type": "upstream_error", "param": None, "code": None, **error}
+    if shaped == error and body == {"error": error}:
+        return answer
+    return Answer(answer.status, orjson.dumps({"error": shaped}), headers=answer.headers)
+
+
 class _Measured:
     """A stream's rest whose request is measured (duration, status) when it closes."""
 
-    __slots__ = ("_clock", "_metrics", "_rest", "_started", "_status")
+    __slots__ = ("_clock", "_metrics", "_rest", "_started", "_status", "traced")
 
     def __init__(
         self, rest: Rest, status: int, metrics: EndpointMetrics, started: float, clock: Clock
@@ -51,6 +83,7 @@ class _Measured:
         self._metrics = metrics
         self._started = started
         self._clock = clock
+        self.traced: TracedRequest | None = None
 
     def next(self) -> Awaitable[bytes]:
         return self._rest.next()
@@ -61,6 +94,8 @@ class _Measured:
         finally:
             self._metrics.latency.observe(self._clock() - self._started)
             self._metrics.answered(self._status)
+            if self.traced is not None:
+                self.traced.end(self._status)
 
 
 class Inference:
@@ -83,7 +118,34 @@ class Inference:
         """An answer given without calling a worker (401, 400, 413), counted."""
         self._metrics[path].answered(answer.status)
 
-    async def handle(self, path: str, authorization: str | None, body: bytes) -> Answer:
+    async def handle(
+        self,
+        path: str,
+        authorization: str | None,
+        body: bytes,
+        trace_context: tuple[tuple[bytes, bytes], ...] = (),
+    ) -> Answer:
+        tracing = self._gateway.tracing
+        if tracing is None:
+            if trace_context:
+                bind(passed_on(trace_context))
+            return await self._handle(path, authorization, body, None)
+        traced = tracing.begin(path, trace_context)
+        bind(traced)
+        try:
+            answer = await self._handle(path, authorization, body, traced)
+        except BaseException:
+            traced.end(499)
+            raise
+        if isinstance(answer.rest, _Measured):
+            answer.rest.traced = traced  # ended with the stream
+        else:
+            traced.end(answer.status)
+        return answer
+
+    async def _handle(
+        self, path: str, authorization: str | None, body: bytes, traced: TracedRequest | None
+    ) -> Answer:
         gateway = self._gateway
         metrics = self._metrics[path]
         started = gateway.clock()
@@ -97,7 +159,14 @@ class Inference:
                 tokens = await asyncio.to_thread(prompt_tokens, parsed, gateway.tokenizer)
             else:
                 tokens = prompt_tokens(parsed, gateway.tokenizer)
-            route = await router.route(tokens, parsed.model)
+            if traced is None:
+                route = await router.route(tokens, parsed.model)
+            else:
+                span = traced.stage("route")
+                try:
+                    route = await router.route(tokens, parsed.model)
+                finally:
+                    span.end()
             answer = await gateway.dispatcher.forward(parsed, route, path)
         except (BadRequest, TokenizeError) as exc:  # BadRequest also from the first attempt
             return self._refuse(path, problem(400, str(exc)))
@@ -107,6 +176,8 @@ class Inference:
             raise
         now = gateway.clock()
         metrics.ttfb.observe(now - started)
+        if answer.status >= 400 and answer.rest is None and path != "/generate":
+            answer = openai_error(answer)
         if answer.rest is not None:
             answer.rest = _Measured(answer.rest, answer.status, metrics, started, gateway.clock)
             return answer

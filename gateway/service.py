@@ -32,6 +32,7 @@ from gateway.policies import build_policy
 from gateway.policies.loads import LoadTracker
 from gateway.policies.pending import PendingPrefixes
 from gateway.routing.router import Router
+from gateway.tracing import Tracing
 from gateway.workers.monitor import DirectoryProbe, Monitor, PodRegistrar
 from gateway.workers.pool import Worker, WorkerPool
 from globalkv.lookup import PrefixLookup
@@ -57,6 +58,8 @@ class Gateway:
     metrics: GatewayMetrics
     tokenizer: Tokenizer | None
     clock: Clock
+    tracing: Tracing | None = None
+    """Spans of each request when traces are exported (`gateway.tracing`)."""
 
     def add_worker(self, spec: WorkerSpec) -> Worker:
         worker = self.pool.add(spec)

@@ -44,8 +44,15 @@ class Handler(Protocol):
         """The largest request body it takes, in bytes (413 beyond)."""
         ...
 
-    async def handle(self, path: str, authorization: str | None, body: bytes) -> Answer:
-        """The answer to a POST of `body` to `path`; cancelled when the client leaves."""
+    async def handle(
+        self,
+        path: str,
+        authorization: str | None,
+        body: bytes,
+        trace_context: tuple[tuple[bytes, bytes], ...] = (),
+    ) -> Answer:
+        """The answer to a POST of `body` to `path`; cancelled when the client leaves.
+        `trace_context`: the request's W3C trace headers."""
         ...
 
     def refused(self, path: str, answer: Answer) -> None:
@@ -137,6 +144,7 @@ class Exchange:
             path,
             None if authorization is None else authorization.decode("latin-1"),
             b"".join(request.body),
+            request.trace_context,
         )
         keep_alive = self._keep_alive()
         if answer.rest is None:

@@ -72,6 +72,7 @@ class HttpRequest:
         "route",
         "size",
         "started",
+        "trace_context",
         "url",
         "version",
     )
@@ -87,6 +88,8 @@ class HttpRequest:
         self.body: list[bytes] = []
         self.size = 0
         self.authorization: bytes | None = None
+        self.trace_context: tuple[tuple[bytes, bytes], ...] = ()
+        """W3C `traceparent` and `tracestate`, as sent, to be passed on."""
         self.length: bytes | None = None
         """The Content-Length header, as sent."""
         self.expect = False
@@ -111,6 +114,8 @@ class HttpRequest:
             self.length = value
         elif name == b"expect":
             self.expect = value.lower() == b"100-continue"
+        elif name == b"traceparent" or name == b"tracestate":
+            self.trace_context += ((name, value),)
 
     def head_complete(self, method: bytes, version: str, keep_alive: bool) -> None:
         self.method, self.version, self.keep_alive = method, version, keep_alive

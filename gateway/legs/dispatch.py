@@ -29,6 +29,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.policies.base import NoCandidates, RouteRequest
 from gateway.requests import ParsedRequest
 from gateway.routing.router import RoutePlan
+from gateway.tracing import current
 from kvplumbing.clock import Sleep
 
 log = logging.getLogger(__name__)
@@ -111,6 +112,10 @@ class Dispatcher:
             if not outcome.retryable or attempt.final:
                 break
             self._metrics.retries.labels(request.endpoint, outcome.role).inc()
+            trace = current()
+            if trace is not None:
+                failed = {"attempt": number + 1, "role": outcome.role, "worker": outcome.worker.id}
+                trace.event("retry", failed)
             progress.between_attempts = True
             await self._sleep(self._retries.delay(number))
         assert last is not None

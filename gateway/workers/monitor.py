@@ -7,7 +7,10 @@ One loop per gateway. For each worker, when due:
 - prefill discovery, once it answers: `GET <url>/server_info`, read for its KV-event
   endpoints, DP size, bootstrap port, served model and KV capacity (`gateway.workers.server_info`);
   a vLLM prefill's capacity from its `/metrics`;
-- registration of the prefill as a pod with the index once its KV-event endpoint is known;
+- registration of the prefill as a pod with the index once its KV-event endpoint is known,
+  and again whenever the index's pod list (read every `registration_check_secs`) no longer
+  holds it: an indexer keeping its pods in memory forgets them when it restarts, and
+  nothing else would tell the gateway, whose prefix routing would stay off in silence;
 - the bootstrap directory's readiness and topology (dp_size, follow_bootstrap_room) via the
   `bootstrap/` control-plane reader, every `directory_refresh_secs`.
 `run_once(force=True)` does every check now; tests and start-up await it. A round that
@@ -27,6 +30,7 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 
 from gateway.config import HealthConfig, KvEventsSpec
+from gateway.http.connections import LocalResourceError
 from gateway.workers.health import Health
 from gateway.workers.kinds import detect_kind
 from gateway.workers.pool import DirectoryStatus, Worker, WorkerPool
@@ -90,6 +94,10 @@ class PodRegistrar(Protocol):
         """Raises `RegistrationFailed`."""
         ...
 
+    async def listed(self) -> set[str]:
+        """The ids of the pods the index knows now; raises `RegistrationFailed`."""
+        ...
+
 
 class Monitor:
     def __init__(
@@ -116,6 +124,7 @@ class Monitor:
         self._sleep = sleep
         self._next_health: dict[str, float] = {}
         self._next_directory: dict[str, float] = {}
+        self._next_listing = 0.0
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -162,6 +171,7 @@ class Monitor:
         for table in (self._next_health, self._next_directory):
             for stale in set(table) - live:
                 del table[stale]
+        await self._check_registrations(force)
         await asyncio.gather(*(self._check(w, force) for w in workers))
 
     async def _check(self, worker: Worker, force: bool) -> None:
@@ -197,11 +207,25 @@ class Monitor:
                 worker.url + self._config.endpoint, timeout=self._config.timeout_secs
             )
             ok, error = response.status_code == 200, f"HTTP {response.status_code}"
+        except LocalResourceError as exc:  # the gateway's own shortage says nothing of it
+            log.error("health check of %s %s not made: %s", worker.role, worker.id, exc)
+            return
         except httpx.HTTPError as exc:
             ok, error = False, f"{type(exc).__name__}: {exc}"
         after = worker.health.record(ok, None if ok else error)
         if after is not before:
-            log.info("worker %s (%s) is now %s (%s)", worker.id, worker.role, after.value, error)
+            circuit = worker.breaker.retry_in()
+            held = "" if circuit is None else f"; its circuit is open for {circuit:.0f} s more"
+            level = logging.WARNING if after is Health.UNHEALTHY else logging.INFO
+            log.log(
+                level,
+                "worker %s (%s) is now %s (%s)%s",
+                worker.id,
+                worker.role,
+                after.value,
+                error,
+                held,
+            )
 
     async def _detect(self, worker: Worker) -> None:
         """Asked each round until the worker tells; undetected, it is treated as SGLang."""
@@ -304,6 +328,32 @@ class Monitor:
         worker.step_succeeded("registration")
         worker.registered_pod = pod.id
         log.info("prefill %s registered with the index as pod %s", worker.id, pod.id)
+
+    async def _check_registrations(self, force: bool) -> None:
+        """Forget the registration of each pod the index no longer lists, so that this
+        round registers it again. An index that cannot be read changes nothing: its
+        pods are checked again once it answers."""
+        if self._registrar is None:
+            return
+        registered = [w for w in self.pool.role("prefill") if w.registered_pod is not None]
+        now = self._clock()
+        if not registered or (not force and now < self._next_listing):
+            return
+        self._next_listing = now + self._config.registration_check_secs
+        try:
+            listed = await self._registrar.listed()
+        except RegistrationFailed as exc:
+            log.debug("the index's pods could not be listed: %s", exc)
+            return
+        for worker in registered:
+            if worker.registered_pod not in listed:
+                log.warning(
+                    "prefill %s: the index no longer lists its pod %s (an indexer restarted "
+                    "without its pods?); registering it again",
+                    worker.id,
+                    worker.registered_pod,
+                )
+                worker.registered_pod = None
 
     async def unregister(self, worker: Worker) -> None:
         if self._registrar is not None and worker.registered_pod is not None:

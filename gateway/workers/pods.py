@@ -83,6 +83,21 @@ class HttpPodRegistrar:
         if response.status_code >= 300 and response.status_code != 404:
             raise _refused(response)
 
+    async def listed(self) -> set[str]:
+        try:
+            response = await self._client.get(
+                self._base, headers=self._headers, timeout=self._timeout
+            )
+        except httpx.HTTPError as exc:
+            raise RegistrationFailed(f"indexer unreachable: {exc!r}") from exc
+        if response.status_code != 200:
+            raise _refused(response)
+        try:
+            pods = response.json()["pods"]
+            return {str(pod["id"]) for pod in pods}
+        except (ValueError, KeyError, TypeError) as exc:
+            raise RegistrationFailed(f"indexer's pod list unreadable: {exc!r}") from exc
+
 
 def _refused(response: httpx.Response) -> RegistrationFailed:
     """The indexer's answer in words; a 401 or 403 also says what this side must set (the
@@ -112,5 +127,11 @@ class RegistryPodRegistrar:
     async def unregister(self, pod_id: str) -> None:
         try:
             await self._registry.remove(pod_id)
+        except IndexUnavailable as exc:
+            raise RegistrationFailed(str(exc)) from exc
+
+    async def listed(self) -> set[str]:
+        try:
+            return {pod.id for pod in await self._registry.list()}
         except IndexUnavailable as exc:
             raise RegistrationFailed(str(exc)) from exc

@@ -20,8 +20,9 @@ its last chunk ends, where SGLang also stores a chunked prompt's pages after eac
 (`mem_cache.common.checkpoint_kv_cache`), so a request sharing its holder's last step finds
 nothing here but the earlier chunks there.
 
-Decode emits tokens at a fixed per-request rate, except that a prefill step run on a decode
-engine (a prompt it prefills itself) holds up the tokens due during it (`DecodeStalls`). Clock and sleep are injectable so tests
+Decode emits tokens at a fixed per-request rate, except that a prefill step run on a
+decode engine (a prompt it prefills itself) holds up the tokens due during it
+(`DecodeStalls`). Clock and sleep are injectable so tests
 drive the model without waiting.
 """
 

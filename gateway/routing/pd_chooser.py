@@ -44,7 +44,8 @@ class PdChooser:
         self._decisions.labels("local" if decision.local else "disaggregate", decision.reason).inc()
         if not decision.local:
             return self.router.plan(request, batch, avoid, model, kind)
-        assert decision.decode is not None and decision.choice is not None
+        assert decision.decode is not None
+        assert decision.choice is not None
         decode = self.router.pool.get(decision.decode.worker)
         if decode is None:
             raise NoCandidates("a chosen worker left the pool")

@@ -1,7 +1,8 @@
 """Registering workers as pods with the index: indexer API or shared registry.
 
 The indexer subscribes to a pod's KV events once it knows the pod; the gateway is where
-operators add workers (prefills, and decodes that publish KV events), so it tells the indexer — through `POST /v1/pods` with
+operators add workers (prefills, and decodes that publish KV events), so it tells the
+indexer — through `POST /v1/pods` with
 `--indexer-url`, or by writing the registry stored with the index with `--redis-url`.
 Both paths send the same `globalkv.registry.PodInfo`.
 """

@@ -6,6 +6,8 @@ Every case uses prefill rates of 1,000 tokens/s, so a token is a millisecond, an
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from gateway.config import PdDeciderConfig
@@ -30,7 +32,7 @@ def request(
     return RouteRequest(list(range(prompt)), lookup=lookup, pending=sent)
 
 
-def rates(**by_worker: float | None) -> object:
+def rates(**by_worker: float | None) -> Callable[[str], float | None]:
     return lambda worker: by_worker.get(worker)
 
 
@@ -128,7 +130,8 @@ def test_a_prompt_sent_to_a_decode_and_not_yet_indexed_counts_as_held_there() ->
         [Candidate("d", "d", in_flight=4)],
         rates(p=1_000),
     )
-    assert decision.local and decision.local_s == pytest.approx(0.8)
+    assert decision.local
+    assert decision.local_s == pytest.approx(0.8)
 
 
 def test_the_decode_of_lowest_cost_is_chosen_at_its_own_rate() -> None:
@@ -144,7 +147,8 @@ def test_the_decode_of_lowest_cost_is_chosen_at_its_own_rate() -> None:
         ],
         rates(p=1_000, slow=500),
     )
-    assert decision.decode is not None and decision.decode.worker == "idle"
+    assert decision.decode is not None
+    assert decision.decode.worker == "idle"
     assert decision.local_s == pytest.approx(0.16)
     without_idle = decider(transfer=1_600).decide(
         request(160),
@@ -152,7 +156,8 @@ def test_the_decode_of_lowest_cost_is_chosen_at_its_own_rate() -> None:
         [Candidate("busy", "busy", in_flight=10), Candidate("slow", "slow", in_flight=1)],
         rates(p=1_000, slow=500),
     )
-    assert without_idle.decode is not None and without_idle.decode.worker == "slow"
+    assert without_idle.decode is not None
+    assert without_idle.decode.worker == "slow"
     assert without_idle.local_s == pytest.approx(0.64)
 
 

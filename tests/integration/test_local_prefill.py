@@ -176,7 +176,16 @@ def _samples(url: str) -> list[tuple[dict[str, str], float]]:
 
 def test_doctor_shows_the_decider_and_what_it_did_with_the_probe(stack: Stack) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "globalkv", "doctor", "--gateway", stack.gateway, "--indexer", stack.indexer],
+        [
+            sys.executable,
+            "-m",
+            "globalkv",
+            "doctor",
+            "--gateway",
+            stack.gateway,
+            "--indexer",
+            stack.indexer,
+        ],
         capture_output=True,
         text=True,
         timeout=60,

@@ -149,6 +149,8 @@ class ReplaySettings(BaseModel):
         if self.mode == "live":
             if self.cluster.attention_tokens is not None:
                 raise ValueError("live mode: the emulated engines have no attention term")
+            if self.pd_decider != "always":
+                raise ValueError("live mode does not run the disaggregation decider yet")
             if self.cluster.kv_transfer_tokens_per_s is not None:
                 raise ValueError("live mode: the emulated engines model no KV transfer time")
         return self

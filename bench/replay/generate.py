@@ -144,7 +144,7 @@ WORKLOADS: dict[str, Workload | StagedWorkload | ChatWorkload] = {
         skew=0.0,
     ),
     "long-cold": Workload(
-        groups=100_000,
+        groups=20_000,
         prompts_per_group=1,
         system_tokens=0,
         question_tokens=12_000,

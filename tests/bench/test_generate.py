@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 from dataclasses import replace
 from pathlib import Path
 
@@ -75,7 +76,7 @@ def test_the_cli_writes_each_named_workload(name: str, tmp_path: Path) -> None:
 def test_a_chat_turn_extends_its_conversation() -> None:
     lines = list(requests(replace(CHAT_SHORT, conversations=1)))
     assert len(lines) == CHAT_SHORT.turns
-    for before, after in zip(lines, lines[1:], strict=False):
+    for before, after in itertools.pairwise(lines):
         full = int(before["input_length"]) // CHAT_SHORT.block_size  # type: ignore[call-overload]
         shared = before["hash_ids"][:full]  # type: ignore[index]
         assert after["hash_ids"][:full] == shared  # type: ignore[index]

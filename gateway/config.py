@@ -184,6 +184,34 @@ class CacheAwareConfig(BaseModel):
     max_tree_size: int = Field(2**26, ge=1, description="Entries kept per worker in the tree.")
 
 
+PdDeciderMode = Literal["always", "local-when-faster"]
+
+
+class PdDeciderConfig(BaseModel):
+    """Whether each request is disaggregated (see gateway.routing.decider)."""
+
+    model_config = _frozen()
+
+    mode: PdDeciderMode = Field(
+        "always",
+        description="always: every request is prefilled on a prefill worker and its KV moved "
+        "to a decode; local-when-faster: a vLLM decode prefills it itself when that is "
+        "estimated sooner, its running decodes' delay counted.",
+    )
+    transfer_tokens_per_s: float = Field(
+        300_000,
+        gt=0,
+        description="KV moved from a prefill to a decode per second, in prompt tokens (the "
+        "link's bytes/s over the model's KV bytes per token).",
+    )
+    itl_weight: float = Field(
+        1.0,
+        ge=0,
+        description="Seconds of time to first token that one second of delay to one running "
+        "decode on the decode worker is worth.",
+    )
+
+
 class GatewayConfig(BaseModel):
     model_config = _frozen()
 
@@ -199,6 +227,7 @@ class GatewayConfig(BaseModel):
     decode_policy: PolicyName = Field("power_of_two", description="How a decode is chosen.")
     prefix: PrefixWeights = Field(default_factory=PrefixWeights)
     cache_aware: CacheAwareConfig = Field(default_factory=CacheAwareConfig)
+    pd_decider: PdDeciderConfig = Field(default_factory=PdDeciderConfig)
     retry: RetryConfig = Field(default_factory=RetryConfig)
     breaker: BreakerConfig = Field(default_factory=BreakerConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)

@@ -11,7 +11,7 @@ without it prefill uses `prefix` and decode `power_of_two`.
 from __future__ import annotations
 
 import argparse
-from typing import Any, get_args
+from typing import Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 
@@ -20,6 +20,7 @@ from gateway.config import (
     CacheAwareConfig,
     GatewayConfig,
     HealthConfig,
+    PdDeciderConfig,
     PrefixWeights,
     RetryConfig,
     WorkerSpec,
@@ -80,6 +81,15 @@ SETTINGS: tuple[tuple[str, type[BaseModel], dict[str, str]], ...] = (
         },
     ),
     (
+        "disaggregation decider",
+        PdDeciderConfig,
+        {
+            "mode": "--pd-decider",
+            "transfer_tokens_per_s": "--pd-transfer-tokens-per-s",
+            "itl_weight": "--pd-decider-itl-weight",
+        },
+    ),
+    (
         "retries",
         RetryConfig,
         {
@@ -131,6 +141,7 @@ FLAGLESS = {
         "prometheus_port": "--prometheus-port, where 0 means none",
         "prefix": "its own flags",
         "cache_aware": "its own flags",
+        "pd_decider": "its own flags",
         "retry": "its own flags",
         "breaker": "its own flags",
         "health": "its own flags",
@@ -141,6 +152,7 @@ FLAGLESS = {
 _SECTIONS: dict[type[BaseModel], str] = {
     PrefixWeights: "prefix",
     CacheAwareConfig: "cache_aware",
+    PdDeciderConfig: "pd_decider",
     RetryConfig: "retry",
     BreakerConfig: "breaker",
     HealthConfig: "health",
@@ -166,6 +178,11 @@ def _add_setting(
     dest = _dest(model, field)
     if info.annotation is bool:
         group.add_argument(flag, dest=dest, action="store_true", default=default, help=help_text)
+        return
+    if get_origin(info.annotation) is Literal:
+        group.add_argument(
+            flag, dest=dest, choices=get_args(info.annotation), default=default, help=help_text
+        )
         return
     kind = _kind(info.annotation)
     if flag == "--prefix-pending-grace-secs":

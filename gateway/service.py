@@ -24,6 +24,7 @@ from gateway.http.upstream import HttpxUpstream, Upstream
 from gateway.legs.attempt import Legs
 from gateway.legs.calls import PairCalls
 from gateway.legs.dispatch import Dispatcher
+from gateway.legs.local import LocalLegs
 from gateway.legs.retry import RetrySchedule
 from gateway.legs.sglang import DualLegs
 from gateway.legs.vllm import SequentialLegs
@@ -31,6 +32,8 @@ from gateway.metrics import GatewayMetrics
 from gateway.policies import build_policy
 from gateway.policies.loads import LoadTracker
 from gateway.policies.pending import PendingPrefixes
+from gateway.routing.decider import PdDecider
+from gateway.routing.pd_chooser import PdChooser
 from gateway.routing.router import Router
 from gateway.tracing import Tracing
 from gateway.workers.monitor import DirectoryProbe, Monitor, PodRegistrar
@@ -178,12 +181,13 @@ def build_gateway(
         ),
     }
     dispatcher = Dispatcher(
-        router,
+        PdChooser(router, PdDecider(config.pd_decider), metrics.pd_decisions),
         legs,
         RetrySchedule(config.retry, rng),
         metrics,
         timeout=config.request_timeout_secs,
         sleep=sleep,
+        local=LocalLegs(calls),
     )
     gateway = Gateway(
         config, client, pool, loads, router, calls, dispatcher, monitor, metrics, tokenizer, clock

@@ -147,6 +147,18 @@ class PairCalls:
             log.error("the call to prefill %s failed unexpectedly", worker.id, exc_info=error)
         self.record("prefill", worker, None, error)
 
+    def start_local(self, plan: RoutePlan) -> LoadTicket:
+        """The load of a decode that prefills the prompt itself: its uncached tokens queue
+        there and its keys are pending there until its first token (`decode(ticket=…)`)."""
+        choice = plan.prefill_choice
+        return self._loads.start(
+            plan.decode.id,
+            choice.uncached_tokens,
+            plan.keys,
+            plan.dp_rank,
+            cached_tokens=choice.hit_tokens,
+        )
+
     @staticmethod
     def prefill_failure(plan: RoutePlan, call: Call) -> Failure:
         """What a failed prefill call answers the client, and whether to retry."""
@@ -176,10 +188,13 @@ class PairCalls:
         stream: bool,
         progress: Progress,
         extra: Extra = (),
+        ticket: LoadTicket | None = None,
     ) -> Answer | Failure:
         """The decode's answer (whole, or a stream from its first byte), unless the prefill
-        `call` fails first."""
-        ticket = self._loads.start(plan.decode.id)
+        `call` fails first; `ticket`: the decode's load when the caller started it
+        (`start_local`)."""
+        if ticket is None:
+            ticket = self._loads.start(plan.decode.id)
         url = plan.decode.url + path
         trace = current()
         if trace is None:
@@ -255,7 +270,7 @@ class PairCalls:
             succeeded = True
             return answer
         finally:
-            self._loads.finish(ticket)
+            self._loads.finish(ticket, succeeded, timed=False)
             if not step.done():
                 step.cancel()
                 await settle(step)
@@ -295,6 +310,7 @@ class PairCalls:
             if isinstance(first, Failure):
                 return first
             committed = True
+            self._loads.prefill_done(ticket)
             rest = _DecodeStream(self._loads, self.record, reply, plan, ticket, call)
             return Answer(reply.status, first, reply.media_type, _passed_headers(reply), rest)
         finally:
@@ -306,7 +322,7 @@ class PairCalls:
                     reply = None if opening.exception() else opening.result()
                 if reply is not None:
                     await reply.aclose()
-                self._loads.finish(ticket)
+                self._loads.finish(ticket, computed=False)
                 call.cancel()
 
 

@@ -38,10 +38,9 @@ import orjson
 from prometheus_client import Counter
 
 from gateway.http.answer import Answer
-from gateway.http.reply import Reply
 from gateway.legs.attempt import Attempt, Failure
 from gateway.legs.calls import PairCalls
-from gateway.legs.racing import Call, failed
+from gateway.legs.racing import answered_call, failed
 from gateway.requests import ParsedRequest, encode_body
 from gateway.routing.router import RoutePlan
 
@@ -89,17 +88,6 @@ def transfer_params(answer: bytes) -> dict[str, Any] | None:
     return params if isinstance(params, dict) and params else None
 
 
-def _settled(loop: asyncio.AbstractEventLoop) -> Call:
-    """A prefill call that succeeded, for a decode sent without one (`--vllm-allow-recompute`)."""
-    reply = Reply(loop, b"", None, whole=True)
-    reply.on_head(200, [], framed=True)
-    reply.on_piece(b"{}")
-    reply.on_end()
-    call: Call = loop.create_future()
-    call.set_result(reply)
-    return call
-
-
 class SequentialLegs:
     """vLLM attempts: the prefill's call, then the decode's with its `kv_transfer_params`."""
 
@@ -129,7 +117,7 @@ class SequentialLegs:
             if not (self._allow_recompute and attempt.final and failure.retryable):
                 return failure
             self._recomputes.labels("prefill_failed").inc()
-            call = _settled(call.get_loop())
+            call = answered_call(call.get_loop())
         else:
             params = transfer_params(call.result().body)
             if params is None:

@@ -47,6 +47,9 @@ class RoutePlan:
     """The prompt's block keys, recorded as pending on the prefill while it computes them."""
     dp_rank: int | None = None
     """The prefill's DP rank that computes them (its room selects it), when that is known."""
+    local: bool = False
+    """The decode prefills the prompt itself (`gateway.routing.decider`): `prefill` is the
+    decode too, `prefill_choice` what it holds and computes, and there are no rooms."""
 
 
 class Router:
@@ -132,9 +135,11 @@ class Router:
         lookup = await self.lookup(tokens.tokens, tokens.missing, model)
         return RouteRequest(tokens.tokens, tokens.text, lookup, now=self._clock())
 
-    def _candidates(
+    def candidates(
         self, role: Role, avoid: Collection[str], kind: Kind | None, model: str | None
     ) -> list[Candidate]:
+        """Eligible workers of `role`, of `kind` and serving `model` when given, without
+        those to `avoid` unless no other remains."""
         every = self.pool.candidates(role, self.loads, kind=kind, model=model)
         if not avoid:
             return every
@@ -150,7 +155,7 @@ class Router:
         kind: Kind | None = None,
     ) -> RoutePlan:
         """Choose a pair for one attempt; raises `NoCandidates` naming the empty role."""
-        prefills = self._candidates("prefill", avoid, kind, model)
+        prefills = self.candidates("prefill", avoid, kind, model)
         if not prefills:
             which = "" if kind is None else f", {kind}"
             raise NoCandidates(
@@ -163,7 +168,7 @@ class Router:
         prefill = self.pool.get(choice.worker)
         if prefill is None:
             raise NoCandidates("a chosen worker left the pool")
-        decodes = self._candidates("decode", avoid, prefill.kind, model)
+        decodes = self.candidates("decode", avoid, prefill.kind, model)
         if not decodes:
             raise NoCandidates(
                 f"no {prefill.kind} decode worker is available (healthy, circuit closed)"

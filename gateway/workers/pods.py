@@ -1,7 +1,8 @@
-"""Registering prefill workers as pods with the index: indexer API or shared registry.
+"""Registering workers as pods with the index: indexer API or shared registry.
 
 The indexer subscribes to a pod's KV events once it knows the pod; the gateway is where
-operators add prefill workers, so it tells the indexer — through `POST /v1/pods` with
+operators add workers (prefills, and decodes that publish KV events), so it tells the
+indexer — through `POST /v1/pods` with
 `--indexer-url`, or by writing the registry stored with the index with `--redis-url`.
 Both paths send the same `globalkv.registry.PodInfo`.
 """
@@ -30,7 +31,7 @@ def pod_info(pod: PodRegistration) -> PodInfo:
             id=pod.id,
             model=pod.model or "",
             block_size=pod.block_size,
-            role="prefill",
+            role=pod.role,
             url=pod.url,
             bootstrap_host=pod.bootstrap_host,
             bootstrap_port=pod.bootstrap_port,

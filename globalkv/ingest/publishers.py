@@ -18,6 +18,10 @@ as protected mode's (`kvplumbing.auth`):
   A message for a pod from anywhere else is dropped as `wrong_publisher`.
 
 A message over ipc:// carries no address: it came from this machine, like loopback.
+
+The ZAP handler is ours rather than pyzmq's `zmq.auth` authenticator, which allows single
+addresses, not networks: an operator names the engines' subnets (`10.0.0.0/16`), not every
+pod IP a scheduler may hand out.
 """
 
 from __future__ import annotations
@@ -97,7 +101,12 @@ async def resolve(hosts: Iterable[str]) -> frozenset[Address]:
             async with asyncio.timeout(RESOLVE_TIMEOUT):
                 infos = await loop.getaddrinfo(host, None, type=socket.SOCK_STREAM)
         except (OSError, TimeoutError) as exc:
-            log.warning("host %s of a bound pod does not resolve (%s): none of its", host, exc)
+            log.warning(
+                "host %s of a bound pod does not resolve (%s): no message from it is taken "
+                "for the pod",
+                host,
+                exc,
+            )
             continue
         found.update(a for info in infos if (a := address_of(str(info[4][0]))) is not None)
     return frozenset(found)

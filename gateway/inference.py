@@ -5,7 +5,9 @@ between is here: the API key, the body checks (400 with the reason), tokens, the
 (`Router.route`: one index lookup), the dispatcher, and the request metrics (count by
 status, time to first byte, duration). Reading the body within `--max-payload-size` is the
 server's part (it can refuse before reading); it reports a refusal through `refused` so
-that it is counted like any other answer.
+that it is counted like any other answer. Admission control (`gateway.admission`) comes
+after the API key and before everything else; request ids and CORS (`gateway.edge`) are
+on every answer.
 
 A client that goes away is the server's to notice: it cancels `handle` (counted as 499)
 or, once a stream is under way, closes the stream as `client_gone`, which cancels a
@@ -22,6 +24,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Collection
 
+from gateway.admission import Admission
+from gateway.edge import Edge, Headers
 from gateway.http.answer import Answer, Outcome, Rest, problem
 from gateway.metrics import EndpointMetrics
 from gateway.requests import BadRequest, Endpoint, decode_body, parse_request, prompt_tokens
@@ -66,6 +70,13 @@ class _Measured:
 class Inference:
     def __init__(self, gateway: Gateway) -> None:
         self._gateway = gateway
+        config = gateway.config
+        self.edge = Edge(config.edge)
+        self._admission = (
+            Admission(config.admission, gateway.clock, gateway.metrics.registry)
+            if config.admission.max_concurrent_requests > 0
+            else None
+        )
         self._metrics = {
             path: EndpointMetrics(gateway.metrics, endpoint)
             for path, endpoint in INFERENCE_PATHS.items()
@@ -83,16 +94,43 @@ class Inference:
         """An answer given without calling a worker (401, 400, 413), counted."""
         self._metrics[path].answered(answer.status)
 
-    async def handle(self, path: str, authorization: str | None, body: bytes) -> Answer:
+    async def handle(
+        self, path: str, authorization: str | None, body: bytes, headers: Headers = ()
+    ) -> Answer:
+        request_id = self.edge.request_id(path, headers)
+        answer = await self._admitted(path, authorization, body, request_id)
+        own = self.edge.answer_headers(request_id, headers)
+        answer.headers = (*(h for h in answer.headers if h[0] != "x-request-id"), *own)
+        return answer
+
+    async def _admitted(
+        self, path: str, authorization: str | None, body: bytes, request_id: str
+    ) -> Answer:
+        """The answer once the API key is right and admission control let the request in
+        (the token it took given back once the answer is handed over)."""
         gateway = self._gateway
-        metrics = self._metrics[path]
-        started = gateway.clock()
         if not bearer_matches(authorization, gateway.config.api_key):
             message = "missing or wrong API key (Authorization: Bearer …)"
             return self._refuse(path, problem(401, message, "auth_error"))
+        admission = self._admission
+        if admission is None:
+            return await self._serve(path, body, request_id)
+        refusal = await admission.admit()
+        if refusal is not None:
+            return self._refuse(path, refusal)
+        try:
+            return await self._serve(path, body, request_id)
+        finally:
+            admission.release()
+
+    async def _serve(self, path: str, body: bytes, request_id: str) -> Answer:
+        gateway = self._gateway
+        metrics = self._metrics[path]
+        started = gateway.clock()
         router = gateway.router
         try:
             parsed = parse_request(INFERENCE_PATHS[path], decode_body(body))
+            parsed.request_id = request_id
             if len(body) > TOKENIZE_INLINE_MAX and parsed.token_ids is None:
                 tokens = await asyncio.to_thread(prompt_tokens, parsed, gateway.tokenizer)
             else:

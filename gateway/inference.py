@@ -5,7 +5,9 @@ between is here: the API key, the body checks (400 with the reason), tokens, the
 (`Router.route`: one index lookup), the dispatcher, and the request metrics (count by
 status, time to first byte, duration). Reading the body within `--max-payload-size` is the
 server's part (it can refuse before reading); it reports a refusal through `refused` so
-that it is counted like any other answer.
+that it is counted like any other answer. Admission control (`gateway.admission`) comes
+after the API key and before everything else; request ids and CORS (`gateway.edge`) are
+on every answer.
 
 A client that goes away is the server's to notice: it cancels `handle` (counted as 499)
 or, once a stream is under way, closes the stream as `client_gone`, which cancels a
@@ -33,11 +35,13 @@ from typing import Any
 
 import orjson
 
+from gateway.admission import Admission
+from gateway.edge import Edge, Headers
 from gateway.http.answer import Answer, Outcome, Rest, problem
 from gateway.metrics import EndpointMetrics
 from gateway.requests import BadRequest, Endpoint, decode_body, parse_request, prompt_tokens
 from gateway.service import Gateway
-from gateway.tracing import TracedRequest, bind, passed_on
+from gateway.tracing import TracedRequest, bind, passed_on, trace_headers
 from globalkv.tokenize import TokenizeError
 from kvplumbing.auth import bearer_matches
 from kvplumbing.clock import Clock
@@ -101,6 +105,13 @@ class _Measured:
 class Inference:
     def __init__(self, gateway: Gateway) -> None:
         self._gateway = gateway
+        config = gateway.config
+        self.edge = Edge(config.edge)
+        self._admission = (
+            Admission(config.admission, gateway.clock, gateway.metrics.registry)
+            if config.admission.max_concurrent_requests > 0
+            else None
+        )
         self._metrics = {
             path: EndpointMetrics(gateway.metrics, endpoint)
             for path, endpoint in INFERENCE_PATHS.items()
@@ -119,21 +130,29 @@ class Inference:
         self._metrics[path].answered(answer.status)
 
     async def handle(
-        self,
-        path: str,
-        authorization: str | None,
-        body: bytes,
-        trace_context: tuple[tuple[bytes, bytes], ...] = (),
+        self, path: str, authorization: str | None, body: bytes, headers: Headers = ()
     ) -> Answer:
+        request_id = self.edge.request_id(path, headers)
+        answer = await self._traced(path, authorization, body, request_id, headers)
+        own = self.edge.answer_headers(request_id, headers)
+        answer.headers = (*(h for h in answer.headers if h[0] != "x-request-id"), *own)
+        return answer
+
+    async def _traced(
+        self, path: str, authorization: str | None, body: bytes, request_id: str, headers: Headers
+    ) -> Answer:
+        """The answer in the request's trace: its span when tracing is on, else the client's
+        trace context passed on to the workers as it came."""
         tracing = self._gateway.tracing
         if tracing is None:
-            if trace_context:
-                bind(passed_on(trace_context))
-            return await self._handle(path, authorization, body, None)
-        traced = tracing.begin(path, trace_context)
+            context = trace_headers(headers)
+            if context:
+                bind(passed_on(context))
+            return await self._admitted(path, authorization, body, request_id, None)
+        traced = tracing.begin(path, headers)
         bind(traced)
         try:
-            answer = await self._handle(path, authorization, body, traced)
+            answer = await self._admitted(path, authorization, body, request_id, traced)
         except BaseException:
             traced.end(499)
             raise
@@ -143,18 +162,41 @@ class Inference:
             traced.end(answer.status)
         return answer
 
-    async def _handle(
-        self, path: str, authorization: str | None, body: bytes, traced: TracedRequest | None
+    async def _admitted(
+        self,
+        path: str,
+        authorization: str | None,
+        body: bytes,
+        request_id: str,
+        traced: TracedRequest | None,
+    ) -> Answer:
+        """The answer once the API key is right and admission control let the request in
+        (the token it took given back once the answer is handed over)."""
+        gateway = self._gateway
+        if not bearer_matches(authorization, gateway.config.api_key):
+            message = "missing or wrong API key (Authorization: Bearer …)"
+            return self._refuse(path, problem(401, message, "auth_error"))
+        admission = self._admission
+        if admission is None:
+            return await self._serve(path, body, request_id, traced)
+        refusal = await admission.admit()
+        if refusal is not None:
+            return self._refuse(path, refusal)
+        try:
+            return await self._serve(path, body, request_id, traced)
+        finally:
+            admission.release()
+
+    async def _serve(
+        self, path: str, body: bytes, request_id: str, traced: TracedRequest | None
     ) -> Answer:
         gateway = self._gateway
         metrics = self._metrics[path]
         started = gateway.clock()
-        if not bearer_matches(authorization, gateway.config.api_key):
-            message = "missing or wrong API key (Authorization: Bearer …)"
-            return self._refuse(path, problem(401, message, "auth_error"))
         router = gateway.router
         try:
             parsed = parse_request(INFERENCE_PATHS[path], decode_body(body))
+            parsed.request_id = request_id
             if len(body) > TOKENIZE_INLINE_MAX and parsed.token_ids is None:
                 tokens = await asyncio.to_thread(prompt_tokens, parsed, gateway.tokenizer)
             else:

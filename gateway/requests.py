@@ -149,6 +149,8 @@ class ParsedRequest:
     messages: list[dict[str, Any]] | None
     model: str | None = None
     """The model the client named: workers that advertise it serve it."""
+    request_id: str | None = None
+    """The client's request id (`gateway.edge`), sent on to the workers."""
 
 
 @dataclass(slots=True)

@@ -166,6 +166,7 @@ def build_gateway(
         model=monitor.served_model,
         lookup_timeout=config.lookup_timeout_secs,
         room_rng=room_rng,
+        dp_aware=config.edge.dp_aware,
     )
     calls = PairCalls(
         upstream or HttpxUpstream(client),

@@ -92,6 +92,11 @@ def passed_on(headers: Headers) -> RequestTrace:
     return _Passed(headers)
 
 
+def trace_headers(headers: Sequence[tuple[bytes, bytes]]) -> Headers:
+    """The request's trace context among its headers (names in lowercase)."""
+    return tuple((name, value) for name, value in headers if name in TRACE_HEADERS)
+
+
 class _CallSpan:
     __slots__ = ("_span", "headers")
 
@@ -181,11 +186,17 @@ class Tracing:
         self.provider.shutdown()
 
 
-def configured_endpoint(flag: str | None, environ: Mapping[str, str] = os.environ) -> str | None:
-    """Where traces go: the flag, else OpenTelemetry's variables; None: tracing off."""
+def configured_endpoint(
+    flag: str | None,
+    environ: Mapping[str, str] = os.environ,
+    default: str | None = None,
+) -> str | None:
+    """Where traces go: the flag, else OpenTelemetry's variables, else `default` (what
+    `--enable-trace` asks for); None: tracing off."""
     if flag:
         return flag
-    return next((environ[name] for name in ENDPOINT_VARIABLES if environ.get(name)), None)
+    found = (environ[name] for name in ENDPOINT_VARIABLES if environ.get(name))
+    return next(found, default)
 
 
 def otlp_tracing(endpoint: str, flag_given: bool) -> Tracing:

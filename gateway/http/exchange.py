@@ -4,13 +4,14 @@
 closing); an `Exchange` answers one complete request on it and says whether the
 connection may serve another. POSTs to the paths the `Handler` claims (inference) go to it
 and its answer is written as prebuilt bytes; any other method on those paths is answered
-405 here; every other request goes to the ASGI app through `gateway.http.wire.serve_asgi`.
+405 here, but for `OPTIONS` (a CORS preflight, which the app answers); every other
+request goes to the ASGI app through `gateway.http.wire.serve_asgi`.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Protocol
 
 from starlette.types import ASGIApp
@@ -29,6 +30,7 @@ from gateway.http.wire import (
 log = logging.getLogger(__name__)
 
 _ALLOW_POST = b"allow: POST\r\n"
+Headers = Sequence[tuple[bytes, bytes]]
 
 
 class Handler(Protocol):
@@ -45,14 +47,10 @@ class Handler(Protocol):
         ...
 
     async def handle(
-        self,
-        path: str,
-        authorization: str | None,
-        body: bytes,
-        trace_context: tuple[tuple[bytes, bytes], ...] = (),
+        self, path: str, authorization: str | None, body: bytes, headers: Headers = ()
     ) -> Answer:
-        """The answer to a POST of `body` to `path`; cancelled when the client leaves.
-        `trace_context`: the request's W3C trace headers."""
+        """The answer to a POST of `body` to `path` (`headers`: the request's, names in
+        lowercase, its trace context among them); cancelled when the client leaves."""
         ...
 
     def refused(self, path: str, answer: Answer) -> None:
@@ -113,7 +111,7 @@ class Exchange:
                 return False
             if request.route is not None:
                 return await self._handle(request, request.route)
-            if request.path in self._server.routes:
+            if request.path in self._server.routes and request.method != b"OPTIONS":
                 answer = problem(405, f"{request.path.decode()} takes POST")
                 keep_alive = self._keep_alive()
                 self._write(answer, self._connection(keep_alive), _ALLOW_POST)
@@ -144,7 +142,7 @@ class Exchange:
             path,
             None if authorization is None else authorization.decode("latin-1"),
             b"".join(request.body),
-            request.trace_context,
+            request.headers,
         )
         keep_alive = self._keep_alive()
         if answer.rest is None:

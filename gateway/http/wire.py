@@ -43,11 +43,14 @@ def connection_header(keep_alive: bool, version: str = "1.1") -> bytes:
 
 
 def answer_bytes(answer: Answer, connection: bytes, extra: bytes = b"") -> bytes:
-    """`answer` framed by its length; `extra`: more header lines, each ending in CRLF."""
-    head = b"%scontent-type: %s\r\ncontent-length: %d\r\n%s%s\r\n" % (
+    """`answer` framed by its length, with its own header lines; `extra`: more header
+    lines, each ending in CRLF."""
+    own = b"".join(b"%s: %s\r\n" % (k.encode(), v.encode("latin-1")) for k, v in answer.headers)
+    head = b"%scontent-type: %s\r\ncontent-length: %d\r\n%s%s%s\r\n" % (
         status_line(answer.status),
         answer.media_type,
         len(answer.body),
+        own,
         extra,
         connection,
     )
@@ -72,7 +75,6 @@ class HttpRequest:
         "route",
         "size",
         "started",
-        "trace_context",
         "url",
         "version",
     )
@@ -88,7 +90,6 @@ class HttpRequest:
         self.body: list[bytes] = []
         self.size = 0
         self.authorization: bytes | None = None
-        self.trace_context: tuple[tuple[bytes, bytes], ...] = ()
         """W3C `traceparent` and `tracestate`, as sent, to be passed on."""
         self.length: bytes | None = None
         """The Content-Length header, as sent."""
@@ -114,8 +115,6 @@ class HttpRequest:
             self.length = value
         elif name == b"expect":
             self.expect = value.lower() == b"100-continue"
-        elif name == b"traceparent" or name == b"tracestate":
-            self.trace_context += ((name, value),)
 
     def head_complete(self, method: bytes, version: str, keep_alive: bool) -> None:
         self.method, self.version, self.keep_alive = method, version, keep_alive

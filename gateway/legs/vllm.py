@@ -15,7 +15,9 @@ One attempt, on a pair the router chose within the vLLM pool:
 3. The decode gets the client's request as it came, with those params, and its answer goes
    back whole or streamed, exactly as an SGLang decode's does.
 
-Both legs carry one `X-Request-Id`. A prefill that answers without params (its one token
+Both legs carry one `X-Request-Id`, fresh for each attempt (vLLM pairs the legs by it, so
+it must not repeat): the client's request id (`gateway.edge`), a dash and 32 random hex
+digits. A prefill that answers without params (its one token
 was EOS, so vLLM's connector kept nothing to send) still lets the decode serve: it
 recomputes the prompt, counted in `globalkv_gateway_vllm_recomputes{reason="no_params"}`.
 A prefill that fails is retried on another pair like any failure; the decode is never sent
@@ -102,7 +104,10 @@ class SequentialLegs:
     async def run(
         self, request: ParsedRequest, plan: RoutePlan, path: str, attempt: Attempt
     ) -> Answer | Failure:
-        extra = ((b"X-Request-Id", b"%032x" % self._ids.getrandbits(128)),)
+        pairing = b"%032x" % self._ids.getrandbits(128)
+        if request.request_id is not None:
+            pairing = request.request_id.encode("ascii") + b"-" + pairing
+        extra = ((b"X-Request-Id", pairing),)
         payload = encode_body(prefill_body(request.body))
         call = self._calls.start_prefill(plan, path, payload, extra)
         attempt.progress.begin(attempt.number, plan.prefill.id, plan.decode.id, call)

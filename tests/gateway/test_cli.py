@@ -185,7 +185,7 @@ def test_every_setting_has_a_flag_with_the_fields_default_or_is_listed_flagless(
         assert set(flags) | flagless == set(model.model_fields), model.__name__
         assert not set(flags) & flagless, model.__name__
         for field in flags:
-            default = model.model_fields[field].get_default()
+            default = model.model_fields[field].get_default(call_default_factory=True)
             assert defaults[f"{model.__name__}.{field}"] == default, field
     kinds = [f.annotation for f in GatewayConfig.model_fields.values()]
     sections = {k for k in kinds if isinstance(k, type) and issubclass(k, BaseModel)}

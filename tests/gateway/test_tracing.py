@@ -179,3 +179,9 @@ def test_tracing_is_on_by_the_flag_or_opentelemetrys_variables() -> None:
     assert configured_endpoint("http://c:4318/v1/traces", {}) == "http://c:4318/v1/traces"
     environ = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}
     assert configured_endpoint(None, environ) == "http://c:4318"
+    assert configured_endpoint(None, {}, default="http://l:4318/v1/traces") == (
+        "http://l:4318/v1/traces"
+    )
+    assert configured_endpoint(None, environ, default="http://l:4318/v1/traces") == (
+        "http://c:4318"
+    )

@@ -21,7 +21,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from gateway.cli import launch, running_gateway, tune_garbage_collection, until_signalled
+from gateway.cli import (
+    CannotListen,
+    launch,
+    running_gateway,
+    tune_garbage_collection,
+    until_signalled,
+)
 from gateway.config import GatewayConfig, WorkerSpec
 from gateway.flags import add_flags, build_config
 from gateway.http.answer import Answer, problem
@@ -138,11 +144,20 @@ async def serve(config: GatewayConfig, epp: EppConfig, tokenizer: Tokenizer | No
         )
         metrics = EppMetrics(gateway.metrics.registry)
         grpc = grpc_server(picker, config.max_payload_size, metrics)
-        if not grpc.add_insecure_port(f"{epp.grpc_host}:{epp.grpc_port}"):
-            raise OSError(f"cannot listen on {epp.grpc_host}:{epp.grpc_port}")
+        where = f"{epp.grpc_host}:{epp.grpc_port} (--grpc-port)"
+        try:
+            bound = grpc.add_insecure_port(f"{epp.grpc_host}:{epp.grpc_port}")
+        except RuntimeError as exc:
+            raise CannotListen(f"epp cannot serve on {where}: {exc}") from exc
+        if not bound:
+            raise CannotListen(f"epp cannot serve on {where}")
         await grpc.start()
-        http = HttpServer(_NoInference(), app)
-        await http.start(config.host, config.port)
+        http = HttpServer(_NoInference(), app, max_connections=config.max_client_connections)
+        try:
+            await http.start(config.host, config.port)
+        except OSError as exc:
+            where = f"{config.host}:{config.port} (--port)"
+            raise CannotListen(f"epp cannot serve on {where}: {exc}") from exc
         tune_garbage_collection()
         try:
             await until_signalled()

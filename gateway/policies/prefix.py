@@ -53,8 +53,8 @@ from random import Random
 
 from gateway.config import PrefixWeights
 from gateway.policies.base import Candidate, Choice, Policy, RouteRequest
+from gateway.policies.held import held_prefixes
 from gateway.policies.placement import PlacementLedger
-from globalkv.lookup import PodHit
 
 
 class PrefixPolicy:
@@ -70,24 +70,11 @@ class PrefixPolicy:
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Choice:
         if request.lookup is None or request.tokens is None:
             return replace(self._fallback.choose(request, candidates), fallback="no_lookup")
-        best: dict[str, PodHit] = {}
-        for pod_hit in request.lookup.pods:
-            held = best.get(pod_hit.pod)
-            if held is None or pod_hit.hit_tokens > held.hit_tokens:
-                best[pod_hit.pod] = pod_hit
         prompt = request.prompt_tokens
         block_size = request.lookup.block_size
-        pending = request.pending
         w = self._weights
         blocks = request.lookup.blocks
-        hits: list[tuple[Candidate, int, int | None]] = []
-        for candidate in candidates:
-            hit = best.get(candidate.pod)
-            hit_tokens, dp_rank = (hit.hit_tokens, hit.dp_rank) if hit else (0, None)
-            sent = pending.get(candidate.worker)
-            if sent is not None and sent.blocks * block_size > hit_tokens:
-                hit_tokens, dp_rank = sent.blocks * block_size, sent.dp_rank
-            hits.append((candidate, hit_tokens, dp_rank))
+        hits = held_prefixes(request, request.lookup, candidates)
         top = min(max(h[1] for h in hits) // block_size, blocks)
         keys = request.lookup.keys
         copies_charged = (

@@ -18,7 +18,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from gateway.cli import launch, running_gateway, tune_garbage_collection, until_signalled
+from gateway.cli import (
+    CannotListen,
+    launch,
+    running_gateway,
+    tune_garbage_collection,
+    until_signalled,
+)
 from gateway.config import GatewayConfig
 from gateway.flags import add_flags, build_config
 from gateway.http.server import HttpServer
@@ -27,8 +33,6 @@ from gateway.routing.router import Router
 from gateway.sidecar.chooser import SidecarChooser, named_prefill
 from gateway.workers.pool import worker_id
 from globalkv.tokenize import Tokenizer
-
-_SHUTDOWN_GRACE_SECS = 5.0
 
 
 def build_sidecar_config(args: argparse.Namespace) -> GatewayConfig:
@@ -45,11 +49,18 @@ async def serve(config: GatewayConfig, tokenizer: Tokenizer | None) -> None:
         return SidecarChooser(router, local)
 
     async with running_gateway(config, tokenizer, chooser) as (gateway, app):
-        server = HttpServer(Inference(gateway, named_prefill), app)
-        await server.start(config.host, config.port)
+        inference = Inference(gateway, named_prefill)
+        server = HttpServer(
+            inference, inference.edge.wrap(app), max_connections=config.max_client_connections
+        )
+        try:
+            await server.start(config.host, config.port)
+        except OSError as exc:
+            where = f"{config.host}:{config.port} (--port)"
+            raise CannotListen(f"sidecar cannot serve on {where}: {exc}") from exc
         tune_garbage_collection()
         await until_signalled()
-        await server.shutdown(grace=_SHUTDOWN_GRACE_SECS)
+        await server.shutdown(grace=config.edge.shutdown_grace_period_secs)
 
 
 def check_config(args: argparse.Namespace) -> None:

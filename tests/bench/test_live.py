@@ -37,9 +37,17 @@ def test_live_hit_rates_agree_with_the_simulation(tmp_path: Path) -> None:
     assert main(argv) == 0
     doc = json.loads(out.read_text())
     for name in ("prefix", "random"):
-        live, sim = doc["policies"][name], doc["sim"][name]
+        live = doc["policies"][name]
         assert live["served"] == 36, name
         assert live["failed_requests"] == 0
-        assert abs(live["hit_rate"] - sim["hit_rate"]) <= 0.05, (name, live, sim)
-    assert doc["policies"]["prefix"]["hit_rate"] > doc["policies"]["random"]["hit_rate"]
+    prefix, sim = doc["policies"]["prefix"], doc["sim"]["prefix"]
+    assert abs(prefix["hit_rate"] - sim["hit_rate"]) <= 0.05, (prefix, sim)
+    # Random draws live need not be the simulation's: a pod briefly ineligible on a loaded
+    # machine changes every later draw. Any assignment lies between each group's 6
+    # requests reaching both pods (2 misses) and one pod (1 miss); a hit is the 3 shared
+    # blocks (48 of the 60 prompt tokens).
+    hits_between = (24 * 48 / (36 * 60), 30 * 48 / (36 * 60))
+    for random in (doc["policies"]["random"], doc["sim"]["random"]):
+        assert hits_between[0] - 1e-9 <= random["hit_rate"] <= hits_between[1] + 1e-9, random
+    assert prefix["hit_rate"] > doc["policies"]["random"]["hit_rate"]
     assert (tmp_path / "runs" / "prefix" / "gateway.log").exists()

@@ -1,0 +1,161 @@
+"""The file source: workers added and removed as the file changes, and a bad file refused
+whole with the last good workers kept."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+
+from globalkv.discovery.files import MAX_FILE_BYTES, FileSource, parse_workers
+from globalkv.discovery.model import Changes, DiscoveredWorker
+from tests.discovery.support import consumer, removed_ids, until
+
+GOOD = """
+workers:
+  - url: http://127.0.0.1:30001/
+    role: prefill
+    bootstrap_port: 8998
+  - url: http://127.0.0.1:30002
+    role: decode
+    model: qwen3-8b
+    id: decode-a
+"""
+P1 = DiscoveredWorker("http://127.0.0.1:30001", "http://127.0.0.1:30001", "prefill", 8998)
+D1 = DiscoveredWorker("decode-a", "http://127.0.0.1:30002", "decode", None, "qwen3-8b")
+
+
+class Polls:
+    """The source's sleep: counts the polls so a test can wait for more of them."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    async def __call__(self, seconds: float) -> None:
+        self.count += 1
+        await asyncio.sleep(0.005)
+
+
+@asynccontextmanager
+async def following(path: Path) -> AsyncIterator[tuple[FileSource, list[Changes], Polls]]:
+    polls = Polls()
+    async with (
+        FileSource(path, interval=0.005, sleep=polls) as source,
+        consumer(source.snapshots()) as applied,
+    ):
+        yield source, applied, polls
+
+
+async def more_polls(polls: Polls, count: int = 3) -> None:
+    target = polls.count + count
+    await until(lambda: polls.count >= target, f"{count} more polls")
+
+
+async def test_workers_come_and_go_with_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "workers.yaml"
+    path.write_text(GOOD)
+    async with following(path) as (source, applied, _):
+        await until(lambda: source.current == {P1, D1}, "both workers")
+        path.write_text("workers:\n  - {url: 'http://127.0.0.1:30003', role: decode}\n")
+        d2 = DiscoveredWorker("http://127.0.0.1:30003", "http://127.0.0.1:30003", "decode")
+        await until(lambda: source.current == {d2}, "the new file's worker")
+        path.write_text("workers: []\n")
+        await until(lambda: source.current == frozenset(), "no workers")
+        await until(lambda: len(applied) == 3, "three steps applied")
+        assert sorted(removed_ids(applied)) == ["decode-a", "http://127.0.0.1:30001", d2.id]
+
+
+async def test_a_bad_file_keeps_the_last_good_workers_and_is_logged_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "workers.yaml"
+    path.write_text(GOOD)
+    caplog.set_level(logging.ERROR, logger="globalkv.discovery.files")
+    async with following(path) as (source, applied, polls):
+        await until(lambda: source.current == {P1, D1}, "both workers")
+        path.write_text("workers: [ {url: http://127.0.0.1:30001, role: prefill\n")
+        await until(lambda: source.errors["invalid"] == 1, "the bad file refused")
+        await more_polls(polls)
+        path.write_text("workers:\n  - {url: 'http://127.0.0.1:30001', role: router}\n")
+        await until(lambda: source.errors["invalid"] == 2, "the second bad file refused")
+        await more_polls(polls)
+        path.unlink()
+        await until(lambda: source.errors["unreadable"] == 1, "the missing file")
+        await more_polls(polls)
+        assert source.current == {P1, D1}
+        assert len(applied) == 1
+        errors = [r.getMessage() for r in caplog.records]
+        assert len(errors) == 3
+        assert "not valid YAML" in errors[0]
+        assert "workers.0.role" in errors[1]
+        assert all("keeping the last good file's 2 workers" in e for e in errors)
+        path.write_text(GOOD.replace("30002", "30004"))
+        await until(lambda: len(applied) == 2, "the good file again")
+
+
+async def test_a_file_that_appears_later_is_read(tmp_path: Path) -> None:
+    path = tmp_path / "workers.json"
+    async with following(path) as (source, _, polls):
+        await until(lambda: source.errors["unreadable"] == 1, "no file yet")
+        await more_polls(polls)
+        assert source.current is None
+        assert source.errors["unreadable"] == 1
+        path.write_text(
+            json.dumps({"workers": [{"url": "http://127.0.0.1:30002", "role": "decode"}]})
+        )
+        await until(lambda: source.current is not None and len(source.current) == 1, "the file")
+
+
+async def test_a_file_too_large_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "workers.yaml"
+    path.write_text("#" * (MAX_FILE_BYTES + 1))
+    async with following(path) as (source, _, _polls):
+        await until(lambda: source.errors["too large"] == 1, "the large file refused")
+        assert source.current is None
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("- url: http://127.0.0.1:1\n  role: decode\n", "mapping with a 'workers' list"),
+        (
+            "workers:\n  - {url: 'http://127.0.0.1:1', role: decode, bootstrap_port: 8998}\n",
+            "prefill only",
+        ),
+        (
+            "workers:\n  - {url: 'http://127.0.0.1:1', role: prefill, bootstrap_port: '8998'}\n",
+            "bootstrap_port",
+        ),
+        (
+            "workers:\n  - {url: 'http://127.0.0.1:1', role: prefill, bootstrap_port: 70000}\n",
+            "bootstrap_port",
+        ),
+        ("workers:\n  - {url: 'http://127.0.0.1:PORT', role: decode}\n", "invalid port"),
+        ("workers:\n  - {url: 'tcp://127.0.0.1:1', role: decode}\n", "not an http(s) URL"),
+        ("workers:\n  - {url: 'http://127.0.0.1:1', role: decode, weight: 2}\n", "weight"),
+        (
+            "workers:\n  - {url: 'http://127.0.0.1:1', role: decode}\n"
+            "  - {url: 'http://127.0.0.1:1/', role: prefill}\n",
+            "listed twice",
+        ),
+        (
+            "workers:\n  - {url: 'http://127.0.0.1:1', role: decode, id: x}\n"
+            "  - {url: 'http://127.0.0.1:2', role: decode, id: x}\n",
+            "listed twice",
+        ),
+    ],
+)
+def test_one_bad_entry_refuses_the_file(text: str, says: str) -> None:
+    with pytest.raises(ValueError, match=says.replace("(", r"\(").replace(")", r"\)")):
+        parse_workers(text, as_json=False)
+
+
+def test_json_files_are_read_as_json() -> None:
+    assert parse_workers('{"workers": []}', as_json=True) == frozenset()
+    with pytest.raises(ValueError, match="not valid JSON"):
+        parse_workers("workers: []", as_json=True)

@@ -166,18 +166,24 @@ async def running_gateway(
 
 async def serve(config: GatewayConfig, tokenizer: Tokenizer | None) -> None:
     async with running_gateway(config, tokenizer) as (gateway, app):
-        inference = Inference(gateway)
-        server = HttpServer(
-            inference, inference.edge.wrap(app), max_connections=config.max_client_connections
-        )
-        try:
-            await server.start(config.host, config.port)
-        except OSError as exc:
-            where = f"{config.host}:{config.port} (--port)"
-            raise CannotListen(f"gateway cannot serve on {where}: {exc}") from exc
-        tune_garbage_collection()
-        await until_signalled()
-        await server.shutdown(grace=config.edge.shutdown_grace_period_secs)
+        await serve_until_signalled("gateway", config, Inference(gateway), app)
+
+
+async def serve_until_signalled(
+    name: str, config: GatewayConfig, inference: Inference, app: FastAPI
+) -> None:
+    """Serve `inference` and `app` on `--port` until SIGINT or SIGTERM, then shut down."""
+    server = HttpServer(
+        inference, inference.edge.wrap(app), max_connections=config.max_client_connections
+    )
+    try:
+        await server.start(config.host, config.port)
+    except OSError as exc:
+        where = f"{config.host}:{config.port} (--port)"
+        raise CannotListen(f"{name} cannot serve on {where}: {exc}") from exc
+    tune_garbage_collection()
+    await until_signalled()
+    await server.shutdown(grace=config.edge.shutdown_grace_period_secs)
 
 
 def tune_garbage_collection() -> None:

@@ -18,16 +18,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from gateway.cli import (
-    CannotListen,
-    launch,
-    running_gateway,
-    tune_garbage_collection,
-    until_signalled,
-)
+from gateway.cli import launch, running_gateway, serve_until_signalled
 from gateway.config import GatewayConfig
 from gateway.flags import add_flags, build_config
-from gateway.http.server import HttpServer
 from gateway.inference import Inference
 from gateway.routing.router import Router
 from gateway.sidecar.chooser import SidecarChooser, named_prefill
@@ -49,18 +42,7 @@ async def serve(config: GatewayConfig, tokenizer: Tokenizer | None) -> None:
         return SidecarChooser(router, local)
 
     async with running_gateway(config, tokenizer, chooser) as (gateway, app):
-        inference = Inference(gateway, named_prefill)
-        server = HttpServer(
-            inference, inference.edge.wrap(app), max_connections=config.max_client_connections
-        )
-        try:
-            await server.start(config.host, config.port)
-        except OSError as exc:
-            where = f"{config.host}:{config.port} (--port)"
-            raise CannotListen(f"sidecar cannot serve on {where}: {exc}") from exc
-        tune_garbage_collection()
-        await until_signalled()
-        await server.shutdown(grace=config.edge.shutdown_grace_period_secs)
+        await serve_until_signalled("sidecar", config, Inference(gateway, named_prefill), app)
 
 
 def check_config(args: argparse.Namespace) -> None:

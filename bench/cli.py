@@ -126,6 +126,11 @@ def register(subparsers: Any) -> None:
     add("--sweep", help=f"NAME=V1,V2,… with NAME in {', '.join(sorted(SWEEPABLE))}")
     add("--bucket-s", type=float, help="hit-rate-over-time bucket width (60)")
     add("--gateways", type=int, help="gateway replicas the requests are split over (1)")
+    add(
+        "--entry",
+        choices=["gateway", "envoy"],
+        help="live: requests through the gateway, or Envoy with pickers and sidecars (gateway)",
+    )
     add("--gateway-sharing", choices=["none", "shared"], help="what replicas share (shared)")
     add("--share-interval-s", type=float, help="replicas' publication interval, trace s (0.1)")
     add(
@@ -177,6 +182,7 @@ def build_settings(args: argparse.Namespace) -> tuple[ReplaySettings, Sweep | No
     }
     names: tuple[str, ...] = ("block_size", "limit", "arrivals", "seed", "vocab", "model")
     names += ("bucket_s", "run_dir", "engine", "gateways", "gateway_sharing", "share_interval_s")
+    names += ("entry",)
     names += ("pd_decider", "pd_decider_itl_weight")
     for name in names:
         if getattr(args, name) is not None:

@@ -124,8 +124,8 @@ def router_argv(
 @dataclass(frozen=True)
 class Target:
     port: int
-    pid: int | None
-    """The router's process, whose CPU time is read around each run (None: not measured)."""
+    pids: tuple[int, ...]
+    """The router's processes, whose CPU time is read around each run (none: not measured)."""
 
 
 def cpu_seconds(pid: int) -> float:
@@ -172,7 +172,7 @@ async def measure(
                 order = names[rep % len(names) :] + names[: rep % len(names)]
                 for name in order:
                     target = targets[name]
-                    before = cpu_seconds(target.pid) if target.pid else 0.0
+                    before = sum(cpu_seconds(pid) for pid in target.pids)
                     result = await run_load(
                         HOST,
                         target.port,
@@ -185,8 +185,8 @@ async def measure(
                         raise RuntimeError(f"{name}: {result.errors} answers were not 200")
                     cell = cells.setdefault((name, stream, concurrency), Cell())
                     cell.runs.append(result)
-                    if target.pid:
-                        spent = cpu_seconds(target.pid) - before
+                    if target.pids:
+                        spent = sum(cpu_seconds(pid) for pid in target.pids) - before
                         cell.cpu_us.append(spent / max(result.answered, 1) * 1e6)
         print(f"repetition {rep + 1}/{repeats} done", file=sys.stderr, flush=True)
     return cells
@@ -242,7 +242,7 @@ def cluster(args: argparse.Namespace, logs: Path) -> Iterator[dict[str, Target]]
         if vllm:
             probe = json.loads(gateway_vllm.body(False, 1))
         _wait_ok(mocks, f"http://{HOST}:{decodes[0]}{endpoint}", probe)
-        targets = {"direct": Target(decodes[0], None)}
+        targets = {"direct": Target(decodes[0], ())}
         ours = [sys.executable, "-m", "globalkv", "gateway"]
         ours_flags = ["--prometheus-port", "0", "--router-log-level", "warn"]
         # (command, flags, working directory): `python -m` puts the working directory
@@ -275,7 +275,7 @@ def cluster(args: argparse.Namespace, logs: Path) -> Iterator[dict[str, Target]]
             child = _spawn(name, argv, router_cpus, logs, cwd)
             children.append(child)
             _wait_ok(child, f"http://{HOST}:{port}{endpoint}", probe)
-            targets[name] = Target(port, child.popen.pid)
+            targets[name] = Target(port, (child.popen.pid,))
         if load_cpus is not None:
             os.sched_setaffinity(0, load_cpus)
         yield targets

@@ -193,16 +193,39 @@ class MockWorker(asyncio.Protocol):
             if at >= 0:
                 stop = lowered.find(b"\r\n", at + 2)
                 length = int(lowered[at + 17 : stop if stop >= 0 else None])
-            if len(self._buffer) < end + 4 + length:
-                return
-            body = self._buffer[end + 4 : end + 4 + length]
-            self._buffer = self._buffer[end + 4 + length :]
+            if b"\r\ntransfer-encoding: chunked" in lowered:
+                # Envoy streams a body its ext_proc filter passed on, so it is chunked.
+                found = _dechunk(self._buffer, end + 4)
+                if found is None:
+                    return
+                body, used = found
+            else:
+                if len(self._buffer) < end + 4 + length:
+                    return
+                body, used = self._buffer[end + 4 : end + 4 + length], end + 4 + length
+            self._buffer = self._buffer[used:]
             method, target, _ = head.split(b"\r\n", 1)[0].split(b" ", 2)
             assert self._transport is not None
             if self._role:
                 self._transport.write(vllm_answer_for(self._role, method, target, body))
             else:
                 self._transport.write(answer_for(method, target, body))
+
+
+def _dechunk(buffer: bytes, at: int) -> tuple[bytes, int] | None:
+    """A chunked body starting at `at`, and where it ends; None until all of it arrived."""
+    pieces = []
+    while True:
+        line = buffer.find(b"\r\n", at)
+        if line < 0:
+            return None
+        size = int(buffer[at:line].split(b";")[0], 16)
+        if len(buffer) < line + 2 + size + 2:
+            return None
+        pieces.append(buffer[line + 2 : line + 2 + size])
+        at = line + 2 + size + 2
+        if size == 0:
+            return b"".join(pieces), at
 
 
 def _factory(role: str) -> Callable[[], MockWorker]:

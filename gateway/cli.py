@@ -15,7 +15,7 @@ import asyncio
 import gc
 import logging
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import AsyncExitStack, asynccontextmanager
 from logging.handlers import TimedRotatingFileHandler
 from pathlib import Path
@@ -34,7 +34,9 @@ from gateway.http.server import HttpServer
 from gateway.http.transport import upstream_client
 from gateway.http.upstream import PooledUpstream
 from gateway.inference import Inference
+from gateway.legs.dispatch import Chooser
 from gateway.replicas.shared_state import SharedState, member_name
+from gateway.routing.router import Router
 from gateway.service import Gateway, build_gateway
 from gateway.tracing import configured_endpoint, otlp_tracing
 from gateway.workers.discovery import Follower, discovery_source
@@ -118,10 +120,13 @@ async def _follow_discovery(config: GatewayConfig, gateway: Gateway, stack: Asyn
 
 @asynccontextmanager
 async def running_gateway(
-    config: GatewayConfig, tokenizer: Tokenizer | None
+    config: GatewayConfig,
+    tokenizer: Tokenizer | None,
+    chooser: Callable[[Router], Chooser] | None = None,
 ) -> AsyncIterator[tuple[Gateway, FastAPI]]:
     """The gateway and its app, built on the pooled client, with the app's lifespan running
-    (monitor started); closed, with everything they opened, on leaving."""
+    (monitor started); closed, with everything they opened, on leaving. `chooser`: as
+    `build_gateway`'s."""
     async with AsyncExitStack() as stack:
         pool = ConnectionPool()
         client = await stack.enter_async_context(upstream_client(pool))
@@ -134,6 +139,7 @@ async def running_gateway(
             registrar=registrar,
             probe=DirectoryReader(client, timeout=2.0),
             tokenizer=tokenizer,
+            chooser=chooser,
         )
         default = DEFAULT_TRACES_ENDPOINT if config.enable_trace else None
         endpoint = configured_endpoint(config.otlp_traces_endpoint, default=default)
@@ -160,18 +166,24 @@ async def running_gateway(
 
 async def serve(config: GatewayConfig, tokenizer: Tokenizer | None) -> None:
     async with running_gateway(config, tokenizer) as (gateway, app):
-        inference = Inference(gateway)
-        server = HttpServer(
-            inference, inference.edge.wrap(app), max_connections=config.max_client_connections
-        )
-        try:
-            await server.start(config.host, config.port)
-        except OSError as exc:
-            where = f"{config.host}:{config.port} (--port)"
-            raise CannotListen(f"gateway cannot serve on {where}: {exc}") from exc
-        tune_garbage_collection()
-        await _until_signalled()
-        await server.shutdown(grace=config.edge.shutdown_grace_period_secs)
+        await serve_until_signalled("gateway", config, Inference(gateway), app)
+
+
+async def serve_until_signalled(
+    name: str, config: GatewayConfig, inference: Inference, app: FastAPI
+) -> None:
+    """Serve `inference` and `app` on `--port` until SIGINT or SIGTERM, then shut down."""
+    server = HttpServer(
+        inference, inference.edge.wrap(app), max_connections=config.max_client_connections
+    )
+    try:
+        await server.start(config.host, config.port)
+    except OSError as exc:
+        where = f"{config.host}:{config.port} (--port)"
+        raise CannotListen(f"{name} cannot serve on {where}: {exc}") from exc
+    tune_garbage_collection()
+    await until_signalled()
+    await server.shutdown(grace=config.edge.shutdown_grace_period_secs)
 
 
 def tune_garbage_collection() -> None:
@@ -188,7 +200,8 @@ def tune_garbage_collection() -> None:
     gc.set_threshold(10_000, older, oldest)
 
 
-async def _until_signalled() -> None:
+async def until_signalled() -> None:
+    """Return on SIGINT or SIGTERM."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     signals = (signal.SIGINT, signal.SIGTERM)
@@ -202,12 +215,24 @@ async def _until_signalled() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = build_config(args)
+    return launch(args, build_config(args), "gateway", serve)
+
+
+def launch(
+    args: argparse.Namespace,
+    config: GatewayConfig,
+    name: str,
+    serving: Callable[[GatewayConfig, Tokenizer | None], Coroutine[Any, Any, None]],
+) -> int:
+    """Run `serving` on uvloop until it returns (a signal), as every command built on the
+    gateway's parts starts: log level and files, what it serves, the tokenizer; 1 when it
+    cannot."""
     if args.router_log_level:
         level = {"warn": "WARNING"}.get(args.router_log_level, args.router_log_level.upper())
         logging.getLogger("gateway").setLevel(level)
     log.info(
-        "gateway on %s:%d: %d prefill, %d decode, policies %s/%s, index %s",
+        "%s on %s:%d: %d prefill, %d decode, policies %s/%s, index %s",
+        name,
         config.host,
         config.port,
         len(config.prefill),
@@ -220,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             log_to_dir(Path(config.edge.log_dir))
         except OSError as exc:
-            log.error("gateway: cannot write logs to %s: %s", config.edge.log_dir, exc)
+            log.error("%s: cannot write logs to %s: %s", name, config.edge.log_dir, exc)
             return 1
     if config.discovery.selector:
         log.warning(
@@ -232,17 +257,17 @@ def run(args: argparse.Namespace) -> int:
     try:
         tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer else None
     except ValueError as exc:
-        log.error("gateway: cannot load the tokenizer: %s", exc)
+        log.error("%s: cannot load the tokenizer: %s", name, exc)
         return 1
     import uvloop
 
     try:
-        uvloop.run(serve(config, tokenizer))
+        uvloop.run(serving(config, tokenizer))
     except CannotListen as exc:
         log.error("%s", exc)
         return 1
     except (ValueError, MissingExtra) as exc:  # discovery that cannot start
-        log.error("gateway cannot start: %s", exc)
+        log.error("%s cannot start: %s", name, exc)
         return 1
     return 0
 

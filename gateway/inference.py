@@ -30,7 +30,7 @@ where a thread would cost more than the work.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Collection
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
 import orjson
@@ -102,9 +102,15 @@ class _Measured:
                 self.traced.end(self._status)
 
 
+PrefillNamed = Callable[[Headers], str | None]
+"""The prefill a request's headers name (`RouteRequest.prefill`), or None; raises
+`BadRequest` for a header that names none well."""
+
+
 class Inference:
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Gateway, named_prefill: PrefillNamed | None = None) -> None:
         self._gateway = gateway
+        self._named_prefill = named_prefill
         config = gateway.config
         self.edge = Edge(config.edge)
         self._admission = (
@@ -148,11 +154,11 @@ class Inference:
             context = trace_headers(headers)
             if context:
                 bind(passed_on(context))
-            return await self._admitted(path, authorization, body, request_id, None)
+            return await self._admitted(path, authorization, body, request_id, None, headers)
         traced = tracing.begin(path, headers)
         bind(traced)
         try:
-            answer = await self._admitted(path, authorization, body, request_id, traced)
+            answer = await self._admitted(path, authorization, body, request_id, traced, headers)
         except BaseException:
             traced.end(499)
             raise
@@ -169,6 +175,7 @@ class Inference:
         body: bytes,
         request_id: str,
         traced: TracedRequest | None,
+        headers: Headers,
     ) -> Answer:
         """The answer once the API key is right and admission control let the request in
         (the token it took given back once the answer is handed over)."""
@@ -178,23 +185,29 @@ class Inference:
             return self._refuse(path, problem(401, message, "auth_error"))
         admission = self._admission
         if admission is None:
-            return await self._serve(path, body, request_id, traced)
+            return await self._serve(path, body, request_id, traced, headers)
         refusal = await admission.admit()
         if refusal is not None:
             return self._refuse(path, refusal)
         try:
-            return await self._serve(path, body, request_id, traced)
+            return await self._serve(path, body, request_id, traced, headers)
         finally:
             admission.release()
 
     async def _serve(
-        self, path: str, body: bytes, request_id: str, traced: TracedRequest | None
+        self,
+        path: str,
+        body: bytes,
+        request_id: str,
+        traced: TracedRequest | None,
+        headers: Headers,
     ) -> Answer:
         gateway = self._gateway
         metrics = self._metrics[path]
         started = gateway.clock()
         router = gateway.router
         try:
+            named = None if self._named_prefill is None else self._named_prefill(headers)
             parsed = parse_request(INFERENCE_PATHS[path], decode_body(body))
             parsed.request_id = request_id
             if len(body) > TOKENIZE_INLINE_MAX and parsed.token_ids is None:
@@ -202,11 +215,11 @@ class Inference:
             else:
                 tokens = prompt_tokens(parsed, gateway.tokenizer)
             if traced is None:
-                route = await router.route(tokens, parsed.model)
+                route = await router.route(tokens, parsed.model, named)
             else:
                 span = traced.stage("route")
                 try:
-                    route = await router.route(tokens, parsed.model)
+                    route = await router.route(tokens, parsed.model, named)
                 finally:
                     span.end()
             answer = await gateway.dispatcher.forward(parsed, route, path)

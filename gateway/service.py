@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from random import Random
 from typing import Any
@@ -23,7 +24,7 @@ from gateway.config import GatewayConfig, Kind, WorkerSpec
 from gateway.http.upstream import HttpxUpstream, Upstream
 from gateway.legs.attempt import Legs
 from gateway.legs.calls import PairCalls
-from gateway.legs.dispatch import Dispatcher
+from gateway.legs.dispatch import Chooser, Dispatcher
 from gateway.legs.local import LocalLegs
 from gateway.legs.retry import RetrySchedule
 from gateway.legs.sglang import DualLegs
@@ -133,7 +134,10 @@ def build_gateway(
     sleep: Sleep = asyncio.sleep,
     rng: Random | None = None,
     room_rng: Random | None = None,
+    chooser: Callable[[Router], Chooser] | None = None,
 ) -> Gateway:
+    """`chooser`: what chooses each attempt's pair, built on the router (default: the
+    router itself; a decode's sidecar fixes the decode)."""
     rng = rng or Random(config.seed)
     metrics = GatewayMetrics(registry or CollectorRegistry())
     pool = WorkerPool(config.breaker, config.health, clock)
@@ -182,7 +186,9 @@ def build_gateway(
         ),
     }
     dispatcher = Dispatcher(
-        PdChooser(router, PdDecider(config.pd_decider), metrics.pd_decisions),
+        PdChooser(router, PdDecider(config.pd_decider), metrics.pd_decisions)
+        if chooser is None
+        else chooser(router),
         legs,
         RetrySchedule(config.retry, rng),
         metrics,

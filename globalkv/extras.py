@@ -25,6 +25,14 @@ class MissingExtra(Exception):
 
 def require(feature: str, extra: str, *modules: str) -> None:
     """Raise `MissingExtra` naming each of `modules` that cannot be imported."""
-    missing = [name for name in modules if importlib.util.find_spec(name) is None]
+    missing = [name for name in modules if not _found(name)]
     if missing:
         raise MissingExtra(feature, missing, extra)
+
+
+def _found(name: str) -> bool:
+    """Whether module `name` can be imported (a dotted name whose package is missing is not)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False

@@ -121,6 +121,11 @@ class ReplaySettings(BaseModel):
     gateways: int = Field(
         1, ge=1, le=64, description="Gateway replicas the requests are split over."
     )
+    entry: Literal["gateway", "envoy"] = Field(
+        "gateway",
+        description="Live: how requests enter the stack (`globalkv up --entry`): the "
+        "gateway, or Envoy with endpoint pickers (`gateways` replicas) and a sidecar per decode.",
+    )
     gateway_sharing: Literal["none", "shared"] = Field(
         "shared",
         description="What replicas share besides the index: nothing, or their loads and "
@@ -153,6 +158,8 @@ class ReplaySettings(BaseModel):
                 raise ValueError("live mode does not run the disaggregation decider yet")
             if self.cluster.kv_transfer_tokens_per_s is not None:
                 raise ValueError("live mode: the emulated engines model no KV transfer time")
+        elif self.entry != "gateway":
+            raise ValueError("the entry is live mode's: the simulation routes as a gateway")
         return self
 
     def output_tokens(self, traced: int) -> int:

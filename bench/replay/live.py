@@ -1,7 +1,8 @@
 """Live mode: the trace through real processes (`globalkv.stack.cluster.LocalCluster`).
 
-Per policy a fresh local stack is started (gateway, indexer, emulated prefill and decode
-engines, each a `python -m globalkv …` child) with the same capacities and rates as the
+Per policy a fresh local stack is started (gateway — or, with `entry: envoy`, Envoy, the
+endpoint pickers and a sidecar per decode —, indexer, emulated prefill and decode engines,
+each a `python -m globalkv …` child) with the same capacities and rates as the
 simulation, time-scaled: the engines' rates are divided by the time scale and the
 arrivals multiplied by it. Each request is sent at its (scaled) arrival time to the
 gateway's `/generate` with `input_ids` (the deterministic expansion) and `stream: true`;
@@ -85,6 +86,7 @@ def stack_config(
     return StackConfig(
         run_dir=run_dir,
         gateways=settings.gateways,
+        entry=settings.entry,
         redis_url=redis_url,
         prefill=cluster.pods,
         decode=cluster.decode_pods,

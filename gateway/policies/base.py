@@ -80,6 +80,9 @@ class RouteRequest:
     now: float = 0.0
     pending: Mapping[str, PendingHit] = field(default_factory=dict)
     """Worker id -> leading prompt blocks sent to it and not yet settled (index blocks)."""
+    prefill: str | None = None
+    """The prefill (worker id) that whoever routed the request named for it, as an endpoint
+    picker names it to a decode's sidecar: the chooser prefers it while it is eligible."""
 
     @property
     def prompt_tokens(self) -> int:

@@ -136,11 +136,14 @@ class Router:
         self._metrics.best_hit.observe(max((p.hit_tokens for p in result.pods), default=0))
         return result
 
-    async def route(self, tokens: PromptTokens, model: str | None) -> RouteRequest:
+    async def route(
+        self, tokens: PromptTokens, model: str | None, prefill: str | None = None
+    ) -> RouteRequest:
         """What choosing reads of one request, for all its attempts: its tokens and, for a
-        prefill policy that uses the index, the index's answer; `model` is the one it names."""
+        prefill policy that uses the index, the index's answer; `model` is the one it names,
+        `prefill` the prefill named for it (`RouteRequest.prefill`)."""
         lookup = await self.lookup(tokens.tokens, tokens.missing, model)
-        return RouteRequest(tokens.tokens, tokens.text, lookup, now=self._clock())
+        return RouteRequest(tokens.tokens, tokens.text, lookup, now=self._clock(), prefill=prefill)
 
     def candidates(
         self, role: Role, avoid: Collection[str], kind: Kind | None, model: str | None
@@ -162,7 +165,24 @@ class Router:
         kind: Kind | None = None,
     ) -> RoutePlan:
         """Choose a pair for one attempt; raises `NoCandidates` naming the empty role."""
+        prefill, choice, request = self.choose_prefill(request, avoid, model, kind)
+        decode = self.choose_decode(request, prefill.kind, avoid, model)
+        return self.bind(request, prefill, choice, decode, batch)
+
+    def choose_prefill(
+        self,
+        request: RouteRequest,
+        avoid: Collection[str] = (),
+        model: str | None = None,
+        kind: Kind | None = None,
+        among: Collection[str] | None = None,
+    ) -> tuple[Worker, Choice, RouteRequest]:
+        """The prefill policy's choice among the eligible prefills (only those whose id is
+        in `among`, when given: an endpoint picker's subset), with the request as the
+        policy read it (its pending blocks added); raises `NoCandidates`."""
         prefills = self.candidates("prefill", avoid, kind, model)
+        if among is not None:
+            prefills = [c for c in prefills if c.worker in among]
         if not prefills:
             which = "" if kind is None else f", {kind}"
             raise NoCandidates(
@@ -175,16 +195,39 @@ class Router:
         prefill = self.pool.get(choice.worker)
         if prefill is None:
             raise NoCandidates("a chosen worker left the pool")
-        decodes = self.candidates("decode", avoid, prefill.kind, model)
+        return prefill, choice, request
+
+    def choose_decode(
+        self,
+        request: RouteRequest,
+        kind: Kind,
+        avoid: Collection[str] = (),
+        model: str | None = None,
+        among: Collection[str] | None = None,
+    ) -> Worker:
+        """The decode policy's choice among the eligible decodes of `kind` (only those whose
+        id is in `among`, when given); raises `NoCandidates`."""
+        decodes = self.candidates("decode", avoid, kind, model)
+        if among is not None:
+            decodes = [c for c in decodes if c.worker in among]
         if not decodes:
-            raise NoCandidates(
-                f"no {prefill.kind} decode worker is available (healthy, circuit closed)"
-            )
-        decode_choice = self.decode_policy.choose(request, decodes)
-        decode = self.pool.get(decode_choice.worker)
+            raise NoCandidates(f"no {kind} decode worker is available (healthy, circuit closed)")
+        decode = self.pool.get(self.decode_policy.choose(request, decodes).worker)
         if decode is None:
             raise NoCandidates("a chosen worker left the pool")
-        self._record(choice, request)
+        return decode
+
+    def bind(
+        self,
+        request: RouteRequest,
+        prefill: Worker,
+        choice: Choice,
+        decode: Worker,
+        batch: int | None,
+    ) -> RoutePlan:
+        """The pair's plan: the decision counted, and one room per batch element drawn so
+        that, where the prefill follows the room, it selects the DP rank holding the hit."""
+        self.record(choice, request)
         directory = prefill.directory
         dp_size = directory.dp_size
         follows = directory.follow_bootstrap_room and dp_size > 1
@@ -198,8 +241,11 @@ class Router:
         computing = rooms[0] % dp_size if follows else 0 if dp_size <= 1 else pinned
         return RoutePlan(prefill, decode, choice, rooms, keys, computing, pinned_dp_rank=pinned)
 
-    def _record(self, choice: Choice, request: RouteRequest) -> None:
-        self._decode_decision.inc()
+    def record(self, choice: Choice, request: RouteRequest, paired: bool = True) -> None:
+        """One decision counted: the prefill's outcome (hit, miss, fallback) and, `paired`,
+        the decode's (an aggregated worker serves the request whole)."""
+        if paired:
+            self._decode_decision.inc()
         if choice.fallback is not None or (self.uses_index and request.lookup is None):
             self._prefill_decisions["fallback"].inc()
             return

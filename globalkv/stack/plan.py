@@ -31,7 +31,7 @@ import argparse
 import contextlib
 import io
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -43,7 +43,7 @@ from kvplumbing.auth import is_loopback
 from kvplumbing.environment import env_var_name
 from kvplumbing.ports import unclaimed_ports
 
-Role = Literal["indexer", "prefill", "decode", "gateway"]
+Role = Literal["indexer", "prefill", "decode", "gateway", "epp", "sidecar"]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 _WILDCARDS = {"0.0.0.0", "::", ""}
 LOOPBACK = "127.0.0.1"
@@ -57,7 +57,16 @@ class StackConfig(BaseModel):
     prefill: int = Field(2, ge=1, le=32, description="Prefill engines, one pod each.")
     decode: int = Field(2, ge=1, le=32, description="Decode engines.")
     gateways: int = Field(
-        1, ge=1, le=16, description="Gateways, each serving every worker on its own port."
+        1,
+        ge=1,
+        le=16,
+        description="Gateways, each serving every worker on its own port (with the envoy "
+        "entry: endpoint picker replicas behind the one Envoy).",
+    )
+    entry: Literal["gateway", "envoy"] = Field(
+        "gateway",
+        description="How requests enter: the gateway, or Envoy calling `globalkv epp` with a "
+        "`globalkv sidecar` in front of each decode (needs the envoy extra).",
     )
     indexers: int = Field(
         1,
@@ -185,6 +194,8 @@ class Component:
     """Prefill: the pod id the index knows it by."""
     events_endpoint: str | None = None
     """Indexer: the SUB socket the prefills publish to."""
+    workers: tuple[str, ...] = ()
+    """Gateway, picker, sidecar: the URLs of the workers it must list as eligible."""
     env: Mapping[str, str] = field(default_factory=dict, repr=False)
     """`GLOBALKV_*` variables of its own: secrets, kept off its command line."""
 
@@ -227,10 +238,15 @@ def reserve_ports(count: int, host: str = LOOPBACK) -> list[int]:
 
 def ports_needed(config: StackConfig) -> int:
     """Each indexer's HTTP (and a single one's events), each prefill's HTTP and directory,
-    each decode, each gateway (but a first one on a port given)."""
+    each decode, each gateway (but a first one on a port given); with the envoy entry, each
+    decode's sidecar, each picker's HTTP and gRPC, Envoy's admin (and its listener, unless
+    given)."""
     indexers = 2 if config.indexers == 1 else config.indexers
+    engines = indexers + 2 * config.prefill + config.decode
+    if config.entry == "envoy":
+        return engines + config.decode + 2 * config.gateways + 1 + (config.gateway_port == 0)
     gateways = config.gateways - (0 if config.gateway_port == 0 else 1)
-    return indexers + 2 * config.prefill + config.decode + gateways
+    return engines + gateways
 
 
 def _reachable(host: str) -> str:
@@ -250,6 +266,10 @@ def plan_stack(config: StackConfig, ports: Iterator[int], log_dir: Path) -> Plan
     events = components[0].events_endpoint or "tcp://*:0"  # replicas: each prefill binds
     components += _engines(config, ports, log_dir, events)
     indexer_url = components[0].url
+    if config.entry == "envoy":
+        return Plan(
+            tuple(components + _envoy_entry(config, ports, log_dir, indexer_url, components))
+        )
     for i in range(config.gateways):
         name = "gateway" if config.gateways == 1 else f"gateway-{i}"
         port = config.gateway_port + i if config.gateway_port else next(ports)
@@ -261,9 +281,68 @@ def plan_stack(config: StackConfig, ports: Iterator[int], log_dir: Path) -> Plan
                 (*_gateway_argv(config, port, indexer_url, components), *config.gateway_args),
                 log_dir / f"{name}.log",
                 env=_secrets("gateway", config, "--admin-token", "--indexer-token"),
+                workers=tuple(c.url for c in components if c.role in ("prefill", "decode")),
             )
         )
     return Plan(tuple(components))
+
+
+def _envoy_entry(
+    config: StackConfig,
+    ports: Iterator[int],
+    log_dir: Path,
+    indexer_url: str,
+    engines: Sequence[Component],
+) -> list[Component]:
+    """A sidecar before each decode, the pickers choosing prefill and sidecar, and Envoy
+    (the "gateway": where clients send) calling the pickers."""
+    local = _reachable(config.host)
+    prefills = [c for c in engines if c.role == "prefill"]
+    secrets = _secrets("gateway", config, "--admin-token", "--indexer-token")
+    built: list[Component] = []
+    for decode in (c for c in engines if c.role == "decode"):
+        name, port = decode.name.replace("decode", "sidecar"), next(ports)
+        argv = _gateway_argv(config, port, indexer_url, [*prefills, decode], "sidecar")
+        built.append(
+            Component(
+                name,
+                "sidecar",
+                f"http://{LOOPBACK}:{port}",
+                (*argv, *config.gateway_args),
+                log_dir / f"{name}.log",
+                env={k.replace("GATEWAY", "SIDECAR"): v for k, v in secrets.items()},
+                workers=(*(p.url for p in prefills), decode.url),
+            )
+        )
+    sidecars = [replace(s, role="decode") for s in built]
+    pickers = []
+    for i in range(config.gateways):
+        name = "epp" if config.gateways == 1 else f"epp-{i}"
+        port, grpc_port = next(ports), next(ports)
+        argv = _gateway_argv(config, port, indexer_url, [*prefills, *sidecars], "epp")
+        argv += ["--grpc-host", LOOPBACK, "--grpc-port", str(grpc_port)]
+        built.append(
+            Component(
+                name,
+                "epp",
+                f"http://{local}:{port}",
+                (*argv, *config.gateway_args),
+                log_dir / f"{name}.log",
+                env={k.replace("GATEWAY", "EPP"): v for k, v in secrets.items()},
+                workers=(*(p.url for p in prefills), *(s.url for s in sidecars)),
+            )
+        )
+        pickers.append(f"{LOOPBACK}:{grpc_port}")
+    port = config.gateway_port or next(ports)
+    argv = ["--log-level", config.log_level, "envoy", "--host", config.host]
+    argv += ["--port", str(port), "--admin-port", str(next(ports))]
+    argv += [a for s in sidecars for a in ("--endpoint", s.url.split("//", 1)[1])]
+    argv += [a for p in pickers for a in ("--picker", p)]
+    argv += ["--config-dir", str(log_dir / "envoy")]
+    built.append(
+        Component("envoy", "gateway", f"http://{local}:{port}", tuple(argv), log_dir / "envoy.log")
+    )
+    return built
 
 
 def _indexers(config: StackConfig, ports: Iterator[int], log_dir: Path) -> list[Component]:
@@ -352,10 +431,17 @@ def _engines(
 
 
 def _gateway_argv(
-    config: StackConfig, port: int, indexer_url: str, engines: Sequence[Component]
+    config: StackConfig,
+    port: int,
+    indexer_url: str,
+    engines: Sequence[Component],
+    command: str = "gateway",
 ) -> list[str]:
-    argv = ["--log-level", config.log_level, "gateway", "--pd-disaggregation"]
-    argv += ["--host", config.host, "--port", str(port), "--prometheus-port", "0"]
+    """The arguments of `command` (the gateway, or a picker or sidecar, which take its
+    flags) over `engines`."""
+    argv = ["--log-level", config.log_level, command, "--pd-disaggregation"]
+    host = LOOPBACK if command == "sidecar" else config.host
+    argv += ["--host", host, "--port", str(port), "--prometheus-port", "0"]
     vllm = config.engine == "vllm"
     for engine in engines:
         if engine.role == "prefill" and vllm:

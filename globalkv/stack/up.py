@@ -58,6 +58,13 @@ def register(subparsers: Any) -> None:
         default=defaults.indexers,
         help="indexers; more than one share the pods by leases (needs --redis-url)",
     )
+    add(
+        "--entry",
+        choices=["gateway", "envoy"],
+        default=defaults.entry,
+        help="how requests enter: the gateway, or Envoy with globalkv epp (--gateways "
+        "replicas) and a globalkv sidecar per decode (needs the envoy extra)",
+    )
     add("--port", type=int, default=8000, help="gateway port (0: a free one)")
     add("--host", default=defaults.host, help="address the gateway and the index API listen on")
     add("--redis-url", help="keep the index in this Redis (default: in memory)")
@@ -128,6 +135,7 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
             prefill=args.prefill,
             decode=args.decode,
             gateways=args.gateways,
+            entry=args.entry,
             indexers=args.indexers,
             host=args.host,
             gateway_port=args.port,
@@ -260,7 +268,13 @@ def _run(config: StackConfig, out: TextIO) -> int:
             elapsed = time.monotonic() - started
             print(f"ready in {elapsed:.1f}s; run directory {cluster.run_dir}\n", file=out)
             print(table(cluster.components, cluster.plan), file=out)
-            lines = curl_lines(cluster, config.model, admin_token=config.token is not None)
+            pickers = cluster.plan.by_role("epp")
+            lines = curl_lines(
+                cluster,
+                config.model,
+                admin_token=config.token is not None,
+                diagnosed=pickers[0].url if pickers else None,
+            )
             print("\n" + lines + "\n", file=out)
             print("Ctrl-C stops everything.", file=out, flush=True)
             status = supervise(cluster, out)

@@ -1,0 +1,217 @@
+"""Choosing the endpoint for one request behind Envoy, with the gateway's own parts.
+
+The picker is the gateway's choice without the gateway's calls: the same `Router` (index
+lookup, prefill and decode policies, decisions counted), the same `WorkerPool` (health,
+breakers, discovery kept fresh by the monitor) and the same `LoadTracker` (in flight,
+prefill work queued, prompts sent but not yet indexed, shared with other replicas through
+Redis when `--share-state-interval-secs` is set), so an endpoint picker and a gateway on
+one Redis see one cluster and choose alike.
+
+Two shapes of pool:
+
+- aggregated (`--worker URL`): each worker serves whole requests; it is the prefill
+  policy's choice (it holds the KV cache the index knows), and Envoy sends it the request;
+- PD (`--prefill`/`--decode`, the decodes being their sidecars' addresses): the prefill
+  policy chooses the prefill, the decode policy the decode; Envoy sends the request to the
+  decode's sidecar, which binds it to the prefill named in `x-globalkv-prefill` (and
+  llm-d's `x-prefiller-host-port`).
+
+The load a pick starts is held until the response ends (`Pick.release`), the prefill's
+part until the response's headers arrive (the prefill's work is done by then: its decode
+answered). Fallback endpoints (`fallbacks`) are the other eligible endpoints, least
+loaded first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+from gateway.config import Kind, Role
+from gateway.inference import INFERENCE_PATHS, TOKENIZE_INLINE_MAX
+from gateway.policies.base import Choice, NoCandidates, RouteRequest
+from gateway.policies.loads import LoadTicket, LoadTracker
+from gateway.requests import BadRequest, PromptTokens, decode_body, parse_request, prompt_tokens
+from gateway.routing.router import Router
+from gateway.service import Gateway
+from gateway.sidecar.chooser import LLMD_PREFILL_HEADER, PREFILL_HEADER
+from gateway.workers.pool import Worker
+from globalkv.tokenize import TokenizeError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Refusal:
+    """No endpoint: the status the client gets (400, 429, 503) and why."""
+
+    status: int
+    message: str
+    code: str
+
+
+@dataclass(slots=True)
+class Pick:
+    """An endpoint chosen for one request, and the load it holds until `release`."""
+
+    endpoints: list[str]
+    """Best first: the primary, then fallbacks."""
+    headers: dict[str, str]
+    """Request headers to set (the prefill a sidecar binds to)."""
+    tickets: list[LoadTicket] = field(default_factory=list)
+    prefill: LoadTicket | None = None
+    """The prefill's share of the load, settled when the response's headers arrive."""
+
+
+class Picker:
+    def __init__(
+        self, gateway: Gateway, *, fallbacks: int = 0, shed_in_flight: int | None = None
+    ) -> None:
+        self._gateway = gateway
+        self._router: Router = gateway.router
+        self._loads: LoadTracker = gateway.loads
+        self._fallbacks = fallbacks
+        self._shed = shed_in_flight
+        self.draining = False
+        """Stopping: not ready, so the data plane opens no new stream here."""
+
+    @property
+    def disaggregated(self) -> bool:
+        """Decodes in the pool: Envoy sends to a decode's sidecar, naming the prefill."""
+        return bool(self._gateway.pool.role("decode"))
+
+    @property
+    def ready(self) -> bool:
+        """Some request could be sent now (each role has an eligible worker) and the
+        picker is not stopping."""
+        if self.draining:
+            return False
+        pool = self._gateway.pool
+        roles: tuple[Role, ...] = ("prefill", "decode") if self.disaggregated else ("prefill",)
+        return all(pool.eligible(role) for role in roles)
+
+    async def pick(self, path: str, body: bytes, subset: Collection[str] | None) -> Pick | Refusal:
+        """The endpoint for a request of `body` to `path`, among `subset` when given."""
+        try:
+            tokens, model, kind = await self._read(path, body)
+        except (BadRequest, TokenizeError) as exc:
+            return Refusal(400, str(exc), "invalid_request_error")
+        route = await self._router.route(tokens, model)
+        try:
+            if self.disaggregated:
+                return self._pair(route, model, kind, subset)
+            return self._whole(route, model, kind, subset)
+        except NoCandidates as exc:
+            return Refusal(503, str(exc), "no_available_workers")
+        except _Shed as exc:
+            return Refusal(429, str(exc), "overloaded")
+
+    async def _read(self, path: str, body: bytes) -> tuple[PromptTokens, str | None, Kind | None]:
+        """An inference request's tokens, model and the kind of pair it needs; anything
+        else (`GET /v1/models`) is routed by load alone."""
+        endpoint = INFERENCE_PATHS.get(path.partition("?")[0])
+        if endpoint is None:
+            return PromptTokens(None, None, "not_inference"), None, None
+        parsed = parse_request(endpoint, decode_body(body))
+        tokenizer = self._gateway.tokenizer
+        if len(body) > TOKENIZE_INLINE_MAX and parsed.token_ids is None:
+            tokens = await asyncio.to_thread(prompt_tokens, parsed, tokenizer)
+        else:
+            tokens = prompt_tokens(parsed, tokenizer)
+        return tokens, parsed.model, "sglang" if endpoint == "generate" else None
+
+    def _whole(
+        self,
+        route: RouteRequest,
+        model: str | None,
+        kind: Kind | None,
+        subset: Collection[str] | None,
+    ) -> Pick:
+        among = self._open("prefill", kind, subset)
+        worker, choice, route = self._router.choose_prefill(route, (), model, kind, among)
+        self._router.record(choice, route, paired=False)
+        pick = Pick(self._endpoints(worker, "prefill", subset), {})
+        pick.prefill = self._start_prefill(worker, choice, route)
+        pick.tickets.append(pick.prefill)
+        return pick
+
+    def _pair(
+        self,
+        route: RouteRequest,
+        model: str | None,
+        kind: Kind | None,
+        subset: Collection[str] | None,
+    ) -> Pick:
+        prefill, choice, route = self._router.choose_prefill(route, (), model, kind)
+        among = self._open("decode", prefill.kind, subset)
+        decode = self._router.choose_decode(route, prefill.kind, (), model, among)
+        self._router.record(choice, route)
+        headers = {PREFILL_HEADER: prefill.id, LLMD_PREFILL_HEADER: prefill.id}
+        pick = Pick(self._endpoints(decode, "decode", subset), headers)
+        pick.prefill = self._start_prefill(prefill, choice, route)
+        pick.tickets += [pick.prefill, self._loads.start(decode.id)]
+        return pick
+
+    def _open(
+        self, role: Role, kind: Kind | None, subset: Collection[str] | None
+    ) -> Collection[str] | None:
+        """The endpoints that may be chosen: those of `subset` with room, when shedding
+        (`NoCandidates` follows when the subset holds no eligible one, `_Shed` when each
+        eligible one has `shed_in_flight` requests in flight)."""
+        if self._shed is None:
+            return subset
+        candidates = [
+            c
+            for c in self._gateway.pool.candidates(role, self._loads, kind=kind)
+            if subset is None or c.worker in subset
+        ]
+        room = {c.worker for c in candidates if c.in_flight < self._shed}
+        if candidates and not room:
+            raise _Shed(f"every endpoint has {self._shed} or more requests in flight")
+        return room
+
+    def _start_prefill(self, worker: Worker, choice: Choice, route: RouteRequest) -> LoadTicket:
+        keys = route.lookup.keys if route.lookup is not None else ()
+        dp_rank = 0 if worker.directory.dp_size <= 1 else None
+        return self._loads.start(
+            worker.id, choice.uncached_tokens, keys, dp_rank, cached_tokens=choice.hit_tokens
+        )
+
+    def _endpoints(self, chosen: Worker, role: Role, subset: Collection[str] | None) -> list[str]:
+        if not self._fallbacks:
+            return [chosen.id]
+        others = [
+            c
+            for c in self._gateway.pool.candidates(role, self._loads, kind=chosen.kind)
+            if c.worker != chosen.id and (subset is None or c.worker in subset)
+        ]
+        others.sort(key=lambda c: c.in_flight)
+        return [chosen.id, *(c.worker for c in others[: self._fallbacks])]
+
+    def served(self, pick: Pick, endpoint: str) -> None:
+        """A fallback served the request: the load moves from the primary to it."""
+        if endpoint == pick.endpoints[0] or self._gateway.pool.get(endpoint) is None:
+            return
+        moved = pick.tickets.pop()
+        self._loads.finish(moved, computed=False)
+        ticket = self._loads.start(endpoint)
+        pick.tickets.append(ticket)
+        if moved is pick.prefill:
+            pick.prefill = ticket
+
+    def answered(self, pick: Pick, status: int) -> None:
+        """The response's headers arrived: the prefill's work is over."""
+        if pick.prefill is not None:
+            self._loads.prefill_done(pick.prefill, computed=status < 300)
+
+    def release(self, pick: Pick, succeeded: bool) -> None:
+        """The response ended (or the stream closed): every load the pick held ends."""
+        for ticket in pick.tickets:
+            self._loads.finish(ticket, computed=succeeded)
+        pick.tickets.clear()
+
+
+class _Shed(Exception):
+    pass

@@ -1,0 +1,160 @@
+"""The Endpoint Picker protocol's words on Envoy's ext_proc messages, read and written.
+
+The Gateway API Inference Extension's protocol (its proposal 004, "Endpoint Picker
+Protocol") over `envoy.service.ext_proc.v3`:
+
+- the data plane MAY restrict the pick to a subset: filter metadata
+  `envoy.lb.subset_hint` / `x-gateway-destination-endpoint-subset`, a list of `ip:port`;
+- the picker names the endpoint in the `x-gateway-destination-endpoint` request header
+  AND, with the same value, in dynamic metadata `envoy.lb` /
+  `x-gateway-destination-endpoint`: `ip:port`, or an ordered list `ip:port,ip:port,…`
+  the proxy tries in turn;
+- nothing eligible is an ImmediateResponse 503, a request shed one 429;
+- on the response the data plane reports the endpoint that served it in the metadata
+  context, `envoy.lb` / `x-gateway-destination-endpoint-served`.
+
+A body streamed back in FULL_DUPLEX_STREAMED mode goes in pieces of at most
+`BODY_PIECE_BYTES`: Envoy takes no larger streamed body message from an ext_proc server.
+Everything read here comes from outside, so a value of the wrong shape is refused with a
+`ProtocolError` naming it, never trusted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+
+import orjson
+from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption, Metadata
+from envoy.service.ext_proc.v3.external_processor_pb2 import (
+    BodyMutation,
+    BodyResponse,
+    CommonResponse,
+    HeaderMutation,
+    HeadersResponse,
+    HttpHeaders,
+    ImmediateResponse,
+    ProcessingResponse,
+    StreamedBodyResponse,
+    TrailersResponse,
+)
+from envoy.type.v3.http_status_pb2 import HttpStatus
+from google.protobuf.struct_pb2 import Struct, Value
+
+DESTINATION = "x-gateway-destination-endpoint"
+DESTINATION_NAMESPACE = "envoy.lb"
+SERVED = "x-gateway-destination-endpoint-served"
+SUBSET = "x-gateway-destination-endpoint-subset"
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+BODY_PIECE_BYTES = 62_000
+_OVERWRITE = HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
+
+
+class ProtocolError(ValueError):
+    """A message from the data plane that the protocol does not allow; the text says why."""
+
+
+def headers_of(message: HttpHeaders) -> dict[str, str]:
+    """The headers, names in lowercase; Envoy sends each value as `raw_value` (or, older,
+    `value`). A repeated header keeps its last value."""
+    out: dict[str, str] = {}
+    for header in message.headers.headers:
+        value = header.raw_value.decode("latin-1") if header.raw_value else header.value
+        out[header.key.lower()] = value
+    return out
+
+
+def _field(metadata: Metadata, namespace: str, key: str) -> Value | None:
+    if namespace not in metadata.filter_metadata:
+        return None
+    fields = metadata.filter_metadata[namespace].fields
+    value: Value | None = fields.get(key)
+    return value
+
+
+def subset_of(metadata: Metadata) -> frozenset[str] | None:
+    """The endpoints the data plane allows, or None when it restricts nothing."""
+    value = _field(metadata, SUBSET_NAMESPACE, SUBSET)
+    if value is None:
+        return None
+    if value.WhichOneof("kind") != "list_value":
+        raise ProtocolError(f"{SUBSET_NAMESPACE}/{SUBSET} must be a list of ip:port")
+    endpoints = []
+    for item in value.list_value.values:
+        if item.WhichOneof("kind") != "string_value":
+            raise ProtocolError(f"{SUBSET_NAMESPACE}/{SUBSET} must be a list of ip:port")
+        endpoints.append(item.string_value)
+    return frozenset(endpoints)
+
+
+def served_of(metadata: Metadata) -> str | None:
+    """The endpoint that served the response, when the data plane reports one."""
+    value = _field(metadata, DESTINATION_NAMESPACE, SERVED)
+    if value is None:
+        return None
+    if value.WhichOneof("kind") != "string_value":
+        raise ProtocolError(f"{DESTINATION_NAMESPACE}/{SERVED} must be a string ip:port")
+    return value.string_value
+
+
+def _set(name: str, value: str) -> HeaderValueOption:
+    header = HeaderValue(key=name, raw_value=value.encode("latin-1"))
+    return HeaderValueOption(header=header, append_action=_OVERWRITE)
+
+
+def route_to(
+    endpoints: Sequence[str], headers: Mapping[str, str], removed: Sequence[str] = ()
+) -> ProcessingResponse:
+    """The request headers' answer: `endpoints` (best first) in the header and the
+    metadata, the same value in both, with `headers` set and `removed` removed."""
+    value = ",".join(endpoints)
+    mutation = HeaderMutation(
+        set_headers=[_set(DESTINATION, value), *(_set(k, v) for k, v in headers.items())],
+        remove_headers=list(removed),
+    )
+    metadata = Struct()
+    metadata.update({DESTINATION_NAMESPACE: {DESTINATION: value}})
+    # The route is chosen again with the header set: a route keyed by it (Envoy's
+    # ORIGINAL_DST cluster) may differ from the one the request matched without it.
+    common = CommonResponse(header_mutation=mutation, clear_route_cache=True)
+    return ProcessingResponse(
+        request_headers=HeadersResponse(response=common), dynamic_metadata=metadata
+    )
+
+
+def refuse(status: int, message: str, code: str) -> ProcessingResponse:
+    """An ImmediateResponse: the client gets `status` with the gateway's error body."""
+    body = orjson.dumps({"error": {"message": message, "type": code, "code": status}})
+    content_type = HeaderMutation(set_headers=[_set("content-type", "application/json")])
+    immediate = ImmediateResponse(
+        status=HttpStatus(code=status),
+        headers=content_type,
+        body=body,
+        details=code,
+    )
+    return ProcessingResponse(immediate_response=immediate)
+
+
+def body_pieces(body: bytes, *, request: bool, end: bool) -> Iterator[ProcessingResponse]:
+    """`body` streamed back (FULL_DUPLEX_STREAMED) in pieces Envoy takes; `end`: it ends
+    the stream's body. An empty body that ends is one empty piece."""
+    size = len(body)
+    starts = range(0, size, BODY_PIECE_BYTES) if size else range(1)
+    for start in starts:
+        piece = body[start : start + BODY_PIECE_BYTES]
+        last = start + BODY_PIECE_BYTES >= size
+        streamed = StreamedBodyResponse(body=piece, end_of_stream=end and last)
+        common = CommonResponse(body_mutation=BodyMutation(streamed_response=streamed))
+        if request:
+            yield ProcessingResponse(request_body=BodyResponse(response=common))
+        else:
+            yield ProcessingResponse(response_body=BodyResponse(response=common))
+
+
+def carry_on_response_headers() -> ProcessingResponse:
+    return ProcessingResponse(response_headers=HeadersResponse(response=CommonResponse()))
+
+
+def carry_on_trailers(request: bool) -> ProcessingResponse:
+    if request:
+        return ProcessingResponse(request_trailers=TrailersResponse())
+    return ProcessingResponse(response_trailers=TrailersResponse())

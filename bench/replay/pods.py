@@ -142,7 +142,7 @@ class PrefillPod:
         self.cached_tokens += job.cached
         if not changes:
             return Finished(job, now, None)
-        events = wire_events(changes, self.cache.page_size)
+        events = wire_events(changes, self.cache.page_size, "sglang")
         translated = translate(EventBatch(now, events, 0), self._index_model)
         batch = SourceBatch(self._source, self._seq, now, translated.events)
         self._seq += 1

@@ -24,7 +24,14 @@ from collections.abc import Awaitable, Collection
 
 from gateway.http.answer import Answer, Outcome, Rest, problem
 from gateway.metrics import EndpointMetrics
-from gateway.requests import BadRequest, Endpoint, decode_body, parse_request, prompt_tokens
+from gateway.requests import (
+    BadRequest,
+    Endpoint,
+    UnknownAdapter,
+    decode_body,
+    parse_request,
+    prompt_tokens,
+)
 from gateway.service import Gateway
 from globalkv.tokenize import TokenizeError
 from kvplumbing.auth import bearer_matches
@@ -93,14 +100,17 @@ class Inference:
         router = gateway.router
         try:
             parsed = parse_request(INFERENCE_PATHS[path], decode_body(body))
+            parsed.namespace = router.namespace(parsed.body)
             if len(body) > TOKENIZE_INLINE_MAX and parsed.token_ids is None:
                 tokens = await asyncio.to_thread(prompt_tokens, parsed, gateway.tokenizer)
             else:
                 tokens = prompt_tokens(parsed, gateway.tokenizer)
-            route = await router.route(tokens, parsed.model)
+            route = await router.route(tokens, parsed.namespace)
             answer = await gateway.dispatcher.forward(parsed, route, path)
         except (BadRequest, TokenizeError) as exc:  # BadRequest also from the first attempt
             return self._refuse(path, problem(400, str(exc)))
+        except UnknownAdapter as exc:
+            return self._refuse(path, problem(404, str(exc), "NotFoundError"))
         except asyncio.CancelledError:
             metrics.ttfb.observe(gateway.clock() - started)
             metrics.answered(499)

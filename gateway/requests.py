@@ -10,6 +10,9 @@ as one unit by its first element, and holds at most `MAX_BATCH` elements: each g
 own room, so a chat asking for `n` = 10 million would otherwise have the gateway draw and
 send 10 million rooms.
 
+A request's KV-cache namespace (model, LoRA adapter, cache salt) is read from its body as
+the engine reads it (`request_namespace`, below).
+
 Bodies are read and written with orjson (several times faster than the standard library,
 `docs/gateway-design.md`), falling back to the standard library for
 what orjson would not keep exactly: integers beyond 64 bits (orjson reads them as floats),
@@ -23,12 +26,13 @@ from __future__ import annotations
 
 import json
 from array import array
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import orjson
 
+from gateway.config import Kind
 from globalkv.tokenize import NotTokenizable, Tokenizer
 
 if array("I").itemsize != 4:
@@ -103,6 +107,140 @@ def encode_body(body: object) -> bytes:
             raise BadRequest(_TOO_DEEP) from None
 
 
+# ---------------------------------------------------------------- namespaces
+# The KV-cache namespace a request's prompt lands in, derived as the engine will derive it.
+#
+# An engine keys a prompt's blocks under its model, its LoRA adapter and its cache salt
+# (`globalkv.keys`: model ␟ LoRA name ␟ salt); the indexer reads the same three from the
+# engine's KV events. A lookup under any other namespace would count blocks the engine
+# cannot reuse for this request, or miss the ones it can. So the gateway reads the request
+# exactly as the engine reads it:
+#
+# - vLLM: the OpenAI `model` names the adapter itself; the workers' `/v1/models` lists each
+#   adapter with `parent`, the base model it was loaded on. `cache_salt` in the body.
+# - SGLang: `model: "<base>:<adapter>"` (`_parse_model_parameter`: a served model's name
+#   followed by a colon), which wins over the body's `lora_path` (the adapter's name, in
+#   `/generate` and the OpenAI bodies); `cache_salt` in the body, an empty one being none.
+#   SGLang lists its adapters in `/v1/models` with `parent` too.
+# - SGLang's `extra_key` also namespaces the cache, but its KV events do not say which
+#   key a block was stored under, so no index can tell those blocks from the base model's:
+#   such a request is routed by load (`opaque`).
+#
+# An adapter no worker lists is refused (`UnknownAdapter`, a 404 like an unknown model's):
+# no engine would serve it. A batch is routed by its first element, as everywhere in the
+# gateway; every adapter it names must be served by the pods chosen.
+#
+# This is the one place a request's namespace is derived: the gateway's inference handler
+# and any other entry point (an endpoint picker, a sidecar) call `request_namespace`.
+
+MAX_NAME_CHARS = 256
+"""Longest adapter name or salt read; vLLM allows a salt of 128 characters."""
+
+
+class UnknownAdapter(LookupError):
+    """The request names a LoRA adapter no worker serves; the message says which."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestNamespace:
+    model: str | None
+    """The base model the request is for: the adapter's parent, else the model it names."""
+    lora_name: str | None = None
+    cache_salt: str | None = None
+    adapters: frozenset[str] = field(default_factory=frozenset)
+    """Every adapter the request names (a batch may name several): its pods serve all."""
+    kind: Kind | None = None
+    """The engine whose naming the adapter came in (another engine would serve the base
+    model for the same body), or None when any engine reads the request alike."""
+    opaque: bool = False
+    """The engine adds what its KV events do not tell (SGLang's `extra_key`): no lookup."""
+
+
+BASE = RequestNamespace(None)
+
+
+def request_namespace(
+    body: Mapping[str, Any], adapters: Mapping[str, str], models: Collection[str]
+) -> RequestNamespace:
+    """The namespace of a request `body`, given the LoRA `adapters` the workers serve (name
+    → base model) and the base `models` they serve.
+
+    Raises `UnknownAdapter` for an adapter no worker serves and `BadRequest` for a salt,
+    adapter or extra key that is not a string (or a list of them, for a batch).
+    """
+    named = body.get("model")
+    model = named if isinstance(named, str) else None
+    salt = _first(body.get("cache_salt"), "cache_salt") or None
+    opaque = bool(_first(body.get("extra_key"), "extra_key"))
+    paths = _strings(body.get("lora_path"), "lora_path")
+    from_model = _sglang_adapter(model, adapters, models)
+    if from_model is not None:
+        base, adapter = from_model
+        if adapter:
+            return _served(base, adapter, {adapter}, salt, "sglang", opaque, adapters)
+        model = base
+    if paths:
+        parent = adapters.get(paths[0], model)
+        return _served(parent, paths[0], set(paths), salt, "sglang", opaque, adapters)
+    if model is not None and model in adapters and model not in models:
+        return RequestNamespace(
+            adapters[model], model, salt, frozenset([model]), "vllm", opaque=opaque
+        )
+    if salt is None and not opaque and model is None:
+        return BASE
+    return RequestNamespace(model, None, salt, opaque=opaque)
+
+
+def _served(
+    base: str | None,
+    adapter: str,
+    named: set[str],
+    salt: str | None,
+    kind: Kind,
+    opaque: bool,
+    adapters: Mapping[str, str],
+) -> RequestNamespace:
+    unknown = sorted(named - adapters.keys())
+    if unknown:
+        raise UnknownAdapter(
+            f"no worker serves the LoRA adapter {unknown[0]!r} (workers list their adapters "
+            "in /v1/models)"
+        )
+    return RequestNamespace(base, adapter, salt, frozenset(named), kind, opaque)
+
+
+def _sglang_adapter(
+    model: str | None, adapters: Mapping[str, str], models: Collection[str]
+) -> tuple[str, str] | None:
+    """SGLang's `<base>:<adapter>`: a served model's name, a colon, an adapter's name. A
+    model that is itself served (names may hold colons) names no adapter."""
+    if model is None or ":" not in model or model in models or model in adapters:
+        return None
+    for base in models:
+        if model.startswith(f"{base}:"):
+            return base, model[len(base) + 1 :].strip()
+    base, _, adapter = model.partition(":")
+    return (base.strip(), adapter.strip()) if base.strip() in models else None
+
+
+def _first(value: object, name: str) -> str | None:
+    strings = _strings(value, name)
+    return strings[0] if strings else None
+
+
+def _strings(value: object, name: str) -> list[str]:
+    """A string or a batch's list of them (None and empty ones dropped), each bounded."""
+    if value is None:
+        return []
+    values: list[object] = value if isinstance(value, list) else [value]
+    strings = [v for v in values if isinstance(v, str) and v]
+    if any(v is not None and not isinstance(v, str) for v in values):
+        raise BadRequest(f"'{name}' must be a string or a list of strings")
+    if any(len(v) > MAX_NAME_CHARS for v in strings):
+        raise BadRequest(f"'{name}' must be at most {MAX_NAME_CHARS} characters")
+    return strings
+
+
 @dataclass(slots=True)
 class ParsedRequest:
     endpoint: Endpoint
@@ -117,6 +255,8 @@ class ParsedRequest:
     messages: list[dict[str, Any]] | None
     model: str | None = None
     """The model the client named: workers that advertise it serve it."""
+    namespace: RequestNamespace = field(default_factory=lambda: BASE)
+    """Where its prompt's KV is cached (`request_namespace`), once the handler read it."""
 
 
 @dataclass(slots=True)

@@ -27,7 +27,7 @@ the monitor keeps fresh.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -97,6 +97,8 @@ class Worker:
     directory: Directory = field(default_factory=Directory)
     kv_events: KvEventsSpec | None = None
     served_model: str | None = None
+    adapters: dict[str, str] = field(default_factory=dict)
+    """The LoRA adapters it serves (name → base model), as its `/v1/models` lists them."""
     engine_block_size: int | None = None
     kv_capacity_tokens: int | None = None
     """Tokens its KV cache holds, summed over its DP ranks, as its /server_info says."""
@@ -173,6 +175,7 @@ class Worker:
             "kind": self.kind,
             "kind_detected": self.spec.kind == "auto" and self.detected_kind is not None,
             "served_model": self.served_model,
+            "adapters": sorted(self.adapters),
             "eligible": self.eligible,
             "health": self.health.state.value,
             "health_error": self.health.last_error,
@@ -241,6 +244,13 @@ class WorkerPool:
     def role(self, role: Role) -> list[Worker]:
         return list(self._roles[role])
 
+    def adapters(self) -> dict[str, str]:
+        """Every LoRA adapter some worker serves, name → base model."""
+        served: dict[str, str] = {}
+        for worker in self._workers.values():
+            served.update(worker.adapters)
+        return served
+
     def eligible(self, role: Role) -> list[Worker]:
         return [w for w in self._roles[role] if w.eligible]
 
@@ -251,13 +261,16 @@ class WorkerPool:
         *,
         kind: Kind | None = None,
         model: str | None = None,
+        adapters: Collection[str] = (),
     ) -> list[Candidate]:
-        """The eligible workers of `role`; of `kind` when given; and, when `model` is given
-        and some of them advertise it, those only (a model no worker advertises, as a
-        client's placeholder name, is served by any)."""
+        """The eligible workers of `role`; of `kind` when given; serving every one of
+        `adapters`; and, when `model` is given and some of them advertise it, those only (a
+        model no worker advertises, as a client's placeholder name, is served by any)."""
         workers = [w for w in self._roles[role] if w.eligible]
         if kind is not None:
             workers = [w for w in workers if w.kind == kind]
+        if adapters:
+            workers = [w for w in workers if all(a in w.adapters for a in adapters)]
         if model is not None:
             serving = [w for w in workers if w.served_model == model]
             if serving:

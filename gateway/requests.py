@@ -159,62 +159,78 @@ class RequestNamespace:
 BASE = RequestNamespace(None)
 
 
-def request_namespace(
-    body: Mapping[str, Any], adapters: Mapping[str, str], models: Collection[str]
-) -> RequestNamespace:
-    """The namespace of a request `body`, given the LoRA `adapters` the workers serve (name
-    → base model) and the base `models` they serve.
+@dataclass(frozen=True, slots=True)
+class ServedAdapter:
+    """A LoRA adapter a worker serves: the worker's `/v1/models` lists it with `parent`."""
 
-    Raises `UnknownAdapter` for an adapter no worker serves and `BadRequest` for a salt,
-    adapter or extra key that is not a string (or a list of them, for a batch).
+    name: str
+    base: str
+    """The base model it was loaded on: adapters of one name may serve several models."""
+    kind: Kind
+    """The engine of the worker serving it, whose naming a request must use."""
+
+
+def request_namespace(
+    body: Mapping[str, Any], adapters: Collection[ServedAdapter], models: Collection[str]
+) -> RequestNamespace:
+    """The namespace of a request `body`, given the LoRA `adapters` the workers serve and
+    the base `models` they serve.
+
+    Raises `UnknownAdapter` for an adapter no worker of the engine whose naming the body
+    uses serves, and `BadRequest` for a salt, adapter or extra key that is not a string
+    (or a list of them, for a batch).
     """
     named = body.get("model")
     model = named if isinstance(named, str) else None
     salt = _first(body.get("cache_salt"), "cache_salt") or None
     opaque = bool(_first(body.get("extra_key"), "extra_key"))
     paths = _strings(body.get("lora_path"), "lora_path")
-    from_model = _sglang_adapter(model, adapters, models)
+    from_model = _sglang_adapter(model, {a.name for a in adapters}, models)
     if from_model is not None:
         base, adapter = from_model
         if adapter:
-            return _served(base, adapter, {adapter}, salt, "sglang", opaque, adapters)
+            return _served(base, [adapter], salt, opaque, adapters)
         model = base
     if paths:
-        parent = adapters.get(paths[0], model)
-        return _served(parent, paths[0], set(paths), salt, "sglang", opaque, adapters)
-    if model is not None and model in adapters and model not in models:
-        return RequestNamespace(
-            adapters[model], model, salt, frozenset([model]), "vllm", opaque=opaque
-        )
+        bases = _bases(adapters, paths[0], "sglang")
+        parent = model if model in bases else bases[0] if bases else None
+        return _served(parent, paths, salt, opaque, adapters)
+    bases = _bases(adapters, model, "vllm")
+    if model is not None and bases and model not in models:
+        return RequestNamespace(bases[0], model, salt, frozenset([model]), "vllm", opaque)
     if salt is None and not opaque and model is None:
         return BASE
     return RequestNamespace(model, None, salt, opaque=opaque)
 
 
+def _bases(adapters: Collection[ServedAdapter], name: str | None, kind: Kind) -> list[str]:
+    return sorted({a.base for a in adapters if a.name == name and a.kind == kind})
+
+
 def _served(
     base: str | None,
-    adapter: str,
-    named: set[str],
+    named: list[str],
     salt: str | None,
-    kind: Kind,
     opaque: bool,
-    adapters: Mapping[str, str],
+    adapters: Collection[ServedAdapter],
 ) -> RequestNamespace:
-    unknown = sorted(named - adapters.keys())
-    if unknown:
-        raise UnknownAdapter(
-            f"no worker serves the LoRA adapter {unknown[0]!r} (workers list their adapters "
-            "in /v1/models)"
-        )
-    return RequestNamespace(base, adapter, salt, frozenset(named), kind, opaque)
+    """SGLang's naming: every adapter named must be served by an SGLang worker of `base`."""
+    for name in named:
+        if base is None or ServedAdapter(name, base, "sglang") not in adapters:
+            of = "" if base is None else f" of {base!r}"
+            raise UnknownAdapter(
+                f"no SGLang worker{of} serves the LoRA adapter {name!r} (workers list their "
+                "adapters in /v1/models)"
+            )
+    return RequestNamespace(base, named[0], salt, frozenset(named), "sglang", opaque)
 
 
 def _sglang_adapter(
-    model: str | None, adapters: Mapping[str, str], models: Collection[str]
+    model: str | None, names: Collection[str], models: Collection[str]
 ) -> tuple[str, str] | None:
     """SGLang's `<base>:<adapter>`: a served model's name, a colon, an adapter's name. A
     model that is itself served (names may hold colons) names no adapter."""
-    if model is None or ":" not in model or model in models or model in adapters:
+    if model is None or ":" not in model or model in models or model in names:
         return None
     for base in models:
         if model.startswith(f"{base}:"):

@@ -35,6 +35,7 @@ from urllib.parse import urlsplit
 from gateway.config import BreakerConfig, HealthConfig, Kind, KvEventsSpec, Role, WorkerSpec
 from gateway.policies.base import Candidate
 from gateway.policies.loads import LoadTracker
+from gateway.requests import ServedAdapter
 from gateway.workers.breaker import CircuitBreaker
 from gateway.workers.health import HealthTracker
 from kvplumbing.clock import Clock
@@ -244,12 +245,13 @@ class WorkerPool:
     def role(self, role: Role) -> list[Worker]:
         return list(self._roles[role])
 
-    def adapters(self) -> dict[str, str]:
-        """Every LoRA adapter some worker serves, name → base model."""
-        served: dict[str, str] = {}
-        for worker in self._workers.values():
-            served.update(worker.adapters)
-        return served
+    def adapters(self) -> set[ServedAdapter]:
+        """Every LoRA adapter some worker serves, with its base model and engine."""
+        return {
+            ServedAdapter(name, base, worker.kind)
+            for worker in self._workers.values()
+            for name, base in worker.adapters.items()
+        }
 
     def eligible(self, role: Role) -> list[Worker]:
         return [w for w in self._roles[role] if w.eligible]

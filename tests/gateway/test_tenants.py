@@ -14,14 +14,17 @@ from gateway.requests import (
     BASE,
     BadRequest,
     RequestNamespace,
+    ServedAdapter,
     UnknownAdapter,
     request_namespace,
 )
 from gateway.workers.kinds import served_adapters
 from tests.gateway.fakes import DECODES, PREFILLS, Cluster, StubLookup, config, make_gateway
 
-ADAPTERS = {"ad-a": "base", "ad-b": "base"}
-MODELS = {"base", "s3://bucket:model"}
+ADAPTERS = {
+    ServedAdapter(name, "base", kind) for name in ("ad-a", "ad-b") for kind in ("vllm", "sglang")
+} | {ServedAdapter("ad-a", "other-base", "sglang"), ServedAdapter("only-vllm", "base", "vllm")}
+MODELS = {"base", "other-base", "s3://bucket:model"}
 
 
 @pytest.mark.parametrize(
@@ -50,6 +53,11 @@ MODELS = {"base", "s3://bucket:model"}
         # a served name holding a colon names no adapter; an unknown base is a placeholder
         ({"model": "s3://bucket:model"}, RequestNamespace("s3://bucket:model")),
         ({"model": "other:ad-a"}, RequestNamespace("other:ad-a")),
+        # an adapter of one name on several models: the one the request names
+        (
+            {"model": "other-base", "lora_path": "ad-a"},
+            RequestNamespace("other-base", "ad-a", None, frozenset({"ad-a"}), "sglang"),
+        ),
         # SGLang's extra_key: the events do not say it, so nothing is looked up
         ({"extra_key": "k"}, RequestNamespace(None, opaque=True)),
     ],
@@ -61,10 +69,17 @@ def test_the_namespace_is_read_as_each_engine_reads_it(
 
 
 @pytest.mark.parametrize(
-    "body", [{"lora_path": "nope"}, {"model": "base:nope"}, {"lora_path": ["ad-a", "nope"]}]
+    "body",
+    [
+        {"lora_path": "nope"},
+        {"model": "base:nope"},
+        {"lora_path": ["ad-a", "nope"]},
+        {"lora_path": "only-vllm"},  # served, but vLLM reads no lora_path
+        {"model": "other-base:ad-b"},
+    ],
 )
 def test_an_adapter_no_worker_serves_is_unknown(body: dict[str, Any]) -> None:
-    with pytest.raises(UnknownAdapter, match="nope"):
+    with pytest.raises(UnknownAdapter, match="serves the LoRA adapter"):
         request_namespace(body, ADAPTERS, MODELS)
 
 

@@ -234,7 +234,7 @@ class GatewayConfig(BaseModel):
         None,
         min_length=1,
         repr=False,
-        description="The indexer's admin token, sent when registering pods.",
+        description="The indexer's admin token, sent when registering pods and with lookups.",
     )
     model: str | None = Field(
         None,

@@ -137,7 +137,7 @@ def start(netns: Namespace) -> Iterator[Any]:
         proc.stop()
 
 
-def test_the_indexer_refuses_pods_from_another_host_and_answers_its_reads(
+def test_the_indexer_refuses_pods_and_lookups_from_another_host_and_answers_its_other_reads(
     netns: Namespace, start: Any
 ) -> None:
     indexer = start("indexer")
@@ -155,7 +155,8 @@ def test_the_indexer_refuses_pods_from_another_host_and_answers_its_reads(
     assert "GLOBALKV_INDEXER_ADMIN_TOKEN" in detail
     assert "GLOBALKV_INDEXER_INSECURE" in detail
     assert (listed[0], json.loads(listed[1])) == (200, {"pods": []})
-    assert looked_up[0] == 200
+    assert looked_up[0] == 403
+    assert "GLOBALKV_INDEXER_OPEN_LOOKUPS" in json.loads(looked_up[1])["detail"]
     assert health[0] == 200
 
 
@@ -167,6 +168,11 @@ def test_insecure_and_a_token_let_another_host_register_pods(netns: Namespace, s
     auth = {"authorization": "Bearer t0ken"}
     assert netns.request("POST", f"{guarded}/v1/pods", pod)[0] == 401
     assert netns.request("POST", f"{guarded}/v1/pods", pod, auth)[0] == 201
+    lookup = {"model": "m", "token_ids": list(range(32))}
+    assert netns.request("POST", f"{guarded}/v1/lookup", lookup)[0] == 401
+    assert netns.request("POST", f"{guarded}/v1/lookup", lookup, auth)[0] == 200
+    opened = start("indexer", "--open-lookups")
+    assert netns.request("POST", f"{opened}/v1/lookup", lookup)[0] == 200
     ipc = {"id": "p1", "kv_events": {"endpoint": "ipc:///run/engine.sock"}}
     status, text = netns.request("POST", f"{guarded}/v1/pods", ipc, auth)
     assert status == 400

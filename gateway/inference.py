@@ -20,7 +20,7 @@ where a thread would cost more than the work.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Collection
+from collections.abc import Awaitable, Collection, Sequence
 
 from gateway.http.answer import Answer, Outcome, Rest, problem
 from gateway.metrics import EndpointMetrics
@@ -38,6 +38,10 @@ from kvplumbing.auth import bearer_matches
 from kvplumbing.clock import Clock
 
 TOKENIZE_INLINE_MAX = 64 * 1024
+SESSION_HEADERS = (b"x-smg-routing-key", b"x-dynamo-session-id")
+"""Where a client names its conversation (`gateway.policies.sessions`): smg's header, then
+Dynamo's."""
+MAX_SESSION_BYTES = 256
 INFERENCE_PATHS: dict[str, Endpoint] = {
     "/generate": "generate",
     "/v1/completions": "completions",
@@ -90,7 +94,13 @@ class Inference:
         """An answer given without calling a worker (401, 400, 413), counted."""
         self._metrics[path].answered(answer.status)
 
-    async def handle(self, path: str, authorization: str | None, body: bytes) -> Answer:
+    async def handle(
+        self,
+        path: str,
+        authorization: str | None,
+        body: bytes,
+        headers: Sequence[tuple[bytes, bytes]] = (),
+    ) -> Answer:
         gateway = self._gateway
         metrics = self._metrics[path]
         started = gateway.clock()
@@ -101,11 +111,12 @@ class Inference:
         try:
             parsed = parse_request(INFERENCE_PATHS[path], decode_body(body))
             parsed.namespace = router.namespace(parsed.body)
+            session = _session(headers)
             if len(body) > TOKENIZE_INLINE_MAX and parsed.token_ids is None:
                 tokens = await asyncio.to_thread(prompt_tokens, parsed, gateway.tokenizer)
             else:
                 tokens = prompt_tokens(parsed, gateway.tokenizer)
-            route = await router.route(tokens, parsed.namespace)
+            route = await router.route(tokens, parsed.namespace, session)
             answer = await gateway.dispatcher.forward(parsed, route, path)
         except (BadRequest, TokenizeError) as exc:  # BadRequest also from the first attempt
             return self._refuse(path, problem(400, str(exc)))
@@ -127,3 +138,16 @@ class Inference:
     def _refuse(self, path: str, answer: Answer) -> Answer:
         self.refused(path, answer)
         return answer
+
+
+def _session(headers: Sequence[tuple[bytes, bytes]]) -> str | None:
+    """The conversation the client named, by the first of `SESSION_HEADERS` it sent."""
+    named = dict((name, value) for name, value in headers if name in SESSION_HEADERS)
+    for name in SESSION_HEADERS:
+        value = named.get(name)
+        if not value:
+            continue
+        if len(value) > MAX_SESSION_BYTES:
+            raise BadRequest(f"{name.decode()} is longer than {MAX_SESSION_BYTES} bytes")
+        return value.decode("latin-1")
+    return None

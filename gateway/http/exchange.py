@@ -10,7 +10,7 @@ and its answer is written as prebuilt bytes; any other method on those paths is 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Protocol
 
 from starlette.types import ASGIApp
@@ -44,8 +44,15 @@ class Handler(Protocol):
         """The largest request body it takes, in bytes (413 beyond)."""
         ...
 
-    async def handle(self, path: str, authorization: str | None, body: bytes) -> Answer:
-        """The answer to a POST of `body` to `path`; cancelled when the client leaves."""
+    async def handle(
+        self,
+        path: str,
+        authorization: str | None,
+        body: bytes,
+        headers: Sequence[tuple[bytes, bytes]] = (),
+    ) -> Answer:
+        """The answer to a POST of `body` to `path` with `headers` (names in lowercase);
+        cancelled when the client leaves."""
         ...
 
     def refused(self, path: str, answer: Answer) -> None:
@@ -137,6 +144,7 @@ class Exchange:
             path,
             None if authorization is None else authorization.decode("latin-1"),
             b"".join(request.body),
+            request.headers,
         )
         keep_alive = self._keep_alive()
         if answer.rest is None:

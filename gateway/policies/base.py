@@ -80,6 +80,8 @@ class RouteRequest:
     now: float = 0.0
     pending: Mapping[str, PendingHit] = field(default_factory=dict)
     """Worker id -> leading prompt blocks sent to it and not yet settled (index blocks)."""
+    session: str | None = None
+    """The conversation the client named (`gateway.policies.sessions`), if any."""
 
     @property
     def prompt_tokens(self) -> int:

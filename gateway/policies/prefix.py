@@ -43,6 +43,13 @@ Every weight's measurements and the commands: `docs/gateway-design.md`.
 
 Without a lookup (no tokens, no index configured, index unreachable) the policy hands the
 choice to its load fallback (least_load) and marks it `fallback="no_lookup"`.
+
+Sessions. A request naming a session (`RouteRequest.session`) goes to the prefill its
+last turn went to (`gateway.policies.sessions`) while that prefill is a candidate and not
+overloaded: overloaded is its cost above exceeding the lowest by more than the whole
+prompt, that is, another pod would be expected to answer sooner even computing every
+token of it. Without a lookup the costs are the queued terms alone. The session is then
+bound to whatever was chosen.
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ from random import Random
 from gateway.config import PrefixWeights
 from gateway.policies.base import Candidate, Choice, Policy, RouteRequest
 from gateway.policies.placement import PlacementLedger
+from gateway.policies.sessions import SessionTable
 from globalkv.lookup import PodHit
 
 
@@ -66,9 +74,24 @@ class PrefixPolicy:
         self._rng = rng
         self._fallback = fallback
         self.ledger = PlacementLedger()
+        ttl = weights.session_ttl_secs
+        self.sessions = None if ttl is None else SessionTable(ttl, weights.sessions_max)
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Choice:
+        sessions, session = self.sessions, request.session
+        if sessions is None or session is None:
+            return self._choose(request, candidates, None)
+        choice = self._choose(request, candidates, sessions.get(session, request.now))
+        sessions.bind(session, choice.worker, request.now)
+        return choice
+
+    def _choose(
+        self, request: RouteRequest, candidates: Sequence[Candidate], bound: str | None
+    ) -> Choice:
         if request.lookup is None or request.tokens is None:
+            kept = self._kept_without_lookup(request, candidates, bound)
+            if kept is not None:
+                return kept
             return replace(self._fallback.choose(request, candidates), fallback="no_lookup")
         best: dict[str, PodHit] = {}
         for pod_hit in request.lookup.pods:
@@ -114,7 +137,8 @@ class PrefixPolicy:
                 cost += w.pressure_weight * evicted * block_size
             scored.append((cost, candidate, dp_rank, uncached))
         lowest = min(s[0] for s in scored)
-        tied = [s for s in scored if s[0] == lowest]
+        staying = [s for s in scored if s[1].worker == bound and s[0] - lowest <= prompt]
+        tied = staying or [s for s in scored if s[0] == lowest]
         _, chosen, dp_rank, uncached = (
             tied[self._rng.randrange(len(tied))] if len(tied) > 1 else tied[0]
         )
@@ -131,6 +155,22 @@ class PrefixPolicy:
             hit_tokens=prompt - uncached,
             uncached_tokens=uncached,
         )
+
+    def _kept_without_lookup(
+        self, request: RouteRequest, candidates: Sequence[Candidate], bound: str | None
+    ) -> Choice | None:
+        """The session's prefill when, by the queued terms alone, it is not overloaded."""
+        if bound is None:
+            return None
+        w = self._weights
+
+        def queued(c: Candidate) -> float:
+            return w.queued_weight * c.remaining_prefill_tokens + w.request_cost * c.in_flight
+
+        held = next((c for c in candidates if c.worker == bound), None)
+        if held is None or queued(held) - min(map(queued, candidates)) > request.prompt_tokens:
+            return None
+        return Choice(held.worker, uncached_tokens=request.prompt_tokens, fallback="no_lookup")
 
     def _hotter_than_holders(self, key: int, holders: int, candidates: int) -> bool:
         """Whether the prefix ending at `key` is wanted by more of the recent prompts than

@@ -147,11 +147,14 @@ class Router:
         self._metrics.best_hit.observe(max((p.hit_tokens for p in result.pods), default=0))
         return result
 
-    async def route(self, tokens: PromptTokens, namespace: RequestNamespace) -> RouteRequest:
-        """What choosing reads of one request, for all its attempts: its tokens and, for a
-        prefill policy that uses the index, the index's answer in its namespace."""
+    async def route(
+        self, tokens: PromptTokens, namespace: RequestNamespace, session: str | None = None
+    ) -> RouteRequest:
+        """What choosing reads of one request, for all its attempts: its tokens, the
+        session it names and, for a prefill policy that uses the index, the index's answer
+        in its namespace."""
         lookup = await self.lookup(tokens.tokens, tokens.missing, namespace)
-        return RouteRequest(tokens.tokens, tokens.text, lookup, now=self._clock())
+        return RouteRequest(tokens.tokens, tokens.text, lookup, now=self._clock(), session=session)
 
     def _candidates(
         self,

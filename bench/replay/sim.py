@@ -29,7 +29,7 @@ from bench.replay.config import ReplaySettings, ResolvedCluster
 from bench.replay.pods import Finished, PrefillPod, StepModel
 from bench.replay.record import Progress, ProgressHook, RunRecord
 from bench.replay.tokens import expand
-from bench.replay.trace import Trace, arrival_times
+from bench.replay.trace import Trace, arrival_times, conversation
 from enginesim.kvcache import PagedKVCache
 from gateway.config import PolicyName
 from gateway.policies import Policy, RouteRequest, build_policy
@@ -265,7 +265,11 @@ class _Run:
         answer = await self.lookup.lookup(settings.model, tokens) if self.uses_index else None
         keys = () if answer is None else answer.keys
         request = RouteRequest(
-            tokens=tokens, lookup=answer, now=now, pending=self.loads.pending_blocks(keys)
+            tokens=tokens,
+            lookup=answer,
+            now=now,
+            pending=self.loads.pending_blocks(keys),
+            session=conversation(req) if settings.sessions else None,
         )
         choice = self.policy.choose(request, self.loads.candidates(self.prefills, self.capacities))
         decode = self.decode_policy.choose(request, self.loads.candidates(self.decodes)).worker

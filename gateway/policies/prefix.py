@@ -137,7 +137,8 @@ class PrefixPolicy:
                 cost += w.pressure_weight * evicted * block_size
             scored.append((cost, candidate, dp_rank, uncached))
         lowest = min(s[0] for s in scored)
-        staying = [s for s in scored if s[1].worker == bound and s[0] - lowest <= prompt]
+        slack = w.session_slack * prompt
+        staying = [s for s in scored if s[1].worker == bound and s[0] - lowest <= slack]
         tied = staying or [s for s in scored if s[0] == lowest]
         _, chosen, dp_rank, uncached = (
             tied[self._rng.randrange(len(tied))] if len(tied) > 1 else tied[0]
@@ -168,7 +169,8 @@ class PrefixPolicy:
             return w.queued_weight * c.remaining_prefill_tokens + w.request_cost * c.in_flight
 
         held = next((c for c in candidates if c.worker == bound), None)
-        if held is None or queued(held) - min(map(queued, candidates)) > request.prompt_tokens:
+        slack = w.session_slack * request.prompt_tokens
+        if held is None or queued(held) - min(map(queued, candidates)) > slack:
             return None
         return Choice(held.worker, uncached_tokens=request.prompt_tokens, fallback="no_lookup")
 

@@ -219,6 +219,8 @@ class WorkerPool:
         self._workers: dict[str, Worker] = {}
         self._roles: dict[Role, list[Worker]] = {"prefill": [], "decode": []}
         """The same workers by role: the request path reads these lists."""
+        self._served: tuple[list[tuple[Kind, dict[str, str]]], set[ServedAdapter]] = ([], set())
+        """`adapters()` and what it was built from: each worker's kind and adapters dict."""
 
     def add(self, spec: WorkerSpec) -> Worker:
         worker = Worker(
@@ -246,12 +248,24 @@ class WorkerPool:
         return list(self._roles[role])
 
     def adapters(self) -> set[ServedAdapter]:
-        """Every LoRA adapter some worker serves, with its base model and engine."""
-        return {
-            ServedAdapter(name, base, worker.kind)
-            for worker in self._workers.values()
-            for name, base in worker.adapters.items()
+        """Every LoRA adapter some worker serves, with its base model and engine.
+
+        Asked per request: built again only when a worker came, went, changed kind or was
+        given new adapters (the monitor replaces a worker's dict, never edits it)."""
+        sources = [(w.kind, w.adapters) for w in self._workers.values()]
+        built, served = self._served
+        if len(built) == len(sources) and all(
+            kind == k and adapters is a
+            for (kind, adapters), (k, a) in zip(built, sources, strict=True)
+        ):
+            return served
+        served = {
+            ServedAdapter(name, base, kind)
+            for kind, adapters in sources
+            for name, base in adapters.items()
         }
+        self._served = (sources, served)
+        return served
 
     def eligible(self, role: Role) -> list[Worker]:
         return [w for w in self._roles[role] if w.eligible]

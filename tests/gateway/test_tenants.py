@@ -153,3 +153,14 @@ async def test_a_salted_request_is_looked_up_under_its_salt_and_an_extra_key_not
     await post(inference, "/v1/completions", {"prompt": [1, 2], "cache_salt": "tenant"})
     await post(inference, "/v1/completions", {"prompt": [1, 2], "extra_key": "k"})
     assert lookup.namespaces == [(None, "tenant")]
+
+
+async def test_the_adapters_are_built_again_only_when_a_worker_s_change() -> None:
+    cluster = Cluster()
+    cluster.models[PREFILLS[0].split("//")[1]] = models("ad-a")
+    pool = (await make_gateway(cluster, config())).pool
+    first = pool.adapters()
+    assert pool.adapters() is first
+    worker = next(iter(pool))
+    worker.adapters = {**worker.adapters, "ad-new": "m"}
+    assert ServedAdapter("ad-new", "m", worker.kind) in pool.adapters()

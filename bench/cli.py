@@ -133,7 +133,6 @@ def register(subparsers: Any) -> None:
         type=_optional_number,
         help="gateway flag, in trace seconds: a session's idle time to live (600); off: none",
     )
-    add("--session-slack", type=float, help="gateway flag (1)")
     add("--run-dir", help="live: the stacks' logs, one directory per policy (default runs/)")
     add("--sweep", help=f"NAME=V1,V2,… with NAME in {', '.join(sorted(SWEEPABLE))}")
     add("--bucket-s", type=float, help="hit-rate-over-time bucket width (60)")
@@ -198,8 +197,6 @@ def build_settings(args: argparse.Namespace) -> tuple[ReplaySettings, Sweep | No
     if args.session_ttl_secs is not None:
         ttl = args.session_ttl_secs
         prefix["session_ttl_secs"] = None if math.isnan(ttl) else ttl
-    if args.session_slack is not None:
-        prefix["session_slack"] = args.session_slack
     if args.sessions:
         top["sessions"] = True
     with validation_as_value_error():

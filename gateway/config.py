@@ -173,12 +173,6 @@ class PrefixWeights(BaseModel):
         "prefill until it was idle this long; None: sessions are not kept.",
     )
     sessions_max: int = Field(100_000, ge=1, description="Sessions kept, least recent dropped.")
-    session_slack: float = Field(
-        1.0,
-        ge=0,
-        description="A session leaves its prefill when the cost there exceeds the lowest by "
-        "more than this share of the prompt's tokens (overloaded).",
-    )
 
 
 class CacheAwareConfig(BaseModel):

@@ -66,7 +66,6 @@ SETTINGS: tuple[tuple[str, type[BaseModel], dict[str, str]], ...] = (
             "pending_grace_secs": "--prefix-pending-grace-secs",
             "session_ttl_secs": "--session-ttl-secs",
             "sessions_max": "--sessions-max",
-            "session_slack": "--session-slack",
         },
     ),
     (

@@ -1,10 +1,12 @@
-"""Sessions: a conversation kept on the prefill that served its last turn.
+"""Sessions: what a conversation's last turn left where.
 
 A client names its conversation with a header (smg's `X-SMG-Routing-Key`, Dynamo's
 `X-Dynamo-Session-ID`); each turn repeats the conversation so far, so the pod that served
-the last turn holds its prefix. The prefix policy keeps the session there while that pod
-is a candidate (healthy, circuit closed, ready) and not overloaded
-(`gateway.policies.prefix`), and binds it wherever it chose otherwise.
+the last turn computed its prefix. The table remembers, per session, that pod and the
+last turn's prompt (its length and its last block key); the prefix policy counts that
+prompt as held there when the new turn extends it and the index does not show it, and so
+keeps the conversation there unless another pod would still answer sooner
+(`gateway.policies.prefix`).
 
 The table is bounded twice: a binding idle for `ttl` seconds is gone (Dynamo's
 `--router-session-affinity-ttl-secs` is such an idle TTL), and past `capacity` bindings
@@ -22,6 +24,21 @@ request for that.
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """A session's last turn: where it went and what it computed there."""
+
+    worker: str
+    tokens: int
+    """Its prompt's tokens."""
+    blocks: int = 0
+    """Its prompt's whole index blocks (0 when it was not looked up)."""
+    last_key: int | None = None
+    """Its prompt's key at its last whole block: a later prompt extends it when its own key
+    at that block is the same."""
 
 
 class SessionTable:
@@ -30,20 +47,20 @@ class SessionTable:
             raise ValueError("a session table needs a positive ttl and capacity")
         self.ttl = ttl
         self.capacity = capacity
-        self._bound: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._bound: OrderedDict[str, tuple[Turn, float]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._bound)
 
-    def get(self, session: str, now: float) -> str | None:
-        """The worker `session` is bound to, if its binding is still live at `now`."""
+    def get(self, session: str, now: float) -> Turn | None:
+        """The last turn of `session`, if the session is still live at `now`."""
         self._expire(now)
         bound = self._bound.get(session)
         return None if bound is None else bound[0]
 
-    def bind(self, session: str, worker: str, now: float) -> None:
-        """`session` was sent to `worker` at `now` (its idle time starts again)."""
-        self._bound[session] = (worker, now)
+    def bind(self, session: str, turn: Turn, now: float) -> None:
+        """`session`'s turn was sent at `now` (its idle time starts again)."""
+        self._bound[session] = (turn, now)
         self._bound.move_to_end(session)
         while len(self._bound) > self.capacity:
             self._bound.popitem(last=False)

@@ -172,9 +172,9 @@ def test_an_unreadable_trace_is_a_clear_error(
 
 
 def test_sessions_are_flags_simulated_only() -> None:
-    settings, _ = _settings("--sessions", "--session-ttl-secs", "off", "--session-slack", "0")
+    settings, _ = _settings("--sessions", "--session-ttl-secs", "off")
     assert settings.sessions
-    assert (settings.prefix.session_ttl_secs, settings.prefix.session_slack) == (None, 0.0)
+    assert settings.prefix.session_ttl_secs is None
     with pytest.raises(ValueError, match="sessions are simulated"):
         _settings("--sessions", "--mode", "live")
 
@@ -185,7 +185,7 @@ def test_a_replay_with_sessions_names_each_conversation(tmp_path: Path) -> None:
     assert conversation(TraceRequest(0, 10, 1, (5,))) == "5"
     out = tmp_path / "sessions.json"
     argv = ["bench", "replay", "--trace", str(_trace(tmp_path)), "--pods", "2", "--quiet"]
-    argv += ["--policies", "prefix", "--sessions", "--sweep", "session-slack=0,1"]
+    argv += ["--policies", "prefix", "--sessions", "--sweep", "session-ttl-secs=off,60"]
     assert main([*argv, "--no-plots", "--out", str(out)]) == 0
     points = json.loads(out.read_text())["sweep"]["points"]
-    assert [p["value"] for p in points] == ["0", "1"]
+    assert [p["value"] for p in points] == ["off", "60"]

@@ -11,17 +11,19 @@ from gateway.config import PrefixWeights
 from gateway.http.answer import Answer
 from gateway.inference import Inference
 from gateway.policies import RouteRequest, build_policy
-from gateway.policies.sessions import SessionTable
+from gateway.policies.sessions import SessionTable, Turn
+from globalkv.keys import request_keys
+from globalkv.lookup import LookupResult
 from tests.gateway.fakes import PREFILLS, Cluster, StubLookup, config, make_gateway
 from tests.gateway.test_policies import cand, hits
 
 
 def test_a_binding_lives_until_idle_for_the_ttl() -> None:
     table = SessionTable(ttl=10, capacity=100)
-    table.bind("s", "a", now=0)
-    assert table.get("s", now=9) == "a"
-    table.bind("s", "a", now=9)
-    assert table.get("s", now=18) == "a"  # idle time restarts with each turn
+    table.bind("s", Turn("a", 10), now=0)
+    assert table.get("s", now=9) == Turn("a", 10)
+    table.bind("s", Turn("a", 20), now=9)
+    assert table.get("s", now=18) == Turn("a", 20)  # idle time restarts with each turn
     assert table.get("s", now=19) is None
     assert len(table) == 0
 
@@ -29,8 +31,8 @@ def test_a_binding_lives_until_idle_for_the_ttl() -> None:
 def test_the_least_recent_binding_goes_past_the_capacity() -> None:
     table = SessionTable(ttl=100, capacity=2)
     for number, session in enumerate("abc"):
-        table.bind(session, "w", now=number)
-    assert (table.get("a", 3), table.get("b", 3), table.get("c", 3)) == (None, "w", "w")
+        table.bind(session, Turn("w", 1), now=number)
+    assert [table.get(s, 3) for s in "abc"] == [None, Turn("w", 1), Turn("w", 1)]
 
 
 def test_bad_table_bounds_are_refused() -> None:
@@ -38,49 +40,81 @@ def test_bad_table_bounds_are_refused() -> None:
         SessionTable(ttl=0, capacity=1)
 
 
-def session_request(
-    session: str | None, *pods: tuple[str, int, int], now: float = 0
+BLOCK = 16
+CONVERSATION = list(range(640))
+"""The first turn: 40 blocks."""
+
+
+def turn(
+    tokens: list[int], *pods: tuple[str, int, int], now: float = 0, session: str | None = "s"
 ) -> RouteRequest:
-    return RouteRequest(tokens=list(range(1000)), lookup=hits(*pods), now=now, session=session)
+    lookup = LookupResult(
+        block_size=BLOCK,
+        blocks=len(tokens) // BLOCK,
+        pods=hits(*pods).pods,
+        keys=request_keys(tokens, BLOCK, "m"),
+    )
+    return RouteRequest(tokens=tokens, lookup=lookup, now=now, session=session)
 
 
-def test_a_session_stays_on_its_prefill_though_another_is_a_little_better() -> None:
+NEXT = [*CONVERSATION, *range(1000, 1320)]
+"""The second turn: the first, then 20 blocks more."""
+
+
+def test_a_turn_the_index_does_not_show_stays_where_its_last_turn_went() -> None:
     policy = build_policy("prefix", Random(0))
-    first = policy.choose(session_request("s", ("a", 0, 640)), [cand("a"), cand("b")])
-    assert first.worker == "a"
-    # b now holds more (a copy) and a is a little busy: prefix alone would move
-    later = session_request("s", ("a", 0, 640), ("b", 0, 800), now=1)
-    assert policy.choose(later, [cand("a", queued=300), cand("b")]).worker == "a"
-    alone = session_request(None, ("a", 0, 640), ("b", 0, 800), now=1)
-    assert policy.choose(alone, [cand("a", queued=300), cand("b")]).worker == "b"
+    first = policy.choose(turn(CONVERSATION), [cand("a"), cand("b")]).worker
+    # the index has not seen the first turn yet (or cannot see): the session tells
+    second = policy.choose(turn(NEXT, now=1), [cand("a"), cand("b")])
+    assert (second.worker, second.hit_tokens) == (first, 640)
+    # without the session the two pods tie
+    alone = build_policy("prefix", Random(1))
+    choices = {
+        alone.choose(turn(NEXT, session=None), [cand("a"), cand("b")]).worker for _ in range(8)
+    }
+    assert choices == {"a", "b"}
 
 
-def test_a_session_leaves_an_overloaded_or_ineligible_prefill_and_is_bound_anew() -> None:
+def test_a_session_leaves_an_overloaded_prefill_and_follows_the_choice() -> None:
     policy = build_policy("prefix", Random(0))
-    policy.choose(session_request("s", ("a", 0, 640)), [cand("a"), cand("b")])
-    # a's queue outweighs computing the whole prompt on b
-    busy = session_request("s", ("a", 0, 640), now=1)
-    assert policy.choose(busy, [cand("a", queued=5000), cand("b")]).worker == "b"
-    assert policy.choose(session_request("s", now=2), [cand("b"), cand("c")]).worker == "b"
-    gone = session_request("s", ("b", 0, 640), now=3)
-    assert policy.choose(gone, [cand("a"), cand("c")]).worker in {"a", "c"}
+    first = policy.choose(turn(CONVERSATION), [cand("a"), cand("b")]).worker
+    other = "b" if first == "a" else "a"
+    busy = [cand(first, queued=5000), cand(other)]  # its queue outweighs the prefix held
+    assert policy.choose(turn(NEXT, now=1), busy).worker == other
+    third = [*NEXT, *range(2000, 2016)]
+    assert policy.choose(turn(third, now=2), [cand("a"), cand("b")]).worker == other
 
 
-def test_without_the_index_a_session_still_stays_unless_overloaded() -> None:
+def test_a_prompt_that_does_not_extend_the_last_turn_gets_no_credit() -> None:
     policy = build_policy("prefix", Random(0))
-    first = policy.choose(session_request("s", ("a", 0, 640)), [cand("a"), cand("b")])
-    blind = RouteRequest(tokens=list(range(1000)), lookup=None, now=1, session="s")
-    kept = policy.choose(blind, [cand("a", queued=500), cand("b")])
-    assert (kept.worker, kept.fallback) == (first.worker, "no_lookup")
-    moved = policy.choose(blind, [cand("a", queued=5000), cand("b")])
-    assert moved.worker == "b"
+    first = policy.choose(turn(CONVERSATION), [cand("a"), cand("b")]).worker
+    elsewhere = list(range(5000, 5960))
+    assert policy.choose(turn(elsewhere, now=1), [cand("a"), cand("b")]).hit_tokens == 0
+    assert first in {"a", "b"}
+
+
+def test_a_session_leaves_a_prefill_that_is_no_longer_a_candidate() -> None:
+    policy = build_policy("prefix", Random(0))
+    first = policy.choose(turn(CONVERSATION), [cand("a"), cand("b")]).worker
+    other = "b" if first == "a" else "a"
+    assert policy.choose(turn(NEXT, now=1), [cand(other), cand("c")]).hit_tokens == 0
+
+
+def test_without_the_index_the_last_turn_still_counts_unless_the_queue_outweighs_it() -> None:
+    policy = build_policy("prefix", Random(0))
+    first = policy.choose(turn(CONVERSATION), [cand("a"), cand("b")]).worker
+    other = "b" if first == "a" else "a"
+    blind = RouteRequest(tokens=NEXT, lookup=None, now=1, session="s")
+    kept = policy.choose(blind, [cand(first, queued=600), cand(other)])
+    assert (kept.worker, kept.hit_tokens, kept.fallback) == (first, 640, "no_lookup")
+    moved = policy.choose(blind, [cand(first, queued=5000), cand(other)])
+    assert moved.worker == other
 
 
 def test_sessions_can_be_turned_off() -> None:
     policy = build_policy("prefix", Random(0), prefix=PrefixWeights(session_ttl_secs=None))
-    policy.choose(session_request("s", ("a", 0, 640)), [cand("a"), cand("b")])
-    later = session_request("s", ("a", 0, 640), ("b", 0, 800), now=1)
-    assert policy.choose(later, [cand("a", queued=300), cand("b")]).worker == "b"
+    policy.choose(turn(CONVERSATION), [cand("a"), cand("b")])
+    assert policy.choose(turn(NEXT, now=1), [cand("a"), cand("b")]).hit_tokens == 0
 
 
 @pytest.mark.parametrize("header", [b"x-smg-routing-key", b"x-dynamo-session-id"])

@@ -139,6 +139,13 @@ def register(subparsers: Any) -> None:
     add("--gateways", type=int, help="gateway replicas the requests are split over (1)")
     add("--gateway-sharing", choices=["none", "shared"], help="what replicas share (shared)")
     add("--share-interval-s", type=float, help="replicas' publication interval, trace s (0.1)")
+    add(
+        "--pd-decider",
+        choices=["always", "local-when-faster", "isl-bounding"],
+        help="disaggregate always (default), when the gateway's decider says, or by "
+        "Dynamo's isl_bounding rule (sim only)",
+    )
+    add("--pd-decider-itl-weight", type=float, help="gateway flag (1)")
     add("--no-oracle", action="store_true", help="skip the pooled LRU and Belady lines")
     add("--no-plots", action="store_true", help="write no PNG")
     add("--quiet", action="store_true", help="no progress on stderr")
@@ -181,6 +188,7 @@ def build_settings(args: argparse.Namespace) -> tuple[ReplaySettings, Sweep | No
     }
     names: tuple[str, ...] = ("block_size", "limit", "arrivals", "seed", "vocab", "model")
     names += ("bucket_s", "run_dir", "engine", "gateways", "gateway_sharing", "share_interval_s")
+    names += ("pd_decider", "pd_decider_itl_weight")
     for name in names:
         if getattr(args, name) is not None:
             top[name] = getattr(args, name)

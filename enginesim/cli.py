@@ -53,6 +53,7 @@ _TOP = {
     "bootstrap_retry_interval": ("--bootstrap-retry-interval", float),
     "bootstrap_max_tries": ("--bootstrap-max-tries", int),
     "keepalive_interval": ("--keepalive-interval", float),
+    "decode_kv_events": ("--decode-kv-events", bool),
 }
 _EVENTS = {
     "endpoint": ("--kv-events-endpoint", str),

@@ -154,6 +154,11 @@ class EngineConfig(BaseModel):
     keepalive_interval: float = Field(
         5.0, gt=0, description="Prefill: seconds between rank re-registrations."
     )
+    decode_kv_events: bool = Field(
+        False,
+        description="vLLM decode: publish its prefix cache's KV events (what it pulled and "
+        "computed) on the kv_events endpoints, as a prefill does.",
+    )
     kv_events: KVEventsSettings = KVEventsSettings()
     latency: LatencySettings = LatencySettings()
     faults: FaultSettings = FaultSettings()
@@ -174,7 +179,12 @@ class EngineConfig(BaseModel):
         if self.api == "vllm" and (self.tp != 1 or self.pp != 1):
             raise ValueError("the vllm API emulates tp 1 and pp 1 (one KV address per prefill)")
         events = self.kv_events
-        if self.role == "prefill" and events.endpoint is not None:
+        if self.decode_kv_events and (self.role, self.api) != ("decode", "vllm"):
+            raise ValueError(
+                "--decode-kv-events is for a vLLM decode (--role decode --api vllm): an "
+                "SGLang decode keeps no prefix cache, and a prefill always publishes"
+            )
+        if events.endpoint is not None:
             _check_endpoint("kv_events.endpoint", events.endpoint, self.dp)
             if events.replay_endpoint is not None:
                 _check_endpoint("kv_events.replay_endpoint", events.replay_endpoint, self.dp)

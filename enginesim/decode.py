@@ -30,8 +30,10 @@ from enginesim.config import EngineConfig
 from enginesim.engine import Bootstrap, EngineError, Generation, Prompt
 from enginesim.faults import Faults
 from enginesim.handshake import KVMetadata, RankId
-from enginesim.latency import paced
+from enginesim.latency import DecodeStalls, paced
 from enginesim.metrics import EngineMetrics
+from enginesim.prefill import DPRank
+from enginesim.publisher import describe_kv_events
 from enginesim.textgen import ReplyWriter
 from enginesim.transfer import DecodeTransfer, TransferError
 from enginesim.vllm import VllmDecode
@@ -69,8 +71,14 @@ class DecodeEngine:
         faults: Faults,
         metrics: EngineMetrics,
         writer: ReplyWriter,
+        rank: DPRank,
+        stalls: DecodeStalls,
+        advertise_host: str,
         clock: Clock = time.monotonic,
     ) -> None:
+        """`rank`: the cache, prefill queue and KV events of a vLLM decode (`--api vllm`),
+        which keeps what it pulled and computes prompts sent to it alone; an SGLang decode
+        keeps no prefix cache and never prefills, and leaves it unused."""
         self.config = config
         self.resolver = resolver
         self.transfer = transfer
@@ -85,13 +93,17 @@ class DecodeEngine:
         ]
         self._urls: OrderedDict[str, None] = OrderedDict()
         self._closing = False
-        self._vllm = VllmDecode(config, transfer, writer, metrics)
+        self._vllm = VllmDecode(config, transfer, writer, metrics, rank, stalls)
+        self._rank = rank
+        self._advertise_host = advertise_host
 
     async def start(self) -> None:
         await self.transfer.start()
         self.resolver.start()
+        self._rank.scheduler.start()
 
     async def stop(self) -> None:
+        await self._rank.scheduler.stop()
         await self.resolver.stop()
         await self.transfer.stop()
 
@@ -227,23 +239,36 @@ class DecodeEngine:
         stages.mark("consume")
 
     async def restart(self) -> None:
-        """A restarted decode knows no directory and no prefill rank: forget them all."""
+        """A restarted decode knows no directory and no prefill rank: forget them all, and
+        what its cache held."""
         for url in self._urls:
             self.resolver.invalidate(url)
         self._urls.clear()
         self.transfer.forget_registrations()
+        rank = self._rank
+        changes = rank.cache.reset()
+        if rank.publisher is not None:
+            rank.publisher.restart()
+        rank.commit(changes)
+        await rank.drain()
 
     async def flush_cache(self) -> None:
-        """The decode keeps no prefix cache of its own; nothing to flush."""
+        rank = self._rank
+        rank.commit(rank.cache.reset())
+        await rank.drain()
 
     def cached_chains(self) -> dict[int, list[list[int]]]:
-        return {}
+        return {0: self._rank.cache.cached_chains()}
 
     def server_info(self) -> dict[str, Any]:
         address = self.transfer.address
+        rank = self._rank
+        publishers = [] if rank.publisher is None else [rank.publisher]
         return {
             "disaggregation_mode": "decode",
-            "kv_events": None,
+            "kv_events": describe_kv_events(
+                publishers, self._advertise_host, self.config.page_size, 1
+            ),
             "decode_transfer_endpoint": None
             if address is None
             else f"tcp://{address.ip}:{address.port}",

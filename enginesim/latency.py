@@ -20,7 +20,9 @@ its last chunk ends, where SGLang also stores a chunked prompt's pages after eac
 (`mem_cache.common.checkpoint_kv_cache`), so a request sharing its holder's last step finds
 nothing here but the earlier chunks there.
 
-Decode emits tokens at a fixed per-request rate. Clock and sleep are injectable so tests
+Decode emits tokens at a fixed per-request rate, except that a prefill step run on a
+decode engine (a prompt it prefills itself) holds up the tokens due during it
+(`DecodeStalls`). Clock and sleep are injectable so tests
 drive the model without waiting.
 """
 
@@ -29,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -80,13 +82,21 @@ class PrefillScheduler:
     """One DP rank's prefill queue; `run()` returns once the request's tokens are computed."""
 
     def __init__(
-        self, model: PrefillModel, *, clock: Clock = time.monotonic, sleep: Sleep = asyncio.sleep
+        self,
+        model: PrefillModel,
+        *,
+        clock: Clock = time.monotonic,
+        sleep: Sleep = asyncio.sleep,
+        on_step: Callable[[float], None] | None = None,
     ) -> None:
+        """`on_step(seconds)`: told of each step as it starts (a decode engine's running
+        decodes wait for it, `DecodeStalls`)."""
         if model.tokens_per_s <= 0 or model.max_batch_tokens <= 0:
             raise ValueError("tokens_per_s and max_batch_tokens must be positive")
         self.model = model
         self._clock = clock
         self._sleep = sleep
+        self._on_step = on_step
         self._queue: deque[_Job] = deque()
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -139,7 +149,10 @@ class PrefillScheduler:
             step = self._plan_step(now)
             if not step:
                 continue
-            await self._sleep(self._step_seconds(step))
+            seconds = self._step_seconds(step)
+            if self._on_step is not None:
+                self._on_step(seconds)
+            await self._sleep(seconds)
             end = self._clock()
             for job, chunk, _ in step:
                 job.remaining -= chunk
@@ -197,12 +210,40 @@ class PrefillScheduler:
         return seconds
 
 
+class DecodeStalls:
+    """Prefill steps on a decode engine, which its running decodes wait for.
+
+    A decode engine that prefills a prompt itself runs the prefill's chunks in the steps
+    that produce its running requests' tokens, so each of those tokens comes when the step
+    ends: a token due while a prefill step runs is emitted at the step's end, and the next
+    ones follow at the usual interval from there. The simulator's decode pods follow the
+    same rule (`bench.replay.decodes`)."""
+
+    def __init__(self, clock: Clock = time.monotonic) -> None:
+        self._clock = clock
+        self.until = 0.0
+
+    def step(self, seconds: float) -> None:
+        self.until = max(self.until, self._clock() + seconds)
+
+    def wait_s(self) -> float:
+        """How long a token due now waits for the prefill step running, if any."""
+        return max(self.until - self._clock(), 0.0)
+
+
 async def paced(
-    tokens: Iterable[int], tokens_per_s: float, *, sleep: Sleep = asyncio.sleep
+    tokens: Iterable[int],
+    tokens_per_s: float,
+    *,
+    sleep: Sleep = asyncio.sleep,
+    stalls: DecodeStalls | None = None,
 ) -> AsyncIterator[int]:
-    """Yield decode tokens at the configured rate (the first one is the prefill's, at once)."""
+    """Yield decode tokens at the configured rate (the first one is the prefill's, at once),
+    each one due during a prefill step on the same engine (`stalls`) at the step's end."""
     interval = 1.0 / tokens_per_s
     for index, token in enumerate(tokens):
         if index:
             await sleep(interval)
+            if stalls is not None and (wait := stalls.wait_s()) > 0:
+                await sleep(wait)
         yield token

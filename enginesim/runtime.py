@@ -35,7 +35,7 @@ from enginesim.engine import Engine
 from enginesim.faults import Faults
 from enginesim.handshake import RankId
 from enginesim.kvcache import PagedKVCache
-from enginesim.latency import PrefillModel, PrefillScheduler
+from enginesim.latency import DecodeStalls, PrefillModel, PrefillScheduler
 from enginesim.metrics import EngineMetrics
 from enginesim.prefill import DPRank, PrefillEngine
 from enginesim.publisher import KVEventPublisher, PublisherSettings
@@ -136,7 +136,7 @@ class EngineProcess:
         if config.role == "prefill":
             engine: Engine = await self._prefill(context, client, port, address, pod)
         else:
-            engine = self._decode(context, client, address, pod)
+            engine = await self._decode(context, client, address, pod)
         self._stack.push_async_callback(engine.stop)  # also undoes a start that failed halfway
         await engine.start()
         self.engine = engine
@@ -193,32 +193,12 @@ class EngineProcess:
         await directory.start()
         self._stack.push_async_callback(directory.stop)
         self.info["disaggregation_bootstrap_port"] = directory.port
-        events = config.kv_events
-        topic = events.topic if events.topic is not None else kv_topic(pod, config.model)
-        self.info["kv_events_config"] = (
-            None
-            if events.endpoint is None
-            else json.dumps(
-                {
-                    "publisher": "zmq",
-                    "endpoint": events.endpoint,
-                    "replay_endpoint": events.replay_endpoint,
-                    "topic": topic,
-                }
-            )
-        )
-        latency = config.latency
-        model = PrefillModel(
-            tokens_per_s=latency.prefill_tokens_per_s,
-            per_request_overhead_s=latency.prefill_overhead_ms / 1000,
-            max_batch_tokens=latency.max_batch_tokens,
-        )
-        publishers = await self._start_publishers(context, topic)
+        publishers = await self._start_publishers(context, self._events_topic(pod))
         ranks = [
             DPRank(
                 index=index,
                 cache=PagedKVCache(config.page_size, config.kv_capacity),
-                scheduler=PrefillScheduler(model),
+                scheduler=PrefillScheduler(self._prefill_model()),
                 publisher=publishers[index] if publishers else None,
                 metrics=self.metrics,
             )
@@ -244,6 +224,33 @@ class EngineProcess:
             faults=self.faults,
             metrics=self.metrics,
             writer=self.writer,
+        )
+
+    def _events_topic(self, pod: str) -> str:
+        """The KV events' topic, also advertised as SGLang's `kv_events_config`."""
+        config = self.config
+        events = config.kv_events
+        topic = events.topic if events.topic is not None else kv_topic(pod, config.model)
+        self.info["kv_events_config"] = (
+            None
+            if events.endpoint is None
+            else json.dumps(
+                {
+                    "publisher": "zmq",
+                    "endpoint": events.endpoint,
+                    "replay_endpoint": events.replay_endpoint,
+                    "topic": topic,
+                }
+            )
+        )
+        return topic
+
+    def _prefill_model(self) -> PrefillModel:
+        latency = self.config.latency
+        return PrefillModel(
+            tokens_per_s=latency.prefill_tokens_per_s,
+            per_request_overhead_s=latency.prefill_overhead_ms / 1000,
+            max_batch_tokens=latency.max_batch_tokens,
         )
 
     async def _start_publishers(
@@ -293,11 +300,23 @@ class EngineProcess:
             return started
         raise OSError(f"no {self.config.dp} consecutive free ports for KV events")
 
-    def _decode(
+    async def _decode(
         self, context: zmq.asyncio.Context, client: httpx.AsyncClient, advertise: str, pod: str
     ) -> DecodeEngine:
         config = self.config
-        self.info["kv_events_config"] = None
+        publishers = []
+        if config.decode_kv_events:
+            publishers = await self._start_publishers(context, self._events_topic(pod))
+        else:
+            self.info["kv_events_config"] = None
+        stalls = DecodeStalls()
+        rank = DPRank(
+            index=0,
+            cache=PagedKVCache(config.page_size, config.kv_capacity),
+            scheduler=PrefillScheduler(self._prefill_model(), on_step=stalls.step),
+            publisher=publishers[0] if publishers else None,
+            metrics=self.metrics,
+        )
         resolver = DecodeResolver(
             client,
             retry_interval=config.bootstrap_retry_interval,
@@ -317,6 +336,9 @@ class EngineProcess:
             faults=self.faults,
             metrics=self.metrics,
             writer=self.writer,
+            rank=rank,
+            stalls=stalls,
+            advertise_host=advertise,
         )
 
     async def serve(self) -> None:

@@ -17,8 +17,9 @@ the decode asks the prefill rank at `remote_host:remote_port` for exactly the bl
 request left. The prefill's request id starts with the request's `X-Request-Id`, as vLLM's
 does; a decode whose `X-Request-Id` is another's refuses the pull (400), so a router that
 gave the legs different ids is caught. A request without params computes its prompt on
-the decode (nothing cached: `usage.prompt_tokens_details.cached_tokens` is 0), which is
-what a vLLM decode does when the prefill had nothing to send.
+the decode, reusing the prefix the decode's own cache holds (what it pulled or computed
+before), which is what a vLLM decode does when the prefill had nothing to send or a
+router sent it the request alone.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from enginesim.config import EngineConfig
 from enginesim.engine import EngineError, Generation, Prompt
 from enginesim.faults import Faults
 from enginesim.handshake import MAX_ROOM, KVMetadata, RankId
-from enginesim.latency import paced
+from enginesim.kvcache import CacheChange, CacheNamespace, PagedKVCache
+from enginesim.latency import DecodeStalls, PrefillTiming, paced
 from enginesim.metrics import EngineMetrics
 from enginesim.textgen import ReplyWriter
 from enginesim.transfer import DecodeTransfer, PrefillTransfer, TransferError
@@ -136,8 +138,36 @@ class VllmPrefill:
             await self._transfer.fail(room, f"prefill {exc.stage} stage: {exc}")
 
 
+class Prefilled(Protocol):
+    """What a rank's prefill tells (`enginesim.prefill.Prefilled`)."""
+
+    @property
+    def cached_tokens(self) -> int: ...
+    @property
+    def timing(self) -> PrefillTiming: ...
+
+
+class DecodeRank(Protocol):
+    """What the vLLM decode needs of its one rank (`enginesim.prefill.DPRank`): its prefix
+    cache with its KV events, and its prefill queue."""
+
+    cache: PagedKVCache
+
+    def commit(self, changes: Sequence[CacheChange]) -> None: ...
+
+    async def drain(self) -> None: ...
+
+    async def prefill(self, tokens: Sequence[int], namespace: CacheNamespace) -> Prefilled: ...
+
+
 class VllmDecode:
-    """The decode side: pull the prefill's blocks, or compute the prompt here."""
+    """The decode side: pull the prefill's blocks, or compute the prompt here.
+
+    Like vLLM's decode with prefix caching, it keeps what it pulled and what it computed in
+    its own cache, which publishes KV events as a prefill's does, so the index knows what
+    each decode holds. A prompt it computes goes through the same prefill queue and latency
+    model as a prefill engine's, and its running decodes' tokens wait for each of its steps
+    (`enginesim.latency.DecodeStalls`)."""
 
     def __init__(
         self,
@@ -145,19 +175,29 @@ class VllmDecode:
         transfer: DecodeTransfer,
         writer: ReplyWriter,
         metrics: EngineMetrics,
+        rank: DecodeRank,
+        stalls: DecodeStalls,
     ) -> None:
         self._config = config
         self._transfer = transfer
         self._writer = writer
         self._metrics = metrics
+        self.rank = rank
+        self._stalls = stalls
 
     async def generate(self, prompt: Prompt) -> Generation:
         params = prompt.kv_transfer or {}
         output = self._writer.tokens(prompt.max_new_tokens)
         if not params.get("do_remote_prefill"):
             self._metrics.recomputed.inc()
-            await self._recompute(prompt.input_ids)
-            return self._generation(prompt, 0, output, {"recomputed": True})
+            prefilled = await self.rank.prefill(prompt.input_ids, prompt.namespace)
+            timing = prefilled.timing
+            meta = {
+                "recomputed": True,
+                "queue_ms": timing.queue_s * 1000,
+                "prefill_ms": timing.prefill_s * 1000,
+            }
+            return self._generation(prompt, prefilled.cached_tokens, output, meta)
         request_id, host, port = (
             params.get("remote_request_id"),
             params.get("remote_host"),
@@ -194,14 +234,10 @@ class VllmDecode:
             raise EngineError("room", f"KV of another request arrived for {request_id}")
         if output:
             output[0] = metadata.first_token
+        self.rank.commit(self.rank.cache.insert(prompt.input_ids, prompt.namespace))
+        await self.rank.drain()
         meta = {"queue_ms": metadata.queue_us / 1000, "prefill_ms": metadata.prefill_us / 1000}
         return self._generation(prompt, metadata.cached_tokens, output, meta)
-
-    async def _recompute(self, tokens: Sequence[int]) -> None:
-        latency = self._config.latency
-        await asyncio.sleep(
-            latency.prefill_overhead_ms / 1000 + len(tokens) / latency.prefill_tokens_per_s
-        )
 
     def _generation(
         self, prompt: Prompt, cached: int, output: list[int], meta: dict[str, Any]
@@ -215,4 +251,4 @@ class VllmDecode:
         )
 
     def _paced(self, output: list[int]) -> AsyncIterator[int]:
-        return paced(output, self._config.latency.decode_tokens_per_s)
+        return paced(output, self._config.latency.decode_tokens_per_s, stalls=self._stalls)

@@ -17,6 +17,8 @@ import logging
 import signal
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
+from logging.handlers import TimedRotatingFileHandler
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -25,7 +27,7 @@ from prometheus_client import start_http_server
 
 from bootstrap.reader import DirectoryReader
 from gateway.app import create_app
-from gateway.config import GatewayConfig
+from gateway.config import DEFAULT_TRACES_ENDPOINT, GatewayConfig
 from gateway.flags import add_flags, build_config
 from gateway.http.connections import ConnectionPool
 from gateway.http.server import HttpServer
@@ -34,9 +36,12 @@ from gateway.http.upstream import PooledUpstream
 from gateway.inference import Inference
 from gateway.replicas.shared_state import SharedState, member_name
 from gateway.service import Gateway, build_gateway
+from gateway.tracing import configured_endpoint, otlp_tracing
+from gateway.workers.discovery import Follower, discovery_source
 from gateway.workers.monitor import PodRegistrar
 from gateway.workers.pods import HttpPodRegistrar, RegistryPodRegistrar
 from globalkv import redis_client
+from globalkv.extras import MissingExtra, require
 from globalkv.index.redis import RedisIndex
 from globalkv.lookup import HttpLookup, IndexLookup, PrefixLookup
 from globalkv.registry import RedisRegistry
@@ -44,13 +49,17 @@ from globalkv.tokenize import Tokenizer, load_tokenizer
 from kvplumbing.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
-_SHUTDOWN_GRACE_SECS = 5.0
-"""Answers in flight get this long after SIGTERM, inside the 10 s that `globalkv up` and
-most supervisors allow before SIGKILL, leaving time for the rest of the shutdown."""
+
+
+class CannotListen(Exception):
+    """A socket the gateway must listen on could not be opened; the message names it, its
+    flag and why."""
 
 
 def check_config(args: argparse.Namespace) -> None:
-    build_config(args)
+    config = build_config(args)
+    if config.discovery.service_discovery:
+        require("Kubernetes service discovery", "kubernetes", "lightkube")
 
 
 async def _index_parts(
@@ -102,6 +111,16 @@ async def _share_state(config: GatewayConfig, gateway: Gateway, stack: AsyncExit
     stack.push_async_callback(stop)
 
 
+async def _follow_discovery(config: GatewayConfig, gateway: Gateway, stack: AsyncExitStack) -> None:
+    """Add and remove the workers discovery finds until the gateway closes."""
+    source = discovery_source(config.discovery)
+    if source is None:
+        return
+    await stack.enter_async_context(source)
+    task = asyncio.create_task(Follower(gateway).run(source), name="discovery")
+    stack.push_async_callback(cancel_and_wait, [task])
+
+
 @asynccontextmanager
 async def running_gateway(
     config: GatewayConfig, tokenizer: Tokenizer | None
@@ -121,12 +140,23 @@ async def running_gateway(
             probe=DirectoryReader(client, timeout=2.0),
             tokenizer=tokenizer,
         )
+        default = DEFAULT_TRACES_ENDPOINT if config.enable_trace else None
+        endpoint = configured_endpoint(config.otlp_traces_endpoint, default=default)
+        if endpoint is not None:
+            gateway.tracing = otlp_tracing(endpoint, config.otlp_traces_endpoint is not None)
+            stack.callback(gateway.tracing.shutdown)
+            log.info("gateway spans exported by OTLP to %s", endpoint)
         if config.share_state_interval_secs is not None:
             await _share_state(config, gateway, stack)
+        await _follow_discovery(config, gateway, stack)
         if config.prometheus_port and config.prometheus_port != config.port:
-            metrics_server, _ = start_http_server(
-                config.prometheus_port, config.prometheus_host, gateway.metrics.registry
-            )
+            host, port = config.prometheus_host, config.prometheus_port
+            try:
+                metrics_server, _ = start_http_server(port, host, gateway.metrics.registry)
+            except OSError as exc:
+                message = f"gateway cannot serve its metrics on {host}:{port} (--prometheus-port)"
+                raise CannotListen(f"{message}: {exc}") from exc
+            stack.callback(metrics_server.server_close)
             stack.callback(metrics_server.shutdown)
         app = create_app(gateway)
         async with app.router.lifespan_context(app):
@@ -135,11 +165,18 @@ async def running_gateway(
 
 async def serve(config: GatewayConfig, tokenizer: Tokenizer | None) -> None:
     async with running_gateway(config, tokenizer) as (gateway, app):
-        server = HttpServer(Inference(gateway), app)
-        await server.start(config.host, config.port)
+        inference = Inference(gateway)
+        server = HttpServer(
+            inference, inference.edge.wrap(app), max_connections=config.max_client_connections
+        )
+        try:
+            await server.start(config.host, config.port)
+        except OSError as exc:
+            where = f"{config.host}:{config.port} (--port)"
+            raise CannotListen(f"gateway cannot serve on {where}: {exc}") from exc
         tune_garbage_collection()
         await _until_signalled()
-        await server.shutdown(grace=_SHUTDOWN_GRACE_SECS)
+        await server.shutdown(grace=config.edge.shutdown_grace_period_secs)
 
 
 def tune_garbage_collection() -> None:
@@ -184,6 +221,17 @@ def run(args: argparse.Namespace) -> int:
         config.decode_policy,
         config.indexer_url or config.redis_url or "none",
     )
+    if config.edge.log_dir is not None:
+        try:
+            log_to_dir(Path(config.edge.log_dir))
+        except OSError as exc:
+            log.error("gateway: cannot write logs to %s: %s", config.edge.log_dir, exc)
+            return 1
+    if config.discovery.selector:
+        log.warning(
+            "--selector is sglang-router's regular-mode selector; in PD mode the "
+            "--prefill-selector and --decode-selector choose the pods, and it is ignored"
+        )
     for warning in config.protected_mode().warnings():
         log.warning("%s", warning)
     try:
@@ -195,10 +243,34 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         uvloop.run(serve(config, tokenizer))
-    except OSError as exc:
-        log.error("gateway cannot serve on %s:%d: %s", config.host, config.port, exc)
+    except CannotListen as exc:
+        log.error("%s", exc)
+        return 1
+    except (ValueError, MissingExtra) as exc:  # discovery that cannot start
+        log.error("gateway cannot start: %s", exc)
         return 1
     return 0
+
+
+LOG_FILE = "globalkv-gateway.log"
+LOG_FILES_KEPT = 7
+
+
+def log_to_dir(directory: Path) -> None:
+    """Every log line also to `directory/LOG_FILE`, a new file each midnight and the last
+    `LOG_FILES_KEPT` kept (sglang-router's `--log-dir` rolls daily too; keeping every day
+    would fill a volume in the end). The directory is made if missing."""
+    directory.mkdir(parents=True, exist_ok=True)
+    handler = TimedRotatingFileHandler(
+        directory / LOG_FILE, when="midnight", backupCount=LOG_FILES_KEPT, encoding="utf-8"
+    )
+    root = logging.getLogger()
+    formatter = next((h.formatter for h in root.handlers if h.formatter is not None), None)
+    handler.setFormatter(formatter or logging.Formatter(_LOG_FORMAT))
+    root.addHandler(handler)
+
+
+_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def register(subparsers: Any) -> None:

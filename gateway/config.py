@@ -7,10 +7,12 @@ moving from it keeps the behaviour they know.
 from __future__ import annotations
 
 import argparse
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from globalkv.discovery.kubernetes import parse_selector
 from kvplumbing.addresses import check_http_url
 from kvplumbing.auth import ProtectedMode, ProtectionFlags
 
@@ -136,6 +138,12 @@ class HealthConfig(BaseModel):
     directory_refresh_secs: float = Field(
         5.0, gt=0, description="How often each prefill's bootstrap directory is read."
     )
+    registration_check_secs: float = Field(
+        5.0,
+        gt=0,
+        description="How often the index's pods are listed, to register again a prefill it "
+        "no longer lists (an indexer that keeps them in memory restarted).",
+    )
 
     @field_validator("endpoint")
     @classmethod
@@ -185,6 +193,188 @@ class CacheAwareConfig(BaseModel):
     max_tree_size: int = Field(2**26, ge=1, description="Entries kept per worker in the tree.")
 
 
+PdDeciderMode = Literal["always", "local-when-faster"]
+
+
+class PdDeciderConfig(BaseModel):
+    """Whether each request is disaggregated (see gateway.routing.decider)."""
+
+    model_config = _frozen()
+
+    mode: PdDeciderMode = Field(
+        "always",
+        description="always: every request is prefilled on a prefill worker and its KV moved "
+        "to a decode; local-when-faster: a vLLM decode prefills it itself when that is "
+        "estimated sooner, its running decodes' delay counted.",
+    )
+    transfer_tokens_per_s: float = Field(
+        300_000,
+        gt=0,
+        description="KV moved from a prefill to a decode per second, in prompt tokens (the "
+        "link's bytes/s over the model's KV bytes per token).",
+    )
+    itl_weight: float = Field(
+        1.0,
+        ge=0,
+        description="Seconds of time to first token that one second of delay to one running "
+        "decode on the decode worker is worth.",
+    )
+
+
+# --- Kubernetes-native settings: discovery, admission, request ids, CORS, logs, DP ranks ---
+# (sglang-router 0.3.2's flags of the same names; `docs/sglang-router-flags.md` compares them)
+
+DEFAULT_REQUEST_ID_HEADERS = ("x-request-id", "x-correlation-id", "x-trace-id", "request-id")
+"""sglang-router's: the request headers that carry a client's request id, first found wins."""
+
+
+class DiscoveryConfig(BaseModel):
+    """Workers found and followed rather than listed: Kubernetes pods by labels, or a file
+    (`globalkv.discovery`), added to and removed from the pool as the source changes."""
+
+    model_config = _frozen()
+
+    service_discovery: bool = Field(
+        False, description="Follow Kubernetes pods matching --prefill-selector/--decode-selector."
+    )
+    prefill_selector: list[str] = Field(
+        default_factory=list, description="Labels (key=value ...) every prefill pod carries."
+    )
+    decode_selector: list[str] = Field(
+        default_factory=list, description="Labels (key=value ...) every decode pod carries."
+    )
+    selector: list[str] = Field(
+        default_factory=list,
+        description="sglang-router's regular-mode selector: in PD mode it selects nothing, "
+        "so it is accepted (and ignored) only beside a prefill or decode selector.",
+    )
+    port: int = Field(80, ge=1, le=65535, description="Port of a discovered pod's worker URL.")
+    namespace: str | None = Field(
+        None, min_length=1, description="Namespace watched; none: every namespace."
+    )
+    bootstrap_port_annotation: str = Field(
+        "sglang.ai/bootstrap-port",
+        min_length=1,
+        description="The prefill pod annotation naming its bootstrap port.",
+    )
+    worker_file: str | None = Field(
+        None,
+        min_length=1,
+        description="A YAML or JSON file listing workers, read again whenever it changes.",
+    )
+
+    @field_validator("prefill_selector", "decode_selector", "selector")
+    @classmethod
+    def _labels(cls, items: list[str]) -> list[str]:
+        """Each `key=value` item; one item may hold several, separated by commas (kubectl's
+        way) or spaces (a YAML list's one string, which sglang-router splits too)."""
+        pairs = [pair for item in items for pair in item.replace(",", " ").split()]
+        parse_selector(pairs)
+        return pairs
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DiscoveryConfig:
+        if self.service_discovery and self.worker_file is not None:
+            raise ValueError("give --service-discovery or --worker-file, not both")
+        if self.service_discovery and not (self.prefill_selector or self.decode_selector):
+            which = "--selector selects nothing in PD mode; " if self.selector else ""
+            raise ValueError(
+                f"--service-discovery needs --prefill-selector or --decode-selector ({which}"
+                "see docs/kubernetes.md)"
+            )
+        if not self.service_discovery and (self.prefill_selector or self.decode_selector):
+            raise ValueError("label selectors are used with --service-discovery: add it")
+        return self
+
+
+class AdmissionConfig(BaseModel):
+    """sglang-router's rate limiting: a token bucket of `max_concurrent_requests` tokens,
+    one taken per request and given back when it ends, refilled at
+    `rate_limit_tokens_per_second`; a request finding none waits in a bounded FIFO queue
+    (`gateway.admission`)."""
+
+    model_config = _frozen()
+
+    max_concurrent_requests: int = Field(
+        -1, ge=-1, description="Tokens in the bucket, one per request in flight; -1: no limit."
+    )
+    queue_size: int = Field(
+        100, ge=0, description="Requests waiting for a token; beyond: 429 (0: 429 at once)."
+    )
+    queue_timeout_secs: float = Field(
+        60, gt=0, description="Longest wait in the queue, answered 408 past it."
+    )
+    rate_limit_tokens_per_second: float | None = Field(
+        None, gt=0, description="Refill rate of the bucket; none: --max-concurrent-requests."
+    )
+
+    @field_validator("max_concurrent_requests")
+    @classmethod
+    def _limit(cls, value: int) -> int:
+        if value == 0:
+            raise ValueError("0 would refuse every request: give a positive limit or -1")
+        return value
+
+
+class EdgeConfig(BaseModel):
+    """What the gateway does at its client edge besides routing: request ids, CORS, log
+    files, and DP-rank pinning."""
+
+    model_config = _frozen()
+
+    request_id_headers: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_REQUEST_ID_HEADERS),
+        description="Request headers carrying the client's request id, in order; it is "
+        "answered as x-request-id and sent to the workers (none given: one is made).",
+    )
+    cors_allowed_origins: list[str] = Field(
+        default_factory=list,
+        description="Origins allowed to call the gateway from a browser; '*' allows any "
+        "(none: no CORS headers).",
+    )
+    log_dir: str | None = Field(
+        None, min_length=1, description="Also write the gateway's log to a file in this directory."
+    )
+    dp_aware: bool = Field(
+        False,
+        description="Pin the prefill's DP rank in each request (routed_dp_rank, and "
+        "disagg_prefill_dp_rank on the decode) where rooms cannot steer it.",
+    )
+
+    shutdown_grace_period_secs: float = Field(
+        5.0,
+        ge=0,
+        description="On SIGTERM, how long answers in flight may take before they are cut.",
+    )
+
+    @field_validator("request_id_headers")
+    @classmethod
+    def _header_names(cls, names: list[str]) -> list[str]:
+        for name in names:
+            if not _TOKEN.fullmatch(name):
+                raise ValueError(f"{name!r} is not an HTTP header name")
+        return [name.lower() for name in names]
+
+    @field_validator("cors_allowed_origins")
+    @classmethod
+    def _origins(cls, origins: list[str]) -> list[str]:
+        for origin in origins:
+            if origin != "*" and not _ORIGIN.fullmatch(origin):
+                raise ValueError(f"{origin!r} is not an origin (scheme://host[:port]) or '*'")
+        return origins
+
+
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,64}")
+_ORIGIN = re.compile(r"https?://(\[[0-9A-Fa-f:.]+\]|[^\s/?#:\[\]@]{1,253})(:[0-9]{1,5})?")
+
+# --- end of the Kubernetes-native settings ---
+
+
+DEFAULT_TRACES_ENDPOINT = "http://localhost:4318/v1/traces"
+"""Where `--enable-trace` alone sends spans: a local OpenTelemetry collector's OTLP/HTTP
+receiver (sglang-router's default, localhost:4317, is OTLP over gRPC)."""
+
+
 class GatewayConfig(BaseModel):
     model_config = _frozen()
 
@@ -200,6 +390,7 @@ class GatewayConfig(BaseModel):
     decode_policy: PolicyName = Field("power_of_two", description="How a decode is chosen.")
     prefix: PrefixWeights = Field(default_factory=PrefixWeights)
     cache_aware: CacheAwareConfig = Field(default_factory=CacheAwareConfig)
+    pd_decider: PdDeciderConfig = Field(default_factory=PdDeciderConfig)
     retry: RetryConfig = Field(default_factory=RetryConfig)
     breaker: BreakerConfig = Field(default_factory=BreakerConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
@@ -223,6 +414,25 @@ class GatewayConfig(BaseModel):
         "longest silence of one upstream call.",
     )
     max_payload_size: int = Field(512 * 1024 * 1024, ge=1, description="Request body limit.")
+    enable_trace: bool = Field(
+        False,
+        description="Export the gateway's request spans even with no endpoint given: to "
+        f"OpenTelemetry's variables, else {DEFAULT_TRACES_ENDPOINT}. Needs globalkv[otel].",
+    )
+    otlp_traces_endpoint: str | None = Field(
+        None,
+        description="OTLP/HTTP URL the gateway's request spans are exported to (e.g. "
+        "http://collector:4318/v1/traces); without it, OpenTelemetry's "
+        "OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; with neither, "
+        "no spans (a client's traceparent is still passed on). Needs globalkv[otel].",
+    )
+    max_client_connections: int | None = Field(
+        None,
+        ge=1,
+        description="Client connections open at once; past it a new one takes the place of "
+        "the connection idle longest, or is answered 503 and closed when none is idle. "
+        "None: half the open-files limit, the rest left for connections to the workers.",
+    )
     redis_url: str | None = Field(None, description="Read index and pod registry from Redis.")
     redis_prefix: str = Field(
         "gkv", min_length=1, description="Key prefix of the index and registry in Redis."
@@ -256,6 +466,10 @@ class GatewayConfig(BaseModel):
     )
     lookup_timeout_secs: float = Field(0.5, gt=0, description="Timeout of one index lookup.")
     seed: int | None = Field(None, description="Seed of the routing RNG (rooms stay random).")
+    # Kubernetes-native settings (their models above).
+    discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
+    edge: EdgeConfig = Field(default_factory=EdgeConfig)
     vllm_allow_recompute: bool = Field(
         False,
         description="vLLM PD: when every prefill attempt failed, send the decode the request "

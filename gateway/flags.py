@@ -11,20 +11,25 @@ without it prefill uses `prefix` and decode `power_of_two`.
 from __future__ import annotations
 
 import argparse
-from typing import Any, get_args
+from typing import Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 
 from gateway.config import (
+    AdmissionConfig,
     BreakerConfig,
     CacheAwareConfig,
+    DiscoveryConfig,
+    EdgeConfig,
     GatewayConfig,
     HealthConfig,
+    PdDeciderConfig,
     PrefixWeights,
     RetryConfig,
     WorkerSpec,
     optional_float,
 )
+from gateway.peer_flags import FLAGS_DOC, add_peer_flags, check_peer_flags
 from kvplumbing.validation import validation_message
 
 POLICIES = ["prefix", "cache_aware", "power_of_two", "round_robin", "random", "least_load"]
@@ -43,6 +48,9 @@ SETTINGS: tuple[tuple[str, type[BaseModel], dict[str, str]], ...] = (
             "insecure": "--insecure",
             "request_timeout_secs": "--request-timeout-secs",
             "max_payload_size": "--max-payload-size",
+            "max_client_connections": "--max-client-connections",
+            "enable_trace": "--enable-trace",
+            "otlp_traces_endpoint": "--otlp-traces-endpoint",
             "redis_url": "--redis-url",
             "redis_prefix": "--redis-prefix",
             "indexer_url": "--indexer-url",
@@ -80,6 +88,15 @@ SETTINGS: tuple[tuple[str, type[BaseModel], dict[str, str]], ...] = (
         },
     ),
     (
+        "disaggregation decider",
+        PdDeciderConfig,
+        {
+            "mode": "--pd-decider",
+            "transfer_tokens_per_s": "--pd-transfer-tokens-per-s",
+            "itl_weight": "--pd-decider-itl-weight",
+        },
+    ),
+    (
         "retries",
         RetryConfig,
         {
@@ -114,6 +131,43 @@ SETTINGS: tuple[tuple[str, type[BaseModel], dict[str, str]], ...] = (
             "disabled": "--disable-health-check",
             "startup_check_interval_secs": "--worker-startup-check-interval",
             "directory_refresh_secs": "--directory-refresh-secs",
+            "registration_check_secs": "--registration-check-secs",
+        },
+    ),
+    # Kubernetes-native settings: sglang-router's flags of the same names.
+    (
+        "service discovery",
+        DiscoveryConfig,
+        {
+            "service_discovery": "--service-discovery",
+            "prefill_selector": "--prefill-selector",
+            "decode_selector": "--decode-selector",
+            "selector": "--selector",
+            "port": "--service-discovery-port",
+            "namespace": "--service-discovery-namespace",
+            "bootstrap_port_annotation": "--bootstrap-port-annotation",
+            "worker_file": "--worker-file",
+        },
+    ),
+    (
+        "admission control",
+        AdmissionConfig,
+        {
+            "max_concurrent_requests": "--max-concurrent-requests",
+            "queue_size": "--queue-size",
+            "queue_timeout_secs": "--queue-timeout-secs",
+            "rate_limit_tokens_per_second": "--rate-limit-tokens-per-second",
+        },
+    ),
+    (
+        "client edge",
+        EdgeConfig,
+        {
+            "request_id_headers": "--request-id-headers",
+            "cors_allowed_origins": "--cors-allowed-origins",
+            "log_dir": "--log-dir",
+            "dp_aware": "--dp-aware",
+            "shutdown_grace_period_secs": "--shutdown-grace-period-secs",
         },
     ),
 )
@@ -130,9 +184,13 @@ FLAGLESS = {
         "prometheus_port": "--prometheus-port, where 0 means none",
         "prefix": "its own flags",
         "cache_aware": "its own flags",
+        "pd_decider": "its own flags",
         "retry": "its own flags",
         "breaker": "its own flags",
         "health": "its own flags",
+        "discovery": "its own flags",
+        "admission": "its own flags",
+        "edge": "its own flags",
     },
 }
 """Fields set by a flag of sglang-router's own shape (see `_add_router_flags`), with how."""
@@ -140,9 +198,13 @@ FLAGLESS = {
 _SECTIONS: dict[type[BaseModel], str] = {
     PrefixWeights: "prefix",
     CacheAwareConfig: "cache_aware",
+    PdDeciderConfig: "pd_decider",
     RetryConfig: "retry",
     BreakerConfig: "breaker",
     HealthConfig: "health",
+    DiscoveryConfig: "discovery",
+    AdmissionConfig: "admission",
+    EdgeConfig: "edge",
 }
 
 
@@ -165,6 +227,16 @@ def _add_setting(
     dest = _dest(model, field)
     if info.annotation is bool:
         group.add_argument(flag, dest=dest, action="store_true", default=default, help=help_text)
+        return
+    if get_origin(info.annotation) is Literal:
+        group.add_argument(
+            flag, dest=dest, choices=get_args(info.annotation), default=default, help=help_text
+        )
+        return
+    if get_origin(info.annotation) is list:
+        group.add_argument(
+            flag, dest=dest, nargs="*", default=default, metavar="VALUE", help=help_text
+        )
         return
     kind = _kind(info.annotation)
     if flag == "--prefix-pending-grace-secs":
@@ -238,6 +310,7 @@ def _add_router_flags(p: argparse.ArgumentParser) -> None:
 
 def add_flags(p: argparse.ArgumentParser) -> None:
     _add_router_flags(p)
+    add_peer_flags(p)
     for title, model, flags in SETTINGS:
         group = p.add_argument_group(title)
         for field, flag in flags.items():
@@ -263,7 +336,11 @@ def _settings(args: argparse.Namespace, model: type[BaseModel]) -> dict[str, Any
 def build_config(args: argparse.Namespace) -> GatewayConfig:
     """The typed configuration; `ValueError` with the reason when the flags are wrong."""
     if args.worker_urls:
-        raise ValueError("--worker-urls (regular mode) is not supported: use --prefill/--decode")
+        raise ValueError(
+            "--worker-urls (regular mode) is not supported: use --prefill/--decode "
+            f"(see {FLAGS_DOC})"
+        )
+    check_peer_flags(args)
     fields = GatewayConfig.model_fields
     try:
         sections = {name: model(**_settings(args, model)) for model, name in _SECTIONS.items()}

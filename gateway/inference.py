@@ -5,11 +5,21 @@ between is here: the API key, the body checks (400 with the reason), tokens, the
 (`Router.route`: one index lookup), the dispatcher, and the request metrics (count by
 status, time to first byte, duration). Reading the body within `--max-payload-size` is the
 server's part (it can refuse before reading); it reports a refusal through `refused` so
-that it is counted like any other answer.
+that it is counted like any other answer. Admission control (`gateway.admission`) comes
+after the API key and before everything else; request ids and CORS (`gateway.edge`) are
+on every answer.
 
 A client that goes away is the server's to notice: it cancels `handle` (counted as 499)
 or, once a stream is under way, closes the stream as `client_gone`, which cancels a
 prefill still running.
+
+Error bodies, one shape per API family (`docs/operations.md`, "Error answers"): the
+gateway's own refusals are OpenAI's error object on every endpoint
+(`gateway.http.answer.error_body`). A worker's error answer is passed on as it is on
+SGLang's `/generate`; on the OpenAI endpoints one in another shape — SGLang's and older
+vLLM's flat `{"object": "error", "message", …}`, FastAPI's `{"detail": …}`, plain text —
+is rewritten into OpenAI's, its fields kept, so that a client reads one shape whoever
+refused it.
 
 A prompt to tokenize in a body over `TOKENIZE_INLINE_MAX` bytes is tokenized in a worker
 thread: a long text held the event loop, and every other request with it, for as long as
@@ -20,8 +30,13 @@ where a thread would cost more than the work.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Collection, Sequence
+from collections.abc import Awaitable, Collection
+from typing import Any
 
+import orjson
+
+from gateway.admission import Admission
+from gateway.edge import Edge, Headers
 from gateway.http.answer import Answer, Outcome, Rest, problem
 from gateway.metrics import EndpointMetrics
 from gateway.requests import (
@@ -33,6 +48,7 @@ from gateway.requests import (
     prompt_tokens,
 )
 from gateway.service import Gateway
+from gateway.tracing import TracedRequest, bind, passed_on, trace_headers
 from globalkv.tokenize import TokenizeError
 from kvplumbing.auth import bearer_matches
 from kvplumbing.clock import Clock
@@ -49,10 +65,30 @@ INFERENCE_PATHS: dict[str, Endpoint] = {
 }
 
 
+def openai_error(answer: Answer) -> Answer:
+    """`answer`, an error, with OpenAI's error object as its body (its fields kept)."""
+    try:
+        body: Any = orjson.loads(answer.body)
+    except orjson.JSONDecodeError:
+        body = answer.body.decode("utf-8", "replace")
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        error = body["error"]
+    elif isinstance(body, dict) and body.get("object") == "error":
+        error = {key: value for key, value in body.items() if key != "object"}
+    else:
+        detail = body.get("detail", body) if isinstance(body, dict) else body
+        message = detail if isinstance(detail, str) else orjson.dumps(detail).decode()
+        error = {"message": message, "type": "upstream_error"}
+    shaped = {"message": "", "type": "upstream_error", "param": None, "code": None, **error}
+    if shaped == error and body == {"error": error}:
+        return answer
+    return Answer(answer.status, orjson.dumps({"error": shaped}), headers=answer.headers)
+
+
 class _Measured:
     """A stream's rest whose request is measured (duration, status) when it closes."""
 
-    __slots__ = ("_clock", "_metrics", "_rest", "_started", "_status")
+    __slots__ = ("_clock", "_metrics", "_rest", "_started", "_status", "traced")
 
     def __init__(
         self, rest: Rest, status: int, metrics: EndpointMetrics, started: float, clock: Clock
@@ -62,6 +98,7 @@ class _Measured:
         self._metrics = metrics
         self._started = started
         self._clock = clock
+        self.traced: TracedRequest | None = None
 
     def next(self) -> Awaitable[bytes]:
         return self._rest.next()
@@ -72,11 +109,20 @@ class _Measured:
         finally:
             self._metrics.latency.observe(self._clock() - self._started)
             self._metrics.answered(self._status)
+            if self.traced is not None:
+                self.traced.end(self._status)
 
 
 class Inference:
     def __init__(self, gateway: Gateway) -> None:
         self._gateway = gateway
+        config = gateway.config
+        self.edge = Edge(config.edge)
+        self._admission = (
+            Admission(config.admission, gateway.clock, gateway.metrics.registry)
+            if config.admission.max_concurrent_requests > 0
+            else None
+        )
         self._metrics = {
             path: EndpointMetrics(gateway.metrics, endpoint)
             for path, endpoint in INFERENCE_PATHS.items()
@@ -95,28 +141,93 @@ class Inference:
         self._metrics[path].answered(answer.status)
 
     async def handle(
+        self, path: str, authorization: str | None, body: bytes, headers: Headers = ()
+    ) -> Answer:
+        request_id = self.edge.request_id(path, headers)
+        answer = await self._traced(path, authorization, body, request_id, headers)
+        own = self.edge.answer_headers(request_id, headers)
+        answer.headers = (*(h for h in answer.headers if h[0] != "x-request-id"), *own)
+        return answer
+
+    async def _traced(
+        self, path: str, authorization: str | None, body: bytes, request_id: str, headers: Headers
+    ) -> Answer:
+        """The answer in the request's trace: its span when tracing is on, else the client's
+        trace context passed on to the workers as it came."""
+        tracing = self._gateway.tracing
+        if tracing is None:
+            context = trace_headers(headers)
+            if context:
+                bind(passed_on(context))
+            return await self._admitted(path, authorization, body, request_id, None, headers)
+        traced = tracing.begin(path, headers)
+        bind(traced)
+        try:
+            answer = await self._admitted(path, authorization, body, request_id, traced, headers)
+        except BaseException:
+            traced.end(499)
+            raise
+        if isinstance(answer.rest, _Measured):
+            answer.rest.traced = traced  # ended with the stream
+        else:
+            traced.end(answer.status)
+        return answer
+
+    async def _admitted(
         self,
         path: str,
         authorization: str | None,
         body: bytes,
-        headers: Sequence[tuple[bytes, bytes]] = (),
+        request_id: str,
+        traced: TracedRequest | None,
+        headers: Headers,
+    ) -> Answer:
+        """The answer once the API key is right and admission control let the request in
+        (the token it took given back once the answer is handed over)."""
+        gateway = self._gateway
+        if not bearer_matches(authorization, gateway.config.api_key):
+            message = "missing or wrong API key (Authorization: Bearer …)"
+            return self._refuse(path, problem(401, message, "auth_error"))
+        admission = self._admission
+        if admission is None:
+            return await self._serve(path, body, request_id, traced, headers)
+        refusal = await admission.admit()
+        if refusal is not None:
+            return self._refuse(path, refusal)
+        try:
+            return await self._serve(path, body, request_id, traced, headers)
+        finally:
+            admission.release()
+
+    async def _serve(
+        self,
+        path: str,
+        body: bytes,
+        request_id: str,
+        traced: TracedRequest | None,
+        headers: Headers,
     ) -> Answer:
         gateway = self._gateway
         metrics = self._metrics[path]
         started = gateway.clock()
-        if not bearer_matches(authorization, gateway.config.api_key):
-            message = "missing or wrong API key (Authorization: Bearer …)"
-            return self._refuse(path, problem(401, message, "auth_error"))
         router = gateway.router
         try:
             parsed = parse_request(INFERENCE_PATHS[path], decode_body(body))
+            parsed.request_id = request_id
             parsed.namespace = router.namespace(parsed.body)
             session = _session(headers)
             if len(body) > TOKENIZE_INLINE_MAX and parsed.token_ids is None:
                 tokens = await asyncio.to_thread(prompt_tokens, parsed, gateway.tokenizer)
             else:
                 tokens = prompt_tokens(parsed, gateway.tokenizer)
-            route = await router.route(tokens, parsed.namespace, session)
+            if traced is None:
+                route = await router.route(tokens, parsed.namespace, session)
+            else:
+                span = traced.stage("route")
+                try:
+                    route = await router.route(tokens, parsed.namespace, session)
+                finally:
+                    span.end()
             answer = await gateway.dispatcher.forward(parsed, route, path)
         except (BadRequest, TokenizeError) as exc:  # BadRequest also from the first attempt
             return self._refuse(path, problem(400, str(exc)))
@@ -128,6 +239,8 @@ class Inference:
             raise
         now = gateway.clock()
         metrics.ttfb.observe(now - started)
+        if answer.status >= 400 and answer.rest is None and path != "/generate":
+            answer = openai_error(answer)
         if answer.rest is not None:
             answer.rest = _Measured(answer.rest, answer.status, metrics, started, gateway.clock)
             return answer
@@ -140,7 +253,7 @@ class Inference:
         return answer
 
 
-def _session(headers: Sequence[tuple[bytes, bytes]]) -> str | None:
+def _session(headers: Headers) -> str | None:
     """The conversation the client named, by the first of `SESSION_HEADERS` it sent."""
     named = dict((name, value) for name, value in headers if name in SESSION_HEADERS)
     for name in SESSION_HEADERS:

@@ -135,6 +135,14 @@ class GatewayMetrics:
             ["reason"],
             registry=registry,
         )
+        self.pd_decisions = Counter(
+            "globalkv_gateway_pd_decisions",
+            "Attempts by whether they were disaggregated or prefilled on the decode (local), "
+            "and why: always, faster, slower, no_lookup, no_local_decode, unmeasured, batch "
+            "(--pd-decider).",
+            ["decision", "reason"],
+            registry=registry,
+        )
         self.upstream_failures = Counter(
             "globalkv_gateway_upstream_failures",
             "Failed upstream calls, by role and reason (status code or error type).",

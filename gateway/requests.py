@@ -16,10 +16,13 @@ the engine reads it (`request_namespace`, below).
 Bodies are read and written with orjson (several times faster than the standard library,
 `docs/gateway-design.md`), falling back to the standard library for
 what orjson would not keep exactly: integers beyond 64 bits (orjson reads them as floats),
-NaN and Infinity (orjson writes them as null), lone surrogates, nesting deeper than
-orjson writes. Only the separators of the JSON sent upstream differ. A body nested too
-deeply for the standard library (about 900 levels) is refused with 400; nothing is
-checked for it on the common path.
+NaN and Infinity (orjson writes them as null), nesting deeper than orjson writes. Only the
+separators of the JSON sent upstream differ. A body nested too deeply for the standard
+library (about 900 levels) is refused with 400; nothing is checked for it on the common
+path. A string holding a lone surrogate (`"\ud800"`: valid JSON, which orjson refuses)
+is refused with 400 too: it is not Unicode text, so no tokenizer can encode it — here it
+raised from the tokenizer, a 500 — and no engine can read it; only bodies orjson refused
+are searched for one.
 """
 
 from __future__ import annotations
@@ -89,11 +92,40 @@ def decode_body(raw: bytes) -> object:
         except orjson.JSONDecodeError:
             pass
     try:
-        return json.loads(raw, parse_constant=_Constant)
+        value = json.loads(raw, parse_constant=_Constant)
     except RecursionError:
         raise BadRequest(_TOO_DEEP) from None
     except ValueError as exc:
         raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+    where = _lone_surrogate(value)
+    if where is not None:
+        raise BadRequest(
+            f"the request body holds a lone surrogate (a \\ud800-\\udfff escape without "
+            f"its pair) at {where}: it is valid JSON but not text, and cannot be tokenized"
+        )
+    return value
+
+
+def _lone_surrogate(value: object) -> str | None:
+    """Where the first string (value or key) holding a lone surrogate is, or None."""
+    pending: list[tuple[str, object]] = [("the top level", value)]
+    while pending:
+        where, item = pending.pop()
+        if isinstance(item, str):
+            try:
+                item.encode()
+            except UnicodeEncodeError:
+                return where
+        elif isinstance(item, dict):
+            for key, inner in item.items():
+                pending += [(f"a key of {where}", key), (_field(where, repr(key)), inner)]
+        elif isinstance(item, list):
+            pending += [(_field(where, str(i)), inner) for i, inner in enumerate(item)]
+    return None
+
+
+def _field(where: str, key: str) -> str:
+    return f"[{key}]" if where == "the top level" else f"{where}[{key}]"
 
 
 def encode_body(body: object) -> bytes:
@@ -273,6 +305,8 @@ class ParsedRequest:
     """The model the client named: workers that advertise it serve it."""
     namespace: RequestNamespace = field(default_factory=lambda: BASE)
     """Where its prompt's KV is cached (`request_namespace`), once the handler read it."""
+    request_id: str | None = None
+    """The client's request id (`gateway.edge`), sent on to the workers."""
 
 
 @dataclass(slots=True)

@@ -24,6 +24,7 @@ from gateway.http.upstream import HttpxUpstream, Upstream
 from gateway.legs.attempt import Legs
 from gateway.legs.calls import PairCalls
 from gateway.legs.dispatch import Dispatcher
+from gateway.legs.local import LocalLegs
 from gateway.legs.retry import RetrySchedule
 from gateway.legs.sglang import DualLegs
 from gateway.legs.vllm import SequentialLegs
@@ -31,7 +32,10 @@ from gateway.metrics import GatewayMetrics
 from gateway.policies import build_policy
 from gateway.policies.loads import LoadTracker
 from gateway.policies.pending import PendingPrefixes
+from gateway.routing.decider import PdDecider
+from gateway.routing.pd_chooser import PdChooser
 from gateway.routing.router import Router
+from gateway.tracing import Tracing
 from gateway.workers.monitor import DirectoryProbe, Monitor, PodRegistrar
 from gateway.workers.pool import Worker, WorkerPool
 from globalkv.lookup import PrefixLookup
@@ -57,6 +61,8 @@ class Gateway:
     metrics: GatewayMetrics
     tokenizer: Tokenizer | None
     clock: Clock
+    tracing: Tracing | None = None
+    """Spans of each request when traces are exported (`gateway.tracing`)."""
 
     def add_worker(self, spec: WorkerSpec) -> Worker:
         worker = self.pool.add(spec)
@@ -160,6 +166,7 @@ def build_gateway(
         model=monitor.served_model,
         lookup_timeout=config.lookup_timeout_secs,
         room_rng=room_rng,
+        dp_aware=config.edge.dp_aware,
     )
     calls = PairCalls(
         upstream or HttpxUpstream(client),
@@ -175,12 +182,13 @@ def build_gateway(
         ),
     }
     dispatcher = Dispatcher(
-        router,
+        PdChooser(router, PdDecider(config.pd_decider), metrics.pd_decisions),
         legs,
         RetrySchedule(config.retry, rng),
         metrics,
         timeout=config.request_timeout_secs,
         sleep=sleep,
+        local=LocalLegs(calls),
     )
     gateway = Gateway(
         config, client, pool, loads, router, calls, dispatcher, monitor, metrics, tokenizer, clock

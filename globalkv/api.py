@@ -120,9 +120,14 @@ class PodList(BaseModel):
 
 class Health(BaseModel):
     status: str
+    """ok; degraded (lookups answer, but the index refuses writes: it falls behind the
+    engines); resyncing (503: lookups refused while sources are rebuilt)."""
     version: str
     pods: int
     resyncing_sources: int
+    held_sources: int = 0
+    reason: str | None = None
+    """Why not ok, in words."""
 
 
 def _too_large(limit: int, path: str) -> Response:
@@ -292,14 +297,25 @@ class _IndexRoutes:
         return {"removed": pod_id}
 
     async def health(self, response: Response) -> Health:
-        ready = self.ingest.recovery.ready
-        if not ready:
+        recovery = self.ingest.recovery
+        held = recovery.held
+        status, reason = "ok", None
+        if not recovery.ready:
             response.status_code = 503
+            status, reason = "resyncing", "sources are rebuilt after the index lost data"
+        elif held:
+            status = "degraded"
+            reason = (
+                f"the index refuses the writes of {len(held)} sources (held, retried): "
+                f"{next(iter(held.values()))}"
+            )
         return Health(
-            status="ok" if ready else "resyncing",
+            status=status,
             version=VERSION,
             pods=len(self.ingest.following.pods()),
-            resyncing_sources=len(self.ingest.recovery.resyncing),
+            resyncing_sources=len(recovery.resyncing),
+            held_sources=len(held),
+            reason=reason,
         )
 
     async def version(self) -> dict[str, str]:

@@ -48,10 +48,17 @@ class IngestMetrics:
         self.dropped = Counter(
             "globalkv_ingest_dropped_total",
             "Messages dropped before the index: wire reasons (not_msgpack, bad_batch, ...), "
-            "bad_frames, bad_seq, unknown_topic, not_owner, pod_limit, bad_dp_rank, queue_full, "
-            "internal_error "
-            "(a bug while handling a batch: logged with its traceback).",
+            "bad_frames, bad_seq, unknown_topic, not_owner, pod_limit, source_limit, "
+            "bad_dp_rank, wrong_publisher (a pod's topic from an address it does not live at), "
+            "queue_full, internal_error (a bug while handling a batch: logged with its "
+            "traceback).",
             ["reason"],
+            registry=registry,
+        )
+        self.refused_publishers = Counter(
+            "globalkv_ingest_refused_publishers_total",
+            "Connections to the bound SUB refused: the peer is neither loopback nor in a "
+            "network of --allow-publisher.",
             registry=registry,
         )
         self._recovery(registry)
@@ -99,6 +106,12 @@ class IngestMetrics:
         self.resyncing = Gauge(
             "globalkv_ingest_resyncing_sources",
             "Sources still being rebuilt after the index lost its data (lookups answer 503).",
+            registry=registry,
+        )
+        self.held = Gauge(
+            "globalkv_ingest_held_sources",
+            "Sources whose next batch the index refuses now (unreachable, or full): held and "
+            "retried, so lookups show what the index held before it.",
             registry=registry,
         )
 
@@ -155,6 +168,22 @@ class IngestMetrics:
             "Sources with a live subscription (or seen on a bound socket).",
             registry=registry,
         )
+
+    def forget_pod(self, pod: str) -> None:
+        """Drop every series of `pod`: a pod discovered on the bound socket and forgotten
+        must not leave series behind, or each new name would cost some for good."""
+        for metric in (
+            self.batches,
+            self.blocks_stored,
+            self.blocks_removed,
+            self.gaps,
+            self.replays,
+            self.replayed_batches,
+            self.resets,
+            self.queue_depth,
+            self.fenced,
+        ):
+            metric.remove_by_labels({"pod": pod})
 
 
 class ApiMetrics:

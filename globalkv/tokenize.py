@@ -28,6 +28,7 @@ byte, two special ids and a fixed chat format.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -390,10 +391,51 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def load_tokenizer(path: str | None, *, rules: TokenizerRules = "transformers5") -> Tokenizer:
-    """None or "byte" → ByteTokenizer; a directory or a tokenizer.json path → HFTokenizer.
+    """None or "byte" → ByteTokenizer; a directory or a tokenizer.json path → HFTokenizer;
+    a Hugging Face model id (`Qwen/Qwen2.5-0.5B-Instruct`) that is no local path → its
+    tokenizer files, from the Hugging Face cache (`hub_tokenizer_dir`).
 
     Raises `ValueError` with the reason when the path holds no usable tokenizer.
     """
     if path is None or path == "byte":
         return ByteTokenizer()
+    if not Path(path).exists() and HUB_ID.fullmatch(path):
+        return HFTokenizer.from_path(hub_tokenizer_dir(path), rules=rules)
     return HFTokenizer.from_path(path, rules=rules)
+
+
+HUB_ID = re.compile(r"(?!.*(--|\.\.))[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}", re.ASCII)
+"""A Hugging Face model id, `owner/name`, as the Hub allows them."""
+
+HUB_TOKENIZER_FILES = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+]
+"""What `HFTokenizer.from_path` reads of a model directory: nothing else is downloaded."""
+
+
+def hub_tokenizer_dir(model_id: str) -> Path:
+    """The directory holding `model_id`'s tokenizer files, downloaded once into the usual
+    Hugging Face cache (`HF_HOME`, `HF_HUB_CACHE`) and read from there after; with
+    `HF_HUB_OFFLINE=1` only the cache is read. `ValueError` in one line when neither has it.
+
+    The files are the model's, so the gateway tokenizes exactly as the engines that loaded
+    the same id do; only the tokenizer files are fetched, never the weights.
+    """
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        folder = snapshot_download(model_id, allow_patterns=HUB_TOKENIZER_FILES)
+    except LocalEntryNotFoundError:
+        raise ValueError(
+            f"{model_id} is neither a local path nor in the Hugging Face cache, and the Hub "
+            "cannot be reached (HF_HUB_OFFLINE=1, or no network): download it where there "
+            "is a network, or give a local path"
+        ) from None
+    except (HfHubHTTPError, OSError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"{model_id}: cannot fetch its tokenizer from the Hub: {first}") from None
+    return Path(folder)

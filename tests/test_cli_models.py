@@ -55,6 +55,7 @@ INGEST_FLAGLESS = {
     "rcvhwm": "a tuning of the ingest workers, set in code",
     "max_message_bytes": "a protocol bound, set in code",
     "max_discovered_pods": "a bound on pods that appear by themselves, set in code",
+    "max_discovered_sources": "a bound on their DP ranks, set in code",
     "replay_reply_timeout": "a protocol timeout, set in code",
     "replay_total_timeout": "a protocol timeout, set in code",
     "retry_base": "the ingest workers' backoff, set in code",

@@ -134,16 +134,28 @@ class ReplaySettings(BaseModel):
     share_interval_s: float = Field(
         0.05, ge=0, allow_inf_nan=False, description="Replicas' publication interval, trace s."
     )
+    pd_decider: Literal["always", "local-when-faster", "isl-bounding"] = Field(
+        "always",
+        description="Whether each request is disaggregated: always; the gateway's decider "
+        "(--pd-decider local-when-faster); or Dynamo's isl_bounding rule (bench.replay.decodes).",
+    )
+    pd_decider_itl_weight: float = Field(
+        1.0, ge=0, allow_inf_nan=False, description="The gateway's --pd-decider-itl-weight."
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> ReplaySettings:
         if self.decode_policy == "prefix":
             raise ValueError("the prefix policy reads prefill caches; choose another for decode")
+        if self.pd_decider != "always" and self.gateways != 1:
+            raise ValueError("--pd-decider is simulated with one gateway")
         if len(set(self.policies)) != len(self.policies):
             raise ValueError("a policy is listed twice")
         if self.mode == "live":
             if self.cluster.attention_tokens is not None:
                 raise ValueError("live mode: the emulated engines have no attention term")
+            if self.pd_decider != "always":
+                raise ValueError("live mode does not run the disaggregation decider yet")
             if self.cluster.kv_transfer_tokens_per_s is not None:
                 raise ValueError("live mode: the emulated engines model no KV transfer time")
             if self.sessions:

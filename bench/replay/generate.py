@@ -22,12 +22,19 @@ prompt of it uniformly, and arrive as one Poisson process:
   each copy of its prefix evicts another group's: the case where the pressure cost must
   not keep a hot group on a pod it overloads.
 
+- `long-cold`: prompts of 12,000 tokens that share nothing: where disaggregating always
+  pays (a decode that prefilled one would hold up its running decodes for seconds).
+- `chat-short`: conversations of short prompts (0.3-1.3 k tokens) over four turns, each
+  turn's prompt its conversation so far: where the move from prefill to decode can cost
+  more than it saves, since the decode that served the last turn holds most of the next.
+
     python -m bench.replay.generate llmd73 -o /tmp/llmd73.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import sys
@@ -93,7 +100,38 @@ LLMD73 = StagedWorkload(
 )
 """The stages are llm-d's: a 50 s warm-up at 15/s, then 3 to 60/s."""
 
-WORKLOADS: dict[str, Workload | StagedWorkload] = {
+
+@dataclass(frozen=True, slots=True)
+class ChatWorkload:
+    """Multi-turn conversations of short prompts: each turn's prompt is the system prompt,
+    the turns before it (questions and answers) and a new question."""
+
+    conversations: int
+    turns: int
+    system_tokens: int
+    question_tokens: tuple[int, int]
+    """The fewest and most tokens of a question, drawn uniformly."""
+    output_tokens: int
+    rate_per_s: float
+    """Conversations started per second (Poisson)."""
+    think_s: float
+    """Mean pause between an answer and the next question (exponential)."""
+    block_size: int = 16
+
+
+CHAT_SHORT = ChatWorkload(
+    conversations=1500,
+    turns=4,
+    system_tokens=256,
+    question_tokens=(32, 256),
+    output_tokens=128,
+    rate_per_s=5.0,
+    think_s=15.0,
+)
+"""Prompts of 0.3-1.3 k tokens, each turn extending the previous one's prompt and answer."""
+
+WORKLOADS: dict[str, Workload | StagedWorkload | ChatWorkload] = {
+    "chat-short": CHAT_SHORT,
     "llmd73": LLMD73,
     "small-groups": Workload(
         groups=400,
@@ -103,6 +141,16 @@ WORKLOADS: dict[str, Workload | StagedWorkload] = {
         output_tokens=200,
         requests=6000,
         rate_per_s=20.0,
+        skew=0.0,
+    ),
+    "long-cold": Workload(
+        groups=20_000,
+        prompts_per_group=1,
+        system_tokens=0,
+        question_tokens=12_000,
+        output_tokens=256,
+        requests=2000,
+        rate_per_s=2.0,
         skew=0.0,
     ),
     "large-groups": Workload(
@@ -135,10 +183,15 @@ def _prompts(w: Workload | StagedWorkload) -> list[list[list[int]]]:
     return groups
 
 
-def requests(w: Workload | StagedWorkload, seed: int = 0) -> Iterator[dict[str, object]]:
+def requests(
+    w: Workload | StagedWorkload | ChatWorkload, seed: int = 0
+) -> Iterator[dict[str, object]]:
     """The workload's trace lines, in arrival order."""
     if isinstance(w, StagedWorkload):
         yield from _staged(w, seed)
+        return
+    if isinstance(w, ChatWorkload):
+        yield from _chat(w, seed)
         return
     rng = Random(seed)
     groups = _prompts(w)
@@ -177,7 +230,37 @@ def _staged(w: StagedWorkload, seed: int) -> Iterator[dict[str, object]]:
         t = end
 
 
-def write(w: Workload | StagedWorkload, out: TextIO, seed: int = 0) -> int:
+def _chat(w: ChatWorkload, seed: int) -> Iterator[dict[str, object]]:
+    """Each conversation's turns, merged by time. A conversation's token stream only grows
+    (question, answer, question…): a block gets its id when the stream fills it, and a
+    prompt ending mid-block gets a fresh id for that partial block."""
+    rng = Random(seed)
+    ids = itertools.count(w.system_tokens // w.block_size)
+    system = list(range(w.system_tokens // w.block_size))
+    lines: list[tuple[float, dict[str, object]]] = []
+    start = 0.0
+    for _ in range(w.conversations):
+        start += rng.expovariate(w.rate_per_s)
+        t, tokens, full = start, w.system_tokens, list(system)
+        for _ in range(w.turns):
+            tokens += rng.randint(*w.question_tokens)
+            full += [next(ids) for _ in range(tokens // w.block_size - len(full))]
+            partial = [next(ids)] if tokens % w.block_size else []
+            line = {
+                "timestamp": round(t * 1000),
+                "input_length": tokens,
+                "output_length": w.output_tokens,
+                "hash_ids": full + partial,
+            }
+            lines.append((t, line))
+            tokens += w.output_tokens
+            t += rng.expovariate(1 / w.think_s)
+    lines.sort(key=lambda item: item[0])
+    for _, line in lines:
+        yield line
+
+
+def write(w: Workload | StagedWorkload | ChatWorkload, out: TextIO, seed: int = 0) -> int:
     count = 0
     for line in requests(w, seed):
         out.write(json.dumps(line) + "\n")

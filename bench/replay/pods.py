@@ -136,14 +136,20 @@ class PrefillPod:
 
     def _finish(self, job: PrefillJob, now: float) -> Finished:
         assert job.match is not None
-        changes = self.cache.insert(job.tokens)
+        batch = self.store(job.tokens, now)
         self.cache.release(job.match)
         self.computed_tokens += len(job.tokens) - job.cached
         self.cached_tokens += job.cached
+        return Finished(job, now, batch)
+
+    def store(self, tokens: Sequence[int], now: float) -> SourceBatch | None:
+        """Insert a prompt's pages (computed here, or pulled by a decode pod); the index
+        events of the insert, if any."""
+        changes = self.cache.insert(tokens)
         if not changes:
-            return Finished(job, now, None)
+            return None
         events = wire_events(changes, self.cache.page_size, "sglang")
         translated = translate(EventBatch(now, events, 0), self._index_model)
         batch = SourceBatch(self._source, self._seq, now, translated.events)
         self._seq += 1
-        return Finished(job, now, batch)
+        return batch

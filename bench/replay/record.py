@@ -59,6 +59,12 @@ class RunRecord:
     prefill: list[float]
     ttft: list[float]
     done: list[float]
+    local: list[bool] = field(default_factory=list)
+    """Prefilled on its decode pod instead of disaggregated."""
+    stretched: list[list[float]] = field(default_factory=list)
+    """Per request, its inter-token intervals a local prefill step held up (simulation)."""
+    interval: float = _NAN
+    """The decode's interval between two tokens (simulation; NaN: not measured)."""
     pods: list[PodStats] = field(default_factory=list)
     index: dict[str, int] = field(default_factory=dict)
     """What the simulated index applied (live mode: empty)."""
@@ -83,6 +89,8 @@ class RunRecord:
             prefill=[_NAN] * size,
             ttft=[_NAN] * size,
             done=[_NAN] * size,
+            local=[False] * size,
+            stretched=[[] for _ in range(size)],
         )
 
     def routed(
@@ -170,11 +178,54 @@ def summarize(record: RunRecord, bucket_s: float) -> dict[str, Any]:
         "utilisation": float(busy.sum() / (busy.size * makespan))
         if busy.size and makespan > 0
         else _NAN,
+        "local_share": float(np.mean(record.local)) if record.local else 0.0,
+        **_inter_token(record, finished),
         "fallbacks": int(sum(record.fallback)),
         "evicted_blocks": sum(p.evicted_blocks for p in record.pods),
         "index": dict(record.index),
         "wall_s": record.wall_s,
         "hit_rate_over_time": hit_rate_over_time(arrival, prompt, cached, bucket_s),
+    }
+
+
+def _inter_token(
+    record: RunRecord, finished: np.ndarray[Any, np.dtype[np.bool_]]
+) -> dict[str, float]:
+    """Inter-token latency over every interval of the finished requests (mean, p90, p99),
+    and the p90 over requests of their mean interval (TPOT), in trace seconds; NaN where the
+    run did not measure them (live)."""
+    interval = record.interval
+    none = {"itl_mean_s": _NAN, "itl_p90_s": _NAN, "itl_p99_s": _NAN, "tpot_p90_s": _NAN}
+    if math.isnan(interval):
+        return none
+    regular = 0
+    held: list[float] = []
+    tpot: list[float] = []
+    for i in np.flatnonzero(finished):
+        gaps = max(record.output[i] - 1, 0)
+        if not gaps:
+            continue
+        stretched = record.stretched[i]
+        regular += gaps - len(stretched)
+        held.extend(stretched)
+        tpot.append((interval * (gaps - len(stretched)) + sum(stretched)) / gaps)
+    if not tpot:
+        return none
+    values = np.asarray([interval, *held], dtype=np.float64)
+    weights = np.asarray([regular] + [1] * len(held), dtype=np.float64)
+    order = np.argsort(values, kind="stable")
+    values, cumulative = values[order], np.cumsum(weights[order])
+    scale = record.time_scale
+
+    def pct(q: float) -> float:
+        at = int(np.searchsorted(cumulative, q / 100 * cumulative[-1]))
+        return float(values[min(at, values.size - 1)]) / scale
+
+    return {
+        "itl_mean_s": float((values * weights[order]).sum() / cumulative[-1]) / scale,
+        "itl_p90_s": pct(90),
+        "itl_p99_s": pct(99),
+        "tpot_p90_s": float(np.percentile(np.asarray(tpot), 90)) / scale,
     }
 
 

@@ -21,20 +21,24 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from random import Random
 
 from bench.replay.config import ReplaySettings, ResolvedCluster
+from bench.replay.decodes import DecodePod, isl_bounding
 from bench.replay.pods import Finished, PrefillPod, StepModel
 from bench.replay.record import Progress, ProgressHook, RunRecord
 from bench.replay.tokens import expand
 from bench.replay.trace import Trace, arrival_times, conversation
 from enginesim.kvcache import PagedKVCache
-from gateway.config import PolicyName
-from gateway.policies import Policy, RouteRequest, build_policy
+from gateway.config import PdDeciderConfig, PolicyName
+from gateway.policies import Candidate, Choice, Policy, RouteRequest, build_policy
+from gateway.policies.held import held_prefixes
 from gateway.policies.loads import LoadTicket, LoadTracker
 from gateway.policies.pending import PendingPrefixes
+from gateway.routing.decider import PdDecider
 from globalkv.index.base import ApplyResult, SourceBatch
 from globalkv.index.memory import MemoryIndex
 from globalkv.lookup import IndexLookup
@@ -78,6 +82,7 @@ class _Kind(IntEnum):
     STEP_END = 2  # a pod's step is over
     ANSWERED = 3  # a prefill answered: its load ends
     DECODED = 4  # the last output token is out: the decode's load ends
+    DECODE_END = 5  # with a decider: the last token as last scheduled (stalls move it)
 
 
 class _Clock:
@@ -120,6 +125,12 @@ class _InFlight:
     prefill: LoadTicket
     decode: LoadTicket
     output_length: int
+    decode_pod: str = ""
+    tokens: Sequence[int] = ()
+    local: bool = False
+    """Prefilled on its decode pod: `prefill` is `decode`, its one ticket."""
+    decoded_at: float = 0.0
+    """When its last token is due (a `DECODE_END` for another time is stale)."""
 
 
 @dataclass(slots=True)
@@ -155,6 +166,7 @@ class Simulation:
     progress: ProgressHook | None = None
     index: MemoryIndex = field(init=False)
     pods: dict[str, PrefillPod] = field(init=False)
+    decode_pods: dict[str, DecodePod] = field(init=False)
     apply_totals: ApplyResult = field(init=False, default_factory=ApplyResult)
 
     def __post_init__(self) -> None:
@@ -166,6 +178,20 @@ class Simulation:
             attention_tokens=c.attention_tokens,
         )
         self.index = MemoryIndex(c.block_size)
+        interval = scale / c.decode_tokens_per_s
+        self.decode_pods = {
+            name: DecodePod(
+                name,
+                PrefillPod(
+                    name,
+                    PagedKVCache(c.block_size, c.capacity_blocks),
+                    model,
+                    index_model=self.settings.model,
+                ),
+                interval,
+            )
+            for name in decode_names(c.decode_pods)
+        }
         self.pods = {
             name: PrefillPod(
                 name,
@@ -205,11 +231,21 @@ class _Run:
             clock=self.clock.read,
         )
         self.lookup = IndexLookup(sim.index)
-        self.uses_index = self.policy.uses_index
+        self.deciding = settings.pd_decider != "always"
+        self.uses_index = self.policy.uses_index or self.deciding
+        transfer = c.kv_transfer_tokens_per_s
+        self.decider = PdDecider(
+            PdDeciderConfig(
+                mode="local-when-faster",
+                itl_weight=settings.pd_decider_itl_weight,
+                **({} if transfer is None else {"transfer_tokens_per_s": transfer / scale}),
+            )
+        )
         self.requests = sim.trace.requests
         self.arrivals = [t * scale for t in arrival_times(self.requests, settings.arrivals)]
         self.total = len(self.arrivals)
         self.record = RunRecord.empty(sim.policy_name, len(self.requests), scale)
+        self.record.interval = scale / c.decode_tokens_per_s
         self.prefills, self.decodes = list(sim.pods), decode_names(c.decode_pods)
         # What each emulated prefill reports in /server_info: its pages times their size.
         self.capacities = {name: c.capacity_blocks * c.block_size for name in self.prefills}
@@ -251,7 +287,19 @@ class _Run:
             await self.step_end(payload, now)
         elif kind is _Kind.ANSWERED:
             assert isinstance(payload, int)
-            self.loads.finish(self.flights[payload].prefill)
+            if self.deciding:
+                await self.first_token(payload, now)
+            else:
+                self.loads.finish(self.flights[payload].prefill)
+        elif kind is _Kind.DECODE_END:
+            assert isinstance(payload, tuple)
+            i, at = payload
+            if self.flights[i].decoded_at == at:
+                flight = self.flights.pop(i)
+                decoding = self.sim.decode_pods[flight.decode_pod].finish(i)
+                self.record.stretched[i] = decoding.stretched
+                self.loads.finish(flight.decode)
+                self.record.decoded(i, now)
         else:
             assert isinstance(payload, int)
             flight = self.flights.pop(payload)
@@ -271,7 +319,12 @@ class _Run:
             pending=self.loads.pending_blocks(keys),
             session=conversation(req) if settings.sessions else None,
         )
-        choice = self.policy.choose(request, self.loads.candidates(self.prefills, self.capacities))
+        prefills = self.loads.candidates(self.prefills, self.capacities)
+        local = self.local_choice(request, prefills) if self.deciding else None
+        if local is not None:
+            self.admit_local(i, now, local, tokens, keys)
+            return
+        choice = self.policy.choose(request, prefills)
         decode = self.decode_policy.choose(request, self.loads.candidates(self.decodes)).worker
         flight = _InFlight(
             self.loads.start(
@@ -279,6 +332,8 @@ class _Run:
             ),
             self.loads.start(decode),
             settings.output_tokens(req.output_length),
+            decode,
+            tokens,
         )
         self.flights[i] = flight
         indexed = None if answer is None else max((p.hit_tokens for p in answer.pods), default=0)
@@ -289,10 +344,68 @@ class _Run:
         pod.admit(i, tokens, now)
         self.events.push(now, _Kind.KICK, pod)
 
+    def local_choice(self, request: RouteRequest, prefills: list[Candidate]) -> Choice | None:
+        """The decode pod that prefills the request itself, by the gateway's decider or
+        by Dynamo's isl_bounding rule on the decode holding the longest prefix; None:
+        disaggregate."""
+        decodes = self.loads.candidates(self.decodes)
+        lookup = request.lookup
+        if self.settings.pd_decider == "local-when-faster":
+            decision = self.decider.decide(
+                request, prefills, decodes, lambda w: self.loads.load(w).progress.tokens_per_s
+            )
+            return decision.choice if decision.local else None
+        if lookup is None:
+            return None
+        hits = held_prefixes(request, lookup, decodes)
+        candidate, hit, dp_rank = max(hits, key=lambda h: (h[1], -h[0].in_flight))
+        prompt = request.prompt_tokens
+        if not isl_bounding(prompt, hit):
+            return None
+        held = min(hit, prompt)
+        return Choice(candidate.worker, dp_rank, held, prompt - held)
+
+    def admit_local(
+        self, i: int, now: float, choice: Choice, tokens: Sequence[int], keys: Sequence[int]
+    ) -> None:
+        ticket = self.loads.start(
+            choice.worker, choice.uncached_tokens, keys, cached_tokens=choice.hit_tokens
+        )
+        output = self.settings.output_tokens(self.requests[i].output_length)
+        self.flights[i] = _InFlight(ticket, ticket, output, choice.worker, tokens, local=True)
+        self.record.routed(i, now, choice, tokens=len(tokens), output=output)
+        self.record.local[i] = True
+        pod = self.sim.decode_pods[choice.worker].prefill
+        pod.admit(i, tokens, now)
+        self.events.push(now, _Kind.KICK, pod)
+
+    async def first_token(self, i: int, now: float) -> None:
+        """The request's first token is out (its prefill answered, its KV moved to the
+        decode pod, which keeps it): the decode pod starts emitting the rest."""
+        flight = self.flights[i]
+        decode = self.sim.decode_pods[flight.decode_pod]
+        if flight.local:
+            self.loads.prefill_done(flight.prefill)
+        else:
+            self.loads.finish(flight.prefill)
+            batch = decode.prefill.store(flight.tokens, now)
+            if batch is not None:
+                self.events.push(now + self.rates.event_delay_s, _Kind.INDEX, batch)
+        self.schedule_end(i, decode.start(i, now, flight.output_length))
+
+    def schedule_end(self, i: int, at: float) -> None:
+        self.flights[i].decoded_at = at
+        self.events.push(at, _Kind.DECODE_END, (i, at))
+
     def start_step(self, pod: PrefillPod, now: float) -> None:
         end = pod.start_step(now)
-        if end is not None:
-            self.events.push(end, _Kind.STEP_END, pod)
+        if end is None:
+            return
+        self.events.push(end, _Kind.STEP_END, pod)
+        decode = self.sim.decode_pods.get(pod.name)
+        if decode is not None:
+            for request, moved in decode.stall(now, end).items():
+                self.schedule_end(request, moved)
 
     async def step_end(self, pod: PrefillPod, now: float) -> None:
         for done in pod.end_step(now):
@@ -309,7 +422,7 @@ class _Run:
             else:
                 self.events.push(end + self.rates.event_delay_s, _Kind.INDEX, done.batch)
         flight = self.flights[job.request]
-        transfer = self.rates.transfer_s(len(job.tokens))
+        transfer = 0.0 if flight.local else self.rates.transfer_s(len(job.tokens))
         assert job.started is not None
         self.record.served(
             job.request,
@@ -319,6 +432,8 @@ class _Run:
             ttft=end + transfer - job.arrived,
         )
         self.events.push(end + transfer, _Kind.ANSWERED, job.request)
+        if self.deciding:
+            return
         last_token = max(flight.output_length - 1, 0) * self.rates.decode_interval_s
         self.events.push(end + transfer + last_token, _Kind.DECODED, job.request)
 

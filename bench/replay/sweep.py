@@ -45,6 +45,8 @@ SWEEPABLE: dict[str, Sweepable] = {
     "arrivals": Sweepable("", "arrivals", str),
     "gateways": Sweepable("", "gateways", int),
     "gateway-sharing": Sweepable("", "gateway_sharing", str),
+    "pd-decider": Sweepable("", "pd_decider", str),
+    "pd-decider-itl-weight": Sweepable("", "pd_decider_itl_weight", float),
 }
 
 

@@ -3,7 +3,9 @@
 A whole answer is complete when it is handed over (a worker's passed on, or a refusal).
 A stream is handed over once its first piece exists, since nothing before it commits the
 client to this answer: `body` holds that piece and `rest` the others, read as they arrive.
-The error body is sglang-router's (`{"error": {"message", "type"}}`): its clients read it.
+Every error the gateway writes itself has one body, OpenAI's error object:
+`{"error": {"message", "type", "param", "code"}}` — what OpenAI's clients read, and on
+SGLang's `/generate` the `{"error": {"message"}}` SGLang answers, with more fields.
 """
 
 from __future__ import annotations
@@ -64,7 +66,9 @@ async def pass_on(rest: Rest, send: Callable[[bytes], Awaitable[None]]) -> bool:
 
 
 def error_body(message: str, kind: str) -> bytes:
-    return json.dumps({"error": {"message": message, "type": kind}}).encode()
+    return json.dumps(
+        {"error": {"message": message, "type": kind, "param": None, "code": None}}
+    ).encode()
 
 
 def problem(status: int, message: str, kind: str = "invalid_request_error") -> Answer:

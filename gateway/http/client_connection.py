@@ -63,7 +63,9 @@ class ConnectionState(enum.Enum):
 class Server(Serving, Protocol):
     """What a connection needs of the server that accepted it."""
 
-    connections: set[ClientConnection]
+    def admit(self, connection: ClientConnection) -> None:
+        """Serve `connection`, or refuse it (closing it) when the server is full."""
+        ...
 
     def lost(self, connection: ClientConnection) -> None: ...
 
@@ -158,7 +160,7 @@ class ClientConnection(asyncio.Protocol):
         self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         self.peer = _host_port(transport.get_extra_info("peername"))
         self.local = _host_port(transport.get_extra_info("sockname"))
-        self._server.connections.add(self)
+        self._server.admit(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.state = ConnectionState.CLOSED

@@ -21,7 +21,10 @@ sees the client go. A request written to a reused connection that the peer close
 any byte of an answer arrived (the keep-alive race) is sent once more on a new connection.
 
 Errors are httpx's exception types (`ConnectError`, `ReadTimeout`, `RemoteProtocolError`,
-…) so their callers handle both clients alike. The read timeout is the longest silence
+…) so their callers handle both clients alike; a connection this process cannot open for
+want of its own resources (file descriptors, memory, socket buffers) is a
+`LocalResourceError` instead, which says nothing about the worker and must not be held
+against it. The read timeout is the longest silence
 allowed while an answer is awaited; a stream whose reader has paused it is not timed out.
 Not supported: HEAD answers are complete at their head (the connection is then closed),
 request bodies are whole bytes, and 1xx interim answers are not expected (none is asked).
@@ -30,7 +33,10 @@ request bodies are whole bytes, and 1xx interim answers are not expected (none i
 from __future__ import annotations
 
 import asyncio
+import errno
 import math
+import os
+import resource
 import socket
 import ssl
 from collections.abc import Sequence
@@ -56,6 +62,32 @@ worker answers at once. The kernel acknowledges bytes whatever the worker's own 
 a slow prefill is never cut off by it."""
 _DEAD_PEER_MS = round(DEAD_PEER_SECS * 1000)
 _TARGETS_KEPT = 4096
+
+
+_LOCAL_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+"""Failures to connect that are this process's or this host's, never the peer's."""
+
+
+class LocalResourceError(httpx.TransportError):
+    """A connection could not be opened for want of this process's own resources."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.errno = code
+
+
+def _open_files_limit() -> str:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
+
+
+def _local_error(host: str, port: int, exc: OSError) -> LocalResourceError:
+    name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+    message = (
+        f"this process could not open a connection to {host}:{port}: {name} "
+        f"({os.strerror(exc.errno or 0)}; its open-files limit is {_open_files_limit()})"
+    )
+    return LocalResourceError(message, exc.errno or 0)
 
 
 class Connection(asyncio.Protocol):
@@ -243,18 +275,22 @@ class ConnectionPool:
         body: bytes = b"",
         *,
         headers: Headers = (),
+        more: Headers = (),
         timeout: float | None,
         connect_timeout: float | None = None,
         whole: bool,
     ) -> asyncio.Future[Reply]:
         """Send now; the future resolves at the answer's head, or with `whole` at its end.
 
-        `timeout` bounds each silence while the answer is awaited; `connect_timeout`
-        (default `timeout`) bounds opening a connection. Raises ValueError for a URL that
-        is not http(s).
+        `more`: header lines of this call alone (a request id, a trace context), never
+        cached with the head. `timeout` bounds each silence while the answer is awaited;
+        `connect_timeout` (default `timeout`) bounds opening a connection. Raises
+        ValueError for a URL that is not http(s).
         """
         origin, head = self._target(method, url, headers)
         lines = [head]
+        if more:
+            lines += (name + b": " + value + b"\r\n" for name, value in more)
         if body or method in (b"POST", b"PUT", b"PATCH"):
             lines.append(b"Content-Length: %d\r\n" % len(body))
         lines += (b"\r\n", body)
@@ -334,6 +370,9 @@ class ConnectionPool:
             response.on_error(httpx.ConnectTimeout(f"connecting to {host}:{port} timed out"))
             return
         except OSError as exc:
+            if exc.errno in _LOCAL_ERRNOS:
+                response.on_error(_local_error(host, port, exc))
+                return
             if address is not None:
                 self._resolver.forget(host, port)
             response.on_error(httpx.ConnectError(f"{host}:{port}: {exc}"))

@@ -4,7 +4,8 @@
 closing); an `Exchange` answers one complete request on it and says whether the
 connection may serve another. POSTs to the paths the `Handler` claims (inference) go to it
 and its answer is written as prebuilt bytes; any other method on those paths is answered
-405 here; every other request goes to the ASGI app through `gateway.http.wire.serve_asgi`.
+405 here, but for `OPTIONS` (a CORS preflight, which the app answers); every other
+request goes to the ASGI app through `gateway.http.wire.serve_asgi`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from gateway.http.wire import (
 log = logging.getLogger(__name__)
 
 _ALLOW_POST = b"allow: POST\r\n"
+Headers = Sequence[tuple[bytes, bytes]]
 
 
 class Handler(Protocol):
@@ -45,14 +47,10 @@ class Handler(Protocol):
         ...
 
     async def handle(
-        self,
-        path: str,
-        authorization: str | None,
-        body: bytes,
-        headers: Sequence[tuple[bytes, bytes]] = (),
+        self, path: str, authorization: str | None, body: bytes, headers: Headers = ()
     ) -> Answer:
-        """The answer to a POST of `body` to `path` with `headers` (names in lowercase);
-        cancelled when the client leaves."""
+        """The answer to a POST of `body` to `path` (`headers`: the request's, names in
+        lowercase, its trace context among them); cancelled when the client leaves."""
         ...
 
     def refused(self, path: str, answer: Answer) -> None:
@@ -113,7 +111,7 @@ class Exchange:
                 return False
             if request.route is not None:
                 return await self._handle(request, request.route)
-            if request.path in self._server.routes:
+            if request.path in self._server.routes and request.method != b"OPTIONS":
                 answer = problem(405, f"{request.path.decode()} takes POST")
                 keep_alive = self._keep_alive()
                 self._write(answer, self._connection(keep_alive), _ALLOW_POST)

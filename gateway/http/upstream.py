@@ -8,7 +8,9 @@ into futures and race them, and cancelling one cancels the call. Errors are http
 exception types.
 
 - `PooledUpstream` is the gateway's own: calls on `gateway.http.connections.ConnectionPool`,
-  whose futures are resolved by the connections' protocol callbacks (no task per call).
+  whose futures are resolved by the connections' protocol callbacks (no task per call);
+  `extra` headers are written per call, never cached with the request's head (each call
+  has its own request id or trace context).
 - `HttpxUpstream` goes through an `httpx.AsyncClient`, so tests drive dispatch, retries,
   breakers and cancellation with `httpx.MockTransport`.
 """
@@ -45,12 +47,14 @@ class PooledUpstream:
         self._pool = pool
 
     def fetch(self, url: str, body: bytes, timeout: float, extra: Extra = ()) -> Awaitable[Reply]:
-        headers = _HEADERS + extra if extra else _HEADERS
-        return self._pool.request(b"POST", url, body, headers=headers, timeout=timeout, whole=True)
+        return self._pool.request(
+            b"POST", url, body, headers=_HEADERS, more=extra, timeout=timeout, whole=True
+        )
 
     def open(self, url: str, body: bytes, timeout: float, extra: Extra = ()) -> Awaitable[Reply]:
-        headers = _HEADERS + extra if extra else _HEADERS
-        return self._pool.request(b"POST", url, body, headers=headers, timeout=timeout, whole=False)
+        return self._pool.request(
+            b"POST", url, body, headers=_HEADERS, more=extra, timeout=timeout, whole=False
+        )
 
 
 def _httpx_headers(extra: Extra) -> dict[str, str]:

@@ -43,11 +43,14 @@ def connection_header(keep_alive: bool, version: str = "1.1") -> bytes:
 
 
 def answer_bytes(answer: Answer, connection: bytes, extra: bytes = b"") -> bytes:
-    """`answer` framed by its length; `extra`: more header lines, each ending in CRLF."""
-    head = b"%scontent-type: %s\r\ncontent-length: %d\r\n%s%s\r\n" % (
+    """`answer` framed by its length, with its own header lines; `extra`: more header
+    lines, each ending in CRLF."""
+    own = b"".join(b"%s: %s\r\n" % (k.encode(), v.encode("latin-1")) for k, v in answer.headers)
+    head = b"%scontent-type: %s\r\ncontent-length: %d\r\n%s%s%s\r\n" % (
         status_line(answer.status),
         answer.media_type,
         len(answer.body),
+        own,
         extra,
         connection,
     )
@@ -87,6 +90,7 @@ class HttpRequest:
         self.body: list[bytes] = []
         self.size = 0
         self.authorization: bytes | None = None
+        """W3C `traceparent` and `tracestate`, as sent, to be passed on."""
         self.length: bytes | None = None
         """The Content-Length header, as sent."""
         self.expect = False

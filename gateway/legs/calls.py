@@ -10,8 +10,11 @@ After the first byte a failure can only end the stream.
 
 Every finished call is recorded in its worker's breaker; calls cancelled by the gateway
 are not. A failed call is also noted as its worker's last error (`/workers`, `globalkv
-doctor`). A prefill call may outlive its request (its decode answered first); `drain`
-waits for those.
+doctor`); the first of a run of failures is logged at once (a dead prefill otherwise
+showed in the log only when its health checks or its circuit gave up on it, tens of
+seconds later), the rest by the circuit's transitions, and a worker answering again
+after failures is logged too. A prefill call may outlive its request (its decode answered
+first); `drain` waits for those.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import httpx
 
 from gateway.config import Role
 from gateway.http.answer import Answer, Outcome, error_body
+from gateway.http.connections import LocalResourceError
 from gateway.http.reply import Reply
 from gateway.http.upstream import Extra, Upstream
 from gateway.legs.attempt import Failure
@@ -35,6 +39,7 @@ from gateway.legs.retry import is_retryable_status
 from gateway.metrics import GatewayMetrics
 from gateway.policies.loads import LoadTicket, LoadTracker
 from gateway.routing.router import RoutePlan
+from gateway.tracing import CallTrace, current
 from gateway.workers.breaker import is_failure_status
 from gateway.workers.pool import Worker
 from kvplumbing.clock import Clock
@@ -75,10 +80,19 @@ class PairCalls:
         self, role: Role, worker: Worker, status: int | None, error: BaseException | str | None
     ) -> None:
         """One finished call in the worker's breaker; a failure (a transport error, a
-        stream broken off, or a failure status) counted and noted as its last error."""
+        stream broken off, or a failure status) counted and noted as its last error. A
+        call this gateway could not make for want of its own resources is not the worker's
+        doing and is held against nothing of it (`_local_failure` answers it)."""
+        if isinstance(error, LocalResourceError):
+            return
         failure = status is None or is_failure_status(status)
-        worker.breaker.record(not failure)
         if not failure:
+            failed_before = worker.breaker.failures
+            worker.breaker.record(True)
+            if failed_before:
+                log.info(
+                    "%s %s answers again after %d failed calls", role, worker.id, failed_before
+                )
             return
         if isinstance(error, BaseException):
             reason, detail = type(error).__name__, f"{type(error).__name__}: {error}"
@@ -86,6 +100,9 @@ class PairCalls:
             reason = detail = error or str(status)
         self._metrics.upstream_failures.labels(role, reason).inc()
         what = f"answered HTTP {status}" if status is not None else f"failed ({detail})"
+        worker.breaker.record(False, what)
+        if worker.breaker.failures == 1:
+            log.warning("%s %s: a call %s", role, worker.id, what)
         worker.note_error(f"{role} call {what}", self._clock())
 
     def start_prefill(self, plan: RoutePlan, path: str, payload: bytes, extra: Extra = ()) -> Call:
@@ -98,20 +115,31 @@ class PairCalls:
             plan.dp_rank,
             cached_tokens=choice.hit_tokens,
         )
+        trace = current()
+        traced = None if trace is None else trace.call("prefill", plan.prefill.id)
+        if traced is not None:
+            extra += traced.headers
         call = asyncio.ensure_future(
             self._upstream.fetch(plan.prefill.url + path, payload, self._timeout, extra)
         )
         self._background.add(call)
-        call.add_done_callback(partial(self._prefill_ended, plan.prefill, ticket))
+        call.add_done_callback(partial(self._prefill_ended, plan.prefill, ticket, traced))
         return call
 
-    def _prefill_ended(self, worker: Worker, ticket: LoadTicket, call: Call) -> None:
+    def _prefill_ended(
+        self, worker: Worker, ticket: LoadTicket, traced: CallTrace | None, call: Call
+    ) -> None:
         computed = not call.cancelled() and call.exception() is None and call.result().status < 300
         self._loads.finish(ticket, computed)
         self._background.discard(call)
         if call.cancelled():
+            if traced is not None:
+                traced.end(None, "cancelled")
             return
         error = call.exception()
+        if traced is not None:
+            status = None if error is not None else call.result().status
+            traced.end(status, None if error is None else f"{type(error).__name__}: {error}")
         if error is None:
             self.record("prefill", worker, call.result().status, None)
             return
@@ -119,10 +147,25 @@ class PairCalls:
             log.error("the call to prefill %s failed unexpectedly", worker.id, exc_info=error)
         self.record("prefill", worker, None, error)
 
+    def start_local(self, plan: RoutePlan) -> LoadTicket:
+        """The load of a decode that prefills the prompt itself: its uncached tokens queue
+        there and its keys are pending there until its first token (`decode(ticket=…)`)."""
+        choice = plan.prefill_choice
+        return self._loads.start(
+            plan.decode.id,
+            choice.uncached_tokens,
+            plan.keys,
+            plan.dp_rank,
+            cached_tokens=choice.hit_tokens,
+        )
+
     @staticmethod
     def prefill_failure(plan: RoutePlan, call: Call) -> Failure:
         """What a failed prefill call answers the client, and whether to retry."""
-        if call.exception() is not None:
+        error = call.exception()
+        if isinstance(error, LocalResourceError):
+            return _local_failure("prefill", plan.prefill, error)
+        if error is not None:
             message = f"prefill {plan.prefill.id} unreachable"
             return Failure(
                 "prefill", plan.prefill, True, Answer(502, error_body(message, "upstream_error"))
@@ -145,14 +188,37 @@ class PairCalls:
         stream: bool,
         progress: Progress,
         extra: Extra = (),
+        ticket: LoadTicket | None = None,
     ) -> Answer | Failure:
         """The decode's answer (whole, or a stream from its first byte), unless the prefill
-        `call` fails first."""
-        ticket = self._loads.start(plan.decode.id)
+        `call` fails first; `ticket`: the decode's load when the caller started it
+        (`start_local`)."""
+        if ticket is None:
+            ticket = self._loads.start(plan.decode.id)
         url = plan.decode.url + path
-        if stream:
-            return await self._streamed(plan, call, ticket, url, payload, progress, extra)
-        return await self._whole(plan, call, ticket, url, payload, extra)
+        trace = current()
+        if trace is None:
+            if stream:
+                return await self._streamed(plan, call, ticket, url, payload, progress, extra)
+            return await self._whole(plan, call, ticket, url, payload, extra)
+        traced = trace.call("decode", plan.decode.id)
+        extra += traced.headers
+        try:
+            if stream:
+                answer = await self._streamed(plan, call, ticket, url, payload, progress, extra)
+            else:
+                answer = await self._whole(plan, call, ticket, url, payload, extra)
+        except BaseException:
+            traced.end(None, "cancelled")
+            raise
+        if isinstance(answer, Failure):
+            traced.end(answer.answer.status, f"the {answer.role} failed")
+        elif isinstance(answer.rest, _DecodeStream):
+            traced.event("first_byte")
+            answer.rest.traced = traced  # ended with the stream
+        else:
+            traced.end(answer.status)
+        return answer
 
     async def _decode_step(
         self, plan: RoutePlan, call: Call, step: asyncio.Future[T], when: str
@@ -167,6 +233,8 @@ class PairCalls:
             return self._decode_error(plan.decode, exc, when)
 
     def _decode_error(self, decode: Worker, exc: httpx.HTTPError, when: str) -> Failure:
+        if isinstance(exc, LocalResourceError):
+            return _local_failure("decode", decode, exc)
         self.record("decode", decode, None, exc)
         message = f"decode {decode.id} failed {when}: {type(exc).__name__}"
         return Failure("decode", decode, True, Answer(502, error_body(message, "upstream_error")))
@@ -202,7 +270,7 @@ class PairCalls:
             succeeded = True
             return answer
         finally:
-            self._loads.finish(ticket)
+            self._loads.finish(ticket, succeeded, timed=False)
             if not step.done():
                 step.cancel()
                 await settle(step)
@@ -242,6 +310,7 @@ class PairCalls:
             if isinstance(first, Failure):
                 return first
             committed = True
+            self._loads.prefill_done(ticket)
             rest = _DecodeStream(self._loads, self.record, reply, plan, ticket, call)
             return Answer(reply.status, first, reply.media_type, _passed_headers(reply), rest)
         finally:
@@ -253,14 +322,14 @@ class PairCalls:
                     reply = None if opening.exception() else opening.result()
                 if reply is not None:
                     await reply.aclose()
-                self._loads.finish(ticket)
+                self._loads.finish(ticket, computed=False)
                 call.cancel()
 
 
 class _DecodeStream:
     """The decode's stream after its first piece (`gateway.http.answer.Rest`)."""
 
-    __slots__ = ("_call", "_decode", "_loads", "_record", "_reply", "_ticket")
+    __slots__ = ("_call", "_decode", "_loads", "_record", "_reply", "_ticket", "traced")
 
     def __init__(
         self,
@@ -277,6 +346,7 @@ class _DecodeStream:
         self._decode = plan.decode
         self._ticket = ticket
         self._call = call
+        self.traced: CallTrace | None = None
 
     def next(self) -> asyncio.Future[bytes]:
         return self._reply.next()
@@ -286,10 +356,24 @@ class _DecodeStream:
         decode's breaker records the outcome."""
         await self._reply.aclose()
         self._loads.finish(self._ticket)
+        if self.traced is not None:
+            done = outcome == "done"
+            self.traced.end(self._reply.status, None if done else outcome)
         if outcome == "client_gone":
             self._call.cancel()
         else:
             self._record("decode", self._decode, 200 if outcome == "done" else None, outcome)
+
+
+def _local_failure(role: Role, worker: Worker, error: LocalResourceError) -> Failure:
+    """503 naming the gateway's own limit, not retried: another pair needs connections the
+    gateway cannot open either, and the worker did nothing wrong."""
+    log.error("the gateway cannot reach %s %s: %s", role, worker.id, error)
+    message = (
+        f"the gateway is out of its own resources, not the worker's: {error}. Raise the "
+        "gateway's open-files limit or lower --max-client-connections"
+    )
+    return Failure(role, worker, False, Answer(503, error_body(message, "gateway_overloaded")))
 
 
 def _passed_headers(reply: Reply) -> tuple[tuple[str, str], ...]:

@@ -91,6 +91,8 @@ class Progress:
         error = {
             "message": self.message(timeout),
             "type": "request_timeout",
+            "param": None,
+            "code": None,
             "stage": self.stage,
             "attempt": self.attempt,
             "timeout_secs": timeout,

@@ -3,7 +3,8 @@
 Each attempt asks the `Chooser` for a pair (avoiding workers that already failed this
 request while others remain, of the kind asked for when one is) and hands it to the `Legs`
 of the pair's kind: SGLang's two calls at once (`gateway.legs.sglang`), vLLM's one after
-the other (`gateway.legs.vllm`). The retry loop follows sglang-router: at most
+the other (`gateway.legs.vllm`); a plan whose decode prefills itself to the local legs
+(`gateway.legs.local`). The retry loop follows sglang-router: at most
 `max_retries` attempts in all, waiting `RetrySchedule.delay(n)` between them, each with a
 new pair. The whole request is bounded by the request deadline (`gateway.legs.deadline`),
 answered 504 with the PD stage it stopped in. Cancelling `forward` (the client went away)
@@ -29,6 +30,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.policies.base import NoCandidates, RouteRequest
 from gateway.requests import ParsedRequest
 from gateway.routing.router import RoutePlan
+from gateway.tracing import current
 from kvplumbing.clock import Sleep
 
 log = logging.getLogger(__name__)
@@ -60,9 +62,12 @@ class Dispatcher:
         *,
         timeout: float,
         sleep: Sleep = asyncio.sleep,
+        local: Legs | None = None,
     ) -> None:
+        """`local`: the legs of a plan whose decode prefills itself (`RoutePlan.local`)."""
         self._chooser = chooser
         self._legs = legs
+        self._local = local
         self._retries = retries
         self._metrics = metrics
         self._sleep = sleep
@@ -107,7 +112,8 @@ class Dispatcher:
             if log.isEnabledFor(logging.DEBUG):
                 _log_plan(request, plan, number)
             attempt = Attempt(number, number + 1 >= attempts, progress)
-            outcome = await self._legs[plan.prefill.kind].run(request, plan, path, attempt)
+            legs = self._local if plan.local and self._local else self._legs[plan.prefill.kind]
+            outcome = await legs.run(request, plan, path, attempt)
             if not isinstance(outcome, Failure):
                 return outcome
             last = outcome
@@ -115,6 +121,10 @@ class Dispatcher:
             if not outcome.retryable or attempt.final:
                 break
             self._metrics.retries.labels(request.endpoint, outcome.role).inc()
+            trace = current()
+            if trace is not None:
+                failed = {"attempt": number + 1, "role": outcome.role, "worker": outcome.worker.id}
+                trace.event("retry", failed)
             progress.between_attempts = True
             await self._sleep(self._retries.delay(number))
         assert last is not None

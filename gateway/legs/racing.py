@@ -16,6 +16,18 @@ Call = asyncio.Future[Reply]
 """The prefill's call."""
 
 
+def answered_call(loop: asyncio.AbstractEventLoop) -> Call:
+    """A prefill call that succeeded, for a decode sent without one: it computes the prompt
+    itself (`--vllm-allow-recompute`, or a local prefill)."""
+    reply = Reply(loop, b"", None, whole=True)
+    reply.on_head(200, [], framed=True)
+    reply.on_piece(b"{}")
+    reply.on_end()
+    call: Call = loop.create_future()
+    call.set_result(reply)
+    return call
+
+
 def failed(call: Call) -> bool:
     """Ended without a successful answer (transport error or status >= 400)."""
     if not call.done() or call.cancelled():

@@ -6,6 +6,9 @@ prefill's ranks through its bootstrap directory and the room binds the two halve
 gets lists of equal length, one fresh room per element. Every other field is kept as the
 client sent it; bootstrap fields the client sent are replaced, because only the gateway
 knows which prefill it chose. The client gets the decode's answer (`gateway.legs.calls`).
+With `--dp-aware`, a DP rank the room cannot select is named: `routed_dp_rank` to the
+prefill, `disagg_prefill_dp_rank` to the decode (`docs/protocols.md` §2). Both calls carry
+the client's request id as `X-Request-Id`.
 """
 
 from __future__ import annotations
@@ -65,9 +68,25 @@ class DualLegs:
             port=prefill.bootstrap_port,
             rooms=plan.rooms,
         )
-        payload = encode_body(body)
-        call = self._calls.start_prefill(plan, path, payload)
+        extra = request_id_header(request.request_id)
+        if plan.pinned_dp_rank is None:
+            payload = decode_payload = encode_body(body)
+        else:
+            payload = encode_body({**body, "routed_dp_rank": plan.pinned_dp_rank})
+            decode_payload = encode_body({**body, "disagg_prefill_dp_rank": plan.pinned_dp_rank})
+        call = self._calls.start_prefill(plan, path, payload, extra)
         attempt.progress.begin(attempt.number, prefill.id, plan.decode.id, call)
         return await self._calls.decode(
-            plan, call, path, payload, stream=request.stream, progress=attempt.progress
+            plan,
+            call,
+            path,
+            decode_payload,
+            stream=request.stream,
+            progress=attempt.progress,
+            extra=extra,
         )
+
+
+def request_id_header(request_id: str | None) -> tuple[tuple[bytes, bytes], ...]:
+    """The client's request id as the workers receive it (`gateway.edge`)."""
+    return () if request_id is None else ((b"X-Request-Id", request_id.encode("ascii")),)

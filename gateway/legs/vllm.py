@@ -15,7 +15,9 @@ One attempt, on a pair the router chose within the vLLM pool:
 3. The decode gets the client's request as it came, with those params, and its answer goes
    back whole or streamed, exactly as an SGLang decode's does.
 
-Both legs carry one `X-Request-Id`. A prefill that answers without params (its one token
+Both legs carry one `X-Request-Id`, fresh for each attempt (vLLM pairs the legs by it, so
+it must not repeat): the client's request id (`gateway.edge`), a dash and 32 random hex
+digits. A prefill that answers without params (its one token
 was EOS, so vLLM's connector kept nothing to send) still lets the decode serve: it
 recomputes the prompt, counted in `globalkv_gateway_vllm_recomputes{reason="no_params"}`.
 A prefill that fails is retried on another pair like any failure; the decode is never sent
@@ -38,10 +40,9 @@ import orjson
 from prometheus_client import Counter
 
 from gateway.http.answer import Answer
-from gateway.http.reply import Reply
 from gateway.legs.attempt import Attempt, Failure
 from gateway.legs.calls import PairCalls
-from gateway.legs.racing import Call, failed
+from gateway.legs.racing import answered_call, failed
 from gateway.requests import ParsedRequest, encode_body
 from gateway.routing.router import RoutePlan
 
@@ -89,17 +90,6 @@ def transfer_params(answer: bytes) -> dict[str, Any] | None:
     return params if isinstance(params, dict) and params else None
 
 
-def _settled(loop: asyncio.AbstractEventLoop) -> Call:
-    """A prefill call that succeeded, for a decode sent without one (`--vllm-allow-recompute`)."""
-    reply = Reply(loop, b"", None, whole=True)
-    reply.on_head(200, [], framed=True)
-    reply.on_piece(b"{}")
-    reply.on_end()
-    call: Call = loop.create_future()
-    call.set_result(reply)
-    return call
-
-
 class SequentialLegs:
     """vLLM attempts: the prefill's call, then the decode's with its `kv_transfer_params`."""
 
@@ -114,7 +104,10 @@ class SequentialLegs:
     async def run(
         self, request: ParsedRequest, plan: RoutePlan, path: str, attempt: Attempt
     ) -> Answer | Failure:
-        extra = ((b"X-Request-Id", b"%032x" % self._ids.getrandbits(128)),)
+        pairing = b"%032x" % self._ids.getrandbits(128)
+        if request.request_id is not None:
+            pairing = request.request_id.encode("ascii") + b"-" + pairing
+        extra = ((b"X-Request-Id", pairing),)
         payload = encode_body(prefill_body(request.body))
         call = self._calls.start_prefill(plan, path, payload, extra)
         attempt.progress.begin(attempt.number, plan.prefill.id, plan.decode.id, call)
@@ -129,7 +122,7 @@ class SequentialLegs:
             if not (self._allow_recompute and attempt.final and failure.retryable):
                 return failure
             self._recomputes.labels("prefill_failed").inc()
-            call = _settled(call.get_loop())
+            call = answered_call(call.get_loop())
         else:
             params = transfer_params(call.result().body)
             if params is None:

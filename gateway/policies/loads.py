@@ -113,11 +113,13 @@ class LoadTracker:
         self.pending.expire(self.clock())
         return self.pending.keys
 
-    def prefill_done(self, ticket: LoadTicket, computed: bool = True) -> None:
-        """`computed`: the prefill answered with success, so it holds the prompt's KV."""
+    def prefill_done(self, ticket: LoadTicket, computed: bool = True, timed: bool = True) -> None:
+        """`computed`: the prefill answered with success, so it holds the prompt's KV;
+        `timed`: its answer came when the prefill ended, so it times the worker's rate (a
+        decode's whole answer, which came with its last token, does not)."""
         if ticket.prefill_open:
             ticket.prefill_open = False
-            ticket.load.progress.answered(ticket.serial, self.clock(), computed)
+            ticket.load.progress.answered(ticket.serial, self.clock(), computed and timed)
         if ticket.pending is not None and self.pending is not None:
             if self.shared is not None:
                 self.shared.answered(ticket.serial, computed)
@@ -127,8 +129,8 @@ class LoadTracker:
                 self.pending.drop(ticket.pending)
             ticket.pending = None
 
-    def finish(self, ticket: LoadTicket, computed: bool = True) -> None:
-        self.prefill_done(ticket, computed)
+    def finish(self, ticket: LoadTicket, computed: bool = True, timed: bool = True) -> None:
+        self.prefill_done(ticket, computed, timed)
         if ticket.open:
             ticket.open = False
             ticket.load.in_flight -= 1

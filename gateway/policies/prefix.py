@@ -63,9 +63,9 @@ from random import Random
 
 from gateway.config import PrefixWeights
 from gateway.policies.base import Candidate, Choice, Policy, RouteRequest
+from gateway.policies.held import held_prefixes
 from gateway.policies.placement import PlacementLedger
 from gateway.policies.sessions import SessionTable, Turn
-from globalkv.lookup import PodHit
 
 
 class PrefixPolicy:
@@ -100,26 +100,17 @@ class PrefixPolicy:
             if kept is not None:
                 return kept
             return replace(self._fallback.choose(request, candidates), fallback="no_lookup")
-        best: dict[str, PodHit] = {}
-        for pod_hit in request.lookup.pods:
-            held = best.get(pod_hit.pod)
-            if held is None or pod_hit.hit_tokens > held.hit_tokens:
-                best[pod_hit.pod] = pod_hit
         prompt = request.prompt_tokens
         block_size = request.lookup.block_size
-        pending = request.pending
         w = self._weights
         blocks = request.lookup.blocks
-        hits: list[tuple[Candidate, int, int | None]] = []
-        for candidate in candidates:
-            hit = best.get(candidate.pod)
-            hit_tokens, dp_rank = (hit.hit_tokens, hit.dp_rank) if hit else (0, None)
-            sent = pending.get(candidate.worker)
-            if sent is not None and sent.blocks * block_size > hit_tokens:
-                hit_tokens, dp_rank = sent.blocks * block_size, sent.dp_rank
-            if last is not None and last.worker == candidate.worker:
-                hit_tokens = max(hit_tokens, _extended(last, request.lookup.keys) * block_size)
-            hits.append((candidate, hit_tokens, dp_rank))
+        hits = held_prefixes(request, request.lookup, candidates)
+        if last is not None:
+            extended = _extended(last, request.lookup.keys) * block_size
+            hits = [
+                (c, max(held, extended), rank) if c.worker == last.worker else (c, held, rank)
+                for c, held, rank in hits
+            ]
         top = min(max(h[1] for h in hits) // block_size, blocks)
         keys = request.lookup.keys
         copies_charged = (

@@ -15,7 +15,9 @@ logged once.
 DP-aware rooms: when the chosen prefill's directory says `follow_bootstrap_room` and its
 DP size is above 1, and the choice names the DP rank holding the hit, every room is drawn
 so that `room % dp_size` is that rank: the decode then reads its KV from the rank that
-has the prefix cached. Otherwise rooms are uniform in [1, 2^63-1] (`gateway.routing.rooms`).
+has the prefix cached. Otherwise rooms are uniform in [1, 2^63-1] (`gateway.routing.rooms`);
+with `--dp-aware` (sglang-router's flag) that rank is then named in the request instead
+(`RoutePlan.pinned_dp_rank`, injected by the SGLang legs).
 """
 
 from __future__ import annotations
@@ -51,6 +53,12 @@ class RoutePlan:
     """The prompt's block keys, recorded as pending on the prefill while it computes them."""
     dp_rank: int | None = None
     """The prefill's DP rank that computes them (its room selects it), when that is known."""
+    local: bool = False
+    """The decode prefills the prompt itself (`gateway.routing.decider`): `prefill` is the
+    decode too, `prefill_choice` what it holds and computes, and there are no rooms."""
+    pinned_dp_rank: int | None = None
+    """With `--dp-aware`, the DP rank named in the request itself where the room cannot
+    select it (the prefill does not follow the room)."""
 
 
 class Router:
@@ -67,8 +75,10 @@ class Router:
         model: Callable[[str | None], str | None],
         lookup_timeout: float = 0.5,
         room_rng: Random | None = None,
+        dp_aware: bool = False,
     ) -> None:
         self.pool = pool
+        self._dp_aware = dp_aware
         self.loads = loads
         self.prefill_policy = prefill_policy
         self.decode_policy = decode_policy
@@ -156,14 +166,16 @@ class Router:
         lookup = await self.lookup(tokens.tokens, tokens.missing, namespace)
         return RouteRequest(tokens.tokens, tokens.text, lookup, now=self._clock(), session=session)
 
-    def _candidates(
+    def candidates(
         self,
         role: Role,
         avoid: Collection[str],
         kind: Kind | None,
         model: str | None,
-        adapters: Collection[str],
+        adapters: Collection[str] = (),
     ) -> list[Candidate]:
+        """Eligible workers of `role`, of `kind`, serving `model` when given and every one
+        of `adapters`, without those to `avoid` unless no other remains."""
         every = self.pool.candidates(role, self.loads, kind=kind, model=model, adapters=adapters)
         if not avoid:
             return every
@@ -180,7 +192,7 @@ class Router:
         adapters: Collection[str] = (),
     ) -> RoutePlan:
         """Choose a pair for one attempt; raises `NoCandidates` naming the empty role."""
-        prefills = self._candidates("prefill", avoid, kind, model, adapters)
+        prefills = self.candidates("prefill", avoid, kind, model, adapters)
         if not prefills:
             which = "" if kind is None else f", {kind}"
             serving = f", serving {', '.join(sorted(adapters))}" if adapters else ""
@@ -194,7 +206,7 @@ class Router:
         prefill = self.pool.get(choice.worker)
         if prefill is None:
             raise NoCandidates("a chosen worker left the pool")
-        decodes = self._candidates("decode", avoid, prefill.kind, model, adapters)
+        decodes = self.candidates("decode", avoid, prefill.kind, model, adapters)
         if not decodes:
             serving = f", serving {', '.join(sorted(adapters))}" if adapters else ""
             raise NoCandidates(
@@ -209,12 +221,14 @@ class Router:
         dp_size = directory.dp_size
         follows = directory.follow_bootstrap_room and dp_size > 1
         wanted = choice.dp_rank
-        dp_rank = wanted if follows and wanted is not None and wanted < dp_size else None
+        known = wanted is not None and wanted < dp_size
+        dp_rank = wanted if follows and known else None
+        pinned = wanted if self._dp_aware and not follows and dp_size > 1 and known else None
         count = 1 if batch is None else batch
         rooms = [draw_room(self._rooms, dp_size, dp_rank) for _ in range(count)]
         keys = request.lookup.keys if request.lookup is not None else ()
-        computing = rooms[0] % dp_size if follows else 0 if dp_size <= 1 else None
-        return RoutePlan(prefill, decode, choice, rooms, keys, computing)
+        computing = rooms[0] % dp_size if follows else 0 if dp_size <= 1 else pinned
+        return RoutePlan(prefill, decode, choice, rooms, keys, computing, pinned_dp_rank=pinned)
 
     def _record(self, choice: Choice, request: RouteRequest) -> None:
         self._decode_decision.inc()

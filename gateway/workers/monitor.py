@@ -6,10 +6,16 @@ One loop per gateway. For each worker, when due:
 - the worker's kind, once it answers, when it was given without one (`gateway.workers.kinds`);
 - the LoRA adapters it serves, from its `/v1/models`, with each health check it passes
   (adapters load and unload while an engine runs);
-- prefill discovery, once it answers: `GET <url>/server_info`, read for its KV-event
-  endpoints, DP size, bootstrap port, served model and KV capacity (`gateway.workers.server_info`);
-  a vLLM prefill's capacity from its `/metrics`;
-- registration of the prefill as a pod with the index once its KV-event endpoint is known;
+- discovery, once it answers: `GET <url>/server_info`, read for its KV-event endpoints,
+  served model and KV capacity, and a prefill's DP size and bootstrap port
+  (`gateway.workers.server_info`); a vLLM worker's capacity from its `/metrics`;
+- registration of the worker as a pod with the index, with its role, once its KV-event
+  endpoint is known: a decode that publishes KV events (a vLLM decode keeps what it pulled
+  and computed) is indexed like a prefill, so a lookup says what each decode holds
+  (`gateway.routing.decider`); and registration again whenever the index's pod list (read
+  every `registration_check_secs`) no longer holds it: an indexer keeping its pods in
+  memory forgets them when it restarts, and nothing else would tell the gateway, whose
+  prefix routing would stay off in silence;
 - the bootstrap directory's readiness and topology (dp_size, follow_bootstrap_room) via the
   `bootstrap/` control-plane reader, every `directory_refresh_secs`.
 `run_once(force=True)` does every check now; tests and start-up await it. A round that
@@ -29,6 +35,7 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 
 from gateway.config import HealthConfig, KvEventsSpec
+from gateway.http.connections import LocalResourceError
 from gateway.workers.health import Health
 from gateway.workers.kinds import detect_kind, read_adapters
 from gateway.workers.pool import DirectoryStatus, Worker, WorkerPool
@@ -66,7 +73,7 @@ class DirectoryProbe(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class PodRegistration:
-    """A prefill pod as the index's registry stores it."""
+    """A prefill or decode pod as the index's registry stores it."""
 
     id: str
     model: str | None
@@ -90,6 +97,10 @@ class PodRegistrar(Protocol):
 
     async def unregister(self, pod_id: str) -> None:
         """Raises `RegistrationFailed`."""
+        ...
+
+    async def listed(self) -> set[str]:
+        """The ids of the pods the index knows now; raises `RegistrationFailed`."""
         ...
 
 
@@ -118,6 +129,7 @@ class Monitor:
         self._sleep = sleep
         self._next_health: dict[str, float] = {}
         self._next_directory: dict[str, float] = {}
+        self._next_listing = 0.0
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -164,6 +176,7 @@ class Monitor:
         for table in (self._next_health, self._next_directory):
             for stale in set(table) - live:
                 del table[stale]
+        await self._check_registrations(force)
         await asyncio.gather(*(self._check(w, force) for w in workers))
 
     async def _check(self, worker: Worker, force: bool) -> None:
@@ -180,12 +193,12 @@ class Monitor:
                 await self._read_adapters(worker)
         if worker.spec.kind == "auto" and worker.detected_kind is None and worker.health.healthy:
             await self._detect(worker)
-        if worker.role != "prefill":
-            return
         if not worker.discovered and worker.health.healthy:
             await self._discover(worker)
         if worker.discovered:
             await self._register(worker)
+        if worker.role != "prefill":
+            return
         if worker.directory.port is not None and (
             force or now >= self._next_directory.get(worker.id, 0.0)
         ):
@@ -201,11 +214,25 @@ class Monitor:
                 worker.url + self._config.endpoint, timeout=self._config.timeout_secs
             )
             ok, error = response.status_code == 200, f"HTTP {response.status_code}"
+        except LocalResourceError as exc:  # the gateway's own shortage says nothing of it
+            log.error("health check of %s %s not made: %s", worker.role, worker.id, exc)
+            return
         except httpx.HTTPError as exc:
             ok, error = False, f"{type(exc).__name__}: {exc}"
         after = worker.health.record(ok, None if ok else error)
         if after is not before:
-            log.info("worker %s (%s) is now %s (%s)", worker.id, worker.role, after.value, error)
+            circuit = worker.breaker.retry_in()
+            held = "" if circuit is None else f"; its circuit is open for {circuit:.0f} s more"
+            level = logging.WARNING if after is Health.UNHEALTHY else logging.INFO
+            log.log(
+                level,
+                "worker %s (%s) is now %s (%s)%s",
+                worker.id,
+                worker.role,
+                after.value,
+                error,
+                held,
+            )
 
     async def _read_adapters(self, worker: Worker) -> None:
         """Kept as they were when the worker does not answer: a missed read must not make
@@ -242,7 +269,7 @@ class Monitor:
                 self._discovery_failed(worker, f"{error}; asked again next round")
                 return
             worker.note_error(error, self._clock(), "discovery")
-            log.warning("prefill %s: %s; nothing discovered", worker.id, error)
+            log.warning("%s %s: %s; nothing discovered", worker.role, worker.id, error)
             info = {}
         else:
             worker.step_succeeded("discovery")
@@ -256,6 +283,8 @@ class Monitor:
         if capacity is None and worker.kind == "vllm":
             capacity = await self._vllm_capacity(worker)
         worker.kv_capacity_tokens = capacity
+        if worker.role != "prefill":
+            return
         if found.dp_size:
             worker.directory.dp_size = found.dp_size
         if worker.directory.port is None:
@@ -275,17 +304,17 @@ class Monitor:
                 worker.url + "/metrics", timeout=self._config.timeout_secs
             )
         except httpx.HTTPError as exc:
-            log.info("prefill %s: no KV capacity read from /metrics: %r", worker.id, exc)
+            log.info("%s %s: no KV capacity read from /metrics: %r", worker.role, worker.id, exc)
             return None
         capacity = parse_vllm_capacity(response.text) if response.status_code == 200 else None
         if capacity is None:
-            log.info("prefill %s: /metrics tells no KV capacity", worker.id)
+            log.info("%s %s: /metrics tells no KV capacity", worker.role, worker.id)
         return capacity
 
     def _discovery_failed(self, worker: Worker, error: str) -> None:
         """Noted each time, logged when it is news (discovery is retried every round)."""
         if worker.last_error != error:
-            log.warning("prefill %s: %s", worker.id, error)
+            log.warning("%s %s: %s", worker.role, worker.id, error)
         worker.note_error(error, self._clock(), "discovery")
 
     async def _register(self, worker: Worker) -> None:
@@ -300,7 +329,7 @@ class Monitor:
             id=worker.pod,
             model=self.served_model(worker.served_model),
             block_size=worker.engine_block_size or self._block_size,
-            role="prefill",
+            role=worker.role,
             url=worker.url,
             bootstrap_host=worker.host,
             bootstrap_port=worker.directory.port,
@@ -311,11 +340,38 @@ class Monitor:
             await self._registrar.register(pod)
         except RegistrationFailed as exc:  # retried next round, and shown
             worker.note_error(f"pod registration: {exc!r}", self._clock(), "registration")
-            log.warning("prefill %s: registering pod %s failed: %r", worker.id, pod.id, exc)
+            log.warning("%s %s: registering pod %s failed: %r", worker.role, worker.id, pod.id, exc)
             return
         worker.step_succeeded("registration")
         worker.registered_pod = pod.id
-        log.info("prefill %s registered with the index as pod %s", worker.id, pod.id)
+        log.info("%s %s registered with the index as pod %s", worker.role, worker.id, pod.id)
+
+    async def _check_registrations(self, force: bool) -> None:
+        """Forget the registration of each pod the index no longer lists, so that this
+        round registers it again. An index that cannot be read changes nothing: its
+        pods are checked again once it answers."""
+        if self._registrar is None:
+            return
+        registered = [w for w in self.pool if w.registered_pod is not None]
+        now = self._clock()
+        if not registered or (not force and now < self._next_listing):
+            return
+        self._next_listing = now + self._config.registration_check_secs
+        try:
+            listed = await self._registrar.listed()
+        except RegistrationFailed as exc:
+            log.debug("the index's pods could not be listed: %s", exc)
+            return
+        for worker in registered:
+            if worker.registered_pod not in listed:
+                log.warning(
+                    "%s %s: the index no longer lists its pod %s (an indexer restarted "
+                    "without its pods?); registering it again",
+                    worker.role,
+                    worker.id,
+                    worker.registered_pod,
+                )
+                worker.registered_pod = None
 
     async def unregister(self, worker: Worker) -> None:
         if self._registrar is not None and worker.registered_pod is not None:

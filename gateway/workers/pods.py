@@ -1,7 +1,8 @@
-"""Registering prefill workers as pods with the index: indexer API or shared registry.
+"""Registering workers as pods with the index: indexer API or shared registry.
 
 The indexer subscribes to a pod's KV events once it knows the pod; the gateway is where
-operators add prefill workers, so it tells the indexer — through `POST /v1/pods` with
+operators add workers (prefills, and decodes that publish KV events), so it tells the
+indexer — through `POST /v1/pods` with
 `--indexer-url`, or by writing the registry stored with the index with `--redis-url`.
 Both paths send the same `globalkv.registry.PodInfo`.
 """
@@ -30,7 +31,7 @@ def pod_info(pod: PodRegistration) -> PodInfo:
             id=pod.id,
             model=pod.model or "",
             block_size=pod.block_size,
-            role="prefill",
+            role=pod.role,
             url=pod.url,
             bootstrap_host=pod.bootstrap_host,
             bootstrap_port=pod.bootstrap_port,
@@ -83,6 +84,21 @@ class HttpPodRegistrar:
         if response.status_code >= 300 and response.status_code != 404:
             raise _refused(response)
 
+    async def listed(self) -> set[str]:
+        try:
+            response = await self._client.get(
+                self._base, headers=self._headers, timeout=self._timeout
+            )
+        except httpx.HTTPError as exc:
+            raise RegistrationFailed(f"indexer unreachable: {exc!r}") from exc
+        if response.status_code != 200:
+            raise _refused(response)
+        try:
+            pods = response.json()["pods"]
+            return {str(pod["id"]) for pod in pods}
+        except (ValueError, KeyError, TypeError) as exc:
+            raise RegistrationFailed(f"indexer's pod list unreadable: {exc!r}") from exc
+
 
 def _refused(response: httpx.Response) -> RegistrationFailed:
     """The indexer's answer in words; a 401 or 403 also says what this side must set (the
@@ -112,5 +128,11 @@ class RegistryPodRegistrar:
     async def unregister(self, pod_id: str) -> None:
         try:
             await self._registry.remove(pod_id)
+        except IndexUnavailable as exc:
+            raise RegistrationFailed(str(exc)) from exc
+
+    async def listed(self) -> set[str]:
+        try:
+            return {pod.id for pod in await self._registry.list()}
         except IndexUnavailable as exc:
             raise RegistrationFailed(str(exc)) from exc

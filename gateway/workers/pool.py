@@ -21,12 +21,16 @@ one kind and, when workers advertise their models, within the model it names.
 Eligibility (`Worker.eligible`): healthy, circuit not open and, for a prefill, directory
 `ready` or `unknown`; a ready directory turns `unreachable` only after the health checks'
 failure threshold of unanswered reads in a row. Computed on the request path from state
-the monitor keeps fresh.
+the monitor keeps fresh. `/workers` leads each worker with its `status`, "serving" or
+why it gets no traffic: a worker answering its health checks while its circuit is open
+is healthy and yet out of traffic, and read as "healthy" alone it looked fine. Each change
+of a circuit's state is logged with why.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,10 +40,12 @@ from gateway.config import BreakerConfig, HealthConfig, Kind, KvEventsSpec, Role
 from gateway.policies.base import Candidate
 from gateway.policies.loads import LoadTracker
 from gateway.requests import ServedAdapter
-from gateway.workers.breaker import CircuitBreaker
+from gateway.workers.breaker import BreakerState, CircuitBreaker
 from gateway.workers.health import HealthTracker
 from kvplumbing.clock import Clock
 from kvplumbing.topics import parse_topic
+
+log = logging.getLogger(__name__)
 
 
 def worker_id(url: str) -> str:
@@ -153,6 +159,22 @@ class Worker:
     def eligible(self) -> bool:
         return self.health.healthy and self.breaker.allows() and self.directory.status in _ROUTABLE
 
+    def status(self) -> str:
+        """ "serving", or "no traffic: " and why, as an operator reads it."""
+        reasons = []
+        if not self.health.healthy:
+            reasons.append(f"health {self.health.state.value}")
+        retry = self.breaker.retry_in() if not self.breaker.allows() else None
+        if retry is not None:
+            reasons.append(f"circuit open for {retry:.0f} s more")
+        if self.directory.status not in _ROUTABLE:
+            reasons.append(f"directory {self.directory.status.value}")
+        if reasons:
+            return "no traffic: " + ", ".join(reasons)
+        if self.breaker.state is BreakerState.HALF_OPEN:
+            return "serving: circuit half-open, on trial"
+        return "serving"
+
     def note_error(self, error: str, now: float, step: str = "call") -> None:
         self.last_error, self.last_error_at = error[:_ERROR_CHARS], now
         self.last_error_step = step
@@ -177,10 +199,12 @@ class Worker:
             "kind_detected": self.spec.kind == "auto" and self.detected_kind is not None,
             "served_model": self.served_model,
             "adapters": sorted(self.adapters),
+            "status": self.status(),
             "eligible": self.eligible,
             "health": self.health.state.value,
-            "health_error": self.health.last_error,
             "circuit": stats.state.value,
+            "circuit_retry_in_secs": _rounded(self.breaker.retry_in()),
+            "health_error": self.health.last_error,
             "consecutive_failures": stats.consecutive_failures,
             "in_flight": load.in_flight,
             "queued_prefill_tokens": load.queued_prefill_tokens,
@@ -205,6 +229,10 @@ class Worker:
         return out
 
 
+def _rounded(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 1)
+
+
 class DuplicateWorker(ValueError):
     pass
 
@@ -223,9 +251,14 @@ class WorkerPool:
         """`adapters()` and what it was built from: each worker's kind and adapters dict."""
 
     def add(self, spec: WorkerSpec) -> Worker:
-        worker = Worker(
-            spec, CircuitBreaker(self._breaker, self._clock), HealthTracker(self._health)
-        )
+        name = f"{spec.role} {worker_id(spec.url)}"
+
+        def changed(before: BreakerState, after: BreakerState, why: str) -> None:
+            level = logging.WARNING if after is BreakerState.OPEN else logging.INFO
+            log.log(level, "%s: circuit %s → %s (%s)", name, before.value, after.value, why)
+
+        breaker = CircuitBreaker(self._breaker, self._clock, changed)
+        worker = Worker(spec, breaker, HealthTracker(self._health))
         if worker.id in self._workers:
             raise DuplicateWorker(f"a worker at {worker.id} is already in the pool")
         self._workers[worker.id] = worker

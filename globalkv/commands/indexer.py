@@ -3,8 +3,10 @@
     globalkv indexer --host 0.0.0.0 --port 8100 [--redis-url redis://…] [--block-size 16]
         [--bind tcp://*:5557]... [--pod '{"id": "p0", "kv_events": {…}}']...
         [--pods-file pods.json] [--admin-token T | --insecure] [--tokenizer PATH|byte]
-        [--allow-endpoint-scheme ipc|inproc]...
-        [--max-tokens N] [--max-body-bytes N] [--queue-size N] [--reconcile-interval S]
+        [--allow-endpoint-scheme ipc|inproc]... [--allow-publisher CIDR]...
+        [--discovered-idle-secs S]
+        [--max-tokens N] [--max-body-bytes N] [--queue-size N] [--replay-max-bytes N]
+        [--reconcile-interval S]
         [--replicas [--lease-ttl S] [--indexer-id NAME]]
 
 Every flag also reads `GLOBALKV_INDEXER_<FLAG>`. A repeatable flag's environment value is
@@ -22,6 +24,7 @@ from typing import Any, get_args
 from globalkv.api import OPEN_LOOKUPS_FLAG, ApiConfig
 from globalkv.indexer import IndexerConfig, run_indexer
 from globalkv.ingest.config import ALLOW_SCHEME_FLAG, EndpointScheme, IngestConfig
+from globalkv.ingest.publishers import ALLOW_PUBLISHER_FLAG
 from kvplumbing.validation import validation_as_value_error
 
 
@@ -75,11 +78,35 @@ def register(subparsers: Any) -> None:
         help="follow pods whose KV-event endpoints have this scheme too (repeatable); "
         "only tcp:// otherwise",
     )
+    add(
+        ALLOW_PUBLISHER_FLAG,
+        dest="allow_publishers",
+        action="append",
+        default=[],
+        metavar="CIDR",
+        help="let engines in this network publish to the bound SUB (repeatable); only "
+        "loopback otherwise",
+    )
+    add(
+        "--discovered-idle-secs",
+        type=float,
+        default=IngestConfig().discovered_idle_secs,
+        metavar="SECONDS",
+        help="forget a pod discovered on the bound SUB after this long without a message",
+    )
     add("--tokenizer", metavar="PATH", help="tokenizer.json, its directory, or 'byte'")
     api = ApiConfig()
     add("--max-tokens", type=int, default=api.max_tokens, help="tokens per lookup")
     add("--max-body-bytes", type=int, default=api.max_body_bytes, help="largest request body")
-    add("--queue-size", type=int, default=IngestConfig().queue_size, help="batches per source")
+    ingest = IngestConfig()
+    add("--queue-size", type=int, default=ingest.queue_size, help="batches per source")
+    add(
+        "--replay-max-bytes",
+        type=int,
+        default=ingest.replay_max_bytes,
+        metavar="BYTES",
+        help="payload bytes one replay may hold; past it the replay stops and the source is reset",
+    )
     add(
         "--reconcile-interval",
         type=float,
@@ -151,6 +178,9 @@ def config_from_args(args: argparse.Namespace) -> IndexerConfig:
                 "ingest": {
                     "bind": args.bind,
                     "queue_size": args.queue_size,
+                    "replay_max_bytes": args.replay_max_bytes,
+                    "allow_publishers": args.allow_publishers,
+                    "discovered_idle_secs": args.discovered_idle_secs,
                     "allow_endpoint_schemes": args.allow_endpoint_schemes,
                 },
             }

@@ -23,6 +23,7 @@ counted as orphans, since their parent is then unknown.
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import chain
@@ -42,6 +43,8 @@ from globalkv.keys import BlockKey, KeyChain
 _GPU_ONLY = int(Tier.GPU)
 _SMALL_INTS = 257
 """CPython keeps one object per int below this."""
+APPLY_SLICE = 1024
+"""Events applied between two turns of the event loop: about 15 ms."""
 _SHARED_SETS = 65_536
 """Distinct slot sets `MemoryIndex._shared` keeps before it starts over."""
 
@@ -104,15 +107,23 @@ class MemoryIndex:
     # ------------------------------------------------------------------- writes
 
     async def apply(self, batch: SourceBatch) -> ApplyResult:
+        """`APPLY_SLICE` events at a time, the event loop running in between: a batch of
+        65,536 events is about a second of work. A lookup meanwhile sees the source as it
+        was part way through the batch, a state the engine itself passed through."""
         state = self._state(batch.source)
         result = ApplyResult()
-        held = len(state.masks)
-        max_keys = None if self.max_entries is None else self.max_entries - self._entries + held
-        changes = state.apply(batch.events, self.block_size, result, max_keys)
-        self._index(self._slot_of[batch.source], state, changes)
-        self._entries += len(state.masks) - held
-        if changes.cleared:
-            state.epoch += 1
+        events = batch.events
+        for start in range(0, max(len(events), 1), APPLY_SLICE):
+            if start:
+                await asyncio.sleep(0)
+            held = len(state.masks)
+            room = None if self.max_entries is None else self.max_entries - self._entries + held
+            part = events[start : start + APPLY_SLICE]
+            changes = state.apply(part, self.block_size, result, room)
+            self._index(self._slot_of[batch.source], state, changes)
+            self._entries += len(state.masks) - held
+            if changes.cleared:
+                state.epoch += 1
         state.last_seq = batch.seq
         state.last_ts = batch.ts
         return result

@@ -28,6 +28,15 @@ UNAVAILABLE_REPLIES = (
     "TRYAGAIN",
     NON_LOCAL,
 )
+UNAVAILABLE_ERRORS: tuple[type[redis_errors.ResponseError], ...] = (
+    redis_errors.OutOfMemoryError,
+    redis_errors.ReadOnlyError,
+    redis_errors.TryAgainError,
+)
+"""The same replies as redis-py raises them: it strips the code (`OOM`, `READONLY`,
+`TRYAGAIN`) from the message of the classes it maps them to, so the message alone cannot
+tell them. A full Redis (`maxmemory` with `noeviction`) refuses every script that may
+write: held and retried like an outage, never dropped as a bug."""
 _TRANSPORT_FILES = (
     "redis/asyncio/connection.py",
     "asyncio/streams.py",
@@ -49,7 +58,7 @@ def reachable(what: str) -> Iterator[None]:
     except (redis_errors.ClusterError, redis_errors.SlotNotCoveredError) as exc:
         raise IndexUnavailable(f"redis cluster cannot serve {what}: {exc!r}") from exc
     except redis_errors.ResponseError as exc:
-        if str(exc).startswith(UNAVAILABLE_REPLIES):
+        if isinstance(exc, UNAVAILABLE_ERRORS) or str(exc).startswith(UNAVAILABLE_REPLIES):
             raise IndexUnavailable(f"redis cannot serve {what}: {exc}") from exc
         raise
     except (AttributeError, TypeError) as exc:

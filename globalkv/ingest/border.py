@@ -6,15 +6,21 @@ place whichever socket it came by, and what the engine said is interpreted only 
 `translate`. A payload that does not decode still takes its seq (`Received.batch` is
 the `WireError`): the source's writer counts the drop and moves on, where a missing seq
 would be a gap to replay.
+
+A batch may hold 65,536 events, a second or two of decoding and translating: both run
+in slices with the event loop's turn between them (`decode`, `received`), so one large
+batch never stalls the API and the other sources for more than a slice.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from globalkv.metrics import IngestMetrics
 from globalkv.translate import Translated, translate
-from globalkv.wire import EventBatch, WireError, decode_batch
+from globalkv.wire import EventBatch, WireError
+from globalkv.wire.decode import SLICE_EVENTS, decode_steps
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,20 +34,41 @@ class Received:
     """Its index events, or why its payload was not a batch."""
 
 
-def receive(seq: int, payload: bytes, model: str, at: float, metrics: IngestMetrics) -> Received:
+async def receive(
+    seq: int, payload: bytes, model: str, at: float, metrics: IngestMetrics
+) -> Received:
     """The batch `payload` of a source serving `model`, decoded and translated."""
     try:
-        batch = decode_batch(payload)
+        batch = await decode(payload)
     except WireError as exc:
         return Received(seq, at, exc)
-    return received(seq, batch, model, at, metrics)
+    return await received(seq, batch, model, at, metrics)
 
 
-def received(
+async def decode(payload: bytes) -> EventBatch:
+    """`wire.decode_batch`, the loop running between slices; raises `WireError`."""
+    for batch in decode_steps(payload):
+        if batch is not None:
+            return batch
+        await asyncio.sleep(0)
+    raise AssertionError("decode_steps ends with the batch")
+
+
+async def received(
     seq: int, batch: EventBatch, model: str, at: float, metrics: IngestMetrics
 ) -> Received:
-    """A batch decoded already (the bound socket reads its DP rank first), translated."""
-    translated = translate(batch, model)
+    """A batch decoded already (the bound socket reads its DP rank first), translated a
+    slice of events at a time."""
+    events = batch.events
+    translated = translate(EventBatch(batch.ts, events[:SLICE_EVENTS], batch.dp_rank), model)
+    translated.skipped["not_for_index"] += batch.skipped
+    for start in range(SLICE_EVENTS, len(events), SLICE_EVENTS):
+        await asyncio.sleep(0)
+        part = EventBatch(batch.ts, events[start : start + SLICE_EVENTS], batch.dp_rank)
+        more = translate(part, model)
+        translated.events.extend(more.events)
+        translated.skipped.update(more.skipped)
     for reason, count in translated.skipped.items():
-        metrics.skipped.labels(reason).inc(count)
+        if count:
+            metrics.skipped.labels(reason).inc(count)
     return Received(seq, at, translated)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ipaddress import IPv4Network, IPv6Network
 from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator
@@ -22,6 +23,13 @@ class IngestConfig(BaseModel):
     bind: list[str] = Field(
         default_factory=list,
         description="Endpoints to bind one SUB on, for engines that connect to the indexer.",
+    )
+    allow_publishers: list[IPv4Network | IPv6Network] = Field(
+        default_factory=list,
+        description="Networks besides loopback whose engines may publish to the bound SUB. "
+        "Anyone who reaches it could otherwise speak for any pod (wipe its blocks, claim "
+        "prefixes it never computed); engines publish without credentials, so the rule is "
+        "the peer's address, checked by ZMQ's ZAP handler as each connection opens.",
     )
     queue_size: int = Field(
         1024,
@@ -53,6 +61,26 @@ class IngestConfig(BaseModel):
         description="Most pods followed at once because they appeared on the bound socket "
         "(each costs a worker and a registry entry, and anyone who reaches the socket can "
         "name one); a new topic past it is dropped as `pod_limit`. 0: discover none.",
+    )
+    max_discovered_sources: int = Field(
+        4096,
+        ge=0,
+        description="Most DP ranks (sources, a worker each) of discovered pods followed at "
+        "once; a new rank past it is dropped as `source_limit`. With the pod limit, the "
+        "bound on what strangers' names can cost.",
+    )
+    discovered_idle_secs: float = Field(
+        600.0,
+        gt=0,
+        description="A discovered pod with no message for this long is forgotten: no longer "
+        "followed, removed from the registry, its blocks cleared. An engine that publishes "
+        "again is discovered again (its first batch joins, with replay).",
+    )
+    replay_max_bytes: int = Field(
+        256 << 20,
+        ge=1024,
+        description="Payload bytes one replay may hold until it is applied; past it the "
+        "replay stops and the source is reset, as for a replay that cannot fill its range.",
     )
     replay_reply_timeout: float = Field(1.0, gt=0, description="Wait for each replay reply.")
     replay_total_timeout: float = Field(30.0, gt=0, description="Bound on one whole replay.")

@@ -12,7 +12,10 @@ its messages count as `not_owner` rather than `unknown_topic`.
 Anyone who reaches the bound socket can name pods, so a pod is discovered only from a
 batch that decoded (the caller's part), and at most `max_discovered` discovered pods are
 followed at once: past that, a new topic's messages are dropped as `pod_limit` (logged
-once each time the limit is reached) until one of them is removed.
+once each time the limit is reached) until one of them is removed. Their DP ranks are
+bounded together too (`max_sources`, each a worker: `source_limit`), and a discovered pod
+silent for `idle_secs` is forgotten (`idle`, which `bound` removes), so names that come
+and go cost nothing once gone.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ class Discovery:
         may_follow: Callable[[str], bool],
         background: Background,
         max_discovered: int,
+        max_sources: int,
+        idle_secs: float,
     ) -> None:
         self._pods = pods
         self._registry = registry
@@ -60,6 +65,28 @@ class Discovery:
         self._discovered: set[str] = set()
         """Pods followed because they appeared here, until removed (`forget`)."""
         self._limit_logged = False
+        self.max_sources = max_sources
+        self.idle_secs = idle_secs
+
+    def may_add_source(self, pod: FollowedPod) -> bool:
+        """Whether a new DP rank of `pod` may get a worker: a registered pod's always, a
+        discovered pod's while all discovered pods have fewer than `max_sources`."""
+        if pod.info.id not in self._discovered:
+            return True
+        held = 0
+        for pod_id in self._discovered:
+            found = self._pods.get(pod_id)
+            held += 0 if found is None else len(found.workers)
+        return held < self.max_sources
+
+    def idle(self, now: float) -> list[str]:
+        """Discovered pods with no message for `idle_secs` at `now` (time.monotonic())."""
+        stale = []
+        for pod_id in sorted(self._discovered):
+            pod = self._pods.get(pod_id)
+            if pod is not None and now - pod.last_message >= self.idle_secs:
+                stale.append(pod_id)
+        return stale
 
     def pod_for(self, topic: str) -> FollowedPod | Refusal:
         """The followed pod `topic` belongs to, added if it names a new pod this indexer
@@ -106,6 +133,11 @@ class Discovery:
         if pod_id in self._discovered:
             self._discovered.discard(pod_id)
             self._limit_logged = False
+
+    async def unregister(self, pod_id: str) -> None:
+        """Take a discovered pod out of the registry (IndexUnavailable when it cannot)."""
+        self._unregistered.discard(pod_id)
+        await self._registry.remove(pod_id)
 
     async def register_discovered(self) -> None:
         """Write the pods found on the bound socket to the registry (IndexUnavailable

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator, Set
 from dataclasses import dataclass, field
 
 from globalkv.index.base import Source
+from globalkv.ingest.publishers import Address
 from globalkv.ingest.worker import SourceWorker
 from globalkv.registry import PodInfo, PodState, SourceProgress
 
@@ -36,6 +37,15 @@ class FollowedPod:
     """By DP rank; in bind mode a rank's worker appears with its first batch."""
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     """Its subscriptions and workers; none ends unless it failed or the pod stops."""
+    home: frozenset[Address] | None = None
+    """Bind mode: the addresses its messages may come from (`publishers`); None until its
+    first accepted message when its registration names no host."""
+    last_message: float = 0.0
+    """time.monotonic() of its last message on the bound socket."""
+
+    def accepts(self, address: Address | None) -> bool:
+        """May a message for this pod come from `address` (None: ipc://, this machine)?"""
+        return address is None or self.home is None or address in self.home
 
     def state(self, *, listening: bool, resyncing: Set[Source], now: float) -> PodState:
         """`listening`: the bound SUB is up, which is all a bind-mode subscription is."""
@@ -88,10 +98,10 @@ class FollowedPods:
                 f"pod {info.id}: topic {info.kv_events.topic!r} already names pod {holder}"
             )
 
-    def add(self, info: PodInfo) -> FollowedPod:
+    def add(self, info: PodInfo, home: frozenset[Address] | None = None) -> FollowedPod:
         """Follow `info` (its id must not be followed yet); raises `TopicTaken`."""
         self.check(info)
-        pod = self._pods[info.id] = FollowedPod(info)
+        pod = self._pods[info.id] = FollowedPod(info, home=home, last_message=time.monotonic())
         if info.kv_events.mode == "bind":
             self._by_topic[info.kv_events.topic] = info.id
         return pod

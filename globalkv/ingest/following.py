@@ -26,6 +26,7 @@ from globalkv.index.base import Index, IndexUnavailable, Source
 from globalkv.ingest.config import IngestConfig
 from globalkv.ingest.discovery import Discovery
 from globalkv.ingest.followed import FollowedPod, FollowedPods
+from globalkv.ingest.publishers import pod_hosts, resolve
 from globalkv.ingest.recovery import Recovery
 from globalkv.ingest.replay import ReplayClient
 from globalkv.ingest.subscribers import EngineSubscription, SubLimits, replay_endpoint
@@ -115,10 +116,12 @@ class Following:
             if current is not None and current.info == info:
                 return
             self.check(info)
+            hosts = pod_hosts(info) if info.kv_events.mode == "bind" else []
+            home = await resolve(hosts) if hosts else None
             if current is not None:
                 await self._stop(info.id)
             self._uncleared.discard(info.id)
-            pod = self._pods.add(info)
+            pod = self._pods.add(info, home)
             if info.kv_events.mode == "connect":
                 for rank in range(info.dp_size):
                     await self._subscribe(pod, rank)

@@ -1,10 +1,15 @@
-"""Rebuilding what the index's store lost: the sources named, and the registry with them.
+"""Rebuilding what the index's store lost: the sources named, and the registry with them;
+and the sources whose writes the index refuses for now.
 
 When the index reports lost data (`IndexDataLost` from a worker's write), the worker of
 every source lost (all, when the index cannot name them) rebuilds it, and `ready` stays
 False until all are done, so the API answers 503 instead of a lookup against a
 half-empty index. When the whole store went, the pod registry kept beside the index went
 with it: the pods this indexer follows are written back.
+
+A source whose batch the index refuses for now (Redis unreachable, or full under
+`noeviction`) holds it and retries; `held` names those sources and the last refusal, so
+`/health` says the index is behind (degraded) and why, rather than ok.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ class Recovery:
         self._metrics = metrics
         self._background = background
         self._resyncing: set[Source] = set()
+        self.held: dict[Source, str] = {}
+        """Sources whose next batch the index refused, with the refusal, until it takes one."""
 
     @property
     def ready(self) -> bool:
@@ -65,10 +72,23 @@ class Recovery:
         if not self._resyncing:
             log.info("resync complete")
 
+    def holding(self, source: Source, reason: str) -> None:
+        """The index refused `source`'s write for now (`reason`): it is held and retried."""
+        self.held[source] = reason
+        self._metrics.held.set(len(self.held))
+
+    def released(self, source: Source) -> None:
+        """The index took `source`'s write again."""
+        if self.held.pop(source, None) is not None:
+            self._metrics.held.set(len(self.held))
+
     def forget(self, sources: Set[Source]) -> None:
-        """These sources are no longer followed: nothing of theirs is being rebuilt."""
+        """These sources are no longer followed: nothing of theirs is being rebuilt or held."""
         self._resyncing -= sources
+        for source in sources:
+            self.held.pop(source, None)
         self._metrics.resyncing.set(len(self._resyncing))
+        self._metrics.held.set(len(self.held))
 
     async def restore_registry(self) -> None:
         """Write back every pod we follow after the registry's store lost them."""

@@ -9,6 +9,12 @@ ZMQ cannot tell "nobody listens there" from "slow", so an unreachable endpoint s
 as a timeout: the wait for each reply is bounded, and so is the whole replay. An endpoint
 ZMQ refuses outright (a malformed address, an ipc path too long) is no replay endpoint at
 all: the outcome is `no_endpoint`, as if none were configured, and the source goes on.
+
+The batches of one replay are held until the worker applies them, so what one replay
+holds is bounded in payload bytes too (`max_bytes`), not only in batches: a publisher
+answering with large batches would otherwise fill memory (400 of 1 MiB took an indexer
+from 79 to 546 MiB). Past it the replay stops (`limit`) and the source is reset as for any
+replay that could not fill its range.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ class ReplayClient:
         total_timeout: float = 30.0,
         max_batches: int = 100_000,
         max_message_bytes: int = 64 << 20,
+        max_bytes: int = 256 << 20,
     ) -> None:
         self.context = context
         self.metrics = metrics
@@ -54,6 +61,7 @@ class ReplayClient:
         self.total_timeout = total_timeout
         self.max_batches = max_batches
         self.max_message_bytes = max_message_bytes
+        self.max_bytes = max_bytes
 
     async def fetch(self, endpoint: str, start: int, stop: int, model: str) -> ReplayResult:
         """Buffered batches with `start <= seq < stop` from the replay ROUTER at `endpoint`,
@@ -71,6 +79,7 @@ class ReplayClient:
                 result.outcome = "no_endpoint"
                 return result
             deadline = time.monotonic() + self.total_timeout
+            held = 0
             while True:
                 wait = min(self.reply_timeout, deadline - time.monotonic())
                 if wait <= 0 or not await sock.poll(int(wait * 1000)):
@@ -82,8 +91,12 @@ class ReplayClient:
                     result.outcome = "malformed"
                     return result
                 if frame is not None and start <= frame.seq < stop:
+                    held += len(frame.payload)
+                    if held > self.max_bytes:
+                        result.outcome = "limit"
+                        return result
                     at = time.monotonic()
-                    batch = receive(frame.seq, frame.payload, model, at, self.metrics)
+                    batch = await receive(frame.seq, frame.payload, model, at, self.metrics)
                     result.batches.append(batch)
                 if frame is None or frame.seq >= stop - 1:
                     return result

@@ -48,7 +48,13 @@ class IngestService:
         self.followed = FollowedPods()
         self.recovery = Recovery(self.followed, registry, metrics, self.background)
         self.discovery = Discovery(
-            self.followed, registry, gate.holds, self.background, config.max_discovered_pods
+            self.followed,
+            registry,
+            gate.holds,
+            self.background,
+            config.max_discovered_pods,
+            config.max_discovered_sources,
+            config.discovered_idle_secs,
         )
         replayer = ReplayClient(
             self.context,
@@ -56,6 +62,7 @@ class IngestService:
             reply_timeout=config.replay_reply_timeout,
             total_timeout=config.replay_total_timeout,
             max_message_bytes=config.max_message_bytes,
+            max_bytes=config.replay_max_bytes,
         )
         self.following = Following(
             index,
@@ -70,7 +77,6 @@ class IngestService:
             background=self.background,
         )
         self.bound = BoundSocket(
-            self.context,
             config,
             self.followed,
             self.following,

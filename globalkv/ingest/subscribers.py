@@ -18,13 +18,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import zmq
 import zmq.asyncio
 
 from globalkv.ingest.border import receive
+from globalkv.ingest.publishers import ZAP_DOMAIN
 from globalkv.ingest.worker import SourceWorker
 from globalkv.metrics import IngestMetrics
 from globalkv.registry import PodInfo
@@ -33,6 +35,7 @@ from kvplumbing.endpoints import offset_endpoint
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 
 DRAIN_BURST = 256
 """Messages `drain` reads without waiting before it lets the event loop run: a sender
@@ -40,20 +43,45 @@ faster than the reader keeps the queue from ever emptying, and the API, the work
 every other socket would wait for good."""
 
 
-async def drain(sock: zmq.asyncio.Socket) -> AsyncIterator[list[bytes]]:
-    """Every message of `sock`: wait until readable, then read what is queued without
-    waiting, `DRAIN_BURST` at a time. An awaited recv per message costs a future and a
-    poller round; reading a burst through a synchronous shadow of the same socket costs a
-    C call."""
+def _frames(raw: zmq.Socket[bytes]) -> list[bytes]:
+    return raw.recv_multipart(zmq.NOBLOCK)
+
+
+def with_peer(raw: zmq.Socket[bytes]) -> tuple[list[bytes], str]:
+    """A message's frames and its sender's address as ZMQ gives it (`Peer-Address`,
+    empty over ipc://): its first frame is read as a ZMQ message to ask."""
+    first = raw.recv(zmq.NOBLOCK, copy=False)
+    try:
+        peer = first.get("Peer-Address")
+    except zmq.ZMQError:
+        peer = ""
+    frames = [first.bytes]
+    while raw.getsockopt(zmq.RCVMORE):
+        frames.append(raw.recv(zmq.NOBLOCK))
+    return frames, str(peer)
+
+
+def drain(sock: zmq.asyncio.Socket) -> AsyncIterator[list[bytes]]:
+    """Every message of `sock`, its frames (`drain_as`)."""
+    return drain_as(sock, _frames)
+
+
+async def drain_as(
+    sock: zmq.asyncio.Socket, read: Callable[[zmq.Socket[bytes]], T]
+) -> AsyncIterator[T]:
+    """Every message of `sock` as `read` takes it (its frames by default): wait until
+    readable, then read what is queued without waiting, `DRAIN_BURST` at a time. An
+    awaited recv per message costs a future and a poller round; reading a burst through a
+    synchronous shadow of the same socket costs a C call."""
     raw: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
     while True:
         await sock.poll()
         for _ in range(DRAIN_BURST):
             try:
-                frames = raw.recv_multipart(zmq.NOBLOCK)
+                message = read(raw)
             except zmq.Again:
                 break
-            yield frames
+            yield message
         else:
             await asyncio.sleep(0)  # more may be queued: the loop's turn first
 
@@ -125,7 +153,8 @@ class EngineSubscription:
                     continue
                 worker = self.worker
                 at = time.monotonic()
-                await worker.put(receive(frame.seq, frame.payload, worker.model, at, self.metrics))
+                received = await receive(frame.seq, frame.payload, worker.model, at, self.metrics)
+                await worker.put(received)
         finally:
             sock.close(linger=0)
 
@@ -135,15 +164,17 @@ class BoundSubscriber:
         self,
         context: zmq.asyncio.Context,
         endpoints: Sequence[str],
-        route: Callable[[Frame, float], None],
+        route: Callable[[Frame, float, str], Awaitable[None]],
         metrics: IngestMetrics,
         limits: SubLimits,
     ) -> None:
+        """`route` takes each message with its arrival time and its sender's address."""
         self.context = context
         self.endpoints = list(endpoints)
         self.route = route
         self.metrics = metrics
         self.socket = limits.socket(context, b"")
+        self.socket.zap_domain = ZAP_DOMAIN.encode()  # every connection asks `publishers`
         self.bound: list[str] = []
 
     def bind(self) -> list[str]:
@@ -164,12 +195,12 @@ class BoundSubscriber:
 
     async def run(self) -> None:
         try:
-            async for frames in drain(self.socket):
+            async for frames, peer in drain_as(self.socket, with_peer):
                 try:
                     frame = parse_live(frames)
                 except WireError as exc:
                     self.metrics.dropped.labels(exc.reason).inc()
                     continue
-                self.route(frame, time.monotonic())
+                await self.route(frame, time.monotonic(), peer)
         finally:
             self.socket.close(linger=0)

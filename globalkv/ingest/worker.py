@@ -66,6 +66,14 @@ class Resyncs(Protocol):
 
     def resynced(self, source: Source) -> None: ...
 
+    def holding(self, source: Source, reason: str) -> None:
+        """The index refused `source`'s write for now: it is held and retried."""
+        ...
+
+    def released(self, source: Source) -> None:
+        """The index took `source`'s write after refusing it."""
+        ...
+
 
 _WAKE = None
 """Queued to wake an idle worker for a resync."""
@@ -351,17 +359,22 @@ class SourceWorker:
         attempt = 0
         while True:
             try:
-                return await call()
+                done = await call()
             except IndexDataLost:
                 raise
             except IndexUnavailable as exc:
                 delay = self.backoff.delay(attempt)
                 attempt += 1
+                self.resyncs.holding(self.source, str(exc))
+                self._changed()  # waiters may wait for the hold
                 self.metrics.index_unavailable.inc()
                 log.warning(
                     "%s: index unavailable (%s); retrying in %.2fs", self.source, exc, delay
                 )
                 await asyncio.sleep(delay)
+            else:
+                self.resyncs.released(self.source)  # also after a data loss ended a hold
+                return done
 
     def _advance(self, seq: int, ts: float | None, batches: int) -> None:
         self.expected = seq + 1

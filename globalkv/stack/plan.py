@@ -335,6 +335,10 @@ def _engines(
         name, port = f"decode-{i}", next(ports)
         argv = [*common, "engine", "--role", "decode", "--port", str(port), *engine_common]
         argv += ["--pod-id", name]
+        if config.engine == "vllm":  # a vLLM decode keeps a prefix cache: its events too
+            argv += ["--decode-kv-events", "--kv-events-endpoint", events]
+            argv += ["--kv-events-format", "vllm"]
+            argv += ["--kv-events-replay-endpoint", f"tcp://{LOOPBACK}:0"]
         components.append(
             Component(
                 name,

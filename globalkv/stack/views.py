@@ -46,6 +46,14 @@ class WorkersView(_Lenient):
     workers: list[WorkerView] = Field(default_factory=list)
 
 
+class PdDeciderView(_Lenient):
+    """The gateway's `pd_decider` settings: whether each request is disaggregated."""
+
+    mode: str = "always"
+    transfer_tokens_per_s: float | None = None
+    itl_weight: float | None = None
+
+
 class GatewaySettingsView(_Lenient):
     """The gateway's `GET /v1/config`: the settings routing uses."""
 
@@ -58,6 +66,8 @@ class GatewaySettingsView(_Lenient):
     model_in_use: str | None = None
     tokenizer: str | None = None
     tokenizer_loaded: bool = False
+    pd_decider: PdDeciderView | None = None
+    """None: a gateway that always disaggregates and does not say so."""
 
 
 class SourceView(_Lenient):

@@ -82,7 +82,7 @@ def _app(
     """The API over `index`, with a stand-in ingest that only says whether it is ready."""
     resyncing_sources = {Source("p", rank) for rank in range(resyncing)}
     ingest = SimpleNamespace(
-        recovery=SimpleNamespace(ready=ready, resyncing=resyncing_sources),
+        recovery=SimpleNamespace(ready=ready, resyncing=resyncing_sources, held={}),
         following=SimpleNamespace(pods=list),
     )
     return create_app(
@@ -300,6 +300,8 @@ async def test_resyncing_index_is_503_on_lookup_and_health(index: MemoryIndex) -
         "version": VERSION,
         "pods": 0,
         "resyncing_sources": 3,
+        "held_sources": 0,
+        "reason": "sources are rebuilt after the index lost data",
     }
 
 

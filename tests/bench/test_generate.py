@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from bench.replay.generate import LLMD73, WORKLOADS, Workload, main, requests, write
+from bench.replay.generate import (
+    CHAT_SHORT,
+    LLMD73,
+    WORKLOADS,
+    ChatWorkload,
+    Workload,
+    main,
+    requests,
+    write,
+)
 from bench.replay.trace import read_trace, trace_stats
 
 TINY = Workload(
@@ -56,8 +66,21 @@ def test_the_cli_writes_each_named_workload(name: str, tmp_path: Path) -> None:
     main([name, "-o", str(out)])
     trace = read_trace(out)
     workload = WORKLOADS[name]
+    if isinstance(workload, ChatWorkload):
+        assert len(trace.requests) == workload.conversations * workload.turns
+        return
     assert isinstance(workload, Workload)
     assert len(trace.requests) == workload.requests
+
+
+def test_a_chat_turn_extends_its_conversation() -> None:
+    lines = list(requests(replace(CHAT_SHORT, conversations=1)))
+    assert len(lines) == CHAT_SHORT.turns
+    for before, after in itertools.pairwise(lines):
+        full = int(before["input_length"]) // CHAT_SHORT.block_size  # type: ignore[call-overload]
+        shared = before["hash_ids"][:full]  # type: ignore[index]
+        assert after["hash_ids"][:full] == shared  # type: ignore[index]
+        assert int(after["input_length"]) > int(before["input_length"]) + CHAT_SHORT.output_tokens  # type: ignore[call-overload]
 
 
 LLMD73_SHA256 = "022627aca00c9b6cecb25fbfbad1de0653140b15c5d9165240b4b6243d0c006c"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import socket
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from gateway.cli import build_config, check_config, register, run
 from gateway.config import GatewayConfig
 from gateway.flags import FLAGLESS, SETTINGS
 from globalkv.cli import env_argv
+from tests.support.net import free_port
 
 
 def parse_gateway(argv: list[str], env: dict[str, str]) -> argparse.Namespace:
@@ -93,6 +95,22 @@ def test_a_tokenizer_that_cannot_be_loaded_stops_the_start_with_the_reason(
     assert f"no tokenizer.json at {tmp_path}" in caplog.text
 
 
+@pytest.mark.parametrize("taken", ["--port", "--prometheus-port"])
+def test_a_port_taken_is_named_with_its_flag(taken: str, caplog: pytest.LogCaptureFixture) -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        busy, free = holder.getsockname()[1], free_port()
+        ports = {"--port": free, "--prometheus-port": free, taken: busy}
+        argv = ["--decode", "http://127.0.0.1:1", "--host", "127.0.0.1"]
+        argv += ["--prometheus-host", "127.0.0.1"]
+        argv += [item for flag, port in ports.items() for item in (flag, str(port))]
+        with caplog.at_level("ERROR", logger="gateway.cli"):
+            assert run(parse_gateway(argv, {})) == 1
+    assert f"127.0.0.1:{busy} ({taken})" in caplog.text
+    assert f":{free} " not in caplog.text
+
+
 def test_environment_supplies_repeatable_flags() -> None:
     env = {
         "GLOBALKV_GATEWAY_PREFILL": "http://a:1 8998,http://b:1 none",
@@ -167,7 +185,7 @@ def test_every_setting_has_a_flag_with_the_fields_default_or_is_listed_flagless(
         assert set(flags) | flagless == set(model.model_fields), model.__name__
         assert not set(flags) & flagless, model.__name__
         for field in flags:
-            default = model.model_fields[field].get_default()
+            default = model.model_fields[field].get_default(call_default_factory=True)
             assert defaults[f"{model.__name__}.{field}"] == default, field
     kinds = [f.annotation for f in GatewayConfig.model_fields.values()]
     sections = {k for k in kinds if isinstance(k, type) and issubclass(k, BaseModel)}

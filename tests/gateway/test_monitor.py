@@ -51,6 +51,9 @@ class Registrar:
     async def unregister(self, pod_id: str) -> None:
         self.removed.append(pod_id)
 
+    async def listed(self) -> set[str]:
+        return {pod.id for pod in self.pods} - set(self.removed)
+
 
 def test_parse_server_info_from_our_engine_and_from_sglang() -> None:
     ours = parse_server_info(EMULATOR_INFO, "10.0.0.1")

@@ -94,6 +94,9 @@ class _Refusing:
     async def unregister(self, pod_id: str) -> None:
         raise RegistrationFailed("indexer answered 503: busy")
 
+    async def listed(self) -> set[str]:
+        return set()
+
 
 async def test_removing_a_worker_whose_pod_cannot_be_unregistered_still_removes_it() -> None:
     gateway = await make_gateway(Cluster(), config(), registrar=_Refusing())

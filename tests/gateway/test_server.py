@@ -432,3 +432,39 @@ async def test_a_pipelined_request_expecting_100_continue_gets_it_when_it_is_nex
         assert await asyncio.wait_for(continued, 10) == b"HTTP/1.1 100 Continue\r\n\r\n"
         writer.write(body)
         assert (await read_answer(reader))[0] == 200
+
+
+async def test_at_the_connection_cap_the_connection_idle_longest_makes_room() -> None:
+    gateway = await make_gateway(Cluster())
+    async with (
+        serving(gateway, max_connections=2) as server,
+        connected(server) as (first, first_writer),
+        connected(server) as (second, second_writer),
+    ):
+        for reader, writer in ((first, first_writer), (second, second_writer)):
+            writer.write(GET_HEALTH)
+            assert (await read_answer(reader))[0] == 200
+        async with connected(server) as (third, third_writer):
+            third_writer.write(post("/generate", {"input_ids": [1]}))
+            assert (await read_answer(third))[0] == 200
+            assert await asyncio.wait_for(first.read(), 10) == b"", "the idle longest closed"
+            second_writer.write(GET_HEALTH)
+            assert (await read_answer(second))[0] == 200
+    assert (server.reclaimed, server.refused) == (1, 0)
+
+
+async def test_at_the_connection_cap_with_none_idle_a_new_connection_gets_503() -> None:
+    gateway = await make_gateway(Cluster())
+    async with (
+        serving(gateway, max_connections=1) as server,
+        connected(server) as (busy, busy_writer),
+    ):
+        busy_writer.write(b"POST /generate HTTP/1.1\r\nhost: gw\r\n")
+        await until(lambda: any(not c.idle for c in server.connections), "a request arriving")
+        async with connected(server) as (refused, _):
+            status, headers, body = await read_answer(refused)
+        assert (status, headers["connection"]) == (503, "close")
+        assert json.loads(body)["error"]["message"].startswith("too many client connections")
+        busy_writer.write(b"content-length: 2\r\n\r\n{}")
+        assert (await read_answer(busy))[0] == 400, "the connection served was kept"
+    assert (server.reclaimed, server.refused) == (0, 1)

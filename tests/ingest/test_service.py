@@ -17,7 +17,7 @@ from tests.ingest.conftest import PublisherFactory, ServiceFactory
 from tests.ingest.fakes import RecordingIndex
 from tests.ingest.publisher import Publisher
 from tests.support.metrics import sample
-from tests.support.net import free_port
+from tests.support.net import await_for, free_port
 
 P0 = Source("p0", 0)
 
@@ -108,6 +108,26 @@ async def test_gap_past_the_replay_buffer_resets_and_keeps_the_contiguous_tail(
     assert index.applied[P0] == [0, -1, 4, 5, 6]
     assert sample(prom, "globalkv_ingest_resets_total", pod="p0", reason="gap") == 1
     assert sample(prom, "globalkv_ingest_replays_total", pod="p0", outcome="short") == 1
+
+
+async def test_a_replay_past_its_byte_budget_stops_and_resets(
+    make_service: ServiceFactory,
+    make_publisher: PublisherFactory,
+    index: RecordingIndex,
+    prom: CollectorRegistry,
+) -> None:
+    """Each buffered batch is ~40 KiB; the replay may hold 64 KiB: it stops at the second."""
+    service, pub = make_service(replay_max_bytes=64 << 10), await make_publisher()
+    await follow(service, pub, pod_for(pub))
+    await pub.send([store(0)])
+    for n in range(1, 6):
+        await pub.send([store(k) for k in range(n, n + 1000)], live=False)
+    assert all(len(batch.payload) > 32 << 10 for batch in list(pub.buffer)[1:])
+    await pub.send([store(6)])
+    await service.followed.applied(P0, 6)
+    assert index.applied[P0] == [0, -1, 6]
+    assert sample(prom, "globalkv_ingest_replays_total", pod="p0", outcome="limit") == 1
+    assert sample(prom, "globalkv_ingest_resets_total", pod="p0", reason="gap") == 1
 
 
 @pytest.mark.parametrize(
@@ -397,6 +417,48 @@ async def test_pods_discovered_on_the_bound_socket_are_bounded(
     await pub.raw(live_frames(b"kv@c@m", 0, batch))
     await service.followed.applied(Source("c"), 0)
     assert sorted(pod.id for pod in service.following.pods()) == ["a", "c"]
+
+
+async def test_names_flooding_the_bound_socket_cost_nothing_once_gone(
+    make_service: ServiceFactory,
+    make_publisher: PublisherFactory,
+    registry: MemoryRegistry,
+    prom: CollectorRegistry,
+) -> None:
+    """40,960 tiny messages, each naming a new pod (the flood that once kept ~9 KiB per
+    name for good): past the limit they are dropped, and those followed are forgotten once
+    silent, from the index's sources and from the registry alike."""
+    service = make_service(
+        bind=["tcp://127.0.0.1:0"], max_discovered_pods=64, discovered_idle_secs=0.2
+    )
+    await service.start()
+    pub = await make_publisher(
+        endpoint=service.bound.endpoints[0], connect=True, replay_endpoint=None, topic="kv@s@m"
+    )
+    sentinel = PodInfo(
+        id="s",
+        model="m",
+        url="http://127.0.0.1:1",
+        kv_events=KvEventsConfig(mode="bind", topic="kv@s@m"),
+    )
+    await follow(service, pub, sentinel)
+    await pub.send([store(0)])
+    batch = pub.buffer[-1].payload
+    most = 0
+    for n in range(40_960):
+        await pub.raw(live_frames(f"kv@flood-{n}@m".encode(), 0, batch))
+        if n % 1024 == 0:
+            most = max(most, len(service.following.pods()))
+    await pub.send([store(1)])  # read after the flood: the same connection keeps order
+    await service.followed.applied(Source("s"), 1, timeout=120)
+    assert max(most, len(service.following.pods())) <= 64 + 1
+    assert sample(prom, "globalkv_ingest_dropped_total", reason="pod_limit") > 0
+
+    async def forgotten() -> bool:
+        followed = [pod.id for pod in service.following.pods()]
+        return followed == ["s"] and not await registry.list()
+
+    await await_for(forgotten, timeout=30, what="the silent pods to be forgotten")
 
 
 async def test_one_huge_bound_batch_is_refused_before_its_events_are_built(

@@ -75,6 +75,13 @@ def stack() -> Iterator[Stack]:
 
 
 def test_a_chat_twice_reuses_the_prefix_and_the_index_knows_where(stack: Stack) -> None:
+    # Healthy is not yet routed by the index: the gateway registers each prefill with it
+    # once the engine answers, and until then it routes by load, anywhere.
+    def followed() -> bool:
+        pods = httpx.get(f"{stack.index}/v1/pods", timeout=5).json()["pods"]
+        return {pod["id"] for pod in pods} >= {"prefill-0", "prefill-1"}
+
+    wait_for(followed, timeout=60, what="the index to follow both prefills")
     first = stack.chat(MESSAGES)
     assert first["choices"][0]["message"]["content"]
     second = stack.chat(MESSAGES)

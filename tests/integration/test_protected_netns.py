@@ -20,9 +20,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
+import msgpack
 import pytest
 
 from tests.bootstrap.factories import body
+from tests.support.metrics import scrape
+from tests.support.net import wait_for
 from tests.support.procs import Proc
 
 pytestmark = pytest.mark.integration
@@ -225,3 +229,83 @@ def test_a_directory_serves_sglangs_clients_from_another_host_but_refuses_a_rese
     assert reset[0] == 403
     assert "GLOBALKV_BOOTSTRAP_ADMIN_TOKEN" in reset[1]
     assert json.loads(view[1])["registered"] == 1
+
+
+_PUBLISHER = """
+import json, sys
+import zmq
+endpoint, messages, wait = sys.argv[1], json.loads(sys.argv[2]), float(sys.argv[3])
+context = zmq.Context()
+pub = context.socket(zmq.XPUB)
+pub.connect(endpoint)
+subscribed = bool(pub.poll(int(wait * 1000)))
+if subscribed:
+    pub.recv()
+    for topic, seq, payload in messages:
+        pub.send_multipart([topic.encode(), seq.to_bytes(8, "big"), bytes.fromhex(payload)])
+pub.close(linger=5000)
+context.term()
+print(json.dumps(subscribed))
+"""
+"""An engine's PUB (an XPUB, to learn that the indexer's SUB subscribed): sends each
+(topic, seq, payload hex) once subscribed, prints whether it ever was."""
+
+
+def _stored(first: int) -> str:
+    """A batch storing one 16-token block of tokens first..first+15, as hex."""
+    tokens = list(range(first, first + 16))
+    return msgpack.packb(
+        [1.0, [["BlockStored", [first + 1], None, tokens, 16, None, "GPU"]], 0]
+    ).hex()
+
+
+def _publish(
+    endpoint: str, messages: list[tuple[str, int, str]], netns: Namespace | None, wait: float = 5.0
+) -> bool:
+    """Publish from the namespace (another host) or, with None, from this one."""
+    prefix = [] if netns is None else ["ip", "netns", "exec", netns.name]
+    argv = [*prefix, sys.executable, "-c", _PUBLISHER, endpoint, json.dumps(messages), str(wait)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    return bool(json.loads(done.stdout))
+
+
+def _held(indexer: str, first: int) -> list[str]:
+    """The pods holding the block of tokens first..first+15."""
+    body = {"model": "m", "token_ids": list(range(first, first + 16))}
+    answer = httpx.post(f"{indexer}/v1/lookup", json=body, timeout=5).json()
+    return sorted(hit["pod"] for hit in answer["pods"])
+
+
+def _bound_indexer(netns: Namespace, start: Any, *args: str) -> tuple[str, int]:
+    """An indexer binding its SUB on every address, with a pod p0 that lives here (it
+    published from loopback first) holding the block of tokens 0..15."""
+    port = netns.free_port()
+    indexer = start("indexer", "--bind", f"tcp://*:{port}", *args)
+    assert _publish(f"tcp://127.0.0.1:{port}", [("kv@p0@m", 0, _stored(0))], None)
+    wait_for(lambda: _held(indexer, 0) == ["p0"], timeout=10, what="p0's block")
+    return indexer, port
+
+
+def test_a_stranger_cannot_publish_to_the_bound_socket(netns: Namespace, start: Any) -> None:
+    indexer, port = _bound_indexer(netns, start)
+    wipe = ("kv@p0@m", 0, msgpack.packb([1.0, [], 0]).hex())  # "p0 restarted"
+    forged = ("kv@p0@m", 1, _stored(100))
+    assert not _publish(f"tcp://{netns.host_address}:{port}", [wipe, forged], netns, wait=2.0)
+    wait_for(lambda: scrape(indexer, "globalkv_ingest_refused_publishers_total") >= 1)
+    assert _held(indexer, 0) == ["p0"], "not wiped"
+    assert _held(indexer, 100) == [], "no forged prefix"
+
+
+def test_an_allowed_network_publishes_its_own_pods_but_not_another_hosts(
+    netns: Namespace, start: Any
+) -> None:
+    indexer, port = _bound_indexer(netns, start, "--allow-publisher", f"{netns.client_address}/32")
+    wipe = ("kv@p0@m", 0, msgpack.packb([1.0, [], 0]).hex())
+    forged = ("kv@p0@m", 1, _stored(100))
+    own = ("kv@far@m", 0, _stored(200))
+    assert _publish(f"tcp://{netns.host_address}:{port}", [wipe, forged, own], netns)
+    wait_for(lambda: _held(indexer, 200) == ["far"], timeout=10, what="far's block")
+    assert scrape(indexer, "globalkv_ingest_dropped_total", reason="wrong_publisher") == 2
+    assert _held(indexer, 0) == ["p0"], "not wiped"
+    assert _held(indexer, 100) == [], "no forged prefix"

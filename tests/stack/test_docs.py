@@ -1,10 +1,12 @@
 """The reference docs cannot drift from the code they describe.
 
 docs/configuration.md must list every flag of every `globalkv` command in that command's
-section, in a well-formed row with the environment variable the dispatcher reads for it
-and its default (any words where the parser's default is None, since the meaning then
-comes from elsewhere), and name a command's nested commands (`globalkv bench replay`);
-docs/operations.md must name every Prometheus metric the packages define.
+section (sglang-router's flags that the gateway refuses, hidden from its `--help`, are
+listed in docs/sglang-router-flags.md instead), in a well-formed row with the environment
+variable the dispatcher reads for it and its default (any words where the parser's default
+is None, since the meaning then comes from elsewhere), and name a command's nested
+commands (`globalkv bench replay`); docs/operations.md must name every Prometheus metric
+the packages define.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from kvplumbing.environment import env_var_name
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGURATION = (ROOT / "docs" / "configuration.md").read_text()
 OPERATIONS = (ROOT / "docs" / "operations.md").read_text()
+PEER_FLAGS_DOC = "docs/sglang-router-flags.md"
+PEER_FLAGS = (ROOT / PEER_FLAGS_DOC).read_text()
 _, COMMANDS = build_parser()
 
 
@@ -47,6 +51,9 @@ def test_every_flag_is_documented_with_its_variable(command: str) -> None:
             continue
         longs = [o for o in action.option_strings if o.startswith("--")]
         if not longs or longs[0] == "--help":
+            continue
+        if action.help == argparse.SUPPRESS:  # sglang-router's, refused: listed there
+            assert f"| `{longs[0]}` |" in PEER_FLAGS, f"{longs[0]} is not in {PEER_FLAGS_DOC}"
             continue
         key = f"`{' / '.join(action.option_strings)}`"
         assert key in rows, f"globalkv {command} {longs[0]} is not in docs/configuration.md"

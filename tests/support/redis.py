@@ -15,12 +15,14 @@ from tests.support.net import free_port, wait_for
 
 
 class RedisServer:
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, args: tuple[str, ...] = ()) -> None:
+        """`args`: more redis-server flags (`--maxmemory 2mb`)."""
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed (.ci/run installs it)")
         self.binary = binary
         self.port = port or free_port()
+        self.args = args
         self.dir = tempfile.mkdtemp(prefix="globalkv-redis-")
         self.popen = self._spawn()
 
@@ -40,6 +42,7 @@ class RedisServer:
                 self.dir,
                 "--loglevel",
                 "warning",
+                *self.args,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

@@ -29,7 +29,12 @@ from globalkv.stack.doctor.pools import check_pools
 from globalkv.stack.doctor.probe import Prober, interpret, probe_text, wait_applied
 from globalkv.stack.doctor.reading import Connect, Reader, Samples, tcp_connect
 from globalkv.stack.doctor.report import Report, Stage
-from globalkv.stack.doctor.routing import check_lookup, check_settings, judge_decision
+from globalkv.stack.doctor.routing import (
+    check_lookup,
+    check_settings,
+    judge_decision,
+    judge_pd_decision,
+)
 from globalkv.stack.views import PodsView, WorkersView
 from kvplumbing.addresses import check_http_url
 from kvplumbing.clock import Clock, Sleep, WallClock
@@ -178,7 +183,9 @@ class Doctor:
             return
         if delta is None:
             routing.warn("probe routing", "the gateway's /metrics could not be read")
-        by_index = delta is not None and judge_decision(routing, delta, "probe routing")
+        by_index = False
+        if delta is not None and not judge_pd_decision(routing, delta, "probe PD decision"):
+            by_index = judge_decision(routing, delta, "probe routing")
         if self.config.indexer and pods is not None:
             index = report.stage("index").labelled(pool.label)
             await self._wait_visible(index, self.config.indexer, pods)
@@ -219,7 +226,9 @@ class Doctor:
                 probe.fail(f"repeated probe, {failure.subject}", failure.message)
             return
         cached = again.cached_tokens or 0
-        message = f"{cached} of {again.prompt_tokens} prompt tokens were cached on the prefill"
+        message = (
+            f"{cached} of {again.prompt_tokens} prompt tokens were cached where it was prefilled"
+        )
         if cached > 0:
             routing.ok("repeated probe", f"{message}: it went to the pod holding its prefix")
         elif by_index:

@@ -1,4 +1,5 @@
 """Stage 4: can the prefix policy work — is the index answering, is the prompt tokenizable?
+And was the probe disaggregated, or prefilled on its decode?
 
 Three kinds of evidence. The gateway's settings (`GET /v1/config`) say what it routes
 prefills with: the policy, which index, the tokenizer and the model name it keys lookups
@@ -6,7 +7,8 @@ with. The index API is asked directly (a token lookup must answer; a text lookup
 whether the indexer has a tokenizer). The gateway's own counters, read before and after
 the probe request, say how the probe was routed: which prefill policy decided, whether it
 fell back to load and for what reason (no tokenizer, no index, index unavailable…), and
-whether the repeated probe was a cache hit.
+whether the repeated probe was a cache hit, and whether the disaggregation decider
+(`--pd-decider`) sent it to a prefill or let its decode prefill it, and why.
 """
 
 from __future__ import annotations
@@ -37,6 +39,17 @@ _FALLBACKS = {
 }
 DECISIONS = "globalkv_gateway_routing_decisions_total"
 FALLBACKS = "globalkv_gateway_routing_fallbacks_total"
+PD_DECISIONS = "globalkv_gateway_pd_decisions_total"
+_PD_REASONS = {
+    "always": "the decider is off (--pd-decider always)",
+    "faster": "estimated sooner than the remote prefill and the transfer, the decode's "
+    "running requests' delay counted",
+    "slower": "the remote prefill and the transfer were estimated sooner",
+    "no_lookup": "nothing to estimate from (no tokens or no index answer)",
+    "no_local_decode": "no eligible decode can prefill (only vLLM decodes do)",
+    "unmeasured": "no prefill rate measured yet",
+    "batch": "a batch request",
+}
 
 
 async def check_settings(stage: Stage, reader: Reader, gateway: str, indexer: str | None) -> None:
@@ -46,6 +59,16 @@ async def check_settings(stage: Stage, reader: Reader, gateway: str, indexer: st
     if isinstance(settings, str):
         stage.skip("gateway settings", f"{url} {settings}: judged from its counters only")
         return
+    decider = settings.pd_decider
+    if decider is not None and decider.mode != "always":
+        stage.ok(
+            "gateway PD decider",
+            f"{decider.mode}: a vLLM decode prefills a request itself when that is estimated "
+            f"sooner (transfer {decider.transfer_tokens_per_s:g} tokens/s, ITL weight "
+            f"{decider.itl_weight:g})",
+        )
+    elif decider is not None:
+        stage.ok("gateway PD decider", "always: every request is disaggregated")
     if settings.prefill_policy != "prefix":
         policy = settings.prefill_policy
         stage.warn("gateway prefill policy", f"{policy}: the index is not consulted")
@@ -128,3 +151,19 @@ def judge_decision(stage: Stage, delta: Samples, subject: str) -> bool:
     outcomes = sorted(labels.get("outcome", "?") for labels in decided)
     stage.ok(subject, f"routed by the prefix policy over the index ({', '.join(outcomes)})")
     return True
+
+
+def judge_pd_decision(stage: Stage, delta: Samples, subject: str) -> bool | None:
+    """Whether the gateway disaggregated the probe, from counter increases: True when a
+    decode prefilled it itself, False when disaggregated, None when the counters did not
+    move (a gateway without the decider)."""
+    for labels, value in delta.matching(PD_DECISIONS):
+        if value > 0:
+            reason = labels.get("reason", "?")
+            why = _PD_REASONS.get(reason, reason)
+            if labels.get("decision") == "local":
+                stage.ok(subject, f"prefilled on the decode, not disaggregated ({reason}: {why})")
+                return True
+            stage.ok(subject, f"disaggregated ({reason}: {why})")
+            return False
+    return None

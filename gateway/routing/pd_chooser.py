@@ -1,0 +1,84 @@
+"""Choosing per attempt between a PD pair and a decode that prefills locally.
+
+Wraps the `Router` as the dispatcher's `Chooser`: each attempt asks the decider
+(`gateway.routing.decider`) with the eligible prefills and the eligible decodes that can
+prefill; a local choice becomes a plan whose legs are one call to that decode
+(`gateway.legs.local`), any other goes to the router's pair as before. Every choice is
+counted in `globalkv_gateway_pd_decisions_total{decision,reason}`, `always` included, so
+an operator sees what the decider did and why. A decode that failed this request is not
+chosen again to prefill it; the next attempt may still disaggregate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import replace
+from typing import get_args
+
+from prometheus_client import Counter
+
+from gateway.config import Kind
+from gateway.policies.base import Candidate, NoCandidates, RouteRequest
+from gateway.routing.decider import PdDecider, PdDecision, local_capable
+from gateway.routing.router import RoutePlan, Router
+
+_LOCAL_KINDS: tuple[Kind, ...] = tuple(k for k in get_args(Kind) if local_capable(k))
+
+
+class PdChooser:
+    def __init__(self, router: Router, decider: PdDecider, decisions: Counter) -> None:
+        self.router = router
+        self.decider = decider
+        self._decisions = decisions
+
+    def plan(
+        self,
+        request: RouteRequest,
+        batch: int | None,
+        avoid: Collection[str] = (),
+        model: str | None = None,
+        kind: Kind | None = None,
+        adapters: Collection[str] = (),
+    ) -> RoutePlan:
+        """Raises `NoCandidates` naming the empty role, as `Router.plan` does; only workers
+        serving every one of `adapters` are chosen."""
+        decision = self._decide(request, batch, avoid, model, kind, adapters)
+        self._decisions.labels("local" if decision.local else "disaggregate", decision.reason).inc()
+        if not decision.local:
+            return self.router.plan(request, batch, avoid, model, kind, adapters)
+        assert decision.decode is not None
+        assert decision.choice is not None
+        decode = self.router.pool.get(decision.decode.worker)
+        if decode is None:
+            raise NoCandidates("a chosen worker left the pool")
+        keys = request.lookup.keys if request.lookup is not None else ()
+        return RoutePlan(decode, decode, decision.choice, [], keys, 0, local=True)
+
+    def _decide(
+        self,
+        request: RouteRequest,
+        batch: int | None,
+        avoid: Collection[str],
+        model: str | None,
+        kind: Kind | None,
+        adapters: Collection[str],
+    ) -> PdDecision:
+        if not self.decider.enabled:
+            return PdDecision(False, "always")
+        if batch is not None:
+            return PdDecision(False, "batch")
+        router = self.router
+        decodes: list[Candidate] = [
+            c
+            for local in _LOCAL_KINDS
+            if kind in (None, local)
+            for c in router.candidates("decode", (), local, model, adapters)
+            if c.worker not in avoid
+        ]
+        prefills = router.candidates("prefill", avoid, kind, model, adapters)
+        if request.lookup is not None:
+            request = replace(request, pending=router.loads.pending_blocks(request.lookup.keys))
+        loads = router.loads
+        return self.decider.decide(
+            request, prefills, decodes, lambda worker: loads.load(worker).progress.tokens_per_s
+        )

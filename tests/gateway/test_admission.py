@@ -1,0 +1,137 @@
+"""Admission control (gateway/admission.py): sglang-router's token bucket and bounded queue,
+served first come first served, refusing with OpenAI-style bodies; and through the real
+server, with request ids and CORS (gateway/edge.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import httpx
+from prometheus_client import CollectorRegistry
+
+from gateway.admission import Admission
+from gateway.app import create_app
+from gateway.config import AdmissionConfig, EdgeConfig
+from gateway.http.server import HttpServer
+from gateway.inference import Inference
+from tests.gateway.fakes import DECODES, Cluster, config, make_gateway
+from tests.support.clock import FakeClock
+
+
+def admission(clock: Any = None, **settings: Any) -> Admission:
+    config = AdmissionConfig(**{"max_concurrent_requests": 1, **settings})
+    return Admission(config, clock or FakeClock(), CollectorRegistry())
+
+
+async def test_waiting_requests_are_served_first_come_first_served() -> None:
+    bucket = admission(queue_size=3, rate_limit_tokens_per_second=0.001)
+    assert await bucket.admit() is None
+    served: list[int] = []
+
+    async def wait(number: int) -> None:
+        assert await bucket.admit() is None
+        served.append(number)
+
+    waiters = []
+    for number in range(3):
+        waiters.append(asyncio.create_task(wait(number)))
+        await asyncio.sleep(0)  # each takes its place in the queue before the next
+    refusal = await bucket.admit()
+    assert refusal is not None
+    assert refusal.status == 429
+    assert ("retry-after", "1000") in refusal.headers
+    error = json.loads(refusal.body)["error"]
+    assert error["type"] == "rate_limit_exceeded"
+    assert "--queue-size" in error["message"]
+    for _ in range(3):
+        bucket.release()
+        await asyncio.sleep(0)
+    await asyncio.gather(*waiters)
+    assert served == [0, 1, 2]
+    assert bucket.refused.labels("queue_full")._value.get() == 1
+
+
+async def test_no_queue_refuses_at_once_and_a_long_wait_is_408() -> None:
+    bucket = admission(queue_size=0)
+    assert await bucket.admit() is None
+    refused = await bucket.admit()
+    assert refused is not None
+    assert refused.status == 429
+    waiting = admission(queue_size=1, queue_timeout_secs=0.05, rate_limit_tokens_per_second=0.001)
+    assert await waiting.admit() is None
+    timed_out = await waiting.admit()
+    assert timed_out is not None
+    assert timed_out.status == 408
+    assert "--queue-timeout-secs" in json.loads(timed_out.body)["error"]["message"]
+    waiting.release()
+    assert await waiting.admit() is None, "the timed-out request left the queue"
+
+
+async def test_the_refill_admits_a_waiting_request_without_a_release() -> None:
+    bucket = admission(time.monotonic, queue_size=1, rate_limit_tokens_per_second=50)
+    assert await bucket.admit() is None
+    async with asyncio.timeout(5):
+        assert await bucket.admit() is None
+
+
+async def test_a_cancelled_waiter_leaves_the_queue() -> None:
+    bucket = admission(queue_size=1, rate_limit_tokens_per_second=0.001)
+    assert await bucket.admit() is None
+    waiter = asyncio.create_task(bucket.admit())
+    await asyncio.sleep(0)
+    waiter.cancel()
+    await asyncio.gather(waiter, return_exceptions=True)
+    bucket.release()
+    assert await bucket.admit() is None
+
+
+async def test_through_the_server_shedding_ids_and_cors() -> None:
+    cluster = Cluster()
+    release = asyncio.Event()
+    seen_ids: list[str | None] = []
+
+    async def held(request: httpx.Request, body: Any) -> httpx.Response:
+        seen_ids.append(request.headers.get("x-request-id"))
+        await release.wait()
+        return httpx.Response(200, json={"room": body["bootstrap_room"]})
+
+    for url in DECODES:
+        cluster.on(url, held)
+    edge = EdgeConfig(cors_allowed_origins=["https://app.example"])
+    cfg = config(admission=AdmissionConfig(max_concurrent_requests=1, queue_size=0), edge=edge)
+    gateway = await make_gateway(cluster, cfg)
+    inference = Inference(gateway)
+    server = HttpServer(inference, inference.edge.wrap(create_app(gateway, run_monitor=False)))
+    await server.start("127.0.0.1", 0)
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 1}}
+    origin = {"origin": "https://app.example"}
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}") as client:
+            first = asyncio.create_task(
+                client.post("/generate", json=body, headers={"x-correlation-id": "abc-1"})
+            )
+            await cluster.wait_calls(2)
+            shed = await client.post("/generate", json=body, headers=origin)
+            assert shed.status_code == 429
+            assert shed.json()["error"]["type"] == "rate_limit_exceeded"
+            assert shed.headers["x-request-id"].startswith("gnt-")
+            assert shed.headers["access-control-allow-origin"] == "https://app.example"
+            release.set()
+            answer = await first
+            assert (answer.status_code, answer.headers["x-request-id"]) == (200, "abc-1")
+            assert seen_ids == ["abc-1"]
+            assert "access-control-allow-origin" not in answer.headers, "no Origin sent"
+            preflight = await client.options(
+                "/v1/chat/completions",
+                headers={**origin, "access-control-request-method": "POST"},
+            )
+            assert preflight.status_code == 200
+            assert preflight.headers["access-control-allow-origin"] == "https://app.example"
+            stranger = await client.get("/health", headers={"origin": "https://evil.example"})
+            assert "access-control-allow-origin" not in stranger.headers
+            assert stranger.headers["x-request-id"].startswith("req-")
+    finally:
+        await server.shutdown()

@@ -281,7 +281,8 @@ def _bound_indexer(netns: Namespace, start: Any, *args: str) -> tuple[str, int]:
     """An indexer binding its SUB on every address, with a pod p0 that lives here (it
     published from loopback first) holding the block of tokens 0..15."""
     port = netns.free_port()
-    indexer = start("indexer", "--bind", f"tcp://*:{port}", *args)
+    # lookups opened: the test looks up from this host's address, which is not loopback
+    indexer = start("indexer", "--bind", f"tcp://*:{port}", "--open-lookups", *args)
     assert _publish(f"tcp://127.0.0.1:{port}", [("kv@p0@m", 0, _stored(0))], None)
     wait_for(lambda: _held(indexer, 0) == ["p0"], timeout=10, what="p0's block")
     return indexer, port

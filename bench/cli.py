@@ -122,6 +122,17 @@ def register(subparsers: Any) -> None:
     )
     for name in _CACHE_AWARE:
         add(f"--{name.replace('_', '-')}", type=_CACHE_AWARE[name], help="gateway flag")
+    add(
+        "--sessions",
+        action="store_true",
+        help="name each request's conversation as a session header would (derived from the "
+        "trace: the block after the shared first one)",
+    )
+    add(
+        "--session-ttl-secs",
+        type=_optional_number,
+        help="gateway flag, in trace seconds: a session's idle time to live (600); off: none",
+    )
     add("--run-dir", help="live: the stacks' logs, one directory per policy (default runs/)")
     add("--sweep", help=f"NAME=V1,V2,… with NAME in {', '.join(sorted(SWEEPABLE))}")
     add("--bucket-s", type=float, help="hit-rate-over-time bucket width (60)")
@@ -197,6 +208,11 @@ def build_settings(args: argparse.Namespace) -> tuple[ReplaySettings, Sweep | No
     if args.prefix_pending_grace_secs is not None:
         grace = args.prefix_pending_grace_secs
         prefix["pending_grace_secs"] = None if math.isnan(grace) else grace
+    if args.session_ttl_secs is not None:
+        ttl = args.session_ttl_secs
+        prefix["session_ttl_secs"] = None if math.isnan(ttl) else ttl
+    if args.sessions:
+        top["sessions"] = True
     with validation_as_value_error():
         settings = ReplaySettings(
             **top,

@@ -6,6 +6,12 @@ one `Prompt` per element — batch entries times `n` samples — and applies SGL
 for the PD fields (`_normalize_bootstrap_params`): a scalar host or port serves every
 element, a scalar room becomes `room + i`, a list must have one entry per element. Rooms
 must lie in [1, 2^63 - 1]: 0 is the decode's "not written" marker (PROTOCOLS §2).
+
+`cache_namespace()` reads a body's LoRA adapter and cache salt as the emulated engine
+reads them: vLLM takes an adapter's name as the `model` and checks the salt as its
+`validate_cache_salt` does; SGLang takes `model: "base:adapter"` (which wins) or
+`lora_path`, and an empty salt as none. One request is one namespace here: a batch whose
+elements name different adapters or salts is refused.
 """
 
 from __future__ import annotations
@@ -16,13 +22,16 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from enginesim.engine import Bootstrap, Prompt
+from enginesim.engine import Api, Bootstrap, Prompt
 from enginesim.handshake import MAX_ROOM
+from enginesim.kvcache import CacheNamespace
 from globalkv.tokenize import Tokenizer
 
 MAX_PROMPT_TOKENS = 1 << 20
 MAX_ELEMENTS = 1024
 MAX_NEW_TOKENS = 1 << 16
+MAX_SALT_CHARS = 128
+_SALT_FORBIDDEN = frozenset("@/\\\0")
 MAX_BODY_BYTES = 64 << 20
 """Largest request body read: a prompt of MAX_PROMPT_TOKENS ids is about 8 MB of JSON."""
 
@@ -76,7 +85,14 @@ class SamplingParams(_Body):
     max_new_tokens: NewTokens | None = None
 
 
-class GenerateRequest(PDFields):
+class TenantFields(_Body):
+    """The fields that put a request's KV in a namespace of its own."""
+
+    lora_path: str | list[str | None] | None = None
+    cache_salt: str | list[str] | None = None
+
+
+class GenerateRequest(PDFields, TenantFields):
     text: str | list[str] | None = None
     input_ids: TokenList | list[TokenList] | None = None
     sampling_params: SamplingParams | list[SamplingParams] | None = None
@@ -88,7 +104,7 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class CompletionRequest(PDFields):
+class CompletionRequest(PDFields, TenantFields):
     model: str | None = None
     prompt: str | list[str] | TokenList | list[TokenList]
     max_tokens: NewTokens = 16
@@ -98,7 +114,7 @@ class CompletionRequest(PDFields):
     rid: str | None = None
 
 
-class ChatRequest(PDFields):
+class ChatRequest(PDFields, TenantFields):
     model: str | None = None
     messages: Annotated[list[dict[str, Any]], Field(min_length=1, max_length=4096)]
     max_tokens: NewTokens | None = None
@@ -227,3 +243,45 @@ def chat_prompts(body: ChatRequest, tokenizer: Tokenizer, default_new: int) -> l
     new = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
     max_new = default_new if new is None else new
     return _build([ids] * body.n, [max_new] * body.n, body, _sample_rids(body.rid, body.n))
+
+
+def cache_namespace(
+    body: TenantFields, model: str | None, api: Api, served: str, adapters: Sequence[str]
+) -> CacheNamespace:
+    """The namespace `body` (naming `model`) is cached under on an engine serving `served`
+    with `adapters`; raises BadRequest as the engine refuses."""
+    salt = _one(body.cache_salt, "cache_salt")
+    if api == "vllm":
+        adapter = model if model in adapters else None
+        if salt is not None and (
+            not salt or len(salt) > MAX_SALT_CHARS or _SALT_FORBIDDEN.intersection(salt)
+        ):
+            raise BadRequest(
+                "Parameter 'cache_salt' must be a non-empty string of at most 128 characters "
+                "without '@', '/', '\\' or NUL."
+            )
+    else:
+        adapter = _sglang_adapter(model, served) or _one(body.lora_path, "lora_path")
+        if adapter is not None and adapter not in adapters:
+            raise BadRequest(f"The LoRA adapter {adapter!r} is not loaded.")
+        salt = salt or None
+    if adapter is None and salt is None:
+        return CacheNamespace()
+    lora_id = None if adapter is None else adapters.index(adapter) + 1
+    return CacheNamespace(adapter, lora_id, salt)
+
+
+def _sglang_adapter(model: str | None, served: str) -> str | None:
+    """SGLang's `model: "base:adapter"` (`_parse_model_parameter`)."""
+    if model is None or ":" not in model or model == served:
+        return None
+    adapter = model[len(served) + 1 :] if model.startswith(f"{served}:") else model.split(":", 1)[1]
+    return adapter.strip() or None
+
+
+def _one(value: str | list[Any] | None, name: str) -> Any:
+    if not isinstance(value, list):
+        return value
+    if len(set(value)) > 1:
+        raise BadRequest(f"every element of one request must have the same {name}")
+    return value[0] if value else None

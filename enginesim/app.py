@@ -31,6 +31,8 @@ from enginesim.api_models import (
     ChatRequest,
     CompletionRequest,
     GenerateRequest,
+    TenantFields,
+    cache_namespace,
     chat_prompts,
     completion_prompts,
     generate_prompts,
@@ -125,20 +127,17 @@ def _model_info(model: str, tokenizer: Tokenizer) -> dict[str, Any]:
     }
 
 
-def _models(model: str, owner: str) -> dict[str, Any]:
-    return {
-        "object": "list",
-        "data": [
-            {
-                "id": model,
-                "object": "model",
-                "created": int(time.time()),
-                "owned_by": owner,
-                "root": model,
-                "max_model_len": MAX_PROMPT_TOKENS,
-            }
-        ],
-    }
+def _models(model: str, owner: str, adapters: Sequence[str]) -> dict[str, Any]:
+    """The served model, then each LoRA adapter with the model as its `parent`, as vLLM's
+    and SGLang's `/v1/models` list them."""
+    created = int(time.time())
+    card = {"object": "model", "created": created, "owned_by": owner}
+    base = {**card, "id": model, "root": model, "parent": None, "max_model_len": MAX_PROMPT_TOKENS}
+    loras = [
+        {**card, "id": name, "root": f"/adapters/{name}", "parent": model, "max_model_len": None}
+        for name in adapters
+    ]
+    return {"object": "list", "data": [base, *loras]}
 
 
 class _EngineRoutes:
@@ -156,9 +155,11 @@ class _EngineRoutes:
         server_info: Callable[[], dict[str, Any]],
         max_body_bytes: int,
         api: Api,
+        adapters: Sequence[str],
     ) -> None:
         self.engine = engine
         self.api = api
+        self.adapters = adapters
         self.tokenizer = tokenizer
         self.writer = writer
         self.metrics = metrics
@@ -195,7 +196,9 @@ class _EngineRoutes:
         return await self._serve(
             request,
             "/generate",
-            lambda: generate_prompts(body, self.tokenizer, self.max_new_tokens),
+            self._namespaced(
+                body, None, partial(generate_prompts, body, self.tokenizer, self.max_new_tokens)
+            ),
             GenerateFormat(self.writer, batch=batch),
             body.stream,
         )
@@ -203,14 +206,33 @@ class _EngineRoutes:
     async def completions(self, request: Request, body: CompletionRequest) -> Response:
         prompts = partial(completion_prompts, body, self.tokenizer)
         return await self._serve(
-            request, "/v1/completions", prompts, self._openai(body), body.stream
+            request,
+            "/v1/completions",
+            self._namespaced(body, body.model, prompts),
+            self._openai(body),
+            body.stream,
         )
 
     async def chat(self, request: Request, body: ChatRequest) -> Response:
         prompts = partial(chat_prompts, body, self.tokenizer, self.max_new_tokens)
         return await self._serve(
-            request, "/v1/chat/completions", prompts, self._openai(body), body.stream
+            request,
+            "/v1/chat/completions",
+            self._namespaced(body, body.model, prompts),
+            self._openai(body),
+            body.stream,
         )
+
+    def _namespaced(
+        self, body: TenantFields, model: str | None, build: Callable[[], list[Prompt]]
+    ) -> Callable[[], list[Prompt]]:
+        """`build`, its prompts cached under the body's LoRA adapter and salt."""
+
+        def built() -> list[Prompt]:
+            namespace = cache_namespace(body, model, self.api, self.model, self.adapters)
+            return [replace(p, namespace=namespace) for p in build()]
+
+        return built
 
     def _openai(self, body: CompletionRequest | ChatRequest) -> OpenAIFormat:
         options = body.stream_options
@@ -306,7 +328,7 @@ class _EngineRoutes:
         return _model_info(self.model, self.tokenizer)
 
     async def models(self) -> dict[str, Any]:
-        return _models(self.model, self.api)
+        return _models(self.model, self.api, self.adapters)
 
     async def version(self) -> dict[str, Any]:
         """vLLM's `/version`, which routers read to tell a vLLM worker from SGLang's."""
@@ -342,6 +364,7 @@ def create_app(
     server_info: Callable[[], dict[str, Any]],
     max_body_bytes: int = MAX_BODY_BYTES,
     api: Api = "sglang",
+    adapters: Sequence[str] = (),
 ) -> FastAPI:
     """`server_info` gives the static part of `/server_info` (addresses, sizes)."""
     routes = _EngineRoutes(
@@ -354,6 +377,7 @@ def create_app(
         server_info=server_info,
         max_body_bytes=max_body_bytes,
         api=api,
+        adapters=adapters,
     )
     app = FastAPI(title=f"enginesim {engine.role}", docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, limit=max_body_bytes, refuse=routes.too_large)

@@ -33,6 +33,7 @@ _TOP = {
     "port": ("--port", int),
     "advertise_host": ("--advertise-host", str),
     "model": ("--model", str),
+    "lora_adapters": ("--lora-adapters", str),
     "pod_id": ("--pod-id", str),
     "tokenizer": ("--tokenizer", str),
     "tp": ("--tp", int),

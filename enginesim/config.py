@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from globalkv.wire import Flavor
 from kvplumbing.endpoints import endpoint_port, offset_endpoint
@@ -93,6 +93,11 @@ class EngineConfig(BaseModel):
         "default: --host, or this machine's address when --host is a wildcard.",
     )
     model: str = Field("enginesim", min_length=1, description="Served model name.")
+    lora_adapters: tuple[Annotated[str, Field(min_length=1, max_length=256)], ...] = Field(
+        (),
+        description="LoRA adapters served, comma-separated names: listed in /v1/models with "
+        "the model as parent, each cached (and its KV events named) in its own namespace.",
+    )
     pod_id: str | None = Field(None, description="Pod id in the topic; default host:port.")
     tokenizer: str | None = Field(
         None, description="tokenizer.json or model directory; None: the built-in byte tokenizer."
@@ -158,8 +163,17 @@ class EngineConfig(BaseModel):
     latency: LatencySettings = LatencySettings()
     faults: FaultSettings = FaultSettings()
 
+    @field_validator("lora_adapters", mode="before")
+    @classmethod
+    def _split_adapters(cls, value: object) -> object:
+        if isinstance(value, str):
+            return tuple(name.strip() for name in value.split(",") if name.strip())
+        return value
+
     @model_validator(mode="after")
     def _consistent(self) -> EngineConfig:
+        if len(set(self.lora_adapters)) != len(self.lora_adapters):
+            raise ValueError("lora_adapters names an adapter twice")
         if self.role == "decode" and self.dp != 1:
             raise ValueError("a decode emulates one DP rank: run more decode engines instead")
         if self.api == "vllm" and (self.tp != 1 or self.pp != 1):

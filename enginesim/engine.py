@@ -12,6 +12,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from enginesim.kvcache import BASE, CacheNamespace
+
 Api = Literal["sglang", "vllm"]
 """The PD protocol served: SGLang's bootstrap rooms, or vLLM's `kv_transfer_params`."""
 
@@ -37,6 +39,8 @@ class Prompt:
     """vLLM's `kv_transfer_params` as the request gave them (validated field by field)."""
     request_id: str | None = None
     """vLLM: the request's `X-Request-Id`, which both legs of one request carry."""
+    namespace: CacheNamespace = BASE
+    """The LoRA adapter and cache salt its KV is cached under."""
 
 
 @dataclass(slots=True)

@@ -17,6 +17,12 @@ Every change is reported as `CacheChange` records, in order, so the caller can p
 them as KV events: one `Stored` run per contiguous chain of new pages, one `Removed` per
 eviction pass, `Cleared` on reset. Engine hashes are SGLang-like: SHA-256 chained over the
 parent hash and the page's tokens (u32 little-endian), first 8 bytes as an unsigned int.
+
+A LoRA adapter or a cache salt puts a request's pages in a tree of their own
+(`CacheNamespace`), as both engines hash them into their block hashes: equal tokens under
+another adapter or salt share nothing, and their engine hashes differ from the base
+model's (a namespaced chain starts from a seed hashed from the namespace). A namespace's
+tree goes when its last page is evicted, so clients' salts cannot grow the cache's memory.
 """
 
 from __future__ import annotations
@@ -41,12 +47,33 @@ def page_hash(parent: int | None, tokens: Sequence[int]) -> int:
 
 
 @dataclass(frozen=True, slots=True)
+class CacheNamespace:
+    """Where a request's pages live: its LoRA adapter (name and the engine's id for it) and
+    its cache salt; all None is the base model's."""
+
+    lora_name: str | None = None
+    lora_id: int | None = None
+    cache_salt: str | None = None
+
+    def seed(self) -> int:
+        """The hash a namespaced chain starts from (0: the base model's, no seed)."""
+        if self == BASE:
+            return 0
+        named = f"{self.lora_name or ''}\x1f{self.cache_salt or ''}".encode()
+        return int.from_bytes(hashlib.sha256(named).digest()[:8], "big") or 1
+
+
+BASE = CacheNamespace()
+
+
+@dataclass(frozen=True, slots=True)
 class Stored:
     """New pages chained after `parent` (None = chain root); `token_ids` spans all of them."""
 
     parent: int | None
     hashes: tuple[int, ...]
     token_ids: tuple[int, ...]
+    namespace: CacheNamespace = BASE
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +93,7 @@ CacheChange = Stored | Removed | Cleared
 class _Page:
     tokens: tuple[int, ...]
     hash: int
-    """The engine hash; unused (0) on the root, which stands for the empty prefix."""
+    """The engine hash; on a root, which stands for the empty prefix, its namespace's seed."""
     parent: _Page | None
     children: dict[tuple[int, ...], _Page] = field(default_factory=dict)
     refs: int = 0
@@ -103,7 +130,7 @@ class PagedKVCache:
         self.page_size = page_size
         self.capacity = capacity
         self._generation = 0
-        self._root = _Page(tokens=(), hash=0, parent=None)
+        self._roots: dict[CacheNamespace, _Page] = {}
         self._pages = 0
         self._tick = itertools.count(1)
         self._evictable: list[tuple[int, int, _Page]] = []
@@ -125,28 +152,30 @@ class PagedKVCache:
             uncached_pages=self._uncached,
         )
 
-    def match(self, tokens: Sequence[int]) -> Match:
+    def match(self, tokens: Sequence[int], namespace: CacheNamespace = BASE) -> Match:
         """Lock and return the longest cached whole-page prefix of `tokens`.
 
         Like SGLang, the last prompt token is never served from cache: the engine must run
         at least one token to produce the first output's logits.
         """
-        pages = self._prefix(tokens)
+        pages = self._prefix(tokens, namespace)
         now = next(self._tick)
         for page in pages:
             page.refs += 1
             page.last_use = now
         return Match(cached_tokens=len(pages) * self.page_size, pages=pages)
 
-    def peek(self, tokens: Sequence[int]) -> int:
+    def peek(self, tokens: Sequence[int], namespace: CacheNamespace = BASE) -> int:
         """The cached tokens `match` would find now, without locking or touching them: what
         a request waiting in the queue is expected to reuse."""
-        return len(self._prefix(tokens)) * self.page_size
+        return len(self._prefix(tokens, namespace)) * self.page_size
 
-    def _prefix(self, tokens: Sequence[int]) -> list[_Page]:
+    def _prefix(self, tokens: Sequence[int], namespace: CacheNamespace) -> list[_Page]:
         limit = max(len(tokens) - 1, 0) // self.page_size * self.page_size
         pages: list[_Page] = []
-        node = self._root
+        node = self._roots.get(namespace)
+        if node is None:
+            return pages
         for start in range(0, limit, self.page_size):
             child = node.children.get(tuple(tokens[start : start + self.page_size]))
             if child is None:
@@ -163,10 +192,11 @@ class PagedKVCache:
             page.refs -= 1
             self._maybe_evictable(page)
 
-    def insert(self, tokens: Sequence[int]) -> list[CacheChange]:
+    def insert(self, tokens: Sequence[int], namespace: CacheNamespace = BASE) -> list[CacheChange]:
         """Cache every whole page of `tokens`, evicting unused leaves to make room."""
         now = next(self._tick)
-        node = self._root
+        node = self._root(namespace)
+        root = node
         whole = len(tokens) // self.page_size * self.page_size
         start = 0
         path: list[_Page] = []
@@ -181,6 +211,7 @@ class PagedKVCache:
         new_pages = (whole - start) // self.page_size
         if new_pages == 0:
             self._maybe_evictable(node)
+            self._drop_if_empty(root)
             return []
         for page in path:
             page.refs += 1
@@ -194,6 +225,7 @@ class PagedKVCache:
             changes.append(Removed(tuple(evicted)))
         if room <= 0:
             self._maybe_evictable(node)
+            self._drop_if_empty(root)
             return changes
         parent_hash = self._hash_of(node)
         hashes: list[int] = []
@@ -202,7 +234,7 @@ class PagedKVCache:
             page_tokens = tuple(tokens[page_start : page_start + self.page_size])
             page = _Page(
                 tokens=page_tokens,
-                hash=page_hash(self._hash_of(node), page_tokens),
+                hash=page_hash(node.hash or None, page_tokens),
                 parent=node,
                 last_use=now,
                 generation=self._generation,
@@ -213,8 +245,21 @@ class PagedKVCache:
         self._pages += room
         self._stored += room
         self._maybe_evictable(node)
-        changes.append(Stored(parent_hash, tuple(hashes), tuple(tokens[start:end])))
+        changes.append(Stored(parent_hash, tuple(hashes), tuple(tokens[start:end]), namespace))
         return changes
+
+    def _root(self, namespace: CacheNamespace) -> _Page:
+        root = self._roots.get(namespace)
+        if root is None:
+            root = self._roots[namespace] = _Page(tokens=(), hash=namespace.seed(), parent=None)
+        return root
+
+    def _drop_if_empty(self, root: _Page) -> None:
+        """A namespace's tree goes with its last page (the base model's root stays)."""
+        if not root.children and root.hash:
+            for namespace, held in list(self._roots.items()):
+                if held is root:
+                    del self._roots[namespace]
 
     def reset(self) -> list[CacheChange]:
         """Drop everything, as a flush or an engine restart does.
@@ -223,7 +268,7 @@ class PagedKVCache:
         bump keeps those pages out of eviction when they are released.
         """
         self._generation += 1
-        self._root = _Page(tokens=(), hash=0, parent=None)
+        self._roots = {}
         self._pages = 0
         self._evictable.clear()
         return [Cleared()]
@@ -238,6 +283,8 @@ class PagedKVCache:
             assert parent is not None
             del parent.children[page.tokens]
             page.parent = None
+            if parent.parent is None:
+                self._drop_if_empty(parent)
             removed.append(page.hash)
             self._pages -= 1
             self._evicted += 1
@@ -266,24 +313,26 @@ class PagedKVCache:
             ]
             heapq.heapify(self._evictable)
 
-    def cached_chains(self) -> list[list[int]]:
-        """The tokens of every cached prefix that no longer one extends: what the engine
-        holds, for checking an index against it (each leaf page's chain from the root)."""
+    def cached_chains(self, namespace: CacheNamespace = BASE) -> list[list[int]]:
+        """The tokens of every cached prefix of `namespace` that no longer one extends: what
+        the engine holds, for checking an index against it (each leaf page's chain)."""
         chains = []
-        for page in self._walk():
+        root = self._roots.get(namespace)
+        for page in self._walk([] if root is None else [root]):
             if page.children:
                 continue
             tokens: list[int] = []
             node: _Page | None = page
-            while node is not None and node is not self._root:
+            while node is not None and node.parent is not None:
                 tokens[:0] = node.tokens
                 node = node.parent
             chains.append(tokens)
         return sorted(chains)
 
-    def _walk(self) -> list[_Page]:
+    def _walk(self, roots: Sequence[_Page] | None = None) -> list[_Page]:
         pages: list[_Page] = []
-        stack = list(self._root.children.values())
+        chosen = self._roots.values() if roots is None else roots
+        stack = [page for root in chosen for page in root.children.values()]
         while stack:
             page = stack.pop()
             pages.append(page)

@@ -39,7 +39,7 @@ from enginesim.config import EngineConfig
 from enginesim.engine import Bootstrap, EngineError, Generation, Prompt
 from enginesim.faults import Faults
 from enginesim.handshake import DecodeAddress, KVMetadata, RankId
-from enginesim.kvcache import CacheChange, Match, PagedKVCache, Removed
+from enginesim.kvcache import BASE, CacheChange, CacheNamespace, Match, PagedKVCache, Removed
 from enginesim.latency import PrefillScheduler, PrefillTiming, paced
 from enginesim.metrics import EngineMetrics
 from enginesim.publisher import KVEventPublisher, describe_kv_events, wire_events
@@ -69,21 +69,22 @@ class DPRank:
             if isinstance(change, Removed):
                 self.metrics.cache_evictions.labels(label).inc(len(change.hashes))
         if self.publisher is not None:
-            self.publisher.publish(wire_events(changes, self.cache.page_size))
+            flavor = self.publisher.settings.flavor
+            self.publisher.publish(wire_events(changes, self.cache.page_size, flavor))
 
     async def drain(self) -> None:
         if self.publisher is not None:
             await self.publisher.drain()
 
-    async def prefill(self, tokens: Sequence[int]) -> Prefilled:
+    async def prefill(self, tokens: Sequence[int], namespace: CacheNamespace = BASE) -> Prefilled:
         """Queue the prompt and compute what the cache lacks when its first chunk starts.
 
         While it waits it counts as what the cache lacked on arrival; its events are on
         their way to the PUB socket when this returns.
         """
-        work = _CachedPrefill(self, tokens)
+        work = _CachedPrefill(self, tokens, namespace)
         try:
-            estimate = len(tokens) - self.cache.peek(tokens)
+            estimate = len(tokens) - self.cache.peek(tokens, namespace)
             timing = await self.scheduler.run(work, estimate=estimate)
         finally:
             if work.match is not None:
@@ -114,15 +115,16 @@ class _CachedPrefill:
 
     rank: DPRank
     tokens: Sequence[int]
+    namespace: CacheNamespace
     match: Match | None = None
 
     def start(self) -> int:
-        self.match = self.rank.cache.match(self.tokens)
+        self.match = self.rank.cache.match(self.tokens, self.namespace)
         return len(self.tokens) - self.match.cached_tokens
 
     def finish(self) -> None:
         assert self.match is not None
-        self.rank.commit(self.rank.cache.insert(self.tokens))
+        self.rank.commit(self.rank.cache.insert(self.tokens, self.namespace))
         self.rank.cache.release(self.match)
 
 
@@ -261,7 +263,7 @@ class PrefillEngine:
 
     async def _prefill(self, prompt: Prompt, rank: DPRank) -> tuple[int, dict[str, Any]]:
         """Compute the uncached part of the prompt; returns (cached tokens, timing meta)."""
-        done = await rank.prefill(prompt.input_ids)
+        done = await rank.prefill(prompt.input_ids, prompt.namespace)
         timing = done.timing
         self._metrics.prompt_tokens.labels("cached").inc(done.cached_tokens)
         self._metrics.prompt_tokens.labels("computed").inc(
@@ -291,7 +293,7 @@ class PrefillEngine:
     ) -> AsyncIterator[int]:
         async for token in paced(output, self.config.latency.decode_tokens_per_s):
             yield token
-        rank.commit(rank.cache.insert([*prompt.input_ids, *output]))
+        rank.commit(rank.cache.insert([*prompt.input_ids, *output], prompt.namespace))
         await rank.drain()
 
     async def _disaggregated(

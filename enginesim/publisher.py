@@ -26,6 +26,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -74,12 +75,20 @@ def endpoint_host(endpoint: str) -> str:
     return netloc.rsplit(":", 1)[0]
 
 
-def wire_events(changes: Sequence[CacheChange], page_size: int) -> list[Event]:
-    """Cache changes as the KV events an engine with pages of `page_size` publishes."""
+def wire_events(changes: Sequence[CacheChange], page_size: int, flavor: Flavor) -> list[Event]:
+    """Cache changes as the KV events an engine of `flavor` with pages of `page_size`
+    publishes; a namespaced store names its namespace as that engine does."""
     events: list[Event] = []
     for change in changes:
         if isinstance(change, Stored):
             parent = None if change.parent is None else EngineHash(change.parent)
+            namespace = change.namespace
+            fields: dict[str, Any] = {"lora_name": namespace.lora_name}
+            if flavor == "sglang":
+                fields["cache_salt"] = namespace.cache_salt
+            else:
+                fields["lora_id"] = namespace.lora_id
+                fields["extra_keys"] = _vllm_extra_keys(change, len(change.hashes))
             events.append(
                 BlockStored(
                     block_hashes=[EngineHash(h) for h in change.hashes],
@@ -87,6 +96,7 @@ def wire_events(changes: Sequence[CacheChange], page_size: int) -> list[Event]:
                     token_ids=list(change.token_ids),
                     block_size=page_size,
                     medium="GPU",
+                    **fields,
                 )
             )
         elif isinstance(change, Removed):
@@ -94,6 +104,19 @@ def wire_events(changes: Sequence[CacheChange], page_size: int) -> list[Event]:
         elif isinstance(change, Cleared):
             events.append(AllBlocksCleared())
     return events
+
+
+def _vllm_extra_keys(stored: Stored, blocks: int) -> list[list[str] | None]:
+    """vLLM's untagged per-block extra keys: the LoRA name on every block, the salt on the
+    request's first block only (`generate_block_hash_extra_keys`)."""
+    namespace = stored.namespace
+    entries: list[list[str] | None] = []
+    for block in range(blocks):
+        entry = [] if namespace.lora_name is None else [namespace.lora_name]
+        if namespace.cache_salt and block == 0 and stored.parent is None:
+            entry.append(namespace.cache_salt)
+        entries.append(entry or None)
+    return entries
 
 
 @dataclass(frozen=True, slots=True)

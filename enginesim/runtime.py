@@ -354,6 +354,7 @@ class EngineProcess:
             model=self.config.model,
             server_info=lambda: dict(self.info),
             api=self.config.api,
+            adapters=self.config.lora_adapters,
         )
         server = _EngineServer(
             uvicorn.Config(

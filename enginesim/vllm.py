@@ -35,7 +35,7 @@ from enginesim.config import EngineConfig
 from enginesim.engine import EngineError, Generation, Prompt
 from enginesim.faults import Faults
 from enginesim.handshake import MAX_ROOM, KVMetadata, RankId
-from enginesim.kvcache import CacheChange, PagedKVCache
+from enginesim.kvcache import CacheChange, CacheNamespace, PagedKVCache
 from enginesim.latency import DecodeStalls, PrefillTiming, paced
 from enginesim.metrics import EngineMetrics
 from enginesim.textgen import ReplyWriter
@@ -157,7 +157,7 @@ class DecodeRank(Protocol):
 
     async def drain(self) -> None: ...
 
-    async def prefill(self, tokens: Sequence[int]) -> Prefilled: ...
+    async def prefill(self, tokens: Sequence[int], namespace: CacheNamespace) -> Prefilled: ...
 
 
 class VllmDecode:
@@ -190,7 +190,7 @@ class VllmDecode:
         output = self._writer.tokens(prompt.max_new_tokens)
         if not params.get("do_remote_prefill"):
             self._metrics.recomputed.inc()
-            prefilled = await self.rank.prefill(prompt.input_ids)
+            prefilled = await self.rank.prefill(prompt.input_ids, prompt.namespace)
             timing = prefilled.timing
             meta = {
                 "recomputed": True,
@@ -234,7 +234,7 @@ class VllmDecode:
             raise EngineError("room", f"KV of another request arrived for {request_id}")
         if output:
             output[0] = metadata.first_token
-        self.rank.commit(self.rank.cache.insert(prompt.input_ids))
+        self.rank.commit(self.rank.cache.insert(prompt.input_ids, prompt.namespace))
         await self.rank.drain()
         meta = {"queue_ms": metadata.queue_us / 1000, "prefill_ms": metadata.prefill_us / 1000}
         return self._generation(prompt, metadata.cached_tokens, output, meta)

@@ -68,7 +68,12 @@ async def _index_parts(
     config: GatewayConfig, client: httpx.AsyncClient, stack: AsyncExitStack
 ) -> tuple[PrefixLookup | None, PodRegistrar | None]:
     if config.indexer_url:
-        lookup = HttpLookup(client, config.indexer_url, timeout=config.lookup_timeout_secs)
+        lookup = HttpLookup(
+            client,
+            config.indexer_url,
+            timeout=config.lookup_timeout_secs,
+            token=config.indexer_token,
+        )
         registrar = HttpPodRegistrar(client, config.indexer_url, token=config.indexer_token)
         return lookup, registrar
     if config.redis_url:

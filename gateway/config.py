@@ -174,6 +174,13 @@ class PrefixWeights(BaseModel):
         description="Count a prompt sent to a prefill as held there until this long after "
         "its prefill answered; None: only what the index shows.",
     )
+    session_ttl_secs: float | None = Field(
+        600.0,
+        gt=0,
+        description="Keep a session (X-SMG-Routing-Key or X-Dynamo-Session-ID) on its "
+        "prefill until it was idle this long; None: sessions are not kept.",
+    )
+    sessions_max: int = Field(100_000, ge=1, description="Sessions kept, least recent dropped.")
 
 
 class CacheAwareConfig(BaseModel):
@@ -444,7 +451,7 @@ class GatewayConfig(BaseModel):
         None,
         min_length=1,
         repr=False,
-        description="The indexer's admin token, sent when registering pods.",
+        description="The indexer's admin token, sent when registering pods and with lookups.",
     )
     model: str | None = Field(
         None,

@@ -72,6 +72,8 @@ SETTINGS: tuple[tuple[str, type[BaseModel], dict[str, str]], ...] = (
             "request_cost": "--prefix-request-cost",
             "pressure_weight": "--prefix-pressure-weight",
             "pending_grace_secs": "--prefix-pending-grace-secs",
+            "session_ttl_secs": "--session-ttl-secs",
+            "sessions_max": "--sessions-max",
         },
     ),
     (

@@ -39,7 +39,14 @@ from gateway.admission import Admission
 from gateway.edge import Edge, Headers
 from gateway.http.answer import Answer, Outcome, Rest, problem
 from gateway.metrics import EndpointMetrics
-from gateway.requests import BadRequest, Endpoint, decode_body, parse_request, prompt_tokens
+from gateway.requests import (
+    BadRequest,
+    Endpoint,
+    UnknownAdapter,
+    decode_body,
+    parse_request,
+    prompt_tokens,
+)
 from gateway.service import Gateway
 from gateway.tracing import TracedRequest, bind, passed_on, trace_headers
 from globalkv.tokenize import TokenizeError
@@ -47,6 +54,10 @@ from kvplumbing.auth import bearer_matches
 from kvplumbing.clock import Clock
 
 TOKENIZE_INLINE_MAX = 64 * 1024
+SESSION_HEADERS = (b"x-smg-routing-key", b"x-dynamo-session-id")
+"""Where a client names its conversation (`gateway.policies.sessions`): smg's header, then
+Dynamo's."""
+MAX_SESSION_BYTES = 256
 INFERENCE_PATHS: dict[str, Endpoint] = {
     "/generate": "generate",
     "/v1/completions": "completions",
@@ -210,21 +221,25 @@ class Inference:
             named = None if self._named_prefill is None else self._named_prefill(headers)
             parsed = parse_request(INFERENCE_PATHS[path], decode_body(body))
             parsed.request_id = request_id
+            parsed.namespace = router.namespace(parsed.body)
+            session = _session(headers)
             if len(body) > TOKENIZE_INLINE_MAX and parsed.token_ids is None:
                 tokens = await asyncio.to_thread(prompt_tokens, parsed, gateway.tokenizer)
             else:
                 tokens = prompt_tokens(parsed, gateway.tokenizer)
             if traced is None:
-                route = await router.route(tokens, parsed.model, named)
+                route = await router.route(tokens, parsed.namespace, session, named)
             else:
                 span = traced.stage("route")
                 try:
-                    route = await router.route(tokens, parsed.model, named)
+                    route = await router.route(tokens, parsed.namespace, session, named)
                 finally:
                     span.end()
             answer = await gateway.dispatcher.forward(parsed, route, path)
         except (BadRequest, TokenizeError) as exc:  # BadRequest also from the first attempt
             return self._refuse(path, problem(400, str(exc)))
+        except UnknownAdapter as exc:
+            return self._refuse(path, problem(404, str(exc), "NotFoundError"))
         except asyncio.CancelledError:
             metrics.ttfb.observe(gateway.clock() - started)
             metrics.answered(499)
@@ -243,3 +258,16 @@ class Inference:
     def _refuse(self, path: str, answer: Answer) -> Answer:
         self.refused(path, answer)
         return answer
+
+
+def _session(headers: Headers) -> str | None:
+    """The conversation the client named, by the first of `SESSION_HEADERS` it sent."""
+    named = dict((name, value) for name, value in headers if name in SESSION_HEADERS)
+    for name in SESSION_HEADERS:
+        value = named.get(name)
+        if not value:
+            continue
+        if len(value) > MAX_SESSION_BYTES:
+            raise BadRequest(f"{name.decode()} is longer than {MAX_SESSION_BYTES} bytes")
+        return value.decode("latin-1")
+    return None

@@ -13,7 +13,10 @@ allowing it (400), a bound topic that already names another pod (409).
 Registering a pod makes the indexer connect wherever the pod says and feed the index what
 arrives there, so the mutating endpoints are in protected mode (`kvplumbing.auth`): with an
 admin token they need it (401), without one they answer only loopback clients (403 for
-others, saying how to open them) unless `--insecure`. Lookups and reads answer anyone.
+others, saying how to open them) unless `--insecure`. Lookups are tenants' data — whether
+a prompt's prefix is cached is whether someone sent it — so they are protected alike
+unless `--open-lookups`; a salted prompt's chain is found only with its salt
+(`globalkv.keys`). The other reads (pods, health, metrics) answer anyone.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from kvplumbing.auth import ProtectedMode, ProtectionFlags
 from kvplumbing.release import VERSION
 
 TokenId = Annotated[int, Field(ge=0, le=2**32 - 1)]
+OPEN_LOOKUPS_FLAG = "--open-lookups"
 
 
 class ApiConfig(BaseModel):
@@ -57,7 +61,12 @@ class ApiConfig(BaseModel):
         "one they answer only loopback clients.",
     )
     insecure: bool = Field(
-        False, description="Without an admin token, accept mutations from any host."
+        False, description="Without an admin token, accept mutations and lookups from any host."
+    )
+    open_lookups: bool = Field(
+        False,
+        description="Answer lookups from any host without a token (they tell which prompts "
+        "the cache holds); mutations stay protected.",
     )
     max_body_bytes: int = Field(8 << 20, ge=1024, description="Largest request body.")
     max_tokens: int = Field(262_144, ge=1, description="Most tokens one lookup may carry.")
@@ -167,6 +176,15 @@ class _IndexRoutes:
     def admin(self, request: Request) -> None:
         """Dependency of the mutating endpoints: protected mode."""
         refusal = self.protected.check_request(request)
+        if refusal is not None:
+            raise HTTPException(refusal.status, refusal.message)
+
+    def reader(self, request: Request) -> None:
+        """Dependency of lookups: protected mode too, unless lookups were opened. A lookup
+        answers "has anyone sent this prompt?"; a salted prompt's chain needs its salt."""
+        if self.config.open_lookups:
+            return
+        refusal = self.protected.check_request(request, reads=OPEN_LOOKUPS_FLAG)
         if refusal is not None:
             raise HTTPException(refusal.status, refusal.message)
 
@@ -351,7 +369,11 @@ def create_app(
     app.middleware("http")(routes.count)
     admin = [Depends(routes.admin)]
     app.add_api_route(
-        "/v1/lookup", routes.post_lookup, methods=["POST"], response_model=LookupResponse
+        "/v1/lookup",
+        routes.post_lookup,
+        methods=["POST"],
+        response_model=LookupResponse,
+        dependencies=[Depends(routes.reader)],
     )
     app.add_api_route(
         "/v1/pods",

@@ -86,10 +86,18 @@ class IndexLookup:
 class HttpLookup:
     """Asks a remote indexer's `POST /v1/lookup` with one pooled client."""
 
-    def __init__(self, client: httpx.AsyncClient, indexer_url: str, timeout: float = 1.0) -> None:
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        indexer_url: str,
+        timeout: float = 1.0,
+        token: str | None = None,
+    ) -> None:
+        """`token`: the indexer's admin token, which its lookups need from another host."""
         self.client = client
         self.url = indexer_url.rstrip("/") + "/v1/lookup"
         self.timeout = timeout
+        self.headers = {"authorization": f"Bearer {token}"} if token else {}
 
     async def lookup(
         self,
@@ -104,7 +112,9 @@ class HttpLookup:
         if cache_salt is not None:
             body["cache_salt"] = cache_salt
         try:
-            response = await self.client.post(self.url, json=body, timeout=self.timeout)
+            response = await self.client.post(
+                self.url, json=body, timeout=self.timeout, headers=self.headers
+            )
         except httpx.HTTPError as exc:
             raise IndexUnavailable(f"indexer at {self.url} unreachable: {exc!r}") from exc
         if response.status_code != 200:

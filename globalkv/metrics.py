@@ -39,8 +39,9 @@ class IngestMetrics:
         self.skipped = Counter(
             "globalkv_ingest_events_skipped_total",
             "Engine events decoded but not turned into index events: not_for_index "
-            "(unknown type, remote), group, medium, extra_keys. Blocks the index itself "
-            "skips (orphans, partial, over capacity) are globalkv_index_skipped_blocks.",
+            "(unknown type, remote), group, medium, extra_keys, extra_keys_malformed. "
+            "Blocks the index itself skips (orphans, partial, over capacity) are "
+            "globalkv_index_skipped_blocks.",
             ["reason"],
             registry=registry,
         )

@@ -11,18 +11,30 @@ gives fewer hits, a guessing one gives wrong ones.
   nothing (GPU). An unknown medium is skipped (`medium`).
 - `group_idx` ≠ 0: hybrid models publish one event per KV-cache group for the same
   tokens; the index follows group 0 only (`group`).
-- `extra_keys`: vLLM mixes multimodal hashes (and the cache salt) into block hashes. A
-  store whose extra keys hold anything but its own cache salt depends on inputs a
-  gateway cannot see, so it is skipped (`extra_keys`); its children then count as
-  orphans in the index, which is the truth: no token-only request shares that prefix.
+- `extra_keys` (vLLM): one entry per block, untagged, in the order vLLM builds them
+  (`generate_block_hash_extra_keys`, `to_event_extra_keys`): the LoRA name when the event
+  names one, `(mm_identifier, offset)` pairs, the cache salt (a bare string, on the
+  request's first block only) and prompt-embeds digests (bytes). The LoRA name and the
+  salt name the chain's namespace, which a gateway derives from the request alike. A
+  multimodal pair or an embeds digest makes its block depend on inputs a gateway cannot
+  see: the blocks before the first such one are stored, the rest skipped (`extra_keys`);
+  their children then count as orphans in the index, which is the truth. An entry that
+  is none of these, or a salt anywhere but on the first block of a chain, is skipped
+  whole (`extra_keys_malformed`): a malformed store is never applied in part.
+- The salt on the first block only is enough: a later store of the same request names
+  its parent, and the index continues the parent's chain, namespace included.
+- SGLang names the namespace in fields: `lora_name` (the public adapter name) and
+  `cache_salt`, on every store.
 - LoRA: `lora_name` when given; an old event with only a `lora_id` gets a namespace no
   request can produce (`#lora-id:N`), so it never collides with the base model.
+- Older vLLM published a multimodal hash as a bare string: on a chain's first block it
+  reads as a salt, a namespace only a request carrying that exact hash as its salt
+  reaches; anywhere else it is malformed. Neither gives a false hit.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -56,17 +68,60 @@ def namespace(model: str, lora_name: str | None, cache_salt: str | None) -> Bloc
     return root_key(model, lora_name, cache_salt)
 
 
-def _extra_keys_keyable(extra_keys: Sequence[object] | None, cache_salt: str | None) -> bool:
-    if not extra_keys:
-        return True
-    for block_keys in extra_keys:
-        if block_keys is None:
+@dataclass(frozen=True, slots=True)
+class _ExtraKeys:
+    cache_salt: str | None
+    keyable: int
+    """Leading blocks whose hash depends on nothing but tokens, LoRA and salt."""
+
+
+def _read_extra_keys(event: BlockStored) -> _ExtraKeys | None:
+    """The salt and keyable blocks `event.extra_keys` tell; None when they are malformed."""
+    entries = event.extra_keys
+    salt = event.cache_salt
+    count = len(event.block_hashes)
+    if not entries:
+        return _ExtraKeys(salt, count)
+    if len(entries) != count:
+        return None
+    keyable = count
+    for position, entry in enumerate(entries):
+        if entry is None:
             continue
-        if not isinstance(block_keys, list | tuple):
-            return False
-        if any(k != cache_salt for k in block_keys):
-            return False
-    return True
+        if not isinstance(entry, list | tuple):
+            return None
+        items = list(entry)
+        if items and _names_lora(items[0], event):
+            items = items[1:]
+        salted = False
+        for item in items:
+            if isinstance(item, str):
+                first_of_chain = position == 0 and event.parent_block_hash is None
+                if salted or not first_of_chain or salt not in (None, item):
+                    return None
+                salt, salted = item, True
+            elif isinstance(item, bytes) or _multimodal(item):
+                keyable = min(keyable, position)
+            else:
+                return None
+    return _ExtraKeys(salt, keyable)
+
+
+def _names_lora(item: object, event: BlockStored) -> bool:
+    """vLLM puts the adapter first: its name, or its id in versions before `lora_name`."""
+    if event.lora_name is not None:
+        return item == event.lora_name
+    return event.lora_id is not None and type(item) is int and item == event.lora_id
+
+
+def _multimodal(item: object) -> bool:
+    """An `(mm_identifier, offset)` pair."""
+    return (
+        isinstance(item, list | tuple)
+        and len(item) == 2
+        and isinstance(item[0], str | bytes)
+        and type(item[1]) is int
+    )
 
 
 def translate(batch: EventBatch, model: str) -> Translated:
@@ -88,25 +143,29 @@ def translate(batch: EventBatch, model: str) -> Translated:
         if isinstance(event, BlockRemoved):
             out.events.append(RemoveBlocks(hashes=event.block_hashes, tier=tier))
             continue
-        store = _store(event, model, tier)
-        if store is None:
+        extra = _read_extra_keys(event)
+        if extra is None:
+            out.skipped["extra_keys_malformed"] += 1
+            continue
+        if extra.keyable < len(event.block_hashes):
             out.skipped["extra_keys"] += 1
-        else:
-            out.events.append(store)
+        if extra.keyable:
+            out.events.append(_store(event, model, tier, extra))
     return out
 
 
-def _store(event: BlockStored, model: str, tier: Tier) -> StoreBlocks | None:
-    if not _extra_keys_keyable(event.extra_keys, event.cache_salt):
-        return None
+def _store(event: BlockStored, model: str, tier: Tier, extra: _ExtraKeys) -> StoreBlocks:
     lora = event.lora_name
     if lora is None and event.lora_id is not None:
         lora = f"#lora-id:{event.lora_id}"
+    hashes, tokens = event.block_hashes, event.token_ids
+    if extra.keyable < len(hashes):
+        hashes, tokens = hashes[: extra.keyable], tokens[: extra.keyable * event.block_size]
     return StoreBlocks(
-        hashes=event.block_hashes,
+        hashes=hashes,
         parent=event.parent_block_hash,
-        token_ids=event.token_ids,
+        token_ids=tokens,
         block_size=event.block_size,
         tier=tier,
-        namespace=namespace(model, lora, event.cache_salt),
+        namespace=namespace(model, lora, extra.cache_salt),
     )

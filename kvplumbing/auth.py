@@ -1,4 +1,5 @@
-"""Who may call what: bearer-token checks, and protected mode for the routes that change state.
+"""Who may call what: bearer-token checks, and protected mode for the routes that change
+state or read tenants' data.
 
 Bearer checks: any header a client can send is a yes or a no, never an error. The scheme
 is matched case-insensitively and the token stripped (RFC 9110 makes the scheme
@@ -8,9 +9,11 @@ constant time, so the answer's timing tells nothing about the secret.
 Protected mode is Redis's, for every route that changes a component's state (the
 indexer's pods, the gateway's workers, a directory's reset): with an admin token, every
 such request must carry it; without one, only clients on this machine (loopback) may send
-them, unless the operator said `--insecure`. Reads are never refused here. The peer is
-the TCP peer: a reverse proxy on the same machine makes every client look local, so put
-a token on anything behind one.
+them, unless the operator said `--insecure`. The same rule guards reads that reveal what
+tenants sent (the index's lookups: whether a prompt is cached is whether someone sent
+it), which an operator may open on their own (`check(..., reads=True)`). The peer is the
+TCP peer: a reverse proxy on the same machine makes every client look local, so put a
+token on anything behind one.
 """
 
 from __future__ import annotations
@@ -106,9 +109,16 @@ class ProtectedMode:
     flags: ProtectionFlags
 
     def check(
-        self, method: str, path: str, authorization: str | None, client: str | None
+        self,
+        method: str,
+        path: str,
+        authorization: str | None,
+        client: str | None,
+        *,
+        reads: str | None = None,
     ) -> Refusal | None:
-        """None when `method path` from peer address `client` may change state."""
+        """None when `method path` from peer address `client` may change state; with
+        `reads`, the flag that opens it, when it may read what that route reveals."""
         what = f"{method} {path}"
         if self.token is not None:
             if bearer_matches(authorization, self.token):
@@ -120,6 +130,16 @@ class ProtectedMode:
             )
         if self.insecure or is_loopback(client):
             return None
+        if reads is not None:
+            return Refusal(
+                403,
+                f"{what} tells which prompts the cache holds, that is, what tenants sent, and "
+                f"{self.component} answers it only on this machine while it has no admin token "
+                f"(protected mode); {client or 'this client'} is another host. Give "
+                f"{self.component} a token with {self.flags.named(self.flags.token)} and send "
+                f"it as `Authorization: Bearer <token>`, or start it with "
+                f"{self.flags.named(reads)} to answer it to any host.",
+            )
         return Refusal(
             403,
             f"{what} changes state, and {self.component} accepts changes only from this "
@@ -130,11 +150,15 @@ class ProtectedMode:
             "host.",
         )
 
-    def check_request(self, request: Request) -> Refusal | None:
+    def check_request(self, request: Request, *, reads: str | None = None) -> Refusal | None:
         """`check` for a Starlette request, its peer taken from the ASGI scope."""
         client = request.client.host if request.client is not None else None
         return self.check(
-            request.method, request.url.path, request.headers.get("authorization"), client
+            request.method,
+            request.url.path,
+            request.headers.get("authorization"),
+            client,
+            reads=reads,
         )
 
     def warnings(self) -> list[str]:

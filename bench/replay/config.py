@@ -106,6 +106,11 @@ class ReplaySettings(BaseModel):
         "sglang",
         description="Live: the PD protocol of the stack's engines (`globalkv up --engine`).",
     )
+    sessions: bool = Field(
+        False,
+        description="Name each request's conversation (`trace.conversation`) as a client's "
+        "session header would; the prefix policy keeps sessions as the gateway does.",
+    )
     cluster: ClusterModel = Field(default_factory=ClusterModel)
     prefix: PrefixWeights = Field(default_factory=PrefixWeights)
     cache_aware: CacheAwareConfig = Field(default_factory=CacheAwareConfig)
@@ -158,6 +163,8 @@ class ReplaySettings(BaseModel):
                 raise ValueError("live mode does not run the disaggregation decider yet")
             if self.cluster.kv_transfer_tokens_per_s is not None:
                 raise ValueError("live mode: the emulated engines model no KV transfer time")
+            if self.sessions:
+                raise ValueError("live mode sends no session header: sessions are simulated")
         elif self.entry != "gateway":
             raise ValueError("the entry is live mode's: the simulation routes as a gateway")
         return self

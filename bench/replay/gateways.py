@@ -29,6 +29,7 @@ from typing import Literal
 from bench.replay.record import RunRecord
 from bench.replay.sim import Simulation, _InFlight, _Kind, _Run
 from bench.replay.tokens import expand
+from bench.replay.trace import conversation
 from gateway.policies import Candidate, Policy, RouteRequest, build_policy
 from gateway.policies.loads import LoadTicket, LoadTracker
 from gateway.policies.pending import PendingEntry, PendingHit, PendingPrefixes
@@ -107,7 +108,10 @@ class _SharedRun(_Run):
         answer = await self.lookup.lookup(settings.model, tokens) if uses_index else None
         keys = () if answer is None else answer.keys
         pending = self._pending(replica, keys, now)
-        request = RouteRequest(tokens=tokens, lookup=answer, now=now, pending=pending)
+        session = conversation(req) if settings.sessions else None
+        request = RouteRequest(
+            tokens=tokens, lookup=answer, now=now, pending=pending, session=session
+        )
         choice = replica.policy.choose(request, self._candidates(replica, self.prefills, now))
         decodes = self._candidates(replica, self.decodes, now)
         decode = replica.decode_policy.choose(request, decodes).worker

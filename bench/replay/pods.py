@@ -148,7 +148,7 @@ class PrefillPod:
         changes = self.cache.insert(tokens)
         if not changes:
             return None
-        events = wire_events(changes, self.cache.page_size)
+        events = wire_events(changes, self.cache.page_size, "sglang")
         translated = translate(EventBatch(now, events, 0), self._index_model)
         batch = SourceBatch(self._source, self._seq, now, translated.events)
         self._seq += 1

@@ -31,7 +31,7 @@ from bench.replay.decodes import DecodePod, isl_bounding
 from bench.replay.pods import Finished, PrefillPod, StepModel
 from bench.replay.record import Progress, ProgressHook, RunRecord
 from bench.replay.tokens import expand
-from bench.replay.trace import Trace, arrival_times
+from bench.replay.trace import Trace, arrival_times, conversation
 from enginesim.kvcache import PagedKVCache
 from gateway.config import PdDeciderConfig, PolicyName
 from gateway.policies import Candidate, Choice, Policy, RouteRequest, build_policy
@@ -313,7 +313,11 @@ class _Run:
         answer = await self.lookup.lookup(settings.model, tokens) if self.uses_index else None
         keys = () if answer is None else answer.keys
         request = RouteRequest(
-            tokens=tokens, lookup=answer, now=now, pending=self.loads.pending_blocks(keys)
+            tokens=tokens,
+            lookup=answer,
+            now=now,
+            pending=self.loads.pending_blocks(keys),
+            session=conversation(req) if settings.sessions else None,
         )
         prefills = self.loads.candidates(self.prefills, self.capacities)
         local = self.local_choice(request, prefills) if self.deciding else None

@@ -39,6 +39,7 @@ SWEEPABLE: dict[str, Sweepable] = {
     "prefix-request-cost": Sweepable("prefix", "request_cost", float),
     "prefix-pressure-weight": Sweepable("prefix", "pressure_weight", float),
     "prefix-pending-grace-secs": Sweepable("prefix", "pending_grace_secs", optional_float),
+    "session-ttl-secs": Sweepable("prefix", "session_ttl_secs", optional_float),
     "cache-threshold": Sweepable("cache_aware", "cache_threshold", float),
     "balance-abs-threshold": Sweepable("cache_aware", "balance_abs_threshold", int),
     "arrivals": Sweepable("", "arrivals", str),

@@ -39,6 +39,14 @@ class TraceRequest:
     hash_ids: tuple[int, ...]
 
 
+def conversation(request: TraceRequest) -> str:
+    """The conversation `request` is a turn of, derived: Mooncake's trace names none, but
+    every request opens with the same block (a shared system prompt) and the turns of one
+    conversation share the block after it, so that block's id names the conversation."""
+    ids = request.hash_ids
+    return str(ids[1] if len(ids) > 1 else ids[0])
+
+
 @dataclass(frozen=True, slots=True)
 class Trace:
     requests: tuple[TraceRequest, ...]

@@ -33,7 +33,16 @@ from gateway.config import Kind, Role
 from gateway.inference import INFERENCE_PATHS, TOKENIZE_INLINE_MAX
 from gateway.policies.base import Choice, NoCandidates, RouteRequest
 from gateway.policies.loads import LoadTicket, LoadTracker
-from gateway.requests import BadRequest, PromptTokens, decode_body, parse_request, prompt_tokens
+from gateway.requests import (
+    BASE,
+    BadRequest,
+    PromptTokens,
+    RequestNamespace,
+    UnknownAdapter,
+    decode_body,
+    parse_request,
+    prompt_tokens,
+)
 from gateway.routing.router import Router
 from gateway.service import Gateway
 from gateway.sidecar.chooser import LLMD_PREFILL_HEADER, PREFILL_HEADER
@@ -95,42 +104,50 @@ class Picker:
     async def pick(self, path: str, body: bytes, subset: Collection[str] | None) -> Pick | Refusal:
         """The endpoint for a request of `body` to `path`, among `subset` when given."""
         try:
-            tokens, model, kind = await self._read(path, body)
+            tokens, namespace, kind = await self._read(path, body)
         except (BadRequest, TokenizeError) as exc:
             return Refusal(400, str(exc), "invalid_request_error")
-        route = await self._router.route(tokens, model)
+        except UnknownAdapter as exc:
+            return Refusal(404, str(exc), "NotFoundError")
+        route = await self._router.route(tokens, namespace)
         try:
             if self.disaggregated:
-                return self._pair(route, model, kind, subset)
-            return self._whole(route, model, kind, subset)
+                return self._pair(route, namespace, kind, subset)
+            return self._whole(route, namespace, kind, subset)
         except NoCandidates as exc:
             return Refusal(503, str(exc), "no_available_workers")
         except _Shed as exc:
             return Refusal(429, str(exc), "overloaded")
 
-    async def _read(self, path: str, body: bytes) -> tuple[PromptTokens, str | None, Kind | None]:
-        """An inference request's tokens, model and the kind of pair it needs; anything
-        else (`GET /v1/models`) is routed by load alone."""
+    async def _read(
+        self, path: str, body: bytes
+    ) -> tuple[PromptTokens, RequestNamespace, Kind | None]:
+        """An inference request's tokens, namespace (model, adapter, salt: the gateway's
+        reading) and the kind of pair it needs; anything else (`GET /v1/models`) is
+        routed by load alone."""
         endpoint = INFERENCE_PATHS.get(path.partition("?")[0])
         if endpoint is None:
-            return PromptTokens(None, None, "not_inference"), None, None
+            return PromptTokens(None, None, "not_inference"), BASE, None
         parsed = parse_request(endpoint, decode_body(body))
+        namespace = self._router.namespace(parsed.body)
         tokenizer = self._gateway.tokenizer
         if len(body) > TOKENIZE_INLINE_MAX and parsed.token_ids is None:
             tokens = await asyncio.to_thread(prompt_tokens, parsed, tokenizer)
         else:
             tokens = prompt_tokens(parsed, tokenizer)
-        return tokens, parsed.model, "sglang" if endpoint == "generate" else None
+        return tokens, namespace, "sglang" if endpoint == "generate" else namespace.kind
 
     def _whole(
         self,
         route: RouteRequest,
-        model: str | None,
+        namespace: RequestNamespace,
         kind: Kind | None,
         subset: Collection[str] | None,
     ) -> Pick:
         among = self._open("prefill", kind, subset)
-        worker, choice, route = self._router.choose_prefill(route, (), model, kind, among)
+        worker, choice, route = self._router.choose_prefill(
+            route, (), namespace.model, kind, namespace.adapters, among
+        )
         self._router.record(choice, route, paired=False)
         pick = Pick(self._endpoints(worker, "prefill", subset), {})
         pick.prefill = self._start_prefill(worker, choice, route)
@@ -140,13 +157,14 @@ class Picker:
     def _pair(
         self,
         route: RouteRequest,
-        model: str | None,
+        namespace: RequestNamespace,
         kind: Kind | None,
         subset: Collection[str] | None,
     ) -> Pick:
-        prefill, choice, route = self._router.choose_prefill(route, (), model, kind)
+        model, adapters = namespace.model, namespace.adapters
+        prefill, choice, route = self._router.choose_prefill(route, (), model, kind, adapters)
         among = self._open("decode", prefill.kind, subset)
-        decode = self._router.choose_decode(route, prefill.kind, (), model, among)
+        decode = self._router.choose_decode(route, prefill.kind, (), model, adapters, among)
         self._router.record(choice, route)
         headers = {PREFILL_HEADER: prefill.id, LLMD_PREFILL_HEADER: prefill.id}
         pick = Pick(self._endpoints(decode, "decode", subset), headers)

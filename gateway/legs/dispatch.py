@@ -46,6 +46,7 @@ class Chooser(Protocol):
         avoid: Collection[str] = (),
         model: str | None = None,
         kind: Kind | None = None,
+        adapters: Collection[str] = (),
     ) -> RoutePlan:
         """Raises `NoCandidates` naming the role without an eligible worker."""
         ...
@@ -97,10 +98,13 @@ class Dispatcher:
         avoid: set[str] = set()
         last: Failure | None = None
         attempts = self._retries.max_attempts
-        kind: Kind | None = "sglang" if request.endpoint == "generate" else None
+        namespace = request.namespace
+        kind = "sglang" if request.endpoint == "generate" else namespace.kind
         for number in range(attempts):
             try:
-                plan = self._chooser.plan(route, request.batch, avoid, request.model, kind)
+                plan = self._chooser.plan(
+                    route, request.batch, avoid, namespace.model, kind, namespace.adapters
+                )
             except NoCandidates as exc:
                 if last is not None:
                     return last.answer

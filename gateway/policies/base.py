@@ -83,6 +83,8 @@ class RouteRequest:
     prefill: str | None = None
     """The prefill (worker id) that whoever routed the request named for it, as an endpoint
     picker names it to a decode's sidecar: the chooser prefers it while it is eligible."""
+    session: str | None = None
+    """The conversation the client named (`gateway.policies.sessions`), if any."""
 
     @property
     def prompt_tokens(self) -> int:

@@ -43,6 +43,16 @@ Every weight's measurements and the commands: `docs/gateway-design.md`.
 
 Without a lookup (no tokens, no index configured, index unreachable) the policy hands the
 choice to its load fallback (least_load) and marks it `fallback="no_lookup"`.
+
+Sessions. A request naming a session (`RouteRequest.session`) knows where its last turn
+went (`gateway.policies.sessions`). When this prompt extends that turn's (its key at the
+last turn's last block is the same), the last turn's pod counts as holding that prefix
+even where the index does not show it (not yet indexed, or the index blind): its cost
+is computed with that hit, and a tie goes to it. So the conversation stays on its pod
+while the pod is a candidate (healthy, circuit closed, ready) and not overloaded, and
+overloaded means what the policy means everywhere: another pod is expected to give the
+first token sooner. Without a lookup the last turn's prompt is counted as held there and
+the other costs are the queued terms. The session follows the choice.
 """
 
 from __future__ import annotations
@@ -55,6 +65,7 @@ from gateway.config import PrefixWeights
 from gateway.policies.base import Candidate, Choice, Policy, RouteRequest
 from gateway.policies.held import held_prefixes
 from gateway.policies.placement import PlacementLedger
+from gateway.policies.sessions import SessionTable, Turn
 
 
 class PrefixPolicy:
@@ -66,15 +77,40 @@ class PrefixPolicy:
         self._rng = rng
         self._fallback = fallback
         self.ledger = PlacementLedger()
+        ttl = weights.session_ttl_secs
+        self.sessions = None if ttl is None else SessionTable(ttl, weights.sessions_max)
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Choice:
+        sessions, session = self.sessions, request.session
+        if sessions is None or session is None:
+            return self._choose(request, candidates, None)
+        choice = self._choose(request, candidates, sessions.get(session, request.now))
+        lookup = request.lookup
+        blocks = 0 if lookup is None else min(lookup.blocks, len(lookup.keys))
+        last_key = lookup.keys[blocks - 1] if lookup is not None and blocks else None
+        turn = Turn(choice.worker, request.prompt_tokens, blocks, last_key)
+        sessions.bind(session, turn, request.now)
+        return choice
+
+    def _choose(
+        self, request: RouteRequest, candidates: Sequence[Candidate], last: Turn | None
+    ) -> Choice:
         if request.lookup is None or request.tokens is None:
+            kept = self._kept_without_lookup(request, candidates, last)
+            if kept is not None:
+                return kept
             return replace(self._fallback.choose(request, candidates), fallback="no_lookup")
         prompt = request.prompt_tokens
         block_size = request.lookup.block_size
         w = self._weights
         blocks = request.lookup.blocks
         hits = held_prefixes(request, request.lookup, candidates)
+        if last is not None:
+            extended = _extended(last, request.lookup.keys) * block_size
+            hits = [
+                (c, max(held, extended), rank) if c.worker == last.worker else (c, held, rank)
+                for c, held, rank in hits
+            ]
         top = min(max(h[1] for h in hits) // block_size, blocks)
         keys = request.lookup.keys
         copies_charged = (
@@ -102,6 +138,8 @@ class PrefixPolicy:
             scored.append((cost, candidate, dp_rank, uncached))
         lowest = min(s[0] for s in scored)
         tied = [s for s in scored if s[0] == lowest]
+        if last is not None:
+            tied = [s for s in tied if s[1].worker == last.worker] or tied
         _, chosen, dp_rank, uncached = (
             tied[self._rng.randrange(len(tied))] if len(tied) > 1 else tied[0]
         )
@@ -119,6 +157,27 @@ class PrefixPolicy:
             uncached_tokens=uncached,
         )
 
+    def _kept_without_lookup(
+        self, request: RouteRequest, candidates: Sequence[Candidate], last: Turn | None
+    ) -> Choice | None:
+        """The session's prefill when, its last turn's prompt counted as held there and
+        the queued terms as they are, no other candidate costs less."""
+        if last is None:
+            return None
+        w = self._weights
+
+        def queued(c: Candidate) -> float:
+            return w.queued_weight * c.remaining_prefill_tokens + w.request_cost * c.in_flight
+
+        held = next((c for c in candidates if c.worker == last.worker), None)
+        prompt = request.prompt_tokens
+        credit = min(last.tokens, prompt)
+        if held is None or queued(held) - w.uncached_weight * credit > min(map(queued, candidates)):
+            return None
+        return Choice(
+            held.worker, hit_tokens=credit, uncached_tokens=prompt - credit, fallback="no_lookup"
+        )
+
     def _hotter_than_holders(self, key: int, holders: int, candidates: int) -> bool:
         """Whether the prefix ending at `key` is wanted by more of the recent prompts than
         its `holders` can serve as their share of the `candidates`."""
@@ -126,3 +185,11 @@ class PrefixPolicy:
 
     def forget(self, worker: str) -> None:
         self.ledger.forget(worker)
+
+
+def _extended(last: Turn, keys: Sequence[int]) -> int:
+    """The last turn's whole blocks when this prompt extends its prompt, else 0."""
+    blocks = last.blocks
+    if not blocks or last.last_key is None or len(keys) < blocks:
+        return 0
+    return blocks if keys[blocks - 1] == last.last_key else 0

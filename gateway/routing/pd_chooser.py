@@ -38,12 +38,14 @@ class PdChooser:
         avoid: Collection[str] = (),
         model: str | None = None,
         kind: Kind | None = None,
+        adapters: Collection[str] = (),
     ) -> RoutePlan:
-        """Raises `NoCandidates` naming the empty role, as `Router.plan` does."""
-        decision = self._decide(request, batch, avoid, model, kind)
+        """Raises `NoCandidates` naming the empty role, as `Router.plan` does; only workers
+        serving every one of `adapters` are chosen."""
+        decision = self._decide(request, batch, avoid, model, kind, adapters)
         self._decisions.labels("local" if decision.local else "disaggregate", decision.reason).inc()
         if not decision.local:
-            return self.router.plan(request, batch, avoid, model, kind)
+            return self.router.plan(request, batch, avoid, model, kind, adapters)
         assert decision.decode is not None
         assert decision.choice is not None
         decode = self.router.pool.get(decision.decode.worker)
@@ -59,6 +61,7 @@ class PdChooser:
         avoid: Collection[str],
         model: str | None,
         kind: Kind | None,
+        adapters: Collection[str],
     ) -> PdDecision:
         if not self.decider.enabled:
             return PdDecision(False, "always")
@@ -69,10 +72,10 @@ class PdChooser:
             c
             for local in _LOCAL_KINDS
             if kind in (None, local)
-            for c in router.candidates("decode", (), local, model)
+            for c in router.candidates("decode", (), local, model, adapters)
             if c.worker not in avoid
         ]
-        prefills = router.candidates("prefill", avoid, kind, model)
+        prefills = router.candidates("prefill", avoid, kind, model, adapters)
         if request.lookup is not None:
             request = replace(request, pending=router.loads.pending_blocks(request.lookup.keys))
         loads = router.loads

@@ -1,9 +1,12 @@
 """Choosing a pair: the index lookup, the two policies, and the rooms. Nothing is sent here.
 
-Per request, `lookup()` asks the index once (only when the prefill policy uses it and the
+Per request, `namespace()` reads where the prompt's KV is cached (model, LoRA adapter,
+cache salt: `gateway.requests.request_namespace`, over the adapters the workers list) and
+`lookup()` asks the index once under it (only when the prefill policy uses it and the
 prompt's tokens are known); per attempt, `plan()` picks a prefill and a decode among the
 eligible workers — avoiding those that already failed this request while others remain,
-serving the request's model when workers advertise it, of the kind asked for when one is
+serving the request's model when workers advertise it, and every LoRA adapter it names,
+of the kind asked for when one is
 (SGLang's `/generate` goes to SGLang pairs only: vLLM serves no such path), the decode of
 the prefill's kind — and draws fresh rooms. When the index cannot be used the request is
 still routed, by load; the reason is counted in `globalkv_gateway_routing_fallbacks` and
@@ -21,15 +24,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from random import Random
+from typing import Any
 
 from gateway.config import Kind, Role
 from gateway.metrics import GatewayMetrics
 from gateway.policies.base import Candidate, Choice, NoCandidates, Policy, RouteRequest
 from gateway.policies.loads import LoadTracker
-from gateway.requests import PromptTokens
+from gateway.requests import BASE, PromptTokens, RequestNamespace, request_namespace
 from gateway.routing.rooms import draw_room
 from gateway.workers.pool import Worker, WorkerPool
 from globalkv.index.base import IndexUnavailable
@@ -106,20 +110,35 @@ class Router:
                 f" ({detail})" if detail else "",
             )
 
+    def namespace(self, body: Mapping[str, Any]) -> RequestNamespace:
+        """The request's namespace over what the workers serve now; raises
+        `UnknownAdapter` and `BadRequest` (`gateway.requests.request_namespace`)."""
+        models = {w.served_model for w in self.pool if w.served_model}
+        configured = self._model(None)
+        if configured is not None:
+            models.add(configured)
+        return request_namespace(body, self.pool.adapters(), models)
+
     async def lookup(
-        self, tokens: Sequence[int] | None, missing: str | None, named: str | None = None
+        self,
+        tokens: Sequence[int] | None,
+        missing: str | None,
+        namespace: RequestNamespace = BASE,
     ) -> LookupResult | None:
-        """The index's answer for the prompt, or None (with the reason counted); `named`
-        is the model the request names."""
+        """The index's answer for the prompt in `namespace`, or None (with the reason
+        counted)."""
         if not self.uses_index:
             return None
         if tokens is None:
             self.fallback(missing or "no_tokenizer")
             return None
+        if namespace.opaque:
+            self.fallback("extra_key", "SGLang's KV events do not say a block's extra_key")
+            return None
         if self._lookup is None:
             self.fallback("no_index", "neither --indexer-url nor --redis-url is set")
             return None
-        model = self._model(named)
+        model = self._model(namespace.model)
         if model is None:
             self.fallback("no_model", "no --model and no prefill advertised its model yet")
             return None
@@ -128,7 +147,9 @@ class Router:
             # Not asyncio.wait_for: a task per lookup, and on Python 3.11 it can lose a
             # cancellation (kvplumbing.tasks).
             async with asyncio.timeout(self._lookup_timeout):
-                result = await self._lookup.lookup(model, tokens)
+                result = await self._lookup.lookup(
+                    model, tokens, namespace.lora_name, namespace.cache_salt
+                )
         except (IndexUnavailable, TimeoutError) as exc:
             self.fallback("index_unavailable", repr(exc))
             return None
@@ -137,20 +158,36 @@ class Router:
         return result
 
     async def route(
-        self, tokens: PromptTokens, model: str | None, prefill: str | None = None
+        self,
+        tokens: PromptTokens,
+        namespace: RequestNamespace,
+        session: str | None = None,
+        prefill: str | None = None,
     ) -> RouteRequest:
-        """What choosing reads of one request, for all its attempts: its tokens and, for a
-        prefill policy that uses the index, the index's answer; `model` is the one it names,
-        `prefill` the prefill named for it (`RouteRequest.prefill`)."""
-        lookup = await self.lookup(tokens.tokens, tokens.missing, model)
-        return RouteRequest(tokens.tokens, tokens.text, lookup, now=self._clock(), prefill=prefill)
+        """What choosing reads of one request, for all its attempts: its tokens, the
+        session it names, the prefill named for it (`RouteRequest.prefill`) and, for a
+        prefill policy that uses the index, the index's answer in its namespace."""
+        lookup = await self.lookup(tokens.tokens, tokens.missing, namespace)
+        return RouteRequest(
+            tokens.tokens,
+            tokens.text,
+            lookup,
+            now=self._clock(),
+            session=session,
+            prefill=prefill,
+        )
 
     def candidates(
-        self, role: Role, avoid: Collection[str], kind: Kind | None, model: str | None
+        self,
+        role: Role,
+        avoid: Collection[str],
+        kind: Kind | None,
+        model: str | None,
+        adapters: Collection[str] = (),
     ) -> list[Candidate]:
-        """Eligible workers of `role`, of `kind` and serving `model` when given, without
-        those to `avoid` unless no other remains."""
-        every = self.pool.candidates(role, self.loads, kind=kind, model=model)
+        """Eligible workers of `role`, of `kind`, serving `model` when given and every one
+        of `adapters`, without those to `avoid` unless no other remains."""
+        every = self.pool.candidates(role, self.loads, kind=kind, model=model, adapters=adapters)
         if not avoid:
             return every
         fresh = [c for c in every if c.worker not in avoid]
@@ -163,10 +200,11 @@ class Router:
         avoid: Collection[str] = (),
         model: str | None = None,
         kind: Kind | None = None,
+        adapters: Collection[str] = (),
     ) -> RoutePlan:
         """Choose a pair for one attempt; raises `NoCandidates` naming the empty role."""
-        prefill, choice, request = self.choose_prefill(request, avoid, model, kind)
-        decode = self.choose_decode(request, prefill.kind, avoid, model)
+        prefill, choice, request = self.choose_prefill(request, avoid, model, kind, adapters)
+        decode = self.choose_decode(request, prefill.kind, avoid, model, adapters)
         return self.bind(request, prefill, choice, decode, batch)
 
     def choose_prefill(
@@ -175,18 +213,20 @@ class Router:
         avoid: Collection[str] = (),
         model: str | None = None,
         kind: Kind | None = None,
+        adapters: Collection[str] = (),
         among: Collection[str] | None = None,
     ) -> tuple[Worker, Choice, RouteRequest]:
-        """The prefill policy's choice among the eligible prefills (only those whose id is
-        in `among`, when given: an endpoint picker's subset), with the request as the
-        policy read it (its pending blocks added); raises `NoCandidates`."""
-        prefills = self.candidates("prefill", avoid, kind, model)
+        """The prefill policy's choice among the eligible prefills serving `adapters` (only
+        those whose id is in `among`, when given: an endpoint picker's subset), with the
+        request as the policy read it (its pending blocks added); raises `NoCandidates`."""
+        prefills = self.candidates("prefill", avoid, kind, model, adapters)
         if among is not None:
             prefills = [c for c in prefills if c.worker in among]
         if not prefills:
             which = "" if kind is None else f", {kind}"
+            serving = f", serving {', '.join(sorted(adapters))}" if adapters else ""
             raise NoCandidates(
-                f"no prefill worker is available (healthy, circuit closed, ready{which})"
+                f"no prefill worker is available (healthy, circuit closed, ready{which}{serving})"
             )
         if request.lookup is not None:
             pending = self.loads.pending_blocks(request.lookup.keys)
@@ -203,15 +243,19 @@ class Router:
         kind: Kind,
         avoid: Collection[str] = (),
         model: str | None = None,
+        adapters: Collection[str] = (),
         among: Collection[str] | None = None,
     ) -> Worker:
-        """The decode policy's choice among the eligible decodes of `kind` (only those whose
-        id is in `among`, when given); raises `NoCandidates`."""
-        decodes = self.candidates("decode", avoid, kind, model)
+        """The decode policy's choice among the eligible decodes of `kind` serving
+        `adapters` (only those whose id is in `among`, when given); raises `NoCandidates`."""
+        decodes = self.candidates("decode", avoid, kind, model, adapters)
         if among is not None:
             decodes = [c for c in decodes if c.worker in among]
         if not decodes:
-            raise NoCandidates(f"no {kind} decode worker is available (healthy, circuit closed)")
+            serving = f", serving {', '.join(sorted(adapters))}" if adapters else ""
+            raise NoCandidates(
+                f"no {kind} decode worker is available (healthy, circuit closed{serving})"
+            )
         decode = self.pool.get(self.decode_policy.choose(request, decodes).worker)
         if decode is None:
             raise NoCandidates("a chosen worker left the pool")

@@ -71,6 +71,7 @@ class SidecarChooser:
         avoid: Collection[str] = (),
         model: str | None = None,
         kind: Kind | None = None,
+        adapters: Collection[str] = (),
     ) -> RoutePlan:
         router = self._router
         decode = router.pool.get(self._decode)
@@ -78,14 +79,19 @@ class SidecarChooser:
             raise NoCandidates(f"the local decode {self._decode} is not available")
         if kind is not None and kind != decode.kind:
             raise NoCandidates(f"the local decode speaks {decode.kind}, not {kind}")
+        missing = set(adapters) - decode.adapters.keys()
+        if missing:
+            raise NoCandidates(f"the local decode serves no {', '.join(sorted(missing))}")
         named = request.prefill
         if named is not None and named not in avoid:
             try:
                 prefill, choice, request = router.choose_prefill(
-                    request, avoid, model, decode.kind, among=(named,)
+                    request, avoid, model, decode.kind, adapters, among=(named,)
                 )
                 return router.bind(request, prefill, choice, decode, batch)
             except NoCandidates:
                 log.debug("prefill %s named for the request is not available", named)
-        prefill, choice, request = router.choose_prefill(request, avoid, model, decode.kind)
+        prefill, choice, request = router.choose_prefill(
+            request, avoid, model, decode.kind, adapters
+        )
         return router.bind(request, prefill, choice, decode, batch)

@@ -56,6 +56,33 @@ def _from_models(body: object) -> tuple[Kind | None, str | None]:
     return kind, model if isinstance(model, str) else None
 
 
+MAX_ADAPTERS = 4096
+"""Adapters read from one worker's `/v1/models`; more are ignored."""
+
+
+def served_adapters(body: object) -> dict[str, str]:
+    """The LoRA adapters a `/v1/models` answer lists, name → base model: the cards whose
+    `parent` names another model (vLLM and SGLang list adapters so, the base with none)."""
+    if not isinstance(body, Mapping) or not isinstance(body.get("data"), list):
+        return {}
+    adapters: dict[str, str] = {}
+    for card in body["data"][:MAX_ADAPTERS]:
+        if not isinstance(card, Mapping):
+            continue
+        name, parent = card.get("id"), card.get("parent")
+        if isinstance(name, str) and isinstance(parent, str) and name and parent != name:
+            adapters[name] = parent
+    return adapters
+
+
+async def read_adapters(
+    client: httpx.AsyncClient, url: str, timeout: float
+) -> dict[str, str] | None:
+    """The worker's adapters; None when it did not answer `/v1/models` with JSON."""
+    body = await _json(client, url + "/v1/models", timeout)
+    return None if body is None else served_adapters(body)
+
+
 async def detect_kind(client: httpx.AsyncClient, url: str, timeout: float) -> Detected:
     """The worker's kind and served model, as far as its answers tell; never raises."""
     kind, model = _from_models(await _json(client, url + "/v1/models", timeout))

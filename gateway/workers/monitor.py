@@ -4,6 +4,8 @@ One loop per gateway. For each worker, when due:
 - health: `GET <url><endpoint>` (sglang-router's check: every `interval_secs`, every
   `startup_check_interval_secs` until first seen healthy, `timeout_secs` each);
 - the worker's kind, once it answers, when it was given without one (`gateway.workers.kinds`);
+- the LoRA adapters it serves, from its `/v1/models`, with each health check it passes
+  (adapters load and unload while an engine runs);
 - discovery, once it answers: `GET <url>/server_info`, read for its KV-event endpoints,
   served model and KV capacity, and a prefill's DP size and bootstrap port
   (`gateway.workers.server_info`); a vLLM worker's capacity from its `/metrics`;
@@ -35,7 +37,7 @@ import httpx
 from gateway.config import HealthConfig, KvEventsSpec
 from gateway.http.connections import LocalResourceError
 from gateway.workers.health import Health
-from gateway.workers.kinds import detect_kind
+from gateway.workers.kinds import detect_kind, read_adapters
 from gateway.workers.pool import DirectoryStatus, Worker, WorkerPool
 from gateway.workers.server_info import int_or_none, parse_server_info, parse_vllm_capacity
 from kvplumbing.clock import Clock, Sleep
@@ -187,6 +189,8 @@ class Monitor:
                 else self._config.startup_check_interval_secs
             )
             self._next_health[worker.id] = self._clock() + interval
+            if worker.health.healthy:
+                await self._read_adapters(worker)
         if worker.spec.kind == "auto" and worker.detected_kind is None and worker.health.healthy:
             await self._detect(worker)
         if not worker.discovered and worker.health.healthy:
@@ -229,6 +233,14 @@ class Monitor:
                 error,
                 held,
             )
+
+    async def _read_adapters(self, worker: Worker) -> None:
+        """Kept as they were when the worker does not answer: a missed read must not make
+        every adapter request a 404."""
+        found = await read_adapters(self._client, worker.url, self._config.timeout_secs)
+        if found is not None and found != worker.adapters:
+            log.info("%s %s serves the LoRA adapters %s", worker.role, worker.id, sorted(found))
+            worker.adapters = found
 
     async def _detect(self, worker: Worker) -> None:
         """Asked each round until the worker tells; undetected, it is treated as SGLang."""

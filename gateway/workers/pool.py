@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -39,6 +39,7 @@ from urllib.parse import urlsplit
 from gateway.config import BreakerConfig, HealthConfig, Kind, KvEventsSpec, Role, WorkerSpec
 from gateway.policies.base import Candidate
 from gateway.policies.loads import LoadTracker
+from gateway.requests import ServedAdapter
 from gateway.workers.breaker import BreakerState, CircuitBreaker
 from gateway.workers.health import HealthTracker
 from kvplumbing.clock import Clock
@@ -103,6 +104,8 @@ class Worker:
     directory: Directory = field(default_factory=Directory)
     kv_events: KvEventsSpec | None = None
     served_model: str | None = None
+    adapters: dict[str, str] = field(default_factory=dict)
+    """The LoRA adapters it serves (name → base model), as its `/v1/models` lists them."""
     engine_block_size: int | None = None
     kv_capacity_tokens: int | None = None
     """Tokens its KV cache holds, summed over its DP ranks, as its /server_info says."""
@@ -195,6 +198,7 @@ class Worker:
             "kind": self.kind,
             "kind_detected": self.spec.kind == "auto" and self.detected_kind is not None,
             "served_model": self.served_model,
+            "adapters": sorted(self.adapters),
             "status": self.status(),
             "eligible": self.eligible,
             "health": self.health.state.value,
@@ -243,6 +247,8 @@ class WorkerPool:
         self._workers: dict[str, Worker] = {}
         self._roles: dict[Role, list[Worker]] = {"prefill": [], "decode": []}
         """The same workers by role: the request path reads these lists."""
+        self._served: tuple[list[tuple[Kind, dict[str, str]]], set[ServedAdapter]] = ([], set())
+        """`adapters()` and what it was built from: each worker's kind and adapters dict."""
 
     def add(self, spec: WorkerSpec) -> Worker:
         name = f"{spec.role} {worker_id(spec.url)}"
@@ -274,6 +280,26 @@ class WorkerPool:
     def role(self, role: Role) -> list[Worker]:
         return list(self._roles[role])
 
+    def adapters(self) -> set[ServedAdapter]:
+        """Every LoRA adapter some worker serves, with its base model and engine.
+
+        Asked per request: built again only when a worker came, went, changed kind or was
+        given new adapters (the monitor replaces a worker's dict, never edits it)."""
+        sources = [(w.kind, w.adapters) for w in self._workers.values()]
+        built, served = self._served
+        if len(built) == len(sources) and all(
+            kind == k and adapters is a
+            for (kind, adapters), (k, a) in zip(built, sources, strict=True)
+        ):
+            return served
+        served = {
+            ServedAdapter(name, base, kind)
+            for kind, adapters in sources
+            for name, base in adapters.items()
+        }
+        self._served = (sources, served)
+        return served
+
     def eligible(self, role: Role) -> list[Worker]:
         return [w for w in self._roles[role] if w.eligible]
 
@@ -284,13 +310,16 @@ class WorkerPool:
         *,
         kind: Kind | None = None,
         model: str | None = None,
+        adapters: Collection[str] = (),
     ) -> list[Candidate]:
-        """The eligible workers of `role`; of `kind` when given; and, when `model` is given
-        and some of them advertise it, those only (a model no worker advertises, as a
-        client's placeholder name, is served by any)."""
+        """The eligible workers of `role`; of `kind` when given; serving every one of
+        `adapters`; and, when `model` is given and some of them advertise it, those only (a
+        model no worker advertises, as a client's placeholder name, is served by any)."""
         workers = [w for w in self._roles[role] if w.eligible]
         if kind is not None:
             workers = [w for w in workers if w.kind == kind]
+        if adapters:
+            workers = [w for w in workers if all(a in w.adapters for a in adapters)]
         if model is not None:
             serving = [w for w in workers if w.served_model == model]
             if serving:

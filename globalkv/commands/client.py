@@ -30,6 +30,9 @@ def register_lookup(subparsers: Any) -> None:
     prompt.add_argument("--text", help="text, tokenized by the indexer's tokenizer")
     parser.add_argument("--lora-name", help="LoRA adapter name")
     parser.add_argument("--cache-salt", help="cache salt")
+    parser.add_argument(
+        "--admin-token", help="the indexer's admin token: lookups from another host need it"
+    )
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds")
     parser.set_defaults(run=run_lookup, check_config=check_lookup)
 
@@ -85,9 +88,12 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     )
 
 
-def _request(method: str, url: str, timeout: float, body: object = None) -> Any:
+def _request(
+    method: str, url: str, timeout: float, body: object = None, token: str | None = None
+) -> Any:
+    headers = {"authorization": f"Bearer {token}"} if token else {}
     try:
-        response = httpx.request(method, url, json=body, timeout=timeout)
+        response = httpx.request(method, url, json=body, timeout=timeout, headers=headers)
     except httpx.HTTPError as exc:
         raise RuntimeError(f"cannot reach {url}: {exc}") from None
     if response.status_code != 200:
@@ -104,7 +110,7 @@ def _request(method: str, url: str, timeout: float, body: object = None) -> Any:
 def run_lookup(args: argparse.Namespace) -> int:
     try:
         url = _url(args.indexer, "/v1/lookup")
-        data = _request("POST", url, args.timeout, lookup_body(args))
+        data = _request("POST", url, args.timeout, lookup_body(args), args.admin_token)
         print(_lookup_text(data))
     except (ValueError, RuntimeError) as exc:
         print(f"globalkv lookup: {exc}", file=sys.stderr)

@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 from typing import Any, get_args
 
-from globalkv.api import ApiConfig
+from globalkv.api import OPEN_LOOKUPS_FLAG, ApiConfig
 from globalkv.indexer import IndexerConfig, run_indexer
 from globalkv.ingest.config import ALLOW_SCHEME_FLAG, EndpointScheme, IngestConfig
 from globalkv.ingest.publishers import ALLOW_PUBLISHER_FLAG
@@ -61,7 +61,13 @@ def register(subparsers: Any) -> None:
     add(
         "--insecure",
         action="store_true",
-        help="without --admin-token, let any host register and remove pods",
+        help="without --admin-token, let any host register and remove pods, and look up",
+    )
+    add(
+        OPEN_LOOKUPS_FLAG,
+        action="store_true",
+        help="answer POST /v1/lookup from any host without a token; lookups tell which "
+        "prompts the cache holds, so by default they follow the admin token (or loopback)",
     )
     add(
         ALLOW_SCHEME_FLAG,
@@ -165,6 +171,7 @@ def config_from_args(args: argparse.Namespace) -> IndexerConfig:
                 "api": {
                     "admin_token": args.admin_token,
                     "insecure": args.insecure,
+                    "open_lookups": args.open_lookups,
                     "max_tokens": args.max_tokens,
                     "max_body_bytes": args.max_body_bytes,
                 },

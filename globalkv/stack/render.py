@@ -75,8 +75,8 @@ def _curl(url: str, body: object) -> str:
 def curl_lines(
     cluster: _Running, model: str, *, admin_token: bool = False, diagnosed: str | None = None
 ) -> str:
-    """`admin_token`: the cluster has one, which doctor needs (it is not printed);
-    `diagnosed`: what doctor reads as the gateway (the picker, behind Envoy)."""
+    """`admin_token`: the cluster has one, which doctor and lookups need (it is not
+    printed); `diagnosed`: what doctor reads as the gateway (the picker, behind Envoy)."""
     gateway, indexer = cluster.gateway_url, cluster.indexer_url
     doctor = f"python -m globalkv doctor --gateway {diagnosed or gateway} --indexer {indexer}"
     walk = "  # walk the diagnostic path"
@@ -86,6 +86,8 @@ def curl_lines(
     chat = {"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16}
     completion = {"model": model, "prompt": DEMO_PROMPT, "max_tokens": 16}
     lookup = {"model": model, "text": DEMO_PROMPT}
+    # lookups are tenants' data: an indexer with a token answers them only with it
+    auth = " -H 'authorization: Bearer TOKEN'" if admin_token else ""
     return "\n".join(
         [
             "Try:",
@@ -94,7 +96,7 @@ def curl_lines(
             "  # a completion; send it twice: the second reports cached_tokens",
             f"  {_curl(f'{gateway}/v1/completions', completion)}",
             "  # which pod holds how long a prefix of that prompt",
-            f"  {_curl(f'{indexer}/v1/lookup', lookup)}",
+            f"  {_curl(f'{indexer}/v1/lookup', lookup)}{auth}",
             walk,
             f"  {doctor}",
         ]

@@ -9,8 +9,10 @@ import msgpack
 from globalkv.wire.events import BlockRemoved, BlockStored, Event, EventBatch
 
 Flavor = Literal["vllm", "vllm-array", "sglang"]
-"""`vllm`: maps, unsigned hashes (vLLM ≥ 0.24); `vllm-array`: arrays (vLLM 0.18–0.23);
-`sglang`: maps with signed hashes and no `lora_name` (SGLang 0.5.23)."""
+"""`vllm`: maps, unsigned hashes, the namespace in untagged `extra_keys` (vLLM 0.33);
+`vllm-array`: arrays (vLLM 0.18–0.23); `sglang`: maps with signed hashes, the namespace in
+`lora_name` and `cache_salt` (SGLang 0.5.23). The tests hold the first and the last to
+the engines' own bytes."""
 
 FLAVORS: tuple[Flavor, ...] = ("vllm", "vllm-array", "sglang")
 
@@ -18,15 +20,32 @@ FLAVORS: tuple[Flavor, ...] = ("vllm", "vllm-array", "sglang")
 def encode_batch(batch: EventBatch, flavor: Flavor) -> bytes:
     """The payload an engine of `flavor` would publish for `batch`."""
     if flavor == "vllm":
-        events: list[object] = [_vllm_map(e) for e in batch.events]
-    elif flavor == "vllm-array":
-        events = [_vllm_array(e) for e in batch.events]
+        return _vllm_batch(batch)
+    if flavor == "vllm-array":
+        events: list[object] = [_vllm_array(e) for e in batch.events]
     elif flavor == "sglang":
         events = [_sglang_map(e) for e in batch.events]
     else:
         raise ValueError(f"unknown flavor {flavor!r}; expected one of {FLAVORS}")
     out: bytes = msgpack.packb([float(batch.ts), events, batch.dp_rank])
     return out
+
+
+def _vllm_batch(batch: EventBatch) -> bytes:
+    """vLLM's bytes exactly: msgspec sizes a struct's map header by the fields the struct
+    has, not by those it writes, so a BlockStored (more than 15 fields) always gets a
+    16-bit length where msgpack would write a short map."""
+    packer = msgpack.Packer()
+    parts = [b"\x93", packer.pack(float(batch.ts)), packer.pack_array_header(len(batch.events))]
+    for event in batch.events:
+        fields = _vllm_map(event)
+        if isinstance(event, BlockStored):
+            parts.append(b"\xde" + len(fields).to_bytes(2, "big"))
+            parts.extend(packer.pack(k) + packer.pack(v) for k, v in fields.items())
+        else:
+            parts.append(packer.pack(fields))
+    parts.append(packer.pack(batch.dp_rank))
+    return b"".join(parts)
 
 
 def _signed(h: int) -> int:
@@ -47,16 +66,12 @@ def _vllm_map(event: Event) -> dict[str, object]:
         }
         if event.extra_keys is not None:
             out["extra_keys"] = list(event.extra_keys)
-        if event.group_idx:
-            out["group_idx"] = event.group_idx
-        if event.cache_salt is not None:
-            out["cache_salt"] = event.cache_salt
+        out["group_idx"] = event.group_idx
         return out
     if isinstance(event, BlockRemoved):
         out = {"type": "BlockRemoved", "block_hashes": list(event.block_hashes)}
         out["medium"] = event.medium
-        if event.group_idx:
-            out["group_idx"] = event.group_idx
+        out["group_idx"] = event.group_idx
         return out
     return {"type": "AllBlocksCleared"}
 
@@ -93,6 +108,10 @@ def _sglang_map(event: Event) -> dict[str, object]:
         }
         if event.medium is not None:
             out["medium"] = event.medium
+        if event.cache_salt is not None:
+            out["cache_salt"] = event.cache_salt
+        if event.lora_name is not None:
+            out["lora_name"] = event.lora_name
         return out
     if isinstance(event, BlockRemoved):
         out = {"type": "BlockRemoved", "block_hashes": [_signed(h) for h in event.block_hashes]}

@@ -118,7 +118,8 @@ async def setup(
     registry = MemoryRegistry()
     ingest = IngestService(index, registry, IngestMetrics(prom), context=context)
     app = create_app(
-        ApiConfig(admin_token=TOKEN, max_body_bytes=64 * 1024, max_tokens=1000),
+        # lookups opened: who may read them is tests/api/test_protected.py's
+        ApiConfig(admin_token=TOKEN, open_lookups=True, max_body_bytes=64 * 1024, max_tokens=1000),
         index=index,
         registry=registry,
         ingest=ingest,
@@ -461,3 +462,32 @@ async def test_any_json_body_is_answered_without_a_server_error(
     for path in ("/v1/lookup", "/v1/pods"):
         response = await client.post(path, json=body, headers=AUTH)
         assert response.status_code < 500, (path, body, response.text)
+
+
+async def test_the_gateway_s_lookups_carry_the_indexer_token(index: MemoryIndex) -> None:
+    app = _app(index, config=ApiConfig(admin_token=TOKEN))
+    async with await _client(app) as client:
+        found = await HttpLookup(client, "http://indexer", token=TOKEN).lookup("m", [1, 2, 3, 4])
+        assert [p.pod for p in found.pods] == ["p0"]
+
+
+async def test_a_salted_chain_is_found_only_with_its_salt() -> None:
+    """Whoever may look up learns nothing of a salted tenant's prompts without the salt."""
+    index = MemoryIndex(4)
+    salted = StoreBlocks(
+        hashes=[EngineHash(1)],
+        parent=None,
+        token_ids=[1, 2, 3, 4],
+        block_size=4,
+        tier=Tier.GPU,
+        namespace=root_key("m", None, "tenant-secret"),
+    )
+    await index.apply(SourceBatch(Source("p0"), 0, 1.0, [salted]))
+    async with await _client(_app(index)) as client:
+        for namespace in ({}, {"cache_salt": "tenant-guess"}, {"lora_name": "tenant-secret"}):
+            body = {"model": "m", "token_ids": [1, 2, 3, 4], **namespace}
+            assert (await client.post("/v1/lookup", json=body)).json()["pods"] == []
+        body = {"model": "m", "token_ids": [1, 2, 3, 4], "cache_salt": "tenant-secret"}
+        assert [p["pod"] for p in (await client.post("/v1/lookup", json=body)).json()["pods"]] == [
+            "p0"
+        ]

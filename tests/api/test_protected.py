@@ -1,4 +1,5 @@
-"""Who may change the index's pods: protected mode, and the endpoint schemes a pod may use.
+"""Who may change the index's pods and read its lookups: protected mode, and the endpoint
+schemes a pod may use.
 
 Clients are told apart by their peer address, which the ASGI transport sets here; the
 real thing, a client in another network namespace, is `tests/integration/test_protected_netns.py`.
@@ -84,13 +85,11 @@ async def test_without_a_token_other_hosts_are_refused_and_told_how_to_fix_it(
         assert await registry.get("p0") is not None
 
 
-async def test_reads_and_lookups_answer_any_host(indexer: Clients) -> None:
+async def test_reads_other_than_lookups_answer_any_host(indexer: Clients) -> None:
     async with indexer(REMOTE) as (client, _):
         assert (await client.get("/v1/pods")).status_code == 200
         assert (await client.get("/health")).status_code == 200
         assert (await client.get("/metrics")).status_code == 200
-        lookup = await client.post("/v1/lookup", json={"model": "m", "token_ids": [1, 2, 3, 4]})
-        assert lookup.status_code == 200, lookup.text
 
 
 async def test_insecure_lets_any_host_change_pods(indexer: Clients) -> None:
@@ -136,3 +135,40 @@ async def test_an_allowed_scheme_is_followed(indexer: Clients) -> None:
     async with indexer(LOCAL, ingest_config=allowed) as (client, registry):
         assert (await client.post("/v1/pods", json=pod)).status_code == 201
         assert await registry.get("p0") is not None
+
+
+LOOKUP = {"model": "m", "token_ids": [1, 2, 3, 4]}
+
+
+async def test_lookups_are_tenants_data_and_answer_only_loopback_without_a_token(
+    indexer: Clients,
+) -> None:
+    async with indexer(LOCAL) as (client, _):
+        assert (await client.post("/v1/lookup", json=LOOKUP)).status_code == 200
+    async with indexer(REMOTE) as (client, _):
+        refused = await client.post("/v1/lookup", json=LOOKUP)
+        assert refused.status_code == 403
+        detail = refused.json()["detail"]
+        assert "which prompts the cache holds" in detail
+        assert "GLOBALKV_INDEXER_ADMIN_TOKEN" in detail
+        assert "GLOBALKV_INDEXER_OPEN_LOOKUPS" in detail
+        assert (await client.get("/v1/pods")).status_code == 200
+
+
+@pytest.mark.parametrize("config", [ApiConfig(open_lookups=True), ApiConfig(insecure=True)])
+async def test_lookups_opened_answer_any_host(indexer: Clients, config: ApiConfig) -> None:
+    async with indexer(REMOTE, config) as (client, _):
+        assert (await client.post("/v1/lookup", json=LOOKUP)).status_code == 200
+    if config.open_lookups:
+        async with indexer(REMOTE, config) as (client, _):
+            assert (await client.post("/v1/pods", json=POD)).status_code == 403
+
+
+@pytest.mark.parametrize("peer", [LOCAL, REMOTE])
+async def test_with_a_token_lookups_need_it_from_every_host(
+    indexer: Clients, peer: tuple[str, int]
+) -> None:
+    async with indexer(peer, ApiConfig(admin_token="t0ken")) as (client, _):
+        assert (await client.post("/v1/lookup", json=LOOKUP)).status_code == 401
+        auth = {"authorization": "Bearer t0ken"}
+        assert (await client.post("/v1/lookup", json=LOOKUP, headers=auth)).status_code == 200

@@ -8,6 +8,7 @@ import pytest
 from bench.cli import build_settings
 from bench.replay.config import ReplaySettings
 from bench.replay.sweep import Sweep
+from bench.replay.trace import TraceRequest, conversation
 from globalkv.cli import main, parse
 from tests.bench.traces import row, write_trace
 
@@ -168,3 +169,23 @@ def test_an_unreadable_trace_is_a_clear_error(
     argv = ["bench", "replay", "--trace", str(tmp_path / "bad.jsonl"), "--quiet"]
     assert main(argv) == 2
     assert "bad.jsonl:1: input_length must be an integer" in capsys.readouterr().err
+
+
+def test_sessions_are_flags_simulated_only() -> None:
+    settings, _ = _settings("--sessions", "--session-ttl-secs", "off")
+    assert settings.sessions
+    assert settings.prefix.session_ttl_secs is None
+    with pytest.raises(ValueError, match="sessions are simulated"):
+        _settings("--sessions", "--mode", "live")
+
+
+def test_a_replay_with_sessions_names_each_conversation(tmp_path: Path) -> None:
+    """Conversations are derived from the trace: the block after the shared first one."""
+    assert conversation(TraceRequest(0, 30, 1, (0, 7, 8))) == "7"
+    assert conversation(TraceRequest(0, 10, 1, (5,))) == "5"
+    out = tmp_path / "sessions.json"
+    argv = ["bench", "replay", "--trace", str(_trace(tmp_path)), "--pods", "2", "--quiet"]
+    argv += ["--policies", "prefix", "--sessions", "--sweep", "session-ttl-secs=off,60"]
+    assert main([*argv, "--no-plots", "--out", str(out)]) == 0
+    points = json.loads(out.read_text())["sweep"]["points"]
+    assert [p["value"] for p in points] == ["off", "60"]

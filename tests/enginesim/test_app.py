@@ -304,3 +304,92 @@ async def test_a_body_over_the_limit_gets_413_unparsed_announced_or_not(
     assert len(engine.seen) == 1
     labels = {"endpoint": "other", "outcome": "error"}
     assert registry.get_sample_value("globalkv_engine_requests_total", labels) == 1
+
+
+@pytest.mark.parametrize("api", ["sglang", "vllm"])
+async def test_models_lists_each_adapter_with_the_model_as_parent(
+    engine: ScriptedEngine, registry: CollectorRegistry, api: str
+) -> None:
+    app = build_app(engine, registry, api=api, adapters=("ad-a", "ad-b"))
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://engine"
+    ) as http:
+        data = (await http.get("/v1/models")).json()["data"]
+    assert [(m["id"], m["parent"], m["owned_by"]) for m in data] == [
+        ("sim", None, api),
+        ("ad-a", "sim", api),
+        ("ad-b", "sim", api),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("api", "path", "body", "namespace"),
+    [
+        ("vllm", "/v1/completions", {"model": "ad-a", "prompt": "hi"}, ("ad-a", 1, None)),
+        (
+            "vllm",
+            "/v1/completions",
+            {"model": "sim", "prompt": "hi", "cache_salt": "t"},
+            (None, None, "t"),
+        ),
+        ("vllm", "/v1/completions", {"model": "sim:ad-a", "prompt": "hi"}, (None, None, None)),
+        ("sglang", "/v1/completions", {"model": "sim:ad-b", "prompt": "hi"}, ("ad-b", 2, None)),
+        (
+            "sglang",
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "lora_path": "ad-a",
+                "cache_salt": "t",
+            },
+            ("ad-a", 1, "t"),
+        ),
+        (
+            "sglang",
+            "/generate",
+            {"text": ["a", "b"], "lora_path": ["ad-a", "ad-a"]},
+            ("ad-a", 1, None),
+        ),
+        ("sglang", "/generate", {"text": "a", "cache_salt": ""}, (None, None, None)),
+        ("sglang", "/v1/completions", {"model": "ad-a", "prompt": "hi"}, (None, None, None)),
+    ],
+)
+async def test_each_api_reads_adapter_and_salt_as_its_engine_does(
+    engine: ScriptedEngine,
+    registry: CollectorRegistry,
+    api: str,
+    path: str,
+    body: dict[str, Any],
+    namespace: tuple[str | None, int | None, str | None],
+) -> None:
+    """vLLM: the adapter is the `model`; SGLang: `base:adapter` or `lora_path` (a bare
+    adapter name as the model serves the base model there)."""
+    app = build_app(engine, registry, api=api, adapters=("ad-a", "ad-b"))
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://engine"
+    ) as http:
+        assert (await http.post(path, json=body)).status_code == 200
+    seen = engine.seen[-1].namespace
+    assert (seen.lora_name, seen.lora_id, seen.cache_salt) == namespace
+
+
+@pytest.mark.parametrize(
+    ("api", "body"),
+    [
+        ("vllm", {"prompt": "hi", "cache_salt": ""}),
+        ("vllm", {"prompt": "hi", "cache_salt": "a/b"}),
+        ("vllm", {"prompt": "hi", "cache_salt": "s" * 129}),
+        ("sglang", {"prompt": "hi", "lora_path": "unknown"}),
+        ("sglang", {"prompt": "hi", "model": "sim:unknown"}),
+        ("sglang", {"prompt": ["a", "b"], "cache_salt": ["s", "t"]}),
+    ],
+)
+async def test_a_salt_or_adapter_the_engine_refuses_is_a_400(
+    engine: ScriptedEngine, registry: CollectorRegistry, api: str, body: dict[str, Any]
+) -> None:
+    app = build_app(engine, registry, api=api, adapters=("ad-a",))
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://engine"
+    ) as http:
+        assert (await http.post("/v1/completions", json=body)).status_code == 400
+    assert engine.seen == []

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from enginesim.kvcache import Cleared, PagedKVCache, Removed, Stored, page_hash
+from enginesim.kvcache import CacheNamespace, Cleared, PagedKVCache, Removed, Stored, page_hash
 
 
 def tokens(start: int, count: int) -> list[int]:
@@ -149,3 +149,26 @@ def test_cached_chains_are_each_leaf_prefix_from_the_root_and_follow_eviction() 
     assert cache.cached_chains() == [[1, 2, 7, 8], [20, 21, 22, 23]]
     cache.reset()
     assert cache.cached_chains() == []
+
+
+def test_namespaces_share_nothing_and_their_hashes_differ() -> None:
+    cache = PagedKVCache(page_size=2, capacity=8)
+    tenant = CacheNamespace(lora_name="ad", lora_id=1, cache_salt="t")
+    (base,) = cache.insert([1, 2, 3, 4])
+    assert cache.peek([1, 2, 3, 4, 5], tenant) == 0
+    (salted,) = cache.insert([1, 2, 3, 4], tenant)
+    assert isinstance(base, Stored)
+    assert isinstance(salted, Stored)
+    assert salted.namespace == tenant
+    assert salted.parent is None
+    assert not set(base.hashes) & set(salted.hashes)
+    assert cache.match([1, 2, 3, 4, 5], tenant).cached_tokens == 4
+    assert cache.cached_chains() == [[1, 2, 3, 4]]
+    assert cache.cached_chains(tenant) == [[1, 2, 3, 4]]
+
+
+def test_a_namespace_goes_with_its_last_page() -> None:
+    cache = PagedKVCache(page_size=2, capacity=2)
+    for salt in map(str, range(50)):
+        cache.insert([1, 2, 3, 4], CacheNamespace(cache_salt=salt))
+    assert len(cache._roots) <= 2

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry
 
 from enginesim.config import FaultSettings
 from enginesim.faults import Faults
-from enginesim.kvcache import PagedKVCache
+from enginesim.kvcache import CacheNamespace, PagedKVCache
 from enginesim.metrics import EngineMetrics
 from enginesim.publisher import (
     KVEventPublisher,
@@ -132,7 +132,7 @@ async def test_cache_changes_decode_back_for_every_flavor(
     await harness.start()
     cache = PagedKVCache(page_size=2, capacity=2)
     for changes in (cache.insert([1, 2, 3, 4]), cache.insert([5, 6]), cache.reset()):
-        harness.publisher.publish(wire_events(changes, 2))
+        harness.publisher.publish(wire_events(changes, 2, "sglang"))
     await harness.publisher.drain()
 
     seq, [stored] = await harness.receive()
@@ -156,7 +156,7 @@ async def test_dropped_batches_skip_the_live_stream_and_replay_returns_them(
     harness = Harness(context, registry, drop_seqs=frozenset({1, 2}))
     await harness.start()
     for page in range(4):
-        harness.publisher.publish(wire_events(PagedKVCache(1, 8).insert([page]), 1))
+        harness.publisher.publish(wire_events(PagedKVCache(1, 8).insert([page]), 1, "sglang"))
     await harness.publisher.drain()
     assert (await harness.receive())[0] == 0
     assert (await harness.receive())[0] == 3
@@ -274,3 +274,23 @@ async def test_a_taken_port_fails_start_with_the_bind_error(
     assert second.bound_replay_endpoint is None
     await second.stop()
     await first.stop()
+
+
+def test_namespaced_stores_are_named_as_each_engine_names_them() -> None:
+    """vLLM 0.33: the LoRA name on every block's extra keys, the salt on the chain's first
+    block only; SGLang 0.5.23: `lora_name` and `cache_salt` on the event."""
+    cache = PagedKVCache(2, 8)
+    tenant = CacheNamespace(lora_name="ad", lora_id=1, cache_salt="t")
+    first = cache.insert([1, 2, 3, 4], tenant)
+    later = cache.insert([1, 2, 3, 4, 5, 6], tenant)
+    vllm = [e for e in wire_events([*first, *later], 2, "vllm") if isinstance(e, BlockStored)]
+    assert [(e.lora_name, e.lora_id, e.extra_keys) for e in vllm] == [
+        ("ad", 1, [["ad", "t"], ["ad"]]),
+        ("ad", 1, [["ad"]]),
+    ]
+    (sglang,) = wire_events(first, 2, "sglang")
+    assert isinstance(sglang, BlockStored)
+    assert (sglang.lora_name, sglang.cache_salt, sglang.extra_keys) == ("ad", "t", None)
+    (base,) = wire_events(PagedKVCache(2, 8).insert([1, 2]), 2, "vllm")
+    assert isinstance(base, BlockStored)
+    assert base.extra_keys == [None]

@@ -68,6 +68,8 @@ class Cluster:
         """host:port → its /server_info JSON, or an int: the status it answers instead."""
         self.metrics: dict[str, str] = {}
         """host:port → the text its /metrics answers."""
+        self.models: dict[str, Any] = {}
+        """host:port → its /v1/models JSON."""
         self._arrived = asyncio.Condition()
 
     async def wait_calls(self, count: int) -> list[Call]:
@@ -141,6 +143,8 @@ class Cluster:
                 return httpx.Response(200, json=info)
             if request.url.path == "/metrics" and key in self.metrics:
                 return httpx.Response(200, text=self.metrics[key])
+            if request.url.path == "/v1/models" and key in self.models:
+                return httpx.Response(200, json=self.models[key])
             return httpx.Response(404, json={"detail": "Not Found"})
         body = json.loads(request.content) if request.content else None
         call = Call(key, request.method, request.url.path, body)
@@ -180,6 +184,8 @@ class StubLookup:
         self.result = result or LookupResult(block_size=4, blocks=0, pods=[])
         self.down = down
         self.asked: list[tuple[str, list[int]]] = []
+        self.namespaces: list[tuple[str | None, str | None]] = []
+        """(LoRA name, cache salt) of each lookup."""
 
     async def lookup(
         self,
@@ -189,6 +195,7 @@ class StubLookup:
         cache_salt: str | None = None,
     ) -> LookupResult:
         self.asked.append((model, list(token_ids)))
+        self.namespaces.append((lora_name, cache_salt))
         if self.down:
             raise IndexUnavailable("stub index is down")
         return self.result

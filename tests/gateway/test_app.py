@@ -335,6 +335,8 @@ async def test_the_settings_in_force_are_shown_without_secrets(
         "request_cost": 0.0,
         "pressure_weight": 2.0,
         "pending_grace_secs": 2.0,
+        "session_ttl_secs": 600.0,
+        "sessions_max": 100_000,
     }
     assert (settings["index"], settings["model"], settings["model_in_use"]) == (None, "m", "m")
     assert (settings["tokenizer"], settings["tokenizer_loaded"]) == (None, True)

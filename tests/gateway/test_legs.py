@@ -46,6 +46,7 @@ class _PairsInTurn:
         avoid: Collection[str] = (),
         model: str | None = None,
         kind: Kind | None = None,
+        adapters: Collection[str] = (),
     ) -> RoutePlan:
         self.avoided.append(set(avoid))
         turn = len(self.avoided) - 1

@@ -308,7 +308,7 @@ async def test_pools_of_two_models_are_keyed_in_the_index_by_their_own() -> None
     }
     for named in ("model-b", "model-a", "not-served", None):
         parsed = parse_request("completions", {"prompt": [1, 2], "model": named})
-        await gateway.router.lookup([1, 2], None, parsed.model)
+        await gateway.router.lookup([1, 2], None, gateway.router.namespace(parsed.body))
     assert [model for model, _ in lookup.asked] == ["model-b", "model-a", "model-a", "model-a"]
 
 

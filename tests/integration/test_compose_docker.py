@@ -92,7 +92,8 @@ def test_a_chat_twice_reuses_the_prefix_and_the_index_knows_where(stack: Stack) 
     body = {"model": "emulated-model", "token_ids": token_ids}
 
     def indexed() -> bool:
-        answer = httpx.post(f"{stack.index}/v1/lookup", json=body, timeout=5).json()
+        auth = {"authorization": f"Bearer {ADMIN_TOKEN}"}  # lookups are tenants' data
+        answer = httpx.post(f"{stack.index}/v1/lookup", json=body, headers=auth, timeout=5).json()
         return bool(answer["pods"]) and answer["pods"][0]["hit_tokens"] >= cached
 
     wait_for(indexed, timeout=30, what="the index to hold the chat's prefix")

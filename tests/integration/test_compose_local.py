@@ -109,13 +109,14 @@ def test_compose_services_serve_requests_as_local_processes(stack: LocalStack) -
         assert first.json()["meta_info"]["cached_tokens"] == 0
 
         lookup = {"model": "emulated-model", "text": PROMPT}
+        auth = {"authorization": f"Bearer {PUBLISHED_DEFAULT_TOKEN}"}  # lookups are guarded
 
         def indexed() -> bool:
-            answer = client.post(f"{indexer}/v1/lookup", json=lookup)
+            answer = client.post(f"{indexer}/v1/lookup", json=lookup, headers=auth)
             return answer.status_code == 200 and bool(answer.json()["pods"])
 
         wait_for(indexed, timeout=20, what="the prompt's blocks in the Redis index")
-        (holder,) = client.post(f"{indexer}/v1/lookup", json=lookup).json()["pods"]
+        (holder,) = client.post(f"{indexer}/v1/lookup", json=lookup, headers=auth).json()["pods"]
         assert holder["pod"] in {"prefill-0", "prefill-1"}
         assert holder["hit_tokens"] >= 16 * 10
 

@@ -71,7 +71,8 @@ async def test_indexer_process_end_to_end(context: zmq.asyncio.Context) -> None:
             await bound.raw(b"garbage")
 
             async def both_visible() -> bool:
-                answer = await client.post("/v1/lookup", json={"model": "m", "token_ids": PROMPT})
+                body = {"model": "m", "token_ids": PROMPT}
+                answer = await client.post("/v1/lookup", json=body, headers=auth)
                 depths = {p["pod"]: p["hit_blocks"] for p in answer.json()["pods"]}
                 return depths == {"c0": 4, "b0": 2}
 
@@ -80,14 +81,18 @@ async def test_indexer_process_end_to_end(context: zmq.asyncio.Context) -> None:
             assert 'globalkv_ingest_dropped_total{reason="bad_frames"} 1.0' in metrics
 
         tokens = ",".join(map(str, PROMPT))
-        shown = cli("lookup", "--indexer", url, "--model", "m", "--tokens", tokens)
+        refused = cli("lookup", "--indexer", url, "--model", "m", "--tokens", tokens)
+        assert refused.returncode == 1
+        assert "401" in refused.stderr  # lookups are tenants' data: the token is needed
+        token = ("--admin-token", "t0k")
+        shown = cli("lookup", "--indexer", url, "--model", "m", "--tokens", tokens, *token)
         assert shown.returncode == 0, shown.stderr
         lines = shown.stdout.splitlines()
         assert lines[0] == "block size 4, prompt blocks 4"
         assert lines[2].split()[:4] == ["c0", "0", "4", "16"]
         assert lines[3].split()[:4] == ["b0", "0", "2", "8"]
 
-        text = cli("lookup", "--indexer", url, "--model", "m", "--text", "hello")
+        text = cli("lookup", "--indexer", url, "--model", "m", "--text", "hello", *token)
         assert text.returncode == 0, text.stderr
         assert "no pod holds" in text.stdout
 

@@ -141,7 +141,7 @@ def start(netns: Namespace) -> Iterator[Any]:
         proc.stop()
 
 
-def test_the_indexer_refuses_pods_from_another_host_and_answers_its_reads(
+def test_the_indexer_refuses_pods_and_lookups_from_another_host_and_answers_its_other_reads(
     netns: Namespace, start: Any
 ) -> None:
     indexer = start("indexer")
@@ -159,7 +159,8 @@ def test_the_indexer_refuses_pods_from_another_host_and_answers_its_reads(
     assert "GLOBALKV_INDEXER_ADMIN_TOKEN" in detail
     assert "GLOBALKV_INDEXER_INSECURE" in detail
     assert (listed[0], json.loads(listed[1])) == (200, {"pods": []})
-    assert looked_up[0] == 200
+    assert looked_up[0] == 403
+    assert "GLOBALKV_INDEXER_OPEN_LOOKUPS" in json.loads(looked_up[1])["detail"]
     assert health[0] == 200
 
 
@@ -171,6 +172,11 @@ def test_insecure_and_a_token_let_another_host_register_pods(netns: Namespace, s
     auth = {"authorization": "Bearer t0ken"}
     assert netns.request("POST", f"{guarded}/v1/pods", pod)[0] == 401
     assert netns.request("POST", f"{guarded}/v1/pods", pod, auth)[0] == 201
+    lookup = {"model": "m", "token_ids": list(range(32))}
+    assert netns.request("POST", f"{guarded}/v1/lookup", lookup)[0] == 401
+    assert netns.request("POST", f"{guarded}/v1/lookup", lookup, auth)[0] == 200
+    opened = start("indexer", "--open-lookups")
+    assert netns.request("POST", f"{opened}/v1/lookup", lookup)[0] == 200
     ipc = {"id": "p1", "kv_events": {"endpoint": "ipc:///run/engine.sock"}}
     status, text = netns.request("POST", f"{guarded}/v1/pods", ipc, auth)
     assert status == 400
@@ -275,7 +281,8 @@ def _bound_indexer(netns: Namespace, start: Any, *args: str) -> tuple[str, int]:
     """An indexer binding its SUB on every address, with a pod p0 that lives here (it
     published from loopback first) holding the block of tokens 0..15."""
     port = netns.free_port()
-    indexer = start("indexer", "--bind", f"tcp://*:{port}", *args)
+    # lookups opened: the test looks up from this host's address, which is not loopback
+    indexer = start("indexer", "--bind", f"tcp://*:{port}", "--open-lookups", *args)
     assert _publish(f"tcp://127.0.0.1:{port}", [("kv@p0@m", 0, _stored(0))], None)
     wait_for(lambda: _held(indexer, 0) == ["p0"], timeout=10, what="p0's block")
     return indexer, port

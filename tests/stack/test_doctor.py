@@ -276,11 +276,11 @@ async def test_an_unreachable_gateway_fails_first_and_the_probe_too() -> None:
     assert findings(report.stage("directories"))["pod p0"][0] is Level.OK
 
 
-async def test_the_admin_token_reads_a_gateway_that_has_one() -> None:
+async def test_the_admin_token_reads_a_gateway_that_has_one_and_the_index_s_lookups() -> None:
     fake = FakeCluster(gateway_token="t0ken")
     report = await diagnose(fake, admin_token="t0ken")
     assert report.healthy
-    assert fake.authorized == {GATEWAY}
+    assert fake.authorized == {GATEWAY, INDEXER}
 
 
 async def test_a_gateway_that_needs_a_token_is_reported_with_the_flags_to_give() -> None:

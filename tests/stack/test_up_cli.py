@@ -148,6 +148,8 @@ def test_the_curl_lines_are_valid_requests() -> None:
     with_token = curl_lines(_Urls(), "m", admin_token=True).splitlines()
     assert with_token[-1].endswith("--indexer http://127.0.0.1:8100 --admin-token TOKEN")
     assert "TOKEN: the admin token given to up" in with_token[-2]
+    (lookup,) = [shlex.split(line) for line in with_token if "/v1/lookup" in line]
+    assert lookup[lookup.index("authorization: Bearer TOKEN") - 1] == "-H"
 
 
 def test_an_unreachable_redis_is_named_before_anything_starts(

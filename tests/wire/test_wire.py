@@ -97,7 +97,7 @@ def test_vllm_array_encoder_produces_the_documented_form() -> None:
     assert msgpack.unpackb(encode_batch(GOLDEN_BATCH, "vllm-array")) == VLLM_0_18_ARRAY
 
 
-def test_vllm_map_encoder_keeps_nil_fields_and_unsigned_hashes() -> None:
+def test_vllm_map_encoder_keeps_nil_fields_unsigned_hashes_and_the_group() -> None:
     raw = msgpack.unpackb(encode_batch(GOLDEN_BATCH, "vllm"))
     assert raw[0] == 1.5
     assert raw[2] == 0
@@ -110,8 +110,14 @@ def test_vllm_map_encoder_keeps_nil_fields_and_unsigned_hashes() -> None:
         "lora_id": None,
         "medium": "GPU",
         "lora_name": None,
+        "group_idx": 0,
     }
-    assert raw[1][1] == {"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU"}
+    assert raw[1][1] == {
+        "type": "BlockRemoved",
+        "block_hashes": [7],
+        "medium": "GPU",
+        "group_idx": 0,
+    }
     assert raw[1][2] == {"type": "AllBlocksCleared"}
 
 

@@ -43,7 +43,7 @@ def register(subparsers: Any) -> None:
     add(
         "--admin-token",
         help="the gateway's --admin-token, if it has one (its /workers and /v1/config need "
-        "it when it has no API key)",
+        "it when it has no API key); also sent with the indexer's lookups",
     )
     add("--timeout", type=float, default=defaults.timeout, help="seconds per request")
     add("--no-probe", action="store_true", help="send no request through the gateway")

@@ -52,7 +52,8 @@ class DoctorConfig(BaseModel):
         None,
         min_length=1,
         repr=False,
-        description="The gateway's --admin-token, for its admin reads when it has no API key.",
+        description="The gateway's --admin-token, for its admin reads when it has no API "
+        "key, and the indexer's, for its lookups from another host.",
     )
     timeout: float = Field(5.0, gt=0, description="Seconds for each request or connection.")
     probe: bool = Field(True, description="Send probe requests through the gateway.")
@@ -98,6 +99,8 @@ class Doctor:
         headers = {"authorization": f"Bearer {token}"} if token else {}
         self._gateway_reader = Reader(client, timeout=config.timeout, headers=headers)
         self._reader = Reader(client, timeout=config.timeout)
+        admin = {"authorization": f"Bearer {config.admin_token}"} if config.admin_token else {}
+        self._indexer_reader = Reader(client, timeout=config.timeout, headers=admin)
         self._directories = DirectoryCheck(
             self._reader,
             directory_probe or DirectoryReader(client, timeout=config.timeout),
@@ -122,7 +125,7 @@ class Doctor:
             report.stage("gateway").skip("gateway", "no --gateway given")
         if config.indexer:
             pods = await check_index(
-                report.stage("index"), self._reader, config.indexer, workers, self._wall()
+                report.stage("index"), self._indexer_reader, config.indexer, workers, self._wall()
             )
         else:
             report.stage("index").skip("indexer", "no --indexer given")
@@ -141,7 +144,7 @@ class Doctor:
         if config.gateway and workers is not None:
             await check_settings(routing, self._gateway_reader, config.gateway, config.indexer)
         if config.indexer:
-            await check_lookup(routing, self._reader, config.indexer, _model(workers, pods))
+            await check_lookup(routing, self._indexer_reader, config.indexer, _model(workers, pods))
         if config.gateway and config.probe:
             for pool in _pools(workers):
                 await self._probe(report, config.gateway, pods, pool)

@@ -87,11 +87,9 @@ def create_app(gateway: Gateway, *, run_monitor: bool = True) -> FastAPI:
     @app.get("/health")
     @app.get("/liveness")
     async def live() -> Response:
+        # No `/version`: routers take a worker answering it for vLLM, and a gateway or a
+        # sidecar sits where workers are expected (behind a picker, another router).
         return JSONResponse({"status": "ok", "version": VERSION})
-
-    @app.get("/version")
-    async def version() -> Response:
-        return JSONResponse({"version": VERSION})
 
     @app.get("/readiness")
     async def readiness() -> Response:

@@ -42,8 +42,13 @@ def heavy_batch(first: int = 0) -> bytes:
     return msgpack.packb([1.0, events, 0])
 
 
-async def longest_stall(context: zmq.asyncio.Context, batches: int) -> tuple[float, float]:
-    """(wall, loop-thread CPU) seconds of the longest gap between two turns of the loop."""
+async def longest_stall(
+    context: zmq.asyncio.Context, payload: bytes, batches: int
+) -> tuple[float, float]:
+    """(wall, loop-thread CPU) seconds of the longest gap between two turns of the loop.
+
+    The batches are sent from another thread, as from another process: the loop runs only
+    the service (and the probe), so every stall measured is the service's."""
     service = IngestService(
         MemoryIndex(16),
         MemoryRegistry(),
@@ -52,9 +57,8 @@ async def longest_stall(context: zmq.asyncio.Context, batches: int) -> tuple[flo
         context=context,
     )
     await service.start()
-    pub = context.socket(zmq.XPUB)
-    pub.connect(service.bound.endpoints[0])
-    await pub.recv()  # the SUB subscribed
+    gc.collect()
+    gc.freeze()  # as the indexer does once started: full collections walk only what is new
     wall = cpu = 0.0
     woke = (time.perf_counter(), time.thread_time())
 
@@ -69,16 +73,32 @@ async def longest_stall(context: zmq.asyncio.Context, batches: int) -> tuple[flo
             await asyncio.sleep(0)
             turn()
 
-    payload = heavy_batch()
+    def publish() -> None:
+        with zmq.Context() as own, own.socket(zmq.XPUB) as pub:
+            pub.connect(service.bound.endpoints[0])
+            pub.recv()  # the SUB subscribed
+            for seq in range(batches):
+                pub.send_multipart(live_frames(b"kv@p@m", seq, payload))
+            pub.close(linger=10_000)
+
     probing = asyncio.create_task(probe())
     try:
-        for seq in range(batches):
-            await pub.send_multipart(live_frames(b"kv@p@m", seq, payload))
-        await service.followed.applied(Source("p"), batches - 1, timeout=300)
+        await asyncio.sleep(0)
+        turn()  # the gap before the probe first ran is the bench's, not the service's
+        wall = cpu = 0.0
+        sending = asyncio.get_running_loop().run_in_executor(None, publish)
+        source = Source("p")
+
+        def all_received(_: object) -> bool:
+            worker = service.followed.worker(source)
+            return worker is not None and worker.received == batches
+
+        await service.followed.wait(source, all_received, timeout=300)
+        await service.followed.flush()  # each applied, or dropped past the queue's bound
         turn()  # a stall up to now
+        await sending
     finally:
         probing.cancel()
-        pub.close(linger=0)
         await service.stop()
     return wall, cpu
 
@@ -89,11 +109,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args(argv)
     context = zmq.asyncio.Context()
+    payload = heavy_batch()
     results: dict[str, list[tuple[float, float]]] = {"collector on": [], "collector off": []}
     for _ in range(args.runs):
         for label in results:  # interleaved, so load from other processes hits both alike
             (gc.enable if label == "collector on" else gc.disable)()
-            results[label].append(asyncio.run(longest_stall(context, args.batches)))
+            results[label].append(asyncio.run(longest_stall(context, payload, args.batches)))
     gc.enable()
     context.term()
     print(f"{args.batches} batches of {MAX_BATCH_EVENTS:,} events, medians of {args.runs} runs")

@@ -101,6 +101,14 @@ def register(subparsers: Any) -> None:
     ingest = IngestConfig()
     add("--queue-size", type=int, default=ingest.queue_size, help="batches per source")
     add(
+        "--max-queued-events",
+        type=int,
+        default=ingest.max_queued_events,
+        metavar="EVENTS",
+        help="decoded events queued per source (a batch alone may pass it); past it the "
+        "bound socket drops and connected engines wait",
+    )
+    add(
         "--replay-max-bytes",
         type=int,
         default=ingest.replay_max_bytes,
@@ -178,6 +186,7 @@ def config_from_args(args: argparse.Namespace) -> IndexerConfig:
                 "ingest": {
                     "bind": args.bind,
                     "queue_size": args.queue_size,
+                    "max_queued_events": args.max_queued_events,
                     "replay_max_bytes": args.replay_max_bytes,
                     "allow_publishers": args.allow_publishers,
                     "discovered_idle_secs": args.discovered_idle_secs,

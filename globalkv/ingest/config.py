@@ -37,6 +37,14 @@ class IngestConfig(BaseModel):
         description="Batches queued per source before "
         "back-pressure (connected engines) or drops (bound socket).",
     )
+    max_queued_events: int = Field(
+        1 << 16,
+        ge=1,
+        description="Decoded events queued per source (a batch alone may pass it): what "
+        "bounds memory and garbage-collection pauses when batches arrive faster than the "
+        "index takes them, since a decoded event costs several times its bytes on the wire. "
+        "Past it, back-pressure (connected engines) or drops (bound socket).",
+    )
     max_group: int = Field(
         64,
         ge=1,

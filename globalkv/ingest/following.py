@@ -174,6 +174,7 @@ class Following:
             resyncs=self._recovery,
             fenced=self._fenced,
             queue_size=self._config.queue_size,
+            max_queued_events=self._config.max_queued_events,
             max_group=self._config.max_group,
             backoff=self._backoff,
             expected=expected,

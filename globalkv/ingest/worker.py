@@ -92,6 +92,7 @@ class SourceWorker:
         resyncs: Resyncs,
         fenced: Callable[[Source], None],
         queue_size: int = 1024,
+        max_queued_events: int = 1 << 16,
         max_group: int = 64,
         backoff: Backoff | None = None,
         expected: int | None = None,
@@ -118,6 +119,11 @@ class SourceWorker:
         """Live batches handed to this worker, queued or dropped (a plain int: per message)."""
         self.wall_clock = wall_clock
         self.queue: asyncio.Queue[Received | None] = asyncio.Queue(queue_size)
+        self.max_queued_events = max_queued_events
+        self.queued_events = 0
+        """Events of the batches in the queue; past `max_queued_events` a batch waits or
+        is dropped, unless the queue holds no events (a batch alone always fits)."""
+        self._room = asyncio.Event()
         self.state = SourceProgress(dp_rank=source.dp_rank)
         self.state.last_seq = None if expected is None else expected - 1
         self._waiters: list[tuple[Callable[[SourceProgress], bool], asyncio.Future[None]]] = []
@@ -137,7 +143,12 @@ class SourceWorker:
     async def put(self, item: Received) -> None:
         """Wait for room: back-pressure to the caller's socket."""
         self.received += 1
+        size = _events(item)
+        while not self._fits(size):
+            self._room.clear()
+            await self._room.wait()
         await self.queue.put(item)
+        self.queued_events += size
         self._m_depth.set(self.queue.qsize())
         if self._waiters:
             self._changed()
@@ -145,15 +156,28 @@ class SourceWorker:
     def offer(self, item: Received) -> bool:
         """Queue without waiting; a full queue drops the batch (seen later as a gap)."""
         self.received += 1
+        size = _events(item)
         try:
+            if not self._fits(size):
+                raise asyncio.QueueFull
             self.queue.put_nowait(item)
         except asyncio.QueueFull:
             self._drop("queue_full")
             return False
+        self.queued_events += size
         self._m_depth.set(self.queue.qsize())
         if self._waiters:
             self._changed()
         return True
+
+    def _fits(self, size: int) -> bool:
+        return not self.queued_events or self.queued_events + size <= self.max_queued_events
+
+    def _took(self, item: Received | None) -> None:
+        """`item` left the queue: its events no longer count against the bound."""
+        if item is not None:
+            self.queued_events -= _events(item)
+            self._room.set()
 
     def request_resync(self) -> None:
         self._resync_requested = True
@@ -203,6 +227,7 @@ class SourceWorker:
                 self._pending = None
             else:
                 item = await self.queue.get()
+                self._took(item)
             try:
                 if self._resync_requested:
                     await self._resync(self.expected)
@@ -248,6 +273,7 @@ class SourceWorker:
         group = [first]
         while len(group) < self.max_group and not self.queue.empty():
             item = self.queue.get_nowait()
+            self._took(item)
             if item is None:
                 self.queue.task_done()
                 continue
@@ -401,3 +427,7 @@ class SourceWorker:
         self.metrics.dropped.labels(reason).inc()
         self.state.drops += 1
         self._changed()
+
+
+def _events(item: Received) -> int:
+    return 0 if isinstance(item.batch, WireError) else len(item.batch.events)

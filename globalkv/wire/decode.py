@@ -257,10 +257,12 @@ def _hash(value: object, position: int) -> EngineHash:
     raise WireError("bad_hash", f"event {position}: hash {value!r:.60}")
 
 
-def _hashes(value: object, position: int) -> list[EngineHash]:
+def _hashes(value: object, position: int) -> tuple[EngineHash, ...]:
+    """A tuple, not a list: a tuple of ints leaves the garbage collector's care at its
+    first collection, and a large batch holds one per event (`bench.ingest_stall`)."""
     if not isinstance(value, list):
         raise WireError("bad_hash", f"event {position}: block_hashes is not a list")
-    return [_hash(h, position) for h in value]
+    return tuple([_hash(h, position) for h in value])
 
 
 def _tokens(value: object, position: int) -> array[int]:

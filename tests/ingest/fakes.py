@@ -35,6 +35,8 @@ class RecordingIndex:
     """With `lose_data`: only these sources' state is wiped, and the error names them."""
     gate: asyncio.Event | None = None
     """When set, applies wait for it: a slow index."""
+    at_gate: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set once an apply waits at the gate: its batch has left the worker's queue."""
 
     def _check(self) -> None:
         if self.unavailable:
@@ -43,6 +45,7 @@ class RecordingIndex:
 
     async def apply(self, batch: SourceBatch) -> ApplyResult:
         if self.gate is not None:
+            self.at_gate.set()
             await self.gate.wait()
         self._check()
         if self.lose_data:

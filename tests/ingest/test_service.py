@@ -7,10 +7,16 @@ import socket
 
 import msgpack
 import pytest
+import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
 from globalkv.index.base import Source, StoreBlocks
+from globalkv.ingest import border
+from globalkv.ingest.border import Received
+from globalkv.ingest.replay import ReplayClient
+from globalkv.ingest.worker import SourceWorker
 from globalkv.keys import EngineHash, root_key
+from globalkv.metrics import IngestMetrics
 from globalkv.registry import KvEventsConfig, MemoryRegistry, PodInfo
 from globalkv.wire import BlockStored, Event, EventBatch, encode_batch, live_frames
 from tests.ingest.conftest import PublisherFactory, ServiceFactory
@@ -514,6 +520,88 @@ async def test_full_queue_on_the_bound_socket_drops_then_recovers(
     applied = index.applied[Source("p")]
     assert applied[0] == 0
     assert applied[-2:] == [-1, 6]
+
+
+async def test_the_bound_socket_drops_a_batch_past_the_queued_events_bound(
+    make_service: ServiceFactory,
+    make_publisher: PublisherFactory,
+    index: RecordingIndex,
+    prom: CollectorRegistry,
+) -> None:
+    """A decoded event costs several times its wire bytes: what a source may queue is
+    bounded in events, a batch larger than the bound passing alone."""
+    service = make_service(bind=["tcp://127.0.0.1:0"], max_queued_events=3)
+    await service.start()
+    pub = await make_publisher(
+        endpoint=service.bound.endpoints[0], connect=True, replay_endpoint=None, topic="kv@p@m"
+    )
+    await pub.wait_subscribed()
+    index.gate = asyncio.Event()
+    await pub.send([store(0)])
+    await index.at_gate.wait()  # batch 0 is being applied: the queue is empty
+    await pub.send([store(n) for n in range(1, 6)])  # 5 events, more than 3: alone, it fits
+    await pub.send([store(6)])
+    source = Source("p")
+    await service.followed.wait(source, lambda state: state.drops > 0)
+    worker = service.followed.worker(source)
+    assert worker is not None
+    assert worker.queued_events == 5
+    assert sample(prom, "globalkv_ingest_dropped_total", reason="queue_full") == 1
+    index.gate.set()
+    await service.followed.flush()
+    assert worker.queued_events == 0
+    assert index.applied[source] == [0, 1]
+
+
+async def test_a_connected_source_waits_for_room_in_events_before_queueing(
+    context: zmq.asyncio.Context, index: RecordingIndex
+) -> None:
+    metrics = IngestMetrics(CollectorRegistry())
+    worker = SourceWorker(
+        Source("p"),
+        "m",
+        None,
+        index=index,
+        replayer=ReplayClient(context, metrics),
+        metrics=metrics,
+        resyncs=_NoResyncs(),
+        fenced=lambda source: None,
+        max_queued_events=3,
+        expected=0,
+    )
+    model = "m"
+    await worker.put(await received(0, EventBatch(0.0, [store(n) for n in range(5)]), model))
+    assert worker.queued_events == 5  # more than the bound, alone in the queue
+    waiting = asyncio.create_task(worker.put(await received(1, EventBatch(0.0, [store(5)]), model)))
+    await asyncio.sleep(0)  # one turn: an unbounded queue would have taken it by now
+    assert not waiting.done()
+    assert worker.queue.qsize() == 1
+    running = asyncio.create_task(worker.run())
+    try:
+        await asyncio.wait_for(worker.applied(1), 10)
+        assert waiting.done()
+        assert index.applied[Source("p")] == [0, 1]
+        assert worker.queued_events == 0
+    finally:
+        running.cancel()
+
+
+class _NoResyncs:
+    def data_lost(self, source: Source, lost: frozenset[Source] | None) -> None:
+        raise AssertionError("no data is lost here")
+
+    def resynced(self, source: Source) -> None:
+        raise AssertionError("nothing is resynced here")
+
+    def holding(self, source: Source, reason: str) -> None:
+        raise AssertionError("the index refuses nothing here")
+
+    def released(self, source: Source) -> None:
+        """Told after every write the index took."""
+
+
+async def received(seq: int, batch: EventBatch, model: str) -> Received:
+    return await border.received(seq, batch, model, 0.0, IngestMetrics(CollectorRegistry()))
 
 
 async def test_remove_pod_stops_and_clears(

@@ -50,13 +50,13 @@ GOLDEN_BATCH = EventBatch(
     ts=1.5,
     events=[
         BlockStored(
-            block_hashes=[H(2**64 - 2), H(7)],
+            block_hashes=(H(2**64 - 2), H(7)),
             parent_block_hash=None,
             token_ids=[1, 2, 3, 4],
             block_size=2,
             medium="GPU",
         ),
-        BlockRemoved(block_hashes=[H(7)], medium="GPU"),
+        BlockRemoved(block_hashes=(H(7),), medium="GPU"),
         AllBlocksCleared(),
     ],
     dp_rank=0,
@@ -80,7 +80,7 @@ def test_sglang_golden_bytes_decode() -> None:
     assert _normalised(batch) == _normalised(GOLDEN_BATCH)
     stored = batch.events[0]
     assert isinstance(stored, BlockStored)
-    assert stored.block_hashes == [2**64 - 2, 7]
+    assert stored.block_hashes == (2**64 - 2, 7)
     assert isinstance(stored.token_ids, array)
 
 
@@ -127,7 +127,7 @@ def test_every_flavor_round_trips(flavor: str) -> None:
         ts=2.25,
         events=[
             BlockStored(
-                block_hashes=[H(2**63 + 5), H(3)],
+                block_hashes=(H(2**63 + 5), H(3)),
                 parent_block_hash=H(2**64 - 1),
                 token_ids=list(range(8)),
                 block_size=4,
@@ -135,7 +135,7 @@ def test_every_flavor_round_trips(flavor: str) -> None:
                 medium="CPU",
                 lora_name=None if flavor == "sglang" else "adapter",
             ),
-            BlockRemoved(block_hashes=[H(3)], medium="CPU"),
+            BlockRemoved(block_hashes=(H(3),), medium="CPU"),
         ],
         dp_rank=None,
     )
@@ -158,7 +158,7 @@ def test_vllm_0_9_shapes_two_element_batch_and_short_events() -> None:
     assert stored.medium is None
     assert stored.lora_id is None
     assert isinstance(removed, BlockRemoved)
-    assert removed.block_hashes == [2]
+    assert removed.block_hashes == (2,)
     assert removed.medium is None
 
 
@@ -207,7 +207,7 @@ def test_newer_store_fields_and_remote_locality() -> None:
     assert batch.skipped == 2
     (stored,) = batch.events
     assert isinstance(stored, BlockStored)
-    assert stored.block_hashes == [0x0102]
+    assert stored.block_hashes == (0x0102,)
     assert stored.parent_block_hash == 2**64 - 1
     assert stored.cache_salt == "salt"
 
@@ -220,7 +220,7 @@ def test_signed_and_bytes_hashes_normalise_to_the_same_value() -> None:
         event = ["BlockRemoved", [value]]
         (removed,) = decode_batch(msgpack.packb([0.0, [event]])).events
         assert isinstance(removed, BlockRemoved)
-        assert removed.block_hashes == [as_int]
+        assert removed.block_hashes == (as_int,)
 
 
 @pytest.mark.parametrize(

@@ -249,6 +249,14 @@ class DiscoveryConfig(BaseModel):
         "so it is accepted (and ignored) only beside a prefill or decode selector.",
     )
     port: int = Field(80, ge=1, le=65535, description="Port of a discovered pod's worker URL.")
+    decode_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="Port of a discovered decode pod's worker URL where it is not "
+        "--service-discovery-port: the decode's sidecar, which an endpoint picker sends "
+        "requests to; none: --service-discovery-port.",
+    )
     namespace: str | None = Field(
         None, min_length=1, description="Namespace watched; none: every namespace."
     )

@@ -144,6 +144,7 @@ SETTINGS: tuple[tuple[str, type[BaseModel], dict[str, str]], ...] = (
             "decode_selector": "--decode-selector",
             "selector": "--selector",
             "port": "--service-discovery-port",
+            "decode_port": "--decode-service-discovery-port",
             "namespace": "--service-discovery-namespace",
             "bootstrap_port_annotation": "--bootstrap-port-annotation",
             "worker_file": "--worker-file",

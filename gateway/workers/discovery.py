@@ -46,6 +46,7 @@ def discovery_source(config: DiscoveryConfig) -> Source | None:
         prefill_selector=parse_selector(config.prefill_selector),
         decode_selector=parse_selector(config.decode_selector),
         port=config.port,
+        decode_port=config.decode_port,
         namespace=config.namespace,
         bootstrap_port_annotation=config.bootstrap_port_annotation,
     )

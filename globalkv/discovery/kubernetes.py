@@ -78,6 +78,8 @@ class KubernetesDiscovery:
     prefill_selector: Mapping[str, str]
     decode_selector: Mapping[str, str]
     port: int = DEFAULT_PORT
+    decode_port: int | None = None
+    """A decode pod's port where it is not `port`: its sidecar, for an endpoint picker."""
     namespace: str | None = None
     bootstrap_port_annotation: str = DEFAULT_BOOTSTRAP_PORT_ANNOTATION
     max_workers: int = 4096
@@ -93,8 +95,9 @@ class KubernetesDiscovery:
     def __post_init__(self) -> None:
         if not (self.prefill_selector or self.decode_selector):
             raise ValueError("Kubernetes discovery needs a prefill or a decode selector")
-        if not 1 <= self.port <= 65535:
-            raise ValueError(f"service discovery port {self.port} is not 1-65535")
+        for port in (self.port, self.decode_port or self.port):
+            if not 1 <= port <= 65535:
+                raise ValueError(f"service discovery port {port} is not 1-65535")
         if self.namespace == "":
             raise ValueError("service discovery namespace must not be empty")
         if self.max_workers < 1 or self.watch_timeout <= 0:
@@ -150,9 +153,10 @@ def pod_worker(settings: KubernetesDiscovery, pod: Pod) -> DiscoveredWorker | No
                 f"pod {pod_id}: annotation {settings.bootstrap_port_annotation}="
                 f"{annotation[:40]!r} is not a port (1-65535)",
             )
+    port = settings.decode_port if role == "decode" and settings.decode_port else settings.port
     return DiscoveredWorker(
         id=pod_id,
-        url=f"http://{host}:{settings.port}",
+        url=f"http://{host}:{port}",
         role=role,
         bootstrap_port=bootstrap_port,
     )

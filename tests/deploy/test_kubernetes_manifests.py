@@ -7,8 +7,10 @@ reading pods, secrets referenced rather than written."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 KUSTOMIZE = ROOT / "deploy" / "kubernetes"
 OVERLAYS = sorted(p.name for p in (KUSTOMIZE / "overlays").iterdir() if p.is_dir())
 KUBERNETES_VERSION = "1.32.0"
+CONFIGURATION = (ROOT / "docs" / "configuration.md").read_text()
 CRDS = {
     ("gateway.networking.k8s.io/v1", "HTTPRoute"): "httproute-v1.schema.json",
     ("inference.networking.k8s.io/v1", "InferencePool"): "inferencepool-v1.schema.json",
@@ -107,22 +110,73 @@ def test_rbac_reads_pods_in_the_namespace_only(overlay: str) -> None:
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
     ]
     (binding,) = by_kind(objects, "RoleBinding").values()
-    assert {s["name"] for s in binding["subjects"]} == {"globalkv-gateway", "globalkv-epp"}
+    assert {s["name"] for s in binding["subjects"]} == {
+        "globalkv-gateway",
+        "globalkv-epp",
+        "globalkv-sidecar",
+    }
 
 
-def test_the_inference_pool_selects_the_model_servers_and_names_the_epp() -> None:
+def test_the_inference_pool_selects_the_decodes_sidecars_and_names_the_epp() -> None:
     objects = render("in-cluster-redis")
     pool = by_kind(objects, "InferencePool")["globalkv-llm"]["spec"]
-    gateway = by_kind(objects, "Deployment")["globalkv-gateway"]
-    env = {
-        e["name"]: e.get("value")
-        for e in gateway["spec"]["template"]["spec"]["containers"][0]["env"]
-    }
-    for role in ("PREFILL", "DECODE"):
-        selector = dict(p.split("=") for p in env[f"GLOBALKV_GATEWAY_{role}_SELECTOR"].split(","))
-        assert pool["selector"]["matchLabels"].items() <= selector.items()
-    epp = by_kind(objects, "Service")["globalkv-epp"]
-    assert pool["endpointPickerRef"]["name"] == epp["metadata"]["name"]
-    assert pool["endpointPickerRef"]["port"]["number"] == epp["spec"]["ports"][0]["port"]
+    deployments = by_kind(objects, "Deployment")
+    gateway, epp = (plain_env(deployments[name]) for name in ("globalkv-gateway", "globalkv-epp"))
+    decodes = dict(p.split("=") for p in epp["GLOBALKV_EPP_DECODE_SELECTOR"].split(","))
+    assert pool["selector"]["matchLabels"] == decodes
+    assert pool["targetPorts"] == [
+        {"number": int(epp["GLOBALKV_EPP_DECODE_SERVICE_DISCOVERY_PORT"])}
+    ]
+    assert epp["GLOBALKV_EPP_PREFILL_SELECTOR"] == gateway["GLOBALKV_GATEWAY_PREFILL_SELECTOR"]
+    assert epp["GLOBALKV_EPP_DECODE_SELECTOR"] == gateway["GLOBALKV_GATEWAY_DECODE_SELECTOR"]
+    service = by_kind(objects, "Service")["globalkv-epp"]
+    assert pool["endpointPickerRef"]["name"] == service["metadata"]["name"]
+    assert pool["endpointPickerRef"]["port"]["number"] == service["spec"]["ports"][0]["port"]
     (route,) = by_kind(objects, "HTTPRoute").values()
     assert route["spec"]["rules"][0]["backendRefs"][0]["name"] == "globalkv-llm"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_each_command_accepts_the_settings_its_manifest_gives(overlay: str) -> None:
+    """Every `GLOBALKV_<COMMAND>_*` variable is one of the command's flags, and the command
+    checks the whole configuration (`globalkv --check`) without complaint."""
+    for name, deployment in by_kind(render(overlay), "Deployment").items():
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        if not container["image"].startswith("globalkv"):
+            continue
+        (command,) = container["args"]
+        env = {
+            variable: "redis://redis:6379/0" if variable.endswith("_REDIS_URL") else value
+            for variable, value in plain_env(deployment, secret="s3cret", namespace="llm").items()
+        }
+        prefix = f"GLOBALKV_{command.upper()}_"
+        for variable in env:
+            if variable.startswith("GLOBALKV_"):
+                assert variable.startswith(prefix), f"{name}: {variable}"
+                assert f"`{variable}`" in CONFIGURATION, f"{name}: {variable} is no flag's"
+        done = subprocess.run(
+            [sys.executable, "-m", "globalkv", "--check", command],
+            env={**os.environ, **env},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, f"{name}: {done.stderr}"
+
+
+def plain_env(
+    deployment: dict[str, Any], *, secret: str | None = None, namespace: str | None = None
+) -> dict[str, str]:
+    """The first container's variables with a value, and, when given, `secret` for each
+    read from a Secret and `namespace` for the pod's namespace."""
+    (container, *_) = deployment["spec"]["template"]["spec"]["containers"]
+    env: dict[str, str] = {}
+    for item in container.get("env", []):
+        source = item.get("valueFrom", {})
+        if "value" in item:
+            env[item["name"]] = item["value"]
+        elif "secretKeyRef" in source and secret is not None:
+            env[item["name"]] = secret
+        elif source.get("fieldRef", {}).get("fieldPath") == "metadata.namespace" and namespace:
+            env[item["name"]] = namespace
+    return env

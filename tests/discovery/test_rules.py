@@ -77,6 +77,19 @@ def test_a_ready_running_pod_is_a_worker_at_the_discovery_port() -> None:
     assert worker(raw) == DiscoveredWorker("default/p", "http://127.0.0.5:80", "prefill", 8998)
 
 
+def test_decode_pods_may_be_reached_at_their_own_port() -> None:
+    """An endpoint picker sends requests to the decodes' sidecars, beside the engines."""
+    settings = KubernetesDiscovery(
+        prefill_selector={"role": "prefill"}, decode_selector={"role": "decode"}, decode_port=8100
+    )
+    decode = pod_worker(settings, Pod.from_dict(pod("d", {"role": "decode"}, ip="127.0.0.4")))
+    prefill = pod_worker(settings, Pod.from_dict(pod("p", {"role": "prefill"}, ip="127.0.0.5")))
+    assert decode == DiscoveredWorker("default/d", "http://127.0.0.4:8100", "decode")
+    assert prefill == DiscoveredWorker("default/p", "http://127.0.0.5:80", "prefill")
+    with pytest.raises(ValueError, match="port 70000"):
+        KubernetesDiscovery(prefill_selector={"a": "b"}, decode_selector={}, decode_port=70000)
+
+
 def test_an_ipv6_pod_ip_is_bracketed_in_the_url() -> None:
     assert worker(pod("d", {"role": "decode"}, ip="fd00::7")) == DiscoveredWorker(
         "default/d", "http://[fd00::7]:80", "decode"

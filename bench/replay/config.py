@@ -159,8 +159,10 @@ class ReplaySettings(BaseModel):
         if self.mode == "live":
             if self.cluster.attention_tokens is not None:
                 raise ValueError("live mode: the emulated engines have no attention term")
-            if self.pd_decider != "always":
-                raise ValueError("live mode does not run the disaggregation decider yet")
+            if self.pd_decider == "isl-bounding":
+                raise ValueError("live mode: isl-bounding is the simulator's baseline only")
+            if self.pd_decider != "always" and self.engine != "vllm":
+                raise ValueError("live mode: only vLLM decodes prefill locally (--engine vllm)")
             if self.cluster.kv_transfer_tokens_per_s is not None:
                 raise ValueError("live mode: the emulated engines model no KV transfer time")
             if self.sessions:

@@ -66,6 +66,8 @@ def stack_config(
     prefill += ["--prefill-overhead-ms", _flag(cluster.prefill_overhead_s * scale * 1000)]
     prefill += ["--max-batch-tokens", str(cluster.max_batch_tokens)]
     decode = ["--decode-tokens-per-s", _flag(cluster.decode_tokens_per_s / scale)]
+    if settings.pd_decider == "local-when-faster":  # the decodes prefill as the prefills do
+        decode += prefill
     w, ca = settings.prefix, settings.cache_aware
     gateway = ["--prefill-policy", policy, "--decode-policy", settings.decode_policy]
     gateway += ["--seed", str(settings.seed)]
@@ -80,6 +82,9 @@ def stack_config(
     gateway += ["--balance-rel-threshold", _flag(ca.balance_rel_threshold)]
     gateway += ["--eviction-interval-secs", _flag(ca.eviction_interval_secs)]
     gateway += ["--max-tree-size", str(ca.max_tree_size)]
+    if settings.pd_decider == "local-when-faster":
+        gateway += ["--pd-decider", "local-when-faster"]
+        gateway += ["--pd-decider-itl-weight", _flag(settings.pd_decider_itl_weight)]
     if redis_url is not None and settings.gateway_sharing == "shared":
         gateway += ["--share-state-interval-secs", _flag(settings.share_interval_s * scale)]
     run_dir = None if settings.run_dir is None else Path(settings.run_dir) / policy
@@ -270,6 +275,18 @@ def _counter(text: str, name: str, **labels: str) -> float:
     return total
 
 
+def local_share(cluster: LocalCluster) -> float | None:
+    """The share of attempts the gateways prefilled on a decode, from their
+    `globalkv_gateway_pd_decisions_total`; None when none was counted."""
+    local = total = 0.0
+    with httpx.Client(timeout=10.0) as client:
+        for url in cluster.gateway_urls:
+            text = client.get(f"{url}/metrics").text
+            local += _counter(text, "globalkv_gateway_pd_decisions_total", decision="local")
+            total += _counter(text, "globalkv_gateway_pd_decisions_total")
+    return local / total if total else None
+
+
 def pod_stats(cluster: LocalCluster) -> list[PodStats]:
     """Each prefill's computed and cached tokens and evictions, from its own metrics."""
     stats: list[PodStats] = []
@@ -313,5 +330,6 @@ def run_live(
                 replay_through(stack.gateway_urls, settings, trace, policy, progress)
             )
             record.close(pod_stats(stack), {}, wall_s=record.wall_s)
+            record.local_share = local_share(stack)
         records[policy] = record
     return records

@@ -70,6 +70,9 @@ class RunRecord:
     """What the simulated index applied (live mode: empty)."""
     failed: int = 0
     """Live requests the stack did not answer properly."""
+    local_share: float | None = None
+    """Live: the share of attempts the gateway prefilled on a decode (its metrics tell
+    the share, not which requests); the simulation counts `local` per request."""
     wall_s: float = 0.0
 
     @classmethod
@@ -178,7 +181,11 @@ def summarize(record: RunRecord, bucket_s: float) -> dict[str, Any]:
         "utilisation": float(busy.sum() / (busy.size * makespan))
         if busy.size and makespan > 0
         else _NAN,
-        "local_share": float(np.mean(record.local)) if record.local else 0.0,
+        "local_share": record.local_share
+        if record.local_share is not None
+        else float(np.mean(record.local))
+        if record.local
+        else 0.0,
         **_inter_token(record, finished),
         "fallbacks": int(sum(record.fallback)),
         "evicted_blocks": sum(p.evicted_blocks for p in record.pods),

@@ -51,3 +51,27 @@ def test_live_hit_rates_agree_with_the_simulation(tmp_path: Path) -> None:
         assert hits_between[0] - 1e-9 <= random["hit_rate"] <= hits_between[1] + 1e-9, random
     assert prefix["hit_rate"] > doc["policies"]["random"]["hit_rate"]
     assert (tmp_path / "runs" / "prefix" / "gateway.log").exists()
+
+
+def test_live_local_prefills_agree_with_the_simulation(tmp_path: Path) -> None:
+    """vLLM decodes and the gateway's decider, one request at a time: the first are
+    disaggregated (no prefill rate measured yet); after them an idle decode prefills a
+    prompt as fast as a prefill would and saves the transfer, so it does, live and in the
+    simulation alike."""
+    rows = [row(i * 1500, 60, [group * 10 + k for k in range(4)]) for i, group in
+            enumerate([0, 0, 0, 1, 1, 1])]  # fmt: skip
+    out = tmp_path / "live.json"
+    argv = [
+        "bench", "replay", "--mode", "live", "--engine", "vllm", "--quiet",
+        "--trace", str(write_trace(tmp_path / "turns.jsonl", rows)),
+        "--pods", "2", "--decode-pods", "2", "--capacity-blocks", "24",
+        "--prefill-tokens-per-s", "3000", "--policies", "prefix",
+        "--pd-decider", "local-when-faster", "--out", str(out), "--no-plots",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    doc = json.loads(out.read_text())
+    live, sim = doc["policies"]["prefix"], doc["sim"]["prefix"]
+    assert live["served"] == 6
+    assert live["failed_requests"] == 0
+    assert sim["local_share"] >= 0.5
+    assert abs(live["local_share"] - sim["local_share"]) <= 0.05, (live, sim)

@@ -14,10 +14,13 @@ benchmarks run Envoy with (JSON, which Envoy reads like YAML):
   (the picker failed open) to `fallback`, the pool's endpoints in round robin;
 - the pickers' cluster: every picker replica as an HTTP/2 endpoint, gRPC-health-checked
   on the ext_proc service name every half second, out after two failed checks (a
-  replica slow under load is not taken out for one). Envoy does not retry an ext_proc
-  stream, so a replica that dies fails its streams and those Envoy opens to it before
-  its health checks take it out (about a second); one that stops on SIGTERM fails none
-  (`globalkv epp --drain-secs`);
+  replica slow under load is not taken out for one). A stream that cannot open on a
+  replica (connection refused or reset, stream refused) is retried up to twice, each
+  time on a replica not yet tried, so a replica killed outright fails only the streams
+  in flight on it, not those Envoy opens to it before its health checks take it out. A
+  gRPC UNAVAILABLE answer is not retried: Envoy gives "no healthy replica" as one, and a
+  retried stream fails after the request body went to it, too late to fail open. A
+  replica that stops on SIGTERM fails no stream (`globalkv epp --drain-secs`);
 - `fail_open`: `failure_mode_allow` (FailOpen: a request is served without a picker);
   otherwise a request whose picker fails is answered 503 by Envoy (FailClose).
 
@@ -87,6 +90,20 @@ def _ext_proc(fail_open: bool, stream_response: bool) -> dict[str, Any]:
             "grpc_service": {
                 "envoy_grpc": {
                     "cluster_name": "pickers",
+                },
+                "retry_policy": {
+                    "retry_on": "connect-failure,refused-stream,reset",
+                    "num_retries": 2,
+                    "retry_back_off": {"base_interval": "0.005s", "max_interval": "0.05s"},
+                    "retry_host_predicate": [
+                        {
+                            "name": "envoy.retry_host_predicates.previous_hosts",
+                            "typed_config": {
+                                "@type": f"{_TYPES}.retry.host.previous_hosts.v3"
+                                ".PreviousHostsPredicate"
+                            },
+                        }
+                    ],
                 },
             },
             "failure_mode_allow": fail_open,

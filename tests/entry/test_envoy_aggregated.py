@@ -166,13 +166,15 @@ def test_a_body_that_is_no_request_is_answered_400_by_the_picker(pool: Pool) -> 
     assert answer.json()["error"]["type"] == "invalid_request_error"
 
 
-def _under_load(pool: Pool, stop: Callable[[], None], total: int = 120) -> dict[str, list[int]]:
+def _under_load(
+    pool: Pool, stop: Callable[[threading.Event], None], total: int = 120
+) -> dict[str, list[int]]:
     """Statuses of `total` requests sent 4 at a time, `stop` called once 20 have been
-    answered, grouped by when each ran: answered before `stop` was called, sent after it
-    returned, or in flight while it ran."""
+    answered; `stop` sets the event it is given once the picker stopped. Grouped by when
+    each ran: answered before, in flight when the picker stopped, or sent after."""
     done = threading.Semaphore(0)
     stopping, stopped = threading.Event(), threading.Event()
-    phases: dict[str, list[int]] = {"before": [], "during": [], "after": []}
+    phases: dict[str, list[int]] = {"before": [], "in flight": [], "after": []}
 
     def one(i: int) -> None:
         sent_after = stopped.is_set()
@@ -180,7 +182,7 @@ def _under_load(pool: Pool, stop: Callable[[], None], total: int = 120) -> dict[
             status = pool.completion(pool.closed, f"load {i}", max_tokens=2).status_code
         except httpx.HTTPError:
             status = 0
-        phase = "after" if sent_after else "during" if stopping.is_set() else "before"
+        phase = "after" if sent_after else "in flight" if stopping.is_set() else "before"
         phases[phase].append(status)
         done.release()
 
@@ -189,8 +191,7 @@ def _under_load(pool: Pool, stop: Callable[[], None], total: int = 120) -> dict[
         for _ in range(20):
             assert done.acquire(timeout=30)
         stopping.set()
-        stop()
-        stopped.set()
+        stop(stopped)
         for future in futures:
             future.result(timeout=60)
     return phases
@@ -198,29 +199,35 @@ def _under_load(pool: Pool, stop: Callable[[], None], total: int = 120) -> dict[
 
 def test_a_picker_stopped_by_sigterm_fails_no_request(pool: Pool) -> None:
     picker = pool.pickers[0]
-    phases = _under_load(pool, lambda: picker.signal(signal.SIGTERM))
-    statuses = phases["before"] + phases["during"] + phases["after"]
+
+    def terminate(stopped: threading.Event) -> None:
+        picker.signal(signal.SIGTERM)
+        stopped.set()
+
+    phases = _under_load(pool, terminate)
+    statuses = phases["before"] + phases["in flight"] + phases["after"]
     assert statuses == [200] * 120
     assert picker.popen.wait(30) == 0
 
 
-def test_a_picker_killed_fails_only_requests_sent_to_it_before_envoy_took_it_out(
-    pool: Pool,
-) -> None:
+def test_a_picker_killed_fails_only_the_requests_in_flight_on_it(pool: Pool) -> None:
     picker = pool.pickers[1]
     replacement = pool.restart_picker(0)
     pool.closed.wait_ready(pickers=2)
 
-    def kill() -> None:
+    def kill(stopped: threading.Event) -> None:
         picker.signal(signal.SIGKILL)
-        pool.closed.wait_ready(pickers=1)  # its health checks took it out
+        stopped.set()
+        # Requests go on being sent while Envoy still counts it among the pickers: their
+        # streams that find it gone are retried on the other.
+        pool.closed.wait_ready(pickers=1)
 
     phases = _under_load(pool, kill)
     assert len(phases["before"]) >= 20
     assert phases["before"] == [200] * len(phases["before"])
+    assert len(phases["in flight"]) <= 4
     assert phases["after"] == [200] * len(phases["after"])
-    for turn in range(20):  # however long Envoy took, everything after goes to the other
-        assert pool.completion(pool.closed, f"after {turn}", max_tokens=2).status_code == 200
+    assert len(phases["after"]) >= 90
     assert replacement.alive()
 
 

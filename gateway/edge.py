@@ -21,8 +21,8 @@ gateway on their network.
 
 from __future__ import annotations
 
-import string
-from collections.abc import Sequence
+import functools
+from collections.abc import Mapping, Sequence
 from random import Random
 
 from starlette.middleware.cors import CORSMiddleware
@@ -31,36 +31,39 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway.config import EdgeConfig
 
 Headers = Sequence[tuple[bytes, bytes]]
+Picked = Mapping[bytes, bytes]
+"""The request headers a reader asked for, by name in lowercase (a repeated one by its last
+value)."""
 
 REQUEST_ID_MAX = 128
-_ID_CHARS = string.ascii_letters + string.digits
 _PREFIXES = (("/chat/completions", "chatcmpl-"), ("/completions", "cmpl-"), ("/generate", "gnt-"))
 
 
 class Edge:
     def __init__(self, config: EdgeConfig) -> None:
-        self._names = [name.encode() for name in config.request_id_headers]
+        self.header_names = tuple(name.encode() for name in config.request_id_headers)
+        """The request headers that may name a request, in the order they are read."""
         self._origins = set(config.cors_allowed_origins)
         self._any_origin = "*" in self._origins
         self._ids = Random()
         """Made ids: unique is all they need to be, so no system call per id."""
 
-    def request_id(self, path: str, headers: Headers) -> str:
-        """The client's id for this request, by the configured headers, else a new one."""
-        for name in self._names:
-            for key, value in headers:
-                if key == name and _usable(value):
+    def request_id(self, path: str, picked: Picked) -> str:
+        """The client's id for this request, by the first of `header_names` that it sent
+        usable (`picked` holds them), else a new one: 24 hex digits after the path's
+        prefix."""
+        if picked:
+            for name in self.header_names:
+                value = picked.get(name)
+                if value is not None and _usable(value):
                     return value.decode("ascii")
-        prefix = next((p for part, p in _PREFIXES if part in path), "req-")
-        return prefix + "".join(self._ids.choices(_ID_CHARS, k=24))
+        return f"{_prefix(path)}{self._ids.getrandbits(96):024x}"
 
-    def answer_headers(self, request_id: str, headers: Headers) -> tuple[tuple[str, str], ...]:
-        """The head lines an inference answer gets: its id, and CORS for an allowed origin."""
+    def answer_headers(self, request_id: str, origin: bytes | None) -> tuple[tuple[str, str], ...]:
+        """The head lines an inference answer gets: its id, and CORS for an allowed
+        `origin` (the request's `Origin` header)."""
         lines = [("x-request-id", request_id)]
-        if not self._origins:
-            return tuple(lines)
-        origin = next((value for key, value in headers if key == b"origin"), None)
-        if origin is None:
+        if not self._origins or origin is None:
             return tuple(lines)
         text = origin.decode("latin-1")
         if self._any_origin:
@@ -86,6 +89,12 @@ class Edge:
         return wrapped
 
 
+@functools.cache
+def _prefix(path: str) -> str:
+    """The made id's prefix for one of the inference paths (a handful: cached)."""
+    return next((p for part, p in _PREFIXES if part in path), "req-")
+
+
 def _usable(value: bytes) -> bool:
     return 0 < len(value) <= REQUEST_ID_MAX and all(0x21 <= byte <= 0x7E for byte in value)
 
@@ -101,7 +110,9 @@ class _RequestIds:
         if scope["type"] != "http":
             await self._app(scope, receive, send)
             return
-        request_id = self._edge.request_id(scope["path"], scope["headers"]).encode()
+        names = self._edge.header_names
+        picked = {name: value for name, value in scope["headers"] if name in names}
+        request_id = self._edge.request_id(scope["path"], picked).encode()
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":

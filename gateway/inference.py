@@ -36,7 +36,7 @@ from typing import Any
 import orjson
 
 from gateway.admission import Admission
-from gateway.edge import Edge, Headers
+from gateway.edge import Edge, Headers, Picked
 from gateway.http.answer import Answer, Outcome, Rest, problem
 from gateway.metrics import EndpointMetrics
 from gateway.requests import (
@@ -48,7 +48,14 @@ from gateway.requests import (
     prompt_tokens,
 )
 from gateway.service import Gateway
-from gateway.tracing import TracedRequest, bind, passed_on, trace_headers
+from gateway.tracing import (
+    TRACE_HEADERS,
+    TracedRequest,
+    Tracing,
+    bind,
+    passed_on,
+    trace_headers,
+)
 from globalkv.tokenize import TokenizeError
 from kvplumbing.auth import bearer_matches
 from kvplumbing.clock import Clock
@@ -124,6 +131,10 @@ class Inference:
         self._named_prefill = named_prefill
         config = gateway.config
         self.edge = Edge(config.edge)
+        self._picked = frozenset(
+            {*self.edge.header_names, *SESSION_HEADERS, *TRACE_HEADERS, b"origin"}
+        )
+        """The request headers read here: request ids, sessions, trace context, origin."""
         self._admission = (
             Admission(config.admission, gateway.clock, gateway.metrics.registry)
             if config.admission.max_concurrent_requests > 0
@@ -149,27 +160,43 @@ class Inference:
     async def handle(
         self, path: str, authorization: str | None, body: bytes, headers: Headers = ()
     ) -> Answer:
-        request_id = self.edge.request_id(path, headers)
-        answer = await self._traced(path, authorization, body, request_id, headers)
-        own = self.edge.answer_headers(request_id, headers)
-        answer.headers = (*(h for h in answer.headers if h[0] != "x-request-id"), *own)
+        # One pass over the headers for every one read here (a repeated one by its last).
+        picked = {name: value for name, value in headers if name in self._picked}
+        request_id = self.edge.request_id(path, picked)
+        tracing = self._gateway.tracing
+        if tracing is None:  # the client's trace context passed on to the workers as it came
+            if picked and not TRACE_HEADERS.isdisjoint(picked):
+                bind(passed_on(trace_headers(headers)))
+            answer = await self._admitted(
+                path, authorization, body, request_id, None, headers, picked
+            )
+        else:
+            answer = await self._traced(
+                tracing, path, authorization, body, request_id, headers, picked
+            )
+        own = self.edge.answer_headers(request_id, picked.get(b"origin"))
+        if answer.headers:
+            own = (*(h for h in answer.headers if h[0] != "x-request-id"), *own)
+        answer.headers = own
         return answer
 
     async def _traced(
-        self, path: str, authorization: str | None, body: bytes, request_id: str, headers: Headers
+        self,
+        tracing: Tracing,
+        path: str,
+        authorization: str | None,
+        body: bytes,
+        request_id: str,
+        headers: Headers,
+        picked: Picked,
     ) -> Answer:
-        """The answer in the request's trace: its span when tracing is on, else the client's
-        trace context passed on to the workers as it came."""
-        tracing = self._gateway.tracing
-        if tracing is None:
-            context = trace_headers(headers)
-            if context:
-                bind(passed_on(context))
-            return await self._admitted(path, authorization, body, request_id, None, headers)
+        """The answer in the request's span."""
         traced = tracing.begin(path, headers)
         bind(traced)
         try:
-            answer = await self._admitted(path, authorization, body, request_id, traced, headers)
+            answer = await self._admitted(
+                path, authorization, body, request_id, traced, headers, picked
+            )
         except BaseException:
             traced.end(499)
             raise
@@ -187,6 +214,7 @@ class Inference:
         request_id: str,
         traced: TracedRequest | None,
         headers: Headers,
+        picked: Picked,
     ) -> Answer:
         """The answer once the API key is right and admission control let the request in
         (the token it took given back once the answer is handed over)."""
@@ -196,12 +224,12 @@ class Inference:
             return self._refuse(path, problem(401, message, "auth_error"))
         admission = self._admission
         if admission is None:
-            return await self._serve(path, body, request_id, traced, headers)
+            return await self._serve(path, body, request_id, traced, headers, picked)
         refusal = await admission.admit()
         if refusal is not None:
             return self._refuse(path, refusal)
         try:
-            return await self._serve(path, body, request_id, traced, headers)
+            return await self._serve(path, body, request_id, traced, headers, picked)
         finally:
             admission.release()
 
@@ -212,6 +240,7 @@ class Inference:
         request_id: str,
         traced: TracedRequest | None,
         headers: Headers,
+        picked: Picked,
     ) -> Answer:
         gateway = self._gateway
         metrics = self._metrics[path]
@@ -222,7 +251,7 @@ class Inference:
             parsed = parse_request(INFERENCE_PATHS[path], decode_body(body))
             parsed.request_id = request_id
             parsed.namespace = router.namespace(parsed.body)
-            session = _session(headers)
+            session = _session(picked) if picked else None
             if len(body) > TOKENIZE_INLINE_MAX and parsed.token_ids is None:
                 tokens = await asyncio.to_thread(prompt_tokens, parsed, gateway.tokenizer)
             else:
@@ -260,11 +289,10 @@ class Inference:
         return answer
 
 
-def _session(headers: Headers) -> str | None:
+def _session(picked: Picked) -> str | None:
     """The conversation the client named, by the first of `SESSION_HEADERS` it sent."""
-    named = dict((name, value) for name, value in headers if name in SESSION_HEADERS)
     for name in SESSION_HEADERS:
-        value = named.get(name)
+        value = picked.get(name)
         if not value:
             continue
         if len(value) > MAX_SESSION_BYTES:

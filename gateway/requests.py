@@ -214,6 +214,9 @@ def request_namespace(
     """
     named = body.get("model")
     model = named if isinstance(named, str) else None
+    if not adapters and (model is None or ":" not in model) and _NAMESPACE_FIELDS.isdisjoint(body):
+        # The common request, read per request: nothing in it can name an adapter or a salt.
+        return BASE if model is None else RequestNamespace(model)
     salt = _first(body.get("cache_salt"), "cache_salt") or None
     opaque = bool(_first(body.get("extra_key"), "extra_key"))
     paths = _strings(body.get("lora_path"), "lora_path")
@@ -233,6 +236,10 @@ def request_namespace(
     if salt is None and not opaque and model is None:
         return BASE
     return RequestNamespace(model, None, salt, opaque=opaque)
+
+
+_NAMESPACE_FIELDS = frozenset({"cache_salt", "extra_key", "lora_path"})
+"""The body's fields besides `model` that `request_namespace` reads."""
 
 
 def _bases(adapters: Collection[ServedAdapter], name: str | None, kind: Kind) -> list[str]:

@@ -289,8 +289,8 @@ class ConnectionPool:
         """
         origin, head = self._target(method, url, headers)
         lines = [head]
-        if more:
-            lines += (name + b": " + value + b"\r\n" for name, value in more)
+        for name, value in more:
+            lines.append(name + b": " + value + b"\r\n")
         if body or method in (b"POST", b"PUT", b"PATCH"):
             lines.append(b"Content-Length: %d\r\n" % len(body))
         lines += (b"\r\n", body)

@@ -45,7 +45,7 @@ def connection_header(keep_alive: bool, version: str = "1.1") -> bytes:
 def answer_bytes(answer: Answer, connection: bytes, extra: bytes = b"") -> bytes:
     """`answer` framed by its length, with its own header lines; `extra`: more header
     lines, each ending in CRLF."""
-    own = b"".join(b"%s: %s\r\n" % (k.encode(), v.encode("latin-1")) for k, v in answer.headers)
+    own = b"".join([b"%s: %s\r\n" % (k.encode(), v.encode("latin-1")) for k, v in answer.headers])
     head = b"%scontent-type: %s\r\ncontent-length: %d\r\n%s%s%s\r\n" % (
         status_line(answer.status),
         answer.media_type,

@@ -113,11 +113,12 @@ class Router:
     def namespace(self, body: Mapping[str, Any]) -> RequestNamespace:
         """The request's namespace over what the workers serve now; raises
         `UnknownAdapter` and `BadRequest` (`gateway.requests.request_namespace`)."""
-        models = {w.served_model for w in self.pool if w.served_model}
+        served = self.pool.served()
+        models = served.models
         configured = self._model(None)
-        if configured is not None:
-            models.add(configured)
-        return request_namespace(body, self.pool.adapters(), models)
+        if configured is not None and configured not in models:
+            models = models | {configured}
+        return request_namespace(body, served.adapters, models)
 
     async def lookup(
         self,

@@ -139,7 +139,7 @@ class Monitor:
         own; else the first one a prefill advertised."""
         if self._model:
             return self._model
-        advertised = [w.served_model for w in self.pool.role("prefill") if w.served_model]
+        advertised = self.pool.served().prefill_models
         if named is not None and named in advertised:
             return named
         return advertised[0] if advertised else None
@@ -241,14 +241,17 @@ class Monitor:
         if found is not None and found != worker.adapters:
             log.info("%s %s serves the LoRA adapters %s", worker.role, worker.id, sorted(found))
             worker.adapters = found
+            self.pool.changed()
 
     async def _detect(self, worker: Worker) -> None:
         """Asked each round until the worker tells; undetected, it is treated as SGLang."""
         found = await detect_kind(self._client, worker.url, self._config.timeout_secs)
         if found.model and not worker.served_model:
             worker.served_model = found.model
-        if found.kind is not None:
+            self.pool.changed()
+        if found.kind is not None and found.kind != worker.detected_kind:
             worker.detected_kind = found.kind
+            self.pool.changed()
             log.info("%s %s speaks %s (%s)", worker.role, worker.id, found.kind, found.how)
 
     async def _discover(self, worker: Worker) -> None:
@@ -277,7 +280,9 @@ class Monitor:
         found = parse_server_info(info, worker.host)
         if worker.kv_events is None:
             worker.kv_events = found.kv_events
-        worker.served_model = found.model or worker.served_model
+        if found.model and found.model != worker.served_model:
+            worker.served_model = found.model
+            self.pool.changed()
         worker.engine_block_size = found.block_size
         capacity = found.kv_capacity_tokens
         if capacity is None and worker.kind == "vllm":

@@ -233,6 +233,17 @@ def _rounded(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds, 1)
 
 
+@dataclass(frozen=True, slots=True)
+class Served:
+    """What the pool's workers serve, as a request's namespace is read against."""
+
+    adapters: frozenset[ServedAdapter]
+    models: frozenset[str]
+    """The base models the workers advertise."""
+    prefill_models: tuple[str, ...]
+    """The models the prefills advertise, in the order the prefills came."""
+
+
 class DuplicateWorker(ValueError):
     pass
 
@@ -247,8 +258,8 @@ class WorkerPool:
         self._workers: dict[str, Worker] = {}
         self._roles: dict[Role, list[Worker]] = {"prefill": [], "decode": []}
         """The same workers by role: the request path reads these lists."""
-        self._served: tuple[list[tuple[Kind, dict[str, str]]], set[ServedAdapter]] = ([], set())
-        """`adapters()` and what it was built from: each worker's kind and adapters dict."""
+        self._served: Served | None = None
+        """`served()`, until a worker comes, goes or changes."""
 
     def add(self, spec: WorkerSpec) -> Worker:
         name = f"{spec.role} {worker_id(spec.url)}"
@@ -263,12 +274,14 @@ class WorkerPool:
             raise DuplicateWorker(f"a worker at {worker.id} is already in the pool")
         self._workers[worker.id] = worker
         self._roles[worker.role] = [*self._roles[worker.role], worker]
+        self._served = None
         return worker
 
     def remove(self, worker_id: str) -> Worker | None:
         worker = self._workers.pop(worker_id, None)
         if worker is not None:
             self._roles[worker.role] = [w for w in self._roles[worker.role] if w is not worker]
+            self._served = None
         return worker
 
     def get(self, worker_id: str) -> Worker | None:
@@ -280,25 +293,25 @@ class WorkerPool:
     def role(self, role: Role) -> list[Worker]:
         return list(self._roles[role])
 
-    def adapters(self) -> set[ServedAdapter]:
-        """Every LoRA adapter some worker serves, with its base model and engine.
+    def served(self) -> Served:
+        """Every LoRA adapter some worker serves (with its base model and engine) and the
+        base models the workers advertise: asked per request, built again only after a
+        worker came, went or `changed`."""
+        if self._served is None:
+            workers = self._workers.values()
+            adapters = frozenset(
+                ServedAdapter(name, base, w.kind)
+                for w in workers
+                for name, base in w.adapters.items()
+            )
+            prefills = tuple(w.served_model for w in self._roles["prefill"] if w.served_model)
+            models = frozenset(w.served_model for w in workers if w.served_model)
+            self._served = Served(adapters, models, prefills)
+        return self._served
 
-        Asked per request: built again only when a worker came, went, changed kind or was
-        given new adapters (the monitor replaces a worker's dict, never edits it)."""
-        sources = [(w.kind, w.adapters) for w in self._workers.values()]
-        built, served = self._served
-        if len(built) == len(sources) and all(
-            kind == k and adapters is a
-            for (kind, adapters), (k, a) in zip(built, sources, strict=True)
-        ):
-            return served
-        served = {
-            ServedAdapter(name, base, kind)
-            for kind, adapters in sources
-            for name, base in adapters.items()
-        }
-        self._served = (sources, served)
-        return served
+    def changed(self) -> None:
+        """A worker's kind, model or adapters changed (the monitor found them)."""
+        self._served = None
 
     def eligible(self, role: Role) -> list[Worker]:
         return [w for w in self._roles[role] if w.eligible]

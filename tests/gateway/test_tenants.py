@@ -140,6 +140,22 @@ async def test_an_adapter_request_goes_only_to_pods_that_serve_it_and_is_looked_
     assert {model for model, _ in lookup.asked} == {"m"}
 
 
+async def test_an_adapter_loaded_later_is_served_once_the_monitor_has_seen_it() -> None:
+    cluster = Cluster()
+    for url in (PREFILLS[1], DECODES[1]):
+        cluster.models[url.split("//")[1]] = models()
+    gateway = await make_gateway(cluster, config())
+    inference = Inference(gateway)
+    body = {"model": "m:ad-b", "prompt": [1, 2]}
+    assert (await post(inference, "/v1/completions", body)).status == 404
+    for url in (PREFILLS[1], DECODES[1]):
+        cluster.models[url.split("//")[1]] = models("ad-b")
+    await gateway.monitor.run_once(force=True)
+    assert (await post(inference, "/v1/completions", body)).status == 200
+    hosts = {call.worker for call in cluster.inference()}
+    assert hosts == {PREFILLS[1].split("//")[1], DECODES[1].split("//")[1]}
+
+
 async def test_an_adapter_no_worker_serves_is_a_404_and_nothing_is_sent() -> None:
     cluster, _, inference = await adapter_cluster()
     answer = await post(inference, "/v1/completions", {"model": "m:ad-z", "prompt": [1]})
@@ -155,12 +171,18 @@ async def test_a_salted_request_is_looked_up_under_its_salt_and_an_extra_key_not
     assert lookup.namespaces == [(None, "tenant")]
 
 
-async def test_the_adapters_are_built_again_only_when_a_worker_s_change() -> None:
+async def test_what_the_workers_serve_is_built_again_when_a_worker_comes_goes_or_changes() -> None:
     cluster = Cluster()
     cluster.models[PREFILLS[0].split("//")[1]] = models("ad-a")
     pool = (await make_gateway(cluster, config())).pool
-    first = pool.adapters()
-    assert pool.adapters() is first
+    first = pool.served()
+    assert pool.served() is first
     worker = next(iter(pool))
     worker.adapters = {**worker.adapters, "ad-new": "m"}
-    assert ServedAdapter("ad-new", "m", worker.kind) in pool.adapters()
+    pool.changed()  # as the monitor does when it finds them
+    assert ServedAdapter("ad-new", "m", worker.kind) in pool.served().adapters
+    worker.served_model = "another-base"
+    pool.changed()
+    assert "another-base" in pool.served().models
+    pool.remove(worker.id)
+    assert not pool.served().adapters

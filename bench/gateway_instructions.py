@@ -1,0 +1,98 @@
+"""The gateway's user-space instructions per request, counted by callgrind.
+
+    python -m bench.gateway_instructions [--requests 2000] [--stream] [--variant LABEL=DIR …]
+
+On a shared machine a router's CPU time per request swings by tens of percent from run to
+run (other tenants, frequency scaling), so a change of a few microseconds per request
+cannot be told from noise by timing. Instructions executed can: the same code, inputs
+and environment give the same count within about 0.5 %, whatever else the machine does.
+Each gateway (this checkout's, and each `--variant` as exported into DIR from another
+revision) runs under `valgrind --tool=callgrind` behind the same mock workers as
+`bench.gateway` (`--policy round_robin`, its `/generate` body: 64 `input_ids`, 4 new
+tokens, whole answers or with `--stream` streamed);
+the counters are zeroed once it has answered a warm-up, then `--requests` requests are
+sent over 4 connections and the counters dumped. Instructions are not time (no cache
+misses, no system calls), so read the ratios, and `bench.gateway` for requests/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from bench.gateway import PROMPT, _body, _free_port, _spawn, _variant, _wait_ok, router_argv
+from bench.gateway_load import read_answer, request_bytes
+
+HOST = "127.0.0.1"
+CONNECTIONS = 4
+
+
+async def _send(port: int, requests: int, body: bytes) -> None:
+    payload = request_bytes(HOST, port, "/generate", body)
+
+    async def one_connection(count: int) -> None:
+        reader, writer = await asyncio.open_connection(HOST, port)
+        for _ in range(count):
+            writer.write(payload)
+            status, _ = await read_answer(reader)
+            if status != 200:
+                raise RuntimeError(f"the gateway answered {status}")
+        writer.close()
+
+    await asyncio.gather(*(one_connection(requests // CONNECTIONS) for _ in range(CONNECTIONS)))
+
+
+def count(directory: str | None, requests: int, stream: bool, logs: Path) -> float:
+    """Instructions per request of the gateway in `directory` (None: this checkout's)."""
+    prefills, decodes = [_free_port(), _free_port()], [_free_port(), _free_port()]
+    mocks_argv = [sys.executable, "-m", "bench.gateway_mocks", *map(str, prefills + decodes)]
+    mocks = _spawn("mocks", mocks_argv, None, logs)
+    out = logs / f"callgrind-{time.monotonic_ns()}.out"
+    port = _free_port()
+    valgrind = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}"]
+    command = [*valgrind, sys.executable, "-m", "globalkv", "gateway"]
+    argv = router_argv(command, prefills, decodes, port)
+    gateway = _spawn("gateway", [*argv, "--prometheus-port", "0"], None, logs, directory)
+    try:
+        probe = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1}}
+        _wait_ok(gateway, f"http://{HOST}:{port}/generate", probe, timeout=600)
+        body = _body(stream)
+        asyncio.run(_send(port, 40, body))  # warm-up: connections opened, code paths taken
+        pid = str(gateway.popen.pid)
+        subprocess.run(["callgrind_control", "-z", pid], check=True, capture_output=True)
+        asyncio.run(_send(port, requests, body))
+        subprocess.run(["callgrind_control", "-d", pid], check=True, capture_output=True)
+        lines = next(logs.glob(f"{out.name}.*")).read_text().splitlines()
+        summary = next(line for line in lines if line.startswith("summary:"))
+        return int(summary.split()[1]) / (requests // CONNECTIONS * CONNECTIONS)
+    finally:
+        gateway.stop()
+        mocks.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--stream", action="store_true", help="streamed answers")
+    parser.add_argument("--variant", type=_variant, action="append", default=[])
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="globalkv-instructions-") as logs:
+        counts = {"this checkout": count(None, args.requests, args.stream, Path(logs))}
+        for label, directory in args.variant:
+            counts[label] = count(directory, args.requests, args.stream, Path(logs))
+    base = counts["this checkout"]
+    print("| gateway | instructions per request | ratio to this checkout |")
+    print("|---|---|---|")
+    for label, value in counts.items():
+        print(f"| {label} | {value:,.0f} | {value / base:.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -82,6 +83,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--stream", action="store_true", help="streamed answers")
     parser.add_argument("--variant", type=_variant, action="append", default=[])
     args = parser.parse_args(argv)
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        parser.error("needs valgrind and callgrind_control on the PATH (Debian: valgrind)")
     with tempfile.TemporaryDirectory(prefix="globalkv-instructions-") as logs:
         counts = {"this checkout": count(None, args.requests, args.stream, Path(logs))}
         for label, directory in args.variant:

@@ -1,18 +1,29 @@
-"""Admission control with sglang-router's semantics (`--max-concurrent-requests`,
+"""Admission control under sglang-router's flags (`--max-concurrent-requests`,
 `--queue-size`, `--queue-timeout-secs`, `--rate-limit-tokens-per-second`).
 
-A token bucket holds up to `max_concurrent_requests` tokens and refills at
-`rate_limit_tokens_per_second` (by default the same number per second). A request takes
-one token to be served and gives it back once its answer is handed over (a stream's: at
-its first byte, as sglang-router's middleware does), so the bucket bounds both the
-requests in flight and, through the refill, how fast new ones start. A request finding no
-token waits in a queue of at most `queue_size`; a full queue (or none, `queue_size` 0) is
-answered 429 at once and a wait past `queue_timeout_secs` 408, as sglang-router answers.
+Two limits, each exact on its own:
 
-Unlike sglang-router, whose queued requests race for each token, the queue here is FIFO:
-a token freed or refilled goes to the request that has waited longest, so no request can
-be overtaken indefinitely. Each refusal carries an OpenAI-style error body saying which
-limit it met, and the 429 a `Retry-After` header.
+- **concurrency**: at most `max_concurrent_requests` requests are served at once. A
+  request holds its place until its answer is over (a stream's: until its last byte or
+  the client leaving), so the limit counts what the workers are really doing;
+- **rate**, only when `rate_limit_tokens_per_second` is given: a token bucket of
+  `max_concurrent_requests` tokens refilled at that rate, one spent per request started
+  and never given back, so at most that many requests start per second after a burst of
+  the bucket's size.
+
+sglang-router (smg) has one token bucket for both: a request takes a token, gives it back
+when its answer ends, and the bucket also refills at `--rate-limit-tokens-per-second`
+(by default `--max-concurrent-requests` per second). Tokens returned and tokens refilled
+add up, so it bounds neither: with 2 tokens, their default refill and requests of 5 s,
+12 run at once after 5 s and 2 more every second after. Here the concurrency limit holds
+whatever the refill, and the rate applies only when asked for (`docs/sglang-router-flags.md`
+compares the two).
+
+A request that cannot start waits in a FIFO queue of at most `queue_size` (sglang-router's
+waiting requests race for each token; here none is overtaken); a full queue (or none,
+`queue_size` 0) is answered 429 at once and a wait past `queue_timeout_secs` 408. Each
+refusal carries an OpenAI-style error body saying which limit it met, and the 429 a
+`Retry-After` header.
 """
 
 from __future__ import annotations
@@ -28,17 +39,47 @@ from gateway.http.answer import Answer, error_body
 from kvplumbing.clock import Clock
 
 
+class RateBucket:
+    """`capacity` tokens refilled at `rate` per second; a token spent is gone."""
+
+    def __init__(self, capacity: float, rate: float, clock: Clock) -> None:
+        self._capacity = capacity
+        self.rate = rate
+        self._clock = clock
+        self._tokens = capacity
+        self._refilled = clock()
+
+    @property
+    def tokens(self) -> float:
+        """The tokens in the bucket now (refilled to this moment)."""
+        now = self._clock()
+        self._tokens = min(self._capacity, self._tokens + (now - self._refilled) * self.rate)
+        self._refilled = now
+        return self._tokens
+
+    def take(self) -> bool:
+        if self.tokens < 1:
+            return False
+        self._tokens -= 1
+        return True
+
+    def wait_s(self) -> float:
+        """Seconds until the next token."""
+        return max(0.0, (1 - self.tokens) / self.rate)
+
+
 class Admission:
-    """One gateway's bucket and queue; `admit` before serving, `release` after."""
+    """One gateway's limits and queue; `admit` before serving, `release` once the answer
+    is over."""
 
     def __init__(self, config: AdmissionConfig, clock: Clock, registry: CollectorRegistry) -> None:
         assert config.max_concurrent_requests > 0, "build only with a limit"
         self._config = config
-        self._clock = clock
-        self._capacity = float(config.max_concurrent_requests)
-        self._rate = config.rate_limit_tokens_per_second or self._capacity
-        self._tokens = self._capacity
-        self._refilled = clock()
+        self._limit = config.max_concurrent_requests
+        self.running = 0
+        """Requests admitted whose answer is not over."""
+        rate = config.rate_limit_tokens_per_second
+        self._bucket = None if rate is None else RateBucket(float(self._limit), rate, clock)
         self._waiting: deque[asyncio.Future[None]] = deque()
         self._timer: asyncio.TimerHandle | None = None
         self.refused = Counter(
@@ -50,38 +91,40 @@ class Admission:
         )
         self.queued = Gauge(
             "globalkv_gateway_admission_queued",
-            "Requests waiting in the admission queue for a token.",
+            "Requests waiting in the admission queue.",
             registry=registry,
         )
         self.queued.set_function(lambda: len(self._waiting))
 
-    @property
-    def tokens(self) -> float:
-        """The tokens in the bucket now (refilled to this moment)."""
-        self._refill()
-        return self._tokens
-
-    def _refill(self) -> None:
-        now = self._clock()
-        self._tokens = min(self._capacity, self._tokens + (now - self._refilled) * self._rate)
-        self._refilled = now
+    def _start(self) -> bool:
+        """Take a place (and a token, with a rate) when both are free."""
+        if self.running >= self._limit:
+            return False
+        if self._bucket is not None and not self._bucket.take():
+            return False
+        self.running += 1
+        return True
 
     async def admit(self) -> Answer | None:
-        """None once the request holds a token (call `release` when its answer is handed
-        over); otherwise the refusal to answer, the request holding nothing."""
-        self._refill()
-        if not self._waiting and self._tokens >= 1:
-            self._tokens -= 1
+        """None once the request holds its place (call `release` when its answer is over);
+        otherwise the refusal to answer, the request holding nothing."""
+        if not self._waiting and self._start():
             return None
         config = self._config
         if len(self._waiting) >= config.queue_size:
             self.refused.labels("queue_full").inc()
+            limits = f"all {self._limit} places are taken (--max-concurrent-requests)"
+            if self._bucket is not None and self.running < self._limit:
+                limits = (
+                    f"requests start at most {self._bucket.rate:g} per second "
+                    "(--rate-limit-tokens-per-second)"
+                )
             message = (
-                f"too many requests: all {config.max_concurrent_requests} admission tokens "
-                f"are taken and the queue of {config.queue_size} is full "
-                "(--max-concurrent-requests, --queue-size)"
+                f"too many requests: {limits} and the queue of {config.queue_size} is full "
+                "(--queue-size)"
             )
-            retry = str(max(1, math.ceil(1 / self._rate)))
+            rate = self._bucket.rate if self._bucket is not None else 1.0
+            retry = str(max(1, math.ceil(1 / rate)))
             body = error_body(message, "rate_limit_exceeded")
             return Answer(429, body, headers=(("retry-after", retry),))
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -101,36 +144,38 @@ class Admission:
             return Answer(408, error_body(message, "request_timeout"))
         except asyncio.CancelledError:
             if not self._leave(waiter):
-                self.release()  # granted, but the client left: the token goes on
+                self.release()  # granted, but the client left: the place goes on
             raise
         return None
 
     def _leave(self, waiter: asyncio.Future[None]) -> bool:
-        """Take `waiter` out of the queue; False when it had already been granted a token."""
+        """Take `waiter` out of the queue; False when it had already been granted."""
         if waiter.done():
             return False
         self._waiting.remove(waiter)
         waiter.cancel()
+        self._grant()  # it may have stood at the head, waiting for a token
         return True
 
     def release(self) -> None:
-        """A served request's token back in the bucket, for the longest waiter first."""
-        self._refill()
-        self._tokens = min(self._capacity, self._tokens + 1)
+        """A request's answer is over: its place goes to the longest waiter."""
+        self.running -= 1
         self._grant()
 
     def _grant(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        self._refill()
-        while self._waiting and self._tokens >= 1:
-            self._tokens -= 1
+        while self._waiting and self._start():
             self._waiting.popleft().set_result(None)
         self._schedule()
 
     def _schedule(self) -> None:
-        """Wake when the refill will have made the next token, while anyone waits."""
-        if self._waiting and self._timer is None:
-            delay = max(0.0, (1 - self._tokens) / self._rate)
-            self._timer = asyncio.get_running_loop().call_later(delay, self._grant)
+        """With a rate, wake when the next token is made while someone waits with a place
+        free (a place freed wakes them through `release`)."""
+        bucket = self._bucket
+        if bucket is None or not self._waiting or self._timer is not None:
+            return
+        if self.running < self._limit:
+            loop = asyncio.get_running_loop()
+            self._timer = loop.call_later(bucket.wait_s(), self._grant)

@@ -296,24 +296,28 @@ class DiscoveryConfig(BaseModel):
 
 
 class AdmissionConfig(BaseModel):
-    """sglang-router's rate limiting: a token bucket of `max_concurrent_requests` tokens,
-    one taken per request and given back when it ends, refilled at
-    `rate_limit_tokens_per_second`; a request finding none waits in a bounded FIFO queue
-    (`gateway.admission`)."""
+    """sglang-router's admission flags: at most `max_concurrent_requests` served at once,
+    optionally at most `rate_limit_tokens_per_second` started per second; a request that
+    cannot start waits in a bounded FIFO queue (`gateway.admission`)."""
 
     model_config = _frozen()
 
     max_concurrent_requests: int = Field(
-        -1, ge=-1, description="Tokens in the bucket, one per request in flight; -1: no limit."
+        -1,
+        ge=-1,
+        description="Requests served at once, each until its answer is over; -1: no limit.",
     )
     queue_size: int = Field(
-        100, ge=0, description="Requests waiting for a token; beyond: 429 (0: 429 at once)."
+        100, ge=0, description="Requests waiting for a place; beyond: 429 (0: 429 at once)."
     )
     queue_timeout_secs: float = Field(
         60, gt=0, description="Longest wait in the queue, answered 408 past it."
     )
     rate_limit_tokens_per_second: float | None = Field(
-        None, gt=0, description="Refill rate of the bucket; none: --max-concurrent-requests."
+        None,
+        gt=0,
+        description="Also start at most this many requests per second (a bucket of "
+        "--max-concurrent-requests tokens refilled at this rate); none: no rate limit.",
     )
 
     @field_validator("max_concurrent_requests")

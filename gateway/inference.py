@@ -95,7 +95,7 @@ def openai_error(answer: Answer) -> Answer:
 class _Measured:
     """A stream's rest whose request is measured (duration, status) when it closes."""
 
-    __slots__ = ("_clock", "_metrics", "_rest", "_started", "_status", "traced")
+    __slots__ = ("_clock", "_metrics", "_rest", "_started", "_status", "ended", "traced")
 
     def __init__(
         self, rest: Rest, status: int, metrics: EndpointMetrics, started: float, clock: Clock
@@ -106,6 +106,8 @@ class _Measured:
         self._started = started
         self._clock = clock
         self.traced: TracedRequest | None = None
+        self.ended: Callable[[], None] | None = None
+        """Told once the stream is over (admission's place given back)."""
 
     def next(self) -> Awaitable[bytes]:
         return self._rest.next()
@@ -118,6 +120,8 @@ class _Measured:
             self._metrics.answered(self._status)
             if self.traced is not None:
                 self.traced.end(self._status)
+            if self.ended is not None:
+                self.ended()
 
 
 PrefillNamed = Callable[[Headers], str | None]
@@ -217,7 +221,7 @@ class Inference:
         picked: Picked,
     ) -> Answer:
         """The answer once the API key is right and admission control let the request in
-        (the token it took given back once the answer is handed over)."""
+        (its place given back once the answer is over: a stream's when it closes)."""
         gateway = self._gateway
         if not bearer_matches(authorization, gateway.config.api_key):
             message = "missing or wrong API key (Authorization: Bearer …)"
@@ -229,9 +233,15 @@ class Inference:
         if refusal is not None:
             return self._refuse(path, refusal)
         try:
-            return await self._serve(path, body, request_id, traced, headers, picked)
-        finally:
+            answer = await self._serve(path, body, request_id, traced, headers, picked)
+        except BaseException:
             admission.release()
+            raise
+        if isinstance(answer.rest, _Measured):
+            answer.rest.ended = admission.release
+        else:
+            admission.release()
+        return answer
 
     async def _serve(
         self,

@@ -1,6 +1,6 @@
-"""Admission control (gateway/admission.py): sglang-router's token bucket and bounded queue,
-served first come first served, refusing with OpenAI-style bodies; and through the real
-server, with request ids and CORS (gateway/edge.py)."""
+"""Admission control (gateway/admission.py): an exact concurrency limit, an optional rate,
+a bounded queue served first come first served, refusals with OpenAI-style bodies; and
+through the real server, with request ids and CORS (gateway/edge.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from gateway.app import create_app
 from gateway.config import AdmissionConfig, EdgeConfig
 from gateway.http.server import HttpServer
 from gateway.inference import Inference
-from tests.gateway.fakes import DECODES, Cluster, config, make_gateway
+from tests.gateway.fakes import DECODES, Cluster, config, make_gateway, rest_of
 from tests.support.clock import FakeClock
 
 
@@ -27,7 +27,7 @@ def admission(clock: Any = None, **settings: Any) -> Admission:
 
 
 async def test_waiting_requests_are_served_first_come_first_served() -> None:
-    bucket = admission(queue_size=3, rate_limit_tokens_per_second=0.001)
+    bucket = admission(queue_size=3)
     assert await bucket.admit() is None
     served: list[int] = []
 
@@ -42,10 +42,11 @@ async def test_waiting_requests_are_served_first_come_first_served() -> None:
     refusal = await bucket.admit()
     assert refusal is not None
     assert refusal.status == 429
-    assert ("retry-after", "1000") in refusal.headers
+    assert ("retry-after", "1") in refusal.headers
     error = json.loads(refusal.body)["error"]
     assert error["type"] == "rate_limit_exceeded"
     assert "--queue-size" in error["message"]
+    assert "--max-concurrent-requests" in error["message"]
     for _ in range(3):
         bucket.release()
         await asyncio.sleep(0)
@@ -60,7 +61,7 @@ async def test_no_queue_refuses_at_once_and_a_long_wait_is_408() -> None:
     refused = await bucket.admit()
     assert refused is not None
     assert refused.status == 429
-    waiting = admission(queue_size=1, queue_timeout_secs=0.05, rate_limit_tokens_per_second=0.001)
+    waiting = admission(queue_size=1, queue_timeout_secs=0.05)
     assert await waiting.admit() is None
     timed_out = await waiting.admit()
     assert timed_out is not None
@@ -70,15 +71,57 @@ async def test_no_queue_refuses_at_once_and_a_long_wait_is_408() -> None:
     assert await waiting.admit() is None, "the timed-out request left the queue"
 
 
-async def test_the_refill_admits_a_waiting_request_without_a_release() -> None:
-    bucket = admission(time.monotonic, queue_size=1, rate_limit_tokens_per_second=50)
-    assert await bucket.admit() is None
-    async with asyncio.timeout(5):
+async def test_the_concurrency_limit_holds_however_long_the_requests_run() -> None:
+    """The refill that sglang-router's bucket adds on top of the tokens given back let
+    the requests running grow by the refill rate each second; here time does not open
+    places, only a request ending does, with or without a rate."""
+    for rate in (None, 100.0):
+        clock = FakeClock()
+        bucket = admission(clock, max_concurrent_requests=2, rate_limit_tokens_per_second=rate)
         assert await bucket.admit() is None
+        assert await bucket.admit() is None
+        clock.advance(3600)
+        third = asyncio.create_task(bucket.admit())
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not third.done(), "an hour went by, yet both places are still taken"
+        assert bucket.running == 2
+        bucket.release()
+        assert await third is None
+        assert bucket.running == 2
+
+
+async def test_a_rate_spends_tokens_that_ending_requests_do_not_give_back() -> None:
+    bucket = admission(
+        time.monotonic, max_concurrent_requests=2, queue_size=1, rate_limit_tokens_per_second=50
+    )
+    assert await bucket.admit() is None
+    assert await bucket.admit() is None
+    bucket.release()
+    bucket.release()
+    assert bucket.running == 0
+    async with asyncio.timeout(5):  # a place is free; the token comes from the refill
+        assert await bucket.admit() is None
+    refusal = admission(
+        FakeClock(), max_concurrent_requests=2, queue_size=0, rate_limit_tokens_per_second=0.5
+    )
+    assert await refusal.admit() is None
+    assert await refusal.admit() is None
+    refusal.release()
+    refused = await refusal.admit()
+    assert refused is not None
+    assert refused.status == 429
+    assert "--rate-limit-tokens-per-second" in json.loads(refused.body)["error"]["message"]
+    assert ("retry-after", "2") in refused.headers
+
+
+def inference_running(inference: Inference) -> int:
+    assert inference._admission is not None
+    return inference._admission.running
 
 
 async def test_a_cancelled_waiter_leaves_the_queue() -> None:
-    bucket = admission(queue_size=1, rate_limit_tokens_per_second=0.001)
+    bucket = admission(queue_size=1)
     assert await bucket.admit() is None
     waiter = asyncio.create_task(bucket.admit())
     await asyncio.sleep(0)
@@ -86,6 +129,58 @@ async def test_a_cancelled_waiter_leaves_the_queue() -> None:
     await asyncio.gather(waiter, return_exceptions=True)
     bucket.release()
     assert await bucket.admit() is None
+
+
+async def test_held_requests_never_run_more_than_the_limit_and_streams_hold_their_place() -> None:
+    """Through the gateway: eight requests against a limit of two, each decode held until
+    the test lets it answer; a streamed answer keeps its place until it is read to its end."""
+    cluster = Cluster()
+    release = asyncio.Event()
+    running = 0
+    most = 0
+
+    async def held(_: httpx.Request, body: Any) -> httpx.Response:
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        try:
+            await release.wait()
+        finally:
+            running -= 1
+        return httpx.Response(200, json={"room": body["bootstrap_room"]})
+
+    for url in DECODES:
+        cluster.on(url, held)
+    clock = FakeClock()
+    limits = AdmissionConfig(max_concurrent_requests=2, queue_size=10)
+    gateway = await make_gateway(cluster, config(admission=limits), clock=clock)
+    inference = Inference(gateway)
+    body = json.dumps({"text": "hi", "sampling_params": {"max_new_tokens": 1}}).encode()
+    requests = [asyncio.create_task(inference.handle("/generate", None, body)) for _ in range(8)]
+    await cluster.wait_calls(4)  # two requests, a prefill and a decode each
+    clock.advance(3600)
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert (running, len(cluster.inference("decode"))) == (2, 2)
+    release.set()
+    answers = await asyncio.gather(*requests)
+    assert [a.status for a in answers] == [200] * 8
+    assert most == 2
+
+    streamed = json.dumps({"text": "hi", "stream": True}).encode()
+    first = await inference.handle("/generate", None, streamed)
+    second = await inference.handle("/generate", None, streamed)
+    assert first.rest is not None
+    assert second.rest is not None
+    third = asyncio.create_task(inference.handle("/generate", None, body))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not third.done(), "both places are held by streams not yet read"
+    await rest_of(first)
+    await first.rest.close("done")
+    assert (await third).status == 200
+    await second.rest.close("client_gone")
+    assert inference_running(inference) == 0
 
 
 async def test_through_the_server_shedding_ids_and_cors() -> None:

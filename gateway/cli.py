@@ -27,6 +27,7 @@ from prometheus_client import start_http_server
 
 from bootstrap.reader import DirectoryReader
 from gateway.app import create_app
+from gateway.checks import check_gateway
 from gateway.config import DEFAULT_TRACES_ENDPOINT, GatewayConfig
 from gateway.flags import add_flags, build_config
 from gateway.http.connections import ConnectionPool
@@ -43,7 +44,7 @@ from gateway.workers.discovery import Follower, discovery_source
 from gateway.workers.monitor import PodRegistrar
 from gateway.workers.pods import HttpPodRegistrar, RegistryPodRegistrar
 from globalkv import redis_client
-from globalkv.extras import MissingExtra, require
+from globalkv.extras import MissingExtra
 from globalkv.index.redis import RedisIndex
 from globalkv.lookup import HttpLookup, IndexLookup, PrefixLookup
 from globalkv.registry import RedisRegistry
@@ -58,10 +59,8 @@ class CannotListen(Exception):
     flag and why."""
 
 
-def check_config(args: argparse.Namespace) -> None:
-    config = build_config(args)
-    if config.discovery.service_discovery:
-        require("Kubernetes service discovery", "kubernetes", "lightkube")
+def check_config(args: argparse.Namespace) -> list[str]:
+    return check_gateway(build_config(args), load_tokenizer=args.check)
 
 
 async def _index_parts(

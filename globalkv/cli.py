@@ -2,9 +2,10 @@
 
 Subcommands are found through the `globalkv.commands` entry-point group. Each entry point
 is a function `register(subparsers)` that adds one subparser and sets two defaults on it:
-`run(args) -> int` (starts the component) and `check_config(args) -> None` (builds and validates
+`run(args) -> int` (starts the component) and `check_config(args)` (builds and validates
 the component's configuration without starting anything, raising `ValueError` on bad
-input). This keeps the dispatcher free of imports of `gateway/` and `enginesim/`.
+input, and may return lines saying what the configuration gives, which `--check` prints).
+This keeps the dispatcher free of imports of `gateway/` and `enginesim/`.
 
 The dispatcher calls `check_config` before `run` too, so an invalid configuration ends
 every command the same way, one line on stderr and exit status 2, before anything starts.
@@ -139,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.log_level != "DEBUG":
         logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
-        args.check_config(args)
+        described = args.check_config(args) or ()
     except MissingExtra as exc:
         print(exc, file=sys.stderr)
         return 2
@@ -148,6 +149,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.check:
         print(f"globalkv {args.command}: configuration ok")
+        for line in described:
+            print(f"  {line}")
         return 0
     result: int = args.run(args)
     return result

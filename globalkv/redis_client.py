@@ -35,6 +35,8 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 
+from kvplumbing.addresses import redacted
+
 RETRIES = 3
 """A restart costs one retry per dead connection; Redis down fails within ~0.3 s."""
 SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
@@ -62,7 +64,8 @@ def text(reply: bytes | str) -> str:
 def check_url(url: str) -> str:
     """`url` if `connect` can use it, else ValueError saying why (for config models)."""
     if not url.startswith(SCHEMES):
-        raise ValueError(f"{url!r} is not a {', '.join(SCHEMES[:-1])} or {SCHEMES[-1]} URL")
+        shown = redacted(url)
+        raise ValueError(f"{shown!r} is not a {', '.join(SCHEMES[:-1])} or {SCHEMES[-1]} URL")
     if is_cluster_url(url):
         cluster_nodes(url)
     return url
@@ -79,7 +82,7 @@ def cluster_nodes(url: str) -> list[tuple[str, int]]:
     for part in netloc.split(","):
         host, _, port = part.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"cluster URL {url!r}: {part!r} is not host:port")
+            raise ValueError(f"cluster URL {redacted(url)!r}: {part!r} is not host:port")
         nodes.append((host.strip("[]"), int(port)))
     return nodes
 

@@ -7,7 +7,8 @@ the strict one, not what a resolver happens to accept: an IPv4 dotted quad, an I
 address without a zone, or a DNS name of RFC 1123 labels. A name whose last label is
 numeric must be an IPv4 address, so `999.1.1.1` is not taken for a name. An HTTP URL
 given on a command line or in a configuration is checked as it is read, so a placeholder
-left in it (`http://127.0.0.1:INDEX_PORT`) is one line of error, not a traceback.
+left in it (`http://127.0.0.1:INDEX_PORT`) is one line of error, not a traceback. A URL
+shown to an operator (`--check`, an error) has its password hidden: it lands in logs.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import re
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 _LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?", re.ASCII)
 
@@ -59,3 +60,21 @@ def check_http_url(url: str) -> str:
     if port == 0:
         raise ValueError(f"{url!r} has an invalid port (a number 1-65535)")
     return url.rstrip("/")
+
+
+_HIDDEN = "***"
+
+
+def redacted(url: str) -> str:
+    """`url` with the password of its credentials, and a `password` query value, as ***."""
+    parts = urlsplit(url)
+    credentials, at, hosts = parts.netloc.rpartition("@")
+    netloc = parts.netloc
+    if at:
+        user, colon, _ = credentials.partition(":")
+        netloc = f"{user}:{_HIDDEN}@{hosts}" if colon else f"{_HIDDEN}@{hosts}"
+    pairs = parse_qsl(parts.query, keep_blank_values=True)
+    if not any(key.lower() == "password" for key, _ in pairs):
+        return urlunsplit(parts._replace(netloc=netloc))
+    hidden = [(key, _HIDDEN if key.lower() == "password" else value) for key, value in pairs]
+    return urlunsplit(parts._replace(netloc=netloc, query=urlencode(hidden, safe="*")))

@@ -21,6 +21,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from gateway.checks import check_gateway
 from gateway.cli import (
     CannotListen,
     launch,
@@ -169,12 +170,15 @@ async def serve(config: GatewayConfig, epp: EppConfig, tokenizer: Tokenizer | No
             )
 
 
-def check_config(args: argparse.Namespace) -> None:
-    build_configs(args)
+def check_config(args: argparse.Namespace) -> list[str]:
+    config, epp = build_configs(args)
+    require("globalkv epp", "envoy", "grpc", "grpc_health", "envoy.service.ext_proc")
+    shape = "aggregated workers" if args.worker else "PD, each decode at its sidecar"
+    picker = f"endpoint picker: ext_proc on {epp.grpc_host}:{epp.grpc_port}, {shape}"
+    return [picker, *check_gateway(config, load_tokenizer=args.check)]
 
 
 def run(args: argparse.Namespace) -> int:
-    require("globalkv epp", "envoy", "grpc", "grpc_health", "envoy.service.ext_proc")
     config, epp = build_configs(args)
 
     async def serving(config: GatewayConfig, tokenizer: Tokenizer | None) -> None:

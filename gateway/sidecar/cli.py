@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from gateway.checks import check_gateway
 from gateway.cli import launch, running_gateway, serve_until_signalled
 from gateway.config import GatewayConfig
 from gateway.flags import add_flags, build_config
@@ -45,8 +46,10 @@ async def serve(config: GatewayConfig, tokenizer: Tokenizer | None) -> None:
         await serve_until_signalled("sidecar", config, Inference(gateway, named_prefill), app)
 
 
-def check_config(args: argparse.Namespace) -> None:
-    build_sidecar_config(args)
+def check_config(args: argparse.Namespace) -> list[str]:
+    config = build_sidecar_config(args)
+    local = f"local decode: {config.decode[0].url}, bound to the prefill the picker names"
+    return [local, *check_gateway(config, load_tokenizer=args.check)]
 
 
 def run(args: argparse.Namespace) -> int:

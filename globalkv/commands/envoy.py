@@ -72,14 +72,22 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
-def check_config(args: argparse.Namespace) -> None:
+def check_config(args: argparse.Namespace) -> list[str]:
     _config(args)
+    binary = find_envoy()
+    if binary is None:
+        raise MissingExtra("globalkv envoy", ["the envoy binary"], "envoy")
+    pickers = ", ".join(args.picker) or "none: the pool balanced round robin"
+    return [
+        f"envoy: {binary}",
+        f"pool: {', '.join(args.endpoint)}",
+        f"pickers: {pickers}" + (" (fail open)" if args.picker and args.fail_open else ""),
+    ]
 
 
 def run(args: argparse.Namespace) -> int:
     binary = find_envoy()
-    if binary is None:
-        raise MissingExtra("globalkv envoy", ["the envoy binary"], "envoy")
+    assert binary is not None  # check_config, which the dispatcher calls first, made sure
     directory = args.config_dir or Path(tempfile.mkdtemp(prefix="globalkv-envoy-"))
     directory.mkdir(parents=True, exist_ok=True)
     path = write_config(directory / "envoy.json", _config(args))

@@ -22,9 +22,11 @@ from pathlib import Path
 from typing import Any, get_args
 
 from globalkv.api import OPEN_LOOKUPS_FLAG, ApiConfig
+from globalkv.checks import tokenizer_line
 from globalkv.indexer import IndexerConfig, run_indexer
 from globalkv.ingest.config import ALLOW_SCHEME_FLAG, EndpointScheme, IngestConfig
 from globalkv.ingest.publishers import ALLOW_PUBLISHER_FLAG
+from kvplumbing.addresses import redacted
 from kvplumbing.validation import validation_as_value_error
 
 
@@ -196,8 +198,26 @@ def config_from_args(args: argparse.Namespace) -> IndexerConfig:
         )
 
 
-def check_config(args: argparse.Namespace) -> None:
-    config_from_args(args)
+def check_config(args: argparse.Namespace) -> list[str]:
+    """The configuration, and the tokenizer as start-up reads it (loaded under `--check`
+    only: start-up loads it right after); what they give, one line each."""
+    config = config_from_args(args)
+    if config.redis_url is None:
+        bound = "unbounded" if config.max_entries is None else f"{config.max_entries} entries"
+        index = f"memory ({bound}), block size {config.block_size}"
+    else:
+        index = (
+            f"Redis {redacted(config.redis_url)}, key prefix {config.redis_prefix}, "
+            f"block size {config.block_size}"
+        )
+    followed = "pods shared with the other replicas by leases" if config.replicas else "every pod"
+    binds = ", ".join(config.ingest.bind) or "none"
+    tokenizer = tokenizer_line(config.tokenizer, load=args.check)
+    return [
+        f"index: {index}",
+        f"follows: {followed}; {len(config.pods)} pods given; KV events bound on: {binds}",
+        f"tokenizer (text lookups): {tokenizer}",
+    ]
 
 
 def run(args: argparse.Namespace) -> int:

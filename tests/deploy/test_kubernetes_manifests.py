@@ -19,6 +19,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from tests.support.kubeconfig import write_kubeconfig
+
 ROOT = Path(__file__).resolve().parents[2]
 KUSTOMIZE = ROOT / "deploy" / "kubernetes"
 OVERLAYS = sorted(p.name for p in (KUSTOMIZE / "overlays").iterdir() if p.is_dir())
@@ -137,9 +139,11 @@ def test_the_inference_pool_selects_the_decodes_sidecars_and_names_the_epp() -> 
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_each_command_accepts_the_settings_its_manifest_gives(overlay: str) -> None:
+def test_each_command_accepts_the_settings_its_manifest_gives(overlay: str, tmp_path: Path) -> None:
     """Every `GLOBALKV_<COMMAND>_*` variable is one of the command's flags, and the command
-    checks the whole configuration (`globalkv --check`) without complaint."""
+    checks the whole configuration (`globalkv --check`) without complaint, given the
+    credentials a pod has (a kubeconfig stands in for its service account)."""
+    kubeconfig = {"KUBECONFIG": str(write_kubeconfig(tmp_path / "kubeconfig"))}
     for name, deployment in by_kind(render(overlay), "Deployment").items():
         (container,) = deployment["spec"]["template"]["spec"]["containers"]
         if not container["image"].startswith("globalkv"):
@@ -156,7 +160,7 @@ def test_each_command_accepts_the_settings_its_manifest_gives(overlay: str) -> N
                 assert f"`{variable}`" in CONFIGURATION, f"{name}: {variable} is no flag's"
         done = subprocess.run(
             [sys.executable, "-m", "globalkv", "--check", command],
-            env={**os.environ, **env},
+            env={**os.environ, **kubeconfig, **env},
             capture_output=True,
             text=True,
             timeout=60,

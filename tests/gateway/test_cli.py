@@ -20,6 +20,7 @@ from tests.support.net import free_port
 def parse_gateway(argv: list[str], env: dict[str, str]) -> argparse.Namespace:
     """Only this command's parser, the way the globalkv dispatcher builds and feeds it."""
     parser = argparse.ArgumentParser(prog="globalkv")
+    parser.add_argument("--check", action="store_true")
     sub = parser.add_subparsers(dest="command")
     register(sub)
     extra = env_argv("gateway", sub.choices["gateway"], argv, env)

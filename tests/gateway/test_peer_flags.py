@@ -5,6 +5,7 @@ message pointing to it. And sglang-router launch lines go through `globalkv gate
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
@@ -15,6 +16,7 @@ import pytest
 
 from gateway.peer_flags import ACCEPTED, FLAGS_DOC, REFUSED
 from tests.gateway.test_cli import config_of
+from tests.support.kubeconfig import write_kubeconfig
 
 ROOT = Path(__file__).resolve().parents[2]
 HELP = (ROOT / "tests" / "data" / "sglang_router_0.3.2_help.txt").read_text()
@@ -92,9 +94,12 @@ SGLANG_ROUTER_LINE = (
 )
 
 
-def test_an_sglang_router_launch_line_checks_unchanged() -> None:
+def test_an_sglang_router_launch_line_checks_unchanged(tmp_path: Path) -> None:
+    """Checked where its pods would be found: with Kubernetes credentials."""
+    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig")
     done = subprocess.run(
         [sys.executable, "-m", "globalkv", "--check", "gateway", *shlex.split(SGLANG_ROUTER_LINE)],
+        env={**os.environ, "KUBECONFIG": str(kubeconfig)},
         capture_output=True,
         text=True,
         timeout=60,

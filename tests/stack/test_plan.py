@@ -144,7 +144,9 @@ def test_the_admin_token_reaches_each_guard_through_its_environment_only() -> No
     assert "t0ken" not in StackConfig(admin_token="t0ken").model_dump_json()  # cluster.json
     check_plan(plan)
     gateway = parse(plan.gateway.argv, plan.gateway.env)
-    assert gateway.check_config(gateway) is None
+    described = "\n".join(gateway.check_config(gateway))
+    assert "t0ken" not in described
+    assert "(with its token)" in described
 
 
 def test_without_a_token_nothing_is_passed_and_insecure_opens_every_guard() -> None:

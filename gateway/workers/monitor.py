@@ -6,9 +6,10 @@ One loop per gateway. For each worker, when due:
 - the worker's kind, once it answers, when it was given without one (`gateway.workers.kinds`);
 - the LoRA adapters it serves, from its `/v1/models`, with each health check it passes
   (adapters load and unload while an engine runs);
-- discovery, once it answers: `GET <url>/server_info`, read for its KV-event endpoints,
-  served model and KV capacity, and a prefill's DP size and bootstrap port
-  (`gateway.workers.server_info`); a vLLM worker's capacity from its `/metrics`;
+- discovery, once it answers: what it advertises of itself (`gateway.workers.advertised`):
+  its KV-event endpoints, served model, block size and KV capacity, and a prefill's DP
+  size and bootstrap port, from `/server_info`, or for vLLM from `/kv_event_sources` and
+  `/metrics`;
 - registration of the worker as a pod with the index, with its role, once its KV-event
   endpoint is known: a decode that publishes KV events (a vLLM decode keeps what it pulled
   and computed) is indexed like a prefill, so a lookup says what each decode holds
@@ -36,18 +37,15 @@ import httpx
 
 from gateway.config import HealthConfig, KvEventsSpec
 from gateway.http.connections import LocalResourceError
+from gateway.workers.advertised import Retry, read_advertised
 from gateway.workers.health import Health
 from gateway.workers.kinds import detect_kind, read_adapters
 from gateway.workers.pool import DirectoryStatus, Worker, WorkerPool
-from gateway.workers.server_info import int_or_none, parse_server_info, parse_vllm_capacity
+from gateway.workers.server_info import int_or_none
 from kvplumbing.clock import Clock, Sleep
 from kvplumbing.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
-
-_NO_SERVER_INFO = frozenset({404, 405})
-"""Statuses saying a worker has no /server_info: nothing to discover. Any other failure
-(an engine still starting, say) is asked again at the next round."""
 
 
 class DirectoryReading(Protocol):
@@ -255,45 +253,33 @@ class Monitor:
             log.info("%s %s speaks %s (%s)", worker.role, worker.id, found.kind, found.how)
 
     async def _discover(self, worker: Worker) -> None:
-        try:
-            response = await self._client.get(
-                worker.url + "/server_info", timeout=self._config.timeout_secs
-            )
-        except httpx.HTTPError as exc:
-            self._discovery_failed(worker, f"/server_info: {exc!r}")
+        found = await read_advertised(self._client, worker, self._config.timeout_secs)
+        if isinstance(found, Retry):
+            self._discovery_failed(worker, f"{found.error}; asked again next round")
             return
-        info: object = None
-        if response.status_code == 200:
-            with contextlib.suppress(ValueError):
-                info = response.json()
-        if not isinstance(info, dict):
-            error = f"/server_info answered {response.status_code} without JSON"
-            if response.status_code not in _NO_SERVER_INFO:
-                self._discovery_failed(worker, f"{error}; asked again next round")
-                return
-            worker.note_error(error, self._clock(), "discovery")
+        if found.silent is not None or found.sources.problem is not None:
+            error = found.silent or found.sources.problem
+            worker.note_error(f"{error}; nothing discovered", self._clock(), "discovery")
             log.warning("%s %s: %s; nothing discovered", worker.role, worker.id, error)
-            info = {}
         else:
             worker.step_succeeded("discovery")
         worker.discovered = True
-        found = parse_server_info(info, worker.host)
         if worker.kv_events is None:
             worker.kv_events = found.kv_events
-        if found.model and found.model != worker.served_model:
-            worker.served_model = found.model
+            if found.sources.kv_events is not None and found.dp_size:
+                worker.directory.dp_size = found.dp_size
+        model = found.info.model
+        if model and model != worker.served_model:
+            worker.served_model = model
             self.pool.changed()
         worker.engine_block_size = found.block_size
-        capacity = found.kv_capacity_tokens
-        if capacity is None and worker.kind == "vllm":
-            capacity = await self._vllm_capacity(worker)
-        worker.kv_capacity_tokens = capacity
+        worker.kv_capacity_tokens = found.capacity_tokens
         if worker.role != "prefill":
             return
-        if found.dp_size:
-            worker.directory.dp_size = found.dp_size
+        if found.info.dp_size:
+            worker.directory.dp_size = found.info.dp_size
         if worker.directory.port is None:
-            worker.directory.port = found.bootstrap_port
+            worker.directory.port = found.info.bootstrap_port
         if worker.directory.port is None:
             worker.directory.status = DirectoryStatus.UNKNOWN
             log.warning(
@@ -301,20 +287,6 @@ class Monitor:
                 "is unknown and it stays eligible",
                 worker.id,
             )
-
-    async def _vllm_capacity(self, worker: Worker) -> int | None:
-        """vLLM tells its KV capacity only on /metrics (`gateway.workers.server_info`)."""
-        try:
-            response = await self._client.get(
-                worker.url + "/metrics", timeout=self._config.timeout_secs
-            )
-        except httpx.HTTPError as exc:
-            log.info("%s %s: no KV capacity read from /metrics: %r", worker.role, worker.id, exc)
-            return None
-        capacity = parse_vllm_capacity(response.text) if response.status_code == 200 else None
-        if capacity is None:
-            log.info("%s %s: /metrics tells no KV capacity", worker.role, worker.id)
-        return capacity
 
     def _discovery_failed(self, worker: Worker, error: str) -> None:
         """Noted each time, logged when it is news (discovery is retried every round)."""

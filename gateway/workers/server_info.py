@@ -9,9 +9,12 @@ tokens, which the prefix policy's pressure cost divides by: our engines' per-ran
 `kv_cache` pages, else SGLang's `max_total_num_tokens` (one scheduler's pool; every DP
 rank has one of its own).
 
-vLLM serves no `/server_info` outside its dev mode; its capacity is on `/metrics`, in the
-labels of the `vllm:cache_config_info` info gauge (`num_gpu_blocks` × `block_size`, one
-series per engine core when it runs DP ranks), read with prometheus_client's own parser.
+vLLM serves no `/server_info` outside its dev mode. Its KV-event publishers are on
+`GET /kv_event_sources` (vLLM 0.32 serves it): one `KVEventsConfig` per DP rank, keyed by
+the rank, as each engine core resolved it; `{}` when events are off. Its block size and
+capacity are on `/metrics`, in the labels of the `vllm:cache_config_info` info gauge
+(`block_size`; `num_gpu_blocks` × `block_size`, one series per engine core when it runs DP
+ranks), read with prometheus_client's own parser.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import KvEventsSpec
+from globalkv.registry import MAX_DP_SIZE
 
 _WILDCARD_HOSTS = {"*", "0.0.0.0", "::", "[::]", ""}
 _VLLM_CACHE_CONFIG = {"vllm:cache_config_info", "vllm:cache_config"}
@@ -107,24 +111,107 @@ def _mapping(value: object) -> Mapping[str, Any]:
     return value if isinstance(value, Mapping) else {}
 
 
-def parse_vllm_capacity(metrics: str) -> int | None:
-    """KV capacity in tokens from a vLLM /metrics text: the sum over its engine cores of
-    `num_gpu_blocks` × `block_size`; None when the gauge is absent or not yet filled in
-    (vLLM shows "None" before its memory profiling) or the text is not Prometheus's."""
+@dataclass(frozen=True, slots=True)
+class VllmCache:
+    """What a vLLM /metrics text tells of its KV cache; None where it does not tell."""
+
+    block_size: int | None = None
+    capacity_tokens: int | None = None
+
+
+def parse_vllm_cache(metrics: str) -> VllmCache:
+    """The block size and the KV capacity in tokens (the sum over its engine cores of
+    `num_gpu_blocks` × `block_size`) from a vLLM /metrics text. The capacity is None when
+    the gauge is not yet filled in (vLLM shows "None" before its memory profiling); both
+    are None when the gauge is absent, its cores disagree on the block size, or the text
+    is not Prometheus's."""
     total = 0
+    sizes: set[int | None] = set()
+    unfilled = False
     try:
         for family in text_string_to_metric_families(metrics):
             if family.name not in _VLLM_CACHE_CONFIG:
                 continue
             for sample in family.samples:
-                blocks = _positive(sample.labels.get("num_gpu_blocks"))
                 size = _positive(sample.labels.get("block_size"))
+                blocks = _positive(sample.labels.get("num_gpu_blocks"))
+                sizes.add(size)
                 if blocks is None or size is None:
-                    return None
-                total += blocks * size
+                    unfilled = True
+                else:
+                    total += blocks * size
     except ValueError:
-        return None
-    return total or None
+        return VllmCache()
+    if len(sizes) != 1:
+        return VllmCache()
+    return VllmCache(block_size=sizes.pop(), capacity_tokens=None if unfilled else total or None)
+
+
+@dataclass(frozen=True, slots=True)
+class EventSources:
+    """What a vLLM /kv_event_sources answer tells: the pod's KV-event spec and its DP
+    size, or why it cannot be used (`problem`); neither when the engine publishes none."""
+
+    kv_events: KvEventsSpec | None = None
+    dp_size: int | None = None
+    problem: str | None = None
+
+
+def parse_kv_event_sources(body: object, host: str) -> EventSources:
+    """The KV-event spec of a vLLM engine from its `GET /kv_event_sources` answer
+    (`{"<dp rank>": KVEventsConfig, …}`), made connectable from the worker's `host`.
+
+    Which side binds follows vLLM's own rule (`ZmqEventPublisher._is_bind_endpoint`): an
+    endpoint with `*` or `::`, or ipc/inproc, is bound by the engine and the indexer
+    connects to it; any other is where the engine connects, the indexer's bound SUB, and
+    the pod is known there by its topic. Every rank must follow rank 0 at port + rank (the
+    only layout a registered pod can describe, and vLLM's for a fixed port).
+    """
+    if not isinstance(body, Mapping):
+        return EventSources(problem="/kv_event_sources is not a JSON object")
+    ranks: dict[int, Mapping[str, Any]] = {}
+    for key, config in body.items():
+        if not (isinstance(key, str) and key.isdigit() and isinstance(config, Mapping)):
+            return EventSources(problem=f"/kv_event_sources has an entry {key!r} of no DP rank")
+        if config.get("publisher") == "zmq" and isinstance(config.get("endpoint"), str):
+            ranks[int(key)] = config
+    if not ranks:
+        return EventSources()
+    if sorted(ranks) != list(range(len(ranks))) or len(ranks) > MAX_DP_SIZE:
+        return EventSources(problem=f"/kv_event_sources lists DP ranks {sorted(ranks)}")
+    first = ranks[0]
+    topic = first.get("topic")
+    if not isinstance(topic, str):
+        return EventSources(problem="/kv_event_sources names no topic")
+    endpoint, replay = first["endpoint"], first.get("replay_endpoint")
+    for rank, config in ranks.items():
+        for name, base in (("endpoint", endpoint), ("replay_endpoint", replay)):
+            if config.get(name) != _offset(base, rank):
+                return EventSources(
+                    problem=f"/kv_event_sources: DP rank {rank}'s {name} "
+                    f"{config.get(name)!r} is not rank 0's port + {rank}"
+                )
+    binds = "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+    spec = KvEventsSpec(
+        endpoint=_endpoint_for(endpoint, host) if binds else None,
+        replay_endpoint=_endpoint_for(replay, host) if isinstance(replay, str) else None,
+        topic=topic,
+        mode="connect" if binds else "bind",
+    )
+    return EventSources(kv_events=spec, dp_size=len(ranks))
+
+
+def _offset(endpoint: object, rank: int) -> object:
+    """vLLM's per-rank endpoint (`offset_endpoint_port`): a tcp port + rank, an inproc
+    name with `_dp<rank>`; a port of 0 stays 0."""
+    if not isinstance(endpoint, str) or rank == 0:
+        return endpoint
+    if "inproc" in endpoint:
+        return f"{endpoint}_dp{rank}"
+    base, sep, port = endpoint.rpartition(":")
+    if "tcp" not in endpoint or not sep or not port.isdigit() or port == "0":
+        return endpoint
+    return f"{base}:{int(port) + rank}"
 
 
 def _kv_capacity_tokens(

@@ -68,6 +68,8 @@ class Cluster:
         """host:port → its /server_info JSON, or an int: the status it answers instead."""
         self.metrics: dict[str, str] = {}
         """host:port → the text its /metrics answers."""
+        self.event_sources: dict[str, Any] = {}
+        """host:port → its /kv_event_sources JSON (vLLM's), or an int: the status it answers."""
         self.models: dict[str, Any] = {}
         """host:port → its /v1/models JSON."""
         self._arrived = asyncio.Condition()
@@ -141,6 +143,11 @@ class Cluster:
                 if isinstance(info, int):
                     return httpx.Response(info, text="not now")
                 return httpx.Response(200, json=info)
+            if request.url.path == "/kv_event_sources" and key in self.event_sources:
+                sources = self.event_sources[key]
+                if isinstance(sources, int):
+                    return httpx.Response(sources, text="not now")
+                return httpx.Response(200, json=sources)
             if request.url.path == "/metrics" and key in self.metrics:
                 return httpx.Response(200, text=self.metrics[key])
             if request.url.path == "/v1/models" and key in self.models:

@@ -146,7 +146,9 @@ async def test_a_server_info_that_fails_is_asked_again_and_one_that_is_missing_i
     worker = gateway.pool.get("10.0.0.1:30001")
     assert worker is not None
     assert not worker.discovered
-    assert worker.last_error == "/server_info answered 503 without JSON; asked again next round"
+    assert worker.last_error == (
+        "/server_info answered 503 without a JSON object; asked again next round"
+    )
     cluster.server_info["10.0.0.1:30001"] = EMULATOR_INFO
     await gateway.monitor.run_once()
     assert (worker.discovered, worker.pod, worker.registered_pod) == (True, "pod-a", "pod-a")

@@ -4,7 +4,7 @@ vLLM's /metrics; and the monitor reading a vLLM prefill's from there."""
 from __future__ import annotations
 
 from gateway.config import KvEventsSpec, WorkerSpec
-from gateway.workers.server_info import parse_server_info, parse_vllm_capacity
+from gateway.workers.server_info import parse_server_info, parse_vllm_cache
 from tests.gateway.fakes import Cluster, config, make_gateway
 
 VLLM_METRICS = """\
@@ -33,14 +33,14 @@ def test_our_engines_kv_cache_block_wins_over_max_total_num_tokens() -> None:
 
 
 def test_vllm_s_capacity_is_the_sum_over_its_engine_cores() -> None:
-    assert parse_vllm_capacity(VLLM_METRICS) == (661 + 600) * 16
+    assert parse_vllm_cache(VLLM_METRICS).capacity_tokens == (661 + 600) * 16
 
 
 def test_vllm_metrics_without_a_filled_in_cache_config_tell_nothing() -> None:
     unprofiled = 'vllm:cache_config_info{block_size="16",num_gpu_blocks="None"} 1.0\n'
     zero = 'vllm:cache_config_info{block_size="0",num_gpu_blocks="10"} 1.0\n'
     for text in (unprofiled, zero, "", "not prometheus {{{", 'other_metric{a="1"} 2\n'):
-        assert parse_vllm_capacity(text) is None
+        assert parse_vllm_cache(text).capacity_tokens is None
 
 
 async def test_a_vllm_prefill_s_capacity_is_read_from_its_metrics() -> None:

@@ -178,7 +178,10 @@ async def serve_until_signalled(
 ) -> None:
     """Serve `inference` and `app` on `--port` until SIGINT or SIGTERM, then shut down."""
     server = HttpServer(
-        inference, inference.edge.wrap(app), max_connections=config.max_client_connections
+        inference,
+        inference.edge.wrap(app),
+        max_connections=config.max_client_connections,
+        budget=inference.budget,
     )
     try:
         await server.start(config.host, config.port)

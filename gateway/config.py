@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from globalkv.discovery.kubernetes import parse_selector
 from kvplumbing.addresses import check_http_url
 from kvplumbing.auth import ProtectedMode, ProtectionFlags
+from kvplumbing.budget import BodyBudget, default_total
 
 PolicyName = Literal["prefix", "cache_aware", "power_of_two", "round_robin", "random", "least_load"]
 Role = Literal["prefill", "decode"]
@@ -426,6 +427,14 @@ class GatewayConfig(BaseModel):
         "longest silence of one upstream call.",
     )
     max_payload_size: int = Field(512 * 1024 * 1024, ge=1, description="Request body limit.")
+    max_buffered_payload_size: int | None = Field(
+        None,
+        ge=1,
+        description="Request-body bytes the process holds at once, all requests together "
+        "(taken as bodies arrive, given back when each request ends or its client leaves); "
+        "a body that does not fit is answered 503. Its last eighth is kept for bodies of at "
+        "most a thousandth of it. None: twice --max-payload-size, at least 256 MiB.",
+    )
     enable_trace: bool = Field(
         False,
         description="Export the gateway's request spans even with no endpoint given: to "
@@ -488,6 +497,13 @@ class GatewayConfig(BaseModel):
         "without kv_transfer_params (it computes the prompt itself) instead of failing.",
     )
 
+    @property
+    def body_budget(self) -> int:
+        """The total of `max_buffered_payload_size`, its default resolved."""
+        if self.max_buffered_payload_size is None:
+            return default_total(self.max_payload_size)
+        return self.max_buffered_payload_size
+
     def protected_mode(self) -> ProtectedMode:
         """Who may change the workers; sglang-router's API key guards them when no admin
         token is given, as it guards everything there."""
@@ -510,6 +526,14 @@ class GatewayConfig(BaseModel):
             raise ValueError("give --redis-url or --indexer-url, not both")
         if self.redis_url and self.block_size is None:
             raise ValueError("--redis-url needs --block-size (the index block size)")
+        largest = BodyBudget(self.body_budget).largest
+        if largest < self.max_payload_size:
+            raise ValueError(
+                f"--max-buffered-payload-size {self.body_budget} holds a body of at most "
+                f"{largest} bytes (an eighth is kept for small ones), less than "
+                f"--max-payload-size {self.max_payload_size}: give at least "
+                f"{-(-self.max_payload_size * 8 // 7)}"
+            )
         if self.share_state_interval_secs is not None and not self.redis_url:
             raise ValueError("--share-state-interval-secs shares through Redis: give --redis-url")
         for spec in self.prefill:

@@ -48,6 +48,7 @@ SETTINGS: tuple[tuple[str, type[BaseModel], dict[str, str]], ...] = (
             "insecure": "--insecure",
             "request_timeout_secs": "--request-timeout-secs",
             "max_payload_size": "--max-payload-size",
+            "max_buffered_payload_size": "--max-buffered-payload-size",
             "max_client_connections": "--max-client-connections",
             "enable_trace": "--enable-trace",
             "otlp_traces_endpoint": "--otlp-traces-endpoint",

@@ -58,6 +58,7 @@ from gateway.tracing import (
 )
 from globalkv.tokenize import TokenizeError
 from kvplumbing.auth import bearer_matches
+from kvplumbing.budget import BodyBudget
 from kvplumbing.clock import Clock
 
 TOKENIZE_INLINE_MAX = 64 * 1024
@@ -156,6 +157,11 @@ class Inference:
     @property
     def limit(self) -> int:
         return self._gateway.config.max_payload_size
+
+    @property
+    def budget(self) -> BodyBudget:
+        """The bytes of every request's body held at once (the gateway's)."""
+        return self._gateway.bodies
 
     def refused(self, path: str, answer: Answer) -> None:
         """An answer given without calling a worker (401, 400, 413), counted."""

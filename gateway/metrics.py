@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 
 from gateway.policies.loads import LoadTracker
 from gateway.workers.pool import WorkerPool
+from kvplumbing.budget import BodyBudget
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _TOKEN_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
@@ -89,6 +90,25 @@ class _PoolCollector(Collector):
         pending.add_metric([], float(self._loads.pending_keys()))
         yield from (healthy, eligible, breaker, directory, in_flight, queued, remaining, rate)
         yield pending
+
+
+class _BodyCollector(Collector):
+    def __init__(self, budget: BodyBudget) -> None:
+        self._budget = budget
+
+    def collect(self) -> Iterator[Metric]:
+        budget = self._budget
+        yield GaugeMetricFamily(
+            "globalkv_gateway_request_body_bytes",
+            "Request-body bytes held now, every request together (arriving, waiting or "
+            "being served); at most --max-buffered-payload-size.",
+            value=budget.used,
+        )
+        yield GaugeMetricFamily(
+            "globalkv_gateway_request_body_limit_bytes",
+            "--max-buffered-payload-size: past it a body is answered 503.",
+            value=budget.total,
+        )
 
 
 class GatewayMetrics:
@@ -183,6 +203,9 @@ class GatewayMetrics:
 
     def watch_pool(self, pool: WorkerPool, loads: LoadTracker) -> None:
         self.registry.register(_PoolCollector(pool, loads))
+
+    def watch_bodies(self, budget: BodyBudget) -> None:
+        self.registry.register(_BodyCollector(budget))
 
 
 class EndpointMetrics:

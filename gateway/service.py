@@ -41,6 +41,7 @@ from gateway.workers.monitor import DirectoryProbe, Monitor, PodRegistrar
 from gateway.workers.pool import Worker, WorkerPool
 from globalkv.lookup import PrefixLookup
 from globalkv.tokenize import Tokenizer
+from kvplumbing.budget import BodyBudget
 from kvplumbing.clock import Clock, Sleep
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,8 @@ class Gateway:
     metrics: GatewayMetrics
     tokenizer: Tokenizer | None
     clock: Clock
+    bodies: BodyBudget
+    """The request-body bytes the process holds at once (`--max-buffered-payload-size`)."""
     tracing: Tracing | None = None
     """Spans of each request when traces are exported (`gateway.tracing`)."""
 
@@ -144,6 +147,8 @@ def build_gateway(
     grace = config.prefix.pending_grace_secs
     loads = LoadTracker(pending=None if grace is None else PendingPrefixes(grace), clock=clock)
     metrics.watch_pool(pool, loads)
+    bodies = BodyBudget(config.body_budget)
+    metrics.watch_bodies(bodies)
     monitor = Monitor(
         pool,
         client,
@@ -197,7 +202,18 @@ def build_gateway(
         local=LocalLegs(calls),
     )
     gateway = Gateway(
-        config, client, pool, loads, router, calls, dispatcher, monitor, metrics, tokenizer, clock
+        config,
+        client,
+        pool,
+        loads,
+        router,
+        calls,
+        dispatcher,
+        monitor,
+        metrics,
+        tokenizer,
+        clock,
+        bodies,
     )
     for spec in (*config.prefill, *config.decode):
         pool.add(spec)

@@ -77,3 +77,12 @@ def problem(status: int, message: str, kind: str = "invalid_request_error") -> A
 
 def too_large(limit: int) -> Answer:
     return problem(413, f"request body exceeds --max-payload-size ({limit} bytes)")
+
+
+def over_budget(total: int) -> Answer:
+    """A body refused because the bodies the process holds already fill its total."""
+    message = (
+        "the request bodies this server holds fill its total, --max-buffered-payload-size "
+        f"({total} bytes); try again later"
+    )
+    return problem(503, message, "overloaded")

@@ -12,8 +12,15 @@ HTTP/1.1 keep-alive with pipelined requests answered in order (reading pauses wh
 wait, and the next starts once the client has taken the last answer), `Expect:
 100-continue`, `--max-payload-size` enforced from Content-Length before reading (413) and
 while reading chunked bodies, a bound on heads (431), Upgrade headers ignored, and write
-flow control for streams. `gateway.http.server.HttpServer` listens, asks each connection to
-`expire` a client too slow or silent (408), and shuts down.
+flow control for streams. `gateway.http.server.HttpServer` listens, asks each connection
+to `expire` a client too slow or silent (408), and shuts down.
+
+Every connection's bodies draw on the server's one `kvplumbing.budget.BodyBudget`
+(`--max-buffered-payload-size`): a request takes its body's bytes as they arrive and gives
+them all back when its answer is over, it is refused, or the connection is lost (requests
+queued or still arriving included). A Content-Length that cannot fit now is refused before
+the body is read, and a body that stops fitting as it arrives is refused then: 503, and
+the connection closed as after a 413.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from typing import Any, Protocol, cast
 import httptools
 
 from gateway.http.answer import Answer, problem
-from gateway.http.exchange import Exchange, Serving, oversized
+from gateway.http.exchange import Exchange, Serving, refusal
 from gateway.http.wire import CLOSE, HttpRequest, answer_bytes
 
 log = logging.getLogger(__name__)
@@ -65,6 +72,10 @@ class Server(Serving, Protocol):
 
     def admit(self, connection: ClientConnection) -> None:
         """Serve `connection`, or refuse it (closing it) when the server is full."""
+        ...
+
+    def short_of_budget(self) -> None:
+        """A body was refused for want of room in the budget."""
         ...
 
     def lost(self, connection: ClientConnection) -> None: ...
@@ -166,7 +177,12 @@ class ClientConnection(asyncio.Protocol):
         self.state = ConnectionState.CLOSED
         self._server.lost(self)
         if self._task is not None:
-            self._task.cancel()
+            self._task.cancel()  # its request's bytes are given back as it ends
+        for request in (self._request, *self._queue):
+            if request is not None:
+                self._give_back(request)
+        if self._upgrading is not None:
+            self._give_back(self._upgrading.request)
         for waiter in (self._drained, self._lost):
             if waiter is not None and not waiter.done():
                 waiter.set_result(None)
@@ -230,8 +246,11 @@ class ClientConnection(asyncio.Protocol):
         if request.method == b"POST":
             request.route = self._server.routes.get(request.path)
         length = request.length
-        if length is not None and length.isdigit() and int(length) > self._server.limit:
-            self._too_large(request)
+        announced = int(length) if length is not None and length.isdigit() else None
+        if announced is not None and announced > self._server.limit:
+            self._refuse_body(request, 413)
+        elif announced is not None and not self._server.budget.fits(announced):
+            self._refuse_body(request, 503)
         elif request.expect and self.idle_but(request):
             self.write(_CONTINUE)
 
@@ -242,9 +261,9 @@ class ClientConnection(asyncio.Protocol):
             return
         request.size += len(body)
         if request.size > self._server.limit:
-            self._too_large(request)
+            self._refuse_body(request, 413)
         else:
-            request.body.append(body)
+            self._take(request, body)
 
     def on_message_complete(self) -> None:
         request, self._request = self._request, None
@@ -272,11 +291,29 @@ class ClientConnection(asyncio.Protocol):
         """No answer in progress or waiting besides `request`'s."""
         return self._task is None and not self._queue and self._request is request
 
-    def _too_large(self, request: HttpRequest) -> None:
-        request.refused = True
+    def _take(self, request: HttpRequest, body: bytes) -> None:
+        """Keep `body`, more of `request`'s, if the budget has room for it; else refuse."""
+        if self._server.budget.take(request.held, len(body)):
+            request.held += len(body)
+            request.body.append(body)
+        else:
+            self._refuse_body(request, 503)
+
+    def _give_back(self, request: HttpRequest) -> None:
+        if request.held:
+            self._server.budget.give(request.held)
+            request.held = 0
+
+    def _refuse_body(self, request: HttpRequest, status: int) -> None:
+        """Drop `request`'s body and refuse it with `status` (answered now when nothing is
+        answered before it, else in its turn)."""
+        request.refused = status
         request.body = []
+        self._give_back(request)
+        if status == 503:
+            self._server.short_of_budget()
         if self.idle_but(request):
-            self._refuse(oversized(self._server, request))
+            self._refuse(refusal(self._server, request))
 
     def _refuse(self, answer: Answer) -> None:
         """Answer now and close: what follows on this connection cannot be trusted.
@@ -323,6 +360,7 @@ class ClientConnection(asyncio.Protocol):
             kept = False  # the client left, or the server is stopping
         finally:
             self._task = None
+            self._give_back(request)
         if not kept:
             self._stop_reading_requests()
         self._next(request)
@@ -386,8 +424,8 @@ class ClientConnection(asyncio.Protocol):
         taken, rest = data[: upgrading.left], data[upgrading.left :]
         upgrading.left -= len(taken)
         if taken and not request.refused:
-            request.body.append(taken)
             request.size += len(taken)
+            self._take(request, taken)
         if upgrading.left == 0:
             self._upgrading = None
             self._complete(request)

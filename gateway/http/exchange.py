@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from starlette.types import ASGIApp
 
-from gateway.http.answer import Answer, problem, too_large
+from gateway.http.answer import Answer, over_budget, problem, too_large
 from gateway.http.wire import (
     CLOSE,
     HttpRequest,
@@ -26,6 +26,7 @@ from gateway.http.wire import (
     serve_asgi,
     write_stream,
 )
+from kvplumbing.budget import BodyBudget
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,8 @@ class Handler(Protocol):
         ...
 
     def refused(self, path: str, answer: Answer) -> None:
-        """The server answered a request to `path` itself (413), without calling `handle`."""
+        """The server answered a request to `path` itself (413, 503), without calling
+        `handle`."""
         ...
 
 
@@ -67,11 +69,15 @@ class Serving(Protocol):
     """The handler's paths, as they arrive on the wire."""
     limit: int
     """The handler's `limit`."""
+    budget: BodyBudget
+    """The bytes of request bodies held at once, every connection's together."""
 
 
-def oversized(server: Serving, request: HttpRequest) -> Answer:
-    """The 413 for `request`, told to the handler when it was one of its requests."""
-    answer = too_large(server.limit)
+def refusal(server: Serving, request: HttpRequest) -> Answer:
+    """The answer to `request`, refused before it was read whole (413 over the per-request
+    limit, 503 over the budget), told to the handler when it was one of its requests."""
+    budget = server.budget
+    answer = too_large(server.limit) if request.refused == 413 else over_budget(budget.total)
     if request.route is not None:
         server.handler.refused(request.route, answer)
     return answer
@@ -107,7 +113,7 @@ class Exchange:
         request = self._request
         try:
             if request.refused:
-                self._write(oversized(self._server, request), CLOSE)
+                self._write(refusal(self._server, request), CLOSE)
                 return False
             if request.route is not None:
                 return await self._handle(request, request.route)
@@ -138,10 +144,12 @@ class Exchange:
 
     async def _handle(self, request: HttpRequest, path: str) -> bool:
         authorization = request.authorization
+        body = b"".join(request.body)
+        request.body.clear()  # held once, not twice, while it is served
         answer = await self._server.handler.handle(
             path,
             None if authorization is None else authorization.decode("latin-1"),
-            b"".join(request.body),
+            body,
             request.headers,
         )
         keep_alive = self._keep_alive()

@@ -13,6 +13,10 @@ that long, answered 408 and closed — a few slow clients must not hold connecti
 forever), a cap on client connections, and a graceful `shutdown` (stop accepting, finish
 what is in flight, then close).
 
+Request bodies are bounded one by one (the handler's `limit`, 413) and all together
+(`budget`, a `kvplumbing.budget.BodyBudget`, 503): unfinished large bodies on many
+connections once grew the process by their sum.
+
 The cap (`max_connections`; by default half the process's open-files limit,
 `default_max_connections`) keeps the other half for the connections to the workers: idle
 client connections that took every file descriptor made each call to a worker fail
@@ -35,6 +39,7 @@ from gateway.http.answer import problem
 from gateway.http.client_connection import ClientConnection, ConnectionState
 from gateway.http.exchange import Handler
 from gateway.http.wire import CLOSE, answer_bytes
+from kvplumbing.budget import BodyBudget, default_total
 
 log = logging.getLogger(__name__)
 _FULL_LOG_EVERY_SECS = 60.0
@@ -63,11 +68,16 @@ class HttpServer:
         keep_alive_secs: float = 5.0,
         read_timeout_secs: float = 30.0,
         max_connections: int | None = None,
+        budget: BodyBudget | None = None,
     ):
         self.handler = handler
         self.app = app
         self.routes: Mapping[bytes, str] = {path.encode(): path for path in handler.paths}
         self.limit = handler.limit
+        self.budget = budget or BodyBudget(default_total(handler.limit))
+        self.short_of_room = 0
+        """Bodies refused for want of room in the budget, since the start."""
+        self._short_logged_at = -_FULL_LOG_EVERY_SECS
         self.connections: set[ClientConnection] = set()
         self.max_connections = max_connections or default_max_connections()
         self.reclaimed = 0
@@ -121,6 +131,20 @@ class HttpServer:
                 "%d client connections open, the cap (--max-client-connections): %s",
                 len(self.connections),
                 what,
+            )
+
+    def short_of_budget(self) -> None:
+        """Logged at most once a minute, as `_full` is."""
+        self.short_of_room += 1
+        now = asyncio.get_running_loop().time()
+        if now - self._short_logged_at >= _FULL_LOG_EVERY_SECS:
+            self._short_logged_at = now
+            log.warning(
+                "request bodies held fill %d of the %d bytes of --max-buffered-payload-size: "
+                "a body refused, 503 (%d since the start)",
+                self.budget.used,
+                self.budget.total,
+                self.short_of_room,
             )
 
     def lost(self, connection: ClientConnection) -> None:

@@ -66,6 +66,7 @@ class HttpRequest:
         "expect",
         "head_size",
         "headers",
+        "held",
         "keep_alive",
         "length",
         "method",
@@ -89,6 +90,8 @@ class HttpRequest:
         """Names in lowercase, as ASGI wants them."""
         self.body: list[bytes] = []
         self.size = 0
+        self.held = 0
+        """Bytes it holds of the server's body budget, given back once when it is over."""
         self.authorization: bytes | None = None
         """W3C `traceparent` and `tracestate`, as sent, to be passed on."""
         self.length: bytes | None = None
@@ -103,8 +106,10 @@ class HttpRequest:
         self.keep_alive = True
         self.route: str | None = None
         """The path, for a POST to a path the server's handler answers."""
-        self.refused = False
-        """Over the size limit: its body is dropped and a 413 closes the connection."""
+        self.refused = 0
+        """The status it is refused with before it was read whole, its body dropped and the
+        connection closed after: 413 over the per-request limit, 503 over the server's body
+        budget; 0 while it is not."""
 
     def add_header(self, name: bytes, value: bytes) -> None:
         name = name.lower()
@@ -184,6 +189,7 @@ async def serve_asgi(
         "headers": request.headers,
     }
     body: bytes | None = b"".join(request.body)
+    request.body.clear()  # held once, not twice, while it is served
     bodyless = request.method == b"HEAD"
     state = {"started": False, "chunked": False, "complete": False, "keep": keep_alive}
 

@@ -76,9 +76,12 @@ def curl_lines(
     cluster: _Running, model: str, *, admin_token: bool = False, diagnosed: str | None = None
 ) -> str:
     """`admin_token`: the cluster has one, which doctor and lookups need (it is not
-    printed); `diagnosed`: what doctor reads as the gateway (the picker, behind Envoy)."""
+    printed); `diagnosed`: what doctor reads as the gateway (the picker, behind Envoy, where
+    requests, the probe's too, enter at the gateway URL)."""
     gateway, indexer = cluster.gateway_url, cluster.indexer_url
     doctor = f"python -m globalkv doctor --gateway {diagnosed or gateway} --indexer {indexer}"
+    if diagnosed is not None:
+        doctor += f" --entry {gateway}"
     walk = "  # walk the diagnostic path"
     if admin_token:
         doctor += " --admin-token TOKEN"

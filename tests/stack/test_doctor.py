@@ -37,10 +37,16 @@ async def diagnose(
     api_key: str | None = None,
     admin_token: str | None = None,
     probe: bool = True,
+    entry: str | None = None,
 ) -> Report:
     time = FakeTime()
     settings = DoctorConfig(
-        gateway=gateway, indexer=indexer, api_key=api_key, admin_token=admin_token, probe=probe
+        gateway=gateway,
+        indexer=indexer,
+        api_key=api_key,
+        admin_token=admin_token,
+        probe=probe,
+        entry=entry,
     )
     async with httpx.AsyncClient(transport=fake.transport()) as client:
         doctor = Doctor(
@@ -117,6 +123,30 @@ async def test_a_worker_s_last_error_warns_while_recent_and_is_shown_after() -> 
     old = await diagnose(FakeCluster(decode_last_error=(error, 4000.0)))
     level, message = findings(old.stage("gateway"))["decode d0.test:30000"]
     assert (level, f"last error (4000s ago): {error}" in message) == (Level.OK, True)
+
+
+async def test_a_decode_without_server_info_is_no_warning() -> None:
+    """vLLM's decodes and a picker's sidecars serve no /server_info: nothing to discover."""
+    missing = "/server_info answered 404 without JSON"
+    report = await diagnose(FakeCluster(decode_last_error=(missing, 3.0)))
+    level, message = findings(report.stage("gateway"))["decode d0.test:30000"]
+    assert level is Level.OK
+    assert message.endswith("; no /server_info: nothing to discover there")
+    other = await diagnose(FakeCluster(decode_last_error=(f"{missing}; asked again", 3.0)))
+    assert findings(other.stage("gateway"))["decode d0.test:30000"][0] is Level.WARN
+
+
+async def test_behind_envoy_the_probe_enters_where_clients_do() -> None:
+    """The picker (as --gateway) is read; the probe goes to --entry, here down."""
+    envoy = "http://envoy.test:8000"
+    fake = FakeCluster(dead={envoy})
+    report = await diagnose(fake, entry=envoy)
+    assert report.stage("gateway").level is Level.OK
+    level, message = findings(report.stage("probe"))["gateway"]
+    assert level is Level.FAIL
+    assert message.startswith("POST /generate unreachable")
+    assert f"POST {envoy}/generate" in fake.seen
+    assert fake.probes == 0
 
 
 async def test_an_incomplete_directory_names_its_missing_ranks() -> None:

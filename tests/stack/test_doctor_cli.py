@@ -53,3 +53,22 @@ def test_a_cluster_that_does_not_answer_exits_1_naming_the_gateway(
     assert report["first_failing_stage"] == "gateway"
     gateway_stage = report["stages"][0]
     assert gateway_stage["findings"][0]["message"].startswith(f"{gateway}/health unreachable")
+
+
+def test_a_run_directory_behind_envoy_reads_the_picker_and_probes_envoy() -> None:
+    from globalkv.cli import parse
+    from globalkv.stack.doctor.cli import config_from_args
+
+    manifest = {
+        "gateway_url": "http://127.0.0.1:8000",
+        "indexer_url": "http://127.0.0.1:8100",
+        "components": [
+            {"name": "sidecar-0", "role": "sidecar", "url": "http://127.0.0.1:9100"},
+            {"name": "epp", "role": "epp", "url": "http://127.0.0.1:9200"},
+            {"name": "envoy", "role": "gateway", "url": "http://127.0.0.1:8000"},
+        ],
+    }
+    config = config_from_args(parse(["doctor", "--run-dir", "r"], {}), manifest)
+    assert (config.gateway, config.entry) == ("http://127.0.0.1:9200", "http://127.0.0.1:8000")
+    plain = config_from_args(parse(["doctor", "--run-dir", "r"], {}), {"gateway_url": "http://g:1"})
+    assert (plain.gateway, plain.entry) == ("http://g:1", None)

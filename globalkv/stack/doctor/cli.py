@@ -2,6 +2,7 @@
 
     globalkv doctor --gateway http://127.0.0.1:8000 [--indexer http://127.0.0.1:8100]
     globalkv doctor --run-dir runs/up-…        # the addresses a `globalkv up` recorded
+    globalkv doctor --gateway http://epp:8080 --entry http://envoy:8000   # behind Envoy
     globalkv doctor … --admin-token T          # a gateway with an admin token
 
 Exit status 0 when nothing failed (warnings allowed), 1 when something is wrong, 2 for
@@ -38,6 +39,11 @@ def register(subparsers: Any) -> None:
     add = parser.add_argument
     add("--gateway", help="the gateway's URL")
     add("--indexer", help="the indexer's URL")
+    add(
+        "--entry",
+        help="where clients send requests, when not to --gateway: Envoy, with the endpoint "
+        "picker (globalkv epp) as --gateway; the probe is sent here",
+    )
     add("--run-dir", type=Path, help=f"a `globalkv up` run directory: addresses from {MANIFEST}")
     add("--api-key", help="the gateway's --api-key, if it has one")
     add(
@@ -58,20 +64,34 @@ def register(subparsers: Any) -> None:
 
 
 def config_from_args(args: argparse.Namespace, manifest: dict[str, Any]) -> DoctorConfig:
-    gateway = args.gateway or manifest.get("gateway_url")
+    recorded, entry = _recorded_gateway(manifest)
+    gateway = args.gateway or recorded
     indexer = args.indexer or manifest.get("indexer_url")
+    entry = args.entry or (entry if not args.gateway else None)
     if not gateway and not indexer:
         raise ValueError("give --gateway and/or --indexer (or the --run-dir of `globalkv up`)")
     with validation_as_value_error():
         return DoctorConfig(
             gateway=gateway,
             indexer=indexer,
+            entry=entry,
             api_key=args.api_key,
             admin_token=args.admin_token,
             timeout=args.timeout,
             probe=not args.no_probe,
             freshness_timeout=args.freshness_timeout,
         )
+
+
+def _recorded_gateway(manifest: dict[str, Any]) -> tuple[str | None, str | None]:
+    """(gateway, entry) of a `globalkv up` manifest: behind Envoy its recorded gateway is
+    Envoy, the entry, and the gateway doctor reads is the first endpoint picker."""
+    components = manifest.get("components")
+    listed = components if isinstance(components, list) else []
+    pickers = [c.get("url") for c in listed if isinstance(c, dict) and c.get("role") == "epp"]
+    if pickers and isinstance(pickers[0], str):
+        return pickers[0], manifest.get("gateway_url")
+    return manifest.get("gateway_url"), None
 
 
 def read_manifest(run_dir: Path) -> dict[str, Any]:

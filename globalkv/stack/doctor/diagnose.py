@@ -5,6 +5,11 @@ as skipped: with only an indexer, prefills are found through the pods it follows
 only a gateway, the index stage is skipped. The probe needs the gateway; with an indexer
 too, it also measures how soon the probe's KV blocks become visible in the index and
 whether the repeated probe is served from cache.
+
+Behind Envoy the gateway's part is split: `globalkv epp` chooses (its `/workers`,
+`/v1/config` and `/metrics` are read as a gateway's) and answers no request, which enters
+at Envoy and reaches a decode's sidecar. `entry` names where requests enter, and the probe
+is sent there.
 """
 
 from __future__ import annotations
@@ -45,6 +50,11 @@ class DoctorConfig(BaseModel):
 
     gateway: str | None = Field(None, description="The gateway's URL.")
     indexer: str | None = Field(None, description="The indexer's URL.")
+    entry: str | None = Field(
+        None,
+        description="Where clients send requests when that is not the gateway: Envoy, in "
+        "front of the endpoint picker given as the gateway. The probe is sent there.",
+    )
     api_key: str | None = Field(
         None, repr=False, description="The gateway's --api-key, when it has one."
     )
@@ -62,7 +72,7 @@ class DoctorConfig(BaseModel):
         5.0, gt=0, description="Seconds the probe's KV events may take to reach the index."
     )
 
-    @field_validator("gateway", "indexer")
+    @field_validator("gateway", "indexer", "entry")
     @classmethod
     def _url(cls, value: str | None) -> str | None:
         return None if value is None else check_http_url(value)
@@ -164,7 +174,7 @@ class Doctor:
         routing = report.stage("routing").labelled(pool.label)
         prober = Prober(
             self._gateway_reader,
-            gateway,
+            self.config.entry or gateway,
             max_new_tokens=self.config.max_new_tokens,
             clock=self._clock,
             vllm=pool.vllm,

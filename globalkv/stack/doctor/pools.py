@@ -5,12 +5,15 @@ last error and its age) lags by design: a worker that died a second ago is still
 `healthy` until enough checks fail. So every worker's `/health` is also asked directly,
 and a worker that does not answer is reported even while the gateway still routes to it
 (it then relies on retries). A last error younger than `RECENT_SECS` is a warning; an
-older one is only shown.
+older one is only shown. A decode or a vLLM worker that serves no `/server_info` (vLLM's
+engines outside their dev mode, a `globalkv sidecar` before a decode) has nothing there to
+discover: the gateway notes the 404, and it is shown, not warned about.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 
 from globalkv.stack.doctor.reading import Reader, Samples
 from globalkv.stack.doctor.report import Stage
@@ -18,6 +21,8 @@ from globalkv.stack.views import WorkersView, WorkerView
 
 ROLES = ("prefill", "decode")
 RECENT_SECS = 300.0
+NO_SERVER_INFO = re.compile(r"/server_info answered 40[45] without JSON")
+"""How the gateway notes a worker that serves no /server_info (`gateway.workers.monitor`)."""
 _NEEDS_TOKEN = (
     "; the gateway has an admin token or API key: give doctor one of them "
     "(--admin-token / GLOBALKV_DOCTOR_ADMIN_TOKEN, --api-key / GLOBALKV_DOCTOR_API_KEY)"
@@ -42,20 +47,31 @@ def _state(worker: WorkerView) -> str:
 
 def _recent_error(worker: WorkerView) -> bool:
     age = worker.last_error_age_secs
-    return worker.last_error is not None and (age is None or age < RECENT_SECS)
+    if worker.last_error is None or _nothing_to_discover(worker):
+        return False
+    return age is None or age < RECENT_SECS
+
+
+def _nothing_to_discover(worker: WorkerView) -> bool:
+    """Only a prefill of SGLang's must tell its KV events and directory on /server_info."""
+    expected = worker.role == "decode" or worker.kind == "vllm"
+    return expected and NO_SERVER_INFO.fullmatch(worker.last_error or "") is not None
 
 
 def _errors(worker: WorkerView) -> str:
     age = worker.last_error_age_secs
     last = "last error" + ("" if age is None else f" ({age:.0f}s ago)")
+    error = worker.last_error
+    if _nothing_to_discover(worker):
+        last, error = "no /server_info", "nothing to discover there"
     errors = [
-        f"{what}: {error}"
-        for what, error in (
+        f"{what}: {text}"
+        for what, text in (
             ("health check", worker.health_error),
             ("directory", worker.directory_error),
-            (last, worker.last_error),
+            (last, error),
         )
-        if error
+        if text
     ]
     return "; ".join(errors)
 

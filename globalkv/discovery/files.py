@@ -22,6 +22,13 @@ A file that cannot be read, is not valid YAML or JSON, or holds one bad entry is
 whole, and the workers stay as the last good file said: a typo must not remove workers. The
 error is logged once per distinct content, not at every poll. To remove every worker,
 list none (`workers: []`).
+
+The file is outside input, so its shape is bounded before anything reads its fields: at
+most `MAX_FILE_BYTES`, nested at most `MAX_DEPTH` levels (deeper JSON or YAML raised
+RecursionError in the parser, which ended the polling for good), and at most `MAX_VALUES`
+values with each YAML alias counted as what it repeats (nine levels of ten aliases make a
+small file of a billion values). It is parsed in a worker thread: a megabyte of YAML
+takes the pure-Python parser most of a second, which the event loop must not wait out.
 """
 
 from __future__ import annotations
@@ -47,6 +54,12 @@ log = logging.getLogger(__name__)
 
 MAX_FILE_BYTES = 1 << 20
 MAX_WORKERS = 4096
+MAX_DEPTH = 16
+"""Levels of nesting a file may have; a good one has four (the file, its list, an entry, a
+field's value)."""
+MAX_VALUES = 100_000
+"""Values (mappings, lists, keys, scalars) a file may hold, each YAML alias counted as
+what it names; `MAX_WORKERS` entries of every field come to about 45,000."""
 
 
 class _Entry(BaseModel):
@@ -70,13 +83,35 @@ class _WorkerFile(BaseModel):
     workers: list[_Entry] = Field(max_length=MAX_WORKERS)
 
 
-def parse_workers(text: str, *, as_json: bool) -> Snapshot:
-    """The workers a file's text lists, or ValueError saying, in one line, what is wrong."""
+def _load(text: str, *, as_json: bool) -> Any:
+    """The file's data, its nesting and size bounded (see the module's docstring)."""
+    kind = "JSON" if as_json else "YAML"
     try:
         data: Any = json.loads(text) if as_json else yaml.safe_load(text)
+    except RecursionError:
+        raise ValueError(f"{kind} nested deeper than {MAX_DEPTH} levels") from None
     except (ValueError, yaml.YAMLError) as error:
-        kind = "JSON" if as_json else "YAML"
         raise ValueError(f"not valid {kind}: {_first_line(error)}") from None
+    values = 0
+    arriving: list[tuple[Any, int]] = [(data, 1)]
+    while arriving:
+        value, depth = arriving.pop()
+        if depth > MAX_DEPTH:
+            raise ValueError(f"{kind} nested deeper than {MAX_DEPTH} levels")
+        if isinstance(value, dict):
+            values += len(value)  # the keys
+            arriving.extend((inner, depth + 1) for inner in value.values())
+        elif isinstance(value, list):
+            arriving.extend((inner, depth + 1) for inner in value)
+        values += 1
+        if values > MAX_VALUES:
+            raise ValueError(f"more than {MAX_VALUES} values, each alias counted as what it names")
+    return data
+
+
+def parse_workers(text: str, *, as_json: bool) -> Snapshot:
+    """The workers a file's text lists, or ValueError saying, in one line, what is wrong."""
+    data = _load(text, as_json=as_json)
     if not isinstance(data, dict):
         raise ValueError("the file must hold a mapping with a 'workers' list")
     try:
@@ -143,9 +178,10 @@ class FileSource(Source):
         digest = hashlib.sha256(content).digest()
         if digest == self._seen:
             return
+        as_json = self.path.suffix.lower() == ".json"
         try:
             text = content.decode("utf-8")
-            workers = parse_workers(text, as_json=self.path.suffix.lower() == ".json")
+            workers = await asyncio.to_thread(parse_workers, text, as_json=as_json)
         except ValueError as error:  # UnicodeDecodeError is one
             self._refuse("invalid", _first_line(error), digest)
             return

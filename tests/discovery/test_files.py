@@ -12,7 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from globalkv.discovery.files import MAX_FILE_BYTES, FileSource, parse_workers
+from globalkv.discovery.files import (
+    MAX_DEPTH,
+    MAX_FILE_BYTES,
+    MAX_VALUES,
+    FileSource,
+    parse_workers,
+)
 from globalkv.discovery.model import Changes, DiscoveredWorker
 from tests.discovery.support import consumer, removed_ids, until
 
@@ -159,3 +165,77 @@ def test_json_files_are_read_as_json() -> None:
     assert parse_workers('{"workers": []}', as_json=True) == frozenset()
     with pytest.raises(ValueError, match="not valid JSON"):
         parse_workers("workers: []", as_json=True)
+
+
+def _laughs(levels: int) -> str:
+    """YAML of `levels` anchors, each a list of ten aliases of the one before: 10**levels
+    entries in a file of a few hundred bytes."""
+    lines = ["a0: &a0 {url: 'http://127.0.0.1:1', role: decode}"]
+    lines += [f"a{n}: &a{n} [{', '.join([f'*a{n - 1}'] * 10)}]" for n in range(1, levels + 1)]
+    return "\n".join(lines) + f"\nworkers: *a{levels}\n"
+
+
+DEEP_JSON = '{"workers": ' + "[" * 200_000 + "]" * 200_000 + "}"
+"""Past the JSON parser's recursion limit, well within the size limit."""
+SHALLOW_PAST_DEPTH = '{"workers": ' + "[" * MAX_DEPTH + "]" * MAX_DEPTH + "}"
+DEEP_YAML = "workers:\n" + "".join(f"{'  ' * n}- x:\n" for n in range(1, 600)) + "    - y\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "as_json", "says"),
+    [
+        (DEEP_JSON, True, f"JSON nested deeper than {MAX_DEPTH} levels"),
+        (SHALLOW_PAST_DEPTH, True, f"JSON nested deeper than {MAX_DEPTH} levels"),
+        ("workers: " + "[" * 100_000 + "]" * 100_000, False, "YAML nested deeper"),
+        (DEEP_YAML, False, "YAML nested deeper"),
+        (_laughs(9), False, f"more than {MAX_VALUES} values"),
+        ('{"workers": [' + "1," * MAX_VALUES + "1]}", True, f"more than {MAX_VALUES} values"),
+    ],
+)
+def test_files_nested_too_deeply_or_holding_too_much_are_refused(
+    text: str, as_json: bool, says: str
+) -> None:
+    assert len(text.encode()) <= MAX_FILE_BYTES
+    with pytest.raises(ValueError, match=says) as refused:
+        parse_workers(text, as_json=as_json)
+    assert "\n" not in str(refused.value)
+
+
+def test_aliases_within_the_bounds_are_read() -> None:
+    text = (
+        "workers:\n"
+        "  - {url: 'http://127.0.0.1:1', role: decode, model: &m qwen3-8b}\n"
+        "  - {url: 'http://127.0.0.1:2', role: decode, model: *m}\n"
+    )
+    assert {w.model for w in parse_workers(text, as_json=False)} == {"qwen3-8b"}
+
+
+@pytest.mark.parametrize(
+    ("name", "bad"),
+    [
+        ("workers.json", DEEP_JSON),
+        ("workers.yaml", "workers: " + "[" * 100_000 + "]" * 100_000),
+        ("workers.yaml", _laughs(9)),
+    ],
+)
+async def test_a_hostile_file_is_refused_in_one_line_and_the_next_good_file_applies(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, name: str, bad: str
+) -> None:
+    path = tmp_path / name
+    good = json.dumps({"workers": [{"url": "http://127.0.0.1:30002", "role": "decode"}]})
+    path.write_text(good)
+    caplog.set_level(logging.ERROR, logger="globalkv.discovery.files")
+    async with following(path) as (source, applied, polls):
+        await until(lambda: source.current is not None, "the good file")
+        first = source.current
+        path.write_text(bad)
+        await until(lambda: source.errors["invalid"] == 1, "the hostile file refused")
+        await more_polls(polls)
+        assert source.current == first
+        (line,) = [r.getMessage() for r in caplog.records]
+        assert "refused" in line
+        assert "keeping the last good file's 1 workers" in line
+        assert "\n" not in line
+        path.write_text(good.replace("30002", "30003"))
+        await until(lambda: len(applied) == 2, "the next good file applied")
+        assert {w.url for w in source.current or ()} == {"http://127.0.0.1:30003"}

@@ -125,14 +125,16 @@ async def test_a_worker_s_last_error_warns_while_recent_and_is_shown_after() -> 
     assert (level, f"last error (4000s ago): {error}" in message) == (Level.OK, True)
 
 
-async def test_a_decode_without_server_info_is_no_warning() -> None:
-    """vLLM's decodes and a picker's sidecars serve no /server_info: nothing to discover."""
-    missing = "/server_info answered 404 without JSON"
-    report = await diagnose(FakeCluster(decode_last_error=(missing, 3.0)))
+async def test_a_decode_that_advertises_nothing_is_no_warning() -> None:
+    """vLLM's decodes and a picker's sidecars serve no /server_info: nothing to discover,
+    and a decode needs nothing discovered. One the gateway asks again is a warning."""
+    silent = "neither /server_info nor /kv_event_sources answered"
+    report = await diagnose(FakeCluster(decode_last_error=(f"{silent}; nothing discovered", 3.0)))
     level, message = findings(report.stage("gateway"))["decode d0.test:30000"]
     assert level is Level.OK
-    assert message.endswith("; no /server_info: nothing to discover there")
-    other = await diagnose(FakeCluster(decode_last_error=(f"{missing}; asked again", 3.0)))
+    assert message.endswith("; nothing discovered: a decode needs nothing advertised")
+    again = f"{silent}; asked again next round"
+    other = await diagnose(FakeCluster(decode_last_error=(again, 3.0)))
     assert findings(other.stage("gateway"))["decode d0.test:30000"][0] is Level.WARN
 
 

@@ -5,15 +5,15 @@ last error and its age) lags by design: a worker that died a second ago is still
 `healthy` until enough checks fail. So every worker's `/health` is also asked directly,
 and a worker that does not answer is reported even while the gateway still routes to it
 (it then relies on retries). A last error younger than `RECENT_SECS` is a warning; an
-older one is only shown. A decode or a vLLM worker that serves no `/server_info` (vLLM's
-engines outside their dev mode, a `globalkv sidecar` before a decode) has nothing there to
-discover: the gateway notes the 404, and it is shown, not warned about.
+older one is only shown. A decode that advertises nothing (a vLLM decode, a `globalkv
+sidecar` before a decode) is noted by the gateway as "nothing discovered": a decode needs
+nothing discovered to be routed, so that is shown, not warned about; a prefill needs its
+KV-event endpoints, and it stays a warning there.
 """
 
 from __future__ import annotations
 
 import asyncio
-import re
 
 from globalkv.stack.doctor.reading import Reader, Samples
 from globalkv.stack.doctor.report import Stage
@@ -21,8 +21,9 @@ from globalkv.stack.views import WorkersView, WorkerView
 
 ROLES = ("prefill", "decode")
 RECENT_SECS = 300.0
-NO_SERVER_INFO = re.compile(r"/server_info answered 40[45] without JSON")
-"""How the gateway notes a worker that serves no /server_info (`gateway.workers.monitor`)."""
+NOTHING_DISCOVERED = "; nothing discovered"
+"""How the gateway ends the note of a worker that answered without anything to discover
+(`gateway.workers.monitor`); one it will ask again says so instead."""
 _NEEDS_TOKEN = (
     "; the gateway has an admin token or API key: give doctor one of them "
     "(--admin-token / GLOBALKV_DOCTOR_ADMIN_TOKEN, --api-key / GLOBALKV_DOCTOR_API_KEY)"
@@ -53,9 +54,8 @@ def _recent_error(worker: WorkerView) -> bool:
 
 
 def _nothing_to_discover(worker: WorkerView) -> bool:
-    """Only a prefill of SGLang's must tell its KV events and directory on /server_info."""
-    expected = worker.role == "decode" or worker.kind == "vllm"
-    return expected and NO_SERVER_INFO.fullmatch(worker.last_error or "") is not None
+    error = worker.last_error or ""
+    return worker.role == "decode" and error.endswith(NOTHING_DISCOVERED)
 
 
 def _errors(worker: WorkerView) -> str:
@@ -63,7 +63,7 @@ def _errors(worker: WorkerView) -> str:
     last = "last error" + ("" if age is None else f" ({age:.0f}s ago)")
     error = worker.last_error
     if _nothing_to_discover(worker):
-        last, error = "no /server_info", "nothing to discover there"
+        last, error = "nothing discovered", "a decode needs nothing advertised"
     errors = [
         f"{what}: {text}"
         for what, text in (

@@ -4,7 +4,9 @@ Pods come and go through `add` / `remove` (called by the API, the CLI's `--pod` 
 `podsync` and `ownership`, all idempotent), or appear by themselves on the bound socket
 (`discovery`, whose sources `bound` starts here with `start_worker`). A connect-mode pod
 gets one subscription and one worker per DP rank at once, each resuming where the index
-says the source stopped (a previous indexer may have written it). A removed pod's blocks
+says the source stopped (a previous indexer may have written it) and catching up at once
+from the engine's replay buffer; so does each rank of a bind-mode pod registered with a
+replay endpoint, before its first live batch. A removed pod's blocks
 are cleared from the index; if the index cannot answer then, `clear_removed` (run by
 podsync too) tries again, so they do not linger in lookups.
 
@@ -118,15 +120,20 @@ class Following:
             self.check(info)
             hosts = pod_hosts(info) if info.kv_events.mode == "bind" else []
             home = await resolve(hosts) if hosts else None
+            lacking: set[int] = set()
             if current is not None:
+                lacking = {rank for rank, w in current.workers.items() if w.incomplete}
                 await self._stop(info.id)
             self._uncleared.discard(info.id)
             pod = self._pods.add(info, home)
             if info.kv_events.mode == "connect":
                 for rank in range(info.dp_size):
-                    await self._subscribe(pod, rank)
+                    await self._subscribe(pod, rank, rank in lacking)
             elif not self._config.bind:
                 log.warning("pod %s publishes to a bound SUB, and this indexer binds none", info.id)
+            elif info.kv_events.replay_endpoint is not None:
+                for rank in range(info.dp_size):
+                    await self._catch_up(pod, rank, rank in lacking)
             self._refresh_subscribed()
 
     async def remove(self, pod_id: str, *, clear: bool = True, drain: float = 0.0) -> bool:
@@ -202,11 +209,21 @@ class Following:
         self._refresh_subscribed()
         return True
 
-    async def _subscribe(self, pod: FollowedPod, rank: int) -> None:
-        events = pod.info.kv_events
-        assert events.endpoint is not None
+    async def _catch_up(self, pod: FollowedPod, rank: int, from_start: bool) -> SourceWorker:
+        """Start rank `rank`'s worker where the index says it stopped, asking the engine's
+        replay buffer at once for what it published since (`SourceWorker.catch_up`; from
+        seq 0 when the pod's previous worker left the source incomplete): a bind-mode
+        pod's ranks otherwise start with their first live batch, and an engine connected
+        to a bound SUB before this indexer listened sends none until it stores again."""
         expected, known = await self._resume_point(Source(pod.info.id, rank))
         worker = self.start_worker(pod, rank, expected, known)
+        worker.catch_up(from_start=from_start)
+        return worker
+
+    async def _subscribe(self, pod: FollowedPod, rank: int, from_start: bool) -> None:
+        events = pod.info.kv_events
+        assert events.endpoint is not None
+        worker = await self._catch_up(pod, rank, from_start)
         subscription = EngineSubscription(
             self._context,
             offset_endpoint(events.endpoint, rank),

@@ -1,13 +1,13 @@
 """One source's writer: its batches, in seq order, into the index.
 
 Each (pod, DP rank) has exactly one worker, so a source's batches are applied by one
-writer in order, and a slow or failing source never holds up the
-others. The worker's queue is bounded: a subscriber connected to one engine awaits room
-(back-pressure reaches the SUB socket, whose high-water mark makes the engine's PUB drop,
-which we later see as a gap and replay); the shared bound socket cannot wait for one
-source, so it drops the batch (`queue_full`), which becomes a gap the same way.
+writer in order, and a slow or failing source never holds up the others. Its bounded
+queue, and the waiting on what it applied, are `inbox.SourceInbox`'s.
 
-Batches arrive translated (`border.Received`); this writer only orders and applies them.
+Batches arrive translated (`border.Received`); this writer only orders and applies them,
+and asks the engine's replay buffer for what it missed: a gap, a join (the first batch
+seen is not seq 0), or at once when it starts following a source (`catch_up`: what the
+engine published before anyone listened, which an idle engine would never reveal).
 
 Index failures: `IndexUnavailable` holds the batch and retries with capped exponential
 backoff, the bounded queue behind it filling meanwhile; `IndexDataLost` tells `recovery`,
@@ -22,7 +22,6 @@ batch again. `IndexFenced`
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -40,10 +39,10 @@ from globalkv.index.base import (
     SourceBatch,
 )
 from globalkv.ingest.border import Received
-from globalkv.ingest.replay import ReplayClient
+from globalkv.ingest.inbox import SourceInbox
+from globalkv.ingest.replay import ReplayClient, ReplayResult
 from globalkv.ingest.sequencer import Step, classify, contiguous_tail
 from globalkv.metrics import IngestMetrics
-from globalkv.registry import SourceProgress
 from globalkv.wire import WireError
 from kvplumbing.backoff import Backoff
 from kvplumbing.clock import WallClock
@@ -75,11 +74,11 @@ class Resyncs(Protocol):
         ...
 
 
-_WAKE = None
-"""Queued to wake an idle worker for a resync."""
+_EVERY_SEQ = 1 << 64
+"""Past any seq (an unsigned 64-bit counter): a catch-up asks for all the buffer holds."""
 
 
-class SourceWorker:
+class SourceWorker(SourceInbox):
     def __init__(
         self,
         source: Source,
@@ -99,12 +98,11 @@ class SourceWorker:
         state_known: bool = True,
         wall_clock: WallClock = time.time,
     ) -> None:
-        self.source = source
+        super().__init__(source, metrics, queue_size, max_queued_events, expected)
         self.model = model
         self.replay_endpoint = replay_endpoint
         self.index = index
         self.replayer = replayer
-        self.metrics = metrics
         self.resyncs = resyncs
         self.fenced = fenced
         """Called when a write was refused: another indexer holds the pod's lease."""
@@ -115,108 +113,46 @@ class SourceWorker:
         self.state_known = state_known
         """False when the index could not tell what it holds for this source (it was
         unreachable when we started): a first batch then cannot assume an empty source."""
-        self.received = 0
-        """Live batches handed to this worker, queued or dropped (a plain int: per message)."""
         self.wall_clock = wall_clock
-        self.queue: asyncio.Queue[Received | None] = asyncio.Queue(queue_size)
-        self.max_queued_events = max_queued_events
-        self.queued_events = 0
-        """Events of the batches in the queue; past `max_queued_events` a batch waits or
-        is dropped, unless the queue holds no events (a batch alone always fits)."""
-        self._room = asyncio.Event()
-        self.state = SourceProgress(dp_rank=source.dp_rank)
-        self.state.last_seq = None if expected is None else expected - 1
-        self._waiters: list[tuple[Callable[[SourceProgress], bool], asyncio.Future[None]]] = []
         self._resync_requested = False
+        self._catch_up_requested = False
+        self._catch_up_from_start = False
+        self.incomplete = False
+        """Batches before some applied one were never applied (a replay could not give
+        them): the index may lack blocks the engine holds, never hold extra ones."""
+        self._replayed: tuple[int, float] | None = None
+        """After a catch-up: the seq past its last batch and that batch's timestamp. A live
+        batch below that seq published no later is a copy of one it applied, not a
+        restart (the publisher sent it live before it answered the replay)."""
         self._pending: Received | None = None
         """Taken from the queue while grouping but not next in seq: handled next."""
-        self._stopped = asyncio.Event()
-        """Set when its pod stops being followed: its queue is abandoned, not drained."""
         pod = source.pod
         self._m_batches = metrics.batches.labels(pod)
         self._m_stored = metrics.blocks_stored.labels(pod)
         self._m_removed = metrics.blocks_removed.labels(pod)
-        self._m_depth = metrics.queue_depth.labels(pod, str(source.dp_rank))
 
-    # ---------------------------------------------------------------- feeding
-
-    async def put(self, item: Received) -> None:
-        """Wait for room: back-pressure to the caller's socket."""
-        self.received += 1
-        size = _events(item)
-        while not self._fits(size):
-            self._room.clear()
-            await self._room.wait()
-        await self.queue.put(item)
-        self.queued_events += size
-        self._m_depth.set(self.queue.qsize())
-        if self._waiters:
-            self._changed()
-
-    def offer(self, item: Received) -> bool:
-        """Queue without waiting; a full queue drops the batch (seen later as a gap)."""
-        self.received += 1
-        size = _events(item)
-        try:
-            if not self._fits(size):
-                raise asyncio.QueueFull
-            self.queue.put_nowait(item)
-        except asyncio.QueueFull:
-            self._drop("queue_full")
-            return False
-        self.queued_events += size
-        self._m_depth.set(self.queue.qsize())
-        if self._waiters:
-            self._changed()
-        return True
-
-    def _fits(self, size: int) -> bool:
-        return not self.queued_events or self.queued_events + size <= self.max_queued_events
-
-    def _took(self, item: Received | None) -> None:
-        """`item` left the queue: its events no longer count against the bound."""
-        if item is not None:
-            self.queued_events -= _events(item)
-            self._room.set()
+    # ---------------------------------------------------------------- requests
 
     def request_resync(self) -> None:
         self._resync_requested = True
-        with contextlib.suppress(asyncio.QueueFull):  # busy: it checks the flag before each item
-            self.queue.put_nowait(_WAKE)
+        self.wake()
 
-    async def applied(self, seq: int) -> None:
-        """Return once batch `seq` (or a later one) of this source is visible in the index."""
-        await self.wait(lambda state: state.last_seq is not None and state.last_seq >= seq)
+    def catch_up(self, *, from_start: bool = False) -> None:
+        """Before the batches queued after this call, replay what the engine's buffer holds
+        past the last batch applied: what it published before this indexer listened.
 
-    async def wait(self, condition: Callable[[SourceProgress], bool]) -> None:
-        """Return once `condition` holds for the source's state, checked now (its queue
-        depth read afresh: puts refresh it only for waiters) and after each batch."""
-        self.state.queue_depth = self.queue.qsize()
-        if condition(self.state):
+        Without it those batches are asked for only when a later one arrives (a join or a
+        gap), and an engine that stores nothing more never sends one: its blocks stay
+        out of the index. `from_start`: replay from seq 0 instead, over what is applied
+        (the source was `incomplete` under a previous worker: a pod first seen on the
+        bound socket joins without a replay endpoint, then registers one). Nothing to do
+        without a replay endpoint.
+        """
+        if self.replay_endpoint is None:
             return
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append((condition, future))
-        try:
-            await future
-        finally:
-            self._waiters = [(c, f) for c, f in self._waiters if f is not future]
-
-    async def idle(self) -> None:
-        """Return once everything queued so far has been handled, or the worker stopped
-        (a pod removed or replaced while someone flushes must not hold them forever)."""
-        if self._stopped.is_set():
-            return
-        drained = asyncio.ensure_future(self.queue.join())
-        stopped = asyncio.ensure_future(self._stopped.wait())
-        try:
-            await asyncio.wait((drained, stopped), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            drained.cancel()
-            stopped.cancel()
-
-    def stopped(self) -> None:
-        """Its loop was cancelled (the pod is no longer followed); what is queued is dropped."""
-        self._stopped.set()
+        self._catch_up_requested = True
+        self._catch_up_from_start = from_start
+        self.wake()
 
     # ---------------------------------------------------------------- the loop
 
@@ -231,6 +167,8 @@ class SourceWorker:
             try:
                 if self._resync_requested:
                     await self._resync(self.expected)
+                if self._catch_up_requested:
+                    await self._catch_up()
                 if item is not None:
                     await self._handle(item)
             except asyncio.CancelledError:
@@ -245,6 +183,12 @@ class SourceWorker:
                 self._m_depth.set(self.queue.qsize())
 
     async def _handle(self, item: Received) -> None:
+        if self._replayed is not None:
+            stop, last_ts = self._replayed
+            if item.seq >= stop:
+                self._replayed = None
+            elif isinstance(item.batch, WireError) or item.batch.ts <= last_ts:
+                return  # applied already, from the catch-up's replay
         step = classify(self.expected, item.seq)
         if step is Step.GAP:
             assert self.expected is not None
@@ -287,16 +231,58 @@ class SourceWorker:
 
     async def _recover(self, start: int, stop: int, *, reset_reason: str | None) -> None:
         """Replay [start, stop); reset first if the range cannot be filled and must be."""
-        pod = self.source.pod
-        replayed: list[Received] = []
         if self.replay_endpoint is None:
+            await self._settle(start, stop, ReplayResult(outcome="no_endpoint"), reset_reason)
+            return
+        result = await self.replayer.fetch(self.replay_endpoint, start, stop, self.model)
+        await self._settle(start, stop, result, reset_reason)
+
+    async def _catch_up(self) -> None:
+        """Replay everything buffered from the next seq this source needs (`catch_up`)."""
+        self._catch_up_requested = False
+        if self.replay_endpoint is None:
+            return
+        start = 0 if self._catch_up_from_start else self.expected or 0
+        result = await self.replayer.fetch(self.replay_endpoint, start, _EVERY_SEQ, self.model)
+        ended = result.outcome == "end"
+        if not result.batches:  # nothing missed (not counted as a replay), or no answer
+            if not ended:
+                self.metrics.replays.labels(self.source.pod, result.outcome).inc()
+            return
+        last = max(result.batches, key=lambda b: b.seq)
+        reason: str | None = None  # from 0, in order, over a subset: nothing left stale
+        if self.expected is not None and not self._catch_up_from_start:
+            reason = "gap"  # what the buffer lacks may have removed blocks
+        elif self.expected is None and not self.state_known:
+            reason = "unknown"
+        await self._settle(start, last.seq + 1, result, reason, whole=ended)
+        if not isinstance(last.batch, WireError):
+            self._replayed = (last.seq + 1, last.batch.ts)
+
+    async def _settle(
+        self,
+        start: int,
+        stop: int,
+        result: ReplayResult,
+        reset_reason: str | None,
+        *,
+        whole: bool = True,
+    ) -> None:
+        """Apply what a replay got of [start, stop): all of it, or after a reset (when
+        `reset_reason` says one is needed) the run of it that ends at `stop - 1`.
+        `whole`: false when the replay stopped before the publisher's end (a catch-up
+        counts it by why it stopped, even with its range filled)."""
+        pod = self.source.pod
+        replayed, complete = contiguous_tail(result.batches, start, stop)
+        if result.outcome == "no_endpoint":
             complete, outcome = False, "no_endpoint"
+        elif complete:
+            outcome = "complete" if whole else result.outcome
         else:
-            result = await self.replayer.fetch(self.replay_endpoint, start, stop, self.model)
-            replayed, complete = contiguous_tail(result.batches, start, stop)
-            outcome = "complete" if complete else ("short" if result.outcome == "end" else "")
-            outcome = outcome or result.outcome
+            outcome = "short" if result.outcome == "end" else result.outcome
         self.metrics.replays.labels(pod, outcome).inc()
+        if start == 0 or not complete:
+            self.incomplete = not complete
         if not complete and reset_reason is not None:
             log.warning(
                 "%s: replay of [%d, %d) %s; resetting the source", self.source, start, stop, outcome
@@ -413,21 +399,6 @@ class SourceWorker:
             state.last_event_ts = ts
         self._changed()
 
-    def _changed(self) -> None:
-        self.state.queue_depth = self.queue.qsize()
-        for condition, future in self._waiters:
-            if not future.done() and condition(self.state):
-                future.set_result(None)
-
     def _refused(self) -> None:
         self.metrics.fenced.labels(self.source.pod).inc()
         self.fenced(self.source)
-
-    def _drop(self, reason: str) -> None:
-        self.metrics.dropped.labels(reason).inc()
-        self.state.drops += 1
-        self._changed()
-
-
-def _events(item: Received) -> int:
-    return 0 if isinstance(item.batch, WireError) else len(item.batch.events)

@@ -3,10 +3,10 @@ child process.
 
 `Publisher` is `enginesim.publisher.KVEventPublisher` (the one publisher with replay) with
 the tests' defaults: the PUB binds unless told to connect, the replay layout is chosen
-apart from the flavour, a batch's time is 1 + its seq, and `send` / `raw` return once the
-batch is on the socket. Its misbehaviours are the emulator's: a batch only buffered (a
-gap the replay can fill), a buffer that forgot (a gap it cannot), a restart, garbage
-frames, replies held back.
+apart from the flavour, a batch's time is 1 + its seq (+ 1000 per restart), and `send` /
+`raw` return once the batch is on the socket. Its misbehaviours are the emulator's: a
+batch only buffered (a gap the replay can fill), a buffer that forgot (a gap it cannot), a
+restart, garbage frames, replies held back.
 
 Child process: `python -m tests.ingest.publisher --control tcp://127.0.0.1:P --endpoint …`;
 commands are JSON objects on a REP socket (see `Control`).
@@ -81,9 +81,18 @@ class Publisher(KVEventPublisher):
             layout=layout,
             bind=not connect,
         )
+        self.restarts = 0
         super().__init__(
-            settings, context, EngineMetrics(CollectorRegistry()), clock=lambda: 1.0 + self.next_seq
+            settings,
+            context,
+            EngineMetrics(CollectorRegistry()),
+            clock=lambda: 1.0 + self.next_seq + 1000.0 * self.restarts,
         )
+
+    def restart(self) -> None:
+        """A restarted engine's clock runs on: its batches are newer than any before."""
+        super().restart()
+        self.restarts += 1
 
     @property
     def endpoint(self) -> str:

@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from gateway.flow.config import FlowConfig
 from globalkv.discovery.kubernetes import parse_selector
 from kvplumbing.addresses import check_http_url
 from kvplumbing.auth import ProtectedMode, ProtectionFlags
@@ -490,6 +491,7 @@ class GatewayConfig(BaseModel):
     # Kubernetes-native settings (their models above).
     discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
+    flow: FlowConfig = Field(default_factory=FlowConfig)
     edge: EdgeConfig = Field(default_factory=EdgeConfig)
     vllm_allow_recompute: bool = Field(
         False,

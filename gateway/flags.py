@@ -29,6 +29,7 @@ from gateway.config import (
     WorkerSpec,
     optional_float,
 )
+from gateway.flow.config import FlowConfig
 from gateway.peer_flags import FLAGS_DOC, add_peer_flags, check_peer_flags
 from kvplumbing.validation import validation_message
 
@@ -162,6 +163,20 @@ SETTINGS: tuple[tuple[str, type[BaseModel], dict[str, str]], ...] = (
         },
     ),
     (
+        "flow control",
+        FlowConfig,
+        {
+            "enabled": "--flow-control",
+            "objectives": "--flow-objectives",
+            "fairness_headers": "--flow-fairness-headers",
+            "objective_headers": "--flow-objective-headers",
+            "max_tenants": "--flow-max-tenants",
+            "max_queued_bytes": "--flow-max-queued-bytes",
+            "usage_half_life_secs": "--flow-usage-half-life-secs",
+            "reserve_secs": "--flow-reserve-secs",
+        },
+    ),
+    (
         "client edge",
         EdgeConfig,
         {
@@ -192,6 +207,7 @@ FLAGLESS = {
         "health": "its own flags",
         "discovery": "its own flags",
         "admission": "its own flags",
+        "flow": "its own flags",
         "edge": "its own flags",
     },
 }
@@ -206,6 +222,7 @@ _SECTIONS: dict[type[BaseModel], str] = {
     HealthConfig: "health",
     DiscoveryConfig: "discovery",
     AdmissionConfig: "admission",
+    FlowConfig: "flow",
     EdgeConfig: "edge",
 }
 

@@ -37,11 +37,16 @@ import orjson
 
 from gateway.admission import Admission
 from gateway.edge import Edge, Headers, Picked
+from gateway.flow.control import FlowControl, Grant
+from gateway.flow.queues import FlowRequest
 from gateway.http.answer import Answer, Outcome, Rest, problem
 from gateway.metrics import EndpointMetrics
+from gateway.policies.base import RouteRequest
 from gateway.requests import (
     BadRequest,
     Endpoint,
+    ParsedRequest,
+    PromptTokens,
     UnknownAdapter,
     decode_body,
     parse_request,
@@ -136,13 +141,16 @@ class Inference:
         self._named_prefill = named_prefill
         config = gateway.config
         self.edge = Edge(config.edge)
+        self._flow = gateway.flow
+        flow_headers = self._flow.keys.header_names if self._flow is not None else ()
         self._picked = frozenset(
-            {*self.edge.header_names, *SESSION_HEADERS, *TRACE_HEADERS, b"origin"}
+            {*self.edge.header_names, *SESSION_HEADERS, *TRACE_HEADERS, b"origin", *flow_headers}
         )
-        """The request headers read here: request ids, sessions, trace context, origin."""
+        """The request headers read here: request ids, sessions, trace context, origin, and
+        flow control's."""
         self._admission = (
             Admission(config.admission, gateway.clock, gateway.metrics.registry)
-            if config.admission.max_concurrent_requests > 0
+            if config.admission.max_concurrent_requests > 0 and self._flow is None
             else None
         )
         self._metrics = {
@@ -234,12 +242,14 @@ class Inference:
             return self._refuse(path, problem(401, message, "auth_error"))
         admission = self._admission
         if admission is None:
-            return await self._serve(path, body, request_id, traced, headers, picked)
+            return await self._serve(path, body, request_id, traced, headers, picked, authorization)
         refusal = await admission.admit()
         if refusal is not None:
             return self._refuse(path, refusal)
         try:
-            answer = await self._serve(path, body, request_id, traced, headers, picked)
+            answer = await self._serve(
+                path, body, request_id, traced, headers, picked, authorization
+            )
         except BaseException:
             admission.release()
             raise
@@ -257,9 +267,11 @@ class Inference:
         traced: TracedRequest | None,
         headers: Headers,
         picked: Picked,
+        authorization: str | None = None,
     ) -> Answer:
         gateway = self._gateway
         metrics = self._metrics[path]
+        grant: Grant | None = None
         started = gateway.clock()
         router = gateway.router
         try:
@@ -280,14 +292,37 @@ class Inference:
                     route = await router.route(tokens, parsed.namespace, session, named)
                 finally:
                     span.end()
+            if self._flow is not None:
+                entered = await self._enter(
+                    self._flow,
+                    parsed,
+                    tokens,
+                    route,
+                    named,
+                    picked,
+                    authorization,
+                    len(body),
+                    traced,
+                )
+                if isinstance(entered, Answer):
+                    return self._refuse(path, entered)
+                grant = entered
+                if grant.waited:  # placed on what the index shows now
+                    route = await router.route(tokens, parsed.namespace, session, named)
             answer = await gateway.dispatcher.forward(parsed, route, path)
         except (BadRequest, TokenizeError) as exc:  # BadRequest also from the first attempt
             return self._refuse(path, problem(400, str(exc)))
         except UnknownAdapter as exc:
             return self._refuse(path, problem(404, str(exc), "NotFoundError"))
         except asyncio.CancelledError:
+            if grant is not None:
+                grant.release()
             metrics.ttfb.observe(gateway.clock() - started)
             metrics.answered(499)
+            raise
+        except BaseException:
+            if grant is not None:
+                grant.release()
             raise
         now = gateway.clock()
         metrics.ttfb.observe(now - started)
@@ -295,10 +330,52 @@ class Inference:
             answer = openai_error(answer)
         if answer.rest is not None:
             answer.rest = _Measured(answer.rest, answer.status, metrics, started, gateway.clock)
+            if grant is not None:
+                grant.started()
+                answer.rest.ended = grant.release
             return answer
+        if grant is not None:
+            grant.release()
         metrics.latency.observe(now - started)
         metrics.answered(answer.status)
         return answer
+
+    async def _enter(
+        self,
+        flow: FlowControl,
+        parsed: ParsedRequest,
+        tokens: PromptTokens,
+        route: RouteRequest,
+        named: str | None,
+        picked: Picked,
+        authorization: str | None,
+        size: int,
+        traced: TracedRequest | None,
+    ) -> Grant | Answer:
+        """The request's turn in the flow queues, or the refusal to answer."""
+        namespace = parsed.namespace
+        key = flow.keys.read(picked, namespace.lora_name, authorization)
+        if tokens.tokens is not None:
+            count = len(tokens.tokens)
+        else:  # no tokenizer: about four bytes a token
+            count = max(1, len(tokens.text or "") // 4 or size // 4)
+        request = FlowRequest(
+            key,
+            count,
+            size,
+            route,
+            "sglang" if parsed.endpoint == "generate" else namespace.kind,
+            namespace.model,
+            namespace.adapters,
+            named,
+        )
+        if traced is None:
+            return await flow.enter(request)
+        span = traced.stage("queue")
+        try:
+            return await flow.enter(request)
+        finally:
+            span.end()
 
     def _refuse(self, path: str, answer: Answer) -> Answer:
         self.refused(path, answer)

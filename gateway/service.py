@@ -21,6 +21,8 @@ import httpx
 from prometheus_client import CollectorRegistry
 
 from gateway.config import GatewayConfig, Kind, WorkerSpec
+from gateway.flow.control import FlowControl
+from gateway.flow.headroom import Headroom
 from gateway.http.upstream import HttpxUpstream, Upstream
 from gateway.legs.attempt import Legs
 from gateway.legs.calls import PairCalls
@@ -67,6 +69,8 @@ class Gateway:
     """The request-body bytes the process holds at once (`--max-buffered-payload-size`)."""
     tracing: Tracing | None = None
     """Spans of each request when traces are exported (`gateway.tracing`)."""
+    flow: FlowControl | None = None
+    """Per-tenant queues in priority bands, with `--flow-control` (`gateway.flow`)."""
 
     def add_worker(self, spec: WorkerSpec) -> Worker:
         worker = self.pool.add(spec)
@@ -215,6 +219,9 @@ def build_gateway(
         clock,
         bodies,
     )
+    if config.flow.enabled:
+        headroom = Headroom(router, config.pd_decider.transfer_tokens_per_s)
+        gateway.flow = FlowControl(config.admission, config.flow, headroom, clock, metrics.registry)
     for spec in (*config.prefill, *config.decode):
         pool.add(spec)
     return gateway

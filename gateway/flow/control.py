@@ -1,0 +1,315 @@
+"""Flow control: when each waiting request is released, and the answers of those refused.
+
+A request enters with its flow (`gateway.flow.keys`), price and route
+(`gateway.flow.queues.FlowRequest`) once the gateway knows its tokens and the index's
+answer. It goes at once when nothing of its priority or above is waiting (here, or at
+another replica sharing its state) and it may start; otherwise it waits in the queues,
+and the queues' next request (`FlowQueues.head`: strict priority, then the tenant of least
+recent usage) is released as soon as it may start:
+
+- fewer than `--max-concurrent-requests` released requests are not over (each holds its
+  place until its answer is over, a stream's at its end);
+- a token is in the `--rate-limit-tokens-per-second` bucket, when there is one;
+- the prefills have headroom for it (`gateway.flow.headroom`): its first token within its
+  objective, and room kept for the active objectives above it;
+- no other replica has requests of a higher priority waiting (strict order across the
+  replicas sharing their state, as far as their last round of sharing tells).
+
+Nothing else is released while the next one may not start: that is what makes the order
+strict and fair. Released requests are charged their prompt tokens to their tenant's
+usage. A request waits at most `--queue-timeout-secs` (408); one that does not fit in the
+bounded queues, or is shed from them to make room for a request of a higher priority (or
+of a tenant waiting less), is answered 429. Every refusal's body says which limit in its
+message and its `code`.
+
+Looked at again: when a request arrives, when a released one's answer starts (its
+prefill is done) and ends, when the other replicas' state arrives, and when the estimate
+that held the next one back says it may go.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import orjson
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from gateway.admission import RateBucket
+from gateway.config import AdmissionConfig
+from gateway.flow.config import FlowConfig
+from gateway.flow.headroom import Headroom, Reserve
+from gateway.flow.keys import FlowKeys
+from gateway.flow.queues import FlowQueues, FlowRequest, RefusalReason, Refused, Waiting
+from gateway.flow.usage import Usage
+from gateway.http.answer import Answer
+from kvplumbing.clock import Clock
+
+_WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_LOOK_AGAIN_S = (0.002, 1.0)
+"""Bounds of the wait before looking again at a request the estimates hold back."""
+_TYPICAL_WEIGHT = 0.1
+"""Weight of each request in its objective's typical prompt (an exponential average)."""
+
+
+@dataclass(slots=True)
+class Others:
+    """What the other replicas sharing their state last said (`gateway.replicas.shared_flow`)."""
+
+    top: int | None = None
+    """The highest priority with requests waiting at any of them."""
+    active: Mapping[str, tuple[float, float]] | None = None
+    """Objective -> (when its last request came, as this replica's clock reads it; its
+    typical prompt tokens)."""
+
+
+class Grant:
+    """A released request's place; `started` once its answer starts, `release` once it is
+    over (both idempotent)."""
+
+    __slots__ = ("_flow", "_open", "waited")
+
+    def __init__(self, flow: FlowControl, waited: bool) -> None:
+        self._flow = flow
+        self._open = True
+        self.waited = waited
+        """It waited in the queues (the index may show more of its prompt now)."""
+
+    def started(self) -> None:
+        if self._open:
+            self._flow.look()
+
+    def release(self) -> None:
+        if self._open:
+            self._open = False
+            self._flow.ended()
+
+
+class FlowControl:
+    def __init__(
+        self,
+        admission: AdmissionConfig,
+        config: FlowConfig,
+        headroom: Headroom | None,
+        clock: Clock,
+        registry: CollectorRegistry,
+    ) -> None:
+        self.config = config
+        self.admission = admission
+        self.keys = FlowKeys(config)
+        self._headroom = headroom
+        self._clock = clock
+        self.usage = Usage(config.usage_half_life_secs, config.max_tenants, origin=clock())
+        self.queues = FlowQueues(admission.queue_size, config.max_queued_bytes, self.usage)
+        limit = admission.max_concurrent_requests
+        self._limit = limit if limit > 0 else None
+        rate = admission.rate_limit_tokens_per_second
+        self._bucket = None if rate is None or limit <= 0 else RateBucket(float(limit), rate, clock)
+        self.running = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self._timed: dict[str, tuple[int, float]] = {
+            o.name: (o.priority, o.ttft_s) for o in config.objectives if o.ttft_s is not None
+        }
+        """Objectives with a TTFT: their priority and TTFT."""
+        self.seen: dict[str, tuple[float, float]] = {}
+        """Objective with a TTFT -> (its last request's arrival, its typical prompt tokens)."""
+        self.others = Others()
+        self.refused = Counter(
+            "globalkv_gateway_flow_refused",
+            "Requests refused by flow control, by reason (queue_full, queue_bytes, tenants, "
+            "shed: 429; queue_timeout: 408) and priority.",
+            ["reason", "priority"],
+            registry=registry,
+        )
+        self.waits = Histogram(
+            "globalkv_gateway_flow_wait_seconds",
+            "Time released requests waited in the flow queues, by priority.",
+            ["priority"],
+            buckets=_WAIT_BUCKETS,
+            registry=registry,
+        )
+        registry.register(_FlowCollector(self))
+
+    async def enter(self, request: FlowRequest) -> Grant | Answer:
+        """The request's place once it may start, or the refusal to answer."""
+        now = self._clock()
+        self._note(request, now)
+        if self._free_above(request.key.priority) and self._blocked(request) is None:
+            self._start(request, now, 0.0)
+            return Grant(self, waited=False)
+        outcome: asyncio.Future[RefusalReason | None] = asyncio.get_running_loop().create_future()
+        waiting = Waiting(request, now, outcome)
+        try:
+            shed = self.queues.add(waiting)
+        except Refused as refused:
+            return self._refusal(refused.reason, request)
+        for victim in shed:
+            victim.outcome.set_result("shed")
+        self.look()
+        try:
+            async with asyncio.timeout(self.admission.queue_timeout_secs):
+                reason = await asyncio.shield(outcome)
+        except TimeoutError:
+            if self.queues.remove(waiting):
+                self.look()  # it may have held back the rest
+                return self._refusal("queue_timeout", request)
+            reason = outcome.result()  # decided as the timeout fired
+        except asyncio.CancelledError:
+            if self.queues.remove(waiting):
+                self.look()
+            elif outcome.done() and outcome.result() is None:
+                self.ended()  # released, but the client left
+            raise
+        if reason is not None:
+            return self._refusal(reason, request)
+        return Grant(self, waited=True)
+
+    def look(self) -> None:
+        """Release every request that may start now, in order; when the next may not, look
+        again when the estimates say it may."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        queues = self.queues
+        while (head := queues.head()) is not None:
+            if not self._free_above(head.priority + 1):
+                return  # another replica's higher priority goes first; its next round says when
+            late = self._blocked(head.request)
+            if late is not None:
+                if late < math.inf:
+                    low, high = _LOOK_AGAIN_S
+                    delay = min(max(late, low), high)
+                    self._timer = asyncio.get_running_loop().call_later(delay, self.look)
+                return
+            queues.remove(head)
+            now = self._clock()
+            self._start(head.request, now, now - head.arrived)
+            head.outcome.set_result(None)
+
+    def ended(self) -> None:
+        self.running -= 1
+        self.look()
+
+    def _start(self, request: FlowRequest, now: float, waited: float) -> None:
+        self.running += 1
+        if self._bucket is not None:
+            self._bucket.take()
+        self.usage.charge(request.key.tenant, request.tokens, now)
+        self.waits.labels(str(request.key.priority)).observe(waited)
+
+    def _free_above(self, priority: int) -> bool:
+        """Nothing waits here or at another replica at `priority` or above."""
+        top = self.queues.top()
+        if top is not None and top >= priority:
+            return False
+        return self.others.top is None or self.others.top < priority
+
+    def _blocked(self, request: FlowRequest) -> float | None:
+        """None when `request` may start now; else the seconds before it may (infinite:
+        not before a request ends)."""
+        if self._limit is not None and self.running >= self._limit:
+            return math.inf
+        if self._bucket is not None and self._bucket.tokens < 1:
+            return self._bucket.wait_s()
+        if self._headroom is None:
+            return None
+        reserves = self._reserves(request.key.priority, request.key.objective)
+        if request.key.ttft_s is None and not reserves:
+            return None
+        late = self._headroom.late_s(request, reserves)
+        return late if late > 0 else None
+
+    def _note(self, request: FlowRequest, now: float) -> None:
+        """An arrival of an objective with a TTFT keeps its headroom for a while."""
+        name = request.key.objective
+        if name not in self._timed:
+            return
+        _, typical = self.seen.get(name, (now, float(request.tokens)))
+        typical += _TYPICAL_WEIGHT * (request.tokens - typical)
+        self.seen[name] = (now, typical)
+
+    def _reserves(self, priority: int, objective: str) -> list[Reserve]:
+        """The active objectives above `priority`, with a TTFT."""
+        now = self._clock()
+        horizon = now - self.config.reserve_secs
+        others = self.others.active or {}
+        reserves = []
+        for name, (above, ttft_s) in self._timed.items():
+            if above <= priority or name == objective:
+                continue
+            last, tokens = self.seen.get(name, (-math.inf, 0.0))
+            elsewhere = others.get(name)
+            if elsewhere is not None and elsewhere[0] > last:
+                last, tokens = elsewhere[0], max(tokens, elsewhere[1])
+            if last >= horizon or self.queues.has(above) or self._others_wait(above):
+                reserves.append(Reserve(ttft_s, tokens))
+        return reserves
+
+    def _others_wait(self, priority: int) -> bool:
+        return self.others.top is not None and self.others.top >= priority
+
+    def _refusal(self, reason: RefusalReason, request: FlowRequest) -> Answer:
+        self.refused.labels(reason, str(request.key.priority)).inc()
+        admission, config = self.admission, self.config
+        messages = {
+            "queue_full": f"too many requests: the flow queues hold {admission.queue_size} "
+            "requests (--queue-size), none of a lower priority or of a tenant holding more",
+            "queue_bytes": f"too many requests: the flow queues hold {config.max_queued_bytes} "
+            "bytes of requests (--flow-max-queued-bytes), none of a lower priority or of a "
+            "tenant holding more",
+            "tenants": f"too many tenants: {config.max_tenants} tenants have requests waiting "
+            "(--flow-max-tenants)",
+            "shed": "shed: the flow queues were full (--queue-size, --flow-max-queued-bytes) "
+            "and a request of a higher priority, or of a tenant holding fewer, took this "
+            "one's place",
+            "queue_timeout": f"request waited {admission.queue_timeout_secs:g} s in the flow "
+            "queues (--queue-timeout-secs) without the prefills having room for it",
+        }
+        kind = "request_timeout" if reason == "queue_timeout" else "rate_limit_exceeded"
+        error = {"message": messages[reason], "type": kind, "param": None, "code": reason}
+        body = orjson.dumps({"error": error})
+        if reason == "queue_timeout":
+            return Answer(408, body)
+        return Answer(429, body, headers=(("retry-after", "1"),))
+
+
+class _FlowCollector(Collector):
+    """The queues' state, read at scrape time."""
+
+    def __init__(self, flow: FlowControl) -> None:
+        self._flow = flow
+
+    def collect(self) -> Iterator[Metric]:
+        flow = self._flow
+        queued = GaugeMetricFamily(
+            "globalkv_gateway_flow_queued",
+            "Requests waiting in the flow queues, by priority.",
+            labels=["priority"],
+        )
+        for priority, count in sorted(flow.queues.occupancy().items()):
+            queued.add_metric([str(priority)], float(count))
+        yield queued
+        yield GaugeMetricFamily(
+            "globalkv_gateway_flow_queued_bytes",
+            "Bytes of the requests waiting in the flow queues.",
+            value=float(flow.queues.bytes),
+        )
+        yield GaugeMetricFamily(
+            "globalkv_gateway_flow_running",
+            "Requests released by flow control whose answer is not over.",
+            value=float(flow.running),
+        )
+        yield GaugeMetricFamily(
+            "globalkv_gateway_flow_tenants",
+            "Tenants whose usage flow control keeps.",
+            value=float(len(flow.usage)),
+        )
+        yield CounterMetricFamily(
+            "globalkv_gateway_flow_unknown_objectives",
+            "Requests naming an objective that is not configured (given the default one).",
+            value=float(flow.keys.unknown),
+        )

@@ -103,6 +103,7 @@ async def _share_state(config: GatewayConfig, gateway: Gateway, stack: AsyncExit
         grace_s=2.0 if grace is None else grace,
     )
     gateway.loads.shared = shared
+    shared.flow = gateway.flow
     task = asyncio.create_task(shared.run(), name="shared state")
 
     async def stop() -> None:

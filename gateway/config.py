@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from gateway.flow.config import FlowConfig
+from gateway.flow_config import FlowConfig
 from globalkv.discovery.kubernetes import parse_selector
 from kvplumbing.addresses import check_http_url
 from kvplumbing.auth import ProtectedMode, ProtectionFlags

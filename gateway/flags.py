@@ -29,7 +29,7 @@ from gateway.config import (
     WorkerSpec,
     optional_float,
 )
-from gateway.flow.config import FlowConfig
+from gateway.flow_config import FlowConfig
 from gateway.peer_flags import FLAGS_DOC, add_peer_flags, check_peer_flags
 from kvplumbing.validation import validation_message
 

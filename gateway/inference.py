@@ -298,7 +298,6 @@ class Inference:
                     parsed,
                     tokens,
                     route,
-                    named,
                     picked,
                     authorization,
                     len(body),
@@ -346,7 +345,6 @@ class Inference:
         parsed: ParsedRequest,
         tokens: PromptTokens,
         route: RouteRequest,
-        named: str | None,
         picked: Picked,
         authorization: str | None,
         size: int,
@@ -367,7 +365,6 @@ class Inference:
             "sglang" if parsed.endpoint == "generate" else namespace.kind,
             namespace.model,
             namespace.adapters,
-            named,
         )
         if traced is None:
             return await flow.enter(request)

@@ -41,11 +41,11 @@ from prometheus_client.registry import Collector
 
 from gateway.admission import RateBucket
 from gateway.config import AdmissionConfig
-from gateway.flow.config import FlowConfig
 from gateway.flow.headroom import Headroom, Reserve
 from gateway.flow.keys import FlowKeys
 from gateway.flow.queues import FlowQueues, FlowRequest, RefusalReason, Refused, Waiting
 from gateway.flow.usage import Usage
+from gateway.flow_config import FlowConfig
 from gateway.http.answer import Answer
 from kvplumbing.clock import Clock
 
@@ -111,7 +111,7 @@ class FlowControl:
         self._bucket = None if rate is None or limit <= 0 else RateBucket(float(limit), rate, clock)
         self.running = 0
         self._timer: asyncio.TimerHandle | None = None
-        self._timed: dict[str, tuple[int, float]] = {
+        self.timed: dict[str, tuple[int, float]] = {
             o.name: (o.priority, o.ttft_s) for o in config.objectives if o.ttft_s is not None
         }
         """Objectives with a TTFT: their priority and TTFT."""
@@ -226,7 +226,7 @@ class FlowControl:
     def _note(self, request: FlowRequest, now: float) -> None:
         """An arrival of an objective with a TTFT keeps its headroom for a while."""
         name = request.key.objective
-        if name not in self._timed:
+        if name not in self.timed:
             return
         _, typical = self.seen.get(name, (now, float(request.tokens)))
         typical += _TYPICAL_WEIGHT * (request.tokens - typical)
@@ -238,7 +238,7 @@ class FlowControl:
         horizon = now - self.config.reserve_secs
         others = self.others.active or {}
         reserves = []
-        for name, (above, ttft_s) in self._timed.items():
+        for name, (above, ttft_s) in self.timed.items():
             if above <= priority or name == objective:
                 continue
             last, tokens = self.seen.get(name, (-math.inf, 0.0))

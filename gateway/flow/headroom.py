@@ -12,7 +12,9 @@ the load tracker's estimate of what that prefill still has to compute (every rep
 when they share it), `uncached` the prompt less the longest prefix the index (or this
 gateway's pending prompts) shows there, and `rate` the prefill's fitted tokens per second
 (`gateway.policies.progress`; the mean of the measured ones for one not yet measured).
-The request's prefill is the one that gives its first token soonest.
+The request's prefill is the one that gives its first token soonest. In a decode's
+sidecar too, although the picker named one: requests named for different prefills share
+the sidecar's queues, and one waiting for its busy prefill would hold back the others.
 
 A request is released when
 
@@ -96,8 +98,6 @@ class Headroom:
     def _slots(self, request: FlowRequest) -> list[_Slot]:
         router = self._router
         prefills = router.candidates("prefill", (), request.kind, request.model, request.adapters)
-        if request.prefill is not None:
-            prefills = [c for c in prefills if c.worker == request.prefill] or prefills
         if not prefills:
             return []
         route = request.route

@@ -28,7 +28,7 @@ import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gateway.flow.config import (
+from gateway.flow_config import (
     DEFAULT_OBJECTIVE,
     DEFAULT_TTFT_HEADERS,
     MAX_TTFT_MS,

@@ -45,8 +45,6 @@ class FlowRequest:
     kind: Literal["sglang", "vllm"] | None = None
     model: str | None = None
     adapters: Collection[str] = ()
-    prefill: str | None = None
-    """A prefill named for it (a decode's sidecar binds it there)."""
 
 
 @dataclass(eq=False, slots=True)

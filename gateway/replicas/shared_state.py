@@ -18,7 +18,9 @@ leaves the member list (its heartbeat ran out: it died) takes its pending prompt
 
 Keys (`{p}` the prefix): `{p}:gateways` (sorted set: replica -> expiry, Redis time in ms),
 `{p}:gw:{<replica>}:load` (hash: worker -> "in_flight,queued,remaining"), channel
-`{p}:gw:pending`. The same works on a Redis Cluster: each command names one key, the load
+`{p}:gw:pending`, and with `--flow-control` `{p}:gw:{<replica>}:flow` (its tenants' usage,
+bands waiting and objectives active: `gateway.replicas.shared_flow`), rewritten and read
+with the load tables. The same works on a Redis Cluster: each command names one key, the load
 tables are read by a pipeline the cluster client splits per master, and a cluster forwards
 a PUBLISH to every node, so a subscriber on any one of them hears every replica.
 """
@@ -38,8 +40,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
+from gateway.flow.control import FlowControl
 from gateway.policies.loads import LoadTracker
 from gateway.policies.pending import PendingHit
+from gateway.replicas import shared_flow
 from gateway.replicas.shared_pending import RemotePending
 from gateway.replicas.shared_wire import (
     MAX_KEYS_PER_ADD,
@@ -105,6 +109,8 @@ class SharedState:
         self._outbox: list[list[Any]] = []
         self._failing: dict[str, str] = {}
         self._logged: set[str] = set()
+        self.flow: FlowControl | None = None
+        """Flow control's state shared too, with `--flow-control` (`shared_flow`)."""
         self.listening = asyncio.Event()
         """Set while subscribed to the others' pending prompts (what is published before
         is not heard)."""
@@ -134,6 +140,9 @@ class SharedState:
 
     def load_key(self, member: str) -> str:
         return self._keys.gateway_load(member)
+
+    def flow_key(self, member: str) -> str:
+        return self._keys.gateway_flow(member)
 
     # ------------------------------------------------------------ LoadTracker.shared
 
@@ -180,6 +189,7 @@ class SharedState:
         }
         ttl = max(1, round(self.interval * 3000))
         outbox, self._outbox = self._outbox, []
+        flow = self.flow
         try:
             async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.delete(self.load_key(self.member))
@@ -187,6 +197,13 @@ class SharedState:
                     items = [x for kv in own.items() for x in kv]
                     pipe.hset(self.load_key(self.member), items=items)
                 pipe.pexpire(self.load_key(self.member), ttl)
+                if flow is not None:
+                    flow_key = self.flow_key(self.member)
+                    pipe.delete(flow_key)
+                    mine = shared_flow.fields(flow, now)
+                    if mine:
+                        pipe.hset(flow_key, items=[x for kv in mine.items() for x in kv])
+                    pipe.pexpire(flow_key, ttl)
                 await pipe.execute()
             asked = self.tracker.clock()
             listed = await self._heartbeat(keys=[self.members_key], args=[self.member, ttl])
@@ -209,11 +226,18 @@ class SharedState:
         async with self.redis.pipeline(transaction=False) as pipe:
             for member in others:
                 pipe.hgetall(self.load_key(member))
+                if flow is not None:
+                    pipe.hgetall(self.flow_key(member))
             tables = await pipe.execute() if others else []
-        loads, skipped = sum_loads(tables)
+        step = 1 if flow is None else 2
+        loads, skipped = sum_loads(tables[::step])
         if skipped:
             self._malformed("load entries", skipped)
         self._loads = loads
+        if flow is not None:
+            skipped = shared_flow.absorb(flow, tables[1::2], self.tracker.clock())
+            if skipped:
+                self._malformed("flow fields", skipped)
         self.replicas.set(len(others))
         self.available.set(1)
 
@@ -240,6 +264,8 @@ class SharedState:
         with contextlib.suppress(RedisError, OSError):
             await self.redis.zrem(self.members_key, self.member)
             await self.redis.delete(self.load_key(self.member))
+            if self.flow is not None:
+                await self.redis.delete(self.flow_key(self.member))
 
     def _unexpected(self, what: str, exc: BaseException) -> None:
         """Log a failure that is not Redis's with its traceback, once until it changes."""
@@ -263,6 +289,8 @@ class SharedState:
         self.available.set(0)
         self._loads = {}
         self._forget_pending()
+        if self.flow is not None:
+            shared_flow.forget(self.flow, self.tracker.clock())
 
     def _forget_pending(self) -> None:
         self._remote = RemotePending(self.grace_s)

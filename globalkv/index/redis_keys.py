@@ -46,6 +46,8 @@ Gateway replicas (`gateway.shared_state`), under the bare prefix, one replica's 
 hash tag (a cluster spreads them):
     <prefix>:gateways          sorted set: replica -> expiry
     <prefix>:gw:{<replica>}:load  hash: worker -> its load as that replica sees it
+    <prefix>:gw:{<replica>}:flow  hash: its flow control's tenants' usage, bands waiting,
+                                  objectives active (gateway.replicas.shared_flow)
     <prefix>:gw:pending        pub/sub channel: pending prompts sent and answered
 
 Per writer and slot, on a cluster (redis_checkpoints.py):
@@ -232,6 +234,9 @@ class RedisKeys:
 
     def gateway_load(self, member: str) -> str:
         return f"{self.prefix}:gw:{{{member}}}:load"
+
+    def gateway_flow(self, member: str) -> str:
+        return f"{self.prefix}:gw:{{{member}}}:flow"
 
 
 async def check_layout(redis: Any, keys: RedisKeys) -> None:

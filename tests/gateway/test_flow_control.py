@@ -13,8 +13,8 @@ import pytest
 from pydantic import ValidationError
 
 from gateway.config import AdmissionConfig
-from gateway.flow.config import FlowConfig, parse_objective
 from gateway.flow.keys import DEFAULT_TENANT, FlowKeys
+from gateway.flow_config import FlowConfig, parse_objective
 from gateway.http.answer import Answer
 from gateway.inference import Inference
 from gateway.requests import BadRequest

@@ -1,0 +1,2 @@
+"""Flow control: per-tenant queues in priority bands, released on headroom
+(docs/flow-control.md)."""

@@ -1,0 +1,104 @@
+"""Flow control in a decode's sidecar (gateway/sidecar/): the same queues on the same
+request path, its headroom read over every prefill, not only the one the picker named."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from random import Random
+
+import httpx
+from prometheus_client import CollectorRegistry
+
+from gateway.config import AdmissionConfig
+from gateway.flow_config import FlowConfig
+from gateway.http.answer import Answer
+from gateway.inference import Inference
+from gateway.routing.router import Router
+from gateway.service import Gateway, build_gateway
+from gateway.sidecar.chooser import PREFILL_HEADER, SidecarChooser, named_prefill
+from gateway.workers.pool import worker_id
+from tests.gateway.fakes import DECODES, Cluster, StubProbe, config
+from tests.gateway.test_flow_control import PREFILL_IDS, Held, settle
+from tests.support.clock import FakeClock, RecordedSleep
+
+
+async def sidecar(cluster: Cluster, clock: FakeClock, **admission: int) -> Gateway:
+    cfg = config(
+        decode=config().decode[:1],
+        admission=AdmissionConfig(**admission),
+        flow=FlowConfig(enabled=True, objectives=["premium=10/500"]),
+    )
+    local = worker_id(DECODES[0])
+
+    def chooser(router: Router) -> SidecarChooser:
+        return SidecarChooser(router, local)
+
+    gateway = build_gateway(
+        cfg,
+        httpx.AsyncClient(transport=httpx.MockTransport(cluster.handler)),
+        probe=StubProbe(),
+        registry=CollectorRegistry(),
+        clock=clock,
+        sleep=RecordedSleep(),
+        rng=Random(7),
+        room_rng=Random(11),
+        chooser=chooser,
+    )
+    await gateway.monitor.run_once(force=True)
+    return gateway
+
+
+def payload(text: str) -> bytes:
+    return json.dumps({"text": text, "sampling_params": {"max_new_tokens": 1}}).encode()
+
+
+async def test_a_sidecar_queues_by_priority_and_tenant() -> None:
+    cluster = Cluster()
+    held = Held(cluster)
+    gateway = await sidecar(cluster, FakeClock(), max_concurrent_requests=1)
+    inference = Inference(gateway, named_prefill)
+    named = (PREFILL_HEADER.encode(), PREFILL_IDS[1].encode())
+
+    def send(text: str, *headers: tuple[bytes, bytes]) -> asyncio.Task[Answer]:
+        return asyncio.create_task(
+            inference.handle("/generate", None, payload(text), (named, *headers))
+        )
+
+    running = send("running")
+    await held.wait(1)
+    standard = send("standard", (b"x-gateway-inference-fairness-id", b"acme"))
+    premium = send("premium", (b"x-llm-d-inference-objective", b"premium"))
+    await settle()
+    held.release.set()
+    for task in (running, standard, premium):
+        assert (await task).status == 200
+    assert held.order == ["running", "premium", "standard"]
+    assert {c.worker for c in cluster.inference("prefill")} == {PREFILL_IDS[1]}
+
+
+async def test_a_sidecars_headroom_is_every_prefills() -> None:
+    cluster = Cluster()
+    clock = FakeClock()
+    gateway = await sidecar(cluster, clock)
+    loads = gateway.loads
+    for worker in PREFILL_IDS:
+        ticket = loads.start(worker, 1000)
+        clock.advance(1.0)
+        loads.finish(ticket)
+    busy = [loads.start(worker, 2000) for worker in PREFILL_IDS]
+    inference = Inference(gateway, named_prefill)
+    headers = (
+        (b"x-gateway-inference-objective", b"premium"),
+        (PREFILL_HEADER.encode(), PREFILL_IDS[0].encode()),
+    )
+    ids = json.dumps({"input_ids": [5] * 100, "sampling_params": {"max_new_tokens": 1}})
+    premium = asyncio.create_task(inference.handle("/generate", None, ids.encode(), headers))
+    await settle()
+    assert not premium.done(), "2 s of work ahead on every prefill"
+    loads.finish(busy[1])  # the other prefill is free: the estimate holds for the pool
+    assert gateway.flow is not None
+    gateway.flow.look()
+    assert (await premium).status == 200
+    assert cluster.inference("prefill")[-1].worker == PREFILL_IDS[0], "bound where it was named"
+    loads.finish(busy[0])

@@ -1,6 +1,7 @@
 """The gateway's user-space instructions per request, counted by callgrind.
 
     python -m bench.gateway_instructions [--requests 2000] [--stream] [--variant LABEL=DIR …]
+        [--flags LABEL=FLAGS …]
 
 On a shared machine a router's CPU time per request swings by tens of percent from run to
 run (other tenants, frequency scaling), so a change of a few microseconds per request
@@ -9,7 +10,8 @@ and environment give the same count within about 0.5 %, whatever else the machin
 Each gateway (this checkout's, and each `--variant` as exported into DIR from another
 revision) runs under `valgrind --tool=callgrind` behind the same mock workers as
 `bench.gateway` (`--policy round_robin`, its `/generate` body: 64 `input_ids`, 4 new
-tokens, whole answers or with `--stream` streamed);
+tokens, whole answers or with `--stream` streamed); each `--flags` runs this checkout's
+gateway with those flags added (what a feature costs when it is on);
 the counters are zeroed once it has answered a warm-up, then `--requests` requests are
 sent over 4 connections and the counters dumped. Instructions are not time (no cache
 misses, no system calls), so read the ratios, and `bench.gateway` for requests/s.
@@ -32,10 +34,24 @@ from bench.gateway_load import read_answer, request_bytes
 
 HOST = "127.0.0.1"
 CONNECTIONS = 4
+FLOW_HEADERS = (
+    ("x-llm-d-inference-fairness-id", "tenant-a"),
+    ("x-llm-d-inference-objective", "premium"),
+)
+"""What each request carries when flow control is on: a tenant and an objective."""
 
 
-async def _send(port: int, requests: int, body: bytes) -> None:
-    payload = request_bytes(HOST, port, "/generate", body)
+def _flags(value: str) -> tuple[str, list[str]]:
+    label, sep, flags = value.partition("=")
+    if not sep or not label or not flags.split():
+        raise argparse.ArgumentTypeError(f"want LABEL=FLAGS, got {value!r}")
+    return label, flags.split()
+
+
+async def _send(
+    port: int, requests: int, body: bytes, headers: Sequence[tuple[str, str]] = ()
+) -> None:
+    payload = request_bytes(HOST, port, "/generate", body, headers)
 
     async def one_connection(count: int) -> None:
         reader, writer = await asyncio.open_connection(HOST, port)
@@ -49,8 +65,16 @@ async def _send(port: int, requests: int, body: bytes) -> None:
     await asyncio.gather(*(one_connection(requests // CONNECTIONS) for _ in range(CONNECTIONS)))
 
 
-def count(directory: str | None, requests: int, stream: bool, logs: Path) -> float:
-    """Instructions per request of the gateway in `directory` (None: this checkout's)."""
+def count(
+    directory: str | None,
+    requests: int,
+    stream: bool,
+    logs: Path,
+    flags: Sequence[str] = (),
+    headers: Sequence[tuple[str, str]] = (),
+) -> float:
+    """Instructions per request of the gateway in `directory` (None: this checkout's),
+    given `flags` besides the usual ones, each request carrying `headers`."""
     prefills, decodes = [_free_port(), _free_port()], [_free_port(), _free_port()]
     mocks_argv = [sys.executable, "-m", "bench.gateway_mocks", *map(str, prefills + decodes)]
     mocks = _spawn("mocks", mocks_argv, None, logs)
@@ -59,15 +83,16 @@ def count(directory: str | None, requests: int, stream: bool, logs: Path) -> flo
     valgrind = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}"]
     command = [*valgrind, sys.executable, "-m", "globalkv", "gateway"]
     argv = router_argv(command, prefills, decodes, port)
-    gateway = _spawn("gateway", [*argv, "--prometheus-port", "0"], None, logs, directory)
+    argv = [*argv, "--prometheus-port", "0", *flags]
+    gateway = _spawn("gateway", argv, None, logs, directory)
     try:
         probe = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1}}
         _wait_ok(gateway, f"http://{HOST}:{port}/generate", probe, timeout=600)
         body = _body(stream)
-        asyncio.run(_send(port, 40, body))  # warm-up: connections opened, code paths taken
+        asyncio.run(_send(port, 40, body, headers))  # warm-up: connections, code paths
         pid = str(gateway.popen.pid)
         subprocess.run(["callgrind_control", "-z", pid], check=True, capture_output=True)
-        asyncio.run(_send(port, requests, body))
+        asyncio.run(_send(port, requests, body, headers))
         subprocess.run(["callgrind_control", "-d", pid], check=True, capture_output=True)
         lines = next(logs.glob(f"{out.name}.*")).read_text().splitlines()
         summary = next(line for line in lines if line.startswith("summary:"))
@@ -82,6 +107,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--stream", action="store_true", help="streamed answers")
     parser.add_argument("--variant", type=_variant, action="append", default=[])
+    parser.add_argument(
+        "--flags",
+        type=_flags,
+        action="append",
+        default=[],
+        metavar="LABEL=FLAGS",
+        help="this checkout's gateway with FLAGS added (repeatable)",
+    )
     args = parser.parse_args(argv)
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         parser.error("needs valgrind and callgrind_control on the PATH (Debian: valgrind)")
@@ -89,6 +122,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         counts = {"this checkout": count(None, args.requests, args.stream, Path(logs))}
         for label, directory in args.variant:
             counts[label] = count(directory, args.requests, args.stream, Path(logs))
+        for label, flags in args.flags:
+            headers = FLOW_HEADERS if "--flow-control" in flags else ()
+            counts[label] = count(None, args.requests, args.stream, Path(logs), flags, headers)
     base = counts["this checkout"]
     print("| gateway | instructions per request | ratio to this checkout |")
     print("|---|---|---|")

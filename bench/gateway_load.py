@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -42,10 +43,13 @@ class RunResult:
         return self.percentile(99)
 
 
-def request_bytes(host: str, port: int, path: str, body: bytes) -> bytes:
+def request_bytes(
+    host: str, port: int, path: str, body: bytes, headers: Sequence[tuple[str, str]] = ()
+) -> bytes:
+    extra = "".join(f"{name}: {value}\r\n" for name, value in headers)
     head = (
         f"POST {path} HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: application/json\r\n"
-        f"content-length: {len(body)}\r\n\r\n"
+        f"{extra}content-length: {len(body)}\r\n\r\n"
     )
     return head.encode() + body
 

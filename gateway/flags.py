@@ -173,6 +173,7 @@ SETTINGS: tuple[tuple[str, type[BaseModel], dict[str, str]], ...] = (
             "max_tenants": "--flow-max-tenants",
             "max_queued_bytes": "--flow-max-queued-bytes",
             "usage_half_life_secs": "--flow-usage-half-life-secs",
+            "reserve_prefills": "--flow-reserve-prefills",
             "reserve_secs": "--flow-reserve-secs",
         },
     ),

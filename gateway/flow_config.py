@@ -110,6 +110,13 @@ class FlowConfig(BaseModel):
     usage_half_life_secs: float = Field(
         30.0, gt=0, le=3600, description="Half-life of each tenant's usage, which fairness reads."
     )
+    reserve_prefills: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Prefills an active objective with a TTFT keeps within its headroom from "
+        "lower priorities.",
+    )
     reserve_secs: float = Field(
         30.0,
         ge=0,

@@ -308,6 +308,7 @@ class Inference:
                 grant = entered
                 if grant.waited:  # placed on what the index shows now
                     route = await router.route(tokens, parsed.namespace, session, named)
+                grant.sent()  # its load is tracked from here on, before any await
             answer = await gateway.dispatcher.forward(parsed, route, path)
         except (BadRequest, TokenizeError) as exc:  # BadRequest also from the first attempt
             return self._refuse(path, problem(400, str(exc)))

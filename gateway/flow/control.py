@@ -33,6 +33,7 @@ import asyncio
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import cast
 
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -41,7 +42,7 @@ from prometheus_client.registry import Collector
 
 from gateway.admission import RateBucket
 from gateway.config import AdmissionConfig
-from gateway.flow.headroom import Headroom, Reserve
+from gateway.flow.headroom import Headroom, Reserve, Verdict
 from gateway.flow.keys import FlowKeys
 from gateway.flow.queues import FlowQueues, FlowRequest, RefusalReason, Refused, Waiting
 from gateway.flow.usage import Usage
@@ -50,7 +51,7 @@ from gateway.http.answer import Answer
 from kvplumbing.clock import Clock
 
 _WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-_LOOK_AGAIN_S = (0.002, 1.0)
+_LOOK_AGAIN_S = (0.01, 1.0)
 """Bounds of the wait before looking again at a request the estimates hold back."""
 _TYPICAL_WEIGHT = 0.1
 """Weight of each request in its objective's typical prompt (an exponential average)."""
@@ -68,22 +69,29 @@ class Others:
 
 
 class Grant:
-    """A released request's place; `started` once its answer starts, `release` once it is
-    over (both idempotent)."""
+    """A released request's place; `sent` once its load is tracked (the dispatcher took
+    it), `started` once its answer starts, `release` once it is over (each idempotent)."""
 
-    __slots__ = ("_flow", "_open", "waited")
+    __slots__ = ("_flow", "_open", "_placed", "waited")
 
-    def __init__(self, flow: FlowControl, waited: bool) -> None:
+    def __init__(self, flow: FlowControl, waited: bool, placed: Verdict | None) -> None:
         self._flow = flow
         self._open = True
+        self._placed = placed
         self.waited = waited
         """It waited in the queues (the index may show more of its prompt now)."""
+
+    def sent(self) -> None:
+        placed, self._placed = self._placed, None
+        if placed is not None:
+            self._flow.unplace(placed)
 
     def started(self) -> None:
         if self._open:
             self._flow.look()
 
     def release(self) -> None:
+        self.sent()
         if self._open:
             self._open = False
             self._flow.ended()
@@ -110,6 +118,8 @@ class FlowControl:
         rate = admission.rate_limit_tokens_per_second
         self._bucket = None if rate is None or limit <= 0 else RateBucket(float(limit), rate, clock)
         self.running = 0
+        self.placing: dict[str, float] = {}
+        """Seconds of work per prefill of the requests released and not yet sent."""
         self._timer: asyncio.TimerHandle | None = None
         self.timed: dict[str, tuple[int, float]] = {
             o.name: (o.priority, o.ttft_s) for o in config.objectives if o.ttft_s is not None
@@ -138,10 +148,11 @@ class FlowControl:
         """The request's place once it may start, or the refusal to answer."""
         now = self._clock()
         self._note(request, now)
-        if self._free_above(request.key.priority) and self._blocked(request) is None:
-            self._start(request, now, 0.0)
-            return Grant(self, waited=False)
-        outcome: asyncio.Future[RefusalReason | None] = asyncio.get_running_loop().create_future()
+        if self._free_above(request.key.priority):
+            verdict = self._verdict(request)
+            if verdict is None or verdict.late_s == 0:
+                return Grant(self, False, self._start(request, now, 0.0, verdict))
+        outcome: asyncio.Future[object] = asyncio.get_running_loop().create_future()
         waiting = Waiting(request, now, outcome)
         try:
             shed = self.queues.add(waiting)
@@ -161,12 +172,12 @@ class FlowControl:
         except asyncio.CancelledError:
             if self.queues.remove(waiting):
                 self.look()
-            elif outcome.done() and outcome.result() is None:
-                self.ended()  # released, but the client left
+            elif outcome.done() and not isinstance(outcome.result(), str):
+                Grant(self, True, _placed(outcome.result())).release()  # the client left
             raise
-        if reason is not None:
-            return self._refusal(reason, request)
-        return Grant(self, waited=True)
+        if isinstance(reason, str):
+            return self._refusal(cast(RefusalReason, reason), request)
+        return Grant(self, True, _placed(reason))
 
     def look(self) -> None:
         """Release every request that may start now, in order; when the next may not, look
@@ -178,28 +189,44 @@ class FlowControl:
         while (head := queues.head()) is not None:
             if not self._free_above(head.priority + 1):
                 return  # another replica's higher priority goes first; its next round says when
-            late = self._blocked(head.request)
-            if late is not None:
-                if late < math.inf:
+            verdict = self._verdict(head.request)
+            if verdict is not None and verdict.late_s > 0:
+                if verdict.late_s < math.inf:
                     low, high = _LOOK_AGAIN_S
-                    delay = min(max(late, low), high)
+                    delay = min(max(verdict.late_s, low), high)
                     self._timer = asyncio.get_running_loop().call_later(delay, self.look)
                 return
             queues.remove(head)
             now = self._clock()
-            self._start(head.request, now, now - head.arrived)
-            head.outcome.set_result(None)
+            head.outcome.set_result(self._start(head.request, now, now - head.arrived, verdict))
 
     def ended(self) -> None:
         self.running -= 1
         self.look()
 
-    def _start(self, request: FlowRequest, now: float, waited: float) -> None:
+    def unplace(self, placed: Verdict) -> None:
+        assert placed.prefill is not None
+        left = self.placing.get(placed.prefill, 0.0) - placed.work_s
+        if left > 1e-9:
+            self.placing[placed.prefill] = left
+        else:
+            self.placing.pop(placed.prefill, None)
+
+    def _start(
+        self, request: FlowRequest, now: float, waited: float, verdict: Verdict | None
+    ) -> Verdict | None:
+        """The request released: its place taken, its tenant charged, and where the
+        headroom placed it counted until it is sent (returned, for its grant)."""
         self.running += 1
         if self._bucket is not None:
             self._bucket.take()
         self.usage.charge(request.key.tenant, request.tokens, now)
         self.waits.labels(str(request.key.priority)).observe(waited)
+        placed = _placed(verdict)
+        if placed is not None:
+            assert placed.prefill is not None
+            self.placing[placed.prefill] = self.placing.get(placed.prefill, 0.0) + placed.work_s
+        return placed
 
     def _free_above(self, priority: int) -> bool:
         """Nothing waits here or at another replica at `priority` or above."""
@@ -208,20 +235,20 @@ class FlowControl:
             return False
         return self.others.top is None or self.others.top < priority
 
-    def _blocked(self, request: FlowRequest) -> float | None:
-        """None when `request` may start now; else the seconds before it may (infinite:
-        not before a request ends)."""
+    def _verdict(self, request: FlowRequest) -> Verdict | None:
+        """None when nothing holds `request` back; otherwise whether it may go now (a
+        `late_s` of 0) or in how many seconds (infinite: not before a request ends), and
+        where the headroom places it."""
         if self._limit is not None and self.running >= self._limit:
-            return math.inf
+            return Verdict(math.inf)
         if self._bucket is not None and self._bucket.tokens < 1:
-            return self._bucket.wait_s()
+            return Verdict(self._bucket.wait_s())
         if self._headroom is None:
             return None
         reserves = self._reserves(request.key.priority, request.key.objective)
         if request.key.ttft_s is None and not reserves:
             return None
-        late = self._headroom.late_s(request, reserves)
-        return late if late > 0 else None
+        return self._headroom.assess(request, reserves, self.placing)
 
     def _note(self, request: FlowRequest, now: float) -> None:
         """An arrival of an objective with a TTFT keeps its headroom for a while."""
@@ -246,7 +273,7 @@ class FlowControl:
             if elsewhere is not None and elsewhere[0] > last:
                 last, tokens = elsewhere[0], max(tokens, elsewhere[1])
             if last >= horizon or self.queues.has(above) or self._others_wait(above):
-                reserves.append(Reserve(ttft_s, tokens))
+                reserves.append(Reserve(ttft_s, tokens, self.config.reserve_prefills))
         return reserves
 
     def _others_wait(self, priority: int) -> bool:
@@ -275,6 +302,13 @@ class FlowControl:
         if reason == "queue_timeout":
             return Answer(408, body)
         return Answer(429, body, headers=(("retry-after", "1"),))
+
+
+def _placed(verdict: object) -> Verdict | None:
+    """The placement a release carries, when the headroom made one."""
+    if isinstance(verdict, Verdict) and verdict.prefill is not None:
+        return verdict
+    return None
 
 
 class _FlowCollector(Collector):

@@ -51,8 +51,9 @@ class FlowRequest:
 class Waiting:
     request: FlowRequest
     arrived: float
-    outcome: asyncio.Future[RefusalReason | None] = field(repr=False)
-    """None once released; the reason when refused while waiting."""
+    outcome: asyncio.Future[object] = field(repr=False)
+    """Once decided: the reason it was refused while waiting, or its release (the
+    placement flow control counts until it is sent, or None)."""
 
     @property
     def tenant(self) -> str:

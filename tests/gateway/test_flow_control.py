@@ -18,7 +18,7 @@ from gateway.flow_config import FlowConfig, parse_objective
 from gateway.http.answer import Answer
 from gateway.inference import Inference
 from gateway.requests import BadRequest
-from tests.gateway.fakes import DECODES, Cluster, config, make_gateway
+from tests.gateway.fakes import DECODES, PREFILLS, Cluster, config, make_gateway
 from tests.support.clock import FakeClock
 
 OBJECTIVES = ["premium=10/500", "standard=0", "batch=-1", "default=0"]
@@ -260,10 +260,10 @@ async def test_off_nothing_is_built_and_no_header_is_read() -> None:
 PREFILL_IDS = ("10.0.0.1:30001", "10.0.0.2:30001")
 
 
-async def headroom_gateway(clock: FakeClock) -> Inference:
+async def headroom_gateway(clock: FakeClock, cluster: Cluster | None = None) -> Inference:
     """Flow control with no limit but headroom: both prefills timed at 1,000 tokens/s."""
     flow = FlowConfig(enabled=True, objectives=OBJECTIVES, reserve_secs=30)
-    gateway = await make_gateway(Cluster(), config(flow=flow), clock=clock)
+    gateway = await make_gateway(cluster or Cluster(), config(flow=flow), clock=clock)
     loads = gateway.loads
     for worker in PREFILL_IDS:
         ticket = loads.start(worker, 1000)
@@ -342,3 +342,40 @@ async def test_before_any_rate_is_measured_in_time_means_idle() -> None:
     gateway.flow.look()
     assert (await premium).status == 200
     gateway.loads.finish(busy)
+
+
+async def test_requests_released_together_do_not_each_find_the_same_room() -> None:
+    """Released requests are counted on their prefill until their load is tracked: in one
+    pass over the queues, the second must see where the first went."""
+    clock = FakeClock()
+    cluster = Cluster()
+    prefilled = asyncio.Event()
+
+    async def slow_prefill(_: httpx.Request, __: Any) -> httpx.Response:
+        await prefilled.wait()
+        return httpx.Response(200, json={})
+
+    inference = await headroom_gateway(clock, cluster)
+    flow = inference._flow
+    assert flow is not None
+    loads = inference._gateway.loads
+    assert (await send_ids(inference, 100, **flow_headers("p", "premium"))).status == 200
+    for url in PREFILLS:
+        cluster.on(url, slow_prefill)
+    busy = [loads.start(worker, 40_000) for worker in PREFILL_IDS for _ in range(2)]
+    waiting = [send_ids(inference, 1000, **flow_headers(f"s{i}")) for i in range(3)]
+    await settle()
+    assert len(flow.queues) == 3
+    for ticket in busy:
+        loads.finish(ticket)  # both prefills idle: room for one, the other kept for premium
+    flow.look()
+    assert len(flow.queues) == 2
+    assert sum(flow.placing.values()) == pytest.approx(1.0)  # 1,000 tokens at 1,000/s
+    await settle()
+    assert flow.placing == {}, "sent: its load is tracked instead"
+    flow.look()
+    assert len(flow.queues) == 2, "the tracked load holds the others back as the placing did"
+    prefilled.set()
+    for task in waiting:
+        task.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)

@@ -5,7 +5,9 @@
 #   docker run --rm -p 8000:8000 globalkv up --host 0.0.0.0 --port 8000
 #
 # `--build-arg EXTRAS=bench` adds `globalkv bench replay` (numpy, matplotlib) to the image;
-# without it the image holds what the services need and nothing more. Health checks are
+# without it the image holds what the services need and nothing more. The Kubernetes
+# manifests need `--build-arg EXTRAS=kubernetes,envoy` (pod discovery, the endpoint
+# picker's gRPC): docs/kubernetes.md, step 1. Health checks are
 # per role (each listens on its own ports), so they live in docker-compose.yml, as the
 # official images leave them to the compose file too.
 

@@ -9,10 +9,12 @@ added latency the median of per-repetition differences to the direct call):
 
 - `direct`: one mock, no router;
 - `envoy+epp`: Envoy (`globalkv envoy`, one worker thread) calling `globalkv epp` over
-  ext_proc, sending each request whole to one of two mocks (an aggregated pool, the
-  picker's `round_robin` policy: what is measured is the path, not a cache);
-- `envoy+epp-headers`: the same with `--no-stream-response`: the picker sees the
-  response's headers, not its body (less work; in-flight counts end at the headers);
+  ext_proc (the default: request headers and the body BUFFERED, nothing of the response),
+  sending each request whole to one of two mocks (an aggregated pool, the picker's
+  `round_robin` policy: what is measured is the path, not a cache);
+- `envoy+epp-duplex`: the same with `--body-mode full-duplex`: the body streamed to the
+  picker and back, the response's headers, body and trailers through it too (the
+  picker's messages, their cost and what they buy: `bench.epp`);
 - `envoy-rr`: the same Envoy without a picker, round robin over the two mocks;
 - `gateway`: `globalkv gateway` over two prefill and two decode mocks, `round_robin`
   (it makes two upstream calls per request, the PD legs; Envoy's paths make one).
@@ -46,7 +48,7 @@ from bench.gateway import (
     table,
 )
 
-TARGETS = ("envoy+epp", "envoy+epp-headers", "envoy-rr", "gateway")
+TARGETS = ("envoy+epp", "envoy+epp-duplex", "envoy-rr", "gateway")
 
 
 @contextmanager
@@ -81,7 +83,7 @@ def _started(logs: Path, pin: bool) -> Iterator[dict[str, Target]]:
         picker = ["--picker", f"{HOST}:{grpc_port}"]
         for name, pickers in (
             ("envoy+epp", picker),
-            ("envoy+epp-headers", [*picker, "--no-stream-response"]),
+            ("envoy+epp-duplex", [*picker, "--body-mode", "full-duplex"]),
             ("envoy-rr", []),
         ):
             port = _free_port()

@@ -30,6 +30,8 @@ def check_gateway(config: GatewayConfig, *, load_tokenizer: bool) -> list[str]:
     """What `config` gives, one line per part; ValueError (or `MissingExtra`) for what
     would stop it starting here."""
     tokenizer = tokenizer_line(config.tokenizer, load=load_tokenizer)
+    if config.tokenizer is None:
+        tokenizer += f": {_WITHOUT_TOKENIZER.get(config.prefill_policy, 'this policy reads none')}"
     lines = [
         f"prefill policy: {_prefill_policy(config)}",
         f"decode policy: {config.decode_policy}",
@@ -45,6 +47,12 @@ def check_gateway(config: GatewayConfig, *, load_tokenizer: bool) -> list[str]:
         require("the gateway's OpenTelemetry traces", "otel", "opentelemetry.sdk")
         lines.append(f"traces: OTLP to {redacted(endpoint)}")
     return lines
+
+
+_WITHOUT_TOKENIZER = {
+    "prefix": "text and chat prompts are routed by load",
+    "cache_aware": "prompts are keyed by their characters",
+}
 
 
 def _prefill_policy(config: GatewayConfig) -> str:

@@ -149,10 +149,20 @@ class GatewayMetrics:
         )
         self.vllm_recomputes = Counter(
             "globalkv_gateway_vllm_recomputes",
-            "vLLM decodes sent without the prefill's kv_transfer_params, so the decode "
-            "computed the prompt: no_params (the prefill ended on EOS) or prefill_failed "
-            "(--vllm-allow-recompute).",
+            "vLLM decodes that computed the prompt themselves: no_params (the prefill "
+            "answered without kv_transfer_params and the decode's answer reports the prompt "
+            "uncached) or prefill_failed (--vllm-allow-recompute).",
             ["reason"],
+            registry=registry,
+        )
+        self.vllm_prefilled_decodes = Counter(
+            "globalkv_gateway_vllm_prefilled_decodes",
+            "vLLM decodes answered after their prefill, by how the prompt's KV reached them: "
+            "params (the prefill's kv_transfer_params), prompt (none; the decode's answer "
+            "reports the prompt cached: its connector loaded what the prefill stored), "
+            "unreported (none, and the answer does not say: a stream, or no "
+            "prompt_tokens_details).",
+            ["kv"],
             registry=registry,
         )
         self.pd_decisions = Counter(

@@ -190,9 +190,7 @@ def build_gateway(
     )
     legs: dict[Kind, Legs] = {
         "sglang": DualLegs(calls),
-        "vllm": SequentialLegs(
-            calls, metrics.vllm_recomputes, allow_recompute=config.vllm_allow_recompute
-        ),
+        "vllm": SequentialLegs(calls, metrics, allow_recompute=config.vllm_allow_recompute),
     }
     dispatcher = Dispatcher(
         PdChooser(router, PdDecider(config.pd_decider), metrics.pd_decisions)

@@ -200,11 +200,12 @@ def configured_endpoint(
 
 
 def otlp_tracing(endpoint: str, flag_given: bool) -> Tracing:
-    """Tracing exported by OTLP over HTTP, in batches off the request path. The flag's
+    """Tracing exported by OTLP over HTTP (JSON-encoded, which every OTLP/HTTP receiver
+    takes), in batches off the request path. The flag's
     endpoint is the full URL of the traces path; OpenTelemetry's variables are read by its
     exporter as OpenTelemetry documents them (OTEL_EXPORTER_OTLP_ENDPOINT gets /v1/traces)."""
     require("the gateway's OpenTelemetry traces", "otel", "opentelemetry.sdk")
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.exporter.otlp.json.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor

@@ -65,6 +65,26 @@ class EppConfig(BaseModel):
         description="Choose only among endpoints with fewer requests in flight than this, "
         "and answer 429 when none has fewer; unset: never shed.",
     )
+    max_buffered_bytes: int = Field(
+        256 * 1024 * 1024,
+        ge=1,
+        description="Request body bytes all streams together may hold while their bodies "
+        "arrive; a body that would pass it is answered 503 (one body over "
+        "--max-payload-size: 413).",
+    )
+    body_timeout_secs: float = Field(
+        60.0,
+        gt=0,
+        description="Longest a stream may take from its request's headers to the end of its "
+        "body; past it the request is answered 408 and what it sent is dropped.",
+    )
+    pick_timeout_secs: float = Field(
+        600.0,
+        gt=0,
+        description="Longest a pick's load counts in flight: past it the load is released "
+        "and the stream ended (the data plane carries on with the request), so streams "
+        "nobody closes cannot pin endpoints as full.",
+    )
 
 
 def _add_flags(parser: argparse.ArgumentParser) -> None:
@@ -84,6 +104,9 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
         ("fallback_endpoints", int),
         ("shed_in_flight", int),
         ("drain_secs", float),
+        ("max_buffered_bytes", int),
+        ("body_timeout_secs", float),
+        ("pick_timeout_secs", float),
     ):
         info = fields[name]
         group.add_argument(
@@ -114,6 +137,9 @@ def build_configs(args: argparse.Namespace) -> tuple[GatewayConfig, EppConfig]:
             fallback_endpoints=args.fallback_endpoints,
             shed_in_flight=args.shed_in_flight,
             drain_secs=args.drain_secs,
+            max_buffered_bytes=args.max_buffered_bytes,
+            body_timeout_secs=args.body_timeout_secs,
+            pick_timeout_secs=args.pick_timeout_secs,
         )
     except ValidationError as exc:
         raise ValueError(validation_message(exc)) from None
@@ -137,14 +163,20 @@ class _NoInference:
 
 async def serve(config: GatewayConfig, epp: EppConfig, tokenizer: Tokenizer | None) -> None:
     from gateway.epp.picker import Picker
-    from gateway.epp.server import EppMetrics, grpc_server
+    from gateway.epp.server import EppMetrics, StreamLimits, grpc_server
 
     async with running_gateway(config, tokenizer) as (gateway, app):
         picker = Picker(
             gateway, fallbacks=epp.fallback_endpoints, shed_in_flight=epp.shed_in_flight
         )
         metrics = EppMetrics(gateway.metrics.registry)
-        grpc = grpc_server(picker, config.max_payload_size, metrics)
+        limits = StreamLimits(
+            body_bytes=min(config.max_payload_size, epp.max_buffered_bytes),
+            buffered_bytes=epp.max_buffered_bytes,
+            body_secs=epp.body_timeout_secs,
+            pick_secs=epp.pick_timeout_secs,
+        )
+        grpc = grpc_server(picker, limits, metrics)
         where = f"{epp.grpc_host}:{epp.grpc_port} (--grpc-port)"
         try:
             bound = grpc.add_insecure_port(f"{epp.grpc_host}:{epp.grpc_port}")

@@ -30,6 +30,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from gateway.config import Kind, Role
+from gateway.epp.protocol import Headers
 from gateway.inference import INFERENCE_PATHS, TOKENIZE_INLINE_MAX
 from gateway.policies.base import Choice, NoCandidates, RouteRequest
 from gateway.policies.loads import LoadTicket, LoadTracker
@@ -67,7 +68,7 @@ class Pick:
 
     endpoints: list[str]
     """Best first: the primary, then fallbacks."""
-    headers: dict[str, str]
+    headers: Headers
     """Request headers to set (the prefill a sidecar binds to)."""
     tickets: list[LoadTicket] = field(default_factory=list)
     prefill: LoadTicket | None = None
@@ -84,25 +85,17 @@ class Picker:
         self._fallbacks = fallbacks
         self._shed = shed_in_flight
         self.draining = False
-        """Stopping: not ready, so the data plane opens no new stream here."""
+        """Stopping: not ready, so the data plane opens no new stream here. Nothing else
+        makes the picker unready: with no eligible endpoint each request is answered 503."""
 
     @property
     def disaggregated(self) -> bool:
         """Decodes in the pool: Envoy sends to a decode's sidecar, naming the prefill."""
         return bool(self._gateway.pool.role("decode"))
 
-    @property
-    def ready(self) -> bool:
-        """Some request could be sent now (each role has an eligible worker) and the
-        picker is not stopping."""
-        if self.draining:
-            return False
-        pool = self._gateway.pool
-        roles: tuple[Role, ...] = ("prefill", "decode") if self.disaggregated else ("prefill",)
-        return all(pool.eligible(role) for role in roles)
-
     async def pick(self, path: str, body: bytes, subset: Collection[str] | None) -> Pick | Refusal:
-        """The endpoint for a request of `body` to `path`, among `subset` when given."""
+        """The endpoint for a request of `body` to `path`, among `subset` when given: the
+        one place a request enters the picker, so admission can wrap it."""
         try:
             tokens, namespace, kind = await self._read(path, body)
         except (BadRequest, TokenizeError) as exc:
@@ -149,7 +142,7 @@ class Picker:
             route, (), namespace.model, kind, namespace.adapters, among
         )
         self._router.record(choice, route, paired=False)
-        pick = Pick(self._endpoints(worker, "prefill", subset), {})
+        pick = Pick(self._endpoints(worker, "prefill", subset), ())
         pick.prefill = self._start_prefill(worker, choice, route)
         pick.tickets.append(pick.prefill)
         return pick
@@ -166,7 +159,7 @@ class Picker:
         among = self._open("decode", prefill.kind, subset)
         decode = self._router.choose_decode(route, prefill.kind, (), model, adapters, among)
         self._router.record(choice, route)
-        headers = {PREFILL_HEADER: prefill.id, LLMD_PREFILL_HEADER: prefill.id}
+        headers = ((PREFILL_HEADER, prefill.id), (LLMD_PREFILL_HEADER, prefill.id))
         pick = Pick(self._endpoints(decode, "decode", subset), headers)
         pick.prefill = self._start_prefill(prefill, choice, route)
         pick.tickets += [pick.prefill, self._loads.start(decode.id)]
@@ -225,9 +218,11 @@ class Picker:
             self._loads.prefill_done(pick.prefill, computed=status < 300)
 
     def release(self, pick: Pick, succeeded: bool) -> None:
-        """The response ended (or the stream closed): every load the pick held ends."""
+        """The response ended (or the stream closed): every load the pick held ends. The
+        prefill's part, unless the response's headers settled it, ends here too, untimed:
+        this moment is the response's end, not the prefill's."""
         for ticket in pick.tickets:
-            self._loads.finish(ticket, computed=succeeded)
+            self._loads.finish(ticket, computed=succeeded, timed=False)
         pick.tickets.clear()
 
 

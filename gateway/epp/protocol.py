@@ -13,6 +13,10 @@ Protocol") over `envoy.service.ext_proc.v3`:
 - on the response the data plane reports the endpoint that served it in the metadata
   context, `envoy.lb` / `x-gateway-destination-endpoint-served`.
 
+Answers are written as bytes: those that never change are serialized once (`Answers`),
+and a route's answer once per endpoint and prefill named, so a pick costs a dictionary
+lookup instead of building and serializing a message with a `Struct` in it.
+
 A body streamed back in FULL_DUPLEX_STREAMED mode goes in pieces of at most
 `BODY_PIECE_BYTES`: Envoy takes no larger streamed body message from an ext_proc server.
 Everything read here comes from outside, so a value of the wrong shape is refused with a
@@ -21,7 +25,7 @@ Everything read here comes from outside, so a value of the wrong shape is refuse
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 
 import orjson
 from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption, Metadata
@@ -47,6 +51,10 @@ SUBSET = "x-gateway-destination-endpoint-subset"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 BODY_PIECE_BYTES = 62_000
 _OVERWRITE = HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
+_ROUTES_KEPT = 4096
+"""Route answers kept serialized: one per (phase, endpoints, prefill) a pool can name."""
+Headers = tuple[tuple[str, str], ...]
+"""Request headers an answer sets, as pairs (hashable: answers are kept by them)."""
 
 
 class ProtocolError(ValueError):
@@ -61,6 +69,15 @@ def headers_of(message: HttpHeaders) -> dict[str, str]:
         value = header.raw_value.decode("latin-1") if header.raw_value else header.value
         out[header.key.lower()] = value
     return out
+
+
+def header_of(message: HttpHeaders, name: str) -> str | None:
+    """One header's value (`name` in lowercase), without reading the others into a dict."""
+    for header in message.headers.headers:
+        if header.key == name:
+            value: str = header.raw_value.decode("latin-1") if header.raw_value else header.value
+            return value
+    return None
 
 
 def _field(metadata: Metadata, namespace: str, key: str) -> Value | None:
@@ -101,14 +118,11 @@ def _set(name: str, value: str) -> HeaderValueOption:
     return HeaderValueOption(header=header, append_action=_OVERWRITE)
 
 
-def route_to(
-    endpoints: Sequence[str], headers: Mapping[str, str], removed: Sequence[str] = ()
+def _route(
+    in_body: bool, value: str, headers: Sequence[tuple[str, str]], removed: Sequence[str]
 ) -> ProcessingResponse:
-    """The request headers' answer: `endpoints` (best first) in the header and the
-    metadata, the same value in both, with `headers` set and `removed` removed."""
-    value = ",".join(endpoints)
     mutation = HeaderMutation(
-        set_headers=[_set(DESTINATION, value), *(_set(k, v) for k, v in headers.items())],
+        set_headers=[_set(DESTINATION, value), *(_set(k, v) for k, v in headers)],
         remove_headers=list(removed),
     )
     metadata = Struct()
@@ -116,12 +130,16 @@ def route_to(
     # The route is chosen again with the header set: a route keyed by it (Envoy's
     # ORIGINAL_DST cluster) may differ from the one the request matched without it.
     common = CommonResponse(header_mutation=mutation, clear_route_cache=True)
+    if in_body:
+        return ProcessingResponse(
+            request_body=BodyResponse(response=common), dynamic_metadata=metadata
+        )
     return ProcessingResponse(
         request_headers=HeadersResponse(response=common), dynamic_metadata=metadata
     )
 
 
-def refuse(status: int, message: str, code: str) -> ProcessingResponse:
+def refuse(status: int, message: str, code: str) -> bytes:
     """An ImmediateResponse: the client gets `status` with the gateway's error body."""
     body = orjson.dumps({"error": {"message": message, "type": code, "code": status}})
     content_type = HeaderMutation(set_headers=[_set("content-type", "application/json")])
@@ -131,10 +149,11 @@ def refuse(status: int, message: str, code: str) -> ProcessingResponse:
         body=body,
         details=code,
     )
-    return ProcessingResponse(immediate_response=immediate)
+    answer: bytes = ProcessingResponse(immediate_response=immediate).SerializeToString()
+    return answer
 
 
-def body_pieces(body: bytes, *, request: bool, end: bool) -> Iterator[ProcessingResponse]:
+def body_pieces(body: bytes, *, request: bool, end: bool) -> Iterator[bytes]:
     """`body` streamed back (FULL_DUPLEX_STREAMED) in pieces Envoy takes; `end`: it ends
     the stream's body. An empty body that ends is one empty piece."""
     size = len(body)
@@ -145,16 +164,46 @@ def body_pieces(body: bytes, *, request: bool, end: bool) -> Iterator[Processing
         streamed = StreamedBodyResponse(body=piece, end_of_stream=end and last)
         common = CommonResponse(body_mutation=BodyMutation(streamed_response=streamed))
         if request:
-            yield ProcessingResponse(request_body=BodyResponse(response=common))
+            answer = ProcessingResponse(request_body=BodyResponse(response=common))
         else:
-            yield ProcessingResponse(response_body=BodyResponse(response=common))
+            answer = ProcessingResponse(response_body=BodyResponse(response=common))
+        yield answer.SerializeToString()
 
 
-def carry_on_response_headers() -> ProcessingResponse:
-    return ProcessingResponse(response_headers=HeadersResponse(response=CommonResponse()))
+class Answers:
+    """Every answer the picker writes, as bytes: the unchanging ones serialized once, the
+    routes kept once made (at most `_ROUTES_KEPT`, all dropped past that)."""
 
+    def __init__(self) -> None:
+        self.request_headers = ProcessingResponse(
+            request_headers=HeadersResponse()
+        ).SerializeToString()
+        self.request_body = ProcessingResponse(request_body=BodyResponse()).SerializeToString()
+        self.response_headers = ProcessingResponse(
+            response_headers=HeadersResponse()
+        ).SerializeToString()
+        self.response_body = ProcessingResponse(response_body=BodyResponse()).SerializeToString()
+        self.request_trailers = ProcessingResponse(
+            request_trailers=TrailersResponse()
+        ).SerializeToString()
+        self.response_trailers = ProcessingResponse(
+            response_trailers=TrailersResponse()
+        ).SerializeToString()
+        self._routes: dict[tuple[bool, str, Headers], bytes] = {}
 
-def carry_on_trailers(request: bool) -> ProcessingResponse:
-    if request:
-        return ProcessingResponse(request_trailers=TrailersResponse())
-    return ProcessingResponse(response_trailers=TrailersResponse())
+    def route(
+        self, endpoints: Sequence[str], headers: Headers, removed: Sequence[str], *, in_body: bool
+    ) -> bytes:
+        """The pick's answer: `endpoints` (best first) in the header and the metadata, the
+        same value in both, with `headers` set and `removed` removed; the request headers'
+        answer, or with `in_body` the buffered body's (Envoy applies its header mutation
+        to the request headers it still holds)."""
+        value = ",".join(endpoints)
+        key = (in_body, value, headers)
+        answer = self._routes.get(key)
+        if answer is None:
+            answer = _route(in_body, value, headers, removed).SerializeToString()
+            if len(self._routes) >= _ROUTES_KEPT:
+                self._routes.clear()
+            self._routes[key] = answer
+        return answer

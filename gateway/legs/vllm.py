@@ -17,12 +17,22 @@ One attempt, on a pair the router chose within the vLLM pool:
 
 Both legs carry one `X-Request-Id`, fresh for each attempt (vLLM pairs the legs by it, so
 it must not repeat): the client's request id (`gateway.edge`), a dash and 32 random hex
-digits. A prefill that answers without params (its one token
-was EOS, so vLLM's connector kept nothing to send) still lets the decode serve: it
-recomputes the prompt, counted in `globalkv_gateway_vllm_recomputes{reason="no_params"}`.
-A prefill that fails is retried on another pair like any failure; the decode is never sent
-the request without a prefill's answer, unless `--vllm-allow-recompute` lets the last
-attempt's decode compute the prompt itself (`reason="prefill_failed"`).
+digits.
+
+A prefill that answers without params still lets the decode serve, but what the decode
+then does depends on the prefill's KV connector, which the gateway cannot see: one that
+stores the KV under the prompt (ExampleConnector's shared storage, LMCache) hands no
+params and its decode loads the prompt by itself; with NIXL (before vLLM returned params
+on EOS too) the KV was freed and the decode computes the prompt. So the decode's own
+answer decides how it is counted (`decode_kv`): its `usage` says how much of the prompt
+it found cached (vLLM reports it with `--enable-prompt-tokens-details`). Each decode sent
+after its prefill answered is counted in `globalkv_gateway_vllm_prefilled_decodes{kv}`
+(`params`; `prompt`: loaded without params; `unreported`: a stream, or an answer without
+the details), or, when its answer says it computed the prompt, in
+`globalkv_gateway_vllm_recomputes{reason="no_params"}`. A prefill that fails is retried on
+another pair like any failure; the decode is never sent the request without a prefill's
+answer, unless `--vllm-allow-recompute` lets the last attempt's decode compute the prompt
+itself (`reason="prefill_failed"`).
 
 The calls are the same as SGLang's (`gateway.legs.calls`): the prefill call with its load
 and breaker bookkeeping, the decode raced against an already settled prefill, the
@@ -34,15 +44,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping
 from random import Random
-from typing import Any
+from typing import Any, Literal
 
 import orjson
-from prometheus_client import Counter
 
 from gateway.http.answer import Answer
 from gateway.legs.attempt import Attempt, Failure
 from gateway.legs.calls import PairCalls
 from gateway.legs.racing import answered_call, failed
+from gateway.metrics import GatewayMetrics
 from gateway.requests import ParsedRequest, encode_body
 from gateway.routing.router import RoutePlan
 
@@ -90,13 +100,52 @@ def transfer_params(answer: bytes) -> dict[str, Any] | None:
     return params if isinstance(params, dict) and params else None
 
 
+DecodeKv = Literal["prompt", "recomputed"]
+
+
+def decode_kv(answer: bytes, block_size: int | None) -> DecodeKv | None:
+    """How a decode sent no params got the prompt's KV, as its whole answer's `usage`
+    tells: "prompt" when it found all of the prompt cached but the tokens past the last
+    full block and the one every engine computes (what a connector loads from where the
+    prefill stored it, or its own cache holds); "recomputed" when it computed more; None
+    when the answer does not say. Without the decode's block size, any cached token
+    counts as loaded."""
+    try:
+        body = orjson.loads(answer)
+    except orjson.JSONDecodeError:
+        return None
+    usage = body.get("usage") if isinstance(body, dict) else None
+    if not isinstance(usage, dict):
+        return None
+    details = usage.get("prompt_tokens_details")
+    prompt = _count(usage.get("prompt_tokens"))
+    cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else None
+    if prompt is None or cached is None:
+        return None
+    if cached == 0:
+        return "recomputed"
+    if block_size is None:
+        return "prompt"
+    return "prompt" if prompt - cached <= block_size + 1 else "recomputed"
+
+
+def _count(value: object) -> int | None:
+    valid = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return value if valid and isinstance(value, int) else None
+
+
 class SequentialLegs:
     """vLLM attempts: the prefill's call, then the decode's with its `kv_transfer_params`."""
 
-    def __init__(self, calls: PairCalls, recomputes: Counter, *, allow_recompute: bool) -> None:
+    def __init__(self, calls: PairCalls, metrics: GatewayMetrics, *, allow_recompute: bool) -> None:
         self._calls = calls
         self._allow_recompute = allow_recompute
-        self._recomputes = recomputes
+        self._recomputes = metrics.vllm_recomputes
+        self._prefilled = {
+            kv: metrics.vllm_prefilled_decodes.labels(kv)
+            for kv in ("params", "prompt", "unreported")
+        }
+        self._no_params = metrics.vllm_recomputes.labels("no_params")
         self._ids = Random()
         """Request ids: 128 random bits from a generator seeded by the OS. An id must not
         repeat, but nothing is guarded by its secrecy, so it needs no system call."""
@@ -117,7 +166,8 @@ class SequentialLegs:
             call.cancel()
             raise
         params: dict[str, Any] | None = None
-        if failed(call):
+        prefilled = not failed(call)
+        if not prefilled:
             failure = self._calls.prefill_failure(plan, call)
             if not (self._allow_recompute and attempt.final and failure.retryable):
                 return failure
@@ -125,9 +175,21 @@ class SequentialLegs:
             call = answered_call(call.get_loop())
         else:
             params = transfer_params(call.result().body)
-            if params is None:
-                self._recomputes.labels("no_params").inc()
         payload = encode_body(decode_body(request.body, params))
-        return await self._calls.decode(
+        answer = await self._calls.decode(
             plan, call, path, payload, stream=request.stream, progress=attempt.progress, extra=extra
         )
+        if prefilled and isinstance(answer, Answer):
+            self._count(answer, params is not None, plan.decode.engine_block_size)
+        return answer
+
+    def _count(self, answer: Answer, with_params: bool, block_size: int | None) -> None:
+        """A decode that answered after its prefill did, by how it got the prompt's KV."""
+        if with_params:
+            self._prefilled["params"].inc()
+            return
+        kv = None if answer.rest is not None else decode_kv(answer.body, block_size)
+        if kv == "recomputed":
+            self._no_params.inc()
+        else:
+            self._prefilled[kv or "unreported"].inc()

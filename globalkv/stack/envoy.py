@@ -3,12 +3,26 @@
 `envoy_config` renders the configuration `globalkv up --entry envoy`, the tests and the
 benchmarks run Envoy with (JSON, which Envoy reads like YAML):
 
-- one listener whose HTTP filters are `ext_proc` (the endpoint pickers: request headers
-  SEND, request body FULL_DUPLEX_STREAMED, response headers SEND, response body
-  FULL_DUPLEX_STREAMED or NONE — see `stream_response`), then a Lua filter that reports
-  the endpoint that served in the dynamic metadata `envoy.lb` /
-  `x-gateway-destination-endpoint-served` (the Endpoint Picker protocol's feedback, read
-  by ext_proc on the response), then the router;
+- headers a client may not choose are removed as each request arrives, before any
+  filter or route reads them (an early header mutation): `x-gateway-destination-endpoint`
+  and every header it prefixes (only the picker names the endpoint, so no client reaches
+  an `ip:port` of its choice through the ORIGINAL_DST route, picked or failed open), and
+  `x-globalkv-prefill` / `x-prefiller-host-port` (only the picker names a decode's prefill);
+- one listener whose HTTP filters are `ext_proc` (the endpoint pickers) and the router.
+  By default (`body="buffered"`) the pickers are asked only for what a pick needs: the
+  request's headers (SEND: Envoy holds the request until they are answered) and its body
+  BUFFERED (one message, answered with the pick; bodies up to `max_request_bytes`,
+  Envoy's buffer, else 413). No response phase is needed: Envoy keeps a BUFFERED stream
+  open until the HTTP response ends, and its end ends the load the pick holds.
+  `response_headers` also sends the response's headers (one more message each way): the
+  response's status, the prefill's part of the load settled at the first byte, and the
+  endpoint that served (a Lua filter puts `%UPSTREAM_REMOTE_ADDRESS%` in the dynamic
+  metadata `envoy.lb` / `x-gateway-destination-endpoint-served`, the Endpoint Picker
+  protocol's feedback, read by ext_proc on the response). `body="full-duplex"` streams
+  the request body FULL_DUPLEX_STREAMED instead (any size: the picker buffers it and
+  streams it back, a message each way per 62,000 bytes); Envoy then ends the stream as
+  soon as the request is sent, so the response's headers, body pieces (streamed back)
+  and trailers go to the picker too, their end ending the load;
 - the route: a request carrying `x-gateway-destination-endpoint` (the picker's answer) goes
   to an ORIGINAL_DST cluster keyed by that header (`use_http_header`); one without it
   (the picker failed open) to `fallback`, the pool's endpoints in round robin;
@@ -35,11 +49,16 @@ import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 DESTINATION = "x-gateway-destination-endpoint"
 SERVED = "x-gateway-destination-endpoint-served"
+CLIENT_MAY_NOT_SEND = ("x-globalkv-prefill", "x-prefiller-host-port")
+"""Removed from every request as it arrives, with every header `DESTINATION` prefixes."""
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+BodyMode = Literal["buffered", "full-duplex"]
+MAX_REQUEST_BYTES = 16 * 1024 * 1024
+"""Envoy's per-connection buffer with BUFFERED bodies: the largest request body it takes."""
 _REPORT_SERVED = f"""
 function envoy_on_response(handle)
   local served = handle:headers():get("{SERVED}")
@@ -81,8 +100,24 @@ def _static_cluster(name: str, endpoints: Sequence[str], **extra: Any) -> dict[s
     }
 
 
-def _ext_proc(fail_open: bool, stream_response: bool) -> dict[str, Any]:
-    response_body = "FULL_DUPLEX_STREAMED" if stream_response else "NONE"
+def _ext_proc(fail_open: bool, body: BodyMode, response_headers: bool) -> dict[str, Any]:
+    buffered = body == "buffered"
+    if buffered:
+        modes = {
+            "request_body_mode": "BUFFERED",
+            "request_trailer_mode": "SKIP",
+            "response_header_mode": "SEND" if response_headers else "SKIP",
+            "response_body_mode": "NONE",
+            "response_trailer_mode": "SKIP",
+        }
+    else:  # FULL_DUPLEX_STREAMED needs the trailers (a body may end with them)
+        modes = {
+            "request_body_mode": "FULL_DUPLEX_STREAMED",
+            "request_trailer_mode": "SEND",
+            "response_header_mode": "SEND",
+            "response_body_mode": "FULL_DUPLEX_STREAMED",
+            "response_trailer_mode": "SEND",
+        }
     return {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
@@ -109,20 +144,31 @@ def _ext_proc(fail_open: bool, stream_response: bool) -> dict[str, Any]:
             "failure_mode_allow": fail_open,
             "status_on_error": {"code": 503},
             "message_timeout": "30s",
-            "processing_mode": {
-                "request_header_mode": "SEND",
-                "request_body_mode": "FULL_DUPLEX_STREAMED",
-                "request_trailer_mode": "SEND",
-                "response_header_mode": "SEND",
-                "response_body_mode": response_body,
-                "response_trailer_mode": "SEND" if stream_response else "SKIP",
-            },
+            "processing_mode": {"request_header_mode": "SEND", **modes},
             "metadata_options": {
                 "forwarding_namespaces": {"untyped": ["envoy.lb", "envoy.lb.subset_hint"]},
                 "receiving_namespaces": {"untyped": ["envoy.lb"]},
             },
         },
     }
+
+
+def _strip_client_headers() -> list[dict[str, Any]]:
+    """The early header mutation that removes what only the picker may set."""
+    mutations: list[dict[str, Any]] = [
+        {"remove_on_match": {"key_matcher": {"prefix": DESTINATION}}},
+        *({"remove": name} for name in CLIENT_MAY_NOT_SEND),
+    ]
+    return [
+        {
+            "name": "globalkv.strip_client_headers",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.http.early_header_mutation"
+                ".header_mutation.v3.HeaderMutation",
+                "mutations": mutations,
+            },
+        }
+    ]
 
 
 def envoy_config(
@@ -132,7 +178,9 @@ def envoy_config(
     endpoints: Sequence[str],
     pickers: Sequence[str] = (),
     fail_open: bool = False,
-    stream_response: bool = True,
+    body: BodyMode = "buffered",
+    response_headers: bool = False,
+    max_request_bytes: int = MAX_REQUEST_BYTES,
     host: str = "127.0.0.1",
 ) -> dict[str, Any]:
     """Envoy's bootstrap for a pool of `endpoints` (`ip:port`, the workers or the decodes'
@@ -145,24 +193,20 @@ def envoy_config(
     filters: list[dict[str, Any]] = []
     clusters = [_static_cluster("fallback", endpoints)]
     if pickers:
-        picked = {
+        picked: dict[str, Any] = {
             "match": {"prefix": "/", "headers": [{"name": DESTINATION, "present_match": True}]},
             "route": {"cluster": "picked", "timeout": "0s"},
-            "response_headers_to_add": [
-                {"header": {"key": SERVED, "value": "%UPSTREAM_REMOTE_ADDRESS%"}}
-            ],
         }
         routes = [picked, fallback_route]
-        filters = [
-            _ext_proc(fail_open, stream_response),
-            {
-                "name": "envoy.filters.http.lua",
-                "typed_config": {
-                    "@type": f"{_TYPES}.filters.http.lua.v3.Lua",
-                    "default_source_code": {"inline_string": _REPORT_SERVED},
-                },
-            },
-        ]
+        filters = [_ext_proc(fail_open, body, response_headers)]
+        if response_headers or body == "full-duplex":
+            served = {"header": {"key": SERVED, "value": "%UPSTREAM_REMOTE_ADDRESS%"}}
+            picked["response_headers_to_add"] = [served]
+            lua = {
+                "@type": f"{_TYPES}.filters.http.lua.v3.Lua",
+                "default_source_code": {"inline_string": _REPORT_SERVED},
+            }
+            filters.append({"name": "envoy.filters.http.lua", "typed_config": lua})
         clusters += [
             {
                 "name": "picked",
@@ -201,6 +245,7 @@ def envoy_config(
     manager = {
         "@type": f"{_TYPES}.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "globalkv",
+        "early_header_mutation_extensions": _strip_client_headers(),
         "route_config": {
             "name": "globalkv",
             "virtual_hosts": [{"name": "pool", "domains": ["*"], "routes": routes}],
@@ -213,6 +258,8 @@ def envoy_config(
             },
         ],
     }
+    buffered = bool(pickers) and body == "buffered"
+    buffer_limit = {"per_connection_buffer_limit_bytes": max_request_bytes} if buffered else {}
     return {
         "admin": {"address": _address(f"{host}:{admin_port}")},
         "static_resources": {
@@ -220,6 +267,7 @@ def envoy_config(
                 {
                     "name": "globalkv",
                     "address": _address(f"{host}:{port}"),
+                    **buffer_limit,
                     "filter_chains": [
                         {
                             "filters": [

@@ -1,5 +1,5 @@
-"""The Grafana dashboard's queries, parsed by a real PromQL parser: the metrics they read
-and the labels they group by."""
+"""The Grafana dashboard's queries, parsed by a real PromQL parser: the metrics they read,
+the labels they group by and those they select on (the alert rules are read the same way)."""
 
 from __future__ import annotations
 
@@ -18,10 +18,12 @@ SERIES_SUFFIXES = ("_bucket", "_sum", "_count", "_total")
 
 @dataclass(frozen=True)
 class Read:
-    """One metric a query reads, and the labels an aggregation around it groups by."""
+    """One metric a query reads, the labels an aggregation around it groups by, and the
+    labels its selector matches on."""
 
     metric: str
     grouped_by: frozenset[str]
+    matched: frozenset[str] = frozenset()
 
 
 def load() -> dict[str, Any]:
@@ -44,7 +46,8 @@ def parse(expr: str) -> Any:
 def reads(node: Any, grouped_by: frozenset[str] = frozenset()) -> Iterator[Read]:
     """Every selector under `node`, with the `by (…)` labels of the aggregations above it."""
     if isinstance(node, promql_parser.VectorSelector):
-        yield Read(node.name, grouped_by)
+        matched = frozenset(m.name for m in node.matchers.matchers)
+        yield Read(node.name, grouped_by, matched)
         return
     if isinstance(node, promql_parser.AggregateExpr) and node.modifier is not None:
         grouped_by = grouped_by | set(node.modifier.labels)

@@ -41,3 +41,12 @@ def removed_ids(applied: list[Changes]) -> list[str]:
 
 def added_ids(applied: list[Changes]) -> list[str]:
     return [worker.id for step in applied for worker in step.added]
+
+
+def applied_ids(applied: list[Changes]) -> set[str]:
+    """The workers a consumer holds after applying every change it received so far."""
+    held: set[str] = set()
+    for step in applied:
+        held -= {worker.id for worker in step.removed}
+        held |= {worker.id for worker in step.added}
+    return held

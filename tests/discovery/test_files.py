@@ -175,6 +175,14 @@ def _laughs(levels: int) -> str:
     return "\n".join(lines) + f"\nworkers: *a{levels}\n"
 
 
+def replace(path: Path, text: str) -> None:
+    """Write `path` whole at once, as a ConfigMap update does: the poller must not read a
+    file half-written (an empty one is a bad file of its own)."""
+    written = path.with_suffix(".new")
+    written.write_text(text)
+    written.replace(path)
+
+
 DEEP_JSON = '{"workers": ' + "[" * 200_000 + "]" * 200_000 + "}"
 """Past the JSON parser's recursion limit, well within the size limit."""
 SHALLOW_PAST_DEPTH = '{"workers": ' + "[" * MAX_DEPTH + "]" * MAX_DEPTH + "}"
@@ -216,6 +224,7 @@ def test_aliases_within_the_bounds_are_read() -> None:
         ("workers.json", DEEP_JSON),
         ("workers.yaml", "workers: " + "[" * 100_000 + "]" * 100_000),
         ("workers.yaml", _laughs(9)),
+        ("workers.yaml", "#" * (MAX_FILE_BYTES + 1)),
     ],
 )
 async def test_a_hostile_file_is_refused_in_one_line_and_the_next_good_file_applies(
@@ -228,14 +237,14 @@ async def test_a_hostile_file_is_refused_in_one_line_and_the_next_good_file_appl
     async with following(path) as (source, applied, polls):
         await until(lambda: source.current is not None, "the good file")
         first = source.current
-        path.write_text(bad)
-        await until(lambda: source.errors["invalid"] == 1, "the hostile file refused")
+        replace(path, bad)
+        await until(lambda: sum(source.errors.values()) == 1, "the hostile file refused")
         await more_polls(polls)
         assert source.current == first
         (line,) = [r.getMessage() for r in caplog.records]
         assert "refused" in line
         assert "keeping the last good file's 1 workers" in line
         assert "\n" not in line
-        path.write_text(good.replace("30002", "30003"))
+        replace(path, good.replace("30002", "30003"))
         await until(lambda: len(applied) == 2, "the next good file applied")
         assert {w.url for w in source.current or ()} == {"http://127.0.0.1:30003"}

@@ -18,7 +18,7 @@ from globalkv.discovery.kube_watch import KubernetesSource
 from globalkv.discovery.kubernetes import KubernetesDiscovery, open_source
 from globalkv.discovery.model import Changes, DiscoveredWorker
 from kvplumbing.backoff import Backoff
-from tests.discovery.support import added_ids, consumer, removed_ids, until
+from tests.discovery.support import added_ids, applied_ids, consumer, removed_ids, until
 from tests.support.kube_api import FakeKubeApi, pod
 
 pytestmark = pytest.mark.integration
@@ -72,6 +72,7 @@ async def test_running_ready_pods_become_workers_by_selector(api: FakeKubeApi) -
             "default/p2": DiscoveredWorker("default/p2", "http://127.0.0.12:30000", "prefill"),
             "default/d1": DiscoveredWorker("default/d1", "http://127.0.0.21:30000", "decode"),
         }
+        await until(lambda: applied_ids(applied) == ids(source), "the consumer caught up")
         assert sorted(added_ids(applied)) == ["default/d1", "default/p1", "default/p2"]
     lists, watches = api.list_requests(), api.watch_requests()
     assert {q["labelSelector"] for q in lists} == {"app=llm,role=prefill", "app=llm,role=decode"}
@@ -103,6 +104,7 @@ async def test_a_pod_is_a_worker_only_while_running_ready_and_not_terminating(
         api.delete("d1")
         api.delete("d0")
         await until(lambda: ids(source) == set(), "no workers once deleted")
+        await until(lambda: "default/d0" in removed_ids(applied), "the consumer caught up")
         assert added_ids(applied).count("default/d1") == 2
         assert removed_ids(applied).count("default/d1") == 2
         assert source.rejected == {}  # not being a worker yet is not bad input
@@ -175,6 +177,7 @@ async def test_api_server_restart_keeps_workers_and_resumes_the_watch(api: FakeK
         await api.start()
         await until(lambda: ids(source) == {"default/d1", "default/d2"}, "the missed changes")
         assert source.counts["lists"] == 2  # resumed from its version, not listed again
+        await until(lambda: applied_ids(applied) == ids(source), "the consumer caught up")
         assert removed_ids(applied) == ["default/p1"]
 
 
@@ -195,6 +198,7 @@ async def test_gone_version_relists_and_removes_only_what_the_list_lacks(
         await until(lambda: ids(source) == {"default/p1", "default/p3", "default/d1"}, "relisted")
         assert source.counts["gone"] == 2
         assert source.counts["lists"] == 4
+        await until(lambda: applied_ids(applied) == ids(source), "the consumer caught up")
         assert removed_ids(applied) == ["default/p2"]
         assert sorted(added_ids(applied)) == [
             "default/d1",

@@ -98,7 +98,12 @@ def test_a_line_that_routes_by_load_says_so(
     argv: list[str], policy: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert main(["--check", "gateway", *argv]) == 0
-    assert f"  prefill policy: {policy}\n" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"  prefill policy: {policy}\n" in out
+    reads = "this policy reads none" if "round_robin" in argv else "routed by load"
+    (tokenizer,) = [line for line in out.splitlines() if line.startswith("  tokenizer: ")]
+    assert tokenizer.startswith("  tokenizer: none: ")
+    assert tokenizer.endswith(reads)
 
 
 def test_a_tokenizer_that_would_not_load_fails_the_check(

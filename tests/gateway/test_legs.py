@@ -115,7 +115,7 @@ async def test_vllm_legs_fail_without_a_decode_when_the_prefill_fails() -> None:
     cluster = Cluster()
     cluster.down.add(host(PREFILLS[1]))
     gateway = await make_gateway(cluster)
-    legs = SequentialLegs(gateway.calls, gateway.metrics.vllm_recomputes, allow_recompute=False)
+    legs = SequentialLegs(gateway.calls, gateway.metrics, allow_recompute=False)
     outcome = await _run(legs, gateway, {"prompt": "hi"}, "completions")
     assert isinstance(outcome, Failure)
     assert (outcome.role, outcome.retryable, outcome.answer.status) == ("prefill", True, 502)

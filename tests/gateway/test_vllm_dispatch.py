@@ -11,6 +11,7 @@ import httpx
 
 from gateway.config import WorkerSpec
 from gateway.http.answer import Answer
+from gateway.legs.vllm import decode_kv
 from gateway.policies.base import RouteRequest
 from gateway.requests import parse_request
 from gateway.service import Gateway
@@ -58,7 +59,8 @@ class Legs:
     """Prefills answering `params` (None: no params, an int: that status), decodes echoing
     what they got; each call's X-Request-Id and whether the prefill had answered."""
 
-    def __init__(self, cluster: Cluster, params: Any = PARAMS) -> None:
+    def __init__(self, cluster: Cluster, params: Any = PARAMS, usage: Any = None) -> None:
+        """`usage`: the decodes' whole answers carry it."""
         self.ids: list[tuple[str, str]] = []
         self.prefilled = 0
         self.decode_saw_prefilled: list[int] = []
@@ -74,7 +76,8 @@ class Legs:
             self.ids.append(("decode", request.headers["x-request-id"]))
             self.decode_saw_prefilled.append(self.prefilled)
             headers = {"x-request-id": request.headers["x-request-id"]}
-            return httpx.Response(200, json={"got": body}, headers=headers)
+            answer = {"got": body} if usage is None else {"got": body, "usage": usage}
+            return httpx.Response(200, json=answer, headers=headers)
 
         for url in PREFILLS:
             cluster.on(url, prefill)
@@ -129,15 +132,69 @@ async def test_a_stream_is_the_decodes_and_the_prefill_is_asked_not_to_stream() 
     assert dict(outcome.headers)["x-request-id"] == legs.ids[0][1]
 
 
-async def test_a_prefill_without_params_has_the_decode_recompute_and_is_counted() -> None:
+def _decodes(gateway: Gateway) -> dict[str, float | None]:
+    counts = {
+        kv: sample(gateway, "globalkv_gateway_vllm_prefilled_decodes_total", kv=kv)
+        for kv in ("params", "prompt", "unreported")
+    }
+    counts["no_params"] = sample(
+        gateway, "globalkv_gateway_vllm_recomputes_total", reason="no_params"
+    )
+    return {kv: count for kv, count in counts.items() if count}
+
+
+async def test_a_decode_given_the_prefills_params_is_counted_as_prefilled() -> None:
     cluster = Cluster()
-    Legs(cluster, params=None)
+    Legs(cluster, usage={"prompt_tokens": 40, "prompt_tokens_details": {"cached_tokens": 0}})
     gateway = await make_gateway(cluster, vllm_config())
-    answer = await send(gateway, BODY)
-    assert answer.status == 200
-    (decode,) = cluster.inference("decode")
-    assert "kv_transfer_params" not in decode.body
-    assert sample(gateway, "globalkv_gateway_vllm_recomputes_total", reason="no_params") == 1
+    assert (await send(gateway, BODY)).status == 200
+    assert _decodes(gateway) == {"params": 1}
+
+
+def _cached(tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": 48, "prompt_tokens_details": {"cached_tokens": tokens}}
+
+
+async def test_without_params_the_decodes_own_answer_tells_whether_it_loaded_the_prompt() -> None:
+    """A connector keeping the KV under the prompt hands no params (ExampleConnector): the
+    decode that reports all but the tail past its last full block cached loaded it. One
+    reporting more uncached computed the prompt. The decode's block size (16) comes
+    from its /server_info."""
+    for usage, counted in (
+        (_cached(32), {"prompt": 1}),
+        (_cached(48), {"prompt": 1}),
+        (_cached(16), {"no_params": 1}),
+        (_cached(0), {"no_params": 1}),
+        ({"prompt_tokens": 48, "prompt_tokens_details": None}, {"unreported": 1}),
+        (None, {"unreported": 1}),
+    ):
+        cluster = Cluster()
+        for url in DECODES:
+            cluster.server_info[url.split("//")[1]] = {"page_size": 16}
+        Legs(cluster, params=None, usage=usage)
+        gateway = await make_gateway(cluster, vllm_config())
+        assert (await send(gateway, BODY)).status == 200
+        (decode,) = cluster.inference("decode")
+        assert "kv_transfer_params" not in decode.body
+        assert _decodes(gateway) == counted, usage
+
+
+async def test_a_streamed_decode_without_params_is_unreported() -> None:
+    cluster = Cluster()
+    Legs(cluster, params=None, usage=_cached(0))
+    gateway = await make_gateway(cluster, vllm_config())
+    outcome = await send(gateway, {"prompt": "hi", "stream": True})
+    assert outcome.rest is not None
+    await rest_of(outcome)
+    await outcome.rest.close("done")
+    assert _decodes(gateway) == {"unreported": 1}
+
+
+def test_without_the_decodes_block_size_any_cached_token_counts_as_loaded() -> None:
+    assert decode_kv(json.dumps({"usage": _cached(1)}).encode(), None) == "prompt"
+    assert decode_kv(json.dumps({"usage": _cached(0)}).encode(), None) == "recomputed"
+    for body in (b"not json", b"[]", b'{"usage": 3}', json.dumps({"usage": _cached(-1)}).encode()):
+        assert decode_kv(body, 16) is None
 
 
 async def test_a_failed_prefill_is_retried_on_the_other_and_the_decode_sent_once() -> None:
@@ -180,6 +237,7 @@ async def test_allowed_recompute_sends_the_last_attempts_decode_without_params()
     (decode,) = cluster.inference("decode")
     assert "kv_transfer_params" not in decode.body
     assert sample(gateway, "globalkv_gateway_vllm_recomputes_total", reason="prefill_failed") == 1
+    assert _decodes(gateway) == {}, "no prefill answered"
 
 
 async def test_a_prefill_client_error_is_answered_without_a_decode_or_retry() -> None:

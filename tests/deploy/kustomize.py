@@ -1,0 +1,137 @@
+"""deploy/kubernetes rendered by `kubectl kustomize` as a user renders it: each overlay, an
+overlay with the monitoring component added, and a user's engines with the engine
+components, each from a kustomization of its own (kustomize reads component directories
+by relative path, so the test's kustomization lives in a temporary directory beside them).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+KUSTOMIZE = ROOT / "deploy" / "kubernetes"
+COMPONENTS = KUSTOMIZE / "components"
+OVERLAYS = sorted(p.name for p in (KUSTOMIZE / "overlays").iterdir() if p.is_dir())
+ENVOY_OVERLAYS = ["external-redis", "in-cluster-redis"]
+"""The overlays with the endpoint picker and the Gateway API objects."""
+
+needs_kubectl = pytest.mark.skipif(
+    shutil.which("kubectl") is None, reason="kubectl (with kustomize) is not installed"
+)
+
+
+def render(directory: Path) -> list[dict[str, Any]]:
+    done = subprocess.run(
+        ["kubectl", "kustomize", str(directory)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+
+
+def overlay(name: str) -> list[dict[str, Any]]:
+    return render(KUSTOMIZE / "overlays" / name)
+
+
+def composed(
+    where: Path,
+    *,
+    resources: Sequence[str] = (),
+    components: Sequence[str] = (),
+    files: dict[str, str] | None = None,
+) -> list[dict[str, Any]]:
+    """A kustomization written in `where` (with `files` beside it), of `resources` and of
+    `components`, which are directories of deploy/kubernetes."""
+    where.mkdir(parents=True, exist_ok=True)
+    for name, text in (files or {}).items():
+        (where / name).write_text(text)
+    kustomization = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": [
+            r if r in (files or {}) else os.path.relpath(KUSTOMIZE / r, where) for r in resources
+        ],
+        "components": [os.path.relpath(KUSTOMIZE / c, where) for c in components],
+        "images": [{"name": "globalkv", "newName": "registry.example.com/globalkv"}],
+    }
+    (where / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    return render(where)
+
+
+def engines(where: Path) -> list[dict[str, Any]]:
+    """A user's SGLang prefill and decode Deployments, labelled by role, with the engine
+    components applied."""
+    files = {f"{role}.yaml": yaml.safe_dump(_engine(role)) for role in ("prefill", "decode")}
+    return composed(
+        where,
+        resources=list(files),
+        components=["components/prefill-engines", "components/decode-sidecars"],
+        files=files,
+    )
+
+
+def _engine(role: str) -> dict[str, Any]:
+    labels = {"app": f"sglang-{role}"}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": f"sglang-{role}", "labels": {"globalkv.io/role": role}},
+        "spec": {
+            "replicas": 2,
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "engine",
+                            "image": "lmsysorg/sglang:v0.5.23",
+                            "args": ["python3", "-m", "sglang.launch_server"],
+                            "ports": [{"name": "http", "containerPort": 30000}],
+                        }
+                    ]
+                },
+            },
+        },
+    }
+
+
+def by_kind(objects: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
+    return {o["metadata"]["name"]: o for o in objects if o["kind"] == kind}
+
+
+def container_env(
+    container: dict[str, Any],
+    objects: list[dict[str, Any]],
+    *,
+    secret: str | None = None,
+    namespace: str | None = None,
+) -> dict[str, str]:
+    """The container's variables as the kubelet would set them: values, ConfigMap keys read
+    from `objects`, and, when given, `secret` for each Secret key and `namespace` for the
+    pod's namespace."""
+    maps = by_kind(objects, "ConfigMap")
+    env: dict[str, str] = {}
+    for item in container.get("env", []):
+        source = item.get("valueFrom", {})
+        if "value" in item:
+            env[item["name"]] = item["value"]
+        elif "configMapKeyRef" in source:
+            ref = source["configMapKeyRef"]
+            env[item["name"]] = maps[ref["name"]]["data"][ref["key"]]
+        elif "secretKeyRef" in source and secret is not None:
+            env[item["name"]] = secret
+        elif source.get("fieldRef", {}).get("fieldPath") == "metadata.namespace" and namespace:
+            env[item["name"]] = namespace
+    return env

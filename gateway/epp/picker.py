@@ -20,17 +20,29 @@ The load a pick starts is held until the response ends (`Pick.release`), the pre
 part until the response's headers arrive (the prefill's work is done by then: its decode
 answered). Fallback endpoints (`fallbacks`) are the other eligible endpoints, least
 loaded first.
+
+With `--flow-control` an inference request waits for its turn in the gateway's flow
+queues (`gateway.flow`) before it is picked, its flow read from the request's headers as
+the gateway reads them, and holds its place until the response ends: the picker sees
+every request of the pool (a decode's sidecar behind it sees only its own), so it is
+where flow control belongs. Envoy holds the request meanwhile, within its ext_proc
+message timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
+
+import orjson
 
 from gateway.config import Kind, Role
 from gateway.epp.protocol import Headers
+from gateway.flow.control import FlowControl, Grant
+from gateway.flow.queues import FlowRequest
+from gateway.http.answer import Answer
 from gateway.inference import INFERENCE_PATHS, TOKENIZE_INLINE_MAX
 from gateway.policies.base import Choice, NoCandidates, RouteRequest
 from gateway.policies.loads import LoadTicket, LoadTracker
@@ -73,6 +85,8 @@ class Pick:
     tickets: list[LoadTicket] = field(default_factory=list)
     prefill: LoadTicket | None = None
     """The prefill's share of the load, settled when the response's headers arrive."""
+    grant: Grant | None = None
+    """Its place in the flow queues' limits, held until the response ends."""
 
 
 class Picker:
@@ -87,15 +101,28 @@ class Picker:
         self.draining = False
         """Stopping: not ready, so the data plane opens no new stream here. Nothing else
         makes the picker unready: with no eligible endpoint each request is answered 503."""
+        self._flow = gateway.flow
+        self.wanted_headers: frozenset[str] = frozenset()
+        """The request headers `pick` reads: flow control's and the API key, when on."""
+        if self._flow is not None:
+            names = {name.decode() for name in self._flow.keys.header_names}
+            self.wanted_headers = frozenset({*names, "authorization"})
 
     @property
     def disaggregated(self) -> bool:
         """Decodes in the pool: Envoy sends to a decode's sidecar, naming the prefill."""
         return bool(self._gateway.pool.role("decode"))
 
-    async def pick(self, path: str, body: bytes, subset: Collection[str] | None) -> Pick | Refusal:
+    async def pick(
+        self,
+        path: str,
+        body: bytes,
+        subset: Collection[str] | None,
+        headers: Mapping[str, str] | None = None,
+    ) -> Pick | Refusal:
         """The endpoint for a request of `body` to `path`, among `subset` when given: the
-        one place a request enters the picker, so admission can wrap it."""
+        one place a request enters the picker, so admission can wrap it. `headers`: the
+        request's `wanted_headers` (lower-case names)."""
         try:
             tokens, namespace, kind = await self._read(path, body)
         except (BadRequest, TokenizeError) as exc:
@@ -103,14 +130,63 @@ class Picker:
         except UnknownAdapter as exc:
             return Refusal(404, str(exc), "NotFoundError")
         route = await self._router.route(tokens, namespace)
+        grant = None
+        if self._flow is not None and _inference(path) is not None:
+            try:
+                entered = await self._enter(
+                    self._flow, tokens, route, namespace, kind, body, headers
+                )
+            except BadRequest as exc:
+                return Refusal(400, str(exc), "invalid_request_error")
+            if isinstance(entered, Refusal):
+                return entered
+            grant = entered
+            if grant.waited:  # placed on what the index shows now
+                route = await self._router.route(tokens, namespace)
+            grant.sent()  # the pick below tracks its load, before any await
         try:
             if self.disaggregated:
-                return self._pair(route, namespace, kind, subset)
-            return self._whole(route, namespace, kind, subset)
+                chosen = self._pair(route, namespace, kind, subset)
+            else:
+                chosen = self._whole(route, namespace, kind, subset)
         except NoCandidates as exc:
-            return Refusal(503, str(exc), "no_available_workers")
+            refusal = Refusal(503, str(exc), "no_available_workers")
         except _Shed as exc:
-            return Refusal(429, str(exc), "overloaded")
+            refusal = Refusal(429, str(exc), "overloaded")
+        else:
+            chosen.grant = grant
+            return chosen
+        if grant is not None:
+            grant.release()
+        return refusal
+
+    async def _enter(
+        self,
+        flow: FlowControl,
+        tokens: PromptTokens,
+        route: RouteRequest,
+        namespace: RequestNamespace,
+        kind: Kind | None,
+        body: bytes,
+        headers: Mapping[str, str] | None,
+    ) -> Grant | Refusal:
+        """The request's turn in the flow queues, or the refusal to answer; `BadRequest`
+        for a flow header that cannot be read."""
+        given = headers or {}
+        picked = {name.encode(): value.encode("latin-1") for name, value in given.items()}
+        key = flow.keys.read(picked, namespace.lora_name, given.get("authorization"))
+        if tokens.tokens is not None:
+            count = len(tokens.tokens)
+        else:  # no tokenizer: about four bytes a token
+            count = max(1, len(tokens.text or "") // 4 or len(body) // 4)
+        request = FlowRequest(
+            key, count, len(body), route, kind, namespace.model, namespace.adapters
+        )
+        entered = await flow.enter(request)
+        if isinstance(entered, Answer):
+            error = orjson.loads(entered.body)["error"]
+            return Refusal(entered.status, error["message"], error["code"])
+        return entered
 
     async def _read(
         self, path: str, body: bytes
@@ -216,6 +292,8 @@ class Picker:
         """The response's headers arrived: the prefill's work is over."""
         if pick.prefill is not None:
             self._loads.prefill_done(pick.prefill, computed=status < 300)
+        if pick.grant is not None:
+            pick.grant.started()
 
     def release(self, pick: Pick, succeeded: bool) -> None:
         """The response ended (or the stream closed): every load the pick held ends. The
@@ -224,6 +302,13 @@ class Picker:
         for ticket in pick.tickets:
             self._loads.finish(ticket, computed=succeeded, timed=False)
         pick.tickets.clear()
+        if pick.grant is not None:
+            pick.grant.release()
+
+
+def _inference(path: str) -> str | None:
+    """The inference endpoint `path` names, or None (`GET /v1/models` and the like)."""
+    return INFERENCE_PATHS.get(path.partition("?")[0])
 
 
 class _Shed(Exception):

@@ -57,6 +57,7 @@ from gateway.epp.protocol import (
     ProtocolError,
     body_pieces,
     header_of,
+    headers_of,
     refuse,
     served_of,
     subset_of,
@@ -150,6 +151,7 @@ class _Stream:
         "_answers",
         "_body",
         "_budget",
+        "_headers",
         "_held",
         "_limits",
         "_metrics",
@@ -180,6 +182,8 @@ class _Stream:
         self._budget = budget
         self._metrics = metrics
         self._path: str | None = None
+        self._headers: dict[str, str] = {}
+        """The request headers the picker reads (`Picker.wanted_headers`)."""
         self._subset: frozenset[str] | None = None
         self._body = bytearray()
         self._held = 0
@@ -244,6 +248,9 @@ class _Stream:
             self.duplex_response = config.response_body_mode == _DUPLEX
         headers = message.request_headers
         self._path = header_of(headers, ":path") or "/"
+        wanted = self._picker.wanted_headers
+        if wanted:
+            self._headers = {k: v for k, v in headers_of(headers).items() if k in wanted}
         self._subset = subset_of(message.metadata_context)
         if headers.end_of_stream:
             return await self._routed(end=None)
@@ -274,7 +281,7 @@ class _Stream:
             body = bytes(self._body)
             self._body = bytearray()
         try:
-            outcome = await self._picker.pick(self._path, body, self._subset)
+            outcome = await self._picker.pick(self._path, body, self._subset, self._headers)
         finally:
             self.forget_body()
         if isinstance(outcome, Refusal):

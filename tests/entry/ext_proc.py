@@ -58,12 +58,16 @@ def request(
     subset: Sequence[str] | None = None,
     mode: int | None = None,
     path: str = "/v1/completions",
+    extra: dict[str, str] | None = None,
 ) -> list[ProcessingRequest]:
-    """The request's messages as Envoy sends them: headers (with the subset hint, and
-    `mode` as the request body mode Envoy names), then the body in `pieces`."""
+    """The request's messages as Envoy sends them: headers (`extra` among them, with the
+    subset hint, and `mode` as the request body mode Envoy names), then the body in
+    `pieces`."""
     hint = {} if subset is None else {"x-gateway-destination-endpoint-subset": list(subset)}
     context = metadata("envoy.lb.subset_hint", hint) if subset is not None else Metadata()
-    first = ProcessingRequest(request_headers=headers(path), metadata_context=context)
+    first = ProcessingRequest(
+        request_headers=headers(path, **(extra or {})), metadata_context=context
+    )
     if mode is not None:
         first.protocol_config.CopyFrom(ProtocolConfiguration(request_body_mode=mode))
     out = [first]

@@ -1,0 +1,105 @@
+"""Flow control in the endpoint picker (gateway/epp/picker.py over gateway/flow/): a
+request waits for its turn before it is picked, by priority and tenant from its headers,
+holds its place until its response ends, and is refused with the limit it met."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from envoy.service.ext_proc.v3.external_processor_pb2 import HttpBody, ProcessingRequest
+
+from gateway.config import AdmissionConfig, WorkerSpec
+from gateway.flow_config import FlowConfig
+from globalkv.cli import main
+from tests.entry.ext_proc import Epp, completion, request, response, routed, serve_epp, status
+from tests.gateway.fakes import PREFILLS, Cluster, config, make_gateway
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.fixture
+async def flow_epp() -> AsyncIterator[Epp]:
+    workers = [WorkerSpec(url=u, role="prefill") for u in PREFILLS]
+    cfg = config(
+        prefill=workers,
+        decode=[],
+        admission=AdmissionConfig(max_concurrent_requests=1, queue_size=2),
+        flow=FlowConfig(enabled=True, objectives=["premium=10", "default=0"]),
+    )
+    gateway = await make_gateway(Cluster(), cfg)
+    async for epp in serve_epp(gateway):
+        yield epp
+
+
+def flow(tenant: str, objective: str | None = None) -> dict[str, str]:
+    headers = {"x-gateway-inference-fairness-id": tenant}
+    if objective is not None:
+        headers["x-llm-d-inference-objective"] = objective
+    return headers
+
+
+async def open_stream(epp: Epp, extra: dict[str, str]) -> Any:
+    call = epp.stub.Process()
+    for message in request(completion(), extra=extra):
+        await call.write(message)
+    return call
+
+
+async def finish(call: Any) -> None:
+    """The response ends: the pick's place goes to the next."""
+    await call.write(response())
+    await call.read()
+    await call.write(ProcessingRequest(response_body=HttpBody(body=b"x", end_of_stream=True)))
+    await call.read()
+    await call.done_writing()
+
+
+async def test_requests_wait_their_turn_by_priority_before_they_are_picked(flow_epp: Epp) -> None:
+    first = await open_stream(flow_epp, flow("a"))
+    assert routed(await first.read())[0]
+    standard = await open_stream(flow_epp, flow("b"))
+    premium = await open_stream(flow_epp, flow("c", "premium"))
+    reads = [asyncio.ensure_future(standard.read()), asyncio.ensure_future(premium.read())]
+    done, _ = await asyncio.wait(reads, timeout=0.2)
+    assert not done, "one place, taken until the first response ends"
+    await finish(first)
+    done, _ = await asyncio.wait(reads, return_when=asyncio.FIRST_COMPLETED)
+    assert done == {reads[1]}, "premium first"
+    routed(reads[1].result())
+    await finish(premium)
+    routed(await reads[0])
+    await finish(standard)
+    flow_control = flow_epp.gateway.flow
+    assert flow_control is not None
+    assert (flow_control.running, len(flow_control.queues)) == (0, 0)
+
+
+async def test_a_full_queue_and_bad_flow_headers_are_refused_saying_why(flow_epp: Epp) -> None:
+    first = await open_stream(flow_epp, flow("a"))
+    await first.read()
+    waiting = [await open_stream(flow_epp, flow("a")) for _ in range(2)]
+    answers = await flow_epp.exchange(request(completion(), extra=flow("a")))
+    assert status(answers[0]) == 429
+    error = json.loads(answers[0].immediate_response.body)["error"]
+    assert error["type"] == "queue_full"
+    assert "--queue-size" in error["message"]
+    answers = await flow_epp.exchange(
+        request(completion(), extra={"x-gateway-inference-fairness-id": "x" * 300})
+    )
+    assert status(answers[0]) == 400
+    for call in waiting:
+        call.cancel()
+    await finish(first)
+
+
+def test_a_flow_wait_longer_than_a_stream_may_take_to_be_picked_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    line = ["--check", "epp", "--worker", "http://10.0.0.1:8000", "--flow-control"]
+    assert main([*line, "--queue-timeout-secs", "20"]) == 0
+    assert main([*line, "--body-timeout-secs", "30", "--queue-timeout-secs", "30"]) == 2
+    assert "--queue-timeout-secs 30 must be below --body-timeout-secs 30" in capsys.readouterr().err

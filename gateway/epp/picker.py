@@ -21,7 +21,9 @@ part until the response's headers arrive (the prefill's work is done by then: it
 answered). Fallback endpoints (`fallbacks`) are the other eligible endpoints, least
 loaded first.
 
-With `--flow-control` an inference request waits for its turn in the gateway's flow
+Admission control (`--max-concurrent-requests` and its queue) holds a request the same
+way as the gateway's: admitted before it is picked, its place held until the response
+ends. With `--flow-control` instead an inference request waits for its turn in the gateway's flow
 queues (`gateway.flow`) before it is picked, its flow read from the request's headers as
 the gateway reads them, and holds its place until the response ends: the picker sees
 every request of the pool (a decode's sidecar behind it sees only its own), so it is
@@ -38,6 +40,7 @@ from dataclasses import dataclass, field
 
 import orjson
 
+from gateway.admission import Admission
 from gateway.config import Kind, Role
 from gateway.epp.protocol import Headers
 from gateway.flow.control import FlowControl, Grant
@@ -87,6 +90,8 @@ class Pick:
     """The prefill's share of the load, settled when the response's headers arrive."""
     grant: Grant | None = None
     """Its place in the flow queues' limits, held until the response ends."""
+    admission: Admission | None = None
+    """The admission control it holds a place in, until the response ends."""
 
 
 class Picker:
@@ -102,6 +107,13 @@ class Picker:
         """Stopping: not ready, so the data plane opens no new stream here. Nothing else
         makes the picker unready: with no eligible endpoint each request is answered 503."""
         self._flow = gateway.flow
+        limits = gateway.config.admission
+        self._admission = (
+            Admission(limits, gateway.clock, gateway.metrics.registry)
+            if limits.max_concurrent_requests > 0 and self._flow is None
+            else None
+        )
+        """sglang-router's admission control, without flow control (which then holds it)."""
         self.wanted_headers: frozenset[str] = frozenset()
         """The request headers `pick` reads: flow control's and the API key, when on."""
         if self._flow is not None:
@@ -131,7 +143,13 @@ class Picker:
             return Refusal(404, str(exc), "NotFoundError")
         route = await self._router.route(tokens, namespace)
         grant = None
-        if self._flow is not None and _inference(path) is not None:
+        admission = self._admission
+        if admission is not None:
+            answer = await admission.admit()
+            if answer is not None:
+                error = orjson.loads(answer.body)["error"]
+                return Refusal(answer.status, error["message"], error["type"])
+        elif self._flow is not None and _inference(path) is not None:
             try:
                 entered = await self._enter(
                     self._flow, tokens, route, namespace, kind, body, headers
@@ -155,9 +173,12 @@ class Picker:
             refusal = Refusal(429, str(exc), "overloaded")
         else:
             chosen.grant = grant
+            chosen.admission = admission
             return chosen
         if grant is not None:
             grant.release()
+        if admission is not None:
+            admission.release()
         return refusal
 
     async def _enter(
@@ -304,6 +325,9 @@ class Picker:
         pick.tickets.clear()
         if pick.grant is not None:
             pick.grant.release()
+        if pick.admission is not None:
+            pick.admission.release()
+            pick.admission = None
 
 
 def _inference(path: str) -> str | None:

@@ -142,6 +142,7 @@ class FlowControl:
             buckets=_WAIT_BUCKETS,
             registry=registry,
         )
+        self._waits: dict[int, Histogram] = {}
         registry.register(_FlowCollector(self))
 
     async def enter(self, request: FlowRequest) -> Grant | Answer:
@@ -221,7 +222,11 @@ class FlowControl:
         if self._bucket is not None:
             self._bucket.take()
         self.usage.charge(request.key.tenant, request.tokens, now)
-        self.waits.labels(str(request.key.priority)).observe(waited)
+        priority = request.key.priority
+        waits = self._waits.get(priority)
+        if waits is None:  # one child per priority, bound once: priorities are configured
+            waits = self._waits[priority] = self.waits.labels(str(priority))
+        waits.observe(waited)
         placed = _placed(verdict)
         if placed is not None:
             assert placed.prefill is not None

@@ -105,15 +105,15 @@ class FlowKeys:
             if not value:
                 continue
             text = value.decode("latin-1").strip()
+            found = self.objectives.get(text)
+            if found is not None:
+                return found
             if not objective_name(text):
                 raise BadRequest(
                     f"{name.decode()} must name an InferenceObjective, got {text[:80]!r}"
                 )
-            found = self.objectives.get(text)
-            if found is None:
-                self.unknown += 1
-                return self.default
-            return found
+            self.unknown += 1
+            return self.default
         return self.default
 
     def _ttft_of(self, headers: Mapping[bytes, bytes]) -> float | None:

@@ -103,3 +103,21 @@ def test_a_flow_wait_longer_than_a_stream_may_take_to_be_picked_is_refused(
     assert main([*line, "--queue-timeout-secs", "20"]) == 0
     assert main([*line, "--body-timeout-secs", "30", "--queue-timeout-secs", "30"]) == 2
     assert "--queue-timeout-secs 30 must be below --body-timeout-secs 30" in capsys.readouterr().err
+
+
+async def test_without_flow_control_admission_holds_a_place_until_the_response_ends() -> None:
+    workers = [WorkerSpec(url=u, role="prefill") for u in PREFILLS]
+    limits = AdmissionConfig(max_concurrent_requests=1, queue_size=0)
+    gateway = await make_gateway(Cluster(), config(prefill=workers, decode=[], admission=limits))
+    async for epp in serve_epp(gateway):
+        first = await open_stream(epp, {})
+        routed(await first.read())
+        answers = await epp.exchange(request(completion()))
+        assert status(answers[0]) == 429
+        assert (
+            "--max-concurrent-requests"
+            in json.loads(answers[0].immediate_response.body)["error"]["message"]
+        )
+        await finish(first)
+        answers = await epp.exchange(request(completion()))
+        assert routed(answers[0])[0]

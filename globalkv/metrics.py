@@ -26,7 +26,8 @@ class IngestMetrics:
         )
         self.blocks_stored = Counter(
             "globalkv_ingest_blocks_stored_total",
-            "Engine blocks newly stored by applied batches.",
+            "Engine blocks in the stores of applied batches, a block stored again included "
+            "(vLLM stores a block again when it reuses it).",
             ["pod"],
             registry=registry,
         )
@@ -74,7 +75,8 @@ class IngestMetrics:
         )
         self.replays = Counter(
             "globalkv_ingest_replays_total",
-            "Replay requests by outcome: complete, short, timeout, malformed, limit, no_endpoint "
+            "Replay requests (a gap, a first batch past seq 0, a catch-up that found batches or "
+            "failed) by outcome: complete, short, timeout, malformed, limit, no_endpoint "
             "(none configured, or one ZMQ refuses).",
             ["pod", "outcome"],
             registry=registry,

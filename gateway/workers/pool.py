@@ -3,9 +3,9 @@
 Identity. A worker's id is its URL's `host:port`. A prefill worker also has the id of the
 *pod* the index knows it by, chosen in this order: the `pod_id` given with it; the
 `<pod>` of the `kv@<pod>@<model>` topic its KV events carry (given, or discovered from
-its `/server_info`); else its `host:port`. The gateway registers the prefill as that pod
-with the index (indexer API or the shared Redis registry) once its KV-event endpoints are
-known, so the indexer subscribes to it.
+its `/server_info` or vLLM's `/kv_event_sources`); else its `host:port`. The gateway
+registers the prefill as that pod with the index (indexer API or the shared Redis
+registry) once its KV-event endpoints are known, so the indexer subscribes to it.
 
 Bootstrap. `bootstrap_host` is the URL's host; `bootstrap_port` is the port given on the
 command line, or None (`--prefill URL none`: the injected port is null and each engine
@@ -108,9 +108,10 @@ class Worker:
     """The LoRA adapters it serves (name → base model), as its `/v1/models` lists them."""
     engine_block_size: int | None = None
     kv_capacity_tokens: int | None = None
-    """Tokens its KV cache holds, summed over its DP ranks, as its /server_info says."""
+    """Tokens its KV cache holds, summed over its DP ranks, as its /server_info (vLLM: its
+    /metrics) says."""
     discovered: bool = False
-    """Its /server_info has been read (prefill only)."""
+    """What it advertises of itself has been read (`gateway.workers.advertised`)."""
     detected_kind: Kind | None = None
     """The kind the monitor found, for a worker given without one."""
     registered_pod: str | None = None

@@ -40,6 +40,7 @@ def check_gateway(config: GatewayConfig, *, load_tokenizer: bool) -> list[str]:
         f"model: {config.model or 'as the request names it, else as the prefills serve it'}",
         f"workers: {len(config.prefill)} prefill and {len(config.decode)} decode given",
         f"discovery: {_discovery(config)}",
+        f"admission: {_admission(config)}",
     ]
     default = DEFAULT_TRACES_ENDPOINT if config.enable_trace else None
     endpoint = configured_endpoint(config.otlp_traces_endpoint, default=default)
@@ -71,6 +72,30 @@ def _prefill_policy(config: GatewayConfig) -> str:
             "prefix for requests carrying input_ids; text and chat prompts by load (no --tokenizer)"
         )
     return "prefix: the prefill holding the longest cached prefix, weighed against its load"
+
+
+def _admission(config: GatewayConfig) -> str:
+    """What holds a request back: nothing, the FIFO limits, or flow control (which holds
+    nothing without a limit or an objective with a TTFT, said so)."""
+    limits, flow = config.admission, config.flow
+    limit = limits.max_concurrent_requests
+    bounds = [f"{limit} at once"] if limit > 0 else []
+    if limit > 0 and limits.rate_limit_tokens_per_second is not None:
+        bounds.append(f"{limits.rate_limit_tokens_per_second:g} started per second")
+    if not flow.enabled:
+        if not bounds:
+            return "none"
+        return f"first come first served, {', '.join(bounds)}"
+    timed = [o.name for o in flow.objectives if o.ttft_ms is not None]
+    if timed:
+        bounds.append(f"the prefills' headroom for {', '.join(timed)}")
+    held = ", ".join(bounds) or (
+        "nothing but a request's own TTFT header (no --max-concurrent-requests and no "
+        "objective with a TTFT)"
+    )
+    bands = len({o.priority for o in flow.objectives} | {0})
+    plural = "s" if bands > 1 else ""
+    return f"flow control, {bands} priority band{plural}, tenants by usage; held by {held}"
 
 
 def _index(config: GatewayConfig) -> str:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Collection, Iterator
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -84,11 +84,6 @@ class FlowQueues:
 
     def __len__(self) -> int:
         return self._count
-
-    def __iter__(self) -> Iterator[Waiting]:
-        for band in self._bands.values():
-            for queue in band.values():
-                yield from queue
 
     def waiting(self, tenant: str) -> bool:
         return tenant in self._waiting_of

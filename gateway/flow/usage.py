@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 
 _REBASE = 512.0
 """The scale's exponent past which the origin moves (2^512 stays far from overflow)."""
@@ -105,6 +105,3 @@ class Usage:
         """The other replicas' usage in tokens as of `now` (summed over them)."""
         scale = self.scale(now)
         self._others = {t: v * scale for t, v in usage.items()}
-
-    def tenants(self) -> Iterable[str]:
-        return self._own.keys()

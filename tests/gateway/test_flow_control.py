@@ -18,6 +18,7 @@ from gateway.flow_config import FlowConfig, parse_objective
 from gateway.http.answer import Answer
 from gateway.inference import Inference
 from gateway.requests import BadRequest
+from globalkv.cli import main
 from tests.gateway.fakes import DECODES, PREFILLS, Cluster, config, make_gateway
 from tests.support.clock import FakeClock
 
@@ -379,3 +380,19 @@ async def test_requests_released_together_do_not_each_find_the_same_room() -> No
     for task in waiting:
         task.cancel()
     await asyncio.gather(*waiting, return_exceptions=True)
+
+
+def test_check_says_what_holds_requests_back(capsys: pytest.CaptureFixture[str]) -> None:
+    pd = ["--prefill", "http://10.0.0.1:3", "--decode", "http://10.0.0.2:3"]
+    lines = {
+        (): "admission: none",
+        ("--max-concurrent-requests", "8"): "admission: first come first served, 8 at once",
+        ("--flow-control", "--flow-objectives", "premium=10/500", "batch=-1"): (
+            "admission: flow control, 3 priority bands, tenants by usage; held by the "
+            "prefills' headroom for premium"
+        ),
+        ("--flow-control",): "held by nothing but a request's own TTFT header",
+    }
+    for flags, said in lines.items():
+        assert main(["--check", "gateway", *pd, *flags]) == 0
+        assert said in capsys.readouterr().out

@@ -1,6 +1,7 @@
 """The endpoint picker's CPU per request beside the least an ext_proc server can do.
 
-    python -m bench.epp [--repeats 5] [--duration 2] [--concurrency 1,16] [--output FILE]
+    python -m bench.epp [--repeats 5] [--duration 2] [--concurrency 1,16] [--rates 300,600]
+        [--output FILE]
 
 `globalkv epp` (an aggregated pool of two `bench.gateway_mocks` workers, `round_robin`:
 what is measured is the path, not a cache) and `bench.epp_minimal` (the same messages
@@ -13,12 +14,16 @@ one worker thread) in every processing mode `globalkv.stack.envoy` renders:
 - `full-duplex`: the body FULL_DUPLEX_STREAMED and streamed back, the response's headers,
   body and trailers (`--body-mode full-duplex`).
 
-The servers and Envoys run on CPU 1, the mocks and the closed-loop load (`bench.gateway`'s
-load generator, `/generate` with 64 `input_ids`, answers not streamed) on CPU 0 when
-the machine has two. Every repetition measures every (concurrency, mode, server) once,
-the order rotating; the table gives medians over repetitions. "CPU µs/req" is a
-process's CPU time (all threads, from /proc) over the answers it took part in: the
-server's (the picker, or the minimal one) and its Envoy's, apart.
+The servers run alone on CPU 1; the Envoys, the mocks and the load on CPU 0 when the
+machine has two. The load is `/generate` with 64 `input_ids`, answers not streamed:
+closed-loop at each `--concurrency` (`bench.gateway`'s load generator: each server
+answers as fast as it can, so a slower one also answers fewer at once), and paced at
+each of `--rates` requests/s over 16 connections (every server then answers the same
+requests at the same rate: the fairest comparison of CPU per request). Every repetition
+measures every (load, mode, server) once, the order rotating; the table gives medians
+over repetitions. "CPU µs/req" is a process's CPU time (all threads, from /proc) over
+the answers it took part in: the server's (the picker, or the minimal one) and its
+Envoy's, apart.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.gateway import HOST, PROMPT, Child, _body, _free_port, _spawn, _wait_ok, cpu_seconds
-from bench.gateway_load import run_load
+from bench.gateway_load import read_answer, request_bytes, run_load
 
 MODES = {
     "buffered": [],
@@ -43,6 +48,7 @@ MODES = {
     "full-duplex": ["--body-mode", "full-duplex"],
 }
 SERVERS = ("epp", "minimal")
+PACED_CONNECTIONS = 16
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,49 @@ class Target:
     port: int
     server: int
     envoy: int
+
+
+@dataclass(frozen=True)
+class Run:
+    answered: int
+    errors: int
+    rps: float
+    p50: float
+
+
+async def paced(port: int, body: bytes, rate: float, duration: float) -> Run:
+    """`rate` requests/s over `PACED_CONNECTIONS` keep-alive connections, each sending
+    its next request at its next slot (or at once when the last answer came later)."""
+    loop = asyncio.get_running_loop()
+    payload = request_bytes(HOST, port, "/generate", body)
+    interval = PACED_CONNECTIONS / rate
+    start = loop.time() + 0.1
+    stop = start + duration
+    latencies: list[float] = []
+
+    async def client(i: int) -> tuple[int, int]:
+        reader, writer = await asyncio.open_connection(HOST, port)
+        slot = start + i * interval / PACED_CONNECTIONS
+        answered = errors = 0
+        try:
+            while slot < stop:
+                await asyncio.sleep(max(slot - loop.time(), 0.0))
+                began = loop.time()
+                writer.write(payload)
+                status, _ = await read_answer(reader)
+                latencies.append(loop.time() - began)
+                answered += 1
+                errors += status != 200
+                slot += interval
+        finally:
+            writer.close()
+        return answered, errors
+
+    counts = await asyncio.gather(*(client(i) for i in range(PACED_CONNECTIONS)))
+    answered = sum(a for a, _ in counts)
+    return Run(
+        answered, sum(e for _, e in counts), answered / duration, statistics.median(latencies)
+    )
 
 
 @dataclass
@@ -98,7 +147,7 @@ def _started(logs: Path, pin: bool) -> Iterator[dict[tuple[str, str], Target]]:
                 argv = [*globalkv, "envoy", "--port", str(port), "--admin-port", str(_free_port())]
                 argv += [a for e in endpoints for a in ("--endpoint", e)]
                 argv += ["--picker", f"{HOST}:{grpc[name]}", *flags]
-                envoy = spawn(f"envoy-{name}-{mode}", argv, server_cpus)
+                envoy = spawn(f"envoy-{name}-{mode}", argv, load_cpus)
                 _wait_ok(envoy, f"http://{HOST}:{port}/generate", probe)
                 targets[(mode, name)] = Target(port, servers[name].popen.pid, envoy.popen.pid)
         if load_cpus is not None:
@@ -108,38 +157,49 @@ def _started(logs: Path, pin: bool) -> Iterator[dict[tuple[str, str], Target]]:
 
 async def _measure(
     targets: dict[tuple[str, str], Target],
-    concurrencies: Sequence[int],
+    loads: Sequence[str],
     repeats: int,
     duration: float,
-) -> dict[tuple[str, str, int], Cell]:
-    cells: dict[tuple[str, str, int], Cell] = {}
+) -> dict[tuple[str, str, str], Cell]:
+    """`loads`: "c16" (closed loop, 16 at once) or "400/s" (paced)."""
+    cells: dict[tuple[str, str, str], Cell] = {}
     keys = list(targets)
     body = _body(False)
     for rep in range(repeats):
-        for concurrency in concurrencies:
+        for load in loads:
             for key in keys[rep % len(keys) :] + keys[: rep % len(keys)]:
                 target = targets[key]
                 server, envoy = cpu_seconds(target.server), cpu_seconds(target.envoy)
-                result = await run_load(
-                    HOST, target.port, "/generate", body, concurrency=concurrency, duration=duration
-                )
-                if result.errors:
-                    raise RuntimeError(f"{key}: {result.errors} answers were not 200")
-                answered = max(result.answered, 1)
-                cell = cells.setdefault((*key, concurrency), Cell())
-                cell.rps.append(result.rps)
-                cell.p50_ms.append(result.p50 * 1000)
+                if load.endswith("/s"):
+                    run = await paced(target.port, body, float(load[:-2]), duration)
+                else:
+                    closed = await run_load(
+                        HOST,
+                        target.port,
+                        "/generate",
+                        body,
+                        concurrency=int(load[1:]),
+                        duration=duration,
+                    )
+                    run = Run(closed.answered, closed.errors, closed.rps, closed.p50)
+                if run.errors:
+                    raise RuntimeError(f"{key}: {run.errors} answers were not 200")
+                answered = max(run.answered, 1)
+                cell = cells.setdefault((*key, load), Cell())
+                cell.rps.append(run.rps)
+                cell.p50_ms.append(run.p50 * 1000)
                 cell.server_us.append((cpu_seconds(target.server) - server) / answered * 1e6)
                 cell.envoy_us.append((cpu_seconds(target.envoy) - envoy) / answered * 1e6)
         print(f"repetition {rep + 1}/{repeats} done", file=sys.stderr, flush=True)
     return cells
 
 
-def table(cells: dict[tuple[str, str, int], Cell], concurrencies: Sequence[int]) -> str:
+def table(cells: dict[tuple[str, str, str], Cell], loads: Sequence[str]) -> str:
     head = [
         "mode",
-        "conc",
+        "load",
         "epp req/s",
+        "minimal req/s",
         "epp p50 ms",
         "epp CPU µs/req",
         "minimal CPU µs/req",
@@ -149,13 +209,14 @@ def table(cells: dict[tuple[str, str, int], Cell], concurrencies: Sequence[int])
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for mode in MODES:
-        for c in concurrencies:
+        for c in loads:
             epp, minimal = cells[(mode, "epp", c)], cells[(mode, "minimal", c)]
             ratios = [e / m for e, m in zip(epp.server_us, minimal.server_us, strict=True)]
             row = [
                 mode,
-                str(c),
+                c,
                 f"{statistics.median(epp.rps):.0f}",
+                f"{statistics.median(minimal.rps):.0f}",
                 f"{statistics.median(epp.p50_ms):.2f}",
                 f"{statistics.median(epp.server_us):.0f}",
                 f"{statistics.median(minimal.server_us):.0f}",
@@ -171,16 +232,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.epp", description=__doc__)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--duration", type=float, default=2.0, help="seconds per cell")
-    parser.add_argument("--concurrency", default="1,16", help="comma-separated")
+    parser.add_argument("--concurrency", default="1,16", help="closed loop; comma-separated")
+    parser.add_argument("--rates", default="300,600", help="paced requests/s; comma-separated")
     parser.add_argument("--no-pin", action="store_true", help="no CPU pinning")
     parser.add_argument("--output", type=Path, help="also write the table here")
     args = parser.parse_args(argv)
-    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    loads = [f"c{int(c)}" for c in args.concurrency.split(",") if c]
+    loads += [f"{float(r):g}/s" for r in args.rates.split(",") if r]
     pin = (os.cpu_count() or 1) >= 2 and not args.no_pin
     logs = Path(tempfile.mkdtemp(prefix="bench-epp-"))
     with _started(logs, pin) as targets:
-        cells = asyncio.run(_measure(targets, concurrencies, args.repeats, args.duration))
-    text = table(cells, concurrencies)
+        cells = asyncio.run(_measure(targets, loads, args.repeats, args.duration))
+    text = table(cells, loads)
     print(text)
     if args.output is not None:
         args.output.write_text(text + "\n")

@@ -21,7 +21,8 @@ from typing import Protocol
 from gateway.config import DiscoveryConfig, WorkerSpec
 from gateway.workers.pool import DuplicateWorker, Worker
 from globalkv.discovery.files import FileSource
-from globalkv.discovery.kubernetes import KubernetesDiscovery, open_source, parse_selector
+from globalkv.discovery.kube_source import open_source
+from globalkv.discovery.kubernetes import KubernetesDiscovery, parse_selector
 from globalkv.discovery.model import Changes, DiscoveredWorker, Source, follow
 
 log = logging.getLogger(__name__)

@@ -14,8 +14,9 @@ to there.) A pod whose annotation names a bootstrap port that is not a port is r
 rather than given none: routing a prefill with the wrong bootstrap port fails every
 request it serves, while a refused pod is logged and counted.
 
-The watching itself is in `globalkv.discovery.kube_watch`, imported by `open_source` only,
-so that everything here works without the `kubernetes` extra.
+The watching itself is in `globalkv.discovery.kube_watch`, which imports these rules and is
+imported only by `kube_source.open_source`, so that everything here works without the
+`kubernetes` extra.
 """
 
 from __future__ import annotations
@@ -27,14 +28,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from globalkv.discovery.model import DiscoveredWorker, Role
-from globalkv.extras import require
 from kvplumbing.backoff import Backoff
 
 if TYPE_CHECKING:
-    from lightkube import AsyncClient
     from lightkube.resources.core_v1 import Pod
-
-    from globalkv.discovery.kube_watch import KubernetesSource
 
 DEFAULT_PORT = 80
 DEFAULT_BOOTSTRAP_PORT_ANNOTATION = "sglang.ai/bootstrap-port"
@@ -73,7 +70,7 @@ def matches(selector: Mapping[str, str], labels: Mapping[str, str] | None) -> bo
 
 @dataclass(frozen=True, slots=True)
 class KubernetesDiscovery:
-    """What to watch and how; `open_source` turns it into a running source."""
+    """What to watch and how; `kube_source.open_source` turns it into a running source."""
 
     prefill_selector: Mapping[str, str]
     decode_selector: Mapping[str, str]
@@ -168,17 +165,3 @@ def _port(text: str) -> int | None:
         return None
     port = int(value)
     return port if 1 <= port <= 65535 else None
-
-
-def open_source(
-    settings: KubernetesDiscovery, *, client: AsyncClient | None = None
-) -> KubernetesSource:
-    """A source watching pods by `settings`, through `client` (default: the in-cluster
-    service account, else `KUBECONFIG`, else `~/.kube/config`). Use it as
-    `async with open_source(...) as source: async for snapshot in source.snapshots(): ...`.
-    Without the `kubernetes` extra this raises `MissingExtra`, whose one line says what to
-    install."""
-    require("Kubernetes service discovery", "kubernetes", "lightkube")
-    from globalkv.discovery.kube_watch import KubernetesSource
-
-    return KubernetesSource(settings, client=client)

@@ -14,8 +14,9 @@ import pytest
 from lightkube import AsyncClient, KubeConfig
 from lightkube.config.models import Cluster, User
 
+from globalkv.discovery.kube_source import open_source
 from globalkv.discovery.kube_watch import KubernetesSource
-from globalkv.discovery.kubernetes import KubernetesDiscovery, open_source
+from globalkv.discovery.kubernetes import KubernetesDiscovery
 from globalkv.discovery.model import Changes, DiscoveredWorker
 from kvplumbing.backoff import Backoff
 from tests.discovery.support import added_ids, applied_ids, consumer, removed_ids, until

@@ -8,10 +8,10 @@ from collections.abc import AsyncIterator
 import pytest
 from lightkube.resources.core_v1 import Pod
 
+from globalkv.discovery.kube_source import open_source
 from globalkv.discovery.kubernetes import (
     KubernetesDiscovery,
     PodRejected,
-    open_source,
     parse_selector,
     pod_worker,
 )

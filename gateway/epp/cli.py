@@ -171,7 +171,8 @@ class _NoInference:
 
 async def serve(config: GatewayConfig, epp: EppConfig, tokenizer: Tokenizer | None) -> None:
     from gateway.epp.picker import Picker
-    from gateway.epp.server import EppMetrics, StreamLimits, grpc_server
+    from gateway.epp.server import grpc_server
+    from gateway.epp.stream import EppMetrics, StreamLimits
 
     async with running_gateway(config, tokenizer) as (gateway, app):
         picker = Picker(

@@ -26,7 +26,8 @@ from grpc_health.v1 import health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from gateway.epp.picker import Picker
-from gateway.epp.server import EppMetrics, StreamLimits, grpc_server
+from gateway.epp.server import grpc_server
+from gateway.epp.stream import EppMetrics, StreamLimits
 from gateway.service import Gateway
 from tests.gateway.fakes import DECODES, PREFILLS
 from tests.support.net import free_port

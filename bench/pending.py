@@ -16,7 +16,7 @@ import random
 import statistics
 import time
 
-from gateway.policies.loads import LoadTracker
+from gateway.load.tracker import LoadTracker
 from globalkv.keys import request_chain
 
 LENGTHS = (1024, 8192, 32768, 131072)

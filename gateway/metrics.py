@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gateway.policies.loads import LoadTracker
+from gateway.load.tracker import LoadTracker
 from gateway.workers.pool import WorkerPool
 from kvplumbing.budget import BodyBudget
 

@@ -31,10 +31,10 @@ from gateway.legs.local import LocalLegs
 from gateway.legs.retry import RetrySchedule
 from gateway.legs.sglang import DualLegs
 from gateway.legs.vllm import SequentialLegs
+from gateway.load.pending import PendingPrefixes
+from gateway.load.tracker import LoadTracker
 from gateway.metrics import GatewayMetrics
 from gateway.policies import build_policy
-from gateway.policies.loads import LoadTracker
-from gateway.policies.pending import PendingPrefixes
 from gateway.routing.decider import PdDecider
 from gateway.routing.pd_chooser import PdChooser
 from gateway.routing.router import Router

@@ -35,7 +35,7 @@ class LookupResult:
     """Best first; sources with no hit are absent."""
     keys: Sequence[int] = field(default=(), compare=False, repr=False)
     """The prompt's block keys (hashed lazily): what the gateway records as sent
-    (`gateway.policies.pending`) and matches later prompts against."""
+    (`gateway.load.pending`) and matches later prompts against."""
 
 
 class PrefixLookup(Protocol):

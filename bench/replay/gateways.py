@@ -30,9 +30,9 @@ from bench.replay.record import RunRecord
 from bench.replay.sim import Simulation, _InFlight, _Kind, _Run
 from bench.replay.tokens import expand
 from bench.replay.trace import conversation
-from gateway.policies import Candidate, Policy, RouteRequest, build_policy
-from gateway.policies.loads import LoadTicket, LoadTracker
-from gateway.policies.pending import PendingEntry, PendingHit, PendingPrefixes
+from gateway.load.pending import PendingEntry, PendingHit, PendingPrefixes
+from gateway.load.tracker import Candidate, LoadTicket, LoadTracker
+from gateway.policies import Policy, RouteRequest, build_policy
 
 Sharing = Literal["none", "shared"]
 

@@ -34,10 +34,10 @@ from bench.replay.tokens import expand
 from bench.replay.trace import Trace, arrival_times, conversation
 from enginesim.kvcache import PagedKVCache
 from gateway.config import PdDeciderConfig, PolicyName
-from gateway.policies import Candidate, Choice, Policy, RouteRequest, build_policy
+from gateway.load.pending import PendingPrefixes
+from gateway.load.tracker import Candidate, LoadTicket, LoadTracker
+from gateway.policies import Choice, Policy, RouteRequest, build_policy
 from gateway.policies.held import held_prefixes
-from gateway.policies.loads import LoadTicket, LoadTracker
-from gateway.policies.pending import PendingPrefixes
 from gateway.routing.decider import PdDecider
 from globalkv.index.base import ApplyResult, SourceBatch
 from globalkv.index.memory import MemoryIndex

@@ -47,8 +47,8 @@ from gateway.flow.control import FlowControl, Grant
 from gateway.flow.queues import FlowRequest
 from gateway.http.answer import Answer
 from gateway.inference import INFERENCE_PATHS, TOKENIZE_INLINE_MAX
+from gateway.load.tracker import LoadTicket, LoadTracker
 from gateway.policies.base import Choice, NoCandidates, RouteRequest
-from gateway.policies.loads import LoadTicket, LoadTracker
 from gateway.requests import (
     BASE,
     BadRequest,

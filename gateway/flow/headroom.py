@@ -11,7 +11,7 @@ plus its prompt's transfer to the decode (`--pd-transfer-tokens-per-s`); `remain
 the load tracker's estimate of what that prefill still has to compute (every replica's,
 when they share it), `uncached` the prompt less the longest prefix the index (or this
 gateway's pending prompts) shows there, and `rate` the prefill's fitted tokens per second
-(`gateway.policies.progress`; the mean of the measured ones for one not yet measured).
+(`gateway.load.progress`; the mean of the measured ones for one not yet measured).
 The request's prefill is the one that gives its first token soonest. In a decode's
 sidecar too, although the picker named one: requests named for different prefills share
 the sidecar's queues, and one waiting for its busy prefill would hold back the others.

@@ -36,8 +36,8 @@ from gateway.legs.attempt import Failure
 from gateway.legs.deadline import Progress
 from gateway.legs.racing import Call, failed, race, settle
 from gateway.legs.retry import is_retryable_status
+from gateway.load.tracker import LoadTicket, LoadTracker
 from gateway.metrics import GatewayMetrics
-from gateway.policies.loads import LoadTicket, LoadTracker
 from gateway.routing.router import RoutePlan
 from gateway.tracing import CallTrace, current
 from gateway.workers.breaker import is_failure_status

@@ -5,7 +5,7 @@ from __future__ import annotations
 from random import Random
 
 from gateway.config import CacheAwareConfig, PolicyName, PrefixWeights
-from gateway.policies.base import Candidate, Choice, NoCandidates, Policy, RouteRequest
+from gateway.policies.base import Choice, NoCandidates, Policy, RouteRequest
 from gateway.policies.cache_aware import CacheAwarePolicy
 from gateway.policies.least_load import LeastLoadPolicy
 from gateway.policies.power_of_two import PowerOfTwoPolicy
@@ -15,7 +15,6 @@ from gateway.policies.round_robin import RoundRobinPolicy
 
 __all__ = [
     "CacheAwarePolicy",
-    "Candidate",
     "Choice",
     "LeastLoadPolicy",
     "NoCandidates",

@@ -26,7 +26,7 @@ simulator replaying traces against a real `MemoryIndex` in simulated time:
   the text (cache_aware's key when there are no tokens), the index's answer (None when
   there was no index, no tokens, or the index failed), `pending` (per worker, the leading
   blocks of the prompt this gateway sent it that the index may not show yet:
-  `gateway.policies.pending`) and `now` (simulated or monotonic seconds) for policies
+  `gateway.load.pending`) and `now` (simulated or monotonic seconds) for policies
   that age state.
 - `Choice` names the worker, the DP rank the prompt's best hit is on (for DP-aware rooms),
   the hit it counted on, and `fallback` when the policy could not use what it prefers.
@@ -34,7 +34,7 @@ simulator replaying traces against a real `MemoryIndex` in simulated time:
   makes every choice reproducible. State a policy keeps (round-robin position,
   cache_aware's tree) changes only inside `choose`.
 - Load changes only through `LoadTracker.start/prefill_done/finish`
-  (`gateway.policies.loads`), which the legs (or the simulator) call; policies read it
+  (`gateway.load.tracker`), which the legs (or the simulator) call; policies read it
   through the candidates.
 - A policy says what it needs: `uses_index` asks for the index's answer, so the router
   looks the prompt up only for a policy that reads it.
@@ -46,30 +46,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from gateway.policies.pending import PendingHit
+from gateway.load.pending import PendingHit
+from gateway.load.tracker import Candidate
 from globalkv.lookup import LookupResult
 
 # The value types below are built several times per request, so they are not frozen: a
 # frozen dataclass sets each field through object.__setattr__, several times slower
 # (docs/gateway-design.md). Treat them as read-only all the same.
-
-
-@dataclass(slots=True)
-class Candidate:
-    worker: str
-    """The worker's id (stable for its lifetime in the pool)."""
-    pod: str
-    """The pod id the index names this worker by (decodes: equal to the worker id)."""
-    in_flight: int = 0
-    """Requests sent to it and not finished."""
-    queued_prefill_tokens: int = 0
-    """Prompt tokens it was asked to prefill (beyond its cache) that it has not finished."""
-    remaining_prefill_tokens: int = 0
-    """The work it is estimated to have left of those, in tokens at its average rate: a
-    prompt after a long cached context counts for more than its tokens
-    (`gateway.policies.progress`)."""
-    cache_capacity_tokens: int | None = None
-    """Tokens its KV cache holds, as the engine reports them; None: not reported."""
 
 
 @dataclass(slots=True)

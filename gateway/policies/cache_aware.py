@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from gateway.config import CacheAwareConfig
-from gateway.policies.base import Candidate, Choice, Policy, RouteRequest
+from gateway.load.tracker import Candidate
+from gateway.policies.base import Choice, Policy, RouteRequest
 from gateway.policies.radix import RadixTree
 
 

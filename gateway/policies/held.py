@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gateway.policies.base import Candidate, RouteRequest
+from gateway.load.tracker import Candidate
+from gateway.policies.base import RouteRequest
 from globalkv.lookup import LookupResult, PodHit
 
 

@@ -5,7 +5,7 @@ Score of a candidate prefill worker `w` (lower is better), in token units:
     hit(w)      = the longest prefix of the prompt w holds, in tokens: the longer of what
                   the index shows on w's pod (the best of its DP ranks) and what this
                   gateway sent w that the index may not show yet (`RouteRequest.pending`,
-                  see `gateway.policies.pending`); 0 without either
+                  see `gateway.load.pending`); 0 without either
     uncached(w) = max(prompt_tokens - hit(w), 0)
     cost(w)     = uncached_weight * uncached(w)                 (--prefix-uncached-weight, 1.0)
                 + queued_weight   * remaining_prefill_tokens(w) (--prefix-queued-weight, 0.5)
@@ -14,7 +14,7 @@ Score of a candidate prefill worker `w` (lower is better), in token units:
 
 `remaining_prefill_tokens(w)` is the work w must do before it reaches this prompt: of the
 uncached tokens of the prompts this gateway sent w whose prefill has not answered, the part
-not yet computed by w's measured prefill rate (`gateway.policies.progress`; all of them
+not yet computed by w's measured prefill rate (`gateway.load.progress`; all of them
 until w has answered once). A pod holding 6,000 cached tokens of an 8,000-token prompt
 (uncached 2,000) but with 14,000 tokens left to compute costs 2,000 + 7,000 = 9,000 and
 loses to an idle pod holding 1,000 (cost 7,000). The lowest cost wins; equal costs go to
@@ -64,7 +64,8 @@ from dataclasses import replace
 from random import Random
 
 from gateway.config import PrefixWeights
-from gateway.policies.base import Candidate, Choice, Policy, RouteRequest
+from gateway.load.tracker import Candidate
+from gateway.policies.base import Choice, Policy, RouteRequest
 from gateway.policies.held import held_prefixes
 from gateway.policies.placement import PlacementLedger
 from gateway.policies.sessions import SessionTable, Turn

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gateway.policies.base import Candidate, Choice, RouteRequest
+from gateway.load.tracker import Candidate
+from gateway.policies.base import Choice, RouteRequest
 
 
 class RoundRobinPolicy:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from gateway.policies.pending import DEFAULT_MAX_KEYS, PendingEntry, PendingHit, PendingPrefixes
+from gateway.load.pending import DEFAULT_MAX_KEYS, PendingEntry, PendingHit, PendingPrefixes
 from gateway.replicas.shared_wire import Add, Done
 
 ORIGIN_MAX_KEYS = DEFAULT_MAX_KEYS // 4

@@ -41,8 +41,8 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from gateway.flow.control import FlowControl
-from gateway.policies.loads import LoadTracker
-from gateway.policies.pending import PendingHit
+from gateway.load.pending import PendingHit
+from gateway.load.tracker import LoadTracker
 from gateway.replicas import shared_flow
 from gateway.replicas.shared_pending import RemotePending
 from gateway.replicas.shared_wire import (

@@ -17,7 +17,7 @@ and prefills locally on the decode `d` of lowest cost when `cost(d) < remote`. `
 is the prompt less the longest prefix the worker holds (the index, which follows decode
 workers' KV events as it follows prefills', and what this gateway sent it that the index
 may not show yet); `remaining` the prefill work this gateway sent it that is estimated
-still to do, in tokens at its measured rate (`gateway.policies.progress`); `rate` that
+still to do, in tokens at its measured rate (`gateway.load.progress`); `rate` that
 measured rate, the same the prefix policy's queue estimate drains at; `running` its
 requests in flight. A decode that has not yet prefilled anything it was timed on is
 assumed as fast as the prefills' mean (one engine, one kind of accelerator); before any
@@ -43,7 +43,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from gateway.config import Kind, PdDeciderConfig
-from gateway.policies.base import Candidate, Choice, RouteRequest
+from gateway.load.tracker import Candidate
+from gateway.policies.base import Choice, RouteRequest
 from gateway.policies.held import held_prefixes
 
 Reason = Literal[

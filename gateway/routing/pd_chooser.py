@@ -18,7 +18,8 @@ from typing import get_args
 from prometheus_client import Counter
 
 from gateway.config import Kind
-from gateway.policies.base import Candidate, NoCandidates, RouteRequest
+from gateway.load.tracker import Candidate
+from gateway.policies.base import NoCandidates, RouteRequest
 from gateway.routing.decider import PdDecider, PdDecision, local_capable
 from gateway.routing.router import RoutePlan, Router
 

@@ -30,9 +30,9 @@ from random import Random
 from typing import Any
 
 from gateway.config import Kind, Role
+from gateway.load.tracker import Candidate, LoadTracker
 from gateway.metrics import GatewayMetrics
-from gateway.policies.base import Candidate, Choice, NoCandidates, Policy, RouteRequest
-from gateway.policies.loads import LoadTracker
+from gateway.policies.base import Choice, NoCandidates, Policy, RouteRequest
 from gateway.requests import BASE, PromptTokens, RequestNamespace, request_namespace
 from gateway.routing.rooms import draw_room
 from gateway.workers.pool import Worker, WorkerPool

@@ -37,8 +37,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from gateway.config import BreakerConfig, HealthConfig, Kind, KvEventsSpec, Role, WorkerSpec
-from gateway.policies.base import Candidate
-from gateway.policies.loads import LoadTracker
+from gateway.load.tracker import Candidate, LoadTracker
 from gateway.requests import ServedAdapter
 from gateway.workers.breaker import BreakerState, CircuitBreaker
 from gateway.workers.health import HealthTracker

@@ -11,8 +11,9 @@ from collections.abc import Callable
 import pytest
 
 from gateway.config import PdDeciderConfig
-from gateway.policies.base import Candidate, RouteRequest
-from gateway.policies.pending import PendingHit
+from gateway.load.pending import PendingHit
+from gateway.load.tracker import Candidate
+from gateway.policies.base import RouteRequest
 from gateway.routing.decider import PdDecider, local_capable
 from globalkv.lookup import LookupResult, PodHit
 

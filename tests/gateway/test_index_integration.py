@@ -9,8 +9,8 @@ import httpx
 import redis.asyncio as aioredis
 
 from gateway.cli import _index_parts
+from gateway.load.tracker import LoadTracker
 from gateway.policies import RouteRequest, build_policy
-from gateway.policies.loads import LoadTracker
 from globalkv.index.base import Source, SourceBatch, StoreBlocks, Tier
 from globalkv.index.memory import MemoryIndex
 from globalkv.keys import EngineHash, root_key

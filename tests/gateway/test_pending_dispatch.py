@@ -13,8 +13,8 @@ import pytest
 from gateway.config import PrefixWeights
 from gateway.inference import Inference
 from gateway.legs.dispatch import Answer
+from gateway.load.pending import PendingHit
 from gateway.policies.base import RouteRequest
-from gateway.policies.pending import PendingHit
 from gateway.requests import parse_request
 from globalkv.lookup import LookupResult
 from tests.gateway.fakes import (

@@ -11,7 +11,8 @@ from random import Random
 import pytest
 
 from gateway.config import PrefixWeights
-from gateway.policies import Candidate, RouteRequest, build_policy
+from gateway.load.tracker import Candidate
+from gateway.policies import RouteRequest, build_policy
 from gateway.policies.placement import PlacementLedger
 from gateway.policies.prefix import PrefixPolicy
 from globalkv.lookup import LookupResult, PodHit

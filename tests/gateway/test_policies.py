@@ -7,8 +7,8 @@ from random import Random
 import pytest
 
 from gateway.config import CacheAwareConfig, PrefixWeights
-from gateway.policies import Candidate, RouteRequest, build_policy
-from gateway.policies.loads import LoadTracker
+from gateway.load.tracker import Candidate, LoadTracker
+from gateway.policies import RouteRequest, build_policy
 from gateway.policies.radix import RadixTree
 from globalkv.lookup import LookupResult, PodHit
 

@@ -9,8 +9,8 @@ import pytest
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 
-from gateway.policies.loads import LoadTracker
-from gateway.policies.pending import PendingPrefixes
+from gateway.load.pending import PendingPrefixes
+from gateway.load.tracker import LoadTracker
 from gateway.replicas.shared_state import SharedState
 from globalkv import redis_client
 from kvplumbing.tasks import cancel_and_wait

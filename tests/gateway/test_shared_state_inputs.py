@@ -17,9 +17,9 @@ from prometheus_client import CollectorRegistry
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.legs.dispatch import Answer
+from gateway.load.pending import PendingPrefixes
+from gateway.load.tracker import LoadTracker
 from gateway.policies.base import RouteRequest
-from gateway.policies.loads import LoadTracker
-from gateway.policies.pending import PendingPrefixes
 from gateway.replicas.shared_state import SharedState, member_name
 from gateway.replicas.shared_wire import (
     MAX_KEYS_PER_ADD,

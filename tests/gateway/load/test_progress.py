@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.policies.loads import LoadTracker
-from gateway.policies.progress import CostFit, PrefillProgress
+from gateway.load.progress import CostFit, PrefillProgress
+from gateway.load.tracker import LoadTracker
 
 
 def _measured(tokens_per_s: float) -> PrefillProgress:

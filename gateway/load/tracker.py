@@ -15,10 +15,29 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from gateway.policies.base import Candidate
-from gateway.policies.pending import PendingEntry, PendingHit, PendingPrefixes
-from gateway.policies.progress import PrefillProgress
+from gateway.load.pending import PendingEntry, PendingHit, PendingPrefixes
+from gateway.load.progress import PrefillProgress
 from kvplumbing.clock import Clock
+
+
+# Built several times per request, so not frozen (see `gateway.policies.base`): treat it
+# as read-only all the same.
+@dataclass(slots=True)
+class Candidate:
+    worker: str
+    """The worker's id (stable for its lifetime in the pool)."""
+    pod: str
+    """The pod id the index names this worker by (decodes: equal to the worker id)."""
+    in_flight: int = 0
+    """Requests sent to it and not finished."""
+    queued_prefill_tokens: int = 0
+    """Prompt tokens it was asked to prefill (beyond its cache) that it has not finished."""
+    remaining_prefill_tokens: int = 0
+    """The work it is estimated to have left of those, in tokens at its average rate: a
+    prompt after a long cached context counts for more than its tokens
+    (`gateway.load.progress`)."""
+    cache_capacity_tokens: int | None = None
+    """Tokens its KV cache holds, as the engine reports them; None: not reported."""
 
 
 @dataclass(slots=True)

@@ -10,9 +10,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway.config import PrefixWeights
-from gateway.policies import Candidate, RouteRequest, build_policy
-from gateway.policies.loads import LoadTracker
-from gateway.policies.pending import PendingHit, PendingPrefixes
+from gateway.load.pending import PendingHit, PendingPrefixes
+from gateway.load.tracker import Candidate, LoadTracker
+from gateway.policies import RouteRequest, build_policy
 from globalkv.keys import request_keys
 from globalkv.lookup import LookupResult, PodHit
 

@@ -26,7 +26,6 @@ OVER_MAX_LINES = frozenset(
         "enginesim/app.py",
         "enginesim/runtime.py",
         "globalkv/stack/plan.py",
-        "globalkv/tokenize.py",
     }
 )
 """Modules over the limit until they are split by role; listed by path so that no other

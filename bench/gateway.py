@@ -5,8 +5,10 @@
     python -m bench.gateway --engine vllm [--smg-python PATH] …
 
 With `--engine vllm` the pairs are vLLM workers and the routers run in their vLLM PD modes
-(`bench.gateway_vllm`); smg's columns appear when `--smg-python` names an interpreter with
-`smg` installed.
+(`bench.gateway_vllm`). smg's columns appear, with either engine, when `--smg-python` names
+an interpreter with `smg` installed: on SGLang workers smg takes sglang-router's PD flags
+(`--pd-disaggregation --prefill URL BOOTSTRAP_PORT --decode URL`) with `--backend sglang`,
+so one run measures globalkv, sglang-router and smg side by side.
 
 Two prefill and two decode mocks (`bench.gateway_mocks`, answers prebuilt, one process)
 sit behind each router; the load generator (`bench.gateway_load`) calls the decode mock
@@ -252,14 +254,16 @@ def cluster(args: argparse.Namespace, logs: Path) -> Iterator[dict[str, Target]]
         }
         for label, path in args.variant:
             routers[label] = (ours, ours_flags, path)
-        if vllm and args.smg_python:
-            command = [args.smg_python, "-m", "smg.launch_router"]
-            extra = ["--prometheus-port", str(_free_port()), "--log-level", "warn"]
-            routers["smg"] = (command, extra, None)
         if args.sglang_router_python and not vllm:
             command = [args.sglang_router_python, "-m", "sglang_router.launch_router"]
             extra = ["--prometheus-port", str(_free_port()), "--log-level", "warn"]
             routers["sglang-router"] = (command, extra, None)
+        if args.smg_python:
+            command = [args.smg_python, "-m", "smg.launch_router"]
+            extra = ["--prometheus-port", str(_free_port()), "--log-level", "warn"]
+            if not vllm:  # smg's default, named so the mode is explicit (smg_argv: vllm)
+                extra += ["--backend", "sglang"]
+            routers["smg"] = (command, extra, None)
         for mode in args.granian:
             granian = [sys.executable, "-m", "bench.gateway_granian", mode]
             routers[f"granian-{mode}"] = (granian, ours_flags, None)
@@ -300,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="sglang",
         help="the workers' PD protocol (vllm: vLLM mocks, routers in vLLM PD mode)",
     )
-    parser.add_argument("--smg-python", help="interpreter with smg (with --engine vllm)")
+    parser.add_argument("--smg-python", help="interpreter with smg")
     parser.add_argument("--concurrency", default="1,16,64", help="comma-separated levels")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved repetitions")
     parser.add_argument("--duration", type=float, default=2.0, help="seconds per run")

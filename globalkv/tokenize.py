@@ -7,9 +7,9 @@ share this module:
 
 - `encode(text)` is the engine's plain-text path (`/generate` `text`, a string `prompt`):
   the post-processor runs, so a BOS is added when the model adds one. Which post-processor
-  depends on the engines' transformers (`TokenizerRules`): with 5.x (SGLang 0.5.x)
-  tokenizer.json's own; with 4.x, for Llama/Gemma-style classes, one rebuilt from
-  `add_bos_token`/`add_eos_token` in tokenizer_config.json.
+  depends on the engines' transformers (`tokenizer_config.TokenizerRules`): with 5.x
+  (SGLang 0.5.x) tokenizer.json's own; with 4.x, for Llama/Gemma-style classes, one rebuilt
+  from `add_bos_token`/`add_eos_token` in tokenizer_config.json.
 - `apply_chat_template(messages)` is the engine's chat path, done the way Hugging Face
   transformers does it: the template is rendered with jinja2 in a sandbox
   (`trim_blocks`, `lstrip_blocks`, `loopcontrols`, transformers' `tojson`,
@@ -19,7 +19,7 @@ share this module:
 - Special tokens written in text (`<|im_start|>`) become their single ids in both paths,
   as in the engines (tokenizers' added-token matching). Named special tokens of the
   config that tokenizer.json does not list as added tokens are added, as transformers
-  adds them.
+  adds them (`tokenizer_config`).
 
 `ByteTokenizer` is a self-contained stand-in for the emulated stack: one id per UTF-8
 byte, two special ids and a fixed chat format.
@@ -27,14 +27,12 @@ byte, two special ids and a fixed chat format.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import jinja2
-from tokenizers import AddedToken, processors
 from tokenizers import Tokenizer as _HFCoreTokenizer
 
 from globalkv.chat_template import (
@@ -42,6 +40,7 @@ from globalkv.chat_template import (
     select_template,
     template_takes_content_parts,
 )
+from globalkv.tokenizer_config import TokenizerRules, adopt_config, read_json
 
 __all__ = [
     "ByteTokenizer",
@@ -49,7 +48,6 @@ __all__ = [
     "NotTokenizable",
     "TokenizeError",
     "Tokenizer",
-    "TokenizerRules",
     "load_tokenizer",
 ]
 
@@ -166,124 +164,6 @@ class ByteTokenizer:
         return [self.BOS, *"".join(parts).encode("utf-8")]
 
 
-_SPECIAL_TOKEN_KEYS = (
-    "bos_token",
-    "eos_token",
-    "unk_token",
-    "sep_token",
-    "pad_token",
-    "cls_token",
-    "mask_token",
-)
-
-
-def _token_content(value: object) -> str | None:
-    """A special token from tokenizer_config.json: a string or an AddedToken dict."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
-        return str(value["content"])
-    return None
-
-
-def _added_token(value: object) -> AddedToken | None:
-    """A config special token as transformers registers it: special, flags kept."""
-    content = _token_content(value)
-    if content is None:
-        return None
-    if not isinstance(value, Mapping):
-        return AddedToken(content, special=True, normalized=False)
-    flags = {
-        key: bool(value[key])
-        for key in ("single_word", "lstrip", "rstrip", "normalized")
-        if key in value
-    }
-    return AddedToken(content, special=True, **flags)
-
-
-def _add_missing_special_tokens(core: _HFCoreTokenizer, config: Mapping[str, Any]) -> None:
-    """Named and extra special tokens the config has and tokenizer.json does not add.
-
-    transformers adds each as a special token (a new id when it is not in the vocabulary),
-    so written in a prompt it is one id; without this it would be split into pieces here.
-    """
-    extras = config.get("additional_special_tokens") or config.get("extra_special_tokens")
-    if isinstance(extras, Mapping):
-        extras = list(extras.values())
-    values = [config.get(key) for key in _SPECIAL_TOKEN_KEYS]
-    values += extras if isinstance(extras, list) else []
-    added = {token.content for token in core.get_added_tokens_decoder().values()}
-    missing: list[AddedToken] = []
-    for value in values:
-        token = _added_token(value)
-        if token is not None and token.content not in added:
-            added.add(token.content)
-            missing.append(token)
-    if missing:
-        core.add_special_tokens(missing)
-
-
-TokenizerRules = Literal["transformers5", "transformers4"]
-"""Whose rules place BOS/EOS in `encode`: the transformers major version of the engines.
-
-transformers 5 (SGLang 0.5.10–0.5.23 pin 5.3–5.19) drops `add_bos_token`/`add_eos_token`
-from tokenizer_config.json whenever a tokenizer.json exists: tokenizer.json's own
-post-processor decides. transformers 4 (engines on 4.x) rebuilds the post-processor from
-those flags for the Llama/Gemma-style classes below, a missing flag taking the class
-default; every other class keeps tokenizer.json's.
-"""
-
-_TRANSFORMERS4_FLAG_DEFAULTS = {
-    "LlamaTokenizer": (True, False),
-    "LlamaTokenizerFast": (True, False),
-    "CodeLlamaTokenizer": (True, False),
-    "CodeLlamaTokenizerFast": (True, False),
-    "GemmaTokenizer": (True, False),
-    "GemmaTokenizerFast": (True, False),
-    "CohereTokenizerFast": (True, False),
-    "GPTNeoXTokenizerFast": (False, False),
-}
-"""tokenizer_class → (add_bos_token, add_eos_token) defaults, for the classes whose
-transformers 4 fast tokenizer calls `update_post_processor` on load."""
-
-
-def _flagged(
-    core: _HFCoreTokenizer, special: Mapping[str, str], key: str, on: bool
-) -> tuple[str, int] | None:
-    if not on:
-        return None
-    token = special.get(key)
-    if token is None:
-        raise ValueError(f"add_{key} is set but tokenizer_config.json names no {key}")
-    token_id = core.token_to_id(token)
-    assert token_id is not None, "named special tokens were added to the vocabulary"
-    return token, token_id
-
-
-def _apply_bos_eos_flags(
-    core: _HFCoreTokenizer,
-    config: Mapping[str, Any],
-    special: Mapping[str, str],
-    rules: TokenizerRules,
-) -> None:
-    """transformers 4's `update_post_processor`: `[BOS] $A [EOS]` as the flags say."""
-    defaults = _TRANSFORMERS4_FLAG_DEFAULTS.get(str(config.get("tokenizer_class")))
-    if rules != "transformers4" or defaults is None:
-        return
-    bos = _flagged(core, special, "bos_token", bool(config.get("add_bos_token", defaults[0])))
-    eos = _flagged(core, special, "eos_token", bool(config.get("add_eos_token", defaults[1])))
-
-    def sequence(name: str, type_id: int) -> str:
-        ends = [f"{bos[0]}:{type_id}"] if bos else []
-        return " ".join([*ends, f"${name}:{type_id}", *([f"{eos[0]}:{type_id}"] if eos else [])])
-
-    core.post_processor = processors.TemplateProcessing(
-        single=sequence("A", 0),
-        pair=f"{sequence('A', 0)} {sequence('B', 1)}",
-        special_tokens=list(dict(t for t in (bos, eos) if t).items()),
-    )
-
-
 class HFTokenizer:
     """A Hugging Face `tokenizer.json` with the model's chat template."""
 
@@ -309,7 +189,8 @@ class HFTokenizer:
     def from_path(cls, path: str | Path, *, rules: TokenizerRules = "transformers5") -> HFTokenizer:
         """A model directory (tokenizer.json + tokenizer_config.json) or a tokenizer.json.
 
-        `rules`: the transformers major version of the engines (see `TokenizerRules`).
+        `rules`: the transformers major version of the engines
+        (see `tokenizer_config.TokenizerRules`).
         """
         target = Path(path)
         directory = target if target.is_dir() else target.parent
@@ -320,21 +201,15 @@ class HFTokenizer:
             core = _HFCoreTokenizer.from_file(str(tokenizer_file))
         except Exception as exc:  # the Rust loader raises a bare Exception on bad files
             raise ValueError(f"{tokenizer_file} is not a valid tokenizer.json: {exc}") from exc
-        config = _read_json(directory / "tokenizer_config.json")
-        special = {
-            key: content
-            for key in _SPECIAL_TOKEN_KEYS
-            if (content := _token_content(config.get(key))) is not None
-        }
-        _add_missing_special_tokens(core, config)
-        _apply_bos_eos_flags(core, config, special, rules)
+        config = read_json(directory / "tokenizer_config.json")
+        special = adopt_config(core, config, rules)
         template = select_template(config.get("chat_template"), directory / "tokenizer_config.json")
         jinja_file = directory / "chat_template.jinja"
         if template is None and jinja_file.is_file():
             template = jinja_file.read_text()
         if template is None:
             template = select_template(
-                _read_json(directory / "chat_template.json").get("chat_template"),
+                read_json(directory / "chat_template.json").get("chat_template"),
                 directory / "chat_template.json",
             )
         return cls(
@@ -376,18 +251,6 @@ class HFTokenizer:
     ) -> list[int]:
         text = self.render_chat(messages, add_generation_prompt=add_generation_prompt)
         return list(self._core.encode(text, add_special_tokens=False).ids)
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{path} is not readable JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a JSON object")
-    return data
 
 
 def load_tokenizer(path: str | None, *, rules: TokenizerRules = "transformers5") -> Tokenizer:

@@ -23,7 +23,7 @@ from globalkv.cli import parse
 from globalkv.commands.indexer import config_from_args as indexer_config
 from globalkv.indexer import IndexerConfig
 from globalkv.ingest.config import IngestConfig
-from globalkv.stack.plan import StackConfig
+from globalkv.stack.config import StackConfig
 from globalkv.stack.up import config_from_args as up_config
 
 _NESTED = "its own flags"

@@ -36,8 +36,9 @@ from globalkv.index.base import (
     SourceStats,
     Tier,
 )
+from globalkv.index.batch_changes import BatchChanges
 from globalkv.index.scoring import TierWeights, make_hit, ranked, source_order
-from globalkv.index.state import BatchChanges, SourceState
+from globalkv.index.state import SourceState
 from globalkv.keys import BlockKey, KeyChain
 
 _GPU_ONLY = int(Tier.GPU)

@@ -13,12 +13,13 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from globalkv.index.base import Source, SourceStats, Tier
+from globalkv.index.batch_changes import BatchChanges
 from globalkv.index.redis_keys import (
     RedisKeys,
     source_name,
 )
 from globalkv.index.redis_scripts import fingerprints, log_delete, log_put
-from globalkv.index.state import BatchChanges, SourceState
+from globalkv.index.state import SourceState
 
 _LOG_ENTRY = 4096
 """Records per log entry (a snapshot of a large source is several entries)."""

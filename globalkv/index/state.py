@@ -20,13 +20,12 @@ it, the tier mask of every key the source holds:
 Every map is int -> int, and an engine block is one int (`packing.py` says why).
 
 A batch is atomic: `apply` records enough to `rollback` an exception half-way, and
-reports what changed (`BatchChanges`) for the backend to store.
+reports what changed (`batch_changes.BatchChanges`) for the backend to store.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import TypeVar
+from collections.abc import Iterable, Iterator, Sequence
 
 from globalkv.index.base import (
     ApplyResult,
@@ -35,6 +34,7 @@ from globalkv.index.base import (
     RemoveBlocks,
     StoreBlocks,
 )
+from globalkv.index.batch_changes import BatchChanges
 from globalkv.index.packing import (
     DEPTH_AT,
     DEPTH_BITS,
@@ -51,57 +51,6 @@ from globalkv.index.packing import (
     unpack_block,
 )
 from globalkv.keys import BlockKey, EngineHash, chain_keys, token_bytes
-
-_T = TypeVar("_T")
-
-
-class BatchChanges:
-    """What a batch changed, for the backend to store; also the batch's undo record.
-
-    The `*_before` maps and `blocks` hold the first value each entry had since the batch
-    began or, after a clear, since the clear; a clear keeps the maps it replaced, with
-    their undo, in `_before`.
-    """
-
-    __slots__ = (
-        "_before",
-        "_counts_before",
-        "blocks",
-        "cleared",
-        "extra_before",
-        "keys",
-        "masks_before",
-        "stale",
-    )
-
-    def __init__(self, counts: dict[int, int]) -> None:
-        self.cleared = False
-        """The source was cleared first; `keys` and `blocks` are relative to empty."""
-        self.keys: dict[BlockKey, int] = {}
-        """Keys whose mask may differ (since the last clear), with their `place` (chain
-        root and position): where Redis stores them."""
-        self.masks_before: dict[BlockKey, int] = {}
-        self.blocks: dict[EngineHash, int | None] = {}
-        """Engine blocks added, changed or dropped (since the last clear), packed as before."""
-        self.extra_before: dict[int, int] = {}
-        self.stale: set[BlockKey] = set()
-        """Keys held or touched before a clear of this batch (to un-index in memory)."""
-        self._counts_before = dict(counts)
-        self._before: (
-            tuple[
-                dict[EngineHash, int],
-                dict[BlockKey, int],
-                dict[int, int],
-                dict[EngineHash, int | None],
-                dict[BlockKey, int],
-                dict[int, int],
-            ]
-            | None
-        ) = None
-
-    def stored_mask(self, key: BlockKey) -> int:
-        """A changed key's mask before the batch, as the backend still stores it."""
-        return 0 if self.cleared else self.masks_before[key]
 
 
 class SourceState:
@@ -177,14 +126,8 @@ class SourceState:
 
     def rollback(self, changes: BatchChanges) -> None:
         """Undo a batch that could not be stored."""
-        if changes._before is None:
-            blocks, masks, extra = changes.blocks, changes.masks_before, changes.extra_before
-        else:
-            self.blocks, self.masks, self.extra, blocks, masks, extra = changes._before
-        _restore(self.blocks, blocks)
-        _restore(self.masks, masks)
-        _restore(self.extra, extra)
-        self.counts = changes._counts_before
+        self.blocks, self.masks, self.extra = changes.undo(self.blocks, self.masks, self.extra)
+        self.counts = changes.counts_before
 
     def clear(self) -> None:
         """Forget every block (a reset); the caller hides and drops the stored copy."""
@@ -345,23 +288,8 @@ class SourceState:
         self.counts[bit] -= released
 
     def _clear(self, changes: BatchChanges) -> None:
-        changes.stale.update(self.masks)
-        changes.stale.update(changes.keys)
-        if changes._before is None:
-            changes._before = (
-                self.blocks,
-                self.masks,
-                self.extra,
-                changes.blocks,
-                changes.masks_before,
-                changes.extra_before,
-            )
+        changes.clearing(self.blocks, self.masks, self.extra)
         self.clear()
-        changes.cleared = True
-        changes.keys = {}
-        changes.blocks = {}
-        changes.masks_before = {}
-        changes.extra_before = {}
 
     # ---------------------------------------------------------------- mutations
 
@@ -409,11 +337,3 @@ class SourceState:
             self.extra[ref] = count + step
         else:
             del self.extra[ref]
-
-
-def _restore(table: dict[_T, int], before: Mapping[_T, int | None]) -> None:
-    for entry, value in before.items():
-        if value:
-            table[entry] = value
-        else:
-            table.pop(entry, None)

@@ -6,6 +6,7 @@
 from a SUB connected to each engine, `bound` from one bound SUB (with `discovery` for pods
 that appear there); every batch crosses `border` once, into `Received`; `sequencer` decides
 what a seq means (next, gap, first sight, engine restart), `replay` fetches missing
-batches, `recovery` rebuilds what the index lost, and `podsync` follows the pod registry
+batches, `writes` carries a worker's writes through the index's failures, `recovery`
+rebuilds what the index lost, and `podsync` follows the pod registry
 others write to. `leases` and `ownership` share the pods among indexer replicas.
 """

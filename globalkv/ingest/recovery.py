@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 
 class Recovery:
-    """The sources being rebuilt; each worker's `Resyncs`."""
+    """The sources being rebuilt; each worker's `writes.Resyncs`."""
 
     def __init__(
         self,

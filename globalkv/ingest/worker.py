@@ -9,14 +9,8 @@ and asks the engine's replay buffer for what it missed: a gap, a join (the first
 seen is not seq 0), or at once when it starts following a source (`catch_up`: what the
 engine published before anyone listened, which an idle engine would never reveal).
 
-Index failures: `IndexUnavailable` holds the batch and retries with capped exponential
-backoff, the bounded queue behind it filling meanwhile; `IndexDataLost` tells `recovery`,
-which asks the worker of every source lost (all of them, unless the index names some) to
-rebuild it (replay from seq 0 where the engine's buffer still starts there, otherwise
-reset and apply what the buffer has); a worker whose own source was not lost applies its
-batch again. `IndexFenced`
-(another indexer holds the pod's lease now) drops the write, counts it and tells
-`following`, which stops following the pod: retrying could only be refused again.
+What a write does when the index fails (held while it is down, the source rebuilt when
+the index lost it, dropped when another indexer holds the lease) is decided in `writes`.
 """
 
 from __future__ import annotations
@@ -24,55 +18,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from functools import partial
-from typing import Protocol, TypeVar
+from collections.abc import Callable, Sequence
 
-from globalkv.index.base import (
-    ApplyResult,
-    Index,
-    IndexDataLost,
-    IndexEvent,
-    IndexFenced,
-    IndexUnavailable,
-    Source,
-    SourceBatch,
-)
+from globalkv.index.base import ApplyResult, Index, IndexEvent, Source, SourceBatch
 from globalkv.ingest.border import Received
 from globalkv.ingest.inbox import SourceInbox
 from globalkv.ingest.replay import ReplayClient, ReplayResult
 from globalkv.ingest.sequencer import Step, classify, contiguous_tail
+from globalkv.ingest.writes import INDEX_BACKOFF, Resyncs, SourceWrites
 from globalkv.metrics import IngestMetrics
 from globalkv.wire import WireError
 from kvplumbing.backoff import Backoff
 from kvplumbing.clock import WallClock
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
-
-
-INDEX_BACKOFF = Backoff(base=0.05, cap=2.0)
-"""Waits while the index is unreachable: 50 ms doubling to 2 s (`IngestConfig.retry_*`)."""
-
-
-class Resyncs(Protocol):
-    """Who rebuilds what the index lost (`recovery.Recovery`)."""
-
-    def data_lost(self, source: Source, lost: frozenset[Source] | None) -> None:
-        """The index lost the data of `lost` (None: of every source): rebuild them."""
-        ...
-
-    def resynced(self, source: Source) -> None: ...
-
-    def holding(self, source: Source, reason: str) -> None:
-        """The index refused `source`'s write for now: it is held and retried."""
-        ...
-
-    def released(self, source: Source) -> None:
-        """The index took `source`'s write after refusing it."""
-        ...
-
 
 _EVERY_SEQ = 1 << 64
 """Past any seq (an unsigned 64-bit counter): a catch-up asks for all the buffer holds."""
@@ -101,12 +60,17 @@ class SourceWorker(SourceInbox):
         super().__init__(source, metrics, queue_size, max_queued_events, expected)
         self.model = model
         self.replay_endpoint = replay_endpoint
-        self.index = index
         self.replayer = replayer
         self.resyncs = resyncs
-        self.fenced = fenced
-        """Called when a write was refused: another indexer holds the pod's lease."""
-        self.backoff = backoff or INDEX_BACKOFF
+        self._writes = SourceWrites(
+            source,
+            index,
+            resyncs=resyncs,
+            metrics=metrics,
+            fenced=fenced,
+            backoff=backoff or INDEX_BACKOFF,
+            held=self._changed,  # waiters may wait for the hold
+        )
         self.max_group = max_group
         self.expected = expected
         """Next seq to apply; None until the source has state (from the index or live)."""
@@ -304,12 +268,7 @@ class SourceWorker(SourceInbox):
     async def _reset(self, reason: str) -> None:
         self.metrics.resets.labels(self.source.pod, reason).inc()
         self.state.resets += 1
-        try:
-            await self._while_index_unavailable(partial(self.index.reset_source, self.source))
-        except IndexDataLost:  # nothing of the source is left to hide
-            pass
-        except IndexFenced:
-            self._refused()
+        await self._writes.reset()
 
     # ---------------------------------------------------------------- applying
 
@@ -348,45 +307,11 @@ class SourceWorker(SourceInbox):
             self._m_removed.inc(result.removed)
 
     async def _apply(self, batch: SourceBatch, first_seq: int) -> ApplyResult:
-        """Apply, holding the batch while the index is down; `first_seq` is the first
-        publisher batch it holds (a group), where a resync must stop."""
-        while True:
-            try:
-                return await self._while_index_unavailable(partial(self.index.apply, batch))
-            except IndexFenced:
-                self._refused()
-                return ApplyResult()
-            except IndexDataLost as exc:
-                self.metrics.data_lost.inc()
-                self.resyncs.data_lost(self.source, exc.sources)
-                if exc.sources is not None and self.source not in exc.sources:
-                    log.warning("%s: the index lost other sources' data: %s", self.source, exc)
-                    continue  # this batch was not applied: again, as it was
-                log.warning("%s: the index lost its data; resyncing", self.source)
-                await self._resync(first_seq)
-
-    async def _while_index_unavailable(self, call: Callable[[], Awaitable[T]]) -> T:
-        """`call()`'s result, tried again after `self.backoff` while the index is down;
-        `IndexDataLost` (an `IndexUnavailable` that retrying cannot mend) goes to the caller."""
-        attempt = 0
-        while True:
-            try:
-                done = await call()
-            except IndexDataLost:
-                raise
-            except IndexUnavailable as exc:
-                delay = self.backoff.delay(attempt)
-                attempt += 1
-                self.resyncs.holding(self.source, str(exc))
-                self._changed()  # waiters may wait for the hold
-                self.metrics.index_unavailable.inc()
-                log.warning(
-                    "%s: index unavailable (%s); retrying in %.2fs", self.source, exc, delay
-                )
-                await asyncio.sleep(delay)
-            else:
-                self.resyncs.released(self.source)  # also after a data loss ended a hold
-                return done
+        """Apply, held while the index is down; `first_seq` is the first publisher batch
+        it holds (a group), where a resync must stop when the index lost the source."""
+        while (result := await self._writes.apply(batch)) is None:
+            await self._resync(first_seq)
+        return result
 
     def _advance(self, seq: int, ts: float | None, batches: int) -> None:
         self.expected = seq + 1
@@ -398,7 +323,3 @@ class SourceWorker(SourceInbox):
         if ts is not None:
             state.last_event_ts = ts
         self._changed()
-
-    def _refused(self) -> None:
-        self.metrics.fenced.labels(self.source.pod).inc()
-        self.fenced(self.source)

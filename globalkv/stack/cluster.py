@@ -35,11 +35,11 @@ from types import TracebackType
 import httpx
 
 from globalkv.stack.children import Child, stop_all
+from globalkv.stack.config import StackConfig
 from globalkv.stack.plan import (
     Component,
     Plan,
     Role,
-    StackConfig,
     check_plan,
     plan_stack,
     ports_needed,

@@ -16,8 +16,8 @@ from redis.exceptions import RedisError
 
 from globalkv import redis_client
 from globalkv.extras import MissingExtra, require
+from globalkv.stack.config import StackConfig
 from globalkv.stack.envoy import find_envoy
-from globalkv.stack.plan import StackConfig
 
 REDIS_TIMEOUT = 3.0
 """Seconds a given Redis has to answer PING: a local one answers in milliseconds."""

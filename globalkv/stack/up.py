@@ -30,7 +30,8 @@ from types import FrameType
 from typing import Any, TextIO
 
 from globalkv.stack.cluster import ClusterError, LocalCluster
-from globalkv.stack.plan import StackConfig, check_plan, plan_stack, ports_needed
+from globalkv.stack.config import StackConfig
+from globalkv.stack.plan import check_plan, plan_stack, ports_needed
 from globalkv.stack.preflight import PreflightError, preflight
 from globalkv.stack.redis_cluster import ClusterStartError, LocalRedisCluster
 from globalkv.stack.render import curl_lines, table

@@ -9,7 +9,8 @@ import httpx
 import pytest
 
 from globalkv.stack.cluster import LocalCluster
-from globalkv.stack.plan import StackConfig, check_plan, plan_stack, ports_needed
+from globalkv.stack.config import StackConfig
+from globalkv.stack.plan import check_plan, plan_stack, ports_needed
 
 
 def _config(**fields: object) -> StackConfig:

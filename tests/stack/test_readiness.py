@@ -10,7 +10,8 @@ from typing import Any
 import httpx
 import pytest
 
-from globalkv.stack.plan import Plan, StackConfig, plan_stack
+from globalkv.stack.config import StackConfig
+from globalkv.stack.plan import Plan, plan_stack
 from globalkv.stack.readiness import Readiness
 
 

@@ -12,7 +12,8 @@ import pytest
 
 from globalkv.cli import main, parse
 from globalkv.stack.cluster import ComponentStatus
-from globalkv.stack.plan import StackConfig, plan_stack
+from globalkv.stack.config import StackConfig
+from globalkv.stack.plan import plan_stack
 from globalkv.stack.render import DEMO_PROMPT, curl_lines, table
 from globalkv.stack.up import config_from_args
 from tests.support.net import free_port

@@ -10,7 +10,6 @@ bootstrap port and, for a prefill, the `kv_events` block to subscribe to.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -48,6 +47,7 @@ from enginesim.responses import (
     error_body,
     sse,
 )
+from enginesim.running import complete, progress, start_all
 from enginesim.textgen import ReplyWriter
 from globalkv.tokenize import NotTokenizable, TokenizeError, Tokenizer
 from kvplumbing.asgi import CLIENT_GONE_STATUS, BodyLimit, ClientGone, unless_client_leaves
@@ -57,60 +57,6 @@ from kvplumbing.validation import describe_errors
 log = logging.getLogger(__name__)
 
 _GENERATING = ("/generate", "/v1/completions", "/v1/chat/completions")
-
-
-async def start_all(engine: Engine, prompts: Sequence[Prompt]) -> list[Element]:
-    """Run every prompt to its first token; the first failure cancels the others."""
-    started = time.monotonic()
-    tasks = [asyncio.create_task(engine.generate(p)) for p in prompts]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        for task in tasks:
-            error = task.exception() if task.done() and not task.cancelled() else None
-            if error is not None:
-                raise error
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-    return [
-        Element(index=i, prompt=p, generation=t.result(), started=started)
-        for i, (p, t) in enumerate(zip(prompts, tasks, strict=True))
-    ]
-
-
-async def _pump(element: Element, queue: asyncio.Queue[tuple[Element, bool]]) -> None:
-    try:
-        async for token in element.generation.tokens:
-            element.output_ids.append(token)
-            queue.put_nowait((element, False))
-    finally:
-        queue.put_nowait((element, True))
-
-
-async def _complete(elements: Sequence[Element]) -> None:
-    async for _ in progress(elements):
-        continue
-
-
-async def progress(elements: Sequence[Element]) -> AsyncIterator[Element]:
-    """Each element every time it gains tokens, and once more (finished) at its end."""
-    queue: asyncio.Queue[tuple[Element, bool]] = asyncio.Queue()
-    pumps = [asyncio.create_task(_pump(e, queue)) for e in elements]
-    try:
-        remaining = len(elements)
-        while remaining:
-            element, final = await queue.get()
-            if final:
-                element.finished = True
-                remaining -= 1
-            yield element
-    finally:
-        for pump in pumps:
-            pump.cancel()
-        for outcome in await asyncio.gather(*pumps, return_exceptions=True):
-            if isinstance(outcome, Exception):
-                log.error("token stream failed: %r", outcome)
 
 
 def _model_info(model: str, tokenizer: Tokenizer) -> dict[str, Any]:
@@ -276,7 +222,7 @@ class _EngineRoutes:
                     headers=headers,
                     background=BackgroundTask(self._stream_ended, len(prompts)),
                 )
-            await unless_client_leaves(request.receive, _complete(elements))
+            await unless_client_leaves(request.receive, complete(elements))
         except EngineError as exc:
             log.warning("%s failed at stage %s: %s", endpoint, exc.stage, exc.message)
             return self.fail(exc.status, exc.message, exc.stage, endpoint)

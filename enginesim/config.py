@@ -201,7 +201,7 @@ def _check_endpoint(name: str, endpoint: str, dp: int) -> None:
     if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
         raise ValueError(f"{name} {endpoint!r} must be tcp://, ipc:// or inproc://")
     if _any_free_port(endpoint):
-        return  # each rank follows the port rank 0 was given (`runtime._rank_endpoint`)
+        return  # each rank follows the port rank 0 was given (`rank_publishers`)
     try:
         offset_endpoint(endpoint, dp - 1)
     except ValueError as exc:

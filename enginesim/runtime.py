@@ -1,10 +1,9 @@
 """Assembling and running one engine process: sockets first, then the engine, then HTTP.
 
 Every listening socket is bound before anything is advertised, so port 0 works for all of
-them (HTTP, bootstrap directory, KV-event PUB and replay, transfer ranks) and the startup
-log line and `/server_info` give the real ports. With DP > 1 and a KV-event port of 0,
-rank 0 takes a free port and rank r takes that port + r, keeping SGLang's `port + dp_rank`
-rule that subscribers rely on.
+them (HTTP, bootstrap directory, KV-event PUB and replay, transfer ranks: one publisher
+per DP rank, `rank_publishers`) and the startup log line and `/server_info` give the real
+ports.
 """
 
 from __future__ import annotations
@@ -38,12 +37,12 @@ from enginesim.kvcache import PagedKVCache
 from enginesim.latency import DecodeStalls, PrefillModel, PrefillScheduler
 from enginesim.metrics import EngineMetrics
 from enginesim.prefill import DPRank, PrefillEngine
-from enginesim.publisher import KVEventPublisher, PublisherSettings
+from enginesim.publisher import KVEventPublisher
+from enginesim.rank_publishers import start_rank_publishers
 from enginesim.textgen import ReplyWriter
 from enginesim.transfer import DecodeTransfer, PrefillTransfer
 from globalkv.tokenize import load_tokenizer
 from kvplumbing.auth import ProtectionFlags
-from kvplumbing.endpoints import endpoint_port, offset_endpoint
 from kvplumbing.topics import kv_topic
 
 log = logging.getLogger(__name__)
@@ -81,21 +80,6 @@ async def peer_address(host: str) -> str:
     return str(infos[0][4][0])
 
 
-def _rank_endpoint(base: str, rank: int, first_bound: str | None) -> str:
-    """Rank r's endpoint; a port-0 base follows the port rank 0 actually got."""
-    if rank and first_bound is not None and base.startswith("tcp://") and endpoint_port(base) == 0:
-        host = base.split("://", 1)[1].rsplit(":", 1)[0]
-        return f"tcp://{host}:{endpoint_port(first_bound) + rank}"
-    return offset_endpoint(base, rank)
-
-
-def _has_free_port(*endpoints: str | None) -> bool:
-    return any(
-        e is not None and e.startswith("tcp://") and endpoint_port(e) == 0 for e in endpoints
-    )
-
-
-_PORT_TRIES = 20
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -245,6 +229,22 @@ class EngineProcess:
         )
         return topic
 
+    async def _start_publishers(
+        self, context: zmq.asyncio.Context, topic: str
+    ) -> list[KVEventPublisher]:
+        """One publisher per DP rank, stopped when the process closes."""
+        publishers = await start_rank_publishers(
+            self.config.kv_events,
+            self.config.dp,
+            topic,
+            context,
+            self.metrics,
+            drop=self.faults.drop_event_batch,
+        )
+        for publisher in publishers:
+            self._stack.push_async_callback(publisher.stop)
+        return publishers
+
     def _prefill_model(self) -> PrefillModel:
         latency = self.config.latency
         return PrefillModel(
@@ -252,53 +252,6 @@ class EngineProcess:
             per_request_overhead_s=latency.prefill_overhead_ms / 1000,
             max_batch_tokens=latency.max_batch_tokens,
         )
-
-    async def _start_publishers(
-        self, context: zmq.asyncio.Context, topic: str
-    ) -> list[KVEventPublisher]:
-        """One publisher per DP rank on port + rank; with port 0, retried until rank 0's
-        free port is followed by free ones for the other ranks."""
-        events = self.config.kv_events
-        if events.endpoint is None:
-            return []
-        for _ in range(_PORT_TRIES):
-            started: list[KVEventPublisher] = []
-            pub_base: str | None = None
-            replay_base: str | None = None
-            try:
-                for index in range(self.config.dp):
-                    replay = events.replay_endpoint
-                    publisher = KVEventPublisher(
-                        PublisherSettings(
-                            endpoint=_rank_endpoint(events.endpoint, index, pub_base),
-                            replay_endpoint=None
-                            if replay is None
-                            else _rank_endpoint(replay, index, replay_base),
-                            topic=topic,
-                            flavor=events.format,
-                            dp_rank=index,
-                            buffer_steps=events.buffer_steps,
-                            hwm=events.hwm,
-                        ),
-                        context,
-                        self.metrics,
-                        drop=self.faults.drop_event_batch,
-                    )
-                    started.append(publisher)
-                    await publisher.start()
-                    if index == 0:
-                        pub_base = publisher.bound_endpoint
-                        replay_base = publisher.bound_replay_endpoint
-            except zmq.ZMQError as exc:
-                for publisher in started:
-                    await publisher.stop()
-                if not _has_free_port(events.endpoint, events.replay_endpoint):
-                    raise OSError(f"cannot bind KV-event sockets: {exc}") from None
-                continue
-            for publisher in started:
-                self._stack.push_async_callback(publisher.stop)
-            return started
-        raise OSError(f"no {self.config.dp} consecutive free ports for KV events")
 
     async def _decode(
         self, context: zmq.asyncio.Context, client: httpx.AsyncClient, advertise: str, pod: str

@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 from random import Random
 from typing import Literal
 
+from bench.replay.events import EventKind, InFlight
 from bench.replay.record import RunRecord
-from bench.replay.sim import Simulation, _InFlight, _Kind, _Run
+from bench.replay.sim import Run, Simulation
 from bench.replay.tokens import expand
 from bench.replay.trace import conversation
 from gateway.load.pending import PendingEntry, PendingHit, PendingPrefixes
@@ -63,8 +64,8 @@ class _Replica:
     published_at: float = -1.0
 
 
-class _SharedRun(_Run):
-    """`_Run` with the routing of each request done by one of several replicas."""
+class _SharedRun(Run):
+    """`Run` with the routing of each request done by one of several replicas."""
 
     def __init__(self, sim: GatewaysSimulation, started_wall: float) -> None:
         super().__init__(sim, started_wall)
@@ -85,13 +86,13 @@ class _SharedRun(_Run):
         self.log: list[_Change] = []
         self.routed_by: dict[int, tuple[_Replica, LoadTicket]] = {}
 
-    async def handle(self, now: float, kind: _Kind, payload: object) -> None:
-        if kind is _Kind.ANSWERED:
+    async def handle(self, now: float, kind: EventKind, payload: object) -> None:
+        if kind is EventKind.ANSWERED:
             assert isinstance(payload, int)
             replica, ticket = self.routed_by[payload]
             self._settled(replica, ticket, now)
             replica.loads.finish(self.flights[payload].prefill)
-        elif kind is _Kind.DECODED:
+        elif kind is EventKind.DECODED:
             assert isinstance(payload, int)
             replica, _ = self.routed_by.pop(payload)
             flight = self.flights.pop(payload)
@@ -120,7 +121,7 @@ class _SharedRun(_Run):
         )
         if ticket.pending is not None and ticket.pending.first is not None:
             self._publish(replica, ticket, "add", now, tuple(keys))
-        flight = _InFlight(
+        flight = InFlight(
             ticket, replica.loads.start(decode), settings.output_tokens(req.output_length)
         )
         self.flights[i] = flight
@@ -131,7 +132,7 @@ class _SharedRun(_Run):
         )
         pod = self.sim.pods[choice.worker]
         pod.admit(i, tokens, now)
-        self.events.push(now, _Kind.KICK, pod)
+        self.events.push(now, EventKind.KICK, pod)
 
     # ---------------------------------------------------------------- sharing
 

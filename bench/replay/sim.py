@@ -18,16 +18,14 @@ has, so the policies see the same `now`; the record converts back to trace secon
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from enum import IntEnum
 from random import Random
 
 from bench.replay.config import ReplaySettings, ResolvedCluster
 from bench.replay.decodes import DecodePod, isl_bounding
+from bench.replay.events import EventKind, EventQueue, InFlight, Rates, SimClock
 from bench.replay.pods import Finished, PrefillPod, StepModel
 from bench.replay.record import Progress, ProgressHook, RunRecord
 from bench.replay.tokens import expand
@@ -35,7 +33,7 @@ from bench.replay.trace import Trace, arrival_times, conversation
 from enginesim.kvcache import PagedKVCache
 from gateway.config import PdDeciderConfig, PolicyName
 from gateway.load.pending import PendingPrefixes
-from gateway.load.tracker import Candidate, LoadTicket, LoadTracker
+from gateway.load.tracker import Candidate, LoadTracker
 from gateway.policies import Choice, Policy, RouteRequest, build_policy
 from gateway.policies.held import held_prefixes
 from gateway.routing.decider import PdDecider
@@ -71,88 +69,6 @@ def make_policies(settings: ReplaySettings, name: PolicyName) -> tuple[Policy, P
     prefill = build_policy(name, rng, prefix=settings.prefix, cache_aware=settings.cache_aware)
     decode = build_policy(settings.decode_policy, rng)
     return prefill, decode
-
-
-class _Kind(IntEnum):
-    """What an event does; at equal instants events run in this order (the heap breaks
-    ties by kind, then by push order)."""
-
-    INDEX = 0  # a prefill's KV events reach the index
-    KICK = 1  # a pod that may be idle plans its next step
-    STEP_END = 2  # a pod's step is over
-    ANSWERED = 3  # a prefill answered: its load ends
-    DECODED = 4  # the last output token is out: the decode's load ends
-    DECODE_END = 5  # with a decider: the last token as last scheduled (stalls move it)
-
-
-class _Clock:
-    """The simulated now, which `LoadTracker` reads."""
-
-    __slots__ = ("now",)
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def read(self) -> float:
-        return self.now
-
-
-class _Events:
-    """The pending events, earliest first."""
-
-    __slots__ = ("_heap", "_order")
-
-    def __init__(self) -> None:
-        self._heap: list[tuple[float, _Kind, int, object]] = []
-        self._order = itertools.count()
-
-    def __bool__(self) -> bool:
-        return bool(self._heap)
-
-    def next_at(self) -> float:
-        return self._heap[0][0]
-
-    def push(self, at: float, kind: _Kind, payload: object) -> None:
-        heapq.heappush(self._heap, (at, kind, next(self._order), payload))
-
-    def pop(self) -> tuple[float, _Kind, object]:
-        at, kind, _, payload = heapq.heappop(self._heap)
-        return at, kind, payload
-
-
-@dataclass(slots=True)
-class _InFlight:
-    prefill: LoadTicket
-    decode: LoadTicket
-    output_length: int
-    decode_pod: str = ""
-    tokens: Sequence[int] = ()
-    local: bool = False
-    """Prefilled on its decode pod: `prefill` is `decode`, its one ticket."""
-    decoded_at: float = 0.0
-    """When its last token is due (a `DECODE_END` for another time is stale)."""
-
-
-@dataclass(slots=True)
-class _Rates:
-    """The cluster's rates in wall seconds of the time scale."""
-
-    transfer_tokens_per_s: float | None
-    decode_interval_s: float
-    event_delay_s: float
-
-    @classmethod
-    def of(cls, cluster: ResolvedCluster, scale: float) -> _Rates:
-        transfer = cluster.kv_transfer_tokens_per_s
-        return cls(
-            transfer_tokens_per_s=None if transfer is None else transfer / scale,
-            decode_interval_s=scale / cluster.decode_tokens_per_s,
-            event_delay_s=cluster.event_delay_s * scale,
-        )
-
-    def transfer_s(self, tokens: int) -> float:
-        rate = self.transfer_tokens_per_s
-        return 0.0 if rate is None else tokens / rate
 
 
 @dataclass(slots=True)
@@ -203,12 +119,12 @@ class Simulation:
         }
 
     async def run(self) -> RunRecord:
-        replay = _Run(self, time.perf_counter())
+        replay = Run(self, time.perf_counter())
         await replay.run_to_end()
         self.report_progress(replay.total, replay)
         return replay.record
 
-    def report_progress(self, done: int, replay: _Run) -> None:
+    def report_progress(self, done: int, replay: Run) -> None:
         if self.progress is None:
             return
         arrivals = replay.arrivals
@@ -217,14 +133,14 @@ class Simulation:
         self.progress(Progress(self.policy_name, done, replay.total, sim_now, wall))
 
 
-class _Run:
+class Run:
     """The state of one replay: the gateway's objects, the pods' events, the record."""
 
     def __init__(self, sim: Simulation, started_wall: float) -> None:
         settings, c, scale = sim.settings, sim.cluster, sim.settings.time_scale
         self.sim, self.settings, self.started_wall = sim, settings, started_wall
         self.policy, self.decode_policy = make_policies(settings, sim.policy_name)
-        self.clock = _Clock()
+        self.clock = SimClock()
         grace = settings.prefix.pending_grace_secs
         self.loads = LoadTracker(
             pending=None if grace is None else PendingPrefixes(grace * scale),
@@ -249,9 +165,9 @@ class _Run:
         self.prefills, self.decodes = list(sim.pods), decode_names(c.decode_pods)
         # What each emulated prefill reports in /server_info: its pages times their size.
         self.capacities = {name: c.capacity_blocks * c.block_size for name in self.prefills}
-        self.rates = _Rates.of(c, scale)
-        self.events = _Events()
-        self.flights: dict[int, _InFlight] = {}
+        self.rates = Rates.of(c, scale)
+        self.events = EventQueue()
+        self.flights: dict[int, InFlight] = {}
 
     async def run_to_end(self) -> None:
         """Arrivals and events in time order; an arrival goes before events at its instant."""
@@ -275,23 +191,23 @@ class _Run:
             wall_s=time.perf_counter() - self.started_wall,
         )
 
-    async def handle(self, now: float, kind: _Kind, payload: object) -> None:
-        if kind is _Kind.INDEX:
+    async def handle(self, now: float, kind: EventKind, payload: object) -> None:
+        if kind is EventKind.INDEX:
             assert isinstance(payload, SourceBatch)
             await self.deliver(payload)
-        elif kind is _Kind.KICK:
+        elif kind is EventKind.KICK:
             assert isinstance(payload, PrefillPod)
             self.start_step(payload, now)
-        elif kind is _Kind.STEP_END:
+        elif kind is EventKind.STEP_END:
             assert isinstance(payload, PrefillPod)
             await self.step_end(payload, now)
-        elif kind is _Kind.ANSWERED:
+        elif kind is EventKind.ANSWERED:
             assert isinstance(payload, int)
             if self.deciding:
                 await self.first_token(payload, now)
             else:
                 self.loads.finish(self.flights[payload].prefill)
-        elif kind is _Kind.DECODE_END:
+        elif kind is EventKind.DECODE_END:
             assert isinstance(payload, tuple)
             i, at = payload
             if self.flights[i].decoded_at == at:
@@ -326,7 +242,7 @@ class _Run:
             return
         choice = self.policy.choose(request, prefills)
         decode = self.decode_policy.choose(request, self.loads.candidates(self.decodes)).worker
-        flight = _InFlight(
+        flight = InFlight(
             self.loads.start(
                 choice.worker, choice.uncached_tokens, keys, cached_tokens=choice.hit_tokens
             ),
@@ -342,7 +258,7 @@ class _Run:
         )
         pod = self.sim.pods[choice.worker]
         pod.admit(i, tokens, now)
-        self.events.push(now, _Kind.KICK, pod)
+        self.events.push(now, EventKind.KICK, pod)
 
     def local_choice(self, request: RouteRequest, prefills: list[Candidate]) -> Choice | None:
         """The decode pod that prefills the request itself, by the gateway's decider or
@@ -372,12 +288,12 @@ class _Run:
             choice.worker, choice.uncached_tokens, keys, cached_tokens=choice.hit_tokens
         )
         output = self.settings.output_tokens(self.requests[i].output_length)
-        self.flights[i] = _InFlight(ticket, ticket, output, choice.worker, tokens, local=True)
+        self.flights[i] = InFlight(ticket, ticket, output, choice.worker, tokens, local=True)
         self.record.routed(i, now, choice, tokens=len(tokens), output=output)
         self.record.local[i] = True
         pod = self.sim.decode_pods[choice.worker].prefill
         pod.admit(i, tokens, now)
-        self.events.push(now, _Kind.KICK, pod)
+        self.events.push(now, EventKind.KICK, pod)
 
     async def first_token(self, i: int, now: float) -> None:
         """The request's first token is out (its prefill answered, its KV moved to the
@@ -390,18 +306,18 @@ class _Run:
             self.loads.finish(flight.prefill)
             batch = decode.prefill.store(flight.tokens, now)
             if batch is not None:
-                self.events.push(now + self.rates.event_delay_s, _Kind.INDEX, batch)
+                self.events.push(now + self.rates.event_delay_s, EventKind.INDEX, batch)
         self.schedule_end(i, decode.start(i, now, flight.output_length))
 
     def schedule_end(self, i: int, at: float) -> None:
         self.flights[i].decoded_at = at
-        self.events.push(at, _Kind.DECODE_END, (i, at))
+        self.events.push(at, EventKind.DECODE_END, (i, at))
 
     def start_step(self, pod: PrefillPod, now: float) -> None:
         end = pod.start_step(now)
         if end is None:
             return
-        self.events.push(end, _Kind.STEP_END, pod)
+        self.events.push(end, EventKind.STEP_END, pod)
         decode = self.sim.decode_pods.get(pod.name)
         if decode is not None:
             for request, moved in decode.stall(now, end).items():
@@ -420,7 +336,7 @@ class _Run:
             if self.rates.event_delay_s == 0:
                 await self.deliver(done.batch)
             else:
-                self.events.push(end + self.rates.event_delay_s, _Kind.INDEX, done.batch)
+                self.events.push(end + self.rates.event_delay_s, EventKind.INDEX, done.batch)
         flight = self.flights[job.request]
         transfer = 0.0 if flight.local else self.rates.transfer_s(len(job.tokens))
         assert job.started is not None
@@ -431,11 +347,11 @@ class _Run:
             prefill=end - job.started,
             ttft=end + transfer - job.arrived,
         )
-        self.events.push(end + transfer, _Kind.ANSWERED, job.request)
+        self.events.push(end + transfer, EventKind.ANSWERED, job.request)
         if self.deciding:
             return
         last_token = max(flight.output_length - 1, 0) * self.rates.decode_interval_s
-        self.events.push(end + transfer + last_token, _Kind.DECODED, job.request)
+        self.events.push(end + transfer + last_token, EventKind.DECODED, job.request)
 
     async def deliver(self, batch: SourceBatch) -> None:
         result = await self.sim.index.apply(batch)

@@ -116,13 +116,13 @@ class _SharedRun(Run):
         choice = replica.policy.choose(request, self._candidates(replica, self.prefills, now))
         decodes = self._candidates(replica, self.decodes, now)
         decode = replica.decode_policy.choose(request, decodes).worker
-        ticket = replica.loads.start(
-            choice.worker, choice.uncached_tokens, keys, cached_tokens=choice.hit_tokens
+        ticket = replica.loads.start_prefill(
+            choice.worker, choice.uncached_tokens, cached_tokens=choice.hit_tokens, keys=keys
         )
         if ticket.pending is not None and ticket.pending.first is not None:
             self._publish(replica, ticket, "add", now, tuple(keys))
         flight = InFlight(
-            ticket, replica.loads.start(decode), settings.output_tokens(req.output_length)
+            ticket, replica.loads.start_decode(decode), settings.output_tokens(req.output_length)
         )
         self.flights[i] = flight
         self.routed_by[i] = (replica, ticket)

@@ -243,10 +243,10 @@ class Run:
         choice = self.policy.choose(request, prefills)
         decode = self.decode_policy.choose(request, self.loads.candidates(self.decodes)).worker
         flight = InFlight(
-            self.loads.start(
-                choice.worker, choice.uncached_tokens, keys, cached_tokens=choice.hit_tokens
+            self.loads.start_prefill(
+                choice.worker, choice.uncached_tokens, cached_tokens=choice.hit_tokens, keys=keys
             ),
-            self.loads.start(decode),
+            self.loads.start_decode(decode),
             settings.output_tokens(req.output_length),
             decode,
             tokens,
@@ -284,8 +284,8 @@ class Run:
     def admit_local(
         self, i: int, now: float, choice: Choice, tokens: Sequence[int], keys: Sequence[int]
     ) -> None:
-        ticket = self.loads.start(
-            choice.worker, choice.uncached_tokens, keys, cached_tokens=choice.hit_tokens
+        ticket = self.loads.start_prefill(
+            choice.worker, choice.uncached_tokens, cached_tokens=choice.hit_tokens, keys=keys
         )
         output = self.settings.output_tokens(self.requests[i].output_length)
         self.flights[i] = InFlight(ticket, ticket, output, choice.worker, tokens, local=True)

@@ -259,7 +259,7 @@ class Picker:
         headers = ((PREFILL_HEADER, prefill.id), (LLMD_PREFILL_HEADER, prefill.id))
         pick = Pick(self._endpoints(decode, "decode", subset), headers)
         pick.prefill = self._start_prefill(prefill, choice, route)
-        pick.tickets += [pick.prefill, self._loads.start(decode.id)]
+        pick.tickets += [pick.prefill, self._loads.start_decode(decode.id)]
         return pick
 
     def _open(
@@ -281,10 +281,14 @@ class Picker:
         return room
 
     def _start_prefill(self, worker: Worker, choice: Choice, route: RouteRequest) -> LoadTicket:
-        keys = route.lookup.keys if route.lookup is not None else ()
-        dp_rank = 0 if worker.directory.dp_size <= 1 else None
-        return self._loads.start(
-            worker.id, choice.uncached_tokens, keys, dp_rank, cached_tokens=choice.hit_tokens
+        """The prefill's load, on the DP rank known to compute it: no room is drawn here
+        (the sidecar draws it), so a prefill following the room names none."""
+        return self._loads.start_prefill(
+            worker.id,
+            choice.uncached_tokens,
+            cached_tokens=choice.hit_tokens,
+            keys=route.lookup.keys if route.lookup is not None else (),
+            dp_rank=worker.directory.computing_rank(),
         )
 
     def _endpoints(self, chosen: Worker, role: Role, subset: Collection[str] | None) -> list[str]:
@@ -304,7 +308,7 @@ class Picker:
             return
         moved = pick.tickets.pop()
         self._loads.finish(moved, computed=False)
-        ticket = self._loads.start(endpoint)
+        ticket = self._loads.start_decode(endpoint)  # in flight there, its prefill unknown
         pick.tickets.append(ticket)
         if moved is pick.prefill:
             pick.prefill = ticket

@@ -107,14 +107,7 @@ class PairCalls:
 
     def start_prefill(self, plan: RoutePlan, path: str, payload: bytes, extra: Extra = ()) -> Call:
         """The prefill's call, its load and breaker bookkeeping attached."""
-        choice = plan.prefill_choice
-        ticket = self._loads.start(
-            plan.prefill.id,
-            choice.uncached_tokens,
-            plan.keys,
-            plan.dp_rank,
-            cached_tokens=choice.hit_tokens,
-        )
+        ticket = self.prefill_load(plan)
         trace = current()
         traced = None if trace is None else trace.call("prefill", plan.prefill.id)
         if traced is not None:
@@ -147,16 +140,17 @@ class PairCalls:
             log.error("the call to prefill %s failed unexpectedly", worker.id, exc_info=error)
         self.record("prefill", worker, None, error)
 
-    def start_local(self, plan: RoutePlan) -> LoadTicket:
-        """The load of a decode that prefills the prompt itself: its uncached tokens queue
-        there and its keys are pending there until its first token (`decode(ticket=…)`)."""
+    def prefill_load(self, plan: RoutePlan) -> LoadTicket:
+        """The load of the plan's prefill: its uncached tokens queue there and its keys are
+        pending there until it answers; for a decode that prefills the prompt itself
+        (`plan.prefill` is the decode), until its first token (`decode(ticket=…)`)."""
         choice = plan.prefill_choice
-        return self._loads.start(
-            plan.decode.id,
+        return self._loads.start_prefill(
+            plan.prefill.id,
             choice.uncached_tokens,
-            plan.keys,
-            plan.dp_rank,
             cached_tokens=choice.hit_tokens,
+            keys=plan.keys,
+            dp_rank=plan.dp_rank,
         )
 
     @staticmethod
@@ -192,9 +186,9 @@ class PairCalls:
     ) -> Answer | Failure:
         """The decode's answer (whole, or a stream from its first byte), unless the prefill
         `call` fails first; `ticket`: the decode's load when the caller started it
-        (`start_local`)."""
+        (`prefill_load`)."""
         if ticket is None:
-            ticket = self._loads.start(plan.decode.id)
+            ticket = self._loads.start_decode(plan.decode.id)
         url = plan.decode.url + path
         trace = current()
         if trace is None:

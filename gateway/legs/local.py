@@ -38,7 +38,7 @@ class LocalLegs:
     ) -> Answer | Failure:
         extra = ((b"X-Request-Id", b"%032x" % self._ids.getrandbits(128)),)
         payload = encode_body(decode_body(request.body, None))
-        ticket = self._calls.start_local(plan)
+        ticket = self._calls.prefill_load(plan)
         call = answered_call(asyncio.get_running_loop())
         attempt.progress.begin(attempt.number, plan.decode.id, plan.decode.id, call)
         return await self._calls.decode(

@@ -1,10 +1,13 @@
 """Each worker's load as this gateway sees it: requests in flight, prefill work queued,
 and the prompts sent to each prefill that the index may not show yet.
 
-The legs (or a simulator) change it through explicit hooks (`start`, `prefill_done`,
-`finish`) with one ticket per request and worker, so finishing twice cannot corrupt it;
-the policies read it through the `Candidate` snapshots it makes. Other gateway replicas'
-loads join it through a `SharedView` when they share them.
+It changes through one verb per event, each with one ticket per request and worker, so
+finishing twice cannot corrupt it: `start_prefill` (a prompt sent to be prefilled: in
+flight, its uncached tokens queued, its block keys pending on the DP rank computing them),
+`start_decode` (in flight only), `prefill_done` (the prompt's KV computed, or not) and
+`finish`. The legs, the endpoint picker and the simulator call them alike; the policies read
+the load through the `Candidate` snapshots it makes. Other gateway replicas' loads join it
+through a `SharedView` when they share them.
 """
 
 from __future__ import annotations
@@ -92,26 +95,34 @@ class LoadTracker:
     """Other replicas' loads and pending prompts, when they share them."""
     _serials: Iterator[int] = field(default_factory=itertools.count, repr=False)
 
-    def start(
+    def start_prefill(
         self,
         worker: str,
-        prefill_tokens: int = 0,
+        uncached_tokens: int,
+        *,
+        cached_tokens: int = 0,
         keys: Sequence[int] = (),
         dp_rank: int | None = None,
-        cached_tokens: int = 0,
     ) -> LoadTicket:
-        """`keys`: the prompt's block keys, held as pending on `worker` (on `dp_rank`, when
-        known) until its prefill ends. `cached_tokens`: the prefix it expects cached there,
-        which the `prefill_tokens` follow (their context, which makes them dearer)."""
+        """A prompt sent to `worker` to prefill: `uncached_tokens` queued there after the
+        `cached_tokens` it expects cached (their context, which makes them dearer), and
+        `keys`, the prompt's block keys, held as pending on `worker` (on `dp_rank`, when
+        known: `gateway.workers.pool.Directory.computing_rank`) until its prefill ends."""
         load = self.loads.setdefault(worker, WorkerLoad())
         load.in_flight += 1
         serial = next(self._serials)
-        if prefill_tokens > 0:
-            load.progress.sent(serial, prefill_tokens, self.clock(), cached_tokens)
+        if uncached_tokens > 0:
+            load.progress.sent(serial, uncached_tokens, self.clock(), cached_tokens)
         pending = self.pending.add(worker, keys, dp_rank) if keys and self.pending else None
         if pending is not None and self.shared is not None:
             self.shared.sent(serial, worker, keys, dp_rank)
-        return LoadTicket(worker, load, serial, prefill_open=prefill_tokens > 0, pending=pending)
+        return LoadTicket(worker, load, serial, prefill_open=uncached_tokens > 0, pending=pending)
+
+    def start_decode(self, worker: str) -> LoadTicket:
+        """A request sent to `worker` that prefills nothing there: in flight only."""
+        load = self.loads.setdefault(worker, WorkerLoad())
+        load.in_flight += 1
+        return LoadTicket(worker, load, next(self._serials), prefill_open=False)
 
     def pending_blocks(self, keys: Sequence[int]) -> Mapping[str, PendingHit]:
         if self.pending is None:

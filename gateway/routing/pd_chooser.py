@@ -53,7 +53,8 @@ class PdChooser:
         if decode is None:
             raise NoCandidates("a chosen worker left the pool")
         keys = request.lookup.keys if request.lookup is not None else ()
-        return RoutePlan(decode, decode, decision.choice, [], keys, 0, local=True)
+        rank = decode.directory.computing_rank()
+        return RoutePlan(decode, decode, decision.choice, [], keys, rank, local=True)
 
     def _decide(
         self,

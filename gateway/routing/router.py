@@ -283,7 +283,7 @@ class Router:
         count = 1 if batch is None else batch
         rooms = [draw_room(self._rooms, dp_size, dp_rank) for _ in range(count)]
         keys = request.lookup.keys if request.lookup is not None else ()
-        computing = rooms[0] % dp_size if follows else 0 if dp_size <= 1 else pinned
+        computing = directory.computing_rank(rooms[0], pinned)
         return RoutePlan(prefill, decode, choice, rooms, keys, computing, pinned_dp_rank=pinned)
 
     def record(self, choice: Choice, request: RouteRequest, paired: bool = True) -> None:

@@ -92,6 +92,17 @@ class Directory:
     the health checks' failure threshold of them, as a worker turns unhealthy (one probe
     timing out in a network hiccup must not take every prefill out at once)."""
 
+    def computing_rank(self, room: int | None = None, pinned: int | None = None) -> int | None:
+        """The DP rank that computes a prompt sent with `room` (None: not drawn yet) or
+        `pinned` in the request (`--dp-aware`), where it is known: the only one; the one the
+        room selects where the prefill follows the room; else the one named. Every load
+        started on a prefill keeps its pending blocks on this rank."""
+        if self.dp_size <= 1:
+            return 0
+        if self.follow_bootstrap_room:
+            return None if room is None else room % self.dp_size
+        return pinned
+
 
 @dataclass(slots=True)
 class Worker:

@@ -83,10 +83,10 @@ async def test_a_sidecars_headroom_is_every_prefills() -> None:
     gateway = await sidecar(cluster, clock)
     loads = gateway.loads
     for worker in PREFILL_IDS:
-        ticket = loads.start(worker, 1000)
+        ticket = loads.start_prefill(worker, 1000)
         clock.advance(1.0)
         loads.finish(ticket)
-    busy = [loads.start(worker, 2000) for worker in PREFILL_IDS]
+    busy = [loads.start_prefill(worker, 2000) for worker in PREFILL_IDS]
     inference = Inference(gateway, named_prefill)
     headers = (
         (b"x-gateway-inference-objective", b"premium"),

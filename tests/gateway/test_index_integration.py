@@ -44,7 +44,7 @@ async def test_prefix_policy_on_a_memory_index_in_simulated_time() -> None:
         16,
         4,
     )
-    ticket = loads.start(first.worker, first.uncached_tokens + 20)
+    ticket = loads.start_prefill(first.worker, first.uncached_tokens + 20)
     second = policy.choose(RouteRequest(prompt, lookup=result, now=1.0), loads.candidates(workers))
     assert second.worker == "wb", "24 queued on pod-a outweighs its 8 extra cached tokens"
     loads.finish(ticket)

@@ -129,11 +129,11 @@ def test_prompts_of_one_context_fit_the_linear_cost_alone() -> None:
 def test_load_tracker_candidates_carry_the_estimate_on_its_clock() -> None:
     clock = [0.0]
     loads = LoadTracker(clock=lambda: clock[0])
-    first = loads.start("p", prefill_tokens=1000)
+    first = loads.start_prefill("p", 1000)
     clock[0] = 2.0
     loads.prefill_done(first)
-    second = loads.start("p", prefill_tokens=3000, cached_tokens=0)
-    loads.start("p", prefill_tokens=0)
+    second = loads.start_prefill("p", 3000, cached_tokens=0)
+    loads.start_decode("p")
     clock[0] = 4.0
     candidate = loads.candidate("p")
     assert (candidate.queued_prefill_tokens, candidate.remaining_prefill_tokens) == (3000, 2000)

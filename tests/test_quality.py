@@ -59,16 +59,16 @@ def _sources() -> Iterator[Path]:
         yield from sorted((ROOT / package).rglob("*.py"))
 
 
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
+def _module_name(path: Path, root: Path = ROOT) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imported(path: Path, modules: set[str]) -> set[str]:
+def _imported(path: Path, modules: set[str], root: Path = ROOT) -> set[str]:
     """Our modules `path` imports anywhere in it (in functions, under TYPE_CHECKING): a
     cycle there is still two modules that cannot be read, tested or moved apart. A name
     imported from a package is the submodule when there is one, else the package."""
-    name = _module_name(path)
+    name = _module_name(path, root)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     wanted: list[str] = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -145,6 +145,31 @@ def test_no_import_cycle_between_modules() -> None:
 def test_cycle_finder_finds_a_cycle() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
     assert _cycles(graph) == [["a", "b", "c"]]
+
+
+def test_imports_in_functions_and_under_type_checking_count(tmp_path: Path) -> None:
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/rules.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+        "    from pkg.watch import Source\n",
+        "pkg/watch.py": "def source():\n    from . import rules\n    import pkg.sub.deep\n",
+        "pkg/sub/__init__.py": "from .. import *\n",
+        "pkg/sub/deep.py": "from pkg import sub\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    paths = sorted(tmp_path.rglob("*.py"))
+    modules = {_module_name(path, tmp_path) for path in paths}
+    graph = {_module_name(path, tmp_path): _imported(path, modules, tmp_path) for path in paths}
+    assert graph == {
+        "pkg": set(),
+        "pkg.rules": {"pkg.watch"},
+        "pkg.watch": {"pkg.rules", "pkg.sub.deep"},
+        "pkg.sub": {"pkg"},
+        "pkg.sub.deep": {"pkg.sub"},
+    }
+    assert _cycles(graph) == [["pkg.rules", "pkg.watch"]]
 
 
 def test_every_source_directory_is_a_package() -> None:

@@ -292,7 +292,10 @@ class SourceWorker(SourceInbox):
         last_seq = group[-1].seq
         if last_ts is not None:
             batch_out = SourceBatch(self.source, last_seq, last_ts, events)
-            result = await self._apply(batch_out, group[0].seq)
+            result = await self._writes.apply(batch_out)
+            while result is None:  # the index lost the source: rebuilt before the group, then again
+                await self._resync(group[0].seq)
+                result = await self._writes.apply(batch_out)
             self._count(result)
             now = time.monotonic()
             for at in arrivals:
@@ -305,13 +308,6 @@ class SourceWorker(SourceInbox):
             self._m_stored.inc(result.stored)
         if result.removed:
             self._m_removed.inc(result.removed)
-
-    async def _apply(self, batch: SourceBatch, first_seq: int) -> ApplyResult:
-        """Apply, held while the index is down; `first_seq` is the first publisher batch
-        it holds (a group), where a resync must stop when the index lost the source."""
-        while (result := await self._writes.apply(batch)) is None:
-            await self._resync(first_seq)
-        return result
 
     def _advance(self, seq: int, ts: float | None, batches: int) -> None:
         self.expected = seq + 1

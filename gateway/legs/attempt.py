@@ -16,7 +16,7 @@ from gateway.config import Role
 from gateway.http.answer import Answer
 from gateway.legs.deadline import Progress
 from gateway.requests import ParsedRequest
-from gateway.routing.router import RoutePlan
+from gateway.routing.plan import RoutePlan
 from gateway.workers.pool import Worker
 
 

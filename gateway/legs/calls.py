@@ -38,7 +38,7 @@ from gateway.legs.racing import Call, failed, race, settle
 from gateway.legs.retry import is_retryable_status
 from gateway.load.tracker import LoadTicket, LoadTracker
 from gateway.metrics import GatewayMetrics
-from gateway.routing.router import RoutePlan
+from gateway.routing.plan import RoutePlan
 from gateway.tracing import CallTrace, current
 from gateway.workers.breaker import is_failure_status
 from gateway.workers.pool import Worker

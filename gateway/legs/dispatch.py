@@ -29,7 +29,7 @@ from gateway.legs.retry import RetrySchedule
 from gateway.metrics import GatewayMetrics
 from gateway.policies.base import NoCandidates, RouteRequest
 from gateway.requests import ParsedRequest
-from gateway.routing.router import RoutePlan
+from gateway.routing.plan import RoutePlan
 from gateway.tracing import current
 from kvplumbing.clock import Sleep
 

@@ -22,7 +22,7 @@ from gateway.legs.calls import PairCalls
 from gateway.legs.racing import answered_call
 from gateway.legs.vllm import decode_body
 from gateway.requests import ParsedRequest, encode_body
-from gateway.routing.router import RoutePlan
+from gateway.routing.plan import RoutePlan
 
 
 class LocalLegs:

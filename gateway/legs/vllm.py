@@ -54,7 +54,7 @@ from gateway.legs.calls import PairCalls
 from gateway.legs.racing import answered_call, failed
 from gateway.metrics import GatewayMetrics
 from gateway.requests import ParsedRequest, encode_body
-from gateway.routing.router import RoutePlan
+from gateway.routing.plan import RoutePlan
 
 _REMOTE_DECODE: dict[str, Any] = {
     "do_remote_decode": True,

@@ -21,7 +21,8 @@ from gateway.config import Kind
 from gateway.load.tracker import Candidate
 from gateway.policies.base import NoCandidates, RouteRequest
 from gateway.routing.decider import PdDecider, PdDecision, local_capable
-from gateway.routing.router import RoutePlan, Router
+from gateway.routing.plan import RoutePlan
+from gateway.routing.router import Router
 
 _LOCAL_KINDS: tuple[Kind, ...] = tuple(k for k in get_args(Kind) if local_capable(k))
 

@@ -17,7 +17,7 @@ DP size is above 1, and the choice names the DP rank holding the hit, every room
 so that `room % dp_size` is that rank: the decode then reads its KV from the rank that
 has the prefix cached. Otherwise rooms are uniform in [1, 2^63-1] (`gateway.routing.rooms`);
 with `--dp-aware` (sglang-router's flag) that rank is then named in the request instead
-(`RoutePlan.pinned_dp_rank`, injected by the SGLang legs).
+(`gateway.routing.plan.RoutePlan.pinned_dp_rank`, injected by the SGLang legs).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from random import Random
 from typing import Any
 
@@ -34,6 +34,7 @@ from gateway.load.tracker import Candidate, LoadTracker
 from gateway.metrics import GatewayMetrics
 from gateway.policies.base import Choice, NoCandidates, Policy, RouteRequest
 from gateway.requests import BASE, PromptTokens, RequestNamespace, request_namespace
+from gateway.routing.plan import RoutePlan
 from gateway.routing.rooms import draw_room
 from gateway.workers.pool import Worker, WorkerPool
 from globalkv.index.base import IndexUnavailable
@@ -41,24 +42,6 @@ from globalkv.lookup import LookupResult, PrefixLookup
 from kvplumbing.clock import Clock
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class RoutePlan:
-    prefill: Worker
-    decode: Worker
-    prefill_choice: Choice
-    rooms: list[int]
-    keys: Sequence[int] = ()
-    """The prompt's block keys, recorded as pending on the prefill while it computes them."""
-    dp_rank: int | None = None
-    """The prefill's DP rank that computes them (its room selects it), when that is known."""
-    local: bool = False
-    """The decode prefills the prompt itself (`gateway.routing.decider`): `prefill` is the
-    decode too, `prefill_choice` what it holds and computes, and there are no rooms."""
-    pinned_dp_rank: int | None = None
-    """With `--dp-aware`, the DP rank named in the request itself where the room cannot
-    select it (the prefill does not follow the room)."""
 
 
 class Router:

@@ -22,7 +22,8 @@ from collections.abc import Collection, Sequence
 from gateway.config import Kind
 from gateway.policies.base import NoCandidates, RouteRequest
 from gateway.requests import BadRequest
-from gateway.routing.router import RoutePlan, Router
+from gateway.routing.plan import RoutePlan
+from gateway.routing.router import Router
 
 log = logging.getLogger(__name__)
 PREFILL_HEADER = "x-globalkv-prefill"

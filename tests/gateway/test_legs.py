@@ -18,7 +18,7 @@ from gateway.legs.sglang import DualLegs
 from gateway.legs.vllm import SequentialLegs
 from gateway.policies.base import Choice, RouteRequest
 from gateway.requests import ParsedRequest, parse_request
-from gateway.routing.router import RoutePlan
+from gateway.routing.plan import RoutePlan
 from gateway.service import Gateway
 from tests.gateway.fakes import DECODES, PREFILLS, Cluster, config, make_gateway, sample
 from tests.gateway.test_dispatch import host

@@ -1,0 +1,29 @@
+"""A pair chosen for one attempt, as the legs run it: what the router (or a decode's
+sidecar, or the decider) decided, without the router that decided it, so the legs and
+anything else that runs a plan import no router."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gateway.policies.base import Choice
+from gateway.workers.pool import Worker
+
+
+@dataclass(slots=True)
+class RoutePlan:
+    prefill: Worker
+    decode: Worker
+    prefill_choice: Choice
+    rooms: list[int]
+    keys: Sequence[int] = ()
+    """The prompt's block keys, recorded as pending on the prefill while it computes them."""
+    dp_rank: int | None = None
+    """The prefill's DP rank that computes them, when known (`Directory.computing_rank`)."""
+    local: bool = False
+    """The decode prefills the prompt itself (`gateway.routing.decider`): `prefill` is the
+    decode too, `prefill_choice` what it holds and computes, and there are no rooms."""
+    pinned_dp_rank: int | None = None
+    """With `--dp-aware`, the DP rank named in the request itself where the room cannot
+    select it (the prefill does not follow the room)."""

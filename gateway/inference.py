@@ -2,7 +2,7 @@
 
 The server (`gateway.http.server`) reads the request and writes the answer; everything in
 between is here: the API key, the body checks (400 with the reason), tokens, the route
-(`Router.route`: one index lookup), the dispatcher, and the request metrics (count by
+(`Router.look_up`: one index lookup), the dispatcher, and the request metrics (count by
 status, time to first byte, duration). Reading the body within `--max-payload-size` is the
 server's part (it can refuse before reading); it reports a refusal through `refused` so
 that it is counted like any other answer. Admission control (`gateway.admission`) comes
@@ -41,7 +41,7 @@ from gateway.flow.control import FlowControl, Grant
 from gateway.flow.queues import FlowRequest
 from gateway.http.answer import Answer, Outcome, Rest, problem
 from gateway.metrics import EndpointMetrics
-from gateway.policies.base import RouteRequest
+from gateway.policies.base import RouteQuery
 from gateway.requests import (
     BadRequest,
     Endpoint,
@@ -131,7 +131,7 @@ class _Measured:
 
 
 PrefillNamed = Callable[[Headers], str | None]
-"""The prefill a request's headers name (`RouteRequest.prefill`), or None; raises
+"""The prefill a request's headers name (`RouteQuery.prefill`), or None; raises
 `BadRequest` for a header that names none well."""
 
 
@@ -284,12 +284,23 @@ class Inference:
                 tokens = await asyncio.to_thread(prompt_tokens, parsed, gateway.tokenizer)
             else:
                 tokens = prompt_tokens(parsed, gateway.tokenizer)
+            kind = "sglang" if parsed.endpoint == "generate" else parsed.namespace.kind
+            query = RouteQuery(
+                tokens.tokens,
+                tokens.text,
+                prefill=named,
+                session=session,
+                missing=tokens.missing,
+                namespace=parsed.namespace,
+                kind=kind,
+                batch=parsed.batch,
+            )
             if traced is None:
-                route = await router.route(tokens, parsed.namespace, session, named)
+                await router.look_up(query)
             else:
                 span = traced.stage("route")
                 try:
-                    route = await router.route(tokens, parsed.namespace, session, named)
+                    await router.look_up(query)
                 finally:
                     span.end()
             if self._flow is not None:
@@ -297,7 +308,7 @@ class Inference:
                     self._flow,
                     parsed,
                     tokens,
-                    route,
+                    query,
                     picked,
                     authorization,
                     len(body),
@@ -307,9 +318,9 @@ class Inference:
                     return self._refuse(path, entered)
                 grant = entered
                 if grant.waited:  # placed on what the index shows now
-                    route = await router.route(tokens, parsed.namespace, session, named)
+                    await router.look_up(query)
                 grant.sent()  # its load is tracked from here on, before any await
-            answer = await gateway.dispatcher.forward(parsed, route, path)
+            answer = await gateway.dispatcher.forward(parsed, query, path)
         except (BadRequest, TokenizeError) as exc:  # BadRequest also from the first attempt
             return self._refuse(path, problem(400, str(exc)))
         except UnknownAdapter as exc:
@@ -345,7 +356,7 @@ class Inference:
         flow: FlowControl,
         parsed: ParsedRequest,
         tokens: PromptTokens,
-        route: RouteRequest,
+        query: RouteQuery,
         picked: Picked,
         authorization: str | None,
         size: int,
@@ -358,15 +369,7 @@ class Inference:
             count = len(tokens.tokens)
         else:  # no tokenizer: about four bytes a token
             count = max(1, len(tokens.text or "") // 4 or size // 4)
-        request = FlowRequest(
-            key,
-            count,
-            size,
-            route,
-            "sglang" if parsed.endpoint == "generate" else namespace.kind,
-            namespace.model,
-            namespace.adapters,
-        )
+        request = FlowRequest(key, count, size, query)
         if traced is None:
             return await flow.enter(request)
         span = traced.stage("queue")

@@ -33,7 +33,7 @@ from bench.replay.tokens import expand
 from bench.replay.trace import conversation
 from gateway.load.pending import PendingEntry, PendingHit, PendingPrefixes
 from gateway.load.tracker import Candidate, LoadTicket, LoadTracker
-from gateway.policies import Policy, RouteRequest, build_policy
+from gateway.policies import Policy, RouteQuery, build_policy
 
 Sharing = Literal["none", "shared"]
 
@@ -110,7 +110,7 @@ class _SharedRun(Run):
         keys = () if answer is None else answer.keys
         pending = self._pending(replica, keys, now)
         session = conversation(req) if settings.sessions else None
-        request = RouteRequest(
+        request = RouteQuery(
             tokens=tokens, lookup=answer, now=now, pending=pending, session=session
         )
         choice = replica.policy.choose(request, self._candidates(replica, self.prefills, now))

@@ -34,7 +34,7 @@ from enginesim.kvcache import PagedKVCache
 from gateway.config import PdDeciderConfig, PolicyName
 from gateway.load.pending import PendingPrefixes
 from gateway.load.tracker import Candidate, LoadTracker
-from gateway.policies import Choice, Policy, RouteRequest, build_policy
+from gateway.policies import Choice, Policy, RouteQuery, build_policy
 from gateway.policies.held import held_prefixes
 from gateway.routing.decider import PdDecider
 from globalkv.index.base import ApplyResult, SourceBatch
@@ -228,7 +228,7 @@ class Run:
         tokens = expand(req.hash_ids, req.input_length, self.sim.cluster.block_size, settings.vocab)
         answer = await self.lookup.lookup(settings.model, tokens) if self.uses_index else None
         keys = () if answer is None else answer.keys
-        request = RouteRequest(
+        request = RouteQuery(
             tokens=tokens,
             lookup=answer,
             now=now,
@@ -260,7 +260,7 @@ class Run:
         pod.admit(i, tokens, now)
         self.events.push(now, EventKind.KICK, pod)
 
-    def local_choice(self, request: RouteRequest, prefills: list[Candidate]) -> Choice | None:
+    def local_choice(self, request: RouteQuery, prefills: list[Candidate]) -> Choice | None:
         """The decode pod that prefills the request itself, by the gateway's decider or
         by Dynamo's isl_bounding rule on the decode holding the longest prefix; None:
         disaggregate."""

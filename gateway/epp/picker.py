@@ -48,12 +48,9 @@ from gateway.flow.queues import FlowRequest
 from gateway.http.answer import Answer
 from gateway.inference import INFERENCE_PATHS, TOKENIZE_INLINE_MAX
 from gateway.load.tracker import LoadTicket, LoadTracker
-from gateway.policies.base import Choice, NoCandidates, RouteRequest
+from gateway.policies.base import Choice, NoCandidates, RouteQuery
 from gateway.requests import (
-    BASE,
     BadRequest,
-    PromptTokens,
-    RequestNamespace,
     UnknownAdapter,
     decode_body,
     parse_request,
@@ -136,12 +133,12 @@ class Picker:
         one place a request enters the picker, so admission can wrap it. `headers`: the
         request's `wanted_headers` (lower-case names)."""
         try:
-            tokens, namespace, kind = await self._read(path, body)
+            query, size = await self._read(path, body)
         except (BadRequest, TokenizeError) as exc:
             return Refusal(400, str(exc), "invalid_request_error")
         except UnknownAdapter as exc:
             return Refusal(404, str(exc), "NotFoundError")
-        route = await self._router.route(tokens, namespace)
+        await self._router.look_up(query)
         grant = None
         admission = self._admission
         if admission is not None:
@@ -151,22 +148,18 @@ class Picker:
                 return Refusal(answer.status, error["message"], error["type"])
         elif self._flow is not None and _inference(path) is not None:
             try:
-                entered = await self._enter(
-                    self._flow, tokens, route, namespace, kind, body, headers
-                )
+                entered = await self._enter(self._flow, query, size, len(body), headers)
             except BadRequest as exc:
                 return Refusal(400, str(exc), "invalid_request_error")
             if isinstance(entered, Refusal):
                 return entered
             grant = entered
             if grant.waited:  # placed on what the index shows now
-                route = await self._router.route(tokens, namespace)
+                await self._router.look_up(query)
             grant.sent()  # the pick below tracks its load, before any await
         try:
-            if self.disaggregated:
-                chosen = self._pair(route, namespace, kind, subset)
-            else:
-                chosen = self._whole(route, namespace, kind, subset)
+            pick = self._pair if self.disaggregated else self._whole
+            chosen = pick(query, subset)
         except NoCandidates as exc:
             refusal = Refusal(503, str(exc), "no_available_workers")
         except _Shed as exc:
@@ -184,40 +177,30 @@ class Picker:
     async def _enter(
         self,
         flow: FlowControl,
-        tokens: PromptTokens,
-        route: RouteRequest,
-        namespace: RequestNamespace,
-        kind: Kind | None,
-        body: bytes,
+        query: RouteQuery,
+        tokens: int,
+        size: int,
         headers: Mapping[str, str] | None,
     ) -> Grant | Refusal:
         """The request's turn in the flow queues, or the refusal to answer; `BadRequest`
         for a flow header that cannot be read."""
         given = headers or {}
         picked = {name.encode(): value.encode("latin-1") for name, value in given.items()}
-        key = flow.keys.read(picked, namespace.lora_name, given.get("authorization"))
-        if tokens.tokens is not None:
-            count = len(tokens.tokens)
-        else:  # no tokenizer: about four bytes a token
-            count = max(1, len(tokens.text or "") // 4 or len(body) // 4)
-        request = FlowRequest(
-            key, count, len(body), route, kind, namespace.model, namespace.adapters
-        )
-        entered = await flow.enter(request)
+        key = flow.keys.read(picked, query.namespace.lora_name, given.get("authorization"))
+        entered = await flow.enter(FlowRequest(key, tokens, size, query))
         if isinstance(entered, Answer):
             error = orjson.loads(entered.body)["error"]
             return Refusal(entered.status, error["message"], error["code"])
         return entered
 
-    async def _read(
-        self, path: str, body: bytes
-    ) -> tuple[PromptTokens, RequestNamespace, Kind | None]:
-        """An inference request's tokens, namespace (model, adapter, salt: the gateway's
-        reading) and the kind of pair it needs; anything else (`GET /v1/models`) is
-        routed by load alone."""
+    async def _read(self, path: str, body: bytes) -> tuple[RouteQuery, int]:
+        """What choosing reads of an inference request (its tokens, its namespace — model,
+        adapter, salt: the gateway's reading — and the kind of pair it needs), and its
+        price in tokens for flow control; anything else (`GET /v1/models`) is routed by
+        load alone."""
         endpoint = INFERENCE_PATHS.get(path.partition("?")[0])
         if endpoint is None:
-            return PromptTokens(None, None, "not_inference"), BASE, None
+            return RouteQuery(None, missing="not_inference"), 0
         parsed = parse_request(endpoint, decode_body(body))
         namespace = self._router.namespace(parsed.body)
         tokenizer = self._gateway.tokenizer
@@ -225,40 +208,37 @@ class Picker:
             tokens = await asyncio.to_thread(prompt_tokens, parsed, tokenizer)
         else:
             tokens = prompt_tokens(parsed, tokenizer)
-        return tokens, namespace, "sglang" if endpoint == "generate" else namespace.kind
-
-    def _whole(
-        self,
-        route: RouteRequest,
-        namespace: RequestNamespace,
-        kind: Kind | None,
-        subset: Collection[str] | None,
-    ) -> Pick:
-        among = self._open("prefill", kind, subset)
-        worker, choice, route = self._router.choose_prefill(
-            route, (), namespace.model, kind, namespace.adapters, among
+        if tokens.tokens is not None:
+            count = len(tokens.tokens)
+        else:  # no tokenizer: about four bytes a token
+            count = max(1, len(tokens.text or "") // 4 or len(body) // 4)
+        query = RouteQuery(
+            tokens.tokens,
+            tokens.text,
+            missing=tokens.missing,
+            namespace=namespace,
+            kind="sglang" if endpoint == "generate" else namespace.kind,
+            batch=parsed.batch,
         )
-        self._router.record(choice, route, paired=False)
+        return query, count
+
+    def _whole(self, query: RouteQuery, subset: Collection[str] | None) -> Pick:
+        among = self._open("prefill", query.kind, subset)
+        worker, choice, query = self._router.choose_prefill(query, among=among)
+        self._router.record(choice, query, paired=False)
         pick = Pick(self._endpoints(worker, "prefill", subset), ())
-        pick.prefill = self._start_prefill(worker, choice, route)
+        pick.prefill = self._start_prefill(worker, choice, query)
         pick.tickets.append(pick.prefill)
         return pick
 
-    def _pair(
-        self,
-        route: RouteRequest,
-        namespace: RequestNamespace,
-        kind: Kind | None,
-        subset: Collection[str] | None,
-    ) -> Pick:
-        model, adapters = namespace.model, namespace.adapters
-        prefill, choice, route = self._router.choose_prefill(route, (), model, kind, adapters)
+    def _pair(self, query: RouteQuery, subset: Collection[str] | None) -> Pick:
+        prefill, choice, query = self._router.choose_prefill(query)
         among = self._open("decode", prefill.kind, subset)
-        decode = self._router.choose_decode(route, prefill.kind, (), model, adapters, among)
-        self._router.record(choice, route)
+        decode = self._router.choose_decode(query, prefill.kind, among=among)
+        self._router.record(choice, query)
         headers = ((PREFILL_HEADER, prefill.id), (LLMD_PREFILL_HEADER, prefill.id))
         pick = Pick(self._endpoints(decode, "decode", subset), headers)
-        pick.prefill = self._start_prefill(prefill, choice, route)
+        pick.prefill = self._start_prefill(prefill, choice, query)
         pick.tickets += [pick.prefill, self._loads.start_decode(decode.id)]
         return pick
 
@@ -280,14 +260,14 @@ class Picker:
             raise _Shed(f"every endpoint has {self._shed} or more requests in flight")
         return room
 
-    def _start_prefill(self, worker: Worker, choice: Choice, route: RouteRequest) -> LoadTicket:
+    def _start_prefill(self, worker: Worker, choice: Choice, query: RouteQuery) -> LoadTicket:
         """The prefill's load, on the DP rank known to compute it: no room is drawn here
         (the sidecar draws it), so a prefill following the room names none."""
         return self._loads.start_prefill(
             worker.id,
             choice.uncached_tokens,
             cached_tokens=choice.hit_tokens,
-            keys=route.lookup.keys if route.lookup is not None else (),
+            keys=query.keys,
             dp_rank=worker.directory.computing_rank(),
         )
 

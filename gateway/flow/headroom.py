@@ -118,15 +118,15 @@ class Headroom:
 
     def _slots(self, request: FlowRequest, placing: Mapping[str, float]) -> list[_Slot]:
         router = self._router
-        prefills = router.candidates("prefill", (), request.kind, request.model, request.adapters)
+        query = request.query
+        prefills = router.candidates("prefill", query)
         if not prefills:
             return []
-        route = request.route
         prompt = request.tokens
-        lookup = route.lookup
-        if lookup is not None and route.tokens is not None:
+        lookup = query.lookup
+        if lookup is not None and query.tokens is not None:
             pending = router.loads.pending_blocks(lookup.keys)
-            hits = held_prefixes(replace(route, pending=pending), lookup, prefills)
+            hits = held_prefixes(replace(query, pending=pending), lookup, prefills)
         else:
             hits = [(c, 0, None) for c in prefills]
         loads = router.loads

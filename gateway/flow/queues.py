@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Literal
 
 from gateway.flow.keys import FlowKey
 from gateway.flow.usage import TooManyTenants, Usage
-from gateway.policies.base import RouteRequest
+from gateway.policies.base import RouteQuery
 
 RefusalReason = Literal["queue_full", "queue_bytes", "tenants", "shed", "queue_timeout"]
 
@@ -40,11 +39,8 @@ class FlowRequest:
     """Its prompt tokens (estimated from the text without a tokenizer): what it costs."""
     size: int
     """The bytes its body holds while it waits."""
-    route: RouteRequest
-    """What choosing will read: its tokens and the index's answer."""
-    kind: Literal["sglang", "vllm"] | None = None
-    model: str | None = None
-    adapters: Collection[str] = ()
+    query: RouteQuery
+    """What choosing will read: its tokens, the index's answer, who may serve it."""
 
 
 @dataclass(eq=False, slots=True)

@@ -27,7 +27,7 @@ from gateway.legs.attempt import Attempt, Failure, Legs
 from gateway.legs.deadline import DeadlineWatch, Progress
 from gateway.legs.retry import RetrySchedule
 from gateway.metrics import GatewayMetrics
-from gateway.policies.base import NoCandidates, RouteRequest
+from gateway.policies.base import NoCandidates, RouteQuery
 from gateway.requests import ParsedRequest
 from gateway.routing.plan import RoutePlan
 from gateway.tracing import current
@@ -39,16 +39,10 @@ log = logging.getLogger(__name__)
 class Chooser(Protocol):
     """Chooses a pair for one attempt (`gateway.routing.router.Router`)."""
 
-    def plan(
-        self,
-        request: RouteRequest,
-        batch: int | None,
-        avoid: Collection[str] = (),
-        model: str | None = None,
-        kind: Kind | None = None,
-        adapters: Collection[str] = (),
-    ) -> RoutePlan:
-        """Raises `NoCandidates` naming the role without an eligible worker."""
+    def plan(self, query: RouteQuery, avoid: Collection[str] = ()) -> RoutePlan:
+        """A pair for `query`, avoiding the workers in `avoid` (those that failed this
+        request) while others remain; raises `NoCandidates` naming the role without an
+        eligible worker."""
         ...
 
 
@@ -73,12 +67,12 @@ class Dispatcher:
         self._sleep = sleep
         self.deadlines = DeadlineWatch(timeout)
 
-    async def forward(self, request: ParsedRequest, route: RouteRequest, path: str) -> Answer:
+    async def forward(self, request: ParsedRequest, query: RouteQuery, path: str) -> Answer:
         """The answer within the request deadline, or a 504 saying where it stopped."""
         deadlines = self.deadlines
         progress = deadlines.start()
         try:
-            outcome = await self._forward(request, route, path, progress)
+            outcome = await self._forward(request, query, path, progress)
         except asyncio.CancelledError:
             if not deadlines.finish(progress):
                 raise
@@ -93,18 +87,14 @@ class Dispatcher:
         return outcome
 
     async def _forward(
-        self, request: ParsedRequest, route: RouteRequest, path: str, progress: Progress
+        self, request: ParsedRequest, query: RouteQuery, path: str, progress: Progress
     ) -> Answer:
         avoid: set[str] = set()
         last: Failure | None = None
         attempts = self._retries.max_attempts
-        namespace = request.namespace
-        kind = "sglang" if request.endpoint == "generate" else namespace.kind
         for number in range(attempts):
             try:
-                plan = self._chooser.plan(
-                    route, request.batch, avoid, namespace.model, kind, namespace.adapters
-                )
+                plan = self._chooser.plan(query, avoid)
             except NoCandidates as exc:
                 if last is not None:
                     return last.answer

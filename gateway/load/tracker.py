@@ -85,7 +85,7 @@ class LoadTracker:
     """Per-worker load that the legs (or a simulator) update through explicit hooks,
     and the prompts sent to each prefill that the index may not show yet.
 
-    `clock` is the one `RouteRequest.now` is read from (the simulator gives its own)."""
+    `clock` is the one `RouteQuery.now` is read from (the simulator gives its own)."""
 
     loads: dict[str, WorkerLoad] = field(default_factory=dict)
     pending: PendingPrefixes | None = field(default_factory=PendingPrefixes)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from random import Random
 
 from gateway.config import CacheAwareConfig, PolicyName, PrefixWeights
-from gateway.policies.base import Choice, NoCandidates, Policy, RouteRequest
+from gateway.policies.base import Choice, NoCandidates, Policy, RouteQuery
 from gateway.policies.cache_aware import CacheAwarePolicy
 from gateway.policies.least_load import LeastLoadPolicy
 from gateway.policies.power_of_two import PowerOfTwoPolicy
@@ -23,7 +23,7 @@ __all__ = [
     "PrefixPolicy",
     "RandomPolicy",
     "RoundRobinPolicy",
-    "RouteRequest",
+    "RouteQuery",
     "build_policy",
 ]
 

@@ -8,7 +8,7 @@ simulator replaying traces against a real `MemoryIndex` in simulated time:
     loads = LoadTracker(clock=lambda: sim_time)                  # the clock of `now`
     lookup = await IndexLookup(index).lookup(model, tokens)     # None if the index is down
     keys = lookup.keys if lookup is not None else ()
-    request = RouteRequest(tokens=tokens, text=None, lookup=lookup, now=sim_time,
+    request = RouteQuery(tokens=tokens, text=None, lookup=lookup, now=sim_time,
                            pending=loads.pending_blocks(keys))   # sent, not yet indexed
     choice = policy.choose(request, loads.candidates(pods))      # (worker, pod) pairs
     ticket = loads.start_prefill(choice.worker, choice.uncached_tokens,
@@ -22,12 +22,16 @@ simulator replaying traces against a real `MemoryIndex` in simulated time:
 - `Candidate` is a snapshot of one eligible worker: its id, the index pod it maps to and
   its load (requests in flight, prefill tokens queued). The caller has already removed
   unhealthy, circuit-open and not-ready workers.
-- `RouteRequest` carries the prompt tokens (None when the gateway could not tokenize),
-  the text (cache_aware's key when there are no tokens), the index's answer (None when
-  there was no index, no tokens, or the index failed), `pending` (per worker, the leading
-  blocks of the prompt this gateway sent it that the index may not show yet:
-  `gateway.load.pending`) and `now` (simulated or monotonic seconds) for policies
-  that age state.
+- `RouteQuery` is what choosing reads of one request, the same for all its attempts: the
+  prompt tokens (None when the gateway could not tokenize), the text (cache_aware's key
+  when there are no tokens), the index's answer (None when there was no index, no tokens,
+  or the index failed), `pending` (per worker, the leading blocks of the prompt this
+  gateway sent it that the index may not show yet: `gateway.load.pending`), `now`
+  (simulated or monotonic seconds) for policies that age state, the session and the
+  prefill the request names; and for the router, which candidates may serve it: the kind
+  of pair, the namespace (model, adapters) and the batch. What changes per attempt (the
+  workers to avoid) or per entry point (the endpoints a picker may choose among) is an
+  argument of the router's methods, never a field.
 - `Choice` names the worker, the DP rank the prompt's best hit is on (for DP-aware rooms),
   the hit it counted on, and `fallback` when the policy could not use what it prefers.
 - Randomness comes only from the `random.Random` given at construction: a seeded one
@@ -46,8 +50,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from gateway.config import Kind
 from gateway.load.pending import PendingHit
 from gateway.load.tracker import Candidate
+from gateway.requests import BASE, RequestNamespace
 from globalkv.lookup import LookupResult
 
 # The value types below are built several times per request, so they are not frozen: a
@@ -56,7 +62,7 @@ from globalkv.lookup import LookupResult
 
 
 @dataclass(slots=True)
-class RouteRequest:
+class RouteQuery:
     tokens: Sequence[int] | None
     text: str | None = None
     lookup: LookupResult | None = None
@@ -68,10 +74,32 @@ class RouteRequest:
     picker names it to a decode's sidecar: the chooser prefers it while it is eligible."""
     session: str | None = None
     """The conversation the client named (`gateway.policies.sessions`), if any."""
+    missing: str | None = None
+    """Why there are no tokens (no_tokenizer, not_tokenizable): the fallback counted."""
+    namespace: RequestNamespace = BASE
+    """Where the prompt's KV is cached: the lookup's namespace; its model and adapters
+    restrict the candidates."""
+    kind: Kind | None = None
+    """The PD protocol the pair must speak (SGLang's `/generate`: sglang), or any."""
+    batch: int | None = None
+    """Elements of a batch request (one room each); None for a single request."""
 
     @property
     def prompt_tokens(self) -> int:
         return len(self.tokens) if self.tokens is not None else 0
+
+    @property
+    def model(self) -> str | None:
+        return self.namespace.model
+
+    @property
+    def adapters(self) -> frozenset[str]:
+        return self.namespace.adapters
+
+    @property
+    def keys(self) -> Sequence[int]:
+        """The prompt's block keys, where the index was asked."""
+        return self.lookup.keys if self.lookup is not None else ()
 
 
 @dataclass(slots=True)
@@ -90,9 +118,9 @@ class Choice:
 class Policy(Protocol):
     name: str
     uses_index: bool
-    """It reads `RouteRequest.lookup`: the prompt is looked up in the index for it."""
+    """It reads `RouteQuery.lookup`: the prompt is looked up in the index for it."""
 
-    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Choice:
+    def choose(self, request: RouteQuery, candidates: Sequence[Candidate]) -> Choice:
         """Pick one of `candidates` (never empty)."""
         ...
 

@@ -21,7 +21,7 @@ from dataclasses import replace
 
 from gateway.config import CacheAwareConfig
 from gateway.load.tracker import Candidate
-from gateway.policies.base import Choice, Policy, RouteRequest
+from gateway.policies.base import Choice, Policy, RouteQuery
 from gateway.policies.radix import RadixTree
 
 
@@ -35,7 +35,7 @@ class CacheAwarePolicy:
         self.tree = RadixTree()
         self._last_eviction: float | None = None
 
-    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Choice:
+    def choose(self, request: RouteQuery, candidates: Sequence[Candidate]) -> Choice:
         if request.tokens is not None:
             key: Sequence[int] = request.tokens
         elif request.text is not None:

@@ -6,12 +6,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from gateway.load.tracker import Candidate
-from gateway.policies.base import RouteRequest
+from gateway.policies.base import RouteQuery
 from globalkv.lookup import LookupResult, PodHit
 
 
 def held_prefixes(
-    request: RouteRequest, lookup: LookupResult, candidates: Sequence[Candidate]
+    request: RouteQuery, lookup: LookupResult, candidates: Sequence[Candidate]
 ) -> list[tuple[Candidate, int, int | None]]:
     """Per candidate: the tokens of the longest prefix it holds and the DP rank holding it.
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from random import Random
 
 from gateway.load.tracker import Candidate
-from gateway.policies.base import Choice, RouteRequest
+from gateway.policies.base import Choice, RouteQuery
 
 
 class LeastLoadPolicy:
@@ -20,7 +20,7 @@ class LeastLoadPolicy:
     def __init__(self, rng: Random) -> None:
         self._rng = rng
 
-    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Choice:
+    def choose(self, request: RouteQuery, candidates: Sequence[Candidate]) -> Choice:
         best = min((c.queued_prefill_tokens, c.in_flight) for c in candidates)
         tied = [c for c in candidates if (c.queued_prefill_tokens, c.in_flight) == best]
         chosen = tied[self._rng.randrange(len(tied))] if len(tied) > 1 else tied[0]

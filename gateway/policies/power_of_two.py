@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from random import Random
 
 from gateway.load.tracker import Candidate
-from gateway.policies.base import Choice, RouteRequest
+from gateway.policies.base import Choice, RouteQuery
 
 
 class PowerOfTwoPolicy:
@@ -20,7 +20,7 @@ class PowerOfTwoPolicy:
     def __init__(self, rng: Random) -> None:
         self._rng = rng
 
-    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Choice:
+    def choose(self, request: RouteQuery, candidates: Sequence[Candidate]) -> Choice:
         if len(candidates) == 1:
             chosen = candidates[0]
         else:

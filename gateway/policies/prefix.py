@@ -4,7 +4,7 @@ Score of a candidate prefill worker `w` (lower is better), in token units:
 
     hit(w)      = the longest prefix of the prompt w holds, in tokens: the longer of what
                   the index shows on w's pod (the best of its DP ranks) and what this
-                  gateway sent w that the index may not show yet (`RouteRequest.pending`,
+                  gateway sent w that the index may not show yet (`RouteQuery.pending`,
                   see `gateway.load.pending`); 0 without either
     uncached(w) = max(prompt_tokens - hit(w), 0)
     cost(w)     = uncached_weight * uncached(w)                 (--prefix-uncached-weight, 1.0)
@@ -46,7 +46,7 @@ Every weight's measurements and the commands: `docs/gateway-design.md`.
 Without a lookup (no tokens, no index configured, index unreachable) the policy hands the
 choice to its load fallback (least_load) and marks it `fallback="no_lookup"`.
 
-Sessions. A request naming a session (`RouteRequest.session`) knows where its last turn
+Sessions. A request naming a session (`RouteQuery.session`) knows where its last turn
 went (`gateway.policies.sessions`). When this prompt extends that turn's (its key at the
 last turn's last block is the same), the last turn's pod counts as holding that prefix
 even where the index does not show it (not yet indexed, or the index blind): its cost
@@ -65,7 +65,7 @@ from random import Random
 
 from gateway.config import PrefixWeights
 from gateway.load.tracker import Candidate
-from gateway.policies.base import Choice, Policy, RouteRequest
+from gateway.policies.base import Choice, Policy, RouteQuery
 from gateway.policies.held import held_prefixes
 from gateway.policies.placement import PlacementLedger
 from gateway.policies.sessions import SessionTable, Turn
@@ -83,7 +83,7 @@ class PrefixPolicy:
         ttl = weights.session_ttl_secs
         self.sessions = None if ttl is None else SessionTable(ttl, weights.sessions_max)
 
-    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Choice:
+    def choose(self, request: RouteQuery, candidates: Sequence[Candidate]) -> Choice:
         sessions, session = self.sessions, request.session
         if sessions is None or session is None:
             return self._choose(request, candidates, None)
@@ -96,7 +96,7 @@ class PrefixPolicy:
         return choice
 
     def _choose(
-        self, request: RouteRequest, candidates: Sequence[Candidate], last: Turn | None
+        self, request: RouteQuery, candidates: Sequence[Candidate], last: Turn | None
     ) -> Choice:
         if request.lookup is None or request.tokens is None:
             kept = self._kept_without_lookup(request, candidates, last)
@@ -164,7 +164,7 @@ class PrefixPolicy:
         )
 
     def _kept_without_lookup(
-        self, request: RouteRequest, candidates: Sequence[Candidate], last: Turn | None
+        self, request: RouteQuery, candidates: Sequence[Candidate], last: Turn | None
     ) -> Choice | None:
         """The session's prefill when, its last turn's prompt counted as held there and
         the queued terms as they are, no other candidate costs less."""

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from random import Random
 
 from gateway.load.tracker import Candidate
-from gateway.policies.base import Choice, RouteRequest
+from gateway.policies.base import Choice, RouteQuery
 
 
 class RandomPolicy:
@@ -16,7 +16,7 @@ class RandomPolicy:
     def __init__(self, rng: Random) -> None:
         self._rng = rng
 
-    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Choice:
+    def choose(self, request: RouteQuery, candidates: Sequence[Candidate]) -> Choice:
         chosen = candidates[self._rng.randrange(len(candidates))]
         return Choice(chosen.worker, uncached_tokens=request.prompt_tokens)
 

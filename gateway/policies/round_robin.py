@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from gateway.load.tracker import Candidate
-from gateway.policies.base import Choice, RouteRequest
+from gateway.policies.base import Choice, RouteQuery
 
 
 class RoundRobinPolicy:
@@ -15,7 +15,7 @@ class RoundRobinPolicy:
     def __init__(self) -> None:
         self._next = 0
 
-    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Choice:
+    def choose(self, request: RouteQuery, candidates: Sequence[Candidate]) -> Choice:
         chosen = candidates[self._next % len(candidates)]
         self._next += 1
         return Choice(chosen.worker, uncached_tokens=request.prompt_tokens)

@@ -44,7 +44,7 @@ from typing import Literal
 
 from gateway.config import Kind, PdDeciderConfig
 from gateway.load.tracker import Candidate
-from gateway.policies.base import Choice, RouteRequest
+from gateway.policies.base import Choice, RouteQuery
 from gateway.policies.held import held_prefixes
 
 Reason = Literal[
@@ -85,7 +85,7 @@ class PdDecider:
 
     def decide(
         self,
-        request: RouteRequest,
+        request: RouteQuery,
         prefills: Sequence[Candidate],
         decodes: Sequence[Candidate],
         rate: Callable[[str], float | None],

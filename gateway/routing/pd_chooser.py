@@ -19,7 +19,7 @@ from prometheus_client import Counter
 
 from gateway.config import Kind
 from gateway.load.tracker import Candidate
-from gateway.policies.base import NoCandidates, RouteRequest
+from gateway.policies.base import NoCandidates, RouteQuery
 from gateway.routing.decider import PdDecider, PdDecision, local_capable
 from gateway.routing.plan import RoutePlan
 from gateway.routing.router import Router
@@ -33,55 +33,37 @@ class PdChooser:
         self.decider = decider
         self._decisions = decisions
 
-    def plan(
-        self,
-        request: RouteRequest,
-        batch: int | None,
-        avoid: Collection[str] = (),
-        model: str | None = None,
-        kind: Kind | None = None,
-        adapters: Collection[str] = (),
-    ) -> RoutePlan:
-        """Raises `NoCandidates` naming the empty role, as `Router.plan` does; only workers
-        serving every one of `adapters` are chosen."""
-        decision = self._decide(request, batch, avoid, model, kind, adapters)
+    def plan(self, query: RouteQuery, avoid: Collection[str] = ()) -> RoutePlan:
+        """Raises `NoCandidates` naming the empty role, as `Router.plan` does."""
+        decision = self._decide(query, avoid)
         self._decisions.labels("local" if decision.local else "disaggregate", decision.reason).inc()
         if not decision.local:
-            return self.router.plan(request, batch, avoid, model, kind, adapters)
+            return self.router.plan(query, avoid)
         assert decision.decode is not None
         assert decision.choice is not None
         decode = self.router.pool.get(decision.decode.worker)
         if decode is None:
             raise NoCandidates("a chosen worker left the pool")
-        keys = request.lookup.keys if request.lookup is not None else ()
         rank = decode.directory.computing_rank()
-        return RoutePlan(decode, decode, decision.choice, [], keys, rank, local=True)
+        return RoutePlan(decode, decode, decision.choice, [], query.keys, rank, local=True)
 
-    def _decide(
-        self,
-        request: RouteRequest,
-        batch: int | None,
-        avoid: Collection[str],
-        model: str | None,
-        kind: Kind | None,
-        adapters: Collection[str],
-    ) -> PdDecision:
+    def _decide(self, query: RouteQuery, avoid: Collection[str]) -> PdDecision:
         if not self.decider.enabled:
             return PdDecision(False, "always")
-        if batch is not None:
+        if query.batch is not None:
             return PdDecision(False, "batch")
         router = self.router
         decodes: list[Candidate] = [
             c
             for local in _LOCAL_KINDS
-            if kind in (None, local)
-            for c in router.candidates("decode", (), local, model, adapters)
+            if query.kind in (None, local)
+            for c in router.candidates("decode", query, kind=local)
             if c.worker not in avoid
         ]
-        prefills = router.candidates("prefill", avoid, kind, model, adapters)
-        if request.lookup is not None:
-            request = replace(request, pending=router.loads.pending_blocks(request.lookup.keys))
+        prefills = router.candidates("prefill", query, avoid)
+        if query.lookup is not None:
+            query = replace(query, pending=router.loads.pending_blocks(query.lookup.keys))
         loads = router.loads
         return self.decider.decide(
-            request, prefills, decodes, lambda worker: loads.load(worker).progress.tokens_per_s
+            query, prefills, decodes, lambda worker: loads.load(worker).progress.tokens_per_s
         )

@@ -2,15 +2,14 @@
 
 Per request, `namespace()` reads where the prompt's KV is cached (model, LoRA adapter,
 cache salt: `gateway.requests.request_namespace`, over the adapters the workers list) and
-`lookup()` asks the index once under it (only when the prefill policy uses it and the
-prompt's tokens are known); per attempt, `plan()` picks a prefill and a decode among the
-eligible workers — avoiding those that already failed this request while others remain,
-serving the request's model when workers advertise it, and every LoRA adapter it names,
-of the kind asked for when one is
-(SGLang's `/generate` goes to SGLang pairs only: vLLM serves no such path), the decode of
-the prefill's kind — and draws fresh rooms. When the index cannot be used the request is
-still routed, by load; the reason is counted in `globalkv_gateway_routing_fallbacks` and
-logged once.
+`look_up()` asks the index once under it for the request's `RouteQuery` (only when the
+prefill policy uses it and the prompt's tokens are known); per attempt, `plan()` picks a
+prefill and a decode among the eligible workers — avoiding those that already failed this
+request while others remain, serving the request's model when workers advertise it, and
+every LoRA adapter it names, of the kind asked for when one is (SGLang's `/generate` goes
+to SGLang pairs only: vLLM serves no such path), the decode of the prefill's kind — and
+draws fresh rooms. When the index cannot be used the request is still routed, by load; the
+reason is counted in `globalkv_gateway_routing_fallbacks` and logged once.
 
 DP-aware rooms: when the chosen prefill's directory says `follow_bootstrap_room` and its
 DP size is above 1, and the choice names the DP rank holding the hit, every room is drawn
@@ -24,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import replace
 from random import Random
 from typing import Any
@@ -32,8 +31,8 @@ from typing import Any
 from gateway.config import Kind, Role
 from gateway.load.tracker import Candidate, LoadTracker
 from gateway.metrics import GatewayMetrics
-from gateway.policies.base import Choice, NoCandidates, Policy, RouteRequest
-from gateway.requests import BASE, PromptTokens, RequestNamespace, request_namespace
+from gateway.policies.base import Choice, NoCandidates, Policy, RouteQuery
+from gateway.requests import RequestNamespace, request_namespace
 from gateway.routing.plan import RoutePlan
 from gateway.routing.rooms import draw_room
 from gateway.workers.pool import Worker, WorkerPool
@@ -103,18 +102,20 @@ class Router:
             models = models | {configured}
         return request_namespace(body, served.adapters, models)
 
-    async def lookup(
-        self,
-        tokens: Sequence[int] | None,
-        missing: str | None,
-        namespace: RequestNamespace = BASE,
-    ) -> LookupResult | None:
-        """The index's answer for the prompt in `namespace`, or None (with the reason
-        counted)."""
+    async def look_up(self, query: RouteQuery) -> None:
+        """The index's answer for the query's prompt in its namespace into `query.lookup`
+        (None, the reason counted, where there is none), and the time choosing reads into
+        `query.now`. Again after the request waited (flow control): it is then placed on
+        what the index shows by then."""
+        query.lookup = await self._lookup_prompt(query)
+        query.now = self._clock()
+
+    async def _lookup_prompt(self, query: RouteQuery) -> LookupResult | None:
         if not self.uses_index:
             return None
+        tokens, namespace = query.tokens, query.namespace
         if tokens is None:
-            self.fallback(missing or "no_tokenizer")
+            self.fallback(query.missing or "no_tokenizer")
             return None
         if namespace.opaque:
             self.fallback("extra_key", "SGLang's KV events do not say a block's extra_key")
@@ -141,121 +142,92 @@ class Router:
         self._metrics.best_hit.observe(max((p.hit_tokens for p in result.pods), default=0))
         return result
 
-    async def route(
-        self,
-        tokens: PromptTokens,
-        namespace: RequestNamespace,
-        session: str | None = None,
-        prefill: str | None = None,
-    ) -> RouteRequest:
-        """What choosing reads of one request, for all its attempts: its tokens, the
-        session it names, the prefill named for it (`RouteRequest.prefill`) and, for a
-        prefill policy that uses the index, the index's answer in its namespace."""
-        lookup = await self.lookup(tokens.tokens, tokens.missing, namespace)
-        return RouteRequest(
-            tokens.tokens,
-            tokens.text,
-            lookup,
-            now=self._clock(),
-            session=session,
-            prefill=prefill,
-        )
-
     def candidates(
         self,
         role: Role,
-        avoid: Collection[str],
-        kind: Kind | None,
-        model: str | None,
-        adapters: Collection[str] = (),
+        query: RouteQuery,
+        avoid: Collection[str] = (),
+        kind: Kind | None = None,
     ) -> list[Candidate]:
-        """Eligible workers of `role`, of `kind`, serving `model` when given and every one
-        of `adapters`, without those to `avoid` unless no other remains."""
-        every = self.pool.candidates(role, self.loads, kind=kind, model=model, adapters=adapters)
+        """Eligible workers of `role` that may serve `query`: of `kind` (else the query's),
+        serving its model when workers advertise it and every adapter it names, without
+        those to `avoid` unless no other remains."""
+        every = self.pool.candidates(
+            role,
+            self.loads,
+            kind=kind or query.kind,
+            model=query.namespace.model,
+            adapters=query.namespace.adapters,
+        )
         if not avoid:
             return every
         fresh = [c for c in every if c.worker not in avoid]
         return fresh or every
 
-    def plan(
-        self,
-        request: RouteRequest,
-        batch: int | None,
-        avoid: Collection[str] = (),
-        model: str | None = None,
-        kind: Kind | None = None,
-        adapters: Collection[str] = (),
-    ) -> RoutePlan:
-        """Choose a pair for one attempt; raises `NoCandidates` naming the empty role."""
-        prefill, choice, request = self.choose_prefill(request, avoid, model, kind, adapters)
-        decode = self.choose_decode(request, prefill.kind, avoid, model, adapters)
-        return self.bind(request, prefill, choice, decode, batch)
+    def plan(self, query: RouteQuery, avoid: Collection[str] = ()) -> RoutePlan:
+        """Choose a pair for one attempt, avoiding the workers that failed this request
+        while others remain; raises `NoCandidates` naming the empty role."""
+        prefill, choice, query = self.choose_prefill(query, avoid)
+        decode = self.choose_decode(query, prefill.kind, avoid)
+        return self.bind(query, prefill, choice, decode)
 
     def choose_prefill(
         self,
-        request: RouteRequest,
+        query: RouteQuery,
         avoid: Collection[str] = (),
-        model: str | None = None,
-        kind: Kind | None = None,
-        adapters: Collection[str] = (),
         among: Collection[str] | None = None,
-    ) -> tuple[Worker, Choice, RouteRequest]:
-        """The prefill policy's choice among the eligible prefills serving `adapters` (only
-        those whose id is in `among`, when given: an endpoint picker's subset), with the
-        request as the policy read it (its pending blocks added); raises `NoCandidates`."""
-        prefills = self.candidates("prefill", avoid, kind, model, adapters)
+        kind: Kind | None = None,
+    ) -> tuple[Worker, Choice, RouteQuery]:
+        """The prefill policy's choice among the eligible prefills that may serve `query`
+        (of `kind`, when given, else the query's; only those whose id is in `among`, when
+        given: an endpoint picker's subset, a sidecar's named prefill), with the query as
+        the policy read it (its pending blocks added); raises `NoCandidates`."""
+        prefills = self.candidates("prefill", query, avoid, kind)
         if among is not None:
             prefills = [c for c in prefills if c.worker in among]
         if not prefills:
-            which = "" if kind is None else f", {kind}"
+            which = kind or query.kind
+            kinds = "" if which is None else f", {which}"
+            adapters = query.namespace.adapters
             serving = f", serving {', '.join(sorted(adapters))}" if adapters else ""
             raise NoCandidates(
-                f"no prefill worker is available (healthy, circuit closed, ready{which}{serving})"
+                f"no prefill worker is available (healthy, circuit closed, ready{kinds}{serving})"
             )
-        if request.lookup is not None:
-            pending = self.loads.pending_blocks(request.lookup.keys)
-            request = replace(request, pending=pending)
-        choice = self.prefill_policy.choose(request, prefills)
+        if query.lookup is not None:
+            query = replace(query, pending=self.loads.pending_blocks(query.lookup.keys))
+        choice = self.prefill_policy.choose(query, prefills)
         prefill = self.pool.get(choice.worker)
         if prefill is None:
             raise NoCandidates("a chosen worker left the pool")
-        return prefill, choice, request
+        return prefill, choice, query
 
     def choose_decode(
         self,
-        request: RouteRequest,
+        query: RouteQuery,
         kind: Kind,
         avoid: Collection[str] = (),
-        model: str | None = None,
-        adapters: Collection[str] = (),
         among: Collection[str] | None = None,
     ) -> Worker:
-        """The decode policy's choice among the eligible decodes of `kind` serving
-        `adapters` (only those whose id is in `among`, when given); raises `NoCandidates`."""
-        decodes = self.candidates("decode", avoid, kind, model, adapters)
+        """The decode policy's choice among the eligible decodes of `kind` that may serve
+        `query` (only those whose id is in `among`, when given); raises `NoCandidates`."""
+        decodes = self.candidates("decode", query, avoid, kind)
         if among is not None:
             decodes = [c for c in decodes if c.worker in among]
         if not decodes:
+            adapters = query.namespace.adapters
             serving = f", serving {', '.join(sorted(adapters))}" if adapters else ""
             raise NoCandidates(
                 f"no {kind} decode worker is available (healthy, circuit closed{serving})"
             )
-        decode = self.pool.get(self.decode_policy.choose(request, decodes).worker)
+        decode = self.pool.get(self.decode_policy.choose(query, decodes).worker)
         if decode is None:
             raise NoCandidates("a chosen worker left the pool")
         return decode
 
-    def bind(
-        self,
-        request: RouteRequest,
-        prefill: Worker,
-        choice: Choice,
-        decode: Worker,
-        batch: int | None,
-    ) -> RoutePlan:
+    def bind(self, query: RouteQuery, prefill: Worker, choice: Choice, decode: Worker) -> RoutePlan:
         """The pair's plan: the decision counted, and one room per batch element drawn so
         that, where the prefill follows the room, it selects the DP rank holding the hit."""
-        self.record(choice, request)
+        self.record(choice, query)
         directory = prefill.directory
         dp_size = directory.dp_size
         follows = directory.follow_bootstrap_room and dp_size > 1
@@ -263,22 +235,23 @@ class Router:
         known = wanted is not None and wanted < dp_size
         dp_rank = wanted if follows and known else None
         pinned = wanted if self._dp_aware and not follows and dp_size > 1 and known else None
-        count = 1 if batch is None else batch
+        count = 1 if query.batch is None else query.batch
         rooms = [draw_room(self._rooms, dp_size, dp_rank) for _ in range(count)]
-        keys = request.lookup.keys if request.lookup is not None else ()
         computing = directory.computing_rank(rooms[0], pinned)
-        return RoutePlan(prefill, decode, choice, rooms, keys, computing, pinned_dp_rank=pinned)
+        return RoutePlan(
+            prefill, decode, choice, rooms, query.keys, computing, pinned_dp_rank=pinned
+        )
 
-    def record(self, choice: Choice, request: RouteRequest, paired: bool = True) -> None:
+    def record(self, choice: Choice, query: RouteQuery, paired: bool = True) -> None:
         """One decision counted: the prefill's outcome (hit, miss, fallback) and, `paired`,
         the decode's (an aggregated worker serves the request whole)."""
         if paired:
             self._decode_decision.inc()
-        if choice.fallback is not None or (self.uses_index and request.lookup is None):
+        if choice.fallback is not None or (self.uses_index and query.lookup is None):
             self._prefill_decisions["fallback"].inc()
             return
         self._prefill_decisions["hit" if choice.hit_tokens > 0 else "miss"].inc()
-        if request.lookup is not None:
+        if query.lookup is not None:
             self._metrics.chosen_hit.observe(choice.hit_tokens)
 
     def forget(self, worker: str) -> None:

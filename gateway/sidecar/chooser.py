@@ -19,8 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection, Sequence
 
-from gateway.config import Kind
-from gateway.policies.base import NoCandidates, RouteRequest
+from gateway.policies.base import NoCandidates, RouteQuery
 from gateway.requests import BadRequest
 from gateway.routing.plan import RoutePlan
 from gateway.routing.router import Router
@@ -65,34 +64,24 @@ class SidecarChooser:
         self._decode = decode
         """The local engine's worker id."""
 
-    def plan(
-        self,
-        request: RouteRequest,
-        batch: int | None,
-        avoid: Collection[str] = (),
-        model: str | None = None,
-        kind: Kind | None = None,
-        adapters: Collection[str] = (),
-    ) -> RoutePlan:
+    def plan(self, query: RouteQuery, avoid: Collection[str] = ()) -> RoutePlan:
         router = self._router
         decode = router.pool.get(self._decode)
         if decode is None or not decode.eligible:
             raise NoCandidates(f"the local decode {self._decode} is not available")
-        if kind is not None and kind != decode.kind:
-            raise NoCandidates(f"the local decode speaks {decode.kind}, not {kind}")
-        missing = set(adapters) - decode.adapters.keys()
+        if query.kind is not None and query.kind != decode.kind:
+            raise NoCandidates(f"the local decode speaks {decode.kind}, not {query.kind}")
+        missing = set(query.adapters) - decode.adapters.keys()
         if missing:
             raise NoCandidates(f"the local decode serves no {', '.join(sorted(missing))}")
-        named = request.prefill
+        named = query.prefill
         if named is not None and named not in avoid:
             try:
-                prefill, choice, request = router.choose_prefill(
-                    request, avoid, model, decode.kind, adapters, among=(named,)
+                prefill, choice, chosen = router.choose_prefill(
+                    query, avoid, among=(named,), kind=decode.kind
                 )
-                return router.bind(request, prefill, choice, decode, batch)
+                return router.bind(chosen, prefill, choice, decode)
             except NoCandidates:
                 log.debug("prefill %s named for the request is not available", named)
-        prefill, choice, request = router.choose_prefill(
-            request, avoid, model, decode.kind, adapters
-        )
-        return router.bind(request, prefill, choice, decode, batch)
+        prefill, choice, chosen = router.choose_prefill(query, avoid, kind=decode.kind)
+        return router.bind(chosen, prefill, choice, decode)

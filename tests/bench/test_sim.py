@@ -172,7 +172,7 @@ async def test_the_simulation_routes_every_request_through_the_policy_it_built(
         real = policy.choose
 
         def choose(
-            request: gateway_policies.RouteRequest,
+            request: gateway_policies.RouteQuery,
             candidates: Any,
         ) -> gateway_policies.Choice:
             choice = real(request, candidates)
@@ -323,7 +323,7 @@ async def test_the_simulated_prefills_report_their_capacity_to_the_policy(
         real = policy.choose
 
         def choose(
-            request: gateway_policies.RouteRequest, candidates: Any
+            request: gateway_policies.RouteQuery, candidates: Any
         ) -> gateway_policies.Choice:
             seen.append({(c.worker, c.cache_capacity_tokens) for c in candidates})
             return real(request, candidates)

@@ -15,6 +15,8 @@ from prometheus_client import CollectorRegistry
 from gateway.config import GatewayConfig, HealthConfig, KvEventsSpec, WorkerSpec
 from gateway.http.answer import Answer
 from gateway.http.upstream import Upstream
+from gateway.policies.base import RouteQuery
+from gateway.requests import ParsedRequest
 from gateway.service import Gateway, build_gateway
 from gateway.workers.monitor import PodRegistration
 from globalkv.index.base import IndexUnavailable
@@ -270,3 +272,12 @@ async def rest_of(answer: Answer) -> bytes:
 
 def sample(gateway: Gateway, name: str, **labels: str) -> float:
     return registry_sample(gateway.metrics.registry, name, **labels)
+
+
+def query_of(parsed: ParsedRequest) -> RouteQuery:
+    """What choosing reads of `parsed`, as the handler reads it, for tests that call the
+    dispatcher or the router directly (its tokens as given, no lookup yet)."""
+    kind = "sglang" if parsed.endpoint == "generate" else parsed.namespace.kind
+    return RouteQuery(
+        parsed.token_ids, parsed.text, namespace=parsed.namespace, kind=kind, batch=parsed.batch
+    )

@@ -13,7 +13,7 @@ import pytest
 from gateway.config import PdDeciderConfig
 from gateway.load.pending import PendingHit
 from gateway.load.tracker import Candidate
-from gateway.policies.base import RouteRequest
+from gateway.policies.base import RouteQuery
 from gateway.routing.decider import PdDecider, local_capable
 from globalkv.lookup import LookupResult, PodHit
 
@@ -22,7 +22,7 @@ BLOCK = 16
 
 def request(
     prompt: int, *hits: tuple[str, int], pending: dict[str, int] | None = None
-) -> RouteRequest:
+) -> RouteQuery:
     lookup = LookupResult(
         block_size=BLOCK,
         blocks=prompt // BLOCK,
@@ -30,7 +30,7 @@ def request(
         keys=list(range(prompt // BLOCK)),
     )
     sent = {w: PendingHit(blocks // BLOCK, None) for w, blocks in (pending or {}).items()}
-    return RouteRequest(list(range(prompt)), lookup=lookup, pending=sent)
+    return RouteQuery(list(range(prompt)), lookup=lookup, pending=sent)
 
 
 def rates(**by_worker: float | None) -> Callable[[str], float | None]:
@@ -182,7 +182,7 @@ def test_nothing_to_estimate_from_disaggregates() -> None:
     prefills, decodes = [Candidate("p", "p")], [Candidate("d", "d")]
     assert d.decide(request(160), prefills, decodes, rates()).reason == "unmeasured"
     assert d.decide(request(160), prefills, [], rates(p=1e3)).reason == "no_local_decode"
-    no_lookup = RouteRequest(list(range(160)))
+    no_lookup = RouteQuery(list(range(160)))
     assert d.decide(no_lookup, prefills, decodes, rates(p=1e3)).reason == "no_lookup"
 
 

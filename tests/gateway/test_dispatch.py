@@ -12,7 +12,6 @@ import pytest
 
 from gateway.config import BreakerConfig, RetryConfig
 from gateway.http.answer import Answer
-from gateway.policies.base import RouteRequest
 from gateway.requests import parse_request
 from gateway.service import Gateway
 from globalkv.lookup import LookupResult, PodHit
@@ -25,6 +24,7 @@ from tests.gateway.fakes import (
     StubProbe,
     config,
     make_gateway,
+    query_of,
     rest_of,
     sample,
 )
@@ -33,7 +33,7 @@ from tests.support.clock import FakeClock, RecordedSleep
 
 async def send(gateway: Gateway, body: dict[str, Any], endpoint: Any = "generate") -> Answer:
     parsed = parse_request(endpoint, body)
-    route = RouteRequest(parsed.token_ids, parsed.text, None)
+    route = query_of(parsed)
     path = {
         "generate": "/generate",
         "completions": "/v1/completions",
@@ -324,11 +324,10 @@ async def test_dp_aware_rooms_select_the_rank_holding_the_prefix() -> None:
     result = LookupResult(block_size=4, blocks=3, pods=[PodHit("10.0.0.2:30001", 2, 3, 12, 3.0)])
     gateway = await make_gateway(cluster, probe=probe, lookup=StubLookup(result))
     tokens = list(range(13))
-    lookup = await gateway.router.lookup(tokens, None)
     parsed = parse_request("generate", {"input_ids": [tokens, tokens]})
-    answer = await gateway.dispatcher.forward(
-        parsed, RouteRequest(tokens, None, lookup), "/generate"
-    )
+    query = query_of(parsed)
+    await gateway.router.look_up(query)
+    answer = await gateway.dispatcher.forward(parsed, query, "/generate")
     assert isinstance(answer, Answer)
     body = cluster.inference("prefill")[0].body
     assert cluster.inference("prefill")[0].worker == "10.0.0.2:30001"

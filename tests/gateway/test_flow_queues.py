@@ -11,12 +11,12 @@ import pytest
 from gateway.flow.keys import FlowKey
 from gateway.flow.queues import FlowQueues, FlowRequest, Refused, Waiting
 from gateway.flow.usage import Usage
-from gateway.policies.base import RouteRequest
+from gateway.policies.base import RouteQuery
 
 
 def waiting(tenant: str, priority: int = 0, tokens: int = 100, size: int = 10) -> Waiting:
     key = FlowKey(tenant, priority, "default", None)
-    request = FlowRequest(key, tokens, size, RouteRequest(None))
+    request = FlowRequest(key, tokens, size, RouteQuery(None))
     return Waiting(request, 0.0, asyncio.get_running_loop().create_future())
 
 

@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 
 from gateway.cli import _index_parts
 from gateway.load.tracker import LoadTracker
-from gateway.policies import RouteRequest, build_policy
+from gateway.policies import RouteQuery, build_policy
 from globalkv.index.base import Source, SourceBatch, StoreBlocks, Tier
 from globalkv.index.memory import MemoryIndex
 from globalkv.keys import EngineHash, root_key
@@ -37,7 +37,7 @@ async def test_prefix_policy_on_a_memory_index_in_simulated_time() -> None:
     policy = build_policy("prefix", Random(1))
     loads = LoadTracker()
     workers = [("wa", "pod-a"), ("wb", "pod-b")]
-    first = policy.choose(RouteRequest(prompt, lookup=result, now=0.0), loads.candidates(workers))
+    first = policy.choose(RouteQuery(prompt, lookup=result, now=0.0), loads.candidates(workers))
     assert (first.worker, first.dp_rank, first.hit_tokens, first.uncached_tokens) == (
         "wa",
         1,
@@ -45,10 +45,10 @@ async def test_prefix_policy_on_a_memory_index_in_simulated_time() -> None:
         4,
     )
     ticket = loads.start_prefill(first.worker, first.uncached_tokens + 20)
-    second = policy.choose(RouteRequest(prompt, lookup=result, now=1.0), loads.candidates(workers))
+    second = policy.choose(RouteQuery(prompt, lookup=result, now=1.0), loads.candidates(workers))
     assert second.worker == "wb", "24 queued on pod-a outweighs its 8 extra cached tokens"
     loads.finish(ticket)
-    third = policy.choose(RouteRequest(prompt, lookup=result, now=2.0), loads.candidates(workers))
+    third = policy.choose(RouteQuery(prompt, lookup=result, now=2.0), loads.candidates(workers))
     assert third.worker == "wa"
 
 

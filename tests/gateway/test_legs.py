@@ -8,7 +8,7 @@ from collections.abc import Collection
 from random import Random
 from typing import Any
 
-from gateway.config import Kind, RetryConfig
+from gateway.config import RetryConfig
 from gateway.http.answer import Answer, problem
 from gateway.legs.attempt import Attempt, Failure
 from gateway.legs.deadline import Progress
@@ -16,7 +16,7 @@ from gateway.legs.dispatch import Dispatcher
 from gateway.legs.retry import RetrySchedule
 from gateway.legs.sglang import DualLegs
 from gateway.legs.vllm import SequentialLegs
-from gateway.policies.base import Choice, RouteRequest
+from gateway.policies.base import Choice, RouteQuery
 from gateway.requests import ParsedRequest, parse_request
 from gateway.routing.plan import RoutePlan
 from gateway.service import Gateway
@@ -39,15 +39,7 @@ class _PairsInTurn:
         self._gateway = gateway
         self.avoided: list[set[str]] = []
 
-    def plan(
-        self,
-        request: RouteRequest,
-        batch: int | None,
-        avoid: Collection[str] = (),
-        model: str | None = None,
-        kind: Kind | None = None,
-        adapters: Collection[str] = (),
-    ) -> RoutePlan:
+    def plan(self, query: RouteQuery, avoid: Collection[str] = ()) -> RoutePlan:
         self.avoided.append(set(avoid))
         turn = len(self.avoided) - 1
         return _plan(self._gateway, PREFILLS[turn % 2], DECODES[turn % 2])
@@ -77,7 +69,7 @@ async def test_the_dispatcher_retries_on_new_pairs_through_the_legs_of_the_pairs
         chooser, {"sglang": legs}, retries, gateway.metrics, timeout=60.0, sleep=sleeps
     )
     parsed = parse_request("generate", {"input_ids": [1, 2]})
-    answer = await dispatcher.forward(parsed, RouteRequest([1, 2]), "/generate")
+    answer = await dispatcher.forward(parsed, RouteQuery([1, 2]), "/generate")
     assert (answer.status, answer.body) == (200, b'{"text": "ok"}')
     first, second = host(PREFILLS[0]), host(PREFILLS[1])
     assert legs.attempts == [(0, False, first), (1, False, second), (2, True, first)]

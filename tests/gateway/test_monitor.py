@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from gateway.config import HealthConfig, KvEventsSpec, WorkerSpec
+from gateway.policies.base import RouteQuery
 from gateway.requests import parse_request
 from gateway.workers.monitor import PodRegistration, RegistrationFailed
 from gateway.workers.pods import pod_info
@@ -310,7 +311,8 @@ async def test_pools_of_two_models_are_keyed_in_the_index_by_their_own() -> None
     }
     for named in ("model-b", "model-a", "not-served", None):
         parsed = parse_request("completions", {"prompt": [1, 2], "model": named})
-        await gateway.router.lookup([1, 2], None, gateway.router.namespace(parsed.body))
+        namespace = gateway.router.namespace(parsed.body)
+        await gateway.router.look_up(RouteQuery([1, 2], namespace=namespace))
     assert [model for model, _ in lookup.asked] == ["model-b", "model-a", "model-a", "model-a"]
 
 

@@ -14,7 +14,7 @@ from gateway.config import PrefixWeights
 from gateway.inference import Inference
 from gateway.legs.dispatch import Answer
 from gateway.load.pending import PendingHit
-from gateway.policies.base import RouteRequest
+from gateway.policies.base import RouteQuery
 from gateway.requests import parse_request
 from globalkv.lookup import LookupResult
 from tests.gateway.fakes import (
@@ -38,7 +38,7 @@ async def test_a_cancelled_request_leaves_nothing_pending() -> None:
     gateway = await make_gateway(cluster)
     lookup = LookupResult(block_size=4, blocks=2, pods=[], keys=[31, 32])
     parsed = parse_request("generate", {"input_ids": list(range(8))})
-    route = RouteRequest(list(range(8)), None, lookup)
+    route = RouteQuery(list(range(8)), None, lookup)
     task = asyncio.ensure_future(gateway.dispatcher.forward(parsed, route, "/generate"))
     await cluster.wait_calls(2)
     assert gateway.loads.pending_keys() == 2

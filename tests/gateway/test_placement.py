@@ -12,7 +12,7 @@ import pytest
 
 from gateway.config import PrefixWeights
 from gateway.load.tracker import Candidate
-from gateway.policies import RouteRequest, build_policy
+from gateway.policies import RouteQuery, build_policy
 from gateway.policies.placement import PlacementLedger
 from gateway.policies.prefix import PrefixPolicy
 from globalkv.lookup import LookupResult, PodHit
@@ -31,10 +31,8 @@ def lookup(blocks: int, *held: tuple[str, int], first_key: int = 10_000) -> Look
     )
 
 
-def request(blocks: int, *held: tuple[str, int], first_key: int = 10_000) -> RouteRequest:
-    return RouteRequest(
-        tokens=[1] * (blocks * BS), lookup=lookup(blocks, *held, first_key=first_key)
-    )
+def request(blocks: int, *held: tuple[str, int], first_key: int = 10_000) -> RouteQuery:
+    return RouteQuery(tokens=[1] * (blocks * BS), lookup=lookup(blocks, *held, first_key=first_key))
 
 
 def cand(worker: str, capacity_blocks: int | None = CAPACITY, queued: int = 0) -> Candidate:

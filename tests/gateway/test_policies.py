@@ -8,7 +8,7 @@ import pytest
 
 from gateway.config import CacheAwareConfig, PrefixWeights
 from gateway.load.tracker import Candidate, LoadTracker
-from gateway.policies import RouteRequest, build_policy
+from gateway.policies import RouteQuery, build_policy
 from gateway.policies.radix import RadixTree
 from globalkv.lookup import LookupResult, PodHit
 
@@ -35,7 +35,7 @@ def cand(
 
 def test_prefix_prefers_the_longest_hit_when_idle() -> None:
     policy = build_policy("prefix", Random(0))
-    request = RouteRequest(
+    request = RouteQuery(
         tokens=list(range(1000)), lookup=hits(("pod-b", 1, 640), ("pod-a", 0, 320))
     )
     choice = policy.choose(request, [cand("a", pod="pod-a"), cand("b", pod="pod-b")])
@@ -51,7 +51,7 @@ def test_prefix_prefers_the_longest_hit_when_idle() -> None:
 def test_prefix_long_hit_on_overloaded_pod_loses_to_short_hit_on_idle_pod() -> None:
     """The docstring's example: 8,000-token prompt, 6,000 cached behind 14,000 queued."""
     policy = build_policy("prefix", Random(0))
-    request = RouteRequest(tokens=[1] * 8000, lookup=hits(("busy", 0, 6000), ("idle", 0, 1000)))
+    request = RouteQuery(tokens=[1] * 8000, lookup=hits(("busy", 0, 6000), ("idle", 0, 1000)))
     choice = policy.choose(request, [cand("busy", queued=14_000), cand("idle")])
     assert choice.worker == "idle"
     assert choice.uncached_tokens == 7000
@@ -61,7 +61,7 @@ def test_prefix_weighs_the_estimated_rest_of_the_queue_not_all_that_was_sent() -
     """The same busy pod, estimated to have 2,000 of its 14,000 tokens left: 2,000 + 1,000
     beats the idle pod's 7,000, so the prompt stays with its prefix."""
     policy = build_policy("prefix", Random(0))
-    request = RouteRequest(tokens=[1] * 8000, lookup=hits(("busy", 0, 6000), ("idle", 0, 1000)))
+    request = RouteQuery(tokens=[1] * 8000, lookup=hits(("busy", 0, 6000), ("idle", 0, 1000)))
     choice = policy.choose(request, [cand("busy", queued=14_000, remaining=2000), cand("idle")])
     assert (choice.worker, choice.uncached_tokens) == ("busy", 2000)
 
@@ -69,30 +69,30 @@ def test_prefix_weighs_the_estimated_rest_of_the_queue_not_all_that_was_sent() -
 def test_prefix_weights_change_the_decision() -> None:
     weights = PrefixWeights(uncached_weight=1.0, queued_weight=0.1)
     policy = build_policy("prefix", Random(0), prefix=weights)
-    request = RouteRequest(tokens=[1] * 8000, lookup=hits(("busy", 0, 6000), ("idle", 0, 1000)))
+    request = RouteQuery(tokens=[1] * 8000, lookup=hits(("busy", 0, 6000), ("idle", 0, 1000)))
     assert policy.choose(request, [cand("busy", queued=14_000), cand("idle")]).worker == "busy"
     costly = build_policy("prefix", Random(0), prefix=PrefixWeights(request_cost=10_000))
-    no_hit = RouteRequest(tokens=[1] * 100, lookup=hits())
+    no_hit = RouteQuery(tokens=[1] * 100, lookup=hits())
     assert costly.choose(no_hit, [cand("x", in_flight=1), cand("y")]).worker == "y"
 
 
 def test_prefix_best_dp_rank_of_a_pod_is_counted() -> None:
     policy = build_policy("prefix", Random(0))
-    request = RouteRequest(tokens=[1] * 100, lookup=hits(("p", 0, 16), ("p", 3, 64)))
+    request = RouteQuery(tokens=[1] * 100, lookup=hits(("p", 0, 16), ("p", 3, 64)))
     choice = policy.choose(request, [cand("w", pod="p")])
     assert (choice.dp_rank, choice.hit_tokens) == (3, 64)
 
 
 def test_prefix_without_lookup_falls_back_to_least_load() -> None:
     policy = build_policy("prefix", Random(0))
-    choice = policy.choose(RouteRequest(tokens=None), [cand("a", queued=50), cand("b", queued=5)])
+    choice = policy.choose(RouteQuery(tokens=None), [cand("a", queued=50), cand("b", queued=5)])
     assert (choice.worker, choice.fallback) == ("b", "no_lookup")
 
 
 def test_ties_are_broken_by_the_seeded_rng_reproducibly() -> None:
     def run(seed: int) -> list[str]:
         policy = build_policy("prefix", Random(seed))
-        request = RouteRequest(tokens=[1] * 10, lookup=hits())
+        request = RouteQuery(tokens=[1] * 10, lookup=hits())
         return [policy.choose(request, [cand("a"), cand("b"), cand("c")]).worker for _ in range(30)]
 
     assert run(3) == run(3)
@@ -101,7 +101,7 @@ def test_ties_are_broken_by_the_seeded_rng_reproducibly() -> None:
 
 def test_round_robin_cycles() -> None:
     policy = build_policy("round_robin", Random(0))
-    picks = [policy.choose(RouteRequest(None), [cand("a"), cand("b")]).worker for _ in range(4)]
+    picks = [policy.choose(RouteQuery(None), [cand("a"), cand("b")]).worker for _ in range(4)]
     assert picks == ["a", "b", "a", "b"]
 
 
@@ -109,54 +109,54 @@ def test_random_uses_its_rng() -> None:
     a = build_policy("random", Random(9))
     b = build_policy("random", Random(9))
     cands = [cand(str(i)) for i in range(5)]
-    assert [a.choose(RouteRequest(None), cands).worker for _ in range(20)] == [
-        b.choose(RouteRequest(None), cands).worker for _ in range(20)
+    assert [a.choose(RouteQuery(None), cands).worker for _ in range(20)] == [
+        b.choose(RouteQuery(None), cands).worker for _ in range(20)
     ]
 
 
 def test_least_load_orders_by_queued_tokens_then_in_flight() -> None:
     policy = build_policy("least_load", Random(0))
     cands = [cand("a", in_flight=1, queued=10), cand("b", in_flight=5, queued=0), cand("c", 0, 10)]
-    assert policy.choose(RouteRequest(None), cands).worker == "b"
-    assert policy.choose(RouteRequest(None), [cand("a", 2, 0), cand("c", 1, 0)]).worker == "c"
+    assert policy.choose(RouteQuery(None), cands).worker == "b"
+    assert policy.choose(RouteQuery(None), [cand("a", 2, 0), cand("c", 1, 0)]).worker == "c"
 
 
 def test_power_of_two_never_picks_the_more_loaded_of_two() -> None:
     policy = build_policy("power_of_two", Random(5))
     cands = [cand("hot", in_flight=9), cand("cold", in_flight=0)]
-    assert {policy.choose(RouteRequest(None), cands).worker for _ in range(20)} == {"cold"}
-    assert policy.choose(RouteRequest(None), [cand("only")]).worker == "only"
+    assert {policy.choose(RouteQuery(None), cands).worker for _ in range(20)} == {"cold"}
+    assert policy.choose(RouteQuery(None), [cand("only")]).worker == "only"
 
 
 def test_cache_aware_follows_the_tree_when_balanced() -> None:
     policy = build_policy("cache_aware", Random(0))
     cands = [cand("a"), cand("b")]
-    first = policy.choose(RouteRequest(tokens=[1, 2, 3, 4, 5, 6], now=0.0), cands)
-    again = policy.choose(RouteRequest(tokens=[1, 2, 3, 4, 5, 9], now=1.0), cands)
+    first = policy.choose(RouteQuery(tokens=[1, 2, 3, 4, 5, 6], now=0.0), cands)
+    again = policy.choose(RouteQuery(tokens=[1, 2, 3, 4, 5, 9], now=1.0), cands)
     assert again.worker == first.worker
     assert again.hit_tokens == 5
-    other = policy.choose(RouteRequest(tokens=[7, 8, 9], now=2.0), cands)
+    other = policy.choose(RouteQuery(tokens=[7, 8, 9], now=2.0), cands)
     assert other.worker != first.worker, "a miss goes to the emptiest tree"
 
 
 def test_cache_aware_balances_when_imbalanced() -> None:
     policy = build_policy("cache_aware", Random(0), cache_aware=CacheAwareConfig())
     cands = [cand("a", in_flight=0), cand("b", in_flight=0)]
-    policy.choose(RouteRequest(tokens=[1, 2, 3]), cands)
-    holder = policy.choose(RouteRequest(tokens=[1, 2, 3]), cands).worker
+    policy.choose(RouteQuery(tokens=[1, 2, 3]), cands)
+    holder = policy.choose(RouteQuery(tokens=[1, 2, 3]), cands).worker
     other = "b" if holder == "a" else "a"
     mild = [cand(holder, in_flight=60), cand(other, in_flight=0)]
-    assert policy.choose(RouteRequest(tokens=[1, 2, 3]), mild).worker == holder, "abs 64 not met"
+    assert policy.choose(RouteQuery(tokens=[1, 2, 3]), mild).worker == holder, "abs 64 not met"
     loaded = [cand(holder, in_flight=200), cand(other, in_flight=10)]
-    assert policy.choose(RouteRequest(tokens=[1, 2, 3]), loaded).worker == other
+    assert policy.choose(RouteQuery(tokens=[1, 2, 3]), loaded).worker == other
 
 
 def test_cache_aware_uses_text_without_tokens_and_load_without_either() -> None:
     policy = build_policy("cache_aware", Random(0))
     cands = [cand("a"), cand("b", queued=1)]
-    first = policy.choose(RouteRequest(tokens=None, text="hello world"), cands).worker
-    assert policy.choose(RouteRequest(tokens=None, text="hello there"), cands).worker == first
-    blind = policy.choose(RouteRequest(tokens=None), cands)
+    first = policy.choose(RouteQuery(tokens=None, text="hello world"), cands).worker
+    assert policy.choose(RouteQuery(tokens=None, text="hello there"), cands).worker == first
+    blind = policy.choose(RouteQuery(tokens=None), cands)
     assert (blind.worker, blind.fallback) == ("a", "no_tokens")
 
 
@@ -164,11 +164,11 @@ def test_cache_aware_evicts_on_simulated_time() -> None:
     config = CacheAwareConfig(eviction_interval_secs=10, max_tree_size=4)
     policy = build_policy("cache_aware", Random(0), cache_aware=config)
     cands = [cand("a")]
-    policy.choose(RouteRequest(tokens=[1, 2, 3, 4, 5, 6], now=0.0), cands)
-    policy.choose(RouteRequest(tokens=[9, 9], now=5.0), cands)
+    policy.choose(RouteQuery(tokens=[1, 2, 3, 4, 5, 6], now=0.0), cands)
+    policy.choose(RouteQuery(tokens=[9, 9], now=5.0), cands)
     tree = policy.tree  # type: ignore[attr-defined]
     assert tree.sizes["a"] == 8
-    policy.choose(RouteRequest(tokens=[9, 9], now=10.0), cands)
+    policy.choose(RouteQuery(tokens=[9, 9], now=10.0), cands)
     assert tree.sizes["a"] <= 4
     assert tree.match([9, 9], {"a"}) == (2, "a"), "the recently used branch survives"
     policy.forget("a")

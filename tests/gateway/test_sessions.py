@@ -10,7 +10,7 @@ import pytest
 from gateway.config import PrefixWeights
 from gateway.http.answer import Answer
 from gateway.inference import Inference
-from gateway.policies import RouteRequest, build_policy
+from gateway.policies import RouteQuery, build_policy
 from gateway.policies.sessions import SessionTable, Turn
 from globalkv.keys import request_keys
 from globalkv.lookup import LookupResult
@@ -47,14 +47,14 @@ CONVERSATION = list(range(640))
 
 def turn(
     tokens: list[int], *pods: tuple[str, int, int], now: float = 0, session: str | None = "s"
-) -> RouteRequest:
+) -> RouteQuery:
     lookup = LookupResult(
         block_size=BLOCK,
         blocks=len(tokens) // BLOCK,
         pods=hits(*pods).pods,
         keys=request_keys(tokens, BLOCK, "m"),
     )
-    return RouteRequest(tokens=tokens, lookup=lookup, now=now, session=session)
+    return RouteQuery(tokens=tokens, lookup=lookup, now=now, session=session)
 
 
 NEXT = [*CONVERSATION, *range(1000, 1320)]
@@ -104,7 +104,7 @@ def test_without_the_index_the_last_turn_still_counts_unless_the_queue_outweighs
     policy = build_policy("prefix", Random(0))
     first = policy.choose(turn(CONVERSATION), [cand("a"), cand("b")]).worker
     other = "b" if first == "a" else "a"
-    blind = RouteRequest(tokens=NEXT, lookup=None, now=1, session="s")
+    blind = RouteQuery(tokens=NEXT, lookup=None, now=1, session="s")
     kept = policy.choose(blind, [cand(first, queued=600), cand(other)])
     assert (kept.worker, kept.hit_tokens, kept.fallback) == (first, 640, "no_lookup")
     moved = policy.choose(blind, [cand(first, queued=5000), cand(other)])

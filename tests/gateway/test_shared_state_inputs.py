@@ -19,7 +19,6 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from gateway.legs.dispatch import Answer
 from gateway.load.pending import PendingPrefixes
 from gateway.load.tracker import LoadTracker
-from gateway.policies.base import RouteRequest
 from gateway.replicas.shared_state import SharedState, member_name
 from gateway.replicas.shared_wire import (
     MAX_KEYS_PER_ADD,
@@ -33,7 +32,7 @@ from gateway.replicas.shared_wire import (
 from gateway.requests import parse_request
 from globalkv.lookup import LookupResult
 from kvplumbing.tasks import cancel_and_wait
-from tests.gateway.fakes import Cluster, Reading, StubLookup, StubProbe, make_gateway
+from tests.gateway.fakes import Cluster, Reading, StubLookup, StubProbe, make_gateway, query_of
 from tests.support.metrics import sample
 from tests.support.net import await_for
 
@@ -252,11 +251,10 @@ async def test_a_remote_dp_rank_that_is_not_one_is_dropped(
             shared._apply(_message(["add", serial, worker, keys, rank]))
             assert gateway.loads.pending_blocks(keys)[worker].dp_rank is None
         tokens = list(range(13))
-        lookup = await gateway.router.lookup(tokens, None)
         parsed = parse_request("generate", {"input_ids": tokens})
-        answer = await gateway.dispatcher.forward(
-            parsed, RouteRequest(tokens, None, lookup), "/generate"
-        )
+        query = query_of(parsed)
+        await gateway.router.look_up(query)
+        answer = await gateway.dispatcher.forward(parsed, query, "/generate")
         assert isinstance(answer, Answer)
         assert answer.status == 200
     finally:

@@ -12,11 +12,20 @@ import httpx
 from gateway.config import WorkerSpec
 from gateway.http.answer import Answer
 from gateway.legs.vllm import decode_kv
-from gateway.policies.base import RouteRequest
+from gateway.policies.base import RouteQuery
 from gateway.requests import parse_request
 from gateway.service import Gateway
 from gateway.workers.kinds import detect_kind
-from tests.gateway.fakes import DECODES, PREFILLS, Cluster, config, make_gateway, rest_of, sample
+from tests.gateway.fakes import (
+    DECODES,
+    PREFILLS,
+    Cluster,
+    config,
+    make_gateway,
+    query_of,
+    rest_of,
+    sample,
+)
 
 PARAMS = {
     "do_remote_prefill": True,
@@ -50,7 +59,7 @@ def vllm_config(**overrides: Any) -> Any:
 
 async def send(gateway: Gateway, body: dict[str, Any], endpoint: Any = "completions") -> Any:
     parsed = parse_request(endpoint, body)
-    route = RouteRequest(parsed.token_ids, parsed.text, None)
+    route = query_of(parsed)
     path = {"completions": "/v1/completions", "generate": "/generate"}[endpoint]
     return await gateway.dispatcher.forward(parsed, route, path)
 
@@ -300,7 +309,7 @@ async def test_pairs_stay_within_one_kind_in_a_mixed_pool() -> None:
     )
     gateway = await make_gateway(cluster, cfg)
     for _ in range(4):
-        plan = gateway.router.plan(RouteRequest(None, "x", None), None)
+        plan = gateway.router.plan(RouteQuery(None, "x"))
         assert plan.prefill.kind == plan.decode.kind
         assert (plan.prefill.url, plan.decode.url) in {
             (PREFILLS[0], DECODES[1]),

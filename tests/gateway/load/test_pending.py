@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from gateway.config import PrefixWeights
 from gateway.load.pending import PendingHit, PendingPrefixes
 from gateway.load.tracker import Candidate, LoadTracker
-from gateway.policies import RouteRequest, build_policy
+from gateway.policies import RouteQuery, build_policy
 from globalkv.keys import request_keys
 from globalkv.lookup import LookupResult, PodHit
 
@@ -132,7 +132,7 @@ def test_prefix_counts_what_it_sent_where_the_index_shows_less() -> None:
     """The index shows 160 tokens on pod-b; 40 blocks (640 tokens) were sent to a's rank 2."""
     policy = build_policy("prefix", Random(0), prefix=PrefixWeights(queued_weight=1.0))
     lookup = LookupResult(16, 62, [PodHit("pod-b", 1, 10, 160, 10.0)], keys=list(range(62)))
-    request = RouteRequest(tokens=[1] * 1000, lookup=lookup, pending={"a": PendingHit(40, 2)})
+    request = RouteQuery(tokens=[1] * 1000, lookup=lookup, pending={"a": PendingHit(40, 2)})
     candidates = [Candidate("a", "pod-a"), Candidate("b", "pod-b")]
     choice = policy.choose(request, candidates)
     assert (choice.worker, choice.hit_tokens, choice.uncached_tokens) == ("a", 640, 360)
@@ -141,6 +141,6 @@ def test_prefix_counts_what_it_sent_where_the_index_shows_less() -> None:
     assert policy.choose(request, loaded).worker == "b", "what was sent weighs like a hit"
     lighter = build_policy("prefix", Random(0), prefix=PrefixWeights(queued_weight=0.5))
     assert lighter.choose(request, loaded).worker == "a"
-    shorter = RouteRequest(tokens=[1] * 1000, lookup=lookup, pending={"b": PendingHit(5, 0)})
+    shorter = RouteQuery(tokens=[1] * 1000, lookup=lookup, pending={"b": PendingHit(5, 0)})
     held = policy.choose(shorter, candidates)
     assert (held.worker, held.hit_tokens, held.dp_rank) == ("b", 160, 1), "the index's longer"

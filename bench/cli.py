@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, TextIO, cast, get_args
 from bench.replay.config import ALL_POLICIES, DEFAULT_POLICIES, ReplaySettings
 from bench.replay.sweep import SWEEPABLE, Sweep
 from bench.replay.trace import TraceError
-from gateway.config import PolicyName, optional_float
+from gateway.settings.base import PolicyName, optional_float
 from globalkv.extras import require
 from kvplumbing.validation import validation_as_value_error
 

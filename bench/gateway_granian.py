@@ -33,10 +33,10 @@ from typing import Any
 
 from bench.gateway_ceilings import ANSWER_BODY, SSE_EVENTS, streamed
 from gateway.cli import register, running_gateway, tune_garbage_collection
-from gateway.config import GatewayConfig
-from gateway.flags import build_config
 from gateway.http.answer import Answer, pass_on, problem, too_large
 from gateway.inference import Inference
+from gateway.settings.config import GatewayConfig
+from gateway.settings.flags import build_config
 
 MODES = ("rsgi", "rsgi-rust", "rsgi-nodisconnect", "bare")
 

@@ -21,7 +21,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from gateway.config import WorkerSpec
+from gateway.settings.workers import WorkerSpec
 from gateway.workers.monitor import RegistrationFailed
 from gateway.workers.pool import DuplicateWorker
 from kvplumbing.auth import bearer_ok

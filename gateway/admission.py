@@ -34,8 +34,8 @@ from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from gateway.config import AdmissionConfig
 from gateway.http.answer import Answer, error_body
+from gateway.settings.edge import AdmissionConfig
 from kvplumbing.clock import Clock
 
 

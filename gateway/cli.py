@@ -4,7 +4,7 @@
         --prefill http://10.0.0.1:30001 8998 --prefill http://10.0.0.2:30001 none \\
         --decode http://10.0.0.3:30011 --indexer-url http://10.0.0.9:8100
 
-The flags are `gateway.flags`' (read there only; everything else takes `GatewayConfig`);
+The flags are `gateway.settings.flags`' (read there only; everything else takes `GatewayConfig`);
 here the gateway is built from its configuration, served, and stopped on a signal.
 """
 
@@ -27,9 +27,6 @@ from prometheus_client import start_http_server
 
 from bootstrap.reader import DirectoryReader
 from gateway.app import create_app
-from gateway.checks import check_gateway
-from gateway.config import DEFAULT_TRACES_ENDPOINT, GatewayConfig
-from gateway.flags import add_flags, build_config
 from gateway.http.connections import ConnectionPool
 from gateway.http.server import HttpServer
 from gateway.http.transport import upstream_client
@@ -39,7 +36,10 @@ from gateway.legs.dispatch import Chooser
 from gateway.replicas.shared_state import SharedState, member_name
 from gateway.routing.router import Router
 from gateway.service import Gateway, build_gateway
-from gateway.tracing import configured_endpoint, otlp_tracing
+from gateway.settings.checks import check_gateway
+from gateway.settings.config import DEFAULT_TRACES_ENDPOINT, GatewayConfig, configured_endpoint
+from gateway.settings.flags import add_flags, build_config
+from gateway.tracing import otlp_tracing
 from gateway.workers.discovery import Follower, discovery_source
 from gateway.workers.monitor import PodRegistrar
 from gateway.workers.pods import HttpPodRegistrar, RegistryPodRegistrar

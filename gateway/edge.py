@@ -28,7 +28,7 @@ from random import Random
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.config import EdgeConfig
+from gateway.settings.edge import EdgeConfig
 
 Headers = Sequence[tuple[bytes, bytes]]
 Picked = Mapping[bytes, bytes]

@@ -35,7 +35,7 @@ from typing import Any, Literal
 
 import orjson
 
-from gateway.config import Kind
+from gateway.settings.base import Kind
 from globalkv.tokenize import NotTokenizable, Tokenizer
 
 if array("I").itemsize != 4:

@@ -20,7 +20,6 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 from prometheus_client import CollectorRegistry
 
-from gateway.config import GatewayConfig, Kind, WorkerSpec
 from gateway.flow.control import FlowControl
 from gateway.flow.headroom import Headroom
 from gateway.http.upstream import HttpxUpstream, Upstream
@@ -38,6 +37,9 @@ from gateway.policies import build_policy
 from gateway.routing.decider import PdDecider
 from gateway.routing.pd_chooser import PdChooser
 from gateway.routing.router import Router
+from gateway.settings.base import Kind
+from gateway.settings.config import GatewayConfig
+from gateway.settings.workers import WorkerSpec
 from gateway.tracing import Tracing
 from gateway.workers.monitor import DirectoryProbe, Monitor, PodRegistrar
 from gateway.workers.pool import Worker, WorkerPool

@@ -33,7 +33,6 @@ if TYPE_CHECKING:
 TRACE_HEADERS = frozenset({b"traceparent", b"tracestate"})
 """W3C trace context, as the server keeps them from a request's head (lowercase)."""
 Headers = tuple[tuple[bytes, bytes], ...]
-ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 
 
 class CallTrace(Protocol):
@@ -184,19 +183,6 @@ class Tracing:
     def shutdown(self) -> None:
         """Export what is still buffered."""
         self.provider.shutdown()
-
-
-def configured_endpoint(
-    flag: str | None,
-    environ: Mapping[str, str] = os.environ,
-    default: str | None = None,
-) -> str | None:
-    """Where traces go: the flag, else OpenTelemetry's variables, else `default` (what
-    `--enable-trace` asks for); None: tracing off."""
-    if flag:
-        return flag
-    found = (environ[name] for name in ENDPOINT_VARIABLES if environ.get(name))
-    return next(found, default)
 
 
 def otlp_tracing(endpoint: str, flag_given: bool) -> Tracing:

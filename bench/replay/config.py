@@ -43,7 +43,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from bench.replay.trace import Arrivals
-from gateway.config import CacheAwareConfig, PolicyName, PrefixWeights
+from gateway.settings.base import PolicyName
+from gateway.settings.routing import CacheAwareConfig, PrefixWeights
 
 DEFAULT_VOCAB = 256
 """Byte tokens: why 256 is the default is told in `bench.replay.tokens`."""

@@ -41,8 +41,8 @@ from bench.replay.config import ReplaySettings, ResolvedCluster
 from bench.replay.record import PodStats, Progress, ProgressHook, RunRecord
 from bench.replay.tokens import expand
 from bench.replay.trace import Trace, arrival_times
-from gateway.config import PolicyName
 from gateway.policies import Choice
+from gateway.settings.base import PolicyName
 from globalkv.stack.cluster import LocalCluster, StackConfig
 
 log = logging.getLogger(__name__)

@@ -31,12 +31,13 @@ from bench.replay.record import Progress, ProgressHook, RunRecord
 from bench.replay.tokens import expand
 from bench.replay.trace import Trace, arrival_times, conversation
 from enginesim.kvcache import PagedKVCache
-from gateway.config import PdDeciderConfig, PolicyName
 from gateway.load.pending import PendingPrefixes
 from gateway.load.tracker import Candidate, LoadTracker
 from gateway.policies import Choice, Policy, RouteQuery, build_policy
 from gateway.policies.held import held_prefixes
 from gateway.routing.decider import PdDecider
+from gateway.settings.base import PolicyName
+from gateway.settings.routing import PdDeciderConfig
 from globalkv.index.base import ApplyResult, SourceBatch
 from globalkv.index.memory import MemoryIndex
 from globalkv.lookup import IndexLookup

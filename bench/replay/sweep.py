@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.replay.config import ReplaySettings
-from gateway.config import optional_float
+from gateway.settings.base import optional_float
 
 
 @dataclass(frozen=True, slots=True)

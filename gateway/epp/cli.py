@@ -21,7 +21,6 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from gateway.checks import check_gateway
 from gateway.cli import (
     CannotListen,
     launch,
@@ -29,10 +28,12 @@ from gateway.cli import (
     tune_garbage_collection,
     until_signalled,
 )
-from gateway.config import GatewayConfig, WorkerSpec
-from gateway.flags import add_flags, build_config
 from gateway.http.answer import Answer, problem
 from gateway.http.server import HttpServer
+from gateway.settings.checks import check_gateway
+from gateway.settings.config import GatewayConfig
+from gateway.settings.flags import add_flags, build_config
+from gateway.settings.workers import WorkerSpec
 from globalkv.extras import require
 from globalkv.tokenize import Tokenizer
 from kvplumbing.validation import validation_message

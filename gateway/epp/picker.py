@@ -41,7 +41,6 @@ from dataclasses import dataclass, field
 import orjson
 
 from gateway.admission import Admission
-from gateway.config import Kind, Role
 from gateway.epp.protocol import Headers
 from gateway.flow.control import FlowControl, Grant
 from gateway.flow.queues import FlowRequest
@@ -58,6 +57,7 @@ from gateway.requests import (
 )
 from gateway.routing.router import Router
 from gateway.service import Gateway
+from gateway.settings.base import Kind, Role
 from gateway.sidecar.chooser import LLMD_PREFILL_HEADER, PREFILL_HEADER
 from gateway.workers.pool import Worker
 from globalkv.tokenize import TokenizeError

@@ -41,13 +41,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from gateway.admission import RateBucket
-from gateway.config import AdmissionConfig
 from gateway.flow.headroom import Headroom, Reserve, Verdict
 from gateway.flow.keys import FlowKeys
 from gateway.flow.queues import FlowQueues, FlowRequest, RefusalReason, Refused, Waiting
 from gateway.flow.usage import Usage
-from gateway.flow_config import FlowConfig
 from gateway.http.answer import Answer
+from gateway.settings.edge import AdmissionConfig
+from gateway.settings.flow import FlowConfig
 from kvplumbing.clock import Clock
 
 _WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)

@@ -28,7 +28,8 @@ import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gateway.flow_config import (
+from gateway.requests import BadRequest
+from gateway.settings.flow import (
     DEFAULT_OBJECTIVE,
     DEFAULT_TTFT_HEADERS,
     MAX_TTFT_MS,
@@ -36,7 +37,6 @@ from gateway.flow_config import (
     Objective,
     objective_name,
 )
-from gateway.requests import BadRequest
 
 DEFAULT_TENANT = "default-flow"
 MAX_TENANT_BYTES = 256

@@ -12,11 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from gateway.config import Role
 from gateway.http.answer import Answer
 from gateway.legs.deadline import Progress
 from gateway.requests import ParsedRequest
 from gateway.routing.plan import RoutePlan
+from gateway.settings.base import Role
 from gateway.workers.pool import Worker
 
 

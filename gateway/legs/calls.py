@@ -27,7 +27,6 @@ from typing import Any, TypeVar
 
 import httpx
 
-from gateway.config import Role
 from gateway.http.answer import Answer, Outcome, error_body
 from gateway.http.connections import LocalResourceError
 from gateway.http.reply import Reply
@@ -39,6 +38,7 @@ from gateway.legs.retry import is_retryable_status
 from gateway.load.tracker import LoadTicket, LoadTracker
 from gateway.metrics import GatewayMetrics
 from gateway.routing.plan import RoutePlan
+from gateway.settings.base import Role
 from gateway.tracing import CallTrace, current
 from gateway.workers.breaker import is_failure_status
 from gateway.workers.pool import Worker

@@ -21,7 +21,6 @@ import logging
 from collections.abc import Collection, Mapping
 from typing import Protocol
 
-from gateway.config import Kind
 from gateway.http.answer import Answer, error_body
 from gateway.legs.attempt import Attempt, Failure, Legs
 from gateway.legs.deadline import DeadlineWatch, Progress
@@ -30,6 +29,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.policies.base import NoCandidates, RouteQuery
 from gateway.requests import ParsedRequest
 from gateway.routing.plan import RoutePlan
+from gateway.settings.base import Kind
 from gateway.tracing import current
 from kvplumbing.clock import Sleep
 

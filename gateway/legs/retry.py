@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from random import Random
 
-from gateway.config import RetryConfig
+from gateway.settings.workers import RetryConfig
 from kvplumbing.backoff import Backoff
 
 RETRYABLE_STATUSES = frozenset({408, 429, 500, 502, 503, 504})

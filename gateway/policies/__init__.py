@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from random import Random
 
-from gateway.config import CacheAwareConfig, PolicyName, PrefixWeights
 from gateway.policies.base import Choice, NoCandidates, Policy, RouteQuery
 from gateway.policies.cache_aware import CacheAwarePolicy
 from gateway.policies.least_load import LeastLoadPolicy
@@ -12,6 +11,8 @@ from gateway.policies.power_of_two import PowerOfTwoPolicy
 from gateway.policies.prefix import PrefixPolicy
 from gateway.policies.random import RandomPolicy
 from gateway.policies.round_robin import RoundRobinPolicy
+from gateway.settings.base import PolicyName
+from gateway.settings.routing import CacheAwareConfig, PrefixWeights
 
 __all__ = [
     "CacheAwarePolicy",

@@ -50,10 +50,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from gateway.config import Kind
 from gateway.load.pending import PendingHit
 from gateway.load.tracker import Candidate
 from gateway.requests import BASE, RequestNamespace
+from gateway.settings.base import Kind
 from globalkv.lookup import LookupResult
 
 # The value types below are built several times per request, so they are not frozen: a

@@ -19,10 +19,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from gateway.config import CacheAwareConfig
 from gateway.load.tracker import Candidate
 from gateway.policies.base import Choice, Policy, RouteQuery
 from gateway.policies.radix import RadixTree
+from gateway.settings.routing import CacheAwareConfig
 
 
 class CacheAwarePolicy:

@@ -63,12 +63,12 @@ from collections.abc import Sequence
 from dataclasses import replace
 from random import Random
 
-from gateway.config import PrefixWeights
 from gateway.load.tracker import Candidate
 from gateway.policies.base import Choice, Policy, RouteQuery
 from gateway.policies.held import held_prefixes
 from gateway.policies.placement import PlacementLedger
 from gateway.policies.sessions import SessionTable, Turn
+from gateway.settings.routing import PrefixWeights
 
 
 class PrefixPolicy:

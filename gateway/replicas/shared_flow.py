@@ -36,8 +36,8 @@ import math
 
 from gateway.flow.control import FlowControl, Others
 from gateway.flow.keys import MAX_TENANT_BYTES
-from gateway.flow_config import INT32
 from gateway.replicas.shared_wire import text
+from gateway.settings.flow import INT32
 
 MAX_USAGE = 1e15
 """Tokens: above any real usage; a value beyond it is skipped."""

@@ -42,10 +42,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from gateway.config import Kind, PdDeciderConfig
 from gateway.load.tracker import Candidate
 from gateway.policies.base import Choice, RouteQuery
 from gateway.policies.held import held_prefixes
+from gateway.settings.base import Kind
+from gateway.settings.routing import PdDeciderConfig
 
 Reason = Literal[
     "always", "faster", "slower", "no_lookup", "no_local_decode", "unmeasured", "batch"

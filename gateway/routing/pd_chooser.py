@@ -17,12 +17,12 @@ from typing import get_args
 
 from prometheus_client import Counter
 
-from gateway.config import Kind
 from gateway.load.tracker import Candidate
 from gateway.policies.base import NoCandidates, RouteQuery
 from gateway.routing.decider import PdDecider, PdDecision, local_capable
 from gateway.routing.plan import RoutePlan
 from gateway.routing.router import Router
+from gateway.settings.base import Kind
 
 _LOCAL_KINDS: tuple[Kind, ...] = tuple(k for k in get_args(Kind) if local_capable(k))
 

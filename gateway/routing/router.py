@@ -28,13 +28,13 @@ from dataclasses import replace
 from random import Random
 from typing import Any
 
-from gateway.config import Kind, Role
 from gateway.load.tracker import Candidate, LoadTracker
 from gateway.metrics import GatewayMetrics
 from gateway.policies.base import Choice, NoCandidates, Policy, RouteQuery
 from gateway.requests import RequestNamespace, request_namespace
 from gateway.routing.plan import RoutePlan
 from gateway.routing.rooms import draw_room
+from gateway.settings.base import Kind, Role
 from gateway.workers.pool import Worker, WorkerPool
 from globalkv.index.base import IndexUnavailable
 from globalkv.lookup import LookupResult, PrefixLookup

@@ -18,12 +18,12 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from gateway.checks import check_gateway
 from gateway.cli import launch, running_gateway, serve_until_signalled
-from gateway.config import GatewayConfig
-from gateway.flags import add_flags, build_config
 from gateway.inference import Inference
 from gateway.routing.router import Router
+from gateway.settings.checks import check_gateway
+from gateway.settings.config import GatewayConfig
+from gateway.settings.flags import add_flags, build_config
 from gateway.sidecar.chooser import SidecarChooser, named_prefill
 from gateway.workers.pool import worker_id
 from globalkv.tokenize import Tokenizer

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from gateway.config import KvEventsSpec
+from gateway.settings.workers import KvEventsSpec
 from gateway.workers.pool import Worker
 from gateway.workers.server_info import (
     EventSources,

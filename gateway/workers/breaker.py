@@ -18,7 +18,7 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gateway.config import BreakerConfig
+from gateway.settings.workers import BreakerConfig
 from kvplumbing.clock import Clock
 
 FAILURE_STATUSES = frozenset({408, 429})

@@ -18,7 +18,7 @@ import logging
 from pathlib import Path
 from typing import Protocol
 
-from gateway.config import DiscoveryConfig, WorkerSpec
+from gateway.settings.workers import DiscoveryConfig, WorkerSpec
 from gateway.workers.pool import DuplicateWorker, Worker
 from globalkv.discovery.files import FileSource
 from globalkv.discovery.kube_source import open_source

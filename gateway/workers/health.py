@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 
-from gateway.config import HealthConfig
+from gateway.settings.workers import HealthConfig
 
 
 class Health(enum.Enum):

@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from gateway.config import Kind
+from gateway.settings.base import Kind
 
 _SGLANG_KEYS = frozenset(
     {"disaggregation_mode", "disaggregation_bootstrap_port", "tp_size", "kv_events"}

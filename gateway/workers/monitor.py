@@ -35,8 +35,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
-from gateway.config import HealthConfig, KvEventsSpec
 from gateway.http.connections import LocalResourceError
+from gateway.settings.workers import HealthConfig, KvEventsSpec
 from gateway.workers.advertised import Retry, read_advertised
 from gateway.workers.health import Health
 from gateway.workers.kinds import detect_kind, read_adapters

@@ -14,7 +14,7 @@ the port the worker's `/server_info` advertises; when neither is known the direc
 `unknown` and the worker stays eligible (as with sglang-router, which never reads it) —
 `/workers` and the `globalkv_gateway_directory_ready` metric say so.
 
-Kind. The PD protocol the worker speaks (`gateway.config.Kind`): given with it, else
+Kind. The PD protocol the worker speaks (`gateway.settings.base.Kind`): given with it, else
 detected by the monitor (`gateway.workers.kinds`); SGLang's until then. A request is paired within
 one kind and, when workers advertise their models, within the model it names.
 
@@ -36,9 +36,10 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from gateway.config import BreakerConfig, HealthConfig, Kind, KvEventsSpec, Role, WorkerSpec
 from gateway.load.tracker import Candidate, LoadTracker
 from gateway.requests import ServedAdapter
+from gateway.settings.base import Kind, Role
+from gateway.settings.workers import BreakerConfig, HealthConfig, KvEventsSpec, WorkerSpec
 from gateway.workers.breaker import BreakerState, CircuitBreaker
 from gateway.workers.health import HealthTracker
 from kvplumbing.clock import Clock

@@ -26,7 +26,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.config import KvEventsSpec
+from gateway.settings.workers import KvEventsSpec
 from globalkv.registry import MAX_DP_SIZE
 
 _WILDCARD_HOSTS = {"*", "0.0.0.0", "::", "[::]", ""}

@@ -9,7 +9,7 @@ from bench.replay.config import ClusterModel, ReplaySettings, resolve
 from bench.replay.gateways import GatewaysSimulation, _SharedRun
 from bench.replay.record import RunRecord
 from bench.replay.trace import offered_work_per_s, read_trace, trace_stats
-from gateway.config import PolicyName
+from gateway.settings.base import PolicyName
 from tests.bench.test_sim import QUIET
 from tests.bench.traces import row, write_trace
 

@@ -19,7 +19,8 @@ from enginesim.latency import PrefillModel, PrefillScheduler
 from enginesim.metrics import EngineMetrics
 from enginesim.prefill import DPRank
 from gateway import policies as gateway_policies
-from gateway.config import PolicyName, PrefixWeights
+from gateway.settings.base import PolicyName
+from gateway.settings.routing import PrefixWeights
 from tests.bench.traces import row, write_trace
 
 QUIET: dict[str, Any] = {

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from gateway.config import WorkerSpec
+from gateway.settings.workers import WorkerSpec
 from globalkv.lookup import LookupResult, PodHit
 from tests.entry.ext_proc import A, B, Epp, serve_epp
 from tests.gateway.fakes import PREFILLS, Cluster, StubLookup, config, make_gateway

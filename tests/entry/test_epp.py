@@ -10,9 +10,9 @@ import pytest
 from envoy.service.ext_proc.v3.external_processor_pb2 import HttpBody, ProcessingRequest
 from grpc_health.v1 import health_pb2
 
-from gateway.config import WorkerSpec
 from gateway.epp.protocol import BODY_PIECE_BYTES
 from gateway.epp.server import EXT_PROC_SERVICE
+from gateway.settings.workers import WorkerSpec
 from tests.entry.ext_proc import (
     BUFFERED,
     D0,

@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 from envoy.service.ext_proc.v3.external_processor_pb2 import HttpBody, ProcessingRequest
 
-from gateway.config import AdmissionConfig, WorkerSpec
-from gateway.flow_config import FlowConfig
+from gateway.settings.edge import AdmissionConfig
+from gateway.settings.flow import FlowConfig
+from gateway.settings.workers import WorkerSpec
 from globalkv.cli import main
 from tests.entry.ext_proc import Epp, completion, request, response, routed, serve_epp, status
 from tests.gateway.fakes import PREFILLS, Cluster, config, make_gateway

@@ -12,7 +12,7 @@ import grpc
 import pytest
 from envoy.service.ext_proc.v3.external_processor_pb2 import HttpBody, ProcessingRequest
 
-from gateway.config import WorkerSpec
+from gateway.settings.workers import WorkerSpec
 from tests.entry.ext_proc import (
     BUFFERED,
     DUPLEX,

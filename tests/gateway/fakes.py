@@ -12,12 +12,13 @@ from typing import Any
 import httpx
 from prometheus_client import CollectorRegistry
 
-from gateway.config import GatewayConfig, HealthConfig, KvEventsSpec, WorkerSpec
 from gateway.http.answer import Answer
 from gateway.http.upstream import Upstream
 from gateway.policies.base import RouteQuery
 from gateway.requests import ParsedRequest
 from gateway.service import Gateway, build_gateway
+from gateway.settings.config import GatewayConfig
+from gateway.settings.workers import HealthConfig, KvEventsSpec, WorkerSpec
 from gateway.workers.monitor import PodRegistration
 from globalkv.index.base import IndexUnavailable
 from globalkv.lookup import LookupResult

@@ -14,9 +14,9 @@ from prometheus_client import CollectorRegistry
 
 from gateway.admission import Admission
 from gateway.app import create_app
-from gateway.config import AdmissionConfig, EdgeConfig
 from gateway.http.server import HttpServer
 from gateway.inference import Inference
+from gateway.settings.edge import AdmissionConfig, EdgeConfig
 from tests.gateway.fakes import DECODES, Cluster, config, make_gateway, rest_of
 from tests.support.clock import FakeClock
 

@@ -11,8 +11,8 @@ import pytest
 from pydantic import BaseModel
 
 from gateway.cli import build_config, check_config, register, run
-from gateway.config import GatewayConfig
-from gateway.flags import FLAGLESS, SETTINGS
+from gateway.settings.config import GatewayConfig
+from gateway.settings.flags import FLAGLESS, SETTINGS
 from globalkv.cli import env_argv
 from tests.support.net import free_port
 

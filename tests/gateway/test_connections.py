@@ -10,12 +10,12 @@ from collections.abc import Awaitable, Callable
 import httpx
 import pytest
 
-from gateway.config import WorkerSpec
 from gateway.http.connections import DEAD_PEER_SECS, ConnectionPool
 from gateway.http.reply import PAUSE_AT
 from gateway.http.upstream import PooledUpstream
 from gateway.policies.base import RouteQuery
 from gateway.requests import parse_request
+from gateway.settings.workers import WorkerSpec
 from tests.gateway.fakes import Cluster, config, make_gateway, rest_of, sample
 from tests.gateway.scripted import Handler, answer, keep_alive, read_request, running
 from tests.support.net import await_for, free_port

@@ -10,11 +10,11 @@ from collections.abc import Callable
 
 import pytest
 
-from gateway.config import PdDeciderConfig
 from gateway.load.pending import PendingHit
 from gateway.load.tracker import Candidate
 from gateway.policies.base import RouteQuery
 from gateway.routing.decider import PdDecider, local_capable
+from gateway.settings.routing import PdDeciderConfig
 from globalkv.lookup import LookupResult, PodHit
 
 BLOCK = 16

@@ -10,10 +10,10 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.config import BreakerConfig, RetryConfig
 from gateway.http.answer import Answer
 from gateway.requests import parse_request
 from gateway.service import Gateway
+from gateway.settings.workers import BreakerConfig, RetryConfig
 from globalkv.lookup import LookupResult, PodHit
 from tests.gateway.fakes import (
     DECODES,

@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from gateway.config import EdgeConfig
 from gateway.edge import REQUEST_ID_MAX, Edge
+from gateway.settings.edge import EdgeConfig
 
 EDGE = Edge(EdgeConfig())
 

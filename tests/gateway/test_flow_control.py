@@ -12,12 +12,12 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from gateway.config import AdmissionConfig
 from gateway.flow.keys import DEFAULT_TENANT, FlowKeys
-from gateway.flow_config import FlowConfig, parse_objective
 from gateway.http.answer import Answer
 from gateway.inference import Inference
 from gateway.requests import BadRequest
+from gateway.settings.edge import AdmissionConfig
+from gateway.settings.flow import FlowConfig, parse_objective
 from globalkv.cli import main
 from tests.gateway.fakes import DECODES, PREFILLS, Cluster, config, make_gateway
 from tests.support.clock import FakeClock

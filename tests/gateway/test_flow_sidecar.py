@@ -10,12 +10,12 @@ from random import Random
 import httpx
 from prometheus_client import CollectorRegistry
 
-from gateway.config import AdmissionConfig
-from gateway.flow_config import FlowConfig
 from gateway.http.answer import Answer
 from gateway.inference import Inference
 from gateway.routing.router import Router
 from gateway.service import Gateway, build_gateway
+from gateway.settings.edge import AdmissionConfig
+from gateway.settings.flow import FlowConfig
 from gateway.sidecar.chooser import PREFILL_HEADER, SidecarChooser, named_prefill
 from gateway.workers.pool import worker_id
 from tests.gateway.fakes import DECODES, Cluster, StubProbe, config

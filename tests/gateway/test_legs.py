@@ -8,7 +8,6 @@ from collections.abc import Collection
 from random import Random
 from typing import Any
 
-from gateway.config import RetryConfig
 from gateway.http.answer import Answer, problem
 from gateway.legs.attempt import Attempt, Failure
 from gateway.legs.deadline import Progress
@@ -20,6 +19,7 @@ from gateway.policies.base import Choice, RouteQuery
 from gateway.requests import ParsedRequest, parse_request
 from gateway.routing.plan import RoutePlan
 from gateway.service import Gateway
+from gateway.settings.workers import RetryConfig
 from tests.gateway.fakes import DECODES, PREFILLS, Cluster, config, make_gateway, sample
 from tests.gateway.test_dispatch import host
 from tests.support.clock import RecordedSleep

@@ -6,9 +6,9 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from gateway.config import HealthConfig, KvEventsSpec, WorkerSpec
 from gateway.policies.base import RouteQuery
 from gateway.requests import parse_request
+from gateway.settings.workers import HealthConfig, KvEventsSpec, WorkerSpec
 from gateway.workers.monitor import PodRegistration, RegistrationFailed
 from gateway.workers.pods import pod_info
 from gateway.workers.pool import DirectoryStatus, Worker, worker_id

@@ -10,11 +10,11 @@ from random import Random
 
 import pytest
 
-from gateway.config import PrefixWeights
 from gateway.load.tracker import Candidate
 from gateway.policies import RouteQuery, build_policy
 from gateway.policies.placement import PlacementLedger
 from gateway.policies.prefix import PrefixPolicy
+from gateway.settings.routing import PrefixWeights
 from globalkv.lookup import LookupResult, PodHit
 
 BS = 16

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from gateway.app import create_app
-from gateway.config import KvEventsSpec
+from gateway.settings.workers import KvEventsSpec
 from gateway.workers.monitor import PodRegistration, RegistrationFailed
 from gateway.workers.pods import HttpPodRegistrar, RegistryPodRegistrar, pod_info
 from globalkv.index.base import IndexUnavailable

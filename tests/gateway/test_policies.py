@@ -6,10 +6,10 @@ from random import Random
 
 import pytest
 
-from gateway.config import CacheAwareConfig, PrefixWeights
 from gateway.load.tracker import Candidate, LoadTracker
 from gateway.policies import RouteQuery, build_policy
 from gateway.policies.radix import RadixTree
+from gateway.settings.routing import CacheAwareConfig, PrefixWeights
 from globalkv.lookup import LookupResult, PodHit
 
 

@@ -11,7 +11,8 @@ import httpx
 import pytest
 
 from gateway.cli import running_gateway
-from gateway.config import GatewayConfig, HealthConfig, WorkerSpec
+from gateway.settings.config import GatewayConfig
+from gateway.settings.workers import HealthConfig, WorkerSpec
 from tests.support.net import await_for, free_port
 from tests.support.procs import Proc
 

@@ -6,8 +6,8 @@ from random import Random
 
 import pytest
 
-from gateway.config import BreakerConfig, HealthConfig, RetryConfig
 from gateway.legs.retry import RetrySchedule, is_retryable_status
+from gateway.settings.workers import BreakerConfig, HealthConfig, RetryConfig
 from gateway.workers.breaker import BreakerState, CircuitBreaker, is_failure_status
 from gateway.workers.health import Health, HealthTracker
 from tests.support.clock import FakeClock

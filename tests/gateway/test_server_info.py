@@ -3,7 +3,7 @@ vLLM's /metrics; and the monitor reading a vLLM prefill's from there."""
 
 from __future__ import annotations
 
-from gateway.config import KvEventsSpec, WorkerSpec
+from gateway.settings.workers import KvEventsSpec, WorkerSpec
 from gateway.workers.server_info import parse_server_info, parse_vllm_cache
 from tests.gateway.fakes import Cluster, config, make_gateway
 

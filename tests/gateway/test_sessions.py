@@ -7,11 +7,11 @@ from random import Random
 
 import pytest
 
-from gateway.config import PrefixWeights
 from gateway.http.answer import Answer
 from gateway.inference import Inference
 from gateway.policies import RouteQuery, build_policy
 from gateway.policies.sessions import SessionTable, Turn
+from gateway.settings.routing import PrefixWeights
 from globalkv.keys import request_keys
 from globalkv.lookup import LookupResult
 from tests.gateway.fakes import PREFILLS, Cluster, StubLookup, config, make_gateway

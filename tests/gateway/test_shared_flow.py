@@ -15,13 +15,13 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.config import AdmissionConfig
 from gateway.flow.control import FlowControl
-from gateway.flow_config import FlowConfig
 from gateway.http.answer import Answer
 from gateway.inference import Inference
 from gateway.replicas import shared_flow
 from gateway.replicas.shared_state import SharedState
+from gateway.settings.edge import AdmissionConfig
+from gateway.settings.flow import FlowConfig
 from globalkv import redis_client
 from tests.gateway.fakes import DECODES, Cluster, config, make_gateway
 from tests.support.clock import FakeClock

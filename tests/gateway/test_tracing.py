@@ -15,11 +15,12 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from gateway.config import WorkerSpec
 from gateway.http.connections import ConnectionPool
 from gateway.http.upstream import PooledUpstream
 from gateway.service import Gateway
-from gateway.tracing import Tracing, configured_endpoint
+from gateway.settings.config import configured_endpoint
+from gateway.settings.workers import WorkerSpec
+from gateway.tracing import Tracing
 from tests.gateway.fakes import Cluster, config, make_gateway
 from tests.gateway.test_server import read_answer, serving
 

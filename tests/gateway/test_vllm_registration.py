@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from gateway.config import KvEventsSpec, WorkerSpec
+from gateway.settings.workers import KvEventsSpec, WorkerSpec
 from gateway.workers.pods import pod_info
 from gateway.workers.server_info import VllmCache, parse_kv_event_sources, parse_vllm_cache
 from tests.gateway.fakes import Cluster, config, make_gateway

@@ -10,8 +10,8 @@ import orjson
 import pytest
 
 from gateway.app import create_app
-from gateway.config import BreakerConfig, HealthConfig, RetryConfig, WorkerSpec
 from gateway.inference import Inference
+from gateway.settings.workers import BreakerConfig, HealthConfig, RetryConfig, WorkerSpec
 from gateway.workers.pool import WorkerPool
 from tests.gateway.fakes import DECODES, PREFILLS, Cluster, config, make_gateway
 from tests.support.clock import FakeClock

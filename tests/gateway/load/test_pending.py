@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.config import PrefixWeights
 from gateway.load.pending import PendingHit, PendingPrefixes
 from gateway.load.tracker import Candidate, LoadTracker
 from gateway.policies import RouteQuery, build_policy
+from gateway.settings.routing import PrefixWeights
 from globalkv.keys import request_keys
 from globalkv.lookup import LookupResult, PodHit
 

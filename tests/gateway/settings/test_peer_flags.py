@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from gateway.peer_flags import ACCEPTED, FLAGS_DOC, REFUSED
+from gateway.settings.peer_flags import ACCEPTED, FLAGS_DOC, REFUSED
 from tests.gateway.test_cli import config_of
 from tests.support.kubeconfig import write_kubeconfig
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 HELP = (ROOT / "tests" / "data" / "sglang_router_0.3.2_help.txt").read_text()
 TABLE = (ROOT / FLAGS_DOC).read_text()
 PD = ("--pd-disaggregation", "--prefill", "http://p1:30001", "9001", "--decode", "http://d1:30011")

@@ -15,22 +15,19 @@ from typing import Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 
-from gateway.config import (
-    AdmissionConfig,
+from gateway.settings.base import optional_float
+from gateway.settings.config import GatewayConfig
+from gateway.settings.edge import AdmissionConfig, EdgeConfig
+from gateway.settings.flow import FlowConfig
+from gateway.settings.peer_flags import FLAGS_DOC, add_peer_flags, check_peer_flags
+from gateway.settings.routing import CacheAwareConfig, PdDeciderConfig, PrefixWeights
+from gateway.settings.workers import (
     BreakerConfig,
-    CacheAwareConfig,
     DiscoveryConfig,
-    EdgeConfig,
-    GatewayConfig,
     HealthConfig,
-    PdDeciderConfig,
-    PrefixWeights,
     RetryConfig,
     WorkerSpec,
-    optional_float,
 )
-from gateway.flow_config import FlowConfig
-from gateway.peer_flags import FLAGS_DOC, add_peer_flags, check_peer_flags
 from kvplumbing.validation import validation_message
 
 POLICIES = ["prefix", "cache_aware", "power_of_two", "round_robin", "random", "least_load"]

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gateway.config import DEFAULT_TRACES_ENDPOINT, GatewayConfig
-from gateway.tracing import configured_endpoint
+from gateway.settings.config import DEFAULT_TRACES_ENDPOINT, GatewayConfig, configured_endpoint
 from globalkv.checks import kubernetes_credentials, tokenizer_line
 from globalkv.discovery.files import parse_workers
 from globalkv.extras import require

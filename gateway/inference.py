@@ -42,16 +42,16 @@ from gateway.flow.queues import FlowRequest
 from gateway.http.answer import Answer, Outcome, Rest, problem
 from gateway.metrics import EndpointMetrics
 from gateway.policies.base import RouteQuery
-from gateway.requests import (
+from gateway.requests.bodies import (
     BadRequest,
     Endpoint,
     ParsedRequest,
     PromptTokens,
-    UnknownAdapter,
     decode_body,
     parse_request,
     prompt_tokens,
 )
+from gateway.requests.namespace import UnknownAdapter
 from gateway.service import Gateway
 from gateway.tracing import (
     TRACE_HEADERS,
@@ -278,20 +278,20 @@ class Inference:
             named = None if self._named_prefill is None else self._named_prefill(headers)
             parsed = parse_request(INFERENCE_PATHS[path], decode_body(body))
             parsed.request_id = request_id
-            parsed.namespace = router.namespace(parsed.body)
+            namespace = router.namespace(parsed.body)
             session = _session(picked) if picked else None
             if len(body) > TOKENIZE_INLINE_MAX and parsed.token_ids is None:
                 tokens = await asyncio.to_thread(prompt_tokens, parsed, gateway.tokenizer)
             else:
                 tokens = prompt_tokens(parsed, gateway.tokenizer)
-            kind = "sglang" if parsed.endpoint == "generate" else parsed.namespace.kind
+            kind = "sglang" if parsed.endpoint == "generate" else namespace.kind
             query = RouteQuery(
                 tokens.tokens,
                 tokens.text,
                 prefill=named,
                 session=session,
                 missing=tokens.missing,
-                namespace=parsed.namespace,
+                namespace=namespace,
                 kind=kind,
                 batch=parsed.batch,
             )
@@ -363,8 +363,7 @@ class Inference:
         traced: TracedRequest | None,
     ) -> Grant | Answer:
         """The request's turn in the flow queues, or the refusal to answer."""
-        namespace = parsed.namespace
-        key = flow.keys.read(picked, namespace.lora_name, authorization)
+        key = flow.keys.read(picked, query.namespace.lora_name, authorization)
         if tokens.tokens is not None:
             count = len(tokens.tokens)
         else:  # no tokenizer: about four bytes a token

@@ -48,13 +48,8 @@ from gateway.http.answer import Answer
 from gateway.inference import INFERENCE_PATHS, TOKENIZE_INLINE_MAX
 from gateway.load.tracker import LoadTicket, LoadTracker
 from gateway.policies.base import Choice, NoCandidates, RouteQuery
-from gateway.requests import (
-    BadRequest,
-    UnknownAdapter,
-    decode_body,
-    parse_request,
-    prompt_tokens,
-)
+from gateway.requests.bodies import BadRequest, decode_body, parse_request, prompt_tokens
+from gateway.requests.namespace import UnknownAdapter
 from gateway.routing.router import Router
 from gateway.service import Gateway
 from gateway.settings.base import Kind, Role

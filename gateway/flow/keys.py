@@ -28,7 +28,7 @@ import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gateway.requests import BadRequest
+from gateway.requests.bodies import BadRequest
 from gateway.settings.flow import (
     DEFAULT_OBJECTIVE,
     DEFAULT_TTFT_HEADERS,

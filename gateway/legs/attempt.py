@@ -14,7 +14,7 @@ from typing import Protocol
 
 from gateway.http.answer import Answer
 from gateway.legs.deadline import Progress
-from gateway.requests import ParsedRequest
+from gateway.requests.bodies import ParsedRequest
 from gateway.routing.plan import RoutePlan
 from gateway.settings.base import Role
 from gateway.workers.pool import Worker

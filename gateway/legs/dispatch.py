@@ -27,7 +27,7 @@ from gateway.legs.deadline import DeadlineWatch, Progress
 from gateway.legs.retry import RetrySchedule
 from gateway.metrics import GatewayMetrics
 from gateway.policies.base import NoCandidates, RouteQuery
-from gateway.requests import ParsedRequest
+from gateway.requests.bodies import ParsedRequest
 from gateway.routing.plan import RoutePlan
 from gateway.settings.base import Kind
 from gateway.tracing import current

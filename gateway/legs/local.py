@@ -21,7 +21,7 @@ from gateway.legs.attempt import Attempt, Failure
 from gateway.legs.calls import PairCalls
 from gateway.legs.racing import answered_call
 from gateway.legs.vllm import decode_body
-from gateway.requests import ParsedRequest, encode_body
+from gateway.requests.bodies import ParsedRequest, encode_body
 from gateway.routing.plan import RoutePlan
 
 

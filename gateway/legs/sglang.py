@@ -19,7 +19,7 @@ from typing import Any
 from gateway.http.answer import Answer
 from gateway.legs.attempt import Attempt, Failure
 from gateway.legs.calls import PairCalls
-from gateway.requests import Endpoint, ParsedRequest, batch_size, encode_body
+from gateway.requests.bodies import Endpoint, ParsedRequest, batch_size, encode_body
 from gateway.routing.plan import RoutePlan
 from gateway.routing.rooms import MAX_ROOM
 

@@ -53,7 +53,7 @@ from gateway.legs.attempt import Attempt, Failure
 from gateway.legs.calls import PairCalls
 from gateway.legs.racing import answered_call, failed
 from gateway.metrics import GatewayMetrics
-from gateway.requests import ParsedRequest, encode_body
+from gateway.requests.bodies import ParsedRequest, encode_body
 from gateway.routing.plan import RoutePlan
 
 _REMOTE_DECODE: dict[str, Any] = {

@@ -52,7 +52,7 @@ from typing import Protocol
 
 from gateway.load.pending import PendingHit
 from gateway.load.tracker import Candidate
-from gateway.requests import BASE, RequestNamespace
+from gateway.requests.namespace import BASE, RequestNamespace
 from gateway.settings.base import Kind
 from globalkv.lookup import LookupResult
 

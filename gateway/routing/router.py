@@ -1,7 +1,7 @@
 """Choosing a pair: the index lookup, the two policies, and the rooms. Nothing is sent here.
 
 Per request, `namespace()` reads where the prompt's KV is cached (model, LoRA adapter,
-cache salt: `gateway.requests.request_namespace`, over the adapters the workers list) and
+cache salt: `gateway.requests.namespace.request_namespace`, over the adapters the workers list) and
 `look_up()` asks the index once under it for the request's `RouteQuery` (only when the
 prefill policy uses it and the prompt's tokens are known); per attempt, `plan()` picks a
 prefill and a decode among the eligible workers — avoiding those that already failed this
@@ -31,7 +31,7 @@ from typing import Any
 from gateway.load.tracker import Candidate, LoadTracker
 from gateway.metrics import GatewayMetrics
 from gateway.policies.base import Choice, NoCandidates, Policy, RouteQuery
-from gateway.requests import RequestNamespace, request_namespace
+from gateway.requests.namespace import RequestNamespace, request_namespace
 from gateway.routing.plan import RoutePlan
 from gateway.routing.rooms import draw_room
 from gateway.settings.base import Kind, Role
@@ -94,7 +94,7 @@ class Router:
 
     def namespace(self, body: Mapping[str, Any]) -> RequestNamespace:
         """The request's namespace over what the workers serve now; raises
-        `UnknownAdapter` and `BadRequest` (`gateway.requests.request_namespace`)."""
+        `UnknownAdapter` and `BadRequest` (`gateway.requests.namespace.request_namespace`)."""
         served = self.pool.served()
         models = served.models
         configured = self._model(None)

@@ -20,7 +20,7 @@ import logging
 from collections.abc import Collection, Sequence
 
 from gateway.policies.base import NoCandidates, RouteQuery
-from gateway.requests import BadRequest
+from gateway.requests.bodies import BadRequest
 from gateway.routing.plan import RoutePlan
 from gateway.routing.router import Router
 

@@ -37,7 +37,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from gateway.load.tracker import Candidate, LoadTracker
-from gateway.requests import ServedAdapter
+from gateway.requests.namespace import ServedAdapter
 from gateway.settings.base import Kind, Role
 from gateway.settings.workers import BreakerConfig, HealthConfig, KvEventsSpec, WorkerSpec
 from gateway.workers.breaker import BreakerState, CircuitBreaker

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 from gateway.http.answer import Answer
 from gateway.http.upstream import Upstream
 from gateway.policies.base import RouteQuery
-from gateway.requests import ParsedRequest
+from gateway.requests.bodies import ParsedRequest
 from gateway.service import Gateway, build_gateway
 from gateway.settings.config import GatewayConfig
 from gateway.settings.workers import HealthConfig, KvEventsSpec, WorkerSpec
@@ -277,8 +277,7 @@ def sample(gateway: Gateway, name: str, **labels: str) -> float:
 
 def query_of(parsed: ParsedRequest) -> RouteQuery:
     """What choosing reads of `parsed`, as the handler reads it, for tests that call the
-    dispatcher or the router directly (its tokens as given, no lookup yet)."""
-    kind = "sglang" if parsed.endpoint == "generate" else parsed.namespace.kind
-    return RouteQuery(
-        parsed.token_ids, parsed.text, namespace=parsed.namespace, kind=kind, batch=parsed.batch
-    )
+    dispatcher or the router directly (its tokens as given, the base namespace, no lookup
+    yet)."""
+    kind = "sglang" if parsed.endpoint == "generate" else None
+    return RouteQuery(parsed.token_ids, parsed.text, kind=kind, batch=parsed.batch)

@@ -16,7 +16,7 @@ from gateway.app import create_app
 from gateway.http.answer import Answer
 from gateway.http.server import HttpServer
 from gateway.inference import TOKENIZE_INLINE_MAX, Inference
-from gateway.requests import MAX_BATCH
+from gateway.requests.bodies import MAX_BATCH
 from gateway.service import Gateway
 from gateway.settings.workers import WorkerSpec
 from globalkv.tokenize import ByteTokenizer

@@ -14,7 +14,7 @@ from gateway.http.connections import DEAD_PEER_SECS, ConnectionPool
 from gateway.http.reply import PAUSE_AT
 from gateway.http.upstream import PooledUpstream
 from gateway.policies.base import RouteQuery
-from gateway.requests import parse_request
+from gateway.requests.bodies import parse_request
 from gateway.settings.workers import WorkerSpec
 from tests.gateway.fakes import Cluster, config, make_gateway, rest_of, sample
 from tests.gateway.scripted import Handler, answer, keep_alive, read_request, running

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from gateway.http.answer import Answer
-from gateway.requests import parse_request
+from gateway.requests.bodies import parse_request
 from gateway.service import Gateway
 from gateway.settings.workers import BreakerConfig, RetryConfig
 from globalkv.lookup import LookupResult, PodHit

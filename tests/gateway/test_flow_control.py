@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from gateway.flow.keys import DEFAULT_TENANT, FlowKeys
 from gateway.http.answer import Answer
 from gateway.inference import Inference
-from gateway.requests import BadRequest
+from gateway.requests.bodies import BadRequest
 from gateway.settings.edge import AdmissionConfig
 from gateway.settings.flow import FlowConfig, parse_objective
 from globalkv.cli import main

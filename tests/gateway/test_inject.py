@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from gateway.legs.sglang import inject_bootstrap
-from gateway.requests import Endpoint, batch_size
+from gateway.requests.bodies import Endpoint, batch_size
 from gateway.routing.rooms import MAX_ROOM, draw_room
 
 CASES: list[tuple[str, Endpoint, dict[str, Any], int | None]] = [

@@ -16,7 +16,7 @@ from gateway.legs.retry import RetrySchedule
 from gateway.legs.sglang import DualLegs
 from gateway.legs.vllm import SequentialLegs
 from gateway.policies.base import Choice, RouteQuery
-from gateway.requests import ParsedRequest, parse_request
+from gateway.requests.bodies import ParsedRequest, parse_request
 from gateway.routing.plan import RoutePlan
 from gateway.service import Gateway
 from gateway.settings.workers import RetryConfig

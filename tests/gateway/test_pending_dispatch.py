@@ -14,7 +14,7 @@ from gateway.inference import Inference
 from gateway.legs.dispatch import Answer
 from gateway.load.pending import PendingHit
 from gateway.policies.base import RouteQuery
-from gateway.requests import parse_request
+from gateway.requests.bodies import parse_request
 from gateway.settings.routing import PrefixWeights
 from globalkv.lookup import LookupResult
 from tests.gateway.fakes import (

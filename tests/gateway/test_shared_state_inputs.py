@@ -29,7 +29,7 @@ from gateway.replicas.shared_wire import (
     Load,
     parse_load,
 )
-from gateway.requests import parse_request
+from gateway.requests.bodies import parse_request
 from globalkv.lookup import LookupResult
 from kvplumbing.tasks import cancel_and_wait
 from tests.gateway.fakes import Cluster, Reading, StubLookup, StubProbe, make_gateway, query_of

@@ -12,7 +12,7 @@ import httpx
 from gateway.http.answer import Answer
 from gateway.legs.vllm import decode_kv
 from gateway.policies.base import RouteQuery
-from gateway.requests import parse_request
+from gateway.requests.bodies import parse_request
 from gateway.service import Gateway
 from gateway.settings.workers import WorkerSpec
 from gateway.workers.kinds import detect_kind

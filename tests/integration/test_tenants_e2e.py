@@ -26,7 +26,7 @@ import httpx
 import pytest
 import zmq
 
-from gateway.requests import ServedAdapter, request_namespace
+from gateway.requests.namespace import ServedAdapter, request_namespace
 from tests.support.metrics import scrape
 from tests.support.net import free_port, wait_for
 from tests.support.procs import Proc

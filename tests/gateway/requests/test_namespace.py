@@ -10,9 +10,9 @@ import pytest
 
 from gateway.http.answer import Answer
 from gateway.inference import Inference
-from gateway.requests import (
+from gateway.requests.bodies import BadRequest
+from gateway.requests.namespace import (
     BASE,
-    BadRequest,
     RequestNamespace,
     ServedAdapter,
     UnknownAdapter,

@@ -223,7 +223,8 @@ async def measure(index: Index, args: argparse.Namespace, gc_mode: str) -> str:
     finally:
         await service.stop()
         context.destroy(linger=0)
-        await asyncio.wait_for(child.wait(), 30)
+        async with asyncio.timeout(30):
+            await child.wait()
     applied = [probe.applied_at[s] - t for s, t in sent.items() if s in probe.applied_at]
     visible = [probe.visible_at[s] - t for s, t in sent.items() if s in probe.visible_at]
     achieved = len(sent) * args.blocks_per_batch / report["elapsed"]

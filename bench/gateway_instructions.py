@@ -1,7 +1,7 @@
 """The gateway's user-space instructions per request, counted by callgrind.
 
     python -m bench.gateway_instructions [--requests 2000] [--stream] [--variant LABEL=DIR …]
-        [--flags LABEL=FLAGS …]
+        [--flags LABEL=FLAGS …] [--profile DIR]
 
 On a shared machine a router's CPU time per request swings by tens of percent from run to
 run (other tenants, frequency scaling), so a change of a few microseconds per request
@@ -15,12 +15,19 @@ gateway with those flags added (what a feature costs when it is on);
 the counters are zeroed once it has answered a warm-up, then `--requests` requests are
 sent over 4 connections and the counters dumped. Instructions are not time (no cache
 misses, no system calls), so read the ratios, and `bench.gateway` for requests/s.
+
+`--profile DIR` keeps each gateway's dump of the measured requests as
+`DIR/callgrind.<label>.out` (the warm-up and start-up not in it), for
+`callgrind_annotate` (`--inclusive=yes` for inclusive counts). Python functions show only
+as the interpreter's C frames (`_PyEval_EvalFrameDefault`, the objects' methods); the C
+extensions the gateway calls (httptools, orjson, uvloop) show by name.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import shutil
 import subprocess
 import sys
@@ -72,9 +79,11 @@ def count(
     logs: Path,
     flags: Sequence[str] = (),
     headers: Sequence[tuple[str, str]] = (),
+    keep: Path | None = None,
 ) -> float:
     """Instructions per request of the gateway in `directory` (None: this checkout's),
-    given `flags` besides the usual ones, each request carrying `headers`."""
+    given `flags` besides the usual ones, each request carrying `headers`; `keep`: where
+    to copy the dump of the measured requests."""
     prefills, decodes = [_free_port(), _free_port()], [_free_port(), _free_port()]
     mocks_argv = [sys.executable, "-m", "bench.gateway_mocks", *map(str, prefills + decodes)]
     mocks = _spawn("mocks", mocks_argv, None, logs)
@@ -94,7 +103,10 @@ def count(
         subprocess.run(["callgrind_control", "-z", pid], check=True, capture_output=True)
         asyncio.run(_send(port, requests, body, headers))
         subprocess.run(["callgrind_control", "-d", pid], check=True, capture_output=True)
-        lines = next(logs.glob(f"{out.name}.*")).read_text().splitlines()
+        dump = next(logs.glob(f"{out.name}.*"))
+        if keep is not None:
+            shutil.copyfile(dump, keep)
+        lines = dump.read_text().splitlines()
         summary = next(line for line in lines if line.startswith("summary:"))
         return int(summary.split()[1]) / (requests // CONNECTIONS * CONNECTIONS)
     finally:
@@ -115,16 +127,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="LABEL=FLAGS",
         help="this checkout's gateway with FLAGS added (repeatable)",
     )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        metavar="DIR",
+        help="keep each gateway's callgrind dump of the measured requests in DIR",
+    )
     args = parser.parse_args(argv)
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         parser.error("needs valgrind and callgrind_control on the PATH (Debian: valgrind)")
+    profile: Path | None = args.profile
+    if profile is not None:
+        profile.mkdir(parents=True, exist_ok=True)
+
+    def kept(label: str) -> Path | None:
+        if profile is None:
+            return None
+        return profile / f"callgrind.{re.sub(r'[^A-Za-z0-9_.-]+', '-', label)}.out"
+
     with tempfile.TemporaryDirectory(prefix="globalkv-instructions-") as logs:
-        counts = {"this checkout": count(None, args.requests, args.stream, Path(logs))}
+        here = "this checkout"
+        counts = {here: count(None, args.requests, args.stream, Path(logs), keep=kept(here))}
         for label, directory in args.variant:
-            counts[label] = count(directory, args.requests, args.stream, Path(logs))
+            counts[label] = count(
+                directory, args.requests, args.stream, Path(logs), keep=kept(label)
+            )
         for label, flags in args.flags:
             headers = FLOW_HEADERS if "--flow-control" in flags else ()
-            counts[label] = count(None, args.requests, args.stream, Path(logs), flags, headers)
+            counts[label] = count(
+                None, args.requests, args.stream, Path(logs), flags, headers, kept(label)
+            )
     base = counts["this checkout"]
     print("| gateway | instructions per request | ratio to this checkout |")
     print("|---|---|---|")

@@ -195,7 +195,8 @@ async def measure(index: Index, batches: int, blocks: int, pods: int) -> Rate:
     finally:
         await service.stop()
         context.destroy(linger=0)
-        await asyncio.wait_for(child.wait(), 30)
+        async with asyncio.timeout(30):
+            await child.wait()
 
 
 async def script_time(client: aioredis.Redis) -> tuple[int, float]:

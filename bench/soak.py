@@ -137,7 +137,8 @@ async def _client(
             start = time.perf_counter()
             writer.write(request_bytes(host, port, "/generate", json.dumps(body).encode()))
             try:
-                status, answer = await asyncio.wait_for(read_answer(reader), args.client_timeout)
+                async with asyncio.timeout(args.client_timeout):
+                    status, answer = await read_answer(reader)
             except TimeoutError:
                 out.append(
                     Outcome(

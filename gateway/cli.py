@@ -39,7 +39,7 @@ from gateway.service import Gateway, build_gateway
 from gateway.settings.checks import check_gateway
 from gateway.settings.config import DEFAULT_TRACES_ENDPOINT, GatewayConfig, configured_endpoint
 from gateway.settings.flags import add_flags, build_config
-from gateway.tracing import otlp_tracing
+from gateway.telemetry.tracing import otlp_tracing
 from gateway.workers.discovery import Follower, discovery_source
 from gateway.workers.monitor import PodRegistrar
 from gateway.workers.pods import HttpPodRegistrar, RegistryPodRegistrar

@@ -40,7 +40,6 @@ from gateway.edge import Edge, Headers, Picked
 from gateway.flow.control import FlowControl, Grant
 from gateway.flow.queues import FlowRequest
 from gateway.http.answer import Answer, Outcome, Rest, problem
-from gateway.metrics import EndpointMetrics
 from gateway.policies.base import RouteQuery
 from gateway.requests.bodies import (
     BadRequest,
@@ -53,7 +52,8 @@ from gateway.requests.bodies import (
 )
 from gateway.requests.namespace import UnknownAdapter
 from gateway.service import Gateway
-from gateway.tracing import (
+from gateway.telemetry.metrics import EndpointMetrics
+from gateway.telemetry.tracing import (
     TRACE_HEADERS,
     TracedRequest,
     Tracing,

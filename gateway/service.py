@@ -32,7 +32,6 @@ from gateway.legs.sglang import DualLegs
 from gateway.legs.vllm import SequentialLegs
 from gateway.load.pending import PendingPrefixes
 from gateway.load.tracker import LoadTracker
-from gateway.metrics import GatewayMetrics
 from gateway.policies import build_policy
 from gateway.routing.decider import PdDecider
 from gateway.routing.pd_chooser import PdChooser
@@ -40,7 +39,8 @@ from gateway.routing.router import Router
 from gateway.settings.base import Kind
 from gateway.settings.config import GatewayConfig
 from gateway.settings.workers import WorkerSpec
-from gateway.tracing import Tracing
+from gateway.telemetry.metrics import GatewayMetrics
+from gateway.telemetry.tracing import Tracing
 from gateway.workers.monitor import DirectoryProbe, Monitor, PodRegistrar
 from gateway.workers.pool import Worker, WorkerPool
 from globalkv.lookup import PrefixLookup
@@ -70,7 +70,7 @@ class Gateway:
     bodies: BodyBudget
     """The request-body bytes the process holds at once (`--max-buffered-payload-size`)."""
     tracing: Tracing | None = None
-    """Spans of each request when traces are exported (`gateway.tracing`)."""
+    """Spans of each request when traces are exported (`gateway.telemetry.tracing`)."""
     flow: FlowControl | None = None
     """Per-tenant queues in priority bands, with `--flow-control` (`gateway.flow`)."""
 

@@ -36,10 +36,10 @@ from gateway.legs.deadline import Progress
 from gateway.legs.racing import Call, failed, race, settle
 from gateway.legs.retry import is_retryable_status
 from gateway.load.tracker import LoadTicket, LoadTracker
-from gateway.metrics import GatewayMetrics
 from gateway.routing.plan import RoutePlan
 from gateway.settings.base import Role
-from gateway.tracing import CallTrace, current
+from gateway.telemetry.metrics import GatewayMetrics
+from gateway.telemetry.tracing import CallTrace, current
 from gateway.workers.breaker import is_failure_status
 from gateway.workers.pool import Worker
 from kvplumbing.clock import Clock

@@ -25,12 +25,12 @@ from gateway.http.answer import Answer, error_body
 from gateway.legs.attempt import Attempt, Failure, Legs
 from gateway.legs.deadline import DeadlineWatch, Progress
 from gateway.legs.retry import RetrySchedule
-from gateway.metrics import GatewayMetrics
 from gateway.policies.base import NoCandidates, RouteQuery
 from gateway.requests.bodies import ParsedRequest
 from gateway.routing.plan import RoutePlan
 from gateway.settings.base import Kind
-from gateway.tracing import current
+from gateway.telemetry.metrics import GatewayMetrics
+from gateway.telemetry.tracing import current
 from kvplumbing.clock import Sleep
 
 log = logging.getLogger(__name__)

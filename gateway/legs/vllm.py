@@ -52,9 +52,9 @@ from gateway.http.answer import Answer
 from gateway.legs.attempt import Attempt, Failure
 from gateway.legs.calls import PairCalls
 from gateway.legs.racing import answered_call, failed
-from gateway.metrics import GatewayMetrics
 from gateway.requests.bodies import ParsedRequest, encode_body
 from gateway.routing.plan import RoutePlan
+from gateway.telemetry.metrics import GatewayMetrics
 
 _REMOTE_DECODE: dict[str, Any] = {
     "do_remote_decode": True,

@@ -29,12 +29,12 @@ from random import Random
 from typing import Any
 
 from gateway.load.tracker import Candidate, LoadTracker
-from gateway.metrics import GatewayMetrics
 from gateway.policies.base import Choice, NoCandidates, Policy, RouteQuery
 from gateway.requests.namespace import RequestNamespace, request_namespace
 from gateway.routing.plan import RoutePlan
 from gateway.routing.rooms import draw_room
 from gateway.settings.base import Kind, Role
+from gateway.telemetry.metrics import GatewayMetrics
 from gateway.workers.pool import Worker, WorkerPool
 from globalkv.index.base import IndexUnavailable
 from globalkv.lookup import LookupResult, PrefixLookup

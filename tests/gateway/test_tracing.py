@@ -20,7 +20,7 @@ from gateway.http.upstream import PooledUpstream
 from gateway.service import Gateway
 from gateway.settings.config import configured_endpoint
 from gateway.settings.workers import WorkerSpec
-from gateway.tracing import Tracing
+from gateway.telemetry.tracing import Tracing
 from tests.gateway.fakes import Cluster, config, make_gateway
 from tests.gateway.test_server import read_answer, serving
 

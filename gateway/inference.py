@@ -5,7 +5,7 @@ between is here: the API key, the body checks (400 with the reason), tokens, the
 (`Router.look_up`: one index lookup), the dispatcher, and the request metrics (count by
 status, time to first byte, duration). Reading the body within `--max-payload-size` is the
 server's part (it can refuse before reading); it reports a refusal through `refused` so
-that it is counted like any other answer. Admission control (`gateway.admission`) comes
+that it is counted like any other answer. Admission control (`gateway.flow.admission`) comes
 after the API key and before everything else; request ids and CORS (`gateway.edge`) are
 on every answer.
 
@@ -35,8 +35,8 @@ from typing import Any
 
 import orjson
 
-from gateway.admission import Admission
 from gateway.edge import Edge, Headers, Picked
+from gateway.flow.admission import Admission
 from gateway.flow.control import FlowControl, Grant
 from gateway.flow.queues import FlowRequest
 from gateway.http.answer import Answer, Outcome, Rest, problem

@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 
 import orjson
 
-from gateway.admission import Admission
 from gateway.epp.protocol import Headers
+from gateway.flow.admission import Admission
 from gateway.flow.control import FlowControl, Grant
 from gateway.flow.queues import FlowRequest
 from gateway.http.answer import Answer

@@ -40,7 +40,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gateway.admission import RateBucket
+from gateway.flow.admission import RateBucket
 from gateway.flow.headroom import Headroom, Reserve, Verdict
 from gateway.flow.keys import FlowKeys
 from gateway.flow.queues import FlowQueues, FlowRequest, RefusalReason, Refused, Waiting

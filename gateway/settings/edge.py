@@ -17,7 +17,7 @@ DEFAULT_REQUEST_ID_HEADERS = ("x-request-id", "x-correlation-id", "x-trace-id", 
 class AdmissionConfig(BaseModel):
     """sglang-router's admission flags: at most `max_concurrent_requests` served at once,
     optionally at most `rate_limit_tokens_per_second` started per second; a request that
-    cannot start waits in a bounded FIFO queue (`gateway.admission`)."""
+    cannot start waits in a bounded FIFO queue (`gateway.flow.admission`)."""
 
     model_config = frozen()
 

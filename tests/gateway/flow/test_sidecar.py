@@ -19,7 +19,7 @@ from gateway.settings.flow import FlowConfig
 from gateway.sidecar.chooser import PREFILL_HEADER, SidecarChooser, named_prefill
 from gateway.workers.pool import worker_id
 from tests.gateway.fakes import DECODES, Cluster, StubProbe, config
-from tests.gateway.test_flow_control import PREFILL_IDS, Held, settle
+from tests.gateway.flow.test_control import PREFILL_IDS, Held, settle
 from tests.support.clock import FakeClock, RecordedSleep
 
 

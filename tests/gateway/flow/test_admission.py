@@ -1,4 +1,4 @@
-"""Admission control (gateway/admission.py): an exact concurrency limit, an optional rate,
+"""Admission control (gateway/flow/admission.py): an exact concurrency limit, an optional rate,
 a bounded queue served first come first served, refusals with OpenAI-style bodies; and
 through the real server, with request ids and CORS (gateway/edge.py)."""
 
@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 from prometheus_client import CollectorRegistry
 
-from gateway.admission import Admission
 from gateway.app import create_app
+from gateway.flow.admission import Admission
 from gateway.http.server import HttpServer
 from gateway.inference import Inference
 from gateway.settings.edge import AdmissionConfig, EdgeConfig

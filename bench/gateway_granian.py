@@ -34,7 +34,7 @@ from typing import Any
 from bench.gateway_ceilings import ANSWER_BODY, SSE_EVENTS, streamed
 from gateway.cli import register, running_gateway, tune_garbage_collection
 from gateway.http.answer import Answer, pass_on, problem, too_large
-from gateway.inference import Inference
+from gateway.serving.inference import Inference
 from gateway.settings.config import GatewayConfig
 from gateway.settings.flags import build_config
 

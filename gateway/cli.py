@@ -26,16 +26,16 @@ from fastapi import FastAPI
 from prometheus_client import start_http_server
 
 from bootstrap.reader import DirectoryReader
-from gateway.app import create_app
 from gateway.http.connections import ConnectionPool
 from gateway.http.server import HttpServer
 from gateway.http.transport import upstream_client
 from gateway.http.upstream import PooledUpstream
-from gateway.inference import Inference
 from gateway.legs.dispatch import Chooser
 from gateway.replicas.shared_state import SharedState, member_name
 from gateway.routing.router import Router
-from gateway.service import Gateway, build_gateway
+from gateway.serving.app import create_app
+from gateway.serving.inference import Inference
+from gateway.serving.service import Gateway, build_gateway
 from gateway.settings.checks import check_gateway
 from gateway.settings.config import DEFAULT_TRACES_ENDPOINT, GatewayConfig, configured_endpoint
 from gateway.settings.flags import add_flags, build_config

@@ -106,7 +106,7 @@ def test_the_otlp_exporter_and_the_ext_proc_protos_work_in_one_process(
     )
 
     from gateway.epp import protocol  # the picker's messages, imported as it imports them
-    from gateway.tracing import otlp_tracing
+    from gateway.telemetry.tracing import otlp_tracing
 
     assert protocol.ProcessingResponse is ProcessingResponse
     answer = ProcessingResponse(request_headers=HeadersResponse())

@@ -63,7 +63,7 @@ def index_counts(totals: ApplyResult) -> dict[str, int]:
 
 
 def make_policies(settings: ReplaySettings, name: PolicyName) -> tuple[Policy, Policy]:
-    """The gateway's own objects, built as `gateway.service.build_gateway` builds them:
+    """The gateway's own objects, built as `gateway.serving.service.build_gateway` builds them:
     prefill and decode policy share one RNG seeded with the gateway's `--seed`, so a live
     gateway given the same seed and candidates draws the same choices."""
     rng = Random(settings.seed)

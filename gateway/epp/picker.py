@@ -45,13 +45,13 @@ from gateway.flow.admission import Admission
 from gateway.flow.control import FlowControl, Grant
 from gateway.flow.queues import FlowRequest
 from gateway.http.answer import Answer
-from gateway.inference import INFERENCE_PATHS, TOKENIZE_INLINE_MAX
 from gateway.load.tracker import LoadTicket, LoadTracker
 from gateway.policies.base import Choice, NoCandidates, RouteQuery
 from gateway.requests.bodies import BadRequest, decode_body, parse_request, prompt_tokens
 from gateway.requests.namespace import UnknownAdapter
 from gateway.routing.router import Router
-from gateway.service import Gateway
+from gateway.serving.inference import INFERENCE_PATHS, TOKENIZE_INLINE_MAX
+from gateway.serving.service import Gateway
 from gateway.settings.base import Kind, Role
 from gateway.sidecar.chooser import LLMD_PREFILL_HEADER, PREFILL_HEADER
 from gateway.workers.pool import Worker

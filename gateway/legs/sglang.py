@@ -88,5 +88,5 @@ class DualLegs:
 
 
 def request_id_header(request_id: str | None) -> tuple[tuple[bytes, bytes], ...]:
-    """The client's request id as the workers receive it (`gateway.edge`)."""
+    """The client's request id as the workers receive it (`gateway.serving.edge`)."""
     return () if request_id is None else ((b"X-Request-Id", request_id.encode("ascii")),)

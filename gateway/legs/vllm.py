@@ -16,7 +16,7 @@ One attempt, on a pair the router chose within the vLLM pool:
    back whole or streamed, exactly as an SGLang decode's does.
 
 Both legs carry one `X-Request-Id`, fresh for each attempt (vLLM pairs the legs by it, so
-it must not repeat): the client's request id (`gateway.edge`), a dash and 32 random hex
+it must not repeat): the client's request id (`gateway.serving.edge`), a dash and 32 random hex
 digits.
 
 A prefill that answers without params still lets the decode serve, but what the decode

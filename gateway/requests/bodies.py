@@ -153,7 +153,7 @@ class ParsedRequest:
     model: str | None = None
     """The model the client named: workers that advertise it serve it."""
     request_id: str | None = None
-    """The client's request id (`gateway.edge`), sent on to the workers."""
+    """The client's request id (`gateway.serving.edge`), sent on to the workers."""
 
 
 @dataclass(slots=True)

@@ -19,8 +19,8 @@ import argparse
 from typing import Any
 
 from gateway.cli import launch, running_gateway, serve_until_signalled
-from gateway.inference import Inference
 from gateway.routing.router import Router
+from gateway.serving.inference import Inference
 from gateway.settings.checks import check_gateway
 from gateway.settings.config import GatewayConfig
 from gateway.settings.flags import add_flags, build_config

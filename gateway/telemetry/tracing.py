@@ -12,7 +12,7 @@ so engines that trace join the client's trace:
   `traceparent` that worker gets — and events for a retry and for the decode's first byte.
 
 The request path asks `current()` once per call: one context variable read, None unless a
-trace context came with the request or tracing is on. `gateway.inference` sets it for the
+trace context came with the request or tracing is on. `gateway.serving.inference` sets it for the
 request's task; `gateway.legs.calls` and `gateway.legs.dispatch` read it, so no signature
 of the legs carries it.
 """

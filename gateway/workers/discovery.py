@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 
 class Workers(Protocol):
-    """What following needs of the gateway (`gateway.service.Gateway`)."""
+    """What following needs of the gateway (`gateway.serving.service.Gateway`)."""
 
     def add_worker(self, spec: WorkerSpec) -> Worker: ...
 

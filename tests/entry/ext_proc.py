@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry
 from gateway.epp.picker import Picker
 from gateway.epp.server import grpc_server
 from gateway.epp.stream import EppMetrics, StreamLimits
-from gateway.service import Gateway
+from gateway.serving.service import Gateway
 from tests.gateway.fakes import DECODES, PREFILLS
 from tests.support.net import free_port
 

@@ -16,7 +16,7 @@ from gateway.http.answer import Answer
 from gateway.http.upstream import Upstream
 from gateway.policies.base import RouteQuery
 from gateway.requests.bodies import ParsedRequest
-from gateway.service import Gateway, build_gateway
+from gateway.serving.service import Gateway, build_gateway
 from gateway.settings.config import GatewayConfig
 from gateway.settings.workers import HealthConfig, KvEventsSpec, WorkerSpec
 from gateway.workers.monitor import PodRegistration

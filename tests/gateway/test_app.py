@@ -12,12 +12,12 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.app import create_app
 from gateway.http.answer import Answer
 from gateway.http.server import HttpServer
-from gateway.inference import TOKENIZE_INLINE_MAX, Inference
 from gateway.requests.bodies import MAX_BATCH
-from gateway.service import Gateway
+from gateway.serving.app import create_app
+from gateway.serving.inference import TOKENIZE_INLINE_MAX, Inference
+from gateway.serving.service import Gateway
 from gateway.settings.workers import WorkerSpec
 from globalkv.tokenize import ByteTokenizer
 from tests.gateway.fakes import (

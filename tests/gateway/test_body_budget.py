@@ -17,10 +17,10 @@ from contextlib import AsyncExitStack, asynccontextmanager
 
 import pytest
 
-from gateway.app import create_app
 from gateway.http.server import HttpServer
-from gateway.inference import Inference
-from gateway.service import Gateway
+from gateway.serving.app import create_app
+from gateway.serving.inference import Inference
+from gateway.serving.service import Gateway
 from gateway.settings.config import GatewayConfig
 from kvplumbing.budget import BodyBudget
 from tests.gateway.fakes import Cluster, config, make_gateway, sample

@@ -15,7 +15,7 @@ import httpx
 
 from gateway.http.answer import Answer
 from gateway.legs.deadline import DeadlineWatch
-from gateway.service import Gateway
+from gateway.serving.service import Gateway
 from tests.gateway.fakes import DECODES, PREFILLS, Cluster, config, make_gateway, sample
 from tests.gateway.test_dispatch import send
 

@@ -12,7 +12,7 @@ import pytest
 
 from gateway.http.answer import Answer
 from gateway.requests.bodies import parse_request
-from gateway.service import Gateway
+from gateway.serving.service import Gateway
 from gateway.settings.workers import BreakerConfig, RetryConfig
 from globalkv.lookup import LookupResult, PodHit
 from tests.gateway.fakes import (

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from gateway.edge import REQUEST_ID_MAX, Edge
+from gateway.serving.edge import REQUEST_ID_MAX, Edge
 from gateway.settings.edge import EdgeConfig
 
 EDGE = Edge(EdgeConfig())

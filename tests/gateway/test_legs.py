@@ -18,7 +18,7 @@ from gateway.legs.vllm import SequentialLegs
 from gateway.policies.base import Choice, RouteQuery
 from gateway.requests.bodies import ParsedRequest, parse_request
 from gateway.routing.plan import RoutePlan
-from gateway.service import Gateway
+from gateway.serving.service import Gateway
 from gateway.settings.workers import RetryConfig
 from tests.gateway.fakes import DECODES, PREFILLS, Cluster, config, make_gateway, sample
 from tests.gateway.test_dispatch import host

@@ -10,11 +10,11 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.inference import Inference
 from gateway.legs.dispatch import Answer
 from gateway.load.pending import PendingHit
 from gateway.policies.base import RouteQuery
 from gateway.requests.bodies import parse_request
+from gateway.serving.inference import Inference
 from gateway.settings.routing import PrefixWeights
 from globalkv.lookup import LookupResult
 from tests.gateway.fakes import (

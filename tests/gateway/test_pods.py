@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from gateway.app import create_app
+from gateway.serving.app import create_app
 from gateway.settings.workers import KvEventsSpec
 from gateway.workers.monitor import PodRegistration, RegistrationFailed
 from gateway.workers.pods import HttpPodRegistrar, RegistryPodRegistrar, pod_info

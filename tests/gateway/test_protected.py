@@ -15,10 +15,10 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.app import create_app
 from gateway.http.server import HttpServer
-from gateway.inference import Inference
-from gateway.service import Gateway
+from gateway.serving.app import create_app
+from gateway.serving.inference import Inference
+from gateway.serving.service import Gateway
 from tests.gateway.fakes import Cluster, config, make_gateway
 
 REMOTE = ("10.213.0.2", 40000)

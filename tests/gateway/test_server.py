@@ -20,11 +20,11 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.app import create_app
 from gateway.http.client_connection import HEAD_MAX
 from gateway.http.server import HttpServer
-from gateway.inference import Inference
-from gateway.service import Gateway
+from gateway.serving.app import create_app
+from gateway.serving.inference import Inference
+from gateway.serving.service import Gateway
 from kvplumbing.release import VERSION
 from tests.gateway.fakes import DECODES, Cluster, config, make_gateway, sample
 from tests.support.net import await_for

@@ -17,9 +17,9 @@ import pytest
 
 from gateway.flow.control import FlowControl
 from gateway.http.answer import Answer
-from gateway.inference import Inference
 from gateway.replicas import shared_flow
 from gateway.replicas.shared_state import SharedState
+from gateway.serving.inference import Inference
 from gateway.settings.edge import AdmissionConfig
 from gateway.settings.flow import FlowConfig
 from globalkv import redis_client

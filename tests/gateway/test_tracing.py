@@ -17,7 +17,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from gateway.http.connections import ConnectionPool
 from gateway.http.upstream import PooledUpstream
-from gateway.service import Gateway
+from gateway.serving.service import Gateway
 from gateway.settings.config import configured_endpoint
 from gateway.settings.workers import WorkerSpec
 from gateway.telemetry.tracing import Tracing

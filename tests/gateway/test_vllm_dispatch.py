@@ -13,7 +13,7 @@ from gateway.http.answer import Answer
 from gateway.legs.vllm import decode_kv
 from gateway.policies.base import RouteQuery
 from gateway.requests.bodies import parse_request
-from gateway.service import Gateway
+from gateway.serving.service import Gateway
 from gateway.settings.workers import WorkerSpec
 from gateway.workers.kinds import detect_kind
 from tests.gateway.fakes import (

@@ -9,8 +9,8 @@ import httpx
 import orjson
 import pytest
 
-from gateway.app import create_app
-from gateway.inference import Inference
+from gateway.serving.app import create_app
+from gateway.serving.inference import Inference
 from gateway.settings.workers import BreakerConfig, HealthConfig, RetryConfig, WorkerSpec
 from gateway.workers.pool import WorkerPool
 from tests.gateway.fakes import DECODES, PREFILLS, Cluster, config, make_gateway

@@ -1,6 +1,6 @@
 """Admission control (gateway/flow/admission.py): an exact concurrency limit, an optional rate,
 a bounded queue served first come first served, refusals with OpenAI-style bodies; and
-through the real server, with request ids and CORS (gateway/edge.py)."""
+through the real server, with request ids and CORS (gateway/serving/edge.py)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from typing import Any
 import httpx
 from prometheus_client import CollectorRegistry
 
-from gateway.app import create_app
 from gateway.flow.admission import Admission
 from gateway.http.server import HttpServer
-from gateway.inference import Inference
+from gateway.serving.app import create_app
+from gateway.serving.inference import Inference
 from gateway.settings.edge import AdmissionConfig, EdgeConfig
 from tests.gateway.fakes import DECODES, Cluster, config, make_gateway, rest_of
 from tests.support.clock import FakeClock

@@ -14,8 +14,8 @@ from pydantic import ValidationError
 
 from gateway.flow.keys import DEFAULT_TENANT, FlowKeys
 from gateway.http.answer import Answer
-from gateway.inference import Inference
 from gateway.requests.bodies import BadRequest
+from gateway.serving.inference import Inference
 from gateway.settings.edge import AdmissionConfig
 from gateway.settings.flow import FlowConfig, parse_objective
 from globalkv.cli import main

@@ -11,9 +11,9 @@ import httpx
 from prometheus_client import CollectorRegistry
 
 from gateway.http.answer import Answer
-from gateway.inference import Inference
 from gateway.routing.router import Router
-from gateway.service import Gateway, build_gateway
+from gateway.serving.inference import Inference
+from gateway.serving.service import Gateway, build_gateway
 from gateway.settings.edge import AdmissionConfig
 from gateway.settings.flow import FlowConfig
 from gateway.sidecar.chooser import PREFILL_HEADER, SidecarChooser, named_prefill

@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 
 from gateway.http.answer import Answer
-from gateway.inference import Inference
 from gateway.requests.bodies import BadRequest
 from gateway.requests.namespace import (
     BASE,
@@ -18,6 +17,7 @@ from gateway.requests.namespace import (
     UnknownAdapter,
     request_namespace,
 )
+from gateway.serving.inference import Inference
 from gateway.workers.kinds import served_adapters
 from tests.gateway.fakes import DECODES, PREFILLS, Cluster, StubLookup, config, make_gateway
 

@@ -1,9 +1,9 @@
 """The gateway's routes other than inference, as an ASGI app: info, health, metrics, admin.
 
 The gateway's own server (`gateway.http.server`) answers the inference paths (`/generate`,
-`/v1/completions`, `/v1/chat/completions`) itself, through `gateway.inference`, and hands
+`/v1/completions`, `/v1/chat/completions`) itself, through `gateway.serving.inference`, and hands
 every other request to this app, so those routes are written once, with FastAPI. The
-worker admin API lives in `gateway.admin`.
+worker admin API lives in `gateway.serving.admin`.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway.admin import admin_routes
 from gateway.http.answer import Answer, problem
-from gateway.service import Gateway
+from gateway.serving.admin import admin_routes
+from gateway.serving.service import Gateway
 from kvplumbing.auth import bearer_ok
 from kvplumbing.release import VERSION
 

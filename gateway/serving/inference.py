@@ -6,7 +6,7 @@ between is here: the API key, the body checks (400 with the reason), tokens, the
 status, time to first byte, duration). Reading the body within `--max-payload-size` is the
 server's part (it can refuse before reading); it reports a refusal through `refused` so
 that it is counted like any other answer. Admission control (`gateway.flow.admission`) comes
-after the API key and before everything else; request ids and CORS (`gateway.edge`) are
+after the API key and before everything else; request ids and CORS (`gateway.serving.edge`) are
 on every answer.
 
 A client that goes away is the server's to notice: it cancels `handle` (counted as 499)
@@ -35,7 +35,6 @@ from typing import Any
 
 import orjson
 
-from gateway.edge import Edge, Headers, Picked
 from gateway.flow.admission import Admission
 from gateway.flow.control import FlowControl, Grant
 from gateway.flow.queues import FlowRequest
@@ -51,7 +50,8 @@ from gateway.requests.bodies import (
     prompt_tokens,
 )
 from gateway.requests.namespace import UnknownAdapter
-from gateway.service import Gateway
+from gateway.serving.edge import Edge, Headers, Picked
+from gateway.serving.service import Gateway
 from gateway.telemetry.metrics import EndpointMetrics
 from gateway.telemetry.tracing import (
     TRACE_HEADERS,

@@ -28,7 +28,7 @@ from kvplumbing.auth import bearer_ok
 from kvplumbing.validation import validation_message
 
 if TYPE_CHECKING:
-    from gateway.service import Gateway
+    from gateway.serving.service import Gateway
 
 log = logging.getLogger(__name__)
 

@@ -10,11 +10,11 @@ index notes when each batch's apply returned ("applied") and, for one batch in
 `--probe-every`, runs a real lookup of its chain right then ("visible": what a gateway
 would see). Both clocks are this machine's wall clock.
 
-`--gc tuned` runs the indexer side as `gateway.cli` runs the gateway: startup objects frozen
-out of the collector (`gc.freeze()`) and young collections at 10,000 allocations instead of
-700 (`--gc both` runs each index both ways). Every run reports the collections that ran and
-the longest pause per generation. `--baseline REF` adds the indexes as of git ref REF (see
-bench.baseline), run one after the other with today's.
+`--gc tuned` runs the indexer side as `gateway.serving.launch` runs the gateway: startup
+objects frozen out of the collector (`gc.freeze()`) and young collections at 10,000
+allocations instead of 700 (`--gc both` runs each index both ways). Every run reports the
+collections that ran and the longest pause per generation. `--baseline REF` adds the
+indexes as of git ref REF (see bench.baseline), run one after the other with today's.
 
 Target: publish → visible in a lookup, p99, under 50k blocks/s, well inside the gateway's
 pending-prompt grace (seconds), which covers what the index does not show yet.

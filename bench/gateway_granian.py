@@ -3,7 +3,7 @@
     python -m bench.gateway_granian {rsgi,rsgi-rust,rsgi-nodisconnect,bare} \\
         <globalkv gateway flags>
 
-The same gateway (`gateway.cli.running_gateway`: the pooled upstream, the same
+The same gateway (`gateway.serving.launch.running_gateway`: the pooled upstream, the same
 configuration and garbage-collector tuning) with granian's embedded server in front, on
 the gateway's own event loop, so the process's CPU time is all of the serving:
 - `rsgi`: an RSGI front for the inference routes: the body read whole, `Inference.handle`,
@@ -32,11 +32,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from bench.gateway_ceilings import ANSWER_BODY, SSE_EVENTS, streamed
-from gateway.cli import register, running_gateway, tune_garbage_collection
 from gateway.http.answer import Answer, pass_on, problem, too_large
 from gateway.serving.inference import Inference
+from gateway.serving.launch import running_gateway, tune_garbage_collection
 from gateway.settings.config import GatewayConfig
 from gateway.settings.flags import build_config
+from gateway.standalone.cli import register
 
 MODES = ("rsgi", "rsgi-rust", "rsgi-nodisconnect", "bare")
 

@@ -21,15 +21,16 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from gateway.cli import (
+from gateway.http.answer import Answer, problem
+from gateway.http.server import HttpServer
+from gateway.serving.launch import (
     CannotListen,
+    add_command,
     launch,
     running_gateway,
     tune_garbage_collection,
     until_signalled,
 )
-from gateway.http.answer import Answer, problem
-from gateway.http.server import HttpServer
 from gateway.settings.checks import check_gateway
 from gateway.settings.config import GatewayConfig
 from gateway.settings.flags import add_flags, build_config
@@ -230,11 +231,5 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "epp",
-        help="an endpoint picker for Envoy (ext_proc), choosing as the gateway does",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    _add_flags(parser)
-    parser.set_defaults(run=run, check_config=check_config)
+    summary = "an endpoint picker for Envoy (ext_proc), choosing as the gateway does"
+    add_command(subparsers, "epp", summary, __doc__, _add_flags, run, check_config)

@@ -3,7 +3,7 @@
 Built from the configuration and the collaborators the caller owns (the pooled httpx
 client, the upstream the legs call workers through — by default that same client —, the
 index lookup, the pod registrar, the directory reader, the tokenizer, the clock), so tests
-swap any of them; `inference` and `app` serve it, `gateway.cli` builds it.
+swap any of them; `inference` and `app` serve it, `gateway.serving.launch` builds it.
 """
 
 from __future__ import annotations

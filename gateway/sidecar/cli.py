@@ -18,9 +18,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from gateway.cli import launch, running_gateway, serve_until_signalled
 from gateway.routing.router import Router
 from gateway.serving.inference import Inference
+from gateway.serving.launch import (
+    add_command,
+    launch,
+    running_gateway,
+    serve_until_signalled,
+)
 from gateway.settings.checks import check_gateway
 from gateway.settings.config import GatewayConfig
 from gateway.settings.flags import add_flags, build_config
@@ -57,11 +62,5 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "sidecar",
-        help="in front of one decode engine: binds each request to a prefill, PD legs",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_flags(parser)
-    parser.set_defaults(run=run, check_config=check_config)
+    summary = "in front of one decode engine: binds each request to a prefill, PD legs"
+    add_command(subparsers, "sidecar", summary, __doc__, add_flags, run, check_config)

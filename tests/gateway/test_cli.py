@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from gateway.cli import build_config, check_config, register, run
 from gateway.settings.config import GatewayConfig
-from gateway.settings.flags import FLAGLESS, SETTINGS
+from gateway.settings.flags import FLAGLESS, SETTINGS, build_config
+from gateway.standalone.cli import check_config, register, run
 from globalkv.cli import env_argv
 from tests.support.net import free_port
 
@@ -91,7 +91,7 @@ def test_a_tokenizer_that_cannot_be_loaded_stops_the_start_with_the_reason(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     args = parse_gateway(["--decode", "http://d:1", "--tokenizer", str(tmp_path)], {})
-    with caplog.at_level("ERROR", logger="gateway.cli"):
+    with caplog.at_level("ERROR", logger="gateway.serving.launch"):
         assert run(args) == 1
     assert f"no tokenizer.json at {tmp_path}" in caplog.text
 
@@ -106,7 +106,7 @@ def test_a_port_taken_is_named_with_its_flag(taken: str, caplog: pytest.LogCaptu
         argv = ["--decode", "http://127.0.0.1:1", "--host", "127.0.0.1"]
         argv += ["--prometheus-host", "127.0.0.1"]
         argv += [item for flag, port in ports.items() for item in (flag, str(port))]
-        with caplog.at_level("ERROR", logger="gateway.cli"):
+        with caplog.at_level("ERROR", logger="gateway.serving.launch"):
             assert run(parse_gateway(argv, {})) == 1
     assert f"127.0.0.1:{busy} ({taken})" in caplog.text
     assert f":{free} " not in caplog.text

@@ -8,9 +8,9 @@ from random import Random
 import httpx
 import redis.asyncio as aioredis
 
-from gateway.cli import _index_parts
 from gateway.load.tracker import LoadTracker
 from gateway.policies import RouteQuery, build_policy
+from gateway.serving.launch import _index_parts
 from globalkv.index.base import Source, SourceBatch, StoreBlocks, Tier
 from globalkv.index.memory import MemoryIndex
 from globalkv.keys import EngineHash, root_key

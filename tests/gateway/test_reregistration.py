@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from gateway.cli import running_gateway
+from gateway.serving.launch import running_gateway
 from gateway.settings.config import GatewayConfig
 from gateway.settings.workers import HealthConfig, WorkerSpec
 from tests.support.net import await_for, free_port

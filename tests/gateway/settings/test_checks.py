@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cli import check_config
+from gateway.standalone.cli import check_config
 from globalkv.cli import main
 from tests.gateway.test_cli import parse_gateway
 from tests.support.kubeconfig import CONTEXT, SERVER, write_kubeconfig

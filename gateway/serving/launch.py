@@ -1,12 +1,8 @@
-"""`globalkv gateway`: sglang-router's PD flags as they are, plus the index's.
-
-    globalkv gateway --pd-disaggregation \\
-        --prefill http://10.0.0.1:30001 8998 --prefill http://10.0.0.2:30001 none \\
-        --decode http://10.0.0.3:30011 --indexer-url http://10.0.0.9:8100
-
-The flags are `gateway.settings.flags`' (read there only; everything else takes `GatewayConfig`);
-here the gateway is built from its configuration, served, and stopped on a signal.
-"""
+"""What every command built on the gateway's parts does to run (`globalkv gateway`, `epp`,
+`sidecar`): the process started (log level and files, the tokenizer, uvloop) and its
+command registered, the gateway built from its configuration with what it opens (the
+pooled client, the index, state shared with replicas, discovery, the metrics port), served
+until a signal, and stopped."""
 
 from __future__ import annotations
 
@@ -36,9 +32,7 @@ from gateway.routing.router import Router
 from gateway.serving.app import create_app
 from gateway.serving.inference import Inference
 from gateway.serving.service import Gateway, build_gateway
-from gateway.settings.checks import check_gateway
 from gateway.settings.config import DEFAULT_TRACES_ENDPOINT, GatewayConfig, configured_endpoint
-from gateway.settings.flags import add_flags, build_config
 from gateway.telemetry.tracing import otlp_tracing
 from gateway.workers.discovery import Follower, discovery_source
 from gateway.workers.monitor import PodRegistrar
@@ -57,10 +51,6 @@ log = logging.getLogger(__name__)
 class CannotListen(Exception):
     """A socket the gateway must listen on could not be opened; the message names it, its
     flag and why."""
-
-
-def check_config(args: argparse.Namespace) -> list[str]:
-    return check_gateway(build_config(args), load_tokenizer=args.check)
 
 
 async def _index_parts(
@@ -169,11 +159,6 @@ async def running_gateway(
             yield gateway, app
 
 
-async def serve(config: GatewayConfig, tokenizer: Tokenizer | None) -> None:
-    async with running_gateway(config, tokenizer) as (gateway, app):
-        await serve_until_signalled("gateway", config, Inference(gateway), app)
-
-
 async def serve_until_signalled(
     name: str, config: GatewayConfig, inference: Inference, app: FastAPI
 ) -> None:
@@ -220,10 +205,6 @@ async def until_signalled() -> None:
     finally:
         for sig in signals:
             loop.remove_signal_handler(sig)
-
-
-def run(args: argparse.Namespace) -> int:
-    return launch(args, build_config(args), "gateway", serve)
 
 
 def launch(
@@ -301,11 +282,20 @@ def log_to_dir(directory: Path) -> None:
 _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
-def register(subparsers: Any) -> None:
+def add_command(
+    subparsers: Any,
+    name: str,
+    summary: str,
+    description: str | None,
+    add_flags: Callable[[argparse.ArgumentParser], None],
+    run: Callable[[argparse.Namespace], int],
+    check_config: Callable[[argparse.Namespace], list[str]],
+) -> None:
+    """Register `globalkv <name>` with the dispatcher (`docs/development.md`, "Commands")."""
     parser = subparsers.add_parser(
-        "gateway",
-        help="the PD gateway (sglang-router compatible flags)",
-        description=__doc__,
+        name,
+        help=summary,
+        description=description,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_flags(parser)

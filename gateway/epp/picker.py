@@ -33,7 +33,6 @@ message timeout.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
@@ -42,18 +41,18 @@ import orjson
 
 from gateway.epp.protocol import Headers
 from gateway.flow.admission import Admission
-from gateway.flow.control import FlowControl, Grant
+from gateway.flow.control import Grant
 from gateway.flow.queues import FlowRequest
 from gateway.http.answer import Answer
 from gateway.load.tracker import LoadTicket, LoadTracker
 from gateway.policies.base import Choice, NoCandidates, RouteQuery
-from gateway.requests.bodies import BadRequest, decode_body, parse_request, prompt_tokens
+from gateway.requests.bodies import BadRequest
+from gateway.requests.headers import LLMD_PREFILL_HEADER, PREFILL_HEADER
 from gateway.requests.namespace import UnknownAdapter
 from gateway.routing.router import Router
-from gateway.serving.inference import INFERENCE_PATHS, TOKENIZE_INLINE_MAX
+from gateway.serving.reading import INFERENCE_PATHS, RequestReader
 from gateway.serving.service import Gateway
 from gateway.settings.base import Kind, Role
-from gateway.sidecar.chooser import LLMD_PREFILL_HEADER, PREFILL_HEADER
 from gateway.workers.pool import Worker
 from globalkv.tokenize import TokenizeError
 
@@ -106,11 +105,13 @@ class Picker:
             else None
         )
         """sglang-router's admission control, without flow control (which then holds it)."""
-        self.wanted_headers: frozenset[str] = frozenset()
-        """The request headers `pick` reads: flow control's and the API key, when on."""
-        if self._flow is not None:
-            names = {name.decode() for name in self._flow.keys.header_names}
-            self.wanted_headers = frozenset({*names, "authorization"})
+        self._reader = RequestReader(
+            gateway.router, gateway.tokenizer, None if self._flow is None else self._flow.keys
+        )
+        names = {name.decode() for name in self._reader.header_names}
+        self.wanted_headers = frozenset(names if self._flow is None else {*names, "authorization"})
+        """The request headers `pick` reads: what the reader reads (sessions, flow
+        control's) and, with flow control, the API key (a tenant without a header)."""
 
     @property
     def disaggregated(self) -> bool:
@@ -127,12 +128,20 @@ class Picker:
         """The endpoint for a request of `body` to `path`, among `subset` when given: the
         one place a request enters the picker, so admission can wrap it. `headers`: the
         request's `wanted_headers` (lower-case names)."""
-        try:
-            query, size = await self._read(path, body)
-        except (BadRequest, TokenizeError) as exc:
-            return Refusal(400, str(exc), "invalid_request_error")
-        except UnknownAdapter as exc:
-            return Refusal(404, str(exc), "NotFoundError")
+        given = headers or {}
+        picked = {name.encode(): value.encode("latin-1") for name, value in given.items()}
+        endpoint = INFERENCE_PATHS.get(path.partition("?")[0])
+        flow: FlowRequest | None = None
+        if endpoint is None:  # `GET /v1/models` and the like: routed by load alone
+            query = RouteQuery(None, missing="not_inference")
+        else:
+            try:
+                read = await self._reader.read(endpoint, body, picked, given.get("authorization"))
+            except (BadRequest, TokenizeError) as exc:
+                return Refusal(400, str(exc), "invalid_request_error")
+            except UnknownAdapter as exc:
+                return Refusal(404, str(exc), "NotFoundError")
+            query, flow = read.query, read.flow
         await self._router.look_up(query)
         grant = None
         admission = self._admission
@@ -141,13 +150,11 @@ class Picker:
             if answer is not None:
                 error = orjson.loads(answer.body)["error"]
                 return Refusal(answer.status, error["message"], error["type"])
-        elif self._flow is not None and _inference(path) is not None:
-            try:
-                entered = await self._enter(self._flow, query, size, len(body), headers)
-            except BadRequest as exc:
-                return Refusal(400, str(exc), "invalid_request_error")
-            if isinstance(entered, Refusal):
-                return entered
+        elif self._flow is not None and flow is not None:
+            entered = await self._flow.enter(flow)
+            if isinstance(entered, Answer):
+                error = orjson.loads(entered.body)["error"]
+                return Refusal(entered.status, error["message"], error["code"])
             grant = entered
             if grant.waited:  # placed on what the index shows now
                 await self._router.look_up(query)
@@ -168,54 +175,6 @@ class Picker:
         if admission is not None:
             admission.release()
         return refusal
-
-    async def _enter(
-        self,
-        flow: FlowControl,
-        query: RouteQuery,
-        tokens: int,
-        size: int,
-        headers: Mapping[str, str] | None,
-    ) -> Grant | Refusal:
-        """The request's turn in the flow queues, or the refusal to answer; `BadRequest`
-        for a flow header that cannot be read."""
-        given = headers or {}
-        picked = {name.encode(): value.encode("latin-1") for name, value in given.items()}
-        key = flow.keys.read(picked, query.namespace.lora_name, given.get("authorization"))
-        entered = await flow.enter(FlowRequest(key, tokens, size, query))
-        if isinstance(entered, Answer):
-            error = orjson.loads(entered.body)["error"]
-            return Refusal(entered.status, error["message"], error["code"])
-        return entered
-
-    async def _read(self, path: str, body: bytes) -> tuple[RouteQuery, int]:
-        """What choosing reads of an inference request (its tokens, its namespace — model,
-        adapter, salt: the gateway's reading — and the kind of pair it needs), and its
-        price in tokens for flow control; anything else (`GET /v1/models`) is routed by
-        load alone."""
-        endpoint = INFERENCE_PATHS.get(path.partition("?")[0])
-        if endpoint is None:
-            return RouteQuery(None, missing="not_inference"), 0
-        parsed = parse_request(endpoint, decode_body(body))
-        namespace = self._router.namespace(parsed.body)
-        tokenizer = self._gateway.tokenizer
-        if len(body) > TOKENIZE_INLINE_MAX and parsed.token_ids is None:
-            tokens = await asyncio.to_thread(prompt_tokens, parsed, tokenizer)
-        else:
-            tokens = prompt_tokens(parsed, tokenizer)
-        if tokens.tokens is not None:
-            count = len(tokens.tokens)
-        else:  # no tokenizer: about four bytes a token
-            count = max(1, len(tokens.text or "") // 4 or len(body) // 4)
-        query = RouteQuery(
-            tokens.tokens,
-            tokens.text,
-            missing=tokens.missing,
-            namespace=namespace,
-            kind="sglang" if endpoint == "generate" else namespace.kind,
-            batch=parsed.batch,
-        )
-        return query, count
 
     def _whole(self, query: RouteQuery, subset: Collection[str] | None) -> Pick:
         among = self._open("prefill", query.kind, subset)
@@ -307,11 +266,6 @@ class Picker:
         if pick.admission is not None:
             pick.admission.release()
             pick.admission = None
-
-
-def _inference(path: str) -> str | None:
-    """The inference endpoint `path` names, or None (`GET /v1/models` and the like)."""
-    return INFERENCE_PATHS.get(path.partition("?")[0])
 
 
 class _Shed(Exception):

@@ -24,7 +24,7 @@ from gateway.epp.protocol import (
     served_of,
     subset_of,
 )
-from gateway.sidecar.chooser import LLMD_PREFILL_HEADER, PREFILL_HEADER
+from gateway.requests.headers import LLMD_PREFILL_HEADER, PREFILL_HEADER
 
 _BUFFERED = ProcessingMode.BUFFERED
 _DUPLEX = ProcessingMode.FULL_DUPLEX_STREAMED

@@ -39,7 +39,6 @@ from gateway.load.tracker import LoadTicket, LoadTracker
 from gateway.routing.plan import RoutePlan
 from gateway.settings.base import Role
 from gateway.telemetry.metrics import GatewayMetrics
-from gateway.telemetry.tracing import CallTrace, current
 from gateway.workers.breaker import is_failure_status
 from gateway.workers.pool import Worker
 from kvplumbing.clock import Clock
@@ -108,31 +107,20 @@ class PairCalls:
     def start_prefill(self, plan: RoutePlan, path: str, payload: bytes, extra: Extra = ()) -> Call:
         """The prefill's call, its load and breaker bookkeeping attached."""
         ticket = self.prefill_load(plan)
-        trace = current()
-        traced = None if trace is None else trace.call("prefill", plan.prefill.id)
-        if traced is not None:
-            extra += traced.headers
         call = asyncio.ensure_future(
             self._upstream.fetch(plan.prefill.url + path, payload, self._timeout, extra)
         )
         self._background.add(call)
-        call.add_done_callback(partial(self._prefill_ended, plan.prefill, ticket, traced))
+        call.add_done_callback(partial(self._prefill_ended, plan.prefill, ticket))
         return call
 
-    def _prefill_ended(
-        self, worker: Worker, ticket: LoadTicket, traced: CallTrace | None, call: Call
-    ) -> None:
+    def _prefill_ended(self, worker: Worker, ticket: LoadTicket, call: Call) -> None:
         computed = not call.cancelled() and call.exception() is None and call.result().status < 300
         self._loads.finish(ticket, computed)
         self._background.discard(call)
         if call.cancelled():
-            if traced is not None:
-                traced.end(None, "cancelled")
             return
         error = call.exception()
-        if traced is not None:
-            status = None if error is not None else call.result().status
-            traced.end(status, None if error is None else f"{type(error).__name__}: {error}")
         if error is None:
             self.record("prefill", worker, call.result().status, None)
             return
@@ -190,29 +178,9 @@ class PairCalls:
         if ticket is None:
             ticket = self._loads.start_decode(plan.decode.id)
         url = plan.decode.url + path
-        trace = current()
-        if trace is None:
-            if stream:
-                return await self._streamed(plan, call, ticket, url, payload, progress, extra)
-            return await self._whole(plan, call, ticket, url, payload, extra)
-        traced = trace.call("decode", plan.decode.id)
-        extra += traced.headers
-        try:
-            if stream:
-                answer = await self._streamed(plan, call, ticket, url, payload, progress, extra)
-            else:
-                answer = await self._whole(plan, call, ticket, url, payload, extra)
-        except BaseException:
-            traced.end(None, "cancelled")
-            raise
-        if isinstance(answer, Failure):
-            traced.end(answer.answer.status, f"the {answer.role} failed")
-        elif isinstance(answer.rest, _DecodeStream):
-            traced.event("first_byte")
-            answer.rest.traced = traced  # ended with the stream
-        else:
-            traced.end(answer.status)
-        return answer
+        if stream:
+            return await self._streamed(plan, call, ticket, url, payload, progress, extra)
+        return await self._whole(plan, call, ticket, url, payload, extra)
 
     async def _decode_step(
         self, plan: RoutePlan, call: Call, step: asyncio.Future[T], when: str
@@ -323,7 +291,7 @@ class PairCalls:
 class _DecodeStream:
     """The decode's stream after its first piece (`gateway.http.answer.Rest`)."""
 
-    __slots__ = ("_call", "_decode", "_loads", "_record", "_reply", "_ticket", "traced")
+    __slots__ = ("_call", "_decode", "_loads", "_record", "_reply", "_ticket")
 
     def __init__(
         self,
@@ -340,7 +308,6 @@ class _DecodeStream:
         self._decode = plan.decode
         self._ticket = ticket
         self._call = call
-        self.traced: CallTrace | None = None
 
     def next(self) -> asyncio.Future[bytes]:
         return self._reply.next()
@@ -350,9 +317,6 @@ class _DecodeStream:
         decode's breaker records the outcome."""
         await self._reply.aclose()
         self._loads.finish(self._ticket)
-        if self.traced is not None:
-            done = outcome == "done"
-            self.traced.end(self._reply.status, None if done else outcome)
         if outcome == "client_gone":
             self._call.cancel()
         else:

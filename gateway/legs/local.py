@@ -36,7 +36,8 @@ class LocalLegs:
     async def run(
         self, request: ParsedRequest, plan: RoutePlan, path: str, attempt: Attempt
     ) -> Answer | Failure:
-        extra = ((b"X-Request-Id", b"%032x" % self._ids.getrandbits(128)),)
+        pairing = b"%032x" % self._ids.getrandbits(128)
+        extra = ((b"X-Request-Id", pairing), *request.trace_context)
         payload = encode_body(decode_body(request.body, None))
         ticket = self._calls.prefill_load(plan)
         call = answered_call(asyncio.get_running_loop())

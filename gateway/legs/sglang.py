@@ -8,7 +8,7 @@ client sent it; bootstrap fields the client sent are replaced, because only the 
 knows which prefill it chose. The client gets the decode's answer (`gateway.legs.calls`).
 With `--dp-aware`, a DP rank the room cannot select is named: `routed_dp_rank` to the
 prefill, `disagg_prefill_dp_rank` to the decode (`docs/protocols.md` §2). Both calls carry
-the client's request id as `X-Request-Id`.
+the client's request id as `X-Request-Id`, and its trace context as it came.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class DualLegs:
             port=prefill.bootstrap_port,
             rooms=plan.rooms,
         )
-        extra = request_id_header(request.request_id)
+        extra = (*request_id_header(request.request_id), *request.trace_context)
         if plan.pinned_dp_rank is None:
             payload = decode_payload = encode_body(body)
         else:

@@ -156,7 +156,7 @@ class SequentialLegs:
         pairing = b"%032x" % self._ids.getrandbits(128)
         if request.request_id is not None:
             pairing = request.request_id.encode("ascii") + b"-" + pairing
-        extra = ((b"X-Request-Id", pairing),)
+        extra = ((b"X-Request-Id", pairing), *request.trace_context)
         payload = encode_body(prefill_body(request.body))
         call = self._calls.start_prefill(plan, path, payload, extra)
         attempt.progress.begin(attempt.number, plan.prefill.id, plan.decode.id, call)

@@ -126,6 +126,13 @@ async def running_gateway(
         pool = ConnectionPool()
         client = await stack.enter_async_context(upstream_client(pool))
         lookup, registrar = await _index_parts(config, client, stack)
+        default = DEFAULT_TRACES_ENDPOINT if config.enable_trace else None
+        endpoint = configured_endpoint(config.otlp_traces_endpoint, default=default)
+        tracing = None
+        if endpoint is not None:
+            tracing = otlp_tracing(endpoint, config.otlp_traces_endpoint is not None)
+            stack.callback(tracing.shutdown)
+            log.info("gateway spans exported by OTLP to %s", endpoint)
         gateway = build_gateway(
             config,
             client,
@@ -135,13 +142,8 @@ async def running_gateway(
             probe=DirectoryReader(client, timeout=2.0),
             tokenizer=tokenizer,
             chooser=chooser,
+            tracing=tracing,
         )
-        default = DEFAULT_TRACES_ENDPOINT if config.enable_trace else None
-        endpoint = configured_endpoint(config.otlp_traces_endpoint, default=default)
-        if endpoint is not None:
-            gateway.tracing = otlp_tracing(endpoint, config.otlp_traces_endpoint is not None)
-            stack.callback(gateway.tracing.shutdown)
-            log.info("gateway spans exported by OTLP to %s", endpoint)
         if config.share_state_interval_secs is not None:
             await _share_state(config, gateway, stack)
         await _follow_discovery(config, gateway, stack)

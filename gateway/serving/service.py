@@ -29,6 +29,7 @@ from gateway.legs.dispatch import Chooser, Dispatcher
 from gateway.legs.local import LocalLegs
 from gateway.legs.retry import RetrySchedule
 from gateway.legs.sglang import DualLegs
+from gateway.legs.traced import TracedCalls
 from gateway.legs.vllm import SequentialLegs
 from gateway.load.pending import PendingPrefixes
 from gateway.load.tracker import LoadTracker
@@ -144,9 +145,11 @@ def build_gateway(
     rng: Random | None = None,
     room_rng: Random | None = None,
     chooser: Callable[[Router], Chooser] | None = None,
+    tracing: Tracing | None = None,
 ) -> Gateway:
     """`chooser`: what chooses each attempt's pair, built on the router (default: the
-    router itself; a decode's sidecar fixes the decode)."""
+    router itself; a decode's sidecar fixes the decode). `tracing`: spans of each request,
+    its stages and calls, when traces are exported."""
     rng = rng or Random(config.seed)
     metrics = GatewayMetrics(registry or CollectorRegistry())
     pool = WorkerPool(config.breaker, config.health, clock)
@@ -183,7 +186,7 @@ def build_gateway(
         room_rng=room_rng,
         dp_aware=config.edge.dp_aware,
     )
-    calls = PairCalls(
+    calls = (PairCalls if tracing is None else TracedCalls)(
         upstream or HttpxUpstream(client),
         loads,
         metrics,
@@ -218,6 +221,7 @@ def build_gateway(
         tokenizer,
         clock,
         bodies,
+        tracing,
     )
     if config.flow.enabled:
         headroom = Headroom(router, config.pd_decider.transfer_tokens_per_s)

@@ -5,7 +5,8 @@ the gateway's legs (SGLang's bootstrap binding, vLLM's `kv_transfer_params`), re
 deadline and breakers unchanged, on pairs whose decode is always the local engine:
 
 - the prefill named by whoever routed the request (`x-globalkv-prefill`, else llm-d's
-  `x-prefiller-host-port`, as `host:port`) while it is in the pool and eligible: the
+  `x-prefiller-host-port`, as `host:port`: `gateway.requests.headers`, read into
+  `RouteQuery.prefill`) while it is in the pool and eligible: the
   prefill policy confirms it alone, so its hit, DP rank and load are counted as the
   gateway counts them;
 - otherwise (no header, a prefill the sidecar does not know, or one that failed this
@@ -17,45 +18,13 @@ The decode is the local one whatever failed before: a sidecar has no other.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 
 from gateway.policies.base import NoCandidates, RouteQuery
-from gateway.requests.bodies import BadRequest
 from gateway.routing.plan import RoutePlan
 from gateway.routing.router import Router
 
 log = logging.getLogger(__name__)
-PREFILL_HEADER = "x-globalkv-prefill"
-"""globalkv's header naming the prefill (`host:port`) the sidecar binds the request to."""
-LLMD_PREFILL_HEADER = "x-prefiller-host-port"
-"""llm-d's header for the same, so either project's sidecar serves behind either picker."""
-_HEADERS = (PREFILL_HEADER.encode(), LLMD_PREFILL_HEADER.encode())
-
-
-def named_prefill(headers: Sequence[tuple[bytes, bytes]]) -> str | None:
-    """The prefill's worker id (`host:port`) that the request's headers name, ours first;
-    `BadRequest` when the header is not `host:port`."""
-    found = dict(headers)
-    for name in _HEADERS:
-        value = found.get(name)
-        if value is not None:
-            return _host_port(name.decode(), value.decode("latin-1").strip())
-    return None
-
-
-def _host_port(name: str, value: str) -> str:
-    host, sep, port = value.rpartition(":")
-    bracketed = host.startswith("[") and host.endswith("]")
-    if (
-        not sep
-        or not host
-        or not port.isdigit()
-        or not 0 < int(port) < 65536
-        or (":" in host and not bracketed)
-        or any(c in host for c in "/@?# ")
-    ):
-        raise BadRequest(f"{name} must be host:port, got {value[:100]!r}")
-    return f"{host}:{int(port)}"
 
 
 class SidecarChooser:

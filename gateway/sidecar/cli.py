@@ -29,7 +29,7 @@ from gateway.serving.launch import (
 from gateway.settings.checks import check_gateway
 from gateway.settings.config import GatewayConfig
 from gateway.settings.flags import add_flags, build_config
-from gateway.sidecar.chooser import SidecarChooser, named_prefill
+from gateway.sidecar.chooser import SidecarChooser
 from gateway.workers.pool import worker_id
 from globalkv.tokenize import Tokenizer
 
@@ -48,7 +48,7 @@ async def serve(config: GatewayConfig, tokenizer: Tokenizer | None) -> None:
         return SidecarChooser(router, local)
 
     async with running_gateway(config, tokenizer, chooser) as (gateway, app):
-        await serve_until_signalled("sidecar", config, Inference(gateway, named_prefill), app)
+        await serve_until_signalled("sidecar", config, Inference(gateway, named_prefill=True), app)
 
 
 def check_config(args: argparse.Namespace) -> list[str]:

@@ -11,10 +11,10 @@ so engines that trace join the client's trace:
   route (the index lookup), one per call to a prefill or a decode — whose context is the
   `traceparent` that worker gets — and events for a retry and for the decode's first byte.
 
-The request path asks `current()` once per call: one context variable read, None unless a
-trace context came with the request or tracing is on. `gateway.serving.inference` sets it for the
-request's task; `gateway.legs.calls` and `gateway.legs.dispatch` read it, so no signature
-of the legs carries it.
+Tracing wraps what it traces, installed only when it is on: the handler's request span and
+its stages (`gateway.serving.inference`), the legs' calls (`gateway.legs.traced`), both
+reading the request's trace from one context variable (`current()`, set for the request's
+task), so no signature carries it and a gateway that does not trace runs none of it.
 """
 
 from __future__ import annotations
@@ -48,52 +48,17 @@ class CallTrace(Protocol):
     def end(self, status: int | None, error: str | None = None) -> None: ...
 
 
-class RequestTrace(Protocol):
-    """What the legs and the dispatcher tell of one request."""
-
-    def call(self, role: str, worker: str) -> CallTrace: ...
-
-    def event(self, name: str, attributes: Mapping[str, str | int]) -> None: ...
+_current: ContextVar[TracedRequest | None] = ContextVar("gateway_request_trace", default=None)
 
 
-_current: ContextVar[RequestTrace | None] = ContextVar("gateway_request_trace", default=None)
-
-
-def current() -> RequestTrace | None:
-    """The trace of the request this task serves, if any."""
+def current() -> TracedRequest | None:
+    """The trace of the request this task serves; None unless the gateway traces."""
     return _current.get()
 
 
-def bind(trace: RequestTrace | None) -> None:
+def bind(trace: TracedRequest) -> None:
     """Make `trace` the current request's (the handler's task: each request has its own)."""
     _current.set(trace)
-
-
-class _Passed:
-    """The client's trace context passed on unchanged: the gateway makes no span."""
-
-    __slots__ = ("headers",)
-
-    def __init__(self, headers: Headers) -> None:
-        self.headers = headers
-
-    def call(self, role: str, worker: str) -> CallTrace:
-        return self
-
-    def event(self, name: str, attributes: Mapping[str, str | int] | None = None) -> None:
-        return None
-
-    def end(self, status: int | None, error: str | None = None) -> None:
-        return None
-
-
-def passed_on(headers: Headers) -> RequestTrace:
-    return _Passed(headers)
-
-
-def trace_headers(headers: Sequence[tuple[bytes, bytes]]) -> Headers:
-    """The request's trace context among its headers (names in lowercase)."""
-    return tuple((name, value) for name, value in headers if name in TRACE_HEADERS)
 
 
 class _CallSpan:

@@ -19,6 +19,7 @@ from gateway.requests.bodies import ParsedRequest
 from gateway.serving.service import Gateway, build_gateway
 from gateway.settings.config import GatewayConfig
 from gateway.settings.workers import HealthConfig, KvEventsSpec, WorkerSpec
+from gateway.telemetry.tracing import Tracing
 from gateway.workers.monitor import PodRegistration
 from globalkv.index.base import IndexUnavailable
 from globalkv.lookup import LookupResult
@@ -238,6 +239,7 @@ async def make_gateway(
     clock: FakeClock | None = None,
     sleeps: RecordedSleep | None = None,
     upstream: Upstream | None = None,
+    tracing: Tracing | None = None,
 ) -> Gateway:
     """A gateway over the fake cluster, its monitor run once so workers are eligible.
 
@@ -257,6 +259,7 @@ async def make_gateway(
         sleep=sleeps or RecordedSleep(),
         rng=Random(7),
         room_rng=Random(11),
+        tracing=tracing,
     )
     await gateway.monitor.run_once(force=True)
     return gateway

@@ -16,7 +16,8 @@ from gateway.http.answer import Answer
 from gateway.http.server import HttpServer
 from gateway.requests.bodies import MAX_BATCH
 from gateway.serving.app import create_app
-from gateway.serving.inference import TOKENIZE_INLINE_MAX, Inference
+from gateway.serving.inference import Inference
+from gateway.serving.reading import TOKENIZE_INLINE_MAX
 from gateway.serving.service import Gateway
 from gateway.settings.workers import WorkerSpec
 from globalkv.tokenize import ByteTokenizer

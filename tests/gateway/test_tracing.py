@@ -87,8 +87,7 @@ async def _gateway(
         decode=[WorkerSpec(url=decode.url, role="decode")],
     )
     pool = ConnectionPool()
-    gateway = await make_gateway(Cluster(), cfg, upstream=PooledUpstream(pool))
-    gateway.tracing = tracing
+    gateway = await make_gateway(Cluster(), cfg, upstream=PooledUpstream(pool), tracing=tracing)
     return gateway, pool
 
 

@@ -11,12 +11,13 @@ import httpx
 from prometheus_client import CollectorRegistry
 
 from gateway.http.answer import Answer
+from gateway.requests.headers import PREFILL_HEADER
 from gateway.routing.router import Router
 from gateway.serving.inference import Inference
 from gateway.serving.service import Gateway, build_gateway
 from gateway.settings.edge import AdmissionConfig
 from gateway.settings.flow import FlowConfig
-from gateway.sidecar.chooser import PREFILL_HEADER, SidecarChooser, named_prefill
+from gateway.sidecar.chooser import SidecarChooser
 from gateway.workers.pool import worker_id
 from tests.gateway.fakes import DECODES, Cluster, StubProbe, config
 from tests.gateway.flow.test_control import PREFILL_IDS, Held, settle
@@ -57,7 +58,7 @@ async def test_a_sidecar_queues_by_priority_and_tenant() -> None:
     cluster = Cluster()
     held = Held(cluster)
     gateway = await sidecar(cluster, FakeClock(), max_concurrent_requests=1)
-    inference = Inference(gateway, named_prefill)
+    inference = Inference(gateway, named_prefill=True)
     named = (PREFILL_HEADER.encode(), PREFILL_IDS[1].encode())
 
     def send(text: str, *headers: tuple[bytes, bytes]) -> asyncio.Task[Answer]:
@@ -87,7 +88,7 @@ async def test_a_sidecars_headroom_is_every_prefills() -> None:
         clock.advance(1.0)
         loads.finish(ticket)
     busy = [loads.start_prefill(worker, 2000) for worker in PREFILL_IDS]
-    inference = Inference(gateway, named_prefill)
+    inference = Inference(gateway, named_prefill=True)
     headers = (
         (b"x-gateway-inference-objective", b"premium"),
         (PREFILL_HEADER.encode(), PREFILL_IDS[0].encode()),

@@ -1,0 +1,106 @@
+"""The legs' calls, each in a span, for a gateway that traces.
+
+`TracedCalls` is the `PairCalls` a gateway is built with when tracing is on
+(`gateway.serving.service.build_gateway`): every call to a prefill or a decode is a client
+span, a child of the request's (`gateway.telemetry.tracing.current`), whose context is the
+`traceparent` that worker receives; a failed call's span says why, a stream's decode span
+has a `first_byte` event and ends with the stream. A gateway that does not trace is built
+with `PairCalls` itself and runs none of this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from functools import partial
+
+from gateway.http.answer import Answer, Outcome, Rest
+from gateway.http.upstream import Extra
+from gateway.legs.attempt import Failure
+from gateway.legs.calls import PairCalls
+from gateway.legs.deadline import Progress
+from gateway.legs.racing import Call
+from gateway.load.tracker import LoadTicket
+from gateway.routing.plan import RoutePlan
+from gateway.telemetry.tracing import CallTrace, TracedRequest, current
+
+
+class TracedCalls(PairCalls):
+    def start_prefill(self, plan: RoutePlan, path: str, payload: bytes, extra: Extra = ()) -> Call:
+        span = _request().call("prefill", plan.prefill.id)
+        call = super().start_prefill(plan, path, payload, (*extra, *span.headers))
+        call.add_done_callback(partial(_prefill_ended, span))
+        return call
+
+    async def decode(
+        self,
+        plan: RoutePlan,
+        call: Call,
+        path: str,
+        payload: bytes,
+        *,
+        stream: bool,
+        progress: Progress,
+        extra: Extra = (),
+        ticket: LoadTicket | None = None,
+    ) -> Answer | Failure:
+        span = _request().call("decode", plan.decode.id)
+        extra = (*extra, *span.headers)
+        try:
+            answer = await super().decode(
+                plan,
+                call,
+                path,
+                payload,
+                stream=stream,
+                progress=progress,
+                extra=extra,
+                ticket=ticket,
+            )
+        except BaseException:
+            span.end(None, "cancelled")
+            raise
+        if isinstance(answer, Failure):
+            span.end(answer.answer.status, f"the {answer.role} failed")
+        elif answer.rest is not None:
+            span.event("first_byte")
+            answer.rest = _CallEnds(answer.rest, span, answer.status)
+        else:
+            span.end(answer.status)
+        return answer
+
+
+def _request() -> TracedRequest:
+    trace = current()
+    assert trace is not None, "a traced gateway binds every request's span"
+    return trace
+
+
+def _prefill_ended(span: CallTrace, call: Call) -> None:
+    if call.cancelled():
+        span.end(None, "cancelled")
+        return
+    error = call.exception()
+    if error is None:
+        span.end(call.result().status)
+    else:
+        span.end(None, f"{type(error).__name__}: {error}")
+
+
+class _CallEnds:
+    """A decode's stream whose call span ends when it closes."""
+
+    __slots__ = ("_rest", "_span", "_status")
+
+    def __init__(self, rest: Rest, span: CallTrace, status: int) -> None:
+        self._rest = rest
+        self._span = span
+        self._status = status
+
+    def next(self) -> Awaitable[bytes]:
+        return self._rest.next()
+
+    async def close(self, outcome: Outcome) -> None:
+        try:
+            await self._rest.close(outcome)
+        finally:
+            self._span.end(self._status, None if outcome == "done" else outcome)

@@ -1,0 +1,131 @@
+"""Reading an inference request once, the same way at every entry point.
+
+The gateway's handler (and with it a decode's sidecar) and the endpoint picker turn a
+request's path, body and headers into what it is served by, here and only here:
+
+- the parsed body (`gateway.requests.bodies`: validated just enough to route; a body that
+  cannot be routed is the client's 400, before anything is sent);
+- its KV-cache namespace (`Router.namespace`: model, LoRA adapter, salt, over what the
+  workers serve now; an adapter none serves is a 404);
+- the prompt's tokens, as the engine will compute them;
+- the session it names and, for a sidecar, the prefill its picker named
+  (`gateway.requests.headers`);
+- with flow control, its flow (tenant and objective, `gateway.flow.keys`) and its price;
+
+the choosing part of it gathered in one `RouteQuery`. The index is asked after
+(`Router.look_up`): a request flow control holds is looked up again when its turn comes.
+
+A prompt to tokenize in a body over `TOKENIZE_INLINE_MAX` bytes is tokenized in a worker
+thread: a long text held the event loop, and every other request with it, for as long as
+its tokenizer ran (Hugging Face's releases the GIL). Shorter ones are tokenized inline,
+where a thread would cost more than the work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from gateway.flow.keys import FlowKeys
+from gateway.flow.queues import FlowRequest
+from gateway.policies.base import RouteQuery
+from gateway.requests.bodies import (
+    Endpoint,
+    ParsedRequest,
+    PromptTokens,
+    decode_body,
+    parse_request,
+    prompt_tokens,
+)
+from gateway.requests.headers import (
+    PREFILL_HEADERS,
+    SESSION_HEADERS,
+    Picked,
+    named_prefill,
+    session,
+)
+from gateway.routing.router import Router
+from globalkv.tokenize import Tokenizer
+
+TOKENIZE_INLINE_MAX = 64 * 1024
+INFERENCE_PATHS: dict[str, Endpoint] = {
+    "/generate": "generate",
+    "/v1/completions": "completions",
+    "/v1/chat/completions": "chat",
+}
+
+
+@dataclass(slots=True)
+class ReadRequest:
+    """An inference request as every entry point reads it."""
+
+    parsed: ParsedRequest
+    query: RouteQuery
+    """What choosing reads of it (its index lookup still to come)."""
+    flow: FlowRequest | None
+    """Its flow and price for flow control; None without flow control."""
+
+
+class RequestReader:
+    """Reads inference requests for one entry point.
+
+    `flow`: flow control's header reader, when it is on; `named_prefill`: the entry point
+    binds a request to the prefill its picker named (a decode's sidecar)."""
+
+    def __init__(
+        self,
+        router: Router,
+        tokenizer: Tokenizer | None,
+        flow: FlowKeys | None = None,
+        *,
+        named_prefill: bool = False,
+    ) -> None:
+        self._router = router
+        self._tokenizer = tokenizer
+        self._flow = flow
+        self._named_prefill = named_prefill
+        flow_headers = () if flow is None else flow.header_names
+        self.header_names = frozenset(
+            {*SESSION_HEADERS, *(PREFILL_HEADERS if named_prefill else ()), *flow_headers}
+        )
+        """The request headers `read` looks at (names in lowercase)."""
+
+    async def read(
+        self, endpoint: Endpoint, body: bytes, picked: Picked, authorization: str | None = None
+    ) -> ReadRequest:
+        """The request of `body` to `endpoint`, `picked` holding its `header_names` it sent.
+
+        Raises `gateway.requests.bodies.BadRequest` (a body or header that cannot be
+        read), `gateway.requests.namespace.UnknownAdapter` and
+        `globalkv.tokenize.TokenizeError` (messages the chat template refuses)."""
+        named = named_prefill(picked) if self._named_prefill and picked else None
+        parsed = parse_request(endpoint, decode_body(body))
+        namespace = self._router.namespace(parsed.body)
+        named_session = session(picked) if picked else None
+        if len(body) > TOKENIZE_INLINE_MAX and parsed.token_ids is None:
+            tokens = await asyncio.to_thread(prompt_tokens, parsed, self._tokenizer)
+        else:
+            tokens = prompt_tokens(parsed, self._tokenizer)
+        query = RouteQuery(
+            tokens.tokens,
+            tokens.text,
+            prefill=named,
+            session=named_session,
+            missing=tokens.missing,
+            namespace=namespace,
+            kind="sglang" if endpoint == "generate" else namespace.kind,
+            batch=parsed.batch,
+        )
+        flow = None
+        if self._flow is not None:
+            key = self._flow.read(picked, namespace.lora_name, authorization)
+            flow = FlowRequest(key, _price(tokens, len(body)), len(body), query)
+        return ReadRequest(parsed, query, flow)
+
+
+def _price(tokens: PromptTokens, size: int) -> int:
+    """What the request costs flow control: its prompt tokens, or without a tokenizer
+    about four bytes a token."""
+    if tokens.tokens is not None:
+        return len(tokens.tokens)
+    return max(1, len(tokens.text or "") // 4 or size // 4)

@@ -6,7 +6,7 @@ httptools parses requests in `data_received`; each complete request is answered 
 at no cost per request.
 
 The connection's life is one `ConnectionState`: OPEN, CLOSING, LINGERING (after a
-refusal), CLOSED.
+refusal), CLOSED; its writing side and its end are `gateway.http.client_wire`'s.
 
 HTTP/1.1 keep-alive with pipelined requests answered in order (reading pauses while a few
 wait, and the next starts once the client has taken the last answer), `Expect:
@@ -26,14 +26,14 @@ the connection closed as after a 413.
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 from collections import deque
-from typing import Any, Protocol, cast
+from typing import Protocol
 
 import httptools
 
 from gateway.http.answer import Answer, problem
+from gateway.http.client_wire import ClientWire, ConnectionState
 from gateway.http.exchange import Exchange, Serving, refusal
 from gateway.http.wire import CLOSE, HttpRequest, answer_bytes
 
@@ -45,26 +45,6 @@ _QUEUED_MAX = 8
 HEAD_MAX = 64 * 1024
 """Bytes of a request line and headers still arriving past which 431 closes the connection
 (the chunk a head starts in is not counted: it is bounded by the transport's read size)."""
-
-
-def _host_port(address: Any) -> tuple[str, int] | None:
-    """An address as ASGI's `client`/`server` take it: IPv6 socket names carry flow info
-    and a scope id besides, which Starlette's `request.client` cannot unpack."""
-    if isinstance(address, tuple) and len(address) >= 2:
-        return str(address[0]), int(address[1])
-    return None
-
-
-class ConnectionState(enum.Enum):
-    OPEN = "open"
-    """Reading requests and answering them in order."""
-    CLOSING = "closing"
-    """No more requests read; the transport is closed once the answer in progress ends."""
-    LINGERING = "lingering"
-    """A refusal written and the writing side shut; what the client sends is dropped until
-    it closes too (or `expire` does)."""
-    CLOSED = "closed"
-    """The transport is gone."""
 
 
 class Server(Serving, Protocol):
@@ -92,17 +72,13 @@ class _UpgradeBody:
         self.left = 0
 
 
-class ClientConnection(asyncio.Protocol):
+class ClientConnection(ClientWire):
     """One client's connection: requests parsed as bytes arrive, answered in order."""
 
     def __init__(self, server: Server) -> None:
+        super().__init__()
         self._server = server
-        self._loop = asyncio.get_running_loop()
         self._parser = httptools.HttpRequestParser(self)
-        self._transport: asyncio.Transport | None = None
-        self.state = ConnectionState.OPEN
-        self._lingering_since = 0.0
-        """Loop time LINGERING began."""
         self._request: HttpRequest | None = None
         """The request whose head or body is arriving."""
         self._upgrading: _UpgradeBody | None = None
@@ -110,26 +86,11 @@ class ClientConnection(asyncio.Protocol):
         """Complete requests waiting for the answer in progress."""
         self._task: asyncio.Task[None] | None = None
         """The answer in progress."""
-        self._reading_paused = False
-        """Reading paused: `_QUEUED_MAX` requests wait."""
-        self.write_paused = False
-        self._drained: asyncio.Future[None] | None = None
-        self._lost: asyncio.Future[None] | None = None
         self.last_active = self._loop.time()
-        self.peer: tuple[str, int] | None = None
-        self.local: tuple[str, int] | None = None
 
     @property
     def idle(self) -> bool:
         return not (self._task or self._request or self._upgrading or self._queue)
-
-    def _open(self) -> bool:
-        return self.state is ConnectionState.OPEN
-
-    def _stop_reading_requests(self) -> None:
-        """OPEN → CLOSING; a connection already past OPEN stays where it is."""
-        if self.state is ConnectionState.OPEN:
-            self.state = ConnectionState.CLOSING
 
     def close(self) -> None:
         """Close now, or after the answer in progress when there is one (a request still
@@ -161,16 +122,10 @@ class ClientConnection(asyncio.Protocol):
         if now - (self.last_active if request.method else request.started) > read_secs:
             self._refuse(problem(408, f"the request did not arrive within {read_secs:g} s"))
 
-    def abort(self) -> None:
-        if self._transport is not None:
-            self._transport.abort()
-
     # asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
-        self.peer = _host_port(transport.get_extra_info("peername"))
-        self.local = _host_port(transport.get_extra_info("sockname"))
+        super().connection_made(transport)
         self._server.admit(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -183,9 +138,7 @@ class ClientConnection(asyncio.Protocol):
                 self._give_back(request)
         if self._upgrading is not None:
             self._give_back(self._upgrading.request)
-        for waiter in (self._drained, self._lost):
-            if waiter is not None and not waiter.done():
-                waiter.set_result(None)
+        super().connection_lost(exc)  # then what waits for the client to go
 
     def data_received(self, data: bytes) -> None:
         if self.state is not ConnectionState.OPEN:
@@ -214,14 +167,6 @@ class ClientConnection(asyncio.Protocol):
         if request.head_size > HEAD_MAX:
             message = f"the request line and headers exceed {HEAD_MAX // 1024} KiB"
             self._refuse(problem(431, message))
-
-    def pause_writing(self) -> None:
-        self.write_paused = True
-
-    def resume_writing(self) -> None:
-        self.write_paused = False
-        if self._drained is not None and not self._drained.done():
-            self._drained.set_result(None)
 
     # httptools callbacks
 
@@ -325,24 +270,6 @@ class ClientConnection(asyncio.Protocol):
             self.write(answer_bytes(answer, CLOSE))
             self._linger()
 
-    def _linger(self) -> None:
-        """Close the writing side only, and drop what the client still sends until it
-        closes too (or `expire` does): closed at once with unread bytes (a body refused
-        before it was read), the socket would reset and the client lose the refusal."""
-        transport = self._transport
-        assert transport is not None
-        if self.state in (ConnectionState.LINGERING, ConnectionState.CLOSED):
-            return
-        if transport.is_closing() or not transport.can_write_eof():
-            transport.close()
-            return
-        self.state = ConnectionState.LINGERING
-        self._lingering_since = self._loop.time()
-        if self._reading_paused:
-            self._reading_paused = False
-            transport.resume_reading()
-        transport.write_eof()
-
     # answering, one request at a time
 
     def _start(self, request: HttpRequest) -> None:
@@ -430,21 +357,3 @@ class ClientConnection(asyncio.Protocol):
             self._upgrading = None
             self._complete(request)
         return rest
-
-    # gateway.http.wire.Wire
-
-    def write(self, data: bytes) -> None:
-        if self.state is not ConnectionState.CLOSED and self._transport is not None:
-            self._transport.write(data)
-
-    async def drain(self) -> None:
-        if self.write_paused and self.state is not ConnectionState.CLOSED:
-            self._drained = self._loop.create_future()
-            await self._drained
-
-    async def disconnected(self) -> None:
-        if self.state is ConnectionState.CLOSED:
-            return
-        if self._lost is None:
-            self._lost = self._loop.create_future()
-        await asyncio.shield(self._lost)

@@ -12,13 +12,14 @@ path (health checks, directory reads, index lookups).
 Host names are resolved by a `HostResolver` (one lookup in flight per name, its answer
 kept briefly), so a worker whose name stops resolving cannot stall the others' lookups.
 
-Each origin keeps a stack of idle connections: taking one is a pop (one the peer closed
-while idle has seen EOF and is skipped without a system call), giving it back a push.
-A connection returns to its stack as soon as its answer has been read to the end (the
-rest of the body stays buffered in the `Reply`) unless either side asked to close it.
-Cancelling a call's future before its answer ended closes the connection, so the worker
-sees the client go. A request written to a reused connection that the peer closed before
-any byte of an answer arrived (the keep-alive race) is sent once more on a new connection.
+Each origin keeps a stack of idle connections (`gateway.http.connection`, one each):
+taking one is a pop (one the peer closed while idle has seen EOF and is skipped without a
+system call), giving it back a push. A connection returns to its stack as soon as its
+answer has been read to the end (the rest of the body stays buffered in the `Reply`)
+unless either side asked to close it. Cancelling a call's future before its answer ended
+closes the connection, so the worker sees the client go. A request written to a reused
+connection that the peer closed before any byte of an answer arrived (the keep-alive
+race) is sent once more on a new connection.
 
 Errors are httpx's exception types (`ConnectError`, `ReadTimeout`, `RemoteProtocolError`,
 …) so their callers handle both clients alike; a connection this process cannot open for
@@ -37,30 +38,18 @@ import errno
 import math
 import os
 import resource
-import socket
 import ssl
 from collections.abc import Sequence
-from typing import cast
 from urllib.parse import urlsplit
 
-import httptools
 import httpx
 
+from gateway.http.connection import DEAD_PEER_SECS, Connection, Origin
 from gateway.http.reply import Reply
 from gateway.http.resolver import HostResolver
 
-Origin = tuple[str, str, int]
 Headers = Sequence[tuple[bytes, bytes]]
 
-_BODYLESS_STATUSES = frozenset({204, 304})
-DEAD_PEER_SECS = 10.0
-"""How long a worker's host may leave a connection attempt or sent bytes unacknowledged
-before the connection counts as failed (the connect stage, and TCP_USER_TIMEOUT after it).
-A killed container or a powered-off host sends no reset: without this bound a request
-waited for the whole request timeout on a connection to nobody, where a retry on another
-worker answers at once. The kernel acknowledges bytes whatever the worker's own delay, so
-a slow prefill is never cut off by it."""
-_DEAD_PEER_MS = round(DEAD_PEER_SECS * 1000)
 _TARGETS_KEPT = 4096
 
 
@@ -88,160 +77,6 @@ def _local_error(host: str, port: int, exc: OSError) -> LocalResourceError:
         f"({os.strerror(exc.errno or 0)}; its open-files limit is {_open_files_limit()})"
     )
     return LocalResourceError(message, exc.errno or 0)
-
-
-class Connection(asyncio.Protocol):
-    """One keep-alive connection; carries one `Reply` at a time."""
-
-    def __init__(self, pool: ConnectionPool, origin: Origin) -> None:
-        self._pool = pool
-        self._origin = origin
-        self._loop = asyncio.get_running_loop()
-        self._parser = httptools.HttpResponseParser(self)
-        self._transport: asyncio.Transport | None = None
-        self._response: Reply | None = None
-        self._headers: list[tuple[bytes, bytes]] = []
-        self._keep = False
-        self._last_read = 0.0
-        self.reused = False
-        self.closed = False
-        self.paused = False
-
-    def usable(self) -> bool:
-        return not self.closed and self._transport is not None and not self._transport.is_closing()
-
-    def send(self, response: Reply) -> None:
-        assert self._transport is not None
-        self._response = response
-        response.connection = self
-        self._last_read = self._loop.time()
-        if response.timeout is not None:
-            self._pool._watch(self, self._last_read + response.timeout)
-        self._transport.write(response.data)
-
-    def pause(self) -> None:
-        if not self.paused and self._transport is not None:
-            self.paused = True
-            self._transport.pause_reading()
-
-    def resume(self) -> None:
-        if self.paused and self._transport is not None:
-            self.paused = False
-            self._last_read = self._loop.time()
-            self._transport.resume_reading()
-
-    def abort(self) -> None:
-        """Close now; the response being received, if any, ends with an error."""
-        self.closed = True
-        if self._transport is not None:
-            self._transport.close()
-        self._end(httpx.ReadError("the call was cancelled"))
-
-    def check_timeout(self, now: float) -> float | None:
-        """Fail the call when silent for its timeout; else when to look again (None: done)."""
-        response = self._response
-        if response is None or response.timeout is None:
-            return None
-        if self.paused:
-            self._last_read = now  # the reader holds it back, not the worker
-        if now - self._last_read < response.timeout:
-            return self._last_read + response.timeout
-        self.closed = True
-        if self._transport is not None:
-            self._transport.close()
-        self._end(httpx.ReadTimeout(f"no answer for {response.timeout:g} s"))
-        return None
-
-    def _end(self, error: BaseException | None) -> None:
-        response, self._response = self._response, None
-        self._pool._unwatch(self)
-        if response is None:
-            return
-        if error is None:
-            response.on_end()
-        else:
-            response.on_error(error)
-
-    # asyncio.Protocol
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
-        sock = transport.get_extra_info("socket")
-        if sock is not None and hasattr(socket, "TCP_USER_TIMEOUT"):  # Linux
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, _DEAD_PEER_MS)
-
-    def data_received(self, data: bytes) -> None:
-        if self._response is None:
-            self.abort()  # bytes nobody asked for: the connection cannot be trusted
-            return
-        self._last_read = self._loop.time()
-        try:
-            self._parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self.closed = True
-            assert self._transport is not None
-            self._transport.close()
-            self._end(httpx.RemoteProtocolError(f"malformed answer from {self._name()}: {exc}"))
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        response = self._response
-        if response is None:
-            return
-        if not response.received and self.reused:
-            self._response = None
-            self._pool._unwatch(self)
-            self._pool._resend(self._origin, response)
-        elif response.status and not response.framed and exc is None:
-            self._end(None)  # an answer delimited by the connection's close
-        elif response.status:
-            self._end(httpx.RemoteProtocolError(f"{self._name()} closed the connection mid-answer"))
-        elif exc is not None:
-            self._end(httpx.ReadError(f"{self._name()}: {exc!r}"))
-        else:
-            self._end(httpx.RemoteProtocolError(f"{self._name()} closed without answering"))
-
-    # httptools callbacks
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers.append((name, value))
-
-    def on_headers_complete(self) -> None:
-        response = self._response
-        if response is None:
-            return
-        status = self._parser.get_status_code()
-        headers, self._headers = self._headers, []
-        self._keep = self._parser.should_keep_alive()
-        framed = status in _BODYLESS_STATUSES or any(
-            name.lower() in (b"content-length", b"transfer-encoding") for name, _ in headers
-        )
-        response.on_head(status, headers, framed)
-        if response.head_only:
-            self._keep = False
-            self.closed = True
-            assert self._transport is not None
-            self._transport.close()
-            self._end(None)
-
-    def on_body(self, body: bytes) -> None:
-        if self._response is not None:
-            self._response.on_piece(body)
-
-    def on_message_complete(self) -> None:
-        if self._response is None:
-            return
-        self._end(None)
-        if self._keep and not self.closed:
-            self.resume()  # paused by this answer's reader, it must read the next one
-            self._pool._release(self._origin, self)
-        else:
-            self.closed = True
-            assert self._transport is not None
-            self._transport.close()
-
-    def _name(self) -> str:
-        return f"{self._origin[1]}:{self._origin[2]}"
 
 
 class ConnectionPool:
@@ -338,7 +173,7 @@ class ConnectionPool:
         )
         response.task = task
 
-    def _resend(self, origin: Origin, response: Reply) -> None:
+    def resend(self, origin: Origin, response: Reply) -> None:
         """A reused connection closed before answering: once more on a new connection."""
         response.connection = None
         task = asyncio.get_running_loop().create_task(
@@ -380,11 +215,11 @@ class ConnectionPool:
         finally:
             response.task = None
         if response.future is None or response.future.cancelled() or response.done:
-            self._release(origin, connection)  # unused: good for the next call
+            self.release(origin, connection)  # unused: good for the next call
             return
         connection.send(response)
 
-    def _watch(self, connection: Connection, deadline: float) -> None:
+    def watch(self, connection: Connection, deadline: float) -> None:
         """Read timeouts: one timer for the pool, due at the earliest deadline, rather than
         a timer per call (creating and cancelling two per request cost CPU on every request)."""
         self._waiting.add(connection)
@@ -395,7 +230,7 @@ class ConnectionPool:
             self._check = self._loop.call_at(deadline, self._check_timeouts)
             self._check_at = deadline
 
-    def _unwatch(self, connection: Connection) -> None:
+    def unwatch(self, connection: Connection) -> None:
         self._waiting.discard(connection)
 
     def _check_timeouts(self) -> None:
@@ -408,7 +243,7 @@ class ConnectionPool:
             self._check_at = min(deadlines)
             self._check = self._loop.call_at(self._check_at, self._check_timeouts)
 
-    def _release(self, origin: Origin, connection: Connection) -> None:
+    def release(self, origin: Origin, connection: Connection) -> None:
         idle = self._idle.setdefault(origin, [])
         if len(idle) >= self._max_idle:
             connection.abort()

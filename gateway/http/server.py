@@ -36,7 +36,8 @@ from collections.abc import Mapping
 from starlette.types import ASGIApp
 
 from gateway.http.answer import problem
-from gateway.http.client_connection import ClientConnection, ConnectionState
+from gateway.http.client_connection import ClientConnection
+from gateway.http.client_wire import ConnectionState
 from gateway.http.exchange import Handler
 from gateway.http.wire import CLOSE, answer_bytes
 from kvplumbing.budget import BodyBudget, default_total

@@ -10,7 +10,8 @@ from collections.abc import Awaitable, Callable
 import httpx
 import pytest
 
-from gateway.http.connections import DEAD_PEER_SECS, ConnectionPool
+from gateway.http.connection import DEAD_PEER_SECS
+from gateway.http.connections import ConnectionPool
 from gateway.http.reply import PAUSE_AT
 from gateway.http.upstream import PooledUpstream
 from gateway.policies.base import RouteQuery

@@ -107,33 +107,38 @@ class Router:
         (None, the reason counted, where there is none), and the time choosing reads into
         `query.now`. Again after the request waited (flow control): it is then placed on
         what the index shows by then."""
-        query.lookup = await self._lookup_prompt(query)
+        model = self._indexed_model(query) if self.prefill_policy.uses_index else None
+        query.lookup = None if model is None else await self._ask(model, query)
         query.now = self._clock()
 
-    async def _lookup_prompt(self, query: RouteQuery) -> LookupResult | None:
-        if not self.uses_index:
-            return None
-        tokens, namespace = query.tokens, query.namespace
-        if tokens is None:
+    def _indexed_model(self, query: RouteQuery) -> str | None:
+        """The model to look the query's prompt up under; None, the reason counted, when
+        the index cannot be asked."""
+        if query.tokens is None:
             self.fallback(query.missing or "no_tokenizer")
             return None
-        if namespace.opaque:
+        if query.namespace.opaque:
             self.fallback("extra_key", "SGLang's KV events do not say a block's extra_key")
             return None
         if self._lookup is None:
             self.fallback("no_index", "neither --indexer-url nor --redis-url is set")
             return None
-        model = self._model(namespace.model)
+        model = self._model(query.namespace.model)
         if model is None:
             self.fallback("no_model", "no --model and no prefill advertised its model yet")
-            return None
+        return model
+
+    async def _ask(self, model: str, query: RouteQuery) -> LookupResult | None:
+        assert self._lookup is not None, "checked by _indexed_model"
+        assert query.tokens is not None, "checked by _indexed_model"
+        namespace = query.namespace
         started = self._clock()
         try:
             # Not asyncio.wait_for: a task per lookup, and on Python 3.11 it can lose a
             # cancellation (kvplumbing.tasks).
             async with asyncio.timeout(self._lookup_timeout):
                 result = await self._lookup.lookup(
-                    model, tokens, namespace.lora_name, namespace.cache_salt
+                    model, query.tokens, namespace.lora_name, namespace.cache_salt
                 )
         except (IndexUnavailable, TimeoutError) as exc:
             self.fallback("index_unavailable", repr(exc))
@@ -238,9 +243,8 @@ class Router:
         count = 1 if query.batch is None else query.batch
         rooms = [draw_room(self._rooms, dp_size, dp_rank) for _ in range(count)]
         computing = directory.computing_rank(rooms[0], pinned)
-        return RoutePlan(
-            prefill, decode, choice, rooms, query.keys, computing, pinned_dp_rank=pinned
-        )
+        keys = query.lookup.keys if query.lookup is not None else ()
+        return RoutePlan(prefill, decode, choice, rooms, keys, computing, pinned_dp_rank=pinned)
 
     def record(self, choice: Choice, query: RouteQuery, paired: bool = True) -> None:
         """One decision counted: the prefill's outcome (hit, miss, fallback) and, `paired`,

@@ -169,13 +169,13 @@ class Inference:
         self._enter: Callable[[FlowRequest], Awaitable[Grant | Answer]] | None = (
             None if self._flow is None else self._flow.enter
         )
-        self._answer: Callable[[Incoming], Awaitable[Answer]] = self._admitted
+        self._answer: Callable[[Incoming], Awaitable[Answer]] = self._serve
         tracing = gateway.tracing
         if tracing is not None:
             self._look_up = _stage("route", self._look_up)
             if self._enter is not None:
                 self._enter = _stage("queue", self._enter)
-            self._answer = _traced(tracing, self._admitted)
+            self._answer = _traced(tracing, self._serve)
 
     @property
     def paths(self) -> Collection[str]:
@@ -211,23 +211,20 @@ class Inference:
         answer.headers = own
         return answer
 
-    async def _admitted(self, incoming: Incoming) -> Answer:
-        """The answer once the API key is right and admission control let the request in
-        (its place given back once the answer is over: a stream's when it closes)."""
+    async def _serve(self, incoming: Incoming) -> Answer:
+        """The answer once the API key is right and admission control let the request in;
+        the place the request holds (admission's, or flow control's once it has one) is
+        given back once the answer is over (a stream's when it closes), whatever happens."""
         if not bearer_matches(incoming.authorization, self._gateway.config.api_key):
             message = "missing or wrong API key (Authorization: Bearer …)"
             return self._refuse(incoming.path, problem(401, message, "auth_error"))
+        release: Callable[[], None] | None = None
         admission = self._admission
-        if admission is None:
-            return await self._serve(incoming, None)
-        refusal = await admission.admit()
-        if refusal is not None:
-            return self._refuse(incoming.path, refusal)
-        return await self._serve(incoming, admission.release)
-
-    async def _serve(self, incoming: Incoming, release: Callable[[], None] | None) -> Answer:
-        """The answer; `release` (the place the request holds: admission's, or flow
-        control's once it has one) is called once it is over, whatever happens."""
+        if admission is not None:
+            refusal = await admission.admit()
+            if refusal is not None:
+                return self._refuse(incoming.path, refusal)
+            release = admission.release
         gateway = self._gateway
         path = incoming.path
         metrics = self._metrics[path]

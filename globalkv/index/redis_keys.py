@@ -42,7 +42,7 @@ where it writes:
     {p}:lease:<pod>:fence      hash: token, counter, holder, last renewal
     {p}:indexers               sorted set: indexer id -> expiry
 
-Gateway replicas (`gateway.shared_state`), under the bare prefix, one replica's load per
+Gateway replicas (`gateway.replicas.shared_state`), under the bare prefix, one replica's load per
 hash tag (a cluster spreads them):
     <prefix>:gateways          sorted set: replica -> expiry
     <prefix>:gw:{<replica>}:load  hash: worker -> its load as that replica sees it

@@ -27,6 +27,7 @@ from gateway.serving.launch import (
     CannotListen,
     add_command,
     launch,
+    listen,
     running_gateway,
     tune_garbage_collection,
     until_signalled,
@@ -197,11 +198,7 @@ async def serve(config: GatewayConfig, epp: EppConfig, tokenizer: Tokenizer | No
             raise CannotListen(f"epp cannot serve on {where}")
         await grpc.start()
         http = HttpServer(_NoInference(), app, max_connections=config.max_client_connections)
-        try:
-            await http.start(config.host, config.port)
-        except OSError as exc:
-            where = f"{config.host}:{config.port} (--port)"
-            raise CannotListen(f"epp cannot serve on {where}: {exc}") from exc
+        await listen(http, "epp", config)
         tune_garbage_collection()
         try:
             await until_signalled()

@@ -34,6 +34,27 @@ class Rest(Protocol):
         ...
 
 
+class After:
+    """`rest`, and `then(outcome)` once it has closed, whatever its close raised: what a
+    layer above the one that made a stream does when it ends (its metrics, its span, the
+    place it held)."""
+
+    __slots__ = ("_rest", "_then")
+
+    def __init__(self, rest: Rest, then: Callable[[Outcome], None]) -> None:
+        self._rest = rest
+        self._then = then
+
+    def next(self) -> Awaitable[bytes]:
+        return self._rest.next()
+
+    async def close(self, outcome: Outcome) -> None:
+        try:
+            await self._rest.close(outcome)
+        finally:
+            self._then(outcome)
+
+
 @dataclass(slots=True)
 class Answer:
     """An answer to a client: whole when `rest` is None, else a stream whose first piece is

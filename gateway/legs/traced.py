@@ -10,10 +10,9 @@ with `PairCalls` itself and runs none of this.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
 from functools import partial
 
-from gateway.http.answer import Answer, Outcome, Rest
+from gateway.http.answer import After, Answer, Outcome
 from gateway.http.upstream import Extra
 from gateway.legs.attempt import Failure
 from gateway.legs.calls import PairCalls
@@ -63,7 +62,7 @@ class TracedCalls(PairCalls):
             span.end(answer.answer.status, f"the {answer.role} failed")
         elif answer.rest is not None:
             span.event("first_byte")
-            answer.rest = _CallEnds(answer.rest, span, answer.status)
+            answer.rest = After(answer.rest, partial(_stream_ended, span, answer.status))
         else:
             span.end(answer.status)
         return answer
@@ -75,6 +74,10 @@ def _request() -> TracedRequest:
     return trace
 
 
+def _stream_ended(span: CallTrace, status: int, outcome: Outcome) -> None:
+    span.end(status, None if outcome == "done" else outcome)
+
+
 def _prefill_ended(span: CallTrace, call: Call) -> None:
     if call.cancelled():
         span.end(None, "cancelled")
@@ -84,23 +87,3 @@ def _prefill_ended(span: CallTrace, call: Call) -> None:
         span.end(call.result().status)
     else:
         span.end(None, f"{type(error).__name__}: {error}")
-
-
-class _CallEnds:
-    """A decode's stream whose call span ends when it closes."""
-
-    __slots__ = ("_rest", "_span", "_status")
-
-    def __init__(self, rest: Rest, span: CallTrace, status: int) -> None:
-        self._rest = rest
-        self._span = span
-        self._status = status
-
-    def next(self) -> Awaitable[bytes]:
-        return self._rest.next()
-
-    async def close(self, outcome: Outcome) -> None:
-        try:
-            await self._rest.close(outcome)
-        finally:
-            self._span.end(self._status, None if outcome == "done" else outcome)

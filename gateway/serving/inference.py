@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
 import orjson
@@ -41,7 +42,7 @@ import orjson
 from gateway.flow.admission import Admission
 from gateway.flow.control import Grant
 from gateway.flow.queues import FlowRequest
-from gateway.http.answer import Answer, Outcome, Rest, problem
+from gateway.http.answer import After, Answer, Outcome, problem
 from gateway.policies.base import RouteQuery
 from gateway.requests.bodies import BadRequest
 from gateway.requests.headers import Picked
@@ -54,7 +55,6 @@ from gateway.telemetry.tracing import TRACE_HEADERS, Tracing, bind, current
 from globalkv.tokenize import TokenizeError
 from kvplumbing.auth import bearer_matches
 from kvplumbing.budget import BodyBudget
-from kvplumbing.clock import Clock
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -97,41 +97,6 @@ class Incoming:
     trace_context: Headers
     """The client's W3C trace context, passed on to the workers as it came; none when the
     gateway traces (each call then carries its own span's)."""
-
-
-class _Measured:
-    """A stream's rest whose request is measured (duration, status) when it closes, and
-    whose place (admission's, flow control's) is given back then."""
-
-    __slots__ = ("_clock", "_ended", "_metrics", "_rest", "_started", "_status")
-
-    def __init__(
-        self,
-        rest: Rest,
-        status: int,
-        metrics: EndpointMetrics,
-        started: float,
-        clock: Clock,
-        ended: Callable[[], None] | None,
-    ) -> None:
-        self._rest = rest
-        self._status = status
-        self._metrics = metrics
-        self._started = started
-        self._clock = clock
-        self._ended = ended
-
-    def next(self) -> Awaitable[bytes]:
-        return self._rest.next()
-
-    async def close(self, outcome: Outcome) -> None:
-        try:
-            await self._rest.close(outcome)
-        finally:
-            self._metrics.latency.observe(self._clock() - self._started)
-            self._metrics.answered(self._status)
-            if self._ended is not None:
-                self._ended()
 
 
 class Inference:
@@ -269,15 +234,28 @@ class Inference:
         if answer.rest is not None:
             if grant is not None:
                 grant.started()
-            answer.rest = _Measured(
-                answer.rest, answer.status, metrics, started, gateway.clock, release
-            )
+            ended = partial(self._stream_ended, metrics, started, answer.status, release)
+            answer.rest = After(answer.rest, ended)
             return answer
         if release is not None:
             release()
         metrics.latency.observe(now - started)
         metrics.answered(answer.status)
         return answer
+
+    def _stream_ended(
+        self,
+        metrics: EndpointMetrics,
+        started: float,
+        status: int,
+        release: Callable[[], None] | None,
+        outcome: Outcome,
+    ) -> None:
+        """A stream's request is over: measured (duration, status), its place given back."""
+        metrics.latency.observe(self._gateway.clock() - started)
+        metrics.answered(status)
+        if release is not None:
+            release()
 
     def _refuse(
         self, path: str, answer: Answer, release: Callable[[], None] | None = None
@@ -323,27 +301,8 @@ def _traced(
         if answer.rest is None:
             traced.end(answer.status)
         else:
-            answer.rest = _SpanEnds(answer.rest, traced.end, answer.status)
+            status = answer.status
+            answer.rest = After(answer.rest, lambda _: traced.end(status))
         return answer
 
     return in_span
-
-
-class _SpanEnds:
-    """A stream's rest whose request span ends when it closes."""
-
-    __slots__ = ("_end", "_rest", "_status")
-
-    def __init__(self, rest: Rest, end: Callable[[int], None], status: int) -> None:
-        self._rest = rest
-        self._end = end
-        self._status = status
-
-    def next(self) -> Awaitable[bytes]:
-        return self._rest.next()
-
-    async def close(self, outcome: Outcome) -> None:
-        try:
-            await self._rest.close(outcome)
-        finally:
-            self._end(self._status)

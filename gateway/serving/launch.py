@@ -171,14 +171,19 @@ async def serve_until_signalled(
         max_connections=config.max_client_connections,
         budget=inference.budget,
     )
+    await listen(server, name, config)
+    tune_garbage_collection()
+    await until_signalled()
+    await server.shutdown(grace=config.edge.shutdown_grace_period_secs)
+
+
+async def listen(server: HttpServer, name: str, config: GatewayConfig) -> None:
+    """`server` listening on `--host`/`--port`; `CannotListen` saying so when it cannot."""
     try:
         await server.start(config.host, config.port)
     except OSError as exc:
         where = f"{config.host}:{config.port} (--port)"
         raise CannotListen(f"{name} cannot serve on {where}: {exc}") from exc
-    tune_garbage_collection()
-    await until_signalled()
-    await server.shutdown(grace=config.edge.shutdown_grace_period_secs)
 
 
 def tune_garbage_collection() -> None:

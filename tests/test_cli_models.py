@@ -3,7 +3,7 @@
 For every command: each field of its model has a flag or is listed here as deliberately
 flagless (with how it is set instead), and no flags at all give the model's defaults. The
 gateway's own check, against the table its flags are derived from, is in
-tests/gateway/test_cli.py.
+tests/gateway/standalone/test_cli.py.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import pytest
 
 from gateway.standalone.cli import check_config
 from globalkv.cli import main
-from tests.gateway.test_cli import parse_gateway
+from tests.gateway.standalone.test_cli import parse_gateway
 from tests.support.kubeconfig import CONTEXT, SERVER, write_kubeconfig
 from tests.test_tokenize import CHATML, build_core, write_model
 

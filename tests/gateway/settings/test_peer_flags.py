@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from gateway.settings.peer_flags import ACCEPTED, FLAGS_DOC, REFUSED
-from tests.gateway.test_cli import config_of
+from tests.gateway.standalone.test_cli import config_of
 from tests.support.kubeconfig import write_kubeconfig
 
 ROOT = Path(__file__).resolve().parents[3]

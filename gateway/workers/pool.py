@@ -122,7 +122,8 @@ class Worker:
     """Tokens its KV cache holds, summed over its DP ranks, as its /server_info (vLLM: its
     /metrics) says."""
     discovered: bool = False
-    """What it advertises of itself has been read (`gateway.workers.advertised`)."""
+    """What it advertises of itself has been read (`gateway.workers.advertised`), and is
+    not asked again; with a discovery error, it answered with nothing usable."""
     detected_kind: Kind | None = None
     """The kind the monitor found, for a worker given without one."""
     registered_pod: str | None = None
@@ -224,6 +225,8 @@ class Worker:
             "prefill_tokens_per_s": load.progress.tokens_per_s,
             "last_error": self.last_error,
             "last_error_age_secs": None if at is None else round(now - at, 1),
+            "last_error_step": self.last_error_step,
+            "discovered": self.discovered,
         }
         if self.role == "prefill":
             out.update(

@@ -40,6 +40,11 @@ class WorkerView(_Lenient):
     last_error: str | None = None
     """The latest discovery, pod-registration or request failure the gateway saw."""
     last_error_age_secs: float | None = None
+    last_error_step: str | None = None
+    """Which step that failure was: "call", "discovery" or "registration"."""
+    discovered: bool = False
+    """What the worker advertises was read, and is asked no more: with a discovery error,
+    it answered with nothing usable."""
 
 
 class WorkersView(_Lenient):

@@ -143,6 +143,8 @@ async def test_unusable_or_failing_sources_are_shown_and_failures_asked_again() 
     assert not worker.discovered
     assert worker.last_error is not None
     assert "/kv_event_sources answered 503" in worker.last_error
+    shown = worker.describe(gateway.loads, 0.0)
+    assert (shown["discovered"], shown["last_error_step"]) == (False, "discovery")
     cluster.event_sources[key] = {"0": SOURCES["0"], "1": {**SOURCES["0"], "endpoint": "x"}}
     await gateway.monitor.run_once(force=True)
     assert (worker.discovered, worker.kv_events, registrar.pods) == (True, None, [])
@@ -160,3 +162,5 @@ async def test_a_worker_answering_neither_endpoint_says_so() -> None:
     assert worker.last_error == (
         "neither /server_info nor /kv_event_sources answered; nothing discovered"
     )
+    shown = worker.describe(gateway.loads, 0.0)
+    assert (shown["discovered"], shown["last_error_step"]) == (True, "discovery")

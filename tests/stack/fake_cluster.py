@@ -46,6 +46,8 @@ class FakeCluster:
     decode_eligible: bool = True
     decode_last_error: tuple[str, float] | None = None
     """(message, age in seconds) the gateway reports for the decode."""
+    decode_error_step: str = "call"
+    decode_discovered: bool = True
     policy: str = "prefix"
     fallback: str | None = None
     """A routing fallback reason each probe counts, or None."""
@@ -142,6 +144,8 @@ class FakeCluster:
                 "in_flight": 0,
                 "last_error": self.decode_last_error and self.decode_last_error[0],
                 "last_error_age_secs": self.decode_last_error and self.decode_last_error[1],
+                "last_error_step": self.decode_last_error and self.decode_error_step,
+                "discovered": self.decode_discovered,
             },
         ]
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import httpx
 
 from globalkv.stack.doctor.diagnose import Doctor, DoctorConfig
@@ -127,15 +129,21 @@ async def test_a_worker_s_last_error_warns_while_recent_and_is_shown_after() -> 
 
 async def test_a_decode_that_advertises_nothing_is_no_warning() -> None:
     """vLLM's decodes and a picker's sidecars serve no /server_info: nothing to discover,
-    and a decode needs nothing discovered. One the gateway asks again is a warning."""
-    silent = "neither /server_info nor /kv_event_sources answered"
-    report = await diagnose(FakeCluster(decode_last_error=(f"{silent}; nothing discovered", 3.0)))
-    level, message = findings(report.stage("gateway"))["decode d0.test:30000"]
+    and a decode needs nothing discovered. The doctor reads the gateway's state of the
+    worker (its discovery over, its last error that step's), not the error's wording. One
+    the gateway asks again is a warning."""
+    silent = "the engine's answer, in words the doctor does not know"
+
+    async def decode_finding(**decode: Any) -> tuple[Level, str]:
+        report = await diagnose(FakeCluster(decode_last_error=(silent, 3.0), **decode))
+        return findings(report.stage("gateway"))["decode d0.test:30000"]
+
+    level, message = await decode_finding(decode_error_step="discovery")
     assert level is Level.OK
     assert message.endswith("; nothing discovered: a decode needs nothing advertised")
-    again = f"{silent}; asked again next round"
-    other = await diagnose(FakeCluster(decode_last_error=(again, 3.0)))
-    assert findings(other.stage("gateway"))["decode d0.test:30000"][0] is Level.WARN
+    asked_again = await decode_finding(decode_error_step="discovery", decode_discovered=False)
+    assert asked_again[0] is Level.WARN
+    assert (await decode_finding())[0] is Level.WARN, "a failed call"
 
 
 async def test_behind_envoy_the_probe_enters_where_clients_do() -> None:

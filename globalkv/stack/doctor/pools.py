@@ -6,9 +6,10 @@ last error and its age) lags by design: a worker that died a second ago is still
 and a worker that does not answer is reported even while the gateway still routes to it
 (it then relies on retries). A last error younger than `RECENT_SECS` is a warning; an
 older one is only shown. A decode that advertises nothing (a vLLM decode, a `globalkv
-sidecar` before a decode) is noted by the gateway as "nothing discovered": a decode needs
-nothing discovered to be routed, so that is shown, not warned about; a prefill needs its
-KV-event endpoints, and it stays a warning there.
+sidecar` before a decode) has its discovery over with an error (`discovered`, and
+`last_error_step` "discovery", in `/workers`): a decode needs nothing discovered to be
+routed, so that is shown, not warned about; a prefill needs its KV-event endpoints, and it
+stays a warning there, as does a discovery the gateway will try again.
 """
 
 from __future__ import annotations
@@ -21,9 +22,6 @@ from globalkv.stack.views import WorkersView, WorkerView
 
 ROLES = ("prefill", "decode")
 RECENT_SECS = 300.0
-NOTHING_DISCOVERED = "; nothing discovered"
-"""How the gateway ends the note of a worker that answered without anything to discover
-(`gateway.workers.monitor`); one it will ask again says so instead."""
 _NEEDS_TOKEN = (
     "; the gateway has an admin token or API key: give doctor one of them "
     "(--admin-token / GLOBALKV_DOCTOR_ADMIN_TOKEN, --api-key / GLOBALKV_DOCTOR_API_KEY)"
@@ -54,8 +52,8 @@ def _recent_error(worker: WorkerView) -> bool:
 
 
 def _nothing_to_discover(worker: WorkerView) -> bool:
-    error = worker.last_error or ""
-    return worker.role == "decode" and error.endswith(NOTHING_DISCOVERED)
+    """A decode whose discovery ended without anything to discover."""
+    return worker.role == "decode" and worker.discovered and worker.last_error_step == "discovery"
 
 
 def _errors(worker: WorkerView) -> str:

@@ -32,7 +32,7 @@ from gateway.routing.router import Router
 from gateway.serving.app import create_app
 from gateway.serving.inference import Inference
 from gateway.serving.service import Gateway, build_gateway
-from gateway.settings.config import DEFAULT_TRACES_ENDPOINT, GatewayConfig, configured_endpoint
+from gateway.settings.config import GatewayConfig
 from gateway.telemetry.tracing import otlp_tracing
 from gateway.workers.discovery import Follower, discovery_source
 from gateway.workers.monitor import PodRegistrar
@@ -126,8 +126,7 @@ async def running_gateway(
         pool = ConnectionPool()
         client = await stack.enter_async_context(upstream_client(pool))
         lookup, registrar = await _index_parts(config, client, stack)
-        default = DEFAULT_TRACES_ENDPOINT if config.enable_trace else None
-        endpoint = configured_endpoint(config.otlp_traces_endpoint, default=default)
+        endpoint = config.traces_endpoint
         tracing = None
         if endpoint is not None:
             tracing = otlp_tracing(endpoint, config.otlp_traces_endpoint is not None)

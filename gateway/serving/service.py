@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from gateway.flow.control import FlowControl
 from gateway.flow.headroom import Headroom
+from gateway.http.server import default_max_connections
 from gateway.http.upstream import HttpxUpstream, Upstream
 from gateway.legs.attempt import Legs
 from gateway.legs.calls import PairCalls
@@ -46,6 +47,7 @@ from gateway.workers.monitor import DirectoryProbe, Monitor, PodRegistrar
 from gateway.workers.pool import Worker, WorkerPool
 from globalkv.lookup import PrefixLookup
 from globalkv.tokenize import Tokenizer
+from kvplumbing.addresses import redacted
 from kvplumbing.budget import BodyBudget
 from kvplumbing.clock import Clock, Sleep
 
@@ -100,12 +102,17 @@ class Gateway:
     def effective_config(self) -> dict[str, Any]:
         """The settings in force, for `GET /v1/config` and `globalkv doctor`: what routing
         uses (policies and weights, the index, the model and tokenizer), which would
-        otherwise have to be guessed from the metrics. Secrets are only said to be set;
-        a Redis URL is shown without its credentials."""
+        otherwise have to be guessed from the metrics. A setting left to a default derived
+        at start-up shows the value derived (the body budget, the client connections, where
+        spans go). Secrets are only said to be set; URLs are shown without credentials."""
         config = self.config
         shown = config.model_dump(mode="json", exclude=_NOT_SHOWN)
         index = "indexer" if config.indexer_url else "redis" if config.redis_url else None
+        traces = config.traces_endpoint
         shown.update(
+            max_buffered_payload_size=config.body_budget,
+            max_client_connections=config.max_client_connections or default_max_connections(),
+            otlp_traces_endpoint=None if traces is None else redacted(traces),
             index=index,
             redis_url=_without_credentials(config.redis_url),
             model_in_use=self.monitor.served_model(),

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gateway.settings.config import DEFAULT_TRACES_ENDPOINT, GatewayConfig, configured_endpoint
+from gateway.settings.config import GatewayConfig
 from globalkv.checks import kubernetes_credentials, tokenizer_line
 from globalkv.discovery.files import parse_workers
 from globalkv.extras import require
@@ -41,8 +41,7 @@ def check_gateway(config: GatewayConfig, *, load_tokenizer: bool) -> list[str]:
         f"discovery: {_discovery(config)}",
         f"admission: {_admission(config)}",
     ]
-    default = DEFAULT_TRACES_ENDPOINT if config.enable_trace else None
-    endpoint = configured_endpoint(config.otlp_traces_endpoint, default=default)
+    endpoint = config.traces_endpoint
     if endpoint is not None:
         require("the gateway's OpenTelemetry traces", "otel", "opentelemetry.sdk")
         lines.append(f"traces: OTLP to {redacted(endpoint)}")

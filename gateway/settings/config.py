@@ -159,6 +159,13 @@ class GatewayConfig(BaseModel):
     )
 
     @property
+    def traces_endpoint(self) -> str | None:
+        """Where the request spans go, as `otlp_traces_endpoint` and `enable_trace` say
+        with OpenTelemetry's variables; None: no spans."""
+        default = DEFAULT_TRACES_ENDPOINT if self.enable_trace else None
+        return configured_endpoint(self.otlp_traces_endpoint, default=default)
+
+    @property
     def body_budget(self) -> int:
         """The total of `max_buffered_payload_size`, its default resolved."""
         if self.max_buffered_payload_size is None:

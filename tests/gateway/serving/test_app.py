@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from gateway.http.answer import Answer
-from gateway.http.server import HttpServer
+from gateway.http.server import HttpServer, default_max_connections
 from gateway.requests.bodies import MAX_BATCH
 from gateway.serving.app import create_app
 from gateway.serving.inference import Inference
@@ -364,6 +364,23 @@ async def test_the_index_is_shown_by_kind_and_redis_without_credentials() -> Non
         True,
     )
     assert "indexer_token" not in indexer
+
+
+async def test_settings_left_to_a_derived_default_show_the_value_in_force(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://u:pw@collector:4318")
+    shown = (await make_gateway(Cluster(), config(max_payload_size=300 << 20))).effective_config()
+    assert shown["max_buffered_payload_size"] == 600 << 20, "twice --max-payload-size"
+    assert shown["max_client_connections"] == default_max_connections()
+    assert shown["otlp_traces_endpoint"] == "http://u:***@collector:4318"
+    given = config(max_buffered_payload_size=1 << 30, max_client_connections=7)
+    shown = (await make_gateway(Cluster(), given)).effective_config()
+    assert (shown["max_buffered_payload_size"], shown["max_client_connections"]) == (1 << 30, 7)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT")
+    assert (await make_gateway(Cluster(), config())).effective_config()[
+        "otlp_traces_endpoint"
+    ] is None
 
 
 async def test_readiness_and_metrics(setup: tuple[Cluster, Gateway], front: str) -> None:

@@ -182,8 +182,10 @@ async def serve(config: GatewayConfig, epp: EppConfig, tokenizer: Tokenizer | No
             gateway, fallbacks=epp.fallback_endpoints, shed_in_flight=epp.shed_in_flight
         )
         metrics = EppMetrics(gateway.metrics.registry)
+        by_payload = config.max_payload_size <= epp.max_buffered_bytes
         limits = StreamLimits(
             body_bytes=min(config.max_payload_size, epp.max_buffered_bytes),
+            body_flag="--max-payload-size" if by_payload else "--max-buffered-bytes",
             buffered_bytes=epp.max_buffered_bytes,
             body_secs=epp.body_timeout_secs,
             pick_secs=epp.pick_timeout_secs,

@@ -37,13 +37,11 @@ import logging
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
-import orjson
-
 from gateway.epp.protocol import Headers
 from gateway.flow.admission import Admission
 from gateway.flow.control import Grant
 from gateway.flow.queues import FlowRequest
-from gateway.http.answer import Answer
+from gateway.http.answer import Answer, problem
 from gateway.load.tracker import LoadTicket, LoadTracker
 from gateway.policies.base import Choice, NoCandidates, RouteQuery
 from gateway.requests.bodies import BadRequest
@@ -57,15 +55,6 @@ from gateway.workers.pool import Worker
 from globalkv.tokenize import TokenizeError
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class Refusal:
-    """No endpoint: the status the client gets (400, 429, 503) and why."""
-
-    status: int
-    message: str
-    code: str
 
 
 @dataclass(slots=True)
@@ -124,9 +113,10 @@ class Picker:
         body: bytes,
         subset: Collection[str] | None,
         headers: Mapping[str, str] | None = None,
-    ) -> Pick | Refusal:
-        """The endpoint for a request of `body` to `path`, among `subset` when given: the
-        one place a request enters the picker, so admission can wrap it. `headers`: the
+    ) -> Pick | Answer:
+        """The endpoint for a request of `body` to `path`, among `subset` when given, or
+        the refusal to answer instead, as the gateway answers the same refusal: the one
+        place a request enters the picker, so admission can wrap it. `headers`: the
         request's `wanted_headers` (lower-case names)."""
         given = headers or {}
         picked = {name.encode(): value.encode("latin-1") for name, value in given.items()}
@@ -138,23 +128,21 @@ class Picker:
             try:
                 read = await self._reader.read(endpoint, body, picked, given.get("authorization"))
             except (BadRequest, TokenizeError) as exc:
-                return Refusal(400, str(exc), "invalid_request_error")
+                return problem(400, str(exc))
             except UnknownAdapter as exc:
-                return Refusal(404, str(exc), "NotFoundError")
+                return problem(404, str(exc), "NotFoundError")
             query, flow = read.query, read.flow
         await self._router.look_up(query)
         grant = None
         admission = self._admission
         if admission is not None:
-            answer = await admission.admit()
-            if answer is not None:
-                error = orjson.loads(answer.body)["error"]
-                return Refusal(answer.status, error["message"], error["type"])
+            refused = await admission.admit()
+            if refused is not None:
+                return refused
         elif self._flow is not None and flow is not None:
             entered = await self._flow.enter(flow)
             if isinstance(entered, Answer):
-                error = orjson.loads(entered.body)["error"]
-                return Refusal(entered.status, error["message"], error["code"])
+                return entered
             grant = entered
             if grant.waited:  # placed on what the index shows now
                 await self._router.look_up(query)
@@ -163,9 +151,9 @@ class Picker:
             pick = self._pair if self.disaggregated else self._whole
             chosen = pick(query, subset)
         except NoCandidates as exc:
-            refusal = Refusal(503, str(exc), "no_available_workers")
+            refusal = problem(503, str(exc), "no_available_workers")
         except _Shed as exc:
-            refusal = Refusal(429, str(exc), "overloaded")
+            refusal = problem(429, str(exc), "overloaded")
         else:
             chosen.grant = grant
             chosen.admission = admission

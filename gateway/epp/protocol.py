@@ -9,7 +9,8 @@ Protocol") over `envoy.service.ext_proc.v3`:
   AND, with the same value, in dynamic metadata `envoy.lb` /
   `x-gateway-destination-endpoint`: `ip:port`, or an ordered list `ip:port,ip:port,…`
   the proxy tries in turn;
-- nothing eligible is an ImmediateResponse 503, a request shed one 429;
+- nothing eligible is an ImmediateResponse 503, a request shed one 429 (every refusal
+  with the body and head lines the gateway answers the same refusal with);
 - on the response the data plane reports the endpoint that served it in the metadata
   context, `envoy.lb` / `x-gateway-destination-endpoint-served`.
 
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-import orjson
 from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption, Metadata
 from envoy.service.ext_proc.v3.external_processor_pb2 import (
     BodyMutation,
@@ -43,6 +43,8 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 )
 from envoy.type.v3.http_status_pb2 import HttpStatus
 from google.protobuf.struct_pb2 import Struct, Value
+
+from gateway.http.answer import Answer
 
 DESTINATION = "x-gateway-destination-endpoint"
 DESTINATION_NAMESPACE = "envoy.lb"
@@ -139,18 +141,24 @@ def _route(
     )
 
 
-def refuse(status: int, message: str, code: str) -> bytes:
-    """An ImmediateResponse: the client gets `status` with the gateway's error body."""
-    body = orjson.dumps({"error": {"message": message, "type": code, "code": status}})
-    content_type = HeaderMutation(set_headers=[_set("content-type", "application/json")])
-    immediate = ImmediateResponse(
-        status=HttpStatus(code=status),
-        headers=content_type,
-        body=body,
-        details=code,
+def refuse(answer: Answer, details: str) -> bytes:
+    """An ImmediateResponse: the client gets the gateway's own refusal, `answer` (its
+    status, body and head lines), as the gateway would send it; `details` is what Envoy
+    logs as the response code details."""
+    mutation = HeaderMutation(
+        set_headers=[
+            _set("content-type", answer.media_type.decode("latin-1")),
+            *(_set(k, v) for k, v in answer.headers),
+        ]
     )
-    answer: bytes = ProcessingResponse(immediate_response=immediate).SerializeToString()
-    return answer
+    immediate = ImmediateResponse(
+        status=HttpStatus(code=answer.status),
+        headers=mutation,
+        body=answer.body,
+        details=details,
+    )
+    refused: bytes = ProcessingResponse(immediate_response=immediate).SerializeToString()
+    return refused
 
 
 def body_pieces(body: bytes, *, request: bool, end: bool) -> Iterator[bytes]:

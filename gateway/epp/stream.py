@@ -13,7 +13,7 @@ from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import Proces
 from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from gateway.epp.picker import Pick, Picker, Refusal
+from gateway.epp.picker import Pick, Picker
 from gateway.epp.protocol import (
     Answers,
     ProtocolError,
@@ -24,6 +24,7 @@ from gateway.epp.protocol import (
     served_of,
     subset_of,
 )
+from gateway.http.answer import Answer, over_budget, problem, too_large
 from gateway.requests.headers import LLMD_PREFILL_HEADER, PREFILL_HEADER
 
 _BUFFERED = ProcessingMode.BUFFERED
@@ -62,6 +63,8 @@ class EppMetrics:
 class StreamLimits:
     body_bytes: int
     """One request's body, at most (beyond: 413)."""
+    body_flag: str
+    """The flag that sets `body_bytes`, named in the 413."""
     buffered_bytes: int
     """Every stream's body bytes held at once, at most (beyond: 503)."""
     body_secs: float
@@ -214,12 +217,12 @@ class Stream:
 
     async def _request_body(self, chunk: bytes, body: Any) -> list[bytes]:
         size = len(chunk)
-        if self._held + size > self._limits.body_bytes:
-            limit = self._limits.body_bytes
-            return [self._refuse(Refusal(413, f"body over {limit} bytes", "too_large"))]
+        limits = self._limits
+        if self._held + size > limits.body_bytes:
+            return [self._refuse(too_large(limits.body_bytes, limits.body_flag), "too_large")]
         if not self._budget.take(size):
-            message = "the picker holds as many request bodies as it may; retry"
-            return [self._refuse(Refusal(503, message, "bodies_full"))]
+            full = over_budget(limits.buffered_bytes, "--max-buffered-bytes")
+            return [self._refuse(full, "bodies_full")]
         self._held += size
         if self.buffered:  # the whole body, in one message
             return await self._routed(end=True, body=chunk)
@@ -240,7 +243,7 @@ class Stream:
             outcome = await self._picker.pick(self._path, body, self._subset, self._headers)
         finally:
             self.forget_body()
-        if isinstance(outcome, Refusal):
+        if isinstance(outcome, Answer):
             return [self._refuse(outcome)]
         self.pick = outcome
         self._metrics.routed.inc()
@@ -260,15 +263,18 @@ class Stream:
             self._held = 0
         self._body = bytearray()
 
-    def _refuse(self, refusal: Refusal) -> bytes:
+    def _refuse(self, answer: Answer, outcome: str | None = None) -> bytes:
+        """`answer` as the data plane's immediate response, counted under `outcome` (by
+        default, its status's)."""
         self.refused = True
         self.forget_body()
-        self._metrics.picks.labels(_OUTCOMES.get(refusal.status, str(refusal.status))).inc()
-        return refuse(refusal.status, refusal.message, refusal.code)
+        outcome = outcome or _OUTCOMES.get(answer.status, str(answer.status))
+        self._metrics.picks.labels(outcome).inc()
+        return refuse(answer, outcome)
 
     def timed_out(self) -> bytes:
         message = f"the request body did not arrive within {self._limits.body_secs:g} s"
-        return self._refuse(Refusal(408, message, "request_timeout"))
+        return self._refuse(problem(408, message), "body_timeout")
 
     def _response_headers(self, message: ProcessingRequest) -> None:
         pick = self.pick

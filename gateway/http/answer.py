@@ -96,14 +96,16 @@ def problem(status: int, message: str, kind: str = "invalid_request_error") -> A
     return Answer(status, error_body(message, kind))
 
 
-def too_large(limit: int) -> Answer:
-    return problem(413, f"request body exceeds --max-payload-size ({limit} bytes)")
+def too_large(limit: int, flag: str = "--max-payload-size") -> Answer:
+    """A body over `limit`, the setting of `flag`."""
+    return problem(413, f"request body exceeds {flag} ({limit} bytes)")
 
 
-def over_budget(total: int) -> Answer:
-    """A body refused because the bodies the process holds already fill its total."""
+def over_budget(total: int, flag: str = "--max-buffered-payload-size") -> Answer:
+    """A body refused because the bodies the process holds already fill its total, the
+    setting of `flag`."""
     message = (
-        "the request bodies this server holds fill its total, --max-buffered-payload-size "
-        f"({total} bytes); try again later"
+        f"the request bodies this server holds fill its total, {flag} ({total} bytes); "
+        "try again later"
     )
     return problem(503, message, "overloaded")

@@ -118,6 +118,7 @@ class Epp:
 def limits(gateway: Gateway, **overrides: Any) -> StreamLimits:
     given: dict[str, Any] = {
         "body_bytes": gateway.config.max_payload_size,
+        "body_flag": "--max-payload-size",
         "buffered_bytes": 1 << 30,
         "body_secs": 20.0,
         "pick_secs": 20.0,

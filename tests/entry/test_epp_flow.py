@@ -86,7 +86,7 @@ async def test_a_full_queue_and_bad_flow_headers_are_refused_saying_why(flow_epp
     answers = await flow_epp.exchange(request(completion(), extra=flow("a")))
     assert status(answers[0]) == 429
     error = json.loads(answers[0].immediate_response.body)["error"]
-    assert error["type"] == "queue_full"
+    assert (error["type"], error["code"]) == ("rate_limit_exceeded", "queue_full")
     assert "--queue-size" in error["message"]
     answers = await flow_epp.exchange(
         request(completion(), extra={"x-gateway-inference-fairness-id": "x" * 300})

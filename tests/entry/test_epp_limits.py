@@ -66,7 +66,8 @@ async def test_unfinished_large_bodies_are_bounded_per_process_with_a_503() -> N
         refused = await _opened(epp, _unfinished(piece))
         answer = await refused.read()
         assert status(answer) == 503
-        assert b"bodies_full" in answer.immediate_response.body
+        assert b"--max-buffered-bytes (1000000 bytes)" in answer.immediate_response.body
+        assert answer.immediate_response.details == "bodies_full"
         assert epp.buffered() == 3 * piece
         # a small body still fits, and streams still receiving a body hold no load
         answers = await epp.exchange(request(completion(), mode=BUFFERED))

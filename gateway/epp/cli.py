@@ -146,14 +146,6 @@ def build_configs(args: argparse.Namespace) -> tuple[GatewayConfig, EppConfig]:
         )
     except ValidationError as exc:
         raise ValueError(validation_message(exc)) from None
-    waits = config.admission.queue_timeout_secs
-    if config.flow.enabled and waits >= epp.body_timeout_secs:
-        raise ValueError(
-            f"--queue-timeout-secs {waits:g} must be below --body-timeout-secs "
-            f"{epp.body_timeout_secs:g}: a request waits in the flow queues before its pick, "
-            "within the time its stream has to be picked (and below Envoy's ext_proc "
-            "message_timeout, docs/flow-control.md)"
-        )
     return config, epp
 
 

@@ -27,14 +27,15 @@ ends. With `--flow-control` instead an inference request waits for its turn in t
 queues (`gateway.flow`) before it is picked, its flow read from the request's headers as
 the gateway reads them, and holds its place until the response ends: the picker sees
 every request of the pool (a decode's sidecar behind it sees only its own), so it is
-where flow control belongs. Envoy holds the request meanwhile, within its ext_proc
-message timeout.
+where flow control belongs. Envoy holds the request meanwhile: told when the request
+starts waiting in a queue, it waits for the pick up to `wait_secs` instead of its ext_proc
+message timeout (`gateway.epp.stream`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
 from gateway.epp.protocol import Headers
@@ -88,6 +89,9 @@ class Picker:
         makes the picker unready: with no eligible endpoint each request is answered 503."""
         self._flow = gateway.flow
         limits = gateway.config.admission
+        self.wait_secs = limits.queue_timeout_secs + gateway.config.lookup_timeout_secs + 1.0
+        """The longest a pick takes once its request starts waiting in a queue: the wait
+        itself, a lookup in the index again, a second to spare."""
         self._admission = (
             Admission(limits, gateway.clock, gateway.metrics.registry)
             if limits.max_concurrent_requests > 0 and self._flow is None
@@ -113,11 +117,13 @@ class Picker:
         body: bytes,
         subset: Collection[str] | None,
         headers: Mapping[str, str] | None = None,
+        waiting: Callable[[], Awaitable[None]] | None = None,
     ) -> Pick | Answer:
         """The endpoint for a request of `body` to `path`, among `subset` when given, or
         the refusal to answer instead, as the gateway answers the same refusal: the one
         place a request enters the picker, so admission can wrap it. `headers`: the
-        request's `wanted_headers` (lower-case names)."""
+        request's `wanted_headers` (lower-case names). `waiting` is awaited when the
+        request starts waiting in a queue; the pick then comes within `wait_secs`."""
         given = headers or {}
         picked = {name.encode(): value.encode("latin-1") for name, value in given.items()}
         endpoint = INFERENCE_PATHS.get(path.partition("?")[0])
@@ -136,11 +142,11 @@ class Picker:
         grant = None
         admission = self._admission
         if admission is not None:
-            refused = await admission.admit()
+            refused = await admission.admit(waiting)
             if refused is not None:
                 return refused
         elif self._flow is not None and flow is not None:
-            entered = await self._flow.enter(flow)
+            entered = await self._flow.enter(flow, waiting)
             if isinstance(entered, Answer):
                 return entered
             grant = entered

@@ -14,6 +14,9 @@ Protocol") over `envoy.service.ext_proc.v3`:
 - on the response the data plane reports the endpoint that served it in the metadata
   context, `envoy.lb` / `x-gateway-destination-endpoint-served`.
 
+A request held in a queue before its pick makes the picker answer late: it then asks the
+data plane for more time (`Answers.more_time`).
+
 Answers are written as bytes: those that never change are serialized once (`Answers`),
 and a route's answer once per endpoint and prefill named, so a pick costs a dictionary
 lookup instead of building and serializing a message with a `Struct` in it.
@@ -42,6 +45,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
     TrailersResponse,
 )
 from envoy.type.v3.http_status_pb2 import HttpStatus
+from google.protobuf.duration_pb2 import Duration
 from google.protobuf.struct_pb2 import Struct, Value
 
 from gateway.http.answer import Answer
@@ -198,6 +202,7 @@ class Answers:
             response_trailers=TrailersResponse()
         ).SerializeToString()
         self._routes: dict[tuple[bool, str, Headers], bytes] = {}
+        self._more_time: dict[float, bytes] = {}
 
     def route(
         self, endpoints: Sequence[str], headers: Headers, removed: Sequence[str], *, in_body: bool
@@ -214,4 +219,16 @@ class Answers:
             if len(self._routes) >= _ROUTES_KEPT:
                 self._routes.clear()
             self._routes[key] = answer
+        return answer
+
+    def more_time(self, secs: float) -> bytes:
+        """An answer to no message: the data plane is to wait `secs` for the answer to the
+        message it sent last (ext_proc's `override_message_timeout`; Envoy takes one per
+        message, of at most its `max_message_timeout`, and only while its timer runs)."""
+        answer = self._more_time.get(secs)
+        if answer is None:
+            timeout = Duration()
+            timeout.FromNanoseconds(round(secs * 1e9))
+            answer = ProcessingResponse(override_message_timeout=timeout).SerializeToString()
+            self._more_time[secs] = answer
         return answer

@@ -109,7 +109,9 @@ class ExternalProcessor:
         self._deadlines = _Deadlines(interval, metrics)
 
     async def Process(self, _requests: Any, context: Any) -> None:
-        stream = Stream(self._picker, self._answers, self._limits, self._budget, self._metrics)
+        stream = Stream(
+            self._picker, self._answers, self._limits, self._budget, self._metrics, context.write
+        )
         stream.task = asyncio.current_task()
         loop = asyncio.get_running_loop()
         stream.deadline = loop.time() + self._limits.body_secs

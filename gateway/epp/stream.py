@@ -1,11 +1,14 @@
 """One HTTP request's ext_proc stream: what it received, its pick and its release, and
 what it may hold (`StreamLimits`: its body's size, the bytes all streams hold together in
 `Budget`, its deadlines); the state machine `gateway.epp.server` drives, message by
-message, in both body modes it describes."""
+message, in both body modes it describes. A request that waits in a queue (admission or
+flow control) before its pick asks the data plane for the time the wait may take, once,
+as it starts waiting: Envoy's message timeout would otherwise end it."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,7 +71,8 @@ class StreamLimits:
     buffered_bytes: int
     """Every stream's body bytes held at once, at most (beyond: 503)."""
     body_secs: float
-    """From the stream's start to the pick, at most (beyond: 408)."""
+    """From the stream's start to the pick, at most (beyond: 408), unless the request
+    waits in a queue: that wait is bounded by the queue's timeout."""
     pick_secs: float
     """A pick's load held, at most (beyond: released and the stream ended)."""
 
@@ -117,6 +121,7 @@ class Stream:
         "_path",
         "_picker",
         "_subset",
+        "_write",
         "buffered",
         "deadline",
         "duplex_response",
@@ -134,8 +139,11 @@ class Stream:
         limits: StreamLimits,
         budget: Budget,
         metrics: EppMetrics,
+        write: Callable[[bytes], Awaitable[None]],
     ) -> None:
         self._picker = picker
+        self._write = write
+        """Writes an answer to the data plane out of turn (while the pick waits)."""
         self._answers = answers
         self._limits = limits
         self._budget = budget
@@ -240,7 +248,9 @@ class Stream:
             body = bytes(self._body)
             self._body = bytearray()
         try:
-            outcome = await self._picker.pick(self._path, body, self._subset, self._headers)
+            outcome = await self._picker.pick(
+                self._path, body, self._subset, self._headers, self._waiting
+            )
         finally:
             self.forget_body()
         if isinstance(outcome, Answer):
@@ -255,6 +265,15 @@ class Stream:
         if end is not None and not in_body:
             answers += body_pieces(body, request=True, end=end)
         return answers
+
+    async def _waiting(self) -> None:
+        """The request waits in a queue before its pick: the data plane is asked to wait
+        for it up to the picker's `wait_secs` (its message timeout, 30 s in the Envoy
+        `globalkv envoy` configures, would end the wait sooner), and the stream's own
+        deadline, which bounded the body's arrival, moves as far."""
+        secs = self._picker.wait_secs
+        self.deadline = asyncio.get_running_loop().time() + secs
+        await self._write(self._answers.more_time(secs))
 
     def forget_body(self) -> None:
         """The body's bytes no longer count against the process's budget."""

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import deque
+from collections.abc import Awaitable, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -105,9 +106,11 @@ class Admission:
         self.running += 1
         return True
 
-    async def admit(self) -> Answer | None:
+    async def admit(self, waiting: Callable[[], Awaitable[None]] | None = None) -> Answer | None:
         """None once the request holds its place (call `release` when its answer is over);
-        otherwise the refusal to answer, the request holding nothing."""
+        otherwise the refusal to answer, the request holding nothing. `waiting` is awaited
+        once the request waits in the queue instead of starting at once (the picker tells
+        its data plane to wait longer)."""
         if not self._waiting and self._start():
             return None
         config = self._config
@@ -132,6 +135,8 @@ class Admission:
         self._schedule()
         try:
             async with asyncio.timeout(config.queue_timeout_secs):
+                if waiting is not None and not waiter.done():
+                    await waiting()
                 await asyncio.shield(waiter)
         except TimeoutError:
             if not self._leave(waiter):
@@ -142,9 +147,9 @@ class Admission:
                 "queue (--queue-timeout-secs)"
             )
             return Answer(408, error_body(message, "request_timeout"))
-        except asyncio.CancelledError:
+        except BaseException:  # the client left, or telling it failed
             if not self._leave(waiter):
-                self.release()  # granted, but the client left: the place goes on
+                self.release()  # granted: the place goes on
             raise
         return None
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import cast
 
@@ -145,8 +145,12 @@ class FlowControl:
         self._waits: dict[int, Histogram] = {}
         registry.register(_FlowCollector(self))
 
-    async def enter(self, request: FlowRequest) -> Grant | Answer:
-        """The request's place once it may start, or the refusal to answer."""
+    async def enter(
+        self, request: FlowRequest, waiting: Callable[[], Awaitable[None]] | None = None
+    ) -> Grant | Answer:
+        """The request's place once it may start, or the refusal to answer. `waiting` is
+        awaited once the request waits in the queues instead of starting at once (the
+        picker tells its data plane to wait longer)."""
         now = self._clock()
         self._note(request, now)
         if self._free_above(request.key.priority):
@@ -154,9 +158,9 @@ class FlowControl:
             if verdict is None or verdict.late_s == 0:
                 return Grant(self, False, self._start(request, now, 0.0, verdict))
         outcome: asyncio.Future[object] = asyncio.get_running_loop().create_future()
-        waiting = Waiting(request, now, outcome)
+        queued = Waiting(request, now, outcome)
         try:
-            shed = self.queues.add(waiting)
+            shed = self.queues.add(queued)
         except Refused as refused:
             return self._refusal(refused.reason, request)
         for victim in shed:
@@ -164,17 +168,19 @@ class FlowControl:
         self.look()
         try:
             async with asyncio.timeout(self.admission.queue_timeout_secs):
+                if waiting is not None and not outcome.done():
+                    await waiting()
                 reason = await asyncio.shield(outcome)
         except TimeoutError:
-            if self.queues.remove(waiting):
+            if self.queues.remove(queued):
                 self.look()  # it may have held back the rest
                 return self._refusal("queue_timeout", request)
             reason = outcome.result()  # decided as the timeout fired
-        except asyncio.CancelledError:
-            if self.queues.remove(waiting):
+        except BaseException:  # the client left, or telling it failed
+            if self.queues.remove(queued):
                 self.look()
             elif outcome.done() and not isinstance(outcome.result(), str):
-                Grant(self, True, _placed(outcome.result())).release()  # the client left
+                Grant(self, True, _placed(outcome.result())).release()
             raise
         if isinstance(reason, str):
             return self._refusal(cast(RefusalReason, reason), request)

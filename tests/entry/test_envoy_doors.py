@@ -11,14 +11,12 @@ import json
 import socket
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from dataclasses import dataclass
 
 import httpx
 import pytest
 
-from tests.support.envoy import Envoy
+from tests.support.envoy import Envoy, Upstream, recording_upstream
 from tests.support.net import free_port, wait_for
 from tests.support.procs import Proc
 
@@ -29,61 +27,6 @@ CHOSEN_BY_CLIENT = {
     "x-globalkv-prefill": "10.9.9.9:1",
     "x-prefiller-host-port": "10.9.9.9:1",
 }
-
-
-@dataclass
-class Upstream:
-    """An HTTP worker that records each request's headers; `/held` paths wait for `go`."""
-
-    server: ThreadingHTTPServer
-    seen: list[dict[str, str]] = field(default_factory=list)
-    go: threading.Event = field(default_factory=threading.Event)
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.server.server_address[1]}"
-
-
-def _upstream() -> Upstream:
-    upstream: Upstream
-
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def _body(self) -> bytes:
-            if self.headers.get("transfer-encoding", "").lower() != "chunked":
-                return self.rfile.read(int(self.headers.get("content-length") or 0))
-            pieces = []
-            for _ in range(100_000):
-                size = int(self.rfile.readline().split(b";")[0], 16)
-                pieces.append(self.rfile.read(size))
-                self.rfile.readline()
-                if not size:
-                    break
-            return b"".join(pieces)
-
-        def _answer(self) -> None:
-            body = self._body()
-            if self.command == "POST":
-                seen = {k.lower(): v for k, v in self.headers.items()}
-                upstream.seen.append({**seen, "body-bytes": str(len(body))})
-            if self.path.startswith("/held"):
-                upstream.go.wait(30)
-            answer = json.dumps({"text": "ok", "meta_info": {}}).encode()
-            self.send_response(200)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(answer)))
-            self.end_headers()
-            self.wfile.write(answer)
-
-        do_GET = do_POST = _answer
-
-        def log_message(self, *args: Any) -> None:
-            return None
-
-    upstream = Upstream(ThreadingHTTPServer(("127.0.0.1", 0), Handler))
-    threading.Thread(target=upstream.server.serve_forever, daemon=True).start()
-    return upstream
 
 
 class Trap:
@@ -134,7 +77,7 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
-    upstream, trap = _upstream(), Trap()
+    upstream, trap = recording_upstream(), Trap()
     grpc_port, http_port = free_port(), free_port()
     argv = ["epp", "--host", "127.0.0.1", "--port", str(http_port), "--prometheus-port", "0"]
     argv += ["--grpc-host", "127.0.0.1", "--grpc-port", str(grpc_port), "--policy", "round_robin"]
@@ -168,8 +111,7 @@ def stack() -> Iterator[Stack]:
         for envoy in envoys.values():
             envoy.proc.stop()
         picker.stop()
-        upstream.server.shutdown()
-        upstream.server.server_close()
+        upstream.stop()
         trap.close()
 
 

@@ -1,6 +1,7 @@
 """Flow control in the endpoint picker (gateway/epp/picker.py over gateway/flow/): a
 request waits for its turn before it is picked, by priority and tenant from its headers,
-holds its place until its response ends, and is refused with the limit it met."""
+asking the data plane for the time that may take, holds its place until its response
+ends, and is refused with the limit it met."""
 
 from __future__ import annotations
 
@@ -10,13 +11,25 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from envoy.service.ext_proc.v3.external_processor_pb2 import HttpBody, ProcessingRequest
+from envoy.service.ext_proc.v3.external_processor_pb2 import (
+    HttpBody,
+    ProcessingRequest,
+    ProcessingResponse,
+)
 
 from gateway.settings.edge import AdmissionConfig
 from gateway.settings.flow import FlowConfig
 from gateway.settings.workers import WorkerSpec
-from globalkv.cli import main
-from tests.entry.ext_proc import Epp, completion, request, response, routed, serve_epp, status
+from tests.entry.ext_proc import (
+    Epp,
+    completion,
+    limits,
+    request,
+    response,
+    routed,
+    serve_epp,
+    status,
+)
 from tests.gateway.fakes import PREFILLS, Cluster, config, make_gateway
 
 pytestmark = pytest.mark.timeout(30)
@@ -64,6 +77,8 @@ async def test_requests_wait_their_turn_by_priority_before_they_are_picked(flow_
     assert routed(await first.read())[0]
     standard = await open_stream(flow_epp, flow("b"))
     premium = await open_stream(flow_epp, flow("c", "premium"))
+    for waiting in (standard, premium):
+        assert more_time(await waiting.read()) > 0, "the data plane asked to wait"
     reads = [asyncio.ensure_future(standard.read()), asyncio.ensure_future(premium.read())]
     done, _ = await asyncio.wait(reads, timeout=0.2)
     assert not done, "one place, taken until the first response ends"
@@ -97,13 +112,43 @@ async def test_a_full_queue_and_bad_flow_headers_are_refused_saying_why(flow_epp
     await finish(first)
 
 
-def test_a_flow_wait_longer_than_a_stream_may_take_to_be_picked_is_refused(
-    capsys: pytest.CaptureFixture[str],
+def more_time(answer: ProcessingResponse) -> float:
+    """The seconds an answer asks the data plane to wait for the pick (0: it asks none)."""
+    if not answer.HasField("override_message_timeout"):
+        return 0.0
+    return float(answer.override_message_timeout.ToNanoseconds() / 1e9)
+
+
+@pytest.mark.parametrize("flow_control", [True, False])
+async def test_a_wait_in_a_queue_asks_for_the_time_it_may_take_and_outlasts_the_body_timeout(
+    flow_control: bool,
 ) -> None:
-    line = ["--check", "epp", "--worker", "http://10.0.0.1:8000", "--flow-control"]
-    assert main([*line, "--queue-timeout-secs", "20"]) == 0
-    assert main([*line, "--body-timeout-secs", "30", "--queue-timeout-secs", "30"]) == 2
-    assert "--queue-timeout-secs 30 must be below --body-timeout-secs 30" in capsys.readouterr().err
+    """Envoy gives up on an answer after its message timeout, and the picker on a body
+    after --body-timeout-secs: a request that starts waiting in the flow queues (or the
+    admission queue) asks Envoy for the time the wait may take, once, and is picked when
+    its turn comes, however long after its body that is."""
+    workers = [WorkerSpec(url=u, role="prefill") for u in PREFILLS]
+    cfg = config(
+        prefill=workers,
+        decode=[],
+        admission=AdmissionConfig(max_concurrent_requests=1, queue_size=2, queue_timeout_secs=9),
+        flow=FlowConfig(enabled=flow_control),
+        lookup_timeout_secs=0.5,
+    )
+    gateway = await make_gateway(Cluster(), cfg)
+    async for epp in serve_epp(gateway, limits(gateway, body_secs=0.2)):
+        first = await open_stream(epp, flow("a"))
+        picked_at_once = await first.read()
+        assert more_time(picked_at_once) == 0
+        routed(picked_at_once)
+        waiting = await open_stream(epp, flow("b"))
+        assert more_time(await waiting.read()) == 9 + 0.5 + 1
+        picked = asyncio.ensure_future(waiting.read())
+        done, _ = await asyncio.wait([picked], timeout=1.0)
+        assert not done, "still waiting its turn, five body timeouts later"
+        await finish(first)
+        routed(await picked)
+        await finish(waiting)
 
 
 async def test_without_flow_control_admission_holds_a_place_until_the_response_ends() -> None:

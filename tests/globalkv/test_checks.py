@@ -65,7 +65,10 @@ def test_envoy_is_checked_for_its_binary(
         "  envoy: /opt/envoy",
         "  pool: 10.0.0.3:30100",
         "  pickers: 10.0.0.9:9002",
+        "  message timeout: 30 s, up to 600 s when a picker asks",
     ]
+    assert main([*argv, "--message-timeout-secs", "700"]) == 2
+    assert "at most the longest a picker may ask for, 600 s" in capsys.readouterr().err
     monkeypatch.setattr(envoy, "find_envoy", lambda: None)
     assert main(argv) == 2
     assert capsys.readouterr().err == (

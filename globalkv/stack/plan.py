@@ -156,7 +156,8 @@ def _envoy_entry(
     engines: Sequence[Component],
 ) -> list[Component]:
     """A sidecar before each decode, the pickers choosing prefill and sidecar, and Envoy
-    (the "gateway": where clients send) calling the pickers."""
+    (the "gateway": where clients send) calling the pickers, with each response's headers
+    too."""
     local = reachable(config.host)
     prefills = [c for c in engines if c.role == "prefill"]
     secrets = _secrets("gateway", config, "--admin-token", "--indexer-token")
@@ -199,7 +200,9 @@ def _envoy_entry(
     argv += ["--port", str(port), "--admin-port", str(next(ports))]
     argv += [a for s in sidecars for a in ("--endpoint", s.url.split("//", 1)[1])]
     argv += [a for p in pickers for a in ("--picker", p)]
-    argv += ["--config-dir", str(log_dir / "envoy")]
+    # PD: the response's headers end the prefill's part of a pick's load at the first byte,
+    # not at the response's end, so the prefix policy sees the prefills' queues as they are.
+    argv += ["--response-headers", "--config-dir", str(log_dir / "envoy")]
     built.append(
         Component("envoy", "gateway", f"http://{local}:{port}", tuple(argv), log_dir / "envoy.log")
     )

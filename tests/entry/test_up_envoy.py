@@ -29,6 +29,7 @@ def test_the_plan_puts_a_sidecar_before_each_decode_and_envoy_before_the_pickers
     assert roles.count("epp") == 2
     (envoy,) = plan.gateways
     assert envoy.argv[2] == "envoy"
+    assert "--response-headers" in envoy.argv, "PD: the prefill's load settled at the first byte"
     sidecars, pickers = plan.by_role("sidecar"), plan.by_role("epp")
     endpoints = [envoy.argv[i + 1] for i, a in enumerate(envoy.argv) if a == "--endpoint"]
     assert endpoints == [s.url.split("//", 1)[1] for s in sidecars]
@@ -50,7 +51,10 @@ def test_the_plan_puts_a_sidecar_before_each_decode_and_envoy_before_the_pickers
 def test_up_with_the_envoy_entry_serves_through_envoy_and_reuses_the_cache(
     tmp_path: Path,
 ) -> None:
-    with LocalCluster(_config(run_dir=tmp_path, start_timeout=60)) as cluster:
+    """Served through Envoy with the cache reused; and the picker settles a pick's prefill
+    part when the answer's first byte passes Envoy, while the decode streams on."""
+    slow = ["--decode-tokens-per-s", "20"]
+    with LocalCluster(_config(run_dir=tmp_path, start_timeout=60, decode_args=slow)) as cluster:
         body = {"model": "emulated-model", "prompt": "a prompt long enough for blocks " * 8}
         first = httpx.post(f"{cluster.gateway_url}/v1/completions", json=body, timeout=30)
         assert first.status_code == 200, first.text
@@ -62,3 +66,24 @@ def test_up_with_the_envoy_entry_serves_through_envoy_and_reuses_the_cache(
                 break
         assert cached >= 240
         assert (tmp_path / "envoy" / "envoy.json").is_file()
+        (picker,) = [c for c in cluster.components if c.role == "epp"]
+        fresh = {**body, "prompt": "another prompt, none of it cached " * 8}
+        streamed = {**fresh, "max_tokens": 60, "stream": True}
+        url = f"{cluster.gateway_url}/v1/completions"
+        with httpx.stream("POST", url, json=streamed, timeout=30) as answer:
+            assert answer.status_code == 200
+            pieces = answer.iter_bytes()
+            next(pieces)  # the first byte; 60 tokens at 20 per second follow
+            workers = httpx.get(f"{picker.url}/workers", timeout=5).json()["workers"]
+            loads = {
+                role: [
+                    (w["in_flight"], w["queued_prefill_tokens"])
+                    for w in workers
+                    if w["role"] == role
+                ]
+                for role in ("prefill", "decode")
+            }
+            assert sorted(loads["prefill"]) == [(0, 0), (1, 0)], loads
+            assert sorted(loads["decode"]) == [(0, 0), (1, 0)], loads
+            rest = b"".join(pieces)
+        assert b"[DONE]" in rest

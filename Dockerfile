@@ -6,8 +6,9 @@
 #
 # `--build-arg EXTRAS=bench` adds `globalkv bench replay` (numpy, matplotlib) to the image;
 # without it the image holds what the services need and nothing more. The Kubernetes
-# manifests need `--build-arg EXTRAS=kubernetes,envoy` (pod discovery, the endpoint
-# picker's gRPC): docs/kubernetes.md, step 1. Health checks are
+# manifests need `--build-arg EXTRAS=kubernetes,epp` (pod discovery, the endpoint
+# picker's gRPC; `envoy` would add the Envoy binary, which no picker runs):
+# docs/kubernetes.md, step 1. Health checks are
 # per role (each listens on its own ports), so they live in docker-compose.yml, as the
 # official images leave them to the compose file too.
 

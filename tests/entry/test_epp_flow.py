@@ -167,3 +167,27 @@ async def test_without_flow_control_admission_holds_a_place_until_the_response_e
         await finish(first)
         answers = await epp.exchange(request(completion()))
         assert routed(answers[0])[0]
+
+
+@pytest.mark.parametrize("flow_control", [True, False])
+async def test_a_wait_past_the_queue_timeout_is_a_408_counted_as_such(flow_control: bool) -> None:
+    workers = [WorkerSpec(url=u, role="prefill") for u in PREFILLS]
+    cfg = config(
+        prefill=workers,
+        decode=[],
+        admission=AdmissionConfig(max_concurrent_requests=1, queue_size=1, queue_timeout_secs=0.2),
+        flow=FlowConfig(enabled=flow_control),
+    )
+    gateway = await make_gateway(Cluster(), cfg)
+    async for epp in serve_epp(gateway):
+        first = await open_stream(epp, {})
+        routed(await first.read())
+        answers = await epp.exchange(request(completion()))
+        assert more_time(answers[0]) > 0
+        assert status(answers[1]) == 408
+        assert answers[1].immediate_response.details == "queue_timeout"
+        counted = epp.registry.get_sample_value(
+            "globalkv_epp_requests_total", {"outcome": "queue_timeout"}
+        )
+        assert counted == 1
+        await finish(first)

@@ -83,6 +83,10 @@ async def test_a_body_that_does_not_arrive_in_time_is_408_and_dropped() -> None:
         answer = await call.read()
         assert status(answer) == 408
         assert await call.read() is grpc.aio.EOF
+        counted = epp.registry.get_sample_value(
+            "globalkv_epp_requests_total", {"outcome": "body_timeout"}
+        )
+        assert counted == 1
 
 
 async def test_streams_still_receiving_a_body_hold_no_load() -> None:

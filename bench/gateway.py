@@ -32,7 +32,10 @@ into DIR from an older revision, so before and after are measured in the same ru
 
 "CPU µs/req" is the router process's CPU time (all threads, from /proc) over the run
 divided by the answers it gave: on a shared machine a router's requests/s also depend on
-how much of its core other processes leave it, its CPU per request does not.
+how much of its core other processes leave it, its CPU per request does not. In brackets,
+the kernel's part of it: the same system calls cost every router alike (three reads and
+three writes per request, and the loopback deliveries they cause, charged to the writer),
+so the rest is what a router's own code spends.
 """
 
 from __future__ import annotations
@@ -130,10 +133,16 @@ class Target:
     """The router's processes, whose CPU time is read around each run (none: not measured)."""
 
 
-def cpu_seconds(pid: int) -> float:
+def cpu_times(pid: int) -> tuple[float, float]:
     """User and system CPU time of a process, all its threads (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of a process together."""
+    return sum(cpu_times(pid))
 
 
 @dataclass
@@ -143,6 +152,8 @@ class Cell:
     runs: list[RunResult] = field(default_factory=list)
     cpu_us: list[float] = field(default_factory=list)
     """The target's CPU microseconds per answer, per repetition."""
+    sys_us: list[float] = field(default_factory=list)
+    """Of those, the kernel's (system calls, and loopback TCP charged to the sender)."""
 
     def median(self, what: str) -> float:
         return statistics.median(float(getattr(r, what)) for r in self.runs)
@@ -174,7 +185,7 @@ async def measure(
                 order = names[rep % len(names) :] + names[: rep % len(names)]
                 for name in order:
                     target = targets[name]
-                    before = sum(cpu_seconds(pid) for pid in target.pids)
+                    before = [cpu_times(pid) for pid in target.pids]
                     result = await run_load(
                         HOST,
                         target.port,
@@ -188,8 +199,12 @@ async def measure(
                     cell = cells.setdefault((name, stream, concurrency), Cell())
                     cell.runs.append(result)
                     if target.pids:
-                        spent = sum(cpu_seconds(pid) for pid in target.pids) - before
-                        cell.cpu_us.append(spent / max(result.answered, 1) * 1e6)
+                        after = [cpu_times(pid) for pid in target.pids]
+                        user = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
+                        kernel = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
+                        answered = max(result.answered, 1)
+                        cell.cpu_us.append((user + kernel) / answered * 1e6)
+                        cell.sys_us.append(kernel / answered * 1e6)
         print(f"repetition {rep + 1}/{repeats} done", file=sys.stderr, flush=True)
     return cells
 
@@ -204,7 +219,7 @@ def _added(cells: dict[Key, Cell], name: str, stream: bool, c: int, what: str) -
 def table(cells: dict[Key, Cell], routers: Sequence[str], concurrencies: Sequence[int]) -> str:
     head = ["stream", "conc", "direct req/s"]
     for r in routers:
-        head += [f"{r} req/s", f"{r} +p50 ms", f"{r} +p99 ms", f"{r} CPU µs/req"]
+        head += [f"{r} req/s", f"{r} +p50 ms", f"{r} +p99 ms", f"{r} CPU µs/req (sys)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for stream in (False, True):
         for c in concurrencies:
@@ -219,10 +234,16 @@ def table(cells: dict[Key, Cell], routers: Sequence[str], concurrencies: Sequenc
                     f"{cell.median('rps'):.0f}",
                     f"{_added(cells, r, stream, c, 'p50') * 1000:.2f}",
                     f"{_added(cells, r, stream, c, 'p99') * 1000:.2f}",
-                    f"{statistics.median(cell.cpu_us):.0f}" if cell.cpu_us else "-",
+                    _cpu(cell),
                 ]
             lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
+
+
+def _cpu(cell: Cell) -> str:
+    if not cell.cpu_us:
+        return "-"
+    return f"{statistics.median(cell.cpu_us):.0f} ({statistics.median(cell.sys_us):.0f})"
 
 
 @contextlib.contextmanager

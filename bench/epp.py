@@ -1,7 +1,7 @@
 """The endpoint picker's CPU per request beside the least an ext_proc server can do.
 
     python -m bench.epp [--repeats 5] [--duration 2] [--concurrency 1,16] [--rates 300,600]
-        [--output FILE]
+        [--modes buffered,buffered+headers,full-duplex] [--output FILE]
 
 `globalkv epp` (an aggregated pool of two `bench.gateway_mocks` workers, `round_robin`:
 what is measured is the path, not a cache) and `bench.epp_minimal` (the same messages
@@ -110,7 +110,9 @@ class Cell:
 
 
 @contextmanager
-def _started(logs: Path, pin: bool) -> Iterator[dict[tuple[str, str], Target]]:
+def _started(
+    logs: Path, pin: bool, modes: Sequence[str]
+) -> Iterator[dict[tuple[str, str], Target]]:
     server_cpus, load_cpus = ({1}, {0}) if pin else (None, None)
     mocks = [_free_port(), _free_port()]
     endpoints = [f"{HOST}:{m}" for m in mocks]
@@ -141,7 +143,8 @@ def _started(logs: Path, pin: bool) -> Iterator[dict[tuple[str, str], Target]]:
             ),
         }
         targets = {}
-        for mode, flags in MODES.items():
+        for mode in modes:
+            flags = MODES[mode]
             for name in SERVERS:
                 port = _free_port()
                 argv = [*globalkv, "envoy", "--port", str(port), "--admin-port", str(_free_port())]
@@ -194,7 +197,9 @@ async def _measure(
     return cells
 
 
-def table(cells: dict[tuple[str, str, str], Cell], loads: Sequence[str]) -> str:
+def table(
+    cells: dict[tuple[str, str, str], Cell], loads: Sequence[str], modes: Sequence[str]
+) -> str:
     head = [
         "mode",
         "load",
@@ -208,7 +213,7 @@ def table(cells: dict[tuple[str, str, str], Cell], loads: Sequence[str]) -> str:
         "Envoy CPU µs/req (minimal)",
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for mode in MODES:
+    for mode in modes:
         for c in loads:
             epp, minimal = cells[(mode, "epp", c)], cells[(mode, "minimal", c)]
             ratios = [e / m for e, m in zip(epp.server_us, minimal.server_us, strict=True)]
@@ -234,16 +239,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=2.0, help="seconds per cell")
     parser.add_argument("--concurrency", default="1,16", help="closed loop; comma-separated")
     parser.add_argument("--rates", default="300,600", help="paced requests/s; comma-separated")
+    parser.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help=f"processing modes measured; comma-separated, of {', '.join(MODES)}",
+    )
     parser.add_argument("--no-pin", action="store_true", help="no CPU pinning")
     parser.add_argument("--output", type=Path, help="also write the table here")
     args = parser.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown or not modes:
+        parser.error(f"--modes: want some of {', '.join(MODES)}, got {args.modes!r}")
     loads = [f"c{int(c)}" for c in args.concurrency.split(",") if c]
     loads += [f"{float(r):g}/s" for r in args.rates.split(",") if r]
     pin = (os.cpu_count() or 1) >= 2 and not args.no_pin
     logs = Path(tempfile.mkdtemp(prefix="bench-epp-"))
-    with _started(logs, pin) as targets:
+    with _started(logs, pin, modes) as targets:
         cells = asyncio.run(_measure(targets, loads, args.repeats, args.duration))
-    text = table(cells, loads)
+    text = table(cells, loads, modes)
     print(text)
     if args.output is not None:
         args.output.write_text(text + "\n")

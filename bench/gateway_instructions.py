@@ -1,7 +1,7 @@
 """The gateway's user-space instructions per request, counted by callgrind.
 
     python -m bench.gateway_instructions [--requests 2000] [--stream] [--variant LABEL=DIR …]
-        [--flags LABEL=FLAGS …] [--profile DIR]
+        [--flags LABEL=FLAGS …] [--headers LABEL=Name:Value[,Name:Value…] …] [--profile DIR]
 
 On a shared machine a router's CPU time per request swings by tens of percent from run to
 run (other tenants, frequency scaling), so a change of a few microseconds per request
@@ -11,7 +11,11 @@ Each gateway (this checkout's, and each `--variant` as exported into DIR from an
 revision) runs under `valgrind --tool=callgrind` behind the same mock workers as
 `bench.gateway` (`--policy round_robin`, its `/generate` body: 64 `input_ids`, 4 new
 tokens, whole answers or with `--stream` streamed); each `--flags` runs this checkout's
-gateway with those flags added (what a feature costs when it is on);
+gateway with those flags added (what a feature costs when it is on), and each `--headers`
+names headers every request of a case carries (what a feature costs the request that uses
+it): the `--flags` case of the same label, else a case of its own of this checkout's
+gateway with no flags added. Flow control's cases (`--flow-control` in their flags) carry
+`FLOW_HEADERS` as well;
 the counters are zeroed once it has answered a warm-up, then `--requests` requests are
 sent over 4 connections and the counters dumped. Instructions are not time (no cache
 misses, no system calls), so read the ratios, and `bench.gateway` for requests/s.
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import re
 import shutil
 import subprocess
@@ -41,7 +46,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.gateway import PROMPT, _body, _free_port, _spawn, _variant, _wait_ok, router_argv
+import httpx
+
+from bench.gateway import PROMPT, Child, _body, _free_port, _spawn, _variant, router_argv
 from bench.gateway_load import read_answer, request_bytes
 
 HOST = "127.0.0.1"
@@ -62,6 +69,22 @@ def _flags(value: str) -> tuple[str, list[str]]:
     return label, flags.split()
 
 
+def _headers(value: str) -> tuple[str, list[tuple[str, str]]]:
+    """`LABEL=Name:Value[,Name:Value…]`: a value may hold colons (an `Origin`'s URL), not
+    commas."""
+    label, sep, rest = value.partition("=")
+    headers = []
+    for item in rest.split(","):
+        name, colon, text = item.partition(":")
+        headers.append((name.strip(), text.strip()))
+        if not colon or not name.strip() or not text.strip():
+            headers = []
+            break
+    if not sep or not label or not headers:
+        raise argparse.ArgumentTypeError(f"want LABEL=Name:Value[,Name:Value…], got {value!r}")
+    return label, headers
+
+
 async def _send(
     port: int, requests: int, body: bytes, headers: Sequence[tuple[str, str]] = ()
 ) -> None:
@@ -77,6 +100,23 @@ async def _send(
         writer.close()
 
     await asyncio.gather(*(one_connection(requests // CONNECTIONS) for _ in range(CONNECTIONS)))
+
+
+def _wait_ok(child: Child, port: int, headers: Sequence[tuple[str, str]], timeout: float) -> None:
+    """Until a request carrying `headers` answers 200 (workers adopted, routes live; with
+    `--api-key`, only one that carries the key is answered 200)."""
+    probe = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1}}
+    deadline = time.monotonic() + timeout
+    while True:
+        if child.popen.poll() is not None:
+            raise RuntimeError(f"{child.name} exited:\n{child.log.read_text(errors='replace')}")
+        with contextlib.suppress(httpx.HTTPError):
+            url = f"http://{HOST}:{port}/generate"
+            if httpx.post(url, json=probe, headers=list(headers), timeout=2).status_code == 200:
+                return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{child.name} not serving {port}; log: {child.log}")
+        time.sleep(0.1)
 
 
 def count(
@@ -102,8 +142,7 @@ def count(
     argv = [*argv, "--prometheus-port", "0", *PERIODIC, *flags]
     gateway = _spawn("gateway", argv, None, logs, directory)
     try:
-        probe = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1}}
-        _wait_ok(gateway, f"http://{HOST}:{port}/generate", probe, timeout=600)
+        _wait_ok(gateway, port, headers, timeout=600)
         body = _body(stream)
         asyncio.run(_send(port, 40, body, headers))  # warm-up: connections, code paths
         pid = str(gateway.popen.pid)
@@ -135,6 +174,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="this checkout's gateway with FLAGS added (repeatable)",
     )
     parser.add_argument(
+        "--headers",
+        type=_headers,
+        action="append",
+        default=[],
+        metavar="LABEL=Name:Value[,Name:Value…]",
+        help="headers every request carries: those of the --flags case LABEL, else of a "
+        "case of this checkout's gateway with no flags added (repeatable)",
+    )
+    parser.add_argument(
         "--profile",
         type=Path,
         metavar="DIR",
@@ -159,8 +207,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             counts[label] = count(
                 directory, args.requests, args.stream, Path(logs), keep=kept(label)
             )
+        cases: dict[str, tuple[list[str], list[tuple[str, str]]]] = {}
         for label, flags in args.flags:
-            headers = FLOW_HEADERS if "--flow-control" in flags else ()
+            cases[label] = (flags, list(FLOW_HEADERS) if "--flow-control" in flags else [])
+        for label, headers in args.headers:
+            cases.setdefault(label, ([], []))[1].extend(headers)
+        for label, (flags, headers) in cases.items():
             counts[label] = count(
                 None, args.requests, args.stream, Path(logs), flags, headers, kept(label)
             )

@@ -93,7 +93,7 @@ class HttpRequest:
         self.held = 0
         """Bytes it holds of the server's body budget, given back once when it is over."""
         self.authorization: bytes | None = None
-        """W3C `traceparent` and `tracestate`, as sent, to be passed on."""
+        """The Authorization header, as sent (the API key's check reads it)."""
         self.length: bytes | None = None
         """The Content-Length header, as sent."""
         self.expect = False

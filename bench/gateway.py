@@ -33,9 +33,10 @@ into DIR from an older revision, so before and after are measured in the same ru
 "CPU µs/req" is the router process's CPU time (all threads, from /proc) over the run
 divided by the answers it gave: on a shared machine a router's requests/s also depend on
 how much of its core other processes leave it, its CPU per request does not. In brackets,
-the kernel's part of it: the same system calls cost every router alike (three reads and
-three writes per request, and the loopback deliveries they cause, charged to the writer),
-so the rest is what a router's own code spends.
+the kernel's part of it (system calls, and the loopback deliveries they cause, charged to
+the writer): every router reads and writes at least the client's request and answer and
+one request and answer per worker called, so the part outside the brackets is the one
+its own code decides.
 """
 
 from __future__ import annotations

@@ -48,8 +48,9 @@ from pathlib import Path
 
 import httpx
 
-from bench.gateway import PROMPT, Child, _body, _free_port, _spawn, _variant, router_argv
+from bench.gateway import PROMPT, Child, _body, _free_port, _spawn, router_argv
 from bench.gateway_load import read_answer, request_bytes
+from bench.gateway_variant import variant
 
 HOST = "127.0.0.1"
 CONNECTIONS = 4
@@ -164,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--stream", action="store_true", help="streamed answers")
-    parser.add_argument("--variant", type=_variant, action="append", default=[])
+    parser.add_argument("--variant", type=variant, action="append", default=[])
     parser.add_argument(
         "--flags",
         type=_flags,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.gateway import _variant
+from bench.gateway_variant import variant
 
 _COMMAND = """
 def register(subparsers):
@@ -29,7 +29,7 @@ def test_the_exported_gateway_command_is_the_one_started(tmp_path: Path, module:
     for package in {tmp_path / "gateway", where.parent}:
         (package / "__init__.py").write_text("")
     where.write_text(_COMMAND)
-    assert _variant(f"old={tmp_path}") == ("old", str(tmp_path))
+    assert variant(f"old={tmp_path}") == ("old", str(tmp_path))
     started = subprocess.run(
         [sys.executable, "-m", "globalkv", "gateway"],
         cwd=tmp_path,
@@ -44,4 +44,4 @@ def test_the_exported_gateway_command_is_the_one_started(tmp_path: Path, module:
 def test_a_directory_without_a_gateway_command_is_refused(tmp_path: Path) -> None:
     (tmp_path / "gateway").mkdir()
     with pytest.raises(argparse.ArgumentTypeError, match=r"no gateway\.standalone\.cli"):
-        _variant(f"old={tmp_path}")
+        variant(f"old={tmp_path}")

@@ -17,8 +17,23 @@ def test_the_first_configured_header_the_client_sent_names_the_request() -> None
     assert EDGE.request_id("/generate", picked) == "corr-1"  # listed before x-trace-id
 
 
+def test_any_visible_ascii_up_to_the_limit_is_an_id() -> None:
+    every = bytes(range(0x21, 0x7F))
+    for value in (every, b"x" * REQUEST_ID_MAX, b"!", b"~"):
+        assert EDGE.request_id("/generate", {b"x-request-id": value}) == value.decode()
+
+
 @pytest.mark.parametrize(
-    "value", [b"", b"has space", b"tab\there", b"\xff\xfe", b"x" * (REQUEST_ID_MAX + 1)]
+    "value",
+    [
+        b"",
+        b"has space",
+        b"tab\there",
+        b"\xff\xfe",
+        b"del\x7f",
+        b"nul\x00",
+        b"x" * (REQUEST_ID_MAX + 1),
+    ],
 )
 def test_an_id_unfit_for_headers_and_logs_is_passed_over(value: bytes) -> None:
     assert EDGE.request_id("/generate", {b"x-request-id": value}).startswith("gnt-")

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -39,8 +40,8 @@ class EppMetrics:
         self.picks = Counter(
             "globalkv_epp_requests",
             "Requests the endpoint picker answered, by outcome (routed, or refused: "
-            "bad_request, too_large, body_timeout, queue_timeout, no_endpoint, shed, "
-            "bodies_full)",
+            "bad_request, too_large, body_timeout, queue_full, queue_timeout, no_endpoint, "
+            "shed, bodies_full)",
             ["outcome"],
             registry=registry,
         )
@@ -82,7 +83,6 @@ _OUTCOMES = {
     400: "bad_request",
     408: "queue_timeout",
     413: "too_large",
-    429: "shed",
     503: "no_endpoint",
 }
 
@@ -288,7 +288,7 @@ class Stream:
         default, its status's)."""
         self.refused = True
         self.forget_body()
-        outcome = outcome or _OUTCOMES.get(answer.status, str(answer.status))
+        outcome = outcome or _outcome(answer)
         self._metrics.picks.labels(outcome).inc()
         return refuse(answer, outcome)
 
@@ -317,6 +317,16 @@ class Stream:
             self.pick = None
             succeeded = ended and (self.status is None or self.status < 300)
             self._picker.release(pick, succeeded)
+
+
+def _outcome(answer: Answer) -> str:
+    """A refusal's outcome, by its status; a 429 by what refused it: the picker's own
+    shedding (`--shed-in-flight`, an "overloaded" error) or a queue's limit (admission's or
+    flow control's, each counting its reasons in its own metric)."""
+    if answer.status == 429:
+        error = orjson.loads(answer.body).get("error", {})
+        return "shed" if error.get("type") == "overloaded" else "queue_full"
+    return _OUTCOMES.get(answer.status, str(answer.status))
 
 
 _PREFILL_HEADERS = (PREFILL_HEADER, LLMD_PREFILL_HEADER)

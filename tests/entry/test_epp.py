@@ -118,6 +118,7 @@ async def test_requests_are_shed_with_429_when_every_endpoint_is_full(aggregated
         held.append(call)
     assert answer.immediate_response.status.code == 429
     assert json.loads(answer.immediate_response.body)["error"]["type"] == "overloaded"
+    assert aggregated.registry.get_sample_value("globalkv_epp_requests_total", {"outcome": "shed"})
     assert aggregated.in_flight(A) >= 2
     assert aggregated.in_flight(B) >= 2
     for call in held:

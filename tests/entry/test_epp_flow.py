@@ -164,6 +164,13 @@ async def test_without_flow_control_admission_holds_a_place_until_the_response_e
             "--max-concurrent-requests"
             in json.loads(answers[0].immediate_response.body)["error"]["message"]
         )
+        counted = {
+            outcome: epp.registry.get_sample_value(
+                "globalkv_epp_requests_total", {"outcome": outcome}
+            )
+            for outcome in ("queue_full", "shed")
+        }
+        assert counted == {"queue_full": 1, "shed": None}, "a queue's limit, not shedding"
         await finish(first)
         answers = await epp.exchange(request(completion()))
         assert routed(answers[0])[0]

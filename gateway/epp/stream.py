@@ -324,9 +324,17 @@ def _outcome(answer: Answer) -> str:
     shedding (`--shed-in-flight`, an "overloaded" error) or a queue's limit (admission's or
     flow control's, each counting its reasons in its own metric)."""
     if answer.status == 429:
-        error = orjson.loads(answer.body).get("error", {})
-        return "shed" if error.get("type") == "overloaded" else "queue_full"
+        return "shed" if _error_type(answer.body) == "overloaded" else "queue_full"
     return _OUTCOMES.get(answer.status, str(answer.status))
+
+
+def _error_type(body: bytes) -> object:
+    """The `type` of an OpenAI error object in `body`; None if it holds none."""
+    try:
+        error = orjson.loads(body).get("error")
+    except (orjson.JSONDecodeError, AttributeError):
+        return None
+    return error.get("type") if isinstance(error, dict) else None
 
 
 _PREFILL_HEADERS = (PREFILL_HEADER, LLMD_PREFILL_HEADER)

@@ -75,14 +75,18 @@ async def pass_on(rest: Rest, send: Callable[[bytes], Awaitable[None]]) -> bool:
     error of `send`, as "client_gone"; broken off upstream, as "upstream_error".
     """
     outcome: Outcome = "client_gone"
+    error: BaseException | None = None
     try:
         while piece := await rest.next():
             await send(piece)
         outcome = "done"
     except httpx.HTTPError:
         outcome = "upstream_error"
-    finally:
-        await rest.close(outcome)
+    except BaseException as exc:  # closed first, then raised on: an await in a finally
+        error = exc  # loses the exception in flight once mypyc compiles this
+    await rest.close(outcome)
+    if error is not None:
+        raise error
     return outcome == "done"
 
 

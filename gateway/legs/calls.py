@@ -220,24 +220,39 @@ class PairCalls:
         extra: Extra,
     ) -> Answer | Failure:
         step = asyncio.ensure_future(self._upstream.fetch(url, payload, self._timeout, extra))
-        succeeded = False
+        outcome: Answer | Failure | None = None
+        error: BaseException | None = None
+        # The calls are ended after the try, then what it raised is raised on: not in a
+        # finally, where an await loses the exception in flight once mypyc compiles this
+        # (bench.gateway_compiled).
         try:
-            reply = await self._decode_step(plan, call, step, "to answer")
-            if isinstance(reply, Failure):
-                return reply
-            answer = Answer(reply.status, reply.body, reply.media_type)
-            if answer.status >= 400:
-                return self._decode_refused(plan, call, answer)
-            self.record("decode", plan.decode, answer.status, None)
-            succeeded = True
-            return answer
-        finally:
-            self._loads.finish(ticket, succeeded, timed=False)
-            if not step.done():
-                step.cancel()
-                await settle(step)
-            if not succeeded:
-                call.cancel()
+            outcome = await self._decode_answer(plan, call, step)
+        except BaseException as exc:
+            error = exc
+        succeeded = isinstance(outcome, Answer)
+        self._loads.finish(ticket, succeeded, timed=False)
+        if not step.done():
+            step.cancel()
+            await settle(step)
+        if not succeeded:
+            call.cancel()
+        if error is not None:
+            raise error
+        assert outcome is not None
+        return outcome
+
+    async def _decode_answer(
+        self, plan: RoutePlan, call: Call, step: asyncio.Future[Reply]
+    ) -> Answer | Failure:
+        """The decode's whole answer (`step`), unless it or the prefill `call` failed."""
+        reply = await self._decode_step(plan, call, step, "to answer")
+        if isinstance(reply, Failure):
+            return reply
+        answer = Answer(reply.status, reply.body, reply.media_type)
+        if answer.status >= 400:
+            return self._decode_refused(plan, call, answer)
+        self.record("decode", plan.decode, answer.status, None)
+        return answer
 
     async def _streamed(
         self,
@@ -249,43 +264,70 @@ class PairCalls:
         progress: Progress,
         extra: Extra,
     ) -> Answer | Failure:
-        opening = asyncio.ensure_future(self._upstream.open(url, payload, self._timeout, extra))
-        step: asyncio.Future[Any] = opening
-        reply: Reply | None = None
-        committed = False
+        opening = _Opening(
+            asyncio.ensure_future(self._upstream.open(url, payload, self._timeout, extra))
+        )
+        outcome: Answer | Failure | None = None
+        error: BaseException | None = None
         try:
-            opened = await self._decode_step(plan, call, opening, "to answer")
-            if isinstance(opened, Failure):
-                return opened
-            reply = opened
-            if reply.status >= 400:
-                try:
-                    content = await reply.read()
-                except httpx.HTTPError as exc:
-                    return self._decode_error(plan.decode, exc, "mid-answer")
-                return self._decode_refused(
-                    plan, call, Answer(reply.status, content, reply.media_type)
-                )
-            progress.decode_head = True
-            step = asyncio.ensure_future(reply.next())
-            first = await self._decode_step(plan, call, step, "before its first byte")
-            if isinstance(first, Failure):
-                return first
-            committed = True
-            self._loads.prefill_done(ticket)
-            rest = _DecodeStream(self._loads, self.record, reply, plan, ticket, call)
-            return Answer(reply.status, first, reply.media_type, _passed_headers(reply), rest)
-        finally:
-            if not committed:
-                step.cancel()
-                opening.cancel()
-                await settle(step, opening)
-                if reply is None and opening.done() and not opening.cancelled():
-                    reply = None if opening.exception() else opening.result()
-                if reply is not None:
-                    await reply.aclose()
-                self._loads.finish(ticket, computed=False)
-                call.cancel()
+            outcome = await self._first_piece(plan, call, ticket, opening, progress)
+        except BaseException as exc:  # as in _whole: no await in a finally
+            error = exc
+        if not isinstance(outcome, Answer):  # nothing committed to the client
+            await self._not_opened(call, ticket, opening)
+        if error is not None:
+            raise error
+        assert outcome is not None
+        return outcome
+
+    async def _first_piece(
+        self, plan: RoutePlan, call: Call, ticket: LoadTicket, opening: _Opening, progress: Progress
+    ) -> Answer | Failure:
+        """The decode's stream from its first piece, unless it or the prefill `call` failed
+        first; `opening` keeps what was opened, for `_not_opened`."""
+        opened = await self._decode_step(plan, call, opening.call, "to answer")
+        if isinstance(opened, Failure):
+            return opened
+        reply = opening.reply = opened
+        if reply.status >= 400:
+            try:
+                content = await reply.read()
+            except httpx.HTTPError as exc:
+                return self._decode_error(plan.decode, exc, "mid-answer")
+            return self._decode_refused(plan, call, Answer(reply.status, content, reply.media_type))
+        progress.decode_head = True
+        opening.step = asyncio.ensure_future(reply.next())
+        first = await self._decode_step(plan, call, opening.step, "before its first byte")
+        if isinstance(first, Failure):
+            return first
+        self._loads.prefill_done(ticket)
+        rest = _DecodeStream(self._loads, self.record, reply, plan, ticket, call)
+        return Answer(reply.status, first, reply.media_type, _passed_headers(reply), rest)
+
+    async def _not_opened(self, call: Call, ticket: LoadTicket, opening: _Opening) -> None:
+        """A stream that committed nothing: its calls cancelled and closed, its load ended."""
+        opening.step.cancel()
+        opening.call.cancel()
+        await settle(opening.step, opening.call)
+        reply = opening.reply
+        if reply is None and opening.call.done() and not opening.call.cancelled():
+            reply = None if opening.call.exception() else opening.call.result()
+        if reply is not None:
+            await reply.aclose()
+        self._loads.finish(ticket, computed=False)
+        call.cancel()
+
+
+class _Opening:
+    """A streamed decode call being opened: the call, the step awaited now (the call, then
+    its first piece) and its reply once it has one."""
+
+    __slots__ = ("call", "reply", "step")
+
+    def __init__(self, call: asyncio.Future[Reply]) -> None:
+        self.call = call
+        self.step: asyncio.Future[Any] = call
+        self.reply: Reply | None = None
 
 
 class _DecodeStream:

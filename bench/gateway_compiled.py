@@ -41,6 +41,7 @@ MODULES = (
     "gateway/legs/dispatch.py",
     "gateway/legs/racing.py",
     "gateway/legs/sglang.py",
+    "gateway/legs/traced.py",
     "gateway/load/progress.py",
     "gateway/load/tracker.py",
     "gateway/policies/base.py",
@@ -55,7 +56,9 @@ MODULES = (
     "gateway/workers/breaker.py",
     "gateway/workers/pool.py",
 )
-"""The request path of `bench.gateway`'s requests (`--policy round_robin`, SGLang pairs)."""
+"""The request path of `bench.gateway`'s requests (`--policy round_robin`, SGLang pairs),
+and the traced calls, which subclass the calls (an interpreted class cannot subclass a
+compiled one)."""
 
 
 def export(revision: str, directory: Path) -> None:

@@ -226,7 +226,8 @@ class PairCalls:
         # finally, where an await loses the exception in flight once mypyc compiles this
         # (bench.gateway_compiled).
         try:
-            outcome = await self._decode_answer(plan, call, step)
+            reply = await self._decode_step(plan, call, step, "to answer")
+            outcome = reply if isinstance(reply, Failure) else self._decoded(plan, call, reply)
         except BaseException as exc:
             error = exc
         succeeded = isinstance(outcome, Answer)
@@ -241,13 +242,8 @@ class PairCalls:
         assert outcome is not None
         return outcome
 
-    async def _decode_answer(
-        self, plan: RoutePlan, call: Call, step: asyncio.Future[Reply]
-    ) -> Answer | Failure:
-        """The decode's whole answer (`step`), unless it or the prefill `call` failed."""
-        reply = await self._decode_step(plan, call, step, "to answer")
-        if isinstance(reply, Failure):
-            return reply
+    def _decoded(self, plan: RoutePlan, call: Call, reply: Reply) -> Answer | Failure:
+        """The decode's whole answer, or its refusal (the prefill's, where it failed)."""
         answer = Answer(reply.status, reply.body, reply.media_type)
         if answer.status >= 400:
             return self._decode_refused(plan, call, answer)

@@ -42,7 +42,9 @@ class Pool:
     spawn: Callable[..., Proc]
 
     def restart_picker(self, i: int) -> Proc:
-        """Picker `i` again, on the same ports (after it stopped)."""
+        """Picker `i` again, on the same ports: stopped first if it still runs (a test run
+        alone finds it running; run in order, the one before stopped it)."""
+        self.pickers[i].stop()
         self.pickers[i] = self.spawn(*self.picker_argv[i], name=f"epp-{i}-again")
         return self.pickers[i]
 

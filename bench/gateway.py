@@ -102,14 +102,21 @@ def _spawn(
     return Child(name, popen, log)
 
 
-def _wait_ok(child: Child, url: str, body: Mapping[str, object], timeout: float = 60.0) -> None:
-    """Until a request through `url` answers 200 (workers adopted, routes live)."""
+def _wait_ok(
+    child: Child,
+    url: str,
+    body: Mapping[str, object],
+    timeout: float = 60.0,
+    headers: Sequence[tuple[str, str]] = (),
+) -> None:
+    """Until a request through `url` carrying `headers` answers 200 (workers adopted, routes
+    live; with `--api-key`, only a request that carries the key is answered 200)."""
     deadline = time.monotonic() + timeout
     while True:
         if child.popen.poll() is not None:
             raise RuntimeError(f"{child.name} exited:\n{child.log.read_text(errors='replace')}")
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.post(url, json=body, timeout=2).status_code == 200:
+            if httpx.post(url, json=body, headers=list(headers), timeout=2).status_code == 200:
                 return
         if time.monotonic() > deadline:
             raise TimeoutError(f"{child.name} not serving {url}; log: {child.log}")

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import re
 import shutil
 import subprocess
@@ -46,9 +45,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import httpx
-
-from bench.gateway import PROMPT, Child, _body, _free_port, _spawn, router_argv
+from bench.gateway import PROMPT, _body, _free_port, _spawn, _wait_ok, router_argv
 from bench.gateway_load import read_answer, request_bytes
 from bench.gateway_variant import variant
 
@@ -103,23 +100,6 @@ async def _send(
     await asyncio.gather(*(one_connection(requests // CONNECTIONS) for _ in range(CONNECTIONS)))
 
 
-def _wait_ok(child: Child, port: int, headers: Sequence[tuple[str, str]], timeout: float) -> None:
-    """Until a request carrying `headers` answers 200 (workers adopted, routes live; with
-    `--api-key`, only one that carries the key is answered 200)."""
-    probe = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1}}
-    deadline = time.monotonic() + timeout
-    while True:
-        if child.popen.poll() is not None:
-            raise RuntimeError(f"{child.name} exited:\n{child.log.read_text(errors='replace')}")
-        with contextlib.suppress(httpx.HTTPError):
-            url = f"http://{HOST}:{port}/generate"
-            if httpx.post(url, json=probe, headers=list(headers), timeout=2).status_code == 200:
-                return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{child.name} not serving {port}; log: {child.log}")
-        time.sleep(0.1)
-
-
 def count(
     directory: str | None,
     requests: int,
@@ -143,7 +123,8 @@ def count(
     argv = [*argv, "--prometheus-port", "0", *PERIODIC, *flags]
     gateway = _spawn("gateway", argv, None, logs, directory)
     try:
-        _wait_ok(gateway, port, headers, timeout=600)
+        probe = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1}}
+        _wait_ok(gateway, f"http://{HOST}:{port}/generate", probe, 600, headers)
         body = _body(stream)
         asyncio.run(_send(port, 40, body, headers))  # warm-up: connections, code paths
         pid = str(gateway.popen.pid)

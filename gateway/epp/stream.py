@@ -328,13 +328,14 @@ def _outcome(answer: Answer) -> str:
     return _OUTCOMES.get(answer.status, str(answer.status))
 
 
-def _error_type(body: bytes) -> object:
+def _error_type(body: bytes) -> str | None:
     """The `type` of an OpenAI error object in `body`; None if it holds none."""
     try:
         error = orjson.loads(body).get("error")
     except (orjson.JSONDecodeError, AttributeError):
         return None
-    return error.get("type") if isinstance(error, dict) else None
+    kind = error.get("type") if isinstance(error, dict) else None
+    return kind if isinstance(kind, str) else None
 
 
 _PREFILL_HEADERS = (PREFILL_HEADER, LLMD_PREFILL_HEADER)

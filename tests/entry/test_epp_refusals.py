@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingResponse
 
-from gateway.http.answer import Answer
+from gateway.epp.stream import _outcome
+from gateway.http.answer import Answer, problem
 from gateway.serving.inference import Inference
 from gateway.settings.edge import AdmissionConfig
 from gateway.settings.flow import FlowConfig
@@ -117,3 +118,21 @@ async def test_the_pickers_own_refusals_are_openai_error_objects() -> None:
         message = body["error"]["message"]
         assert body == {"error": {"message": message, "type": kind, "param": None, "code": None}}
     assert "--max-payload-size (1000 bytes)" in _picker_refusal(too_large[0])[1]["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("answer", "outcome"),
+    [
+        (problem(429, "every endpoint is full", "overloaded"), "shed"),
+        (problem(429, "the queue is full", "rate_limit_exceeded"), "queue_full"),
+        (Answer(429, b"not json"), "queue_full"),
+        (Answer(429, b"[1, 2]"), "queue_full"),
+        (Answer(429, b'{"error": "overloaded"}'), "queue_full"),
+        (Answer(429, b'{"error": {"type": ["overloaded"]}}'), "queue_full"),
+        (problem(503, "no pod"), "no_endpoint"),
+    ],
+)
+def test_a_refusal_is_counted_by_what_refused_it_whatever_its_body(
+    answer: Answer, outcome: str
+) -> None:
+    assert _outcome(answer) == outcome

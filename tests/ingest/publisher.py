@@ -82,10 +82,11 @@ class Publisher(KVEventPublisher):
             bind=not connect,
         )
         self.restarts = 0
+        self.registry = CollectorRegistry()
         super().__init__(
             settings,
             context,
-            EngineMetrics(CollectorRegistry()),
+            EngineMetrics(self.registry),
             clock=lambda: 1.0 + self.next_seq + 1000.0 * self.restarts,
         )
 
@@ -97,6 +98,13 @@ class Publisher(KVEventPublisher):
     @property
     def endpoint(self) -> str:
         return self.bound_endpoint or self.settings.endpoint
+
+    def replays_served(self) -> float:
+        """Replay requests answered so far (the indexer's catch-up is the first)."""
+        served = self.registry.get_sample_value(
+            "globalkv_engine_kv_replay_requests_total", {"dp_rank": self._rank, "outcome": "served"}
+        )
+        return served or 0.0
 
     async def send(self, events: Sequence[Event], *, live: bool = True) -> int:
         """Publish one batch (`live` False: only buffer it for replay); its seq, once sent."""
@@ -115,7 +123,8 @@ class Control:
     {"op": "publish", "events": [...], "send": true} → {"seq": n}
     {"op": "restart"} · {"op": "trim", "keep": n} · {"op": "raw", "frames": ["hex", …]}
     {"op": "hold_replay"} / {"op": "release_replay"}: answer replay requests only once released
-    {"op": "wait_subscribed"} · {"op": "info"} → endpoints · {"op": "stop"}"""
+    {"op": "wait_subscribed"} · {"op": "replays_served"} → {"served": n}
+    {"op": "info"} → endpoints · {"op": "stop"}"""
 
     def __init__(self, publisher: Publisher) -> None:
         self.publisher = publisher
@@ -139,6 +148,8 @@ class Control:
             pub.replay_open.set()
         elif op == "wait_subscribed":
             await pub.wait_subscribed()
+        elif op == "replays_served":
+            return {"served": pub.replays_served()}
         elif op == "info":
             return {"endpoint": pub.endpoint, "replay_endpoint": pub.bound_replay_endpoint}
         elif op != "stop":

@@ -90,7 +90,7 @@ async def test_live_copies_of_caught_up_batches_are_not_taken_for_a_restart(
     await pub.send([store(0)], live=False)
     await pub.send([store(1)], live=False)
     pub.replay_open.clear()
-    await follow(service, pub, pod_for(pub))
+    await follow(service, pub, pod_for(pub), caught_up=False)
     await pub.send([store(2)])
     await pub.send([store(3)])
     pub.replay_open.set()

@@ -49,9 +49,21 @@ def of_rank(pub: Publisher, dp_rank: int, events: list[Event], seq: int = 0) -> 
     return live_frames(pub.settings.topic, seq, encode_batch(batch, pub.settings.flavor))
 
 
-async def follow(service: object, pub: Publisher, pod: PodInfo) -> None:
+async def follow(service: object, pub: Publisher, pod: PodInfo, *, caught_up: bool = True) -> None:
+    """Follow `pod` and return once it is subscribed and (`caught_up`, when it has this
+    publisher's replay endpoint) the catch-up a new source starts with is answered. Without
+    that wait a batch sent next may arrive by the catch-up's replay or live, depending on
+    which is first, and the replays counted differ."""
+    served = pub.replays_served()
     await service.following.add(pod)  # type: ignore[attr-defined]
     await pub.wait_subscribed()
+    replay = pod.kv_events.replay_endpoint if pod.kv_events is not None else None
+    if caught_up and replay is not None and replay == pub.bound_replay_endpoint:
+
+        async def answered() -> bool:
+            return pub.replays_served() > served
+
+        await await_for(answered, timeout=10.0, what="the catch-up's replay")
 
 
 async def test_live_stream_is_applied_in_order(

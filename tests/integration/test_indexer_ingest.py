@@ -24,6 +24,7 @@ from globalkv.registry import KvEventsConfig, MemoryRegistry, PodInfo
 from globalkv.wire import live_frames
 from tests.ingest.publisher_proc import PublisherProc, chain
 from tests.support.metrics import sample
+from tests.support.net import await_for
 
 pytestmark = pytest.mark.integration
 
@@ -69,6 +70,9 @@ async def publishers(
 
 
 async def follow(service: IngestService, pub: PublisherProc, pod_id: str) -> None:
+    """Follow the pod; return once subscribed and the catch-up a new source starts with is
+    answered, so that the batches published next arrive live, not by that replay."""
+    served = (await pub.call(op="replays_served"))["served"]
     await service.following.add(
         PodInfo(
             id=pod_id,
@@ -77,6 +81,13 @@ async def follow(service: IngestService, pub: PublisherProc, pod_id: str) -> Non
         )
     )
     await pub.call(op="wait_subscribed")
+    if pub.replay_endpoint is None:
+        return
+
+    async def answered() -> bool:
+        return bool((await pub.call(op="replays_served"))["served"] > served)
+
+    await await_for(answered, timeout=10.0, what="the catch-up's replay")
 
 
 async def hits(index: MemoryIndex, tokens: list[int] = PROMPT) -> dict[str, int]:

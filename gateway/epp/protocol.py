@@ -201,7 +201,7 @@ class Answers:
         self.response_trailers = ProcessingResponse(
             response_trailers=TrailersResponse()
         ).SerializeToString()
-        self._routes: dict[tuple[bool, str, Headers], bytes] = {}
+        self._routes: dict[tuple[bool, str, Headers, tuple[str, ...]], bytes] = {}
         self._more_time: dict[float, bytes] = {}
 
     def route(
@@ -212,7 +212,7 @@ class Answers:
         answer, or with `in_body` the buffered body's (Envoy applies its header mutation
         to the request headers it still holds)."""
         value = ",".join(endpoints)
-        key = (in_body, value, headers)
+        key = (in_body, value, headers, tuple(removed))
         answer = self._routes.get(key)
         if answer is None:
             answer = _route(in_body, value, headers, removed).SerializeToString()

@@ -7,10 +7,14 @@ import json
 
 import grpc
 import pytest
-from envoy.service.ext_proc.v3.external_processor_pb2 import HttpBody, ProcessingRequest
+from envoy.service.ext_proc.v3.external_processor_pb2 import (
+    HttpBody,
+    ProcessingRequest,
+    ProcessingResponse,
+)
 from grpc_health.v1 import health_pb2
 
-from gateway.epp.protocol import BODY_PIECE_BYTES
+from gateway.epp.protocol import BODY_PIECE_BYTES, Answers
 from gateway.epp.server import EXT_PROC_SERVICE
 from gateway.settings.workers import WorkerSpec
 from tests.entry.ext_proc import (
@@ -268,3 +272,16 @@ async def test_a_body_mode_the_picker_cannot_pick_in_ends_the_stream_at_once(
     details = refused.value.details() or ""
     assert mode in details
     assert "BUFFERED or FULL_DUPLEX_STREAMED" in details
+
+
+def test_a_route_answer_is_kept_for_what_it_removes_too() -> None:
+    """Answers are serialized once and kept: two picks of one endpoint that remove
+    different headers get different answers, not the first one kept."""
+    answers = Answers()
+    plain = ProcessingResponse.FromString(answers.route(["10.0.0.1:8000"], (), (), in_body=True))
+    removing = ProcessingResponse.FromString(
+        answers.route(["10.0.0.1:8000"], (), ("x-prefiller-host-port",), in_body=True)
+    )
+    assert list(plain.request_body.response.header_mutation.remove_headers) == []
+    removed = removing.request_body.response.header_mutation.remove_headers
+    assert list(removed) == ["x-prefiller-host-port"]

@@ -4,6 +4,7 @@
 #   docker build -t globalkv .
 #   docker run --rm -p 8000:8000 globalkv up --host 0.0.0.0 --port 8000
 #
+# `--build-arg COMPILE=1` compiles the gateway's request path (docs/compiled.md).
 # `--build-arg EXTRAS=bench` adds `globalkv bench replay` (numpy, matplotlib) to the image;
 # without it the image holds what the services need and nothing more. The Kubernetes
 # manifests need `--build-arg EXTRAS=kubernetes,epp` (pod discovery, the endpoint
@@ -28,8 +29,19 @@ print("\n".join(p["dependencies"] + [d for e in extras for d in p["optional-depe
       "$EXTRAS" > requirements.txt \
  && /opt/globalkv/bin/pip install -c constraints.txt -r requirements.txt
 # The sources: README.md and the packages (.dockerignore keeps everything else out).
+# `--build-arg COMPILE=1` builds the gateway's request path compiled with mypyc
+# (docs/compiled.md): a C compiler and mypy for the build, neither kept in the image.
 COPY . ./
-RUN /opt/globalkv/bin/pip install --no-deps . && /opt/globalkv/bin/pip check
+ARG COMPILE=0
+RUN if [ "$COMPILE" = 1 ]; then \
+      apt-get update -qq && apt-get install -y -qq --no-install-recommends gcc libc6-dev \
+      && /opt/globalkv/bin/pip install -c constraints.txt mypy 'setuptools>=77' \
+      && GLOBALKV_COMPILE=1 /opt/globalkv/bin/pip install --no-deps --no-build-isolation . \
+      && /opt/globalkv/bin/pip uninstall -y mypy; \
+    else \
+      /opt/globalkv/bin/pip install --no-deps .; \
+    fi \
+ && /opt/globalkv/bin/pip check
 
 # The runtime: that environment only (no sources, no build caches), an unprivileged user.
 # Everything but the environment comes first, so that a change of sources rebuilds one step.

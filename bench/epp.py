@@ -1,7 +1,7 @@
 """The endpoint picker's CPU per request beside the least an ext_proc server can do.
 
     python -m bench.epp [--repeats 5] [--duration 2] [--concurrency 1,16] [--rates 300,600]
-        [--modes buffered,buffered+headers,full-duplex] [--output FILE]
+        [--modes buffered,buffered+headers,full-duplex] [--variant LABEL=DIR …] [--output FILE]
 
 `globalkv epp` (an aggregated pool of two `bench.gateway_mocks` workers, `round_robin`:
 what is measured is the path, not a cache) and `bench.epp_minimal` (the same messages
@@ -23,7 +23,8 @@ requests at the same rate: the fairest comparison of CPU per request). Every rep
 measures every (load, mode, server) once, the order rotating; the table gives medians
 over repetitions. "CPU µs/req" is a process's CPU time (all threads, from /proc) over
 the answers it took part in: the server's (the picker, or the minimal one) and its
-Envoy's, apart.
+Envoy's, apart. `--variant LABEL=DIR` adds the picker of an export (another revision, or
+`bench.gateway_compiled`'s compiled one), started from DIR, beside the others.
 """
 
 from __future__ import annotations
@@ -41,13 +42,14 @@ from pathlib import Path
 
 from bench.gateway import HOST, PROMPT, Child, _body, _free_port, _spawn, _wait_ok, cpu_seconds
 from bench.gateway_load import read_answer, request_bytes, run_load
+from bench.gateway_variant import variant
 
 MODES = {
     "buffered": [],
     "buffered+headers": ["--response-headers"],
     "full-duplex": ["--body-mode", "full-duplex"],
 }
-SERVERS = ("epp", "minimal")
+MINIMAL = "minimal"
 PACED_CONNECTIONS = 16
 
 
@@ -111,48 +113,49 @@ class Cell:
 
 @contextmanager
 def _started(
-    logs: Path, pin: bool, modes: Sequence[str]
+    logs: Path, pin: bool, modes: Sequence[str], variants: Sequence[tuple[str, str]]
 ) -> Iterator[dict[tuple[str, str], Target]]:
+    """Every server (the picker, each variant's, the minimal one) behind an Envoy per
+    mode, keyed by (mode, server)."""
     server_cpus, load_cpus = ({1}, {0}) if pin else (None, None)
     mocks = [_free_port(), _free_port()]
     endpoints = [f"{HOST}:{m}" for m in mocks]
     probe = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1}}
     with ExitStack() as stack:
 
-        def spawn(name: str, argv: list[str], cpus: set[int] | None) -> Child:
-            child = _spawn(name, argv, cpus, logs)
+        def spawn(name: str, argv: list[str], cpus: set[int] | None, cwd: str | None) -> Child:
+            child = _spawn(name, argv, cpus, logs, cwd)
             stack.callback(child.stop)
             return child
 
         globalkv = [sys.executable, "-m", "globalkv"]
-        mock = spawn(
-            "mocks", [sys.executable, "-m", "bench.gateway_mocks", *map(str, mocks)], load_cpus
-        )
-        _wait_ok(mock, f"http://{endpoints[0]}/generate", probe)
-        grpc = {name: _free_port() for name in SERVERS}
-        argv = [*globalkv, "epp", "--host", HOST, "--port", str(_free_port())]
-        argv += ["--prometheus-port", "0", "--router-log-level", "warn", "--policy", "round_robin"]
-        argv += ["--grpc-host", HOST, "--grpc-port", str(grpc["epp"])]
-        argv += [a for m in mocks for a in ("--worker", f"http://{HOST}:{m}")]
-        servers = {
-            "epp": spawn("epp", argv, server_cpus),
-            "minimal": spawn(
-                "minimal",
-                [sys.executable, "-m", "bench.epp_minimal", str(grpc["minimal"]), *endpoints],
-                server_cpus,
-            ),
-        }
+        mock_argv = [sys.executable, "-m", "bench.gateway_mocks", *map(str, mocks)]
+        mock = spawn("mocks", mock_argv, load_cpus, None)
+        _wait_ok(mock, f"http://{HOST}:{mocks[0]}/generate", probe)
+        # (label, working directory): `python -m` puts the working directory first on
+        # sys.path, so a variant's gateway/ is found before the installed one.
+        pickers: list[tuple[str, str | None]] = [("epp", None), *variants]
+        grpc = {name: _free_port() for name in [name for name, _ in pickers] + [MINIMAL]}
+        servers = {}
+        for name, cwd in pickers:
+            argv = [*globalkv, "epp", "--host", HOST, "--port", str(_free_port())]
+            argv += ["--prometheus-port", "0", "--router-log-level", "warn"]
+            argv += ["--policy", "round_robin", "--grpc-host", HOST, "--grpc-port", str(grpc[name])]
+            argv += [a for m in mocks for a in ("--worker", f"http://{HOST}:{m}")]
+            servers[name] = spawn(name, argv, server_cpus, cwd)
+        minimal = [sys.executable, "-m", "bench.epp_minimal", str(grpc[MINIMAL]), *endpoints]
+        servers[MINIMAL] = spawn(MINIMAL, minimal, server_cpus, None)
         targets = {}
         for mode in modes:
             flags = MODES[mode]
-            for name in SERVERS:
+            for name, server in servers.items():
                 port = _free_port()
                 argv = [*globalkv, "envoy", "--port", str(port), "--admin-port", str(_free_port())]
                 argv += [a for e in endpoints for a in ("--endpoint", e)]
                 argv += ["--picker", f"{HOST}:{grpc[name]}", *flags]
-                envoy = spawn(f"envoy-{name}-{mode}", argv, load_cpus)
+                envoy = spawn(f"envoy-{name}-{mode}", argv, load_cpus, None)
                 _wait_ok(envoy, f"http://{HOST}:{port}/generate", probe)
-                targets[(mode, name)] = Target(port, servers[name].popen.pid, envoy.popen.pid)
+                targets[(mode, name)] = Target(port, server.popen.pid, envoy.popen.pid)
         if load_cpus is not None:
             os.sched_setaffinity(0, load_cpus)
         yield targets
@@ -198,38 +201,47 @@ async def _measure(
 
 
 def table(
-    cells: dict[tuple[str, str, str], Cell], loads: Sequence[str], modes: Sequence[str]
+    cells: dict[tuple[str, str, str], Cell],
+    loads: Sequence[str],
+    modes: Sequence[str],
+    pickers: Sequence[str],
 ) -> str:
+    """A row per (mode, load, picker): the picker beside the minimal server of the same
+    repetitions, the ratio the median of the repetitions' ratios."""
     head = [
         "mode",
         "load",
-        "epp req/s",
+        "picker",
+        "picker req/s",
         "minimal req/s",
-        "epp p50 ms",
-        "epp CPU µs/req",
+        "picker p50 ms",
+        "picker CPU µs/req",
         "minimal CPU µs/req",
-        "epp / minimal",
-        "Envoy CPU µs/req (epp)",
+        "picker / minimal",
+        "Envoy CPU µs/req (picker)",
         "Envoy CPU µs/req (minimal)",
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for mode in modes:
         for c in loads:
-            epp, minimal = cells[(mode, "epp", c)], cells[(mode, "minimal", c)]
-            ratios = [e / m for e, m in zip(epp.server_us, minimal.server_us, strict=True)]
-            row = [
-                mode,
-                c,
-                f"{statistics.median(epp.rps):.0f}",
-                f"{statistics.median(minimal.rps):.0f}",
-                f"{statistics.median(epp.p50_ms):.2f}",
-                f"{statistics.median(epp.server_us):.0f}",
-                f"{statistics.median(minimal.server_us):.0f}",
-                f"{statistics.median(ratios):.2f}",
-                f"{statistics.median(epp.envoy_us):.0f}",
-                f"{statistics.median(minimal.envoy_us):.0f}",
-            ]
-            lines.append("| " + " | ".join(row) + " |")
+            minimal = cells[(mode, MINIMAL, c)]
+            for name in pickers:
+                epp = cells[(mode, name, c)]
+                ratios = [e / m for e, m in zip(epp.server_us, minimal.server_us, strict=True)]
+                row = [
+                    mode,
+                    c,
+                    name,
+                    f"{statistics.median(epp.rps):.0f}",
+                    f"{statistics.median(minimal.rps):.0f}",
+                    f"{statistics.median(epp.p50_ms):.2f}",
+                    f"{statistics.median(epp.server_us):.0f}",
+                    f"{statistics.median(minimal.server_us):.0f}",
+                    f"{statistics.median(ratios):.2f}",
+                    f"{statistics.median(epp.envoy_us):.0f}",
+                    f"{statistics.median(minimal.envoy_us):.0f}",
+                ]
+                lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
 
@@ -244,6 +256,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=",".join(MODES),
         help=f"processing modes measured; comma-separated, of {', '.join(MODES)}",
     )
+    parser.add_argument(
+        "--variant",
+        type=variant,
+        action="append",
+        default=[],
+        help="LABEL=DIR: also the picker of the export in DIR (bench.gateway_compiled)",
+    )
     parser.add_argument("--no-pin", action="store_true", help="no CPU pinning")
     parser.add_argument("--output", type=Path, help="also write the table here")
     args = parser.parse_args(argv)
@@ -255,9 +274,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     loads += [f"{float(r):g}/s" for r in args.rates.split(",") if r]
     pin = (os.cpu_count() or 1) >= 2 and not args.no_pin
     logs = Path(tempfile.mkdtemp(prefix="bench-epp-"))
-    with _started(logs, pin, modes) as targets:
+    with _started(logs, pin, modes, args.variant) as targets:
         cells = asyncio.run(_measure(targets, loads, args.repeats, args.duration))
-    text = table(cells, loads, modes)
+    text = table(cells, loads, modes, ["epp", *(label for label, _ in args.variant)])
     print(text)
     if args.output is not None:
         args.output.write_text(text + "\n")

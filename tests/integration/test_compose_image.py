@@ -127,10 +127,10 @@ def test_the_build_context_holds_every_package_and_the_readme() -> None:
         assert f"{package}/__init__.py" in context
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     readme, licenses = project["readme"], project["license-files"]
-    assert {readme, "pyproject.toml", *licenses} <= context
+    assert {readme, "pyproject.toml", "setup.py", *licenses} <= context
     tops = {rel.split("/")[0] for rel in context}
     named = {source for source in _copied_sources() if source != "."}
-    needed = {*_packages(), readme, "pyproject.toml", *licenses, *named}
+    needed = {*_packages(), readme, "pyproject.toml", "setup.py", *licenses, *named}
     assert tops <= needed, "only what the image needs"
 
 

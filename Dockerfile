@@ -37,7 +37,7 @@ RUN if [ "$COMPILE" = 1 ]; then \
       apt-get update -qq && apt-get install -y -qq --no-install-recommends gcc libc6-dev \
       && /opt/globalkv/bin/pip install -c constraints.txt mypy 'setuptools>=77' \
       && GLOBALKV_COMPILE=1 /opt/globalkv/bin/pip install --no-deps --no-build-isolation . \
-      && /opt/globalkv/bin/pip uninstall -y mypy; \
+      && /opt/globalkv/bin/pip uninstall -y mypy mypy_extensions librt pathspec ast-serialize; \
     else \
       /opt/globalkv/bin/pip install --no-deps .; \
     fi \

@@ -19,7 +19,7 @@ what orjson would not keep exactly: integers beyond 64 bits (orjson reads them a
 NaN and Infinity (orjson writes them as null), nesting deeper than orjson writes. Only the
 separators of the JSON sent upstream differ. A body nested too deeply for the standard
 library (about 900 levels) is refused with 400; nothing is checked for it on the common
-path. A string holding a lone surrogate (`"\ud800"`: valid JSON, which orjson refuses)
+path. A string holding a lone surrogate (`"\\ud800"`: valid JSON, which orjson refuses)
 is refused with 400 too: it is not Unicode text, so no tokenizer can encode it — here it
 raised from the tokenizer, a 500 — and no engine can read it; only bodies orjson refused
 are searched for one.
@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import json
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import orjson
 
@@ -75,9 +75,11 @@ class BadRequest(ValueError):
     """The body cannot be routed; the message is what the client reads."""
 
 
-class _Constant(float):
-    """NaN or ±Infinity as the client wrote it: orjson refuses to write a float subclass,
-    so a body holding one is written back by the standard library, which keeps it."""
+_Constant = cast(Callable[[str], float], type("_Constant", (float,), {}))
+"""NaN or ±Infinity as the client wrote it: orjson refuses to write a float subclass, so a
+body holding one is written back by the standard library, which keeps it. Made by `type`
+rather than a class statement: mypyc compiles no module that subclasses a builtin type,
+and this one is on the compiled request path (docs/compiled.md)."""
 
 
 _TOO_DEEP = "the request body is nested too deeply"

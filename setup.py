@@ -24,7 +24,10 @@ def compiled_modules() -> list[str]:
 
 
 def ext_modules() -> list[object]:
-    if os.environ.get("GLOBALKV_COMPILE", "0") != "1":
+    switch = os.environ.get("GLOBALKV_COMPILE", "")
+    if switch not in ("", "0", "1"):
+        raise SystemExit(f"GLOBALKV_COMPILE={switch!r}: want 1 (compiled) or 0 (pure Python)")
+    if switch != "1":
         return []
     try:
         from mypyc.build import mypycify

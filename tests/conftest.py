@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -8,6 +9,14 @@ import zmq.asyncio
 from globalkv.stack.redis_cluster import LocalRedisCluster
 from tests.support.redis import RedisServer
 from tests.support.redis_cluster import flush, start_cluster
+
+# grpcio's fork handlers are on by default, and this process uses gRPC (tests/entry's
+# pickers and clients run in it) before it starts supervised children, which are forked
+# with a pre-exec hook (globalkv.stack.children): now and then such a child aborted in
+# gRPC's code before its exec ("epoll_wait error: Bad file descriptor", signal 6). With the
+# handlers off, no gRPC code runs in a child between fork and exec; no test forks to go on
+# using gRPC. The services themselves start no children once they use gRPC.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,6 @@
-"""bench.gateway's `--variant LABEL=DIR`: `python -m globalkv gateway` run from DIR starts
-the gateway exported there, wherever that export keeps the command."""
+"""The benches' `--variant LABEL=DIR`: `python -m globalkv gateway` run from DIR starts the
+gateway exported there, wherever that export keeps the command, and every other command
+the export's pyproject.toml names starts the export's own module."""
 
 from __future__ import annotations
 
@@ -45,3 +46,29 @@ def test_a_directory_without_a_gateway_command_is_refused(tmp_path: Path) -> Non
     (tmp_path / "gateway").mkdir()
     with pytest.raises(argparse.ArgumentTypeError, match=r"no gateway\.standalone\.cli"):
         variant(f"old={tmp_path}")
+
+
+def test_every_command_the_exports_pyproject_names_is_the_exports(tmp_path: Path) -> None:
+    """An export whose pyproject.toml names its commands gets all of them, not the gateway
+    alone: its other commands (`epp`, `sidecar`, ...) start the export's modules too."""
+    package = tmp_path / "gateway"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    picker = _COMMAND.replace('"gateway"', '"epp"').replace("export's gateway", "export's picker")
+    (package / "picker.py").write_text(picker)
+    (package / "front.py").write_text(_COMMAND)
+    (tmp_path / "pyproject.toml").write_text(
+        '[project.entry-points."globalkv.commands"]\n'
+        'gateway = "gateway.front:register"\n'
+        'epp = "gateway.picker:register"\n'
+    )
+    variant(f"new={tmp_path}")
+    started = subprocess.run(
+        [sys.executable, "-m", "globalkv", "epp"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert started.returncode == 0, started.stderr
+    assert started.stdout.strip() == "the export's picker"

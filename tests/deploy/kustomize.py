@@ -116,15 +116,16 @@ def container_env(
     objects: list[dict[str, Any]],
     *,
     secret: str | None = None,
-    namespace: str | None = None,
+    pod: dict[str, str] | None = None,
 ) -> dict[str, str]:
     """The container's variables as the kubelet would set them: values, ConfigMap keys read
-    from `objects`, and, when given, `secret` for each Secret key and `namespace` for the
-    pod's namespace."""
+    from `objects`, and, when given, `secret` for each Secret key and `pod`'s fields
+    (`metadata.name`, `metadata.namespace`) for the downward API's."""
     maps = by_kind(objects, "ConfigMap")
     env: dict[str, str] = {}
     for item in container.get("env", []):
         source = item.get("valueFrom", {})
+        field = source.get("fieldRef", {}).get("fieldPath")
         if "value" in item:
             env[item["name"]] = item["value"]
         elif "configMapKeyRef" in source:
@@ -132,6 +133,6 @@ def container_env(
             env[item["name"]] = maps[ref["name"]]["data"][ref["key"]]
         elif "secretKeyRef" in source and secret is not None:
             env[item["name"]] = secret
-        elif source.get("fieldRef", {}).get("fieldPath") == "metadata.namespace" and namespace:
-            env[item["name"]] = namespace
+        elif pod is not None and field in pod:
+            env[item["name"]] = pod[field]
     return env

@@ -235,9 +235,14 @@ def documented_extras() -> list[str]:
     return line.split(",")
 
 
+POD = {"metadata.name": "globalkv-7d9f8c6b5-x2x4q", "metadata.namespace": "llm"}
+"""A stand-in pod's fields, for the variables the manifests take from the downward API."""
+
+
 def commands(name: str, tmp_path: Path) -> list[tuple[str, str, dict[str, str]]]:
     """(where, command, environment) of every globalkv container the overlay deploys, and
-    of the decode sidecar, as the kubelet starts them (Secrets as stand-ins)."""
+    of the decode sidecar, as the kubelet starts them (Secrets and the pod as stand-ins):
+    every variable the manifest defines, none left out."""
     objects = overlay(name)
     containers = [
         (n, c)
@@ -254,7 +259,8 @@ def commands(name: str, tmp_path: Path) -> list[tuple[str, str, dict[str, str]]]
         if "globalkv" not in container["image"]:
             continue
         (command,) = container["args"]
-        env = container_env(container, objects, secret="s3cret", namespace="llm")
+        env = container_env(container, objects, secret="s3cret", pod=POD)
+        assert set(env) == {e["name"] for e in container["env"]}, where
         env = {k: "redis://redis:6379/0" if k.endswith("_REDIS_URL") else v for k, v in env.items()}
         found.append((where, command, env))
     return found

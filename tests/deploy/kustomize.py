@@ -7,6 +7,7 @@ by relative path, so the test's kustomization lives in a temporary directory bes
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Sequence
@@ -69,9 +70,17 @@ def composed(
     return render(where)
 
 
+def documented_kv_events_config() -> str:
+    """The prefills' `--kv-events-config` as docs/kubernetes.md gives it."""
+    doc = (ROOT / "docs" / "kubernetes.md").read_text()
+    found = re.search(r"SGLang `--kv-events-config '([^']+)'`", doc)
+    assert found, "docs/kubernetes.md gives no --kv-events-config"
+    return found.group(1)
+
+
 def engines(where: Path) -> list[dict[str, Any]]:
-    """A user's SGLang prefill and decode Deployments, labelled by role, with the engine
-    components applied."""
+    """A user's SGLang prefill and decode Deployments, labelled by role, the prefill
+    publishing KV events as docs/kubernetes.md says, with the engine components applied."""
     files = {f"{role}.yaml": yaml.safe_dump(_engine(role)) for role in ("prefill", "decode")}
     return composed(
         where,
@@ -83,6 +92,9 @@ def engines(where: Path) -> list[dict[str, Any]]:
 
 def _engine(role: str) -> dict[str, Any]:
     labels = {"app": f"sglang-{role}"}
+    args = ["python3", "-m", "sglang.launch_server"]
+    if role == "prefill":
+        args += ["--kv-events-config", documented_kv_events_config()]
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -97,7 +109,7 @@ def _engine(role: str) -> dict[str, Any]:
                         {
                             "name": "engine",
                             "image": "lmsysorg/sglang:v0.5.23",
-                            "args": ["python3", "-m", "sglang.launch_server"],
+                            "args": args,
                             "ports": [{"name": "http", "containerPort": 30000}],
                         }
                     ]

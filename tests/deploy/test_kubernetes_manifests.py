@@ -217,11 +217,26 @@ def test_the_inference_pool_selects_the_decodes_sidecars_and_names_the_epp(
 
 def test_the_prefill_pods_carry_what_the_gateway_follows(tmp_path: Path) -> None:
     gateway = env_of(overlay("router-only"), "globalkv-gateway")
-    prefill = by_kind(engines(tmp_path), "Deployment")["sglang-prefill"]["spec"]["template"]
+    objects = engines(tmp_path)
+    prefill = by_kind(objects, "Deployment")["sglang-prefill"]["spec"]["template"]
     wanted = dict(p.split("=") for p in gateway["GLOBALKV_GATEWAY_PREFILL_SELECTOR"].split(","))
     assert wanted.items() <= prefill["metadata"]["labels"].items()
     assert prefill["metadata"]["annotations"]["sglang.ai/bootstrap-port"].isdigit()
     assert [c["name"] for c in prefill["spec"]["containers"]] == ["engine"]
+    assert not by_kind(objects, "ConfigMap"), "the component's local-config is not rendered"
+
+
+def test_the_prefill_engines_topic_names_its_pod(tmp_path: Path) -> None:
+    """The documented `--kv-events-config` names the pod by `$(POD_NAME)`, which the kubelet
+    expands only from a variable the container defines: the component defines it, from the
+    pod's name."""
+    prefill = by_kind(engines(tmp_path), "Deployment")["sglang-prefill"]["spec"]["template"]
+    (engine,) = prefill["spec"]["containers"]
+    referred = set(re.findall(r"\$\((\w+)\)", " ".join(engine["args"])))
+    assert referred == {"POD_NAME"}
+    pod = {"metadata.name": "sglang-prefill-6c9f7b8d4-abcde", "metadata.namespace": "llm"}
+    env = container_env(engine, [], pod=pod)
+    assert env == {"POD_NAME": pod["metadata.name"]}
 
 
 def env_of(objects: list[dict[str, Any]], deployment: str) -> dict[str, str]:

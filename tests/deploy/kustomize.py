@@ -7,6 +7,7 @@ by relative path, so the test's kustomization lives in a temporary directory bes
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Sequence
@@ -69,9 +70,17 @@ def composed(
     return render(where)
 
 
+def documented_kv_events_config() -> str:
+    """The prefills' `--kv-events-config` as docs/kubernetes.md gives it."""
+    doc = (ROOT / "docs" / "kubernetes.md").read_text()
+    found = re.search(r"SGLang `--kv-events-config '([^']+)'`", doc)
+    assert found, "docs/kubernetes.md gives no --kv-events-config"
+    return found.group(1)
+
+
 def engines(where: Path) -> list[dict[str, Any]]:
-    """A user's SGLang prefill and decode Deployments, labelled by role, with the engine
-    components applied."""
+    """A user's SGLang prefill and decode Deployments, labelled by role, the prefill
+    publishing KV events as docs/kubernetes.md says, with the engine components applied."""
     files = {f"{role}.yaml": yaml.safe_dump(_engine(role)) for role in ("prefill", "decode")}
     return composed(
         where,
@@ -83,6 +92,9 @@ def engines(where: Path) -> list[dict[str, Any]]:
 
 def _engine(role: str) -> dict[str, Any]:
     labels = {"app": f"sglang-{role}"}
+    args = ["python3", "-m", "sglang.launch_server"]
+    if role == "prefill":
+        args += ["--kv-events-config", documented_kv_events_config()]
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -97,7 +109,7 @@ def _engine(role: str) -> dict[str, Any]:
                         {
                             "name": "engine",
                             "image": "lmsysorg/sglang:v0.5.23",
-                            "args": ["python3", "-m", "sglang.launch_server"],
+                            "args": args,
                             "ports": [{"name": "http", "containerPort": 30000}],
                         }
                     ]
@@ -116,15 +128,16 @@ def container_env(
     objects: list[dict[str, Any]],
     *,
     secret: str | None = None,
-    namespace: str | None = None,
+    pod: dict[str, str] | None = None,
 ) -> dict[str, str]:
     """The container's variables as the kubelet would set them: values, ConfigMap keys read
-    from `objects`, and, when given, `secret` for each Secret key and `namespace` for the
-    pod's namespace."""
+    from `objects`, and, when given, `secret` for each Secret key and `pod`'s fields
+    (`metadata.name`, `metadata.namespace`) for the downward API's."""
     maps = by_kind(objects, "ConfigMap")
     env: dict[str, str] = {}
     for item in container.get("env", []):
         source = item.get("valueFrom", {})
+        field = source.get("fieldRef", {}).get("fieldPath")
         if "value" in item:
             env[item["name"]] = item["value"]
         elif "configMapKeyRef" in source:
@@ -132,6 +145,6 @@ def container_env(
             env[item["name"]] = maps[ref["name"]]["data"][ref["key"]]
         elif "secretKeyRef" in source and secret is not None:
             env[item["name"]] = secret
-        elif source.get("fieldRef", {}).get("fieldPath") == "metadata.namespace" and namespace:
-            env[item["name"]] = namespace
+        elif pod is not None and field in pod:
+            env[item["name"]] = pod[field]
     return env

@@ -217,11 +217,26 @@ def test_the_inference_pool_selects_the_decodes_sidecars_and_names_the_epp(
 
 def test_the_prefill_pods_carry_what_the_gateway_follows(tmp_path: Path) -> None:
     gateway = env_of(overlay("router-only"), "globalkv-gateway")
-    prefill = by_kind(engines(tmp_path), "Deployment")["sglang-prefill"]["spec"]["template"]
+    objects = engines(tmp_path)
+    prefill = by_kind(objects, "Deployment")["sglang-prefill"]["spec"]["template"]
     wanted = dict(p.split("=") for p in gateway["GLOBALKV_GATEWAY_PREFILL_SELECTOR"].split(","))
     assert wanted.items() <= prefill["metadata"]["labels"].items()
     assert prefill["metadata"]["annotations"]["sglang.ai/bootstrap-port"].isdigit()
     assert [c["name"] for c in prefill["spec"]["containers"]] == ["engine"]
+    assert not by_kind(objects, "ConfigMap"), "the component's local-config is not rendered"
+
+
+def test_the_prefill_engines_topic_names_its_pod(tmp_path: Path) -> None:
+    """The documented `--kv-events-config` names the pod by `$(POD_NAME)`, which the kubelet
+    expands only from a variable the container defines: the component defines it, from the
+    pod's name."""
+    prefill = by_kind(engines(tmp_path), "Deployment")["sglang-prefill"]["spec"]["template"]
+    (engine,) = prefill["spec"]["containers"]
+    referred = set(re.findall(r"\$\((\w+)\)", " ".join(engine["args"])))
+    assert referred == {"POD_NAME"}
+    pod = {"metadata.name": "sglang-prefill-6c9f7b8d4-abcde", "metadata.namespace": "llm"}
+    env = container_env(engine, [], pod=pod)
+    assert env == {"POD_NAME": pod["metadata.name"]}
 
 
 def env_of(objects: list[dict[str, Any]], deployment: str) -> dict[str, str]:
@@ -235,9 +250,14 @@ def documented_extras() -> list[str]:
     return line.split(",")
 
 
+POD = {"metadata.name": "globalkv-7d9f8c6b5-x2x4q", "metadata.namespace": "llm"}
+"""A stand-in pod's fields, for the variables the manifests take from the downward API."""
+
+
 def commands(name: str, tmp_path: Path) -> list[tuple[str, str, dict[str, str]]]:
     """(where, command, environment) of every globalkv container the overlay deploys, and
-    of the decode sidecar, as the kubelet starts them (Secrets as stand-ins)."""
+    of the decode sidecar, as the kubelet starts them (Secrets and the pod as stand-ins):
+    every variable the manifest defines, none left out."""
     objects = overlay(name)
     containers = [
         (n, c)
@@ -254,7 +274,8 @@ def commands(name: str, tmp_path: Path) -> list[tuple[str, str, dict[str, str]]]
         if "globalkv" not in container["image"]:
             continue
         (command,) = container["args"]
-        env = container_env(container, objects, secret="s3cret", namespace="llm")
+        env = container_env(container, objects, secret="s3cret", pod=POD)
+        assert set(env) == {e["name"] for e in container["env"]}, where
         env = {k: "redis://redis:6379/0" if k.endswith("_REDIS_URL") else v for k, v in env.items()}
         found.append((where, command, env))
     return found

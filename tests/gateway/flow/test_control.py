@@ -198,7 +198,7 @@ async def test_refusals_say_which_limit_and_the_lowest_band_is_shed_first() -> N
     held.release.set()
     assert [(await t).status for t in (running, standard, premium)] == [200] * 3
     assert held.order == ["running", "premium", "std"]
-    flow = inference._flow
+    flow = inference._gateway.flow
     assert flow is not None
     assert flow.refused.labels("shed", "-1")._value.get() == 1
     assert flow.refused.labels("shed", "0")._value.get() == 1
@@ -241,7 +241,7 @@ async def test_a_client_leaving_while_it_waits_leaves_the_queue() -> None:
     await held.wait(1)
     gone = send(inference, "gone")
     await settle()
-    flow = inference._flow
+    flow = inference._gateway.flow
     assert flow is not None
     assert len(flow.queues) == 1
     gone.cancel()
@@ -293,7 +293,7 @@ async def test_a_request_is_released_once_its_first_token_is_predicted_in_time()
     premium = send_ids(inference, 100, **flow_headers("p", "premium"))  # 0.1 s of its own
     await settle()
     assert not premium.done(), "0.45 + 0.1 s is past its objective of 0.5 s"
-    flow = inference._flow
+    flow = inference._gateway.flow
     assert flow is not None
     clock.advance(0.1)  # 0.35 s ahead now
     flow.look()
@@ -305,7 +305,7 @@ async def test_a_request_is_released_once_its_first_token_is_predicted_in_time()
 async def test_lower_priorities_leave_room_for_an_active_objective_above() -> None:
     clock = FakeClock()
     inference = await headroom_gateway(clock)
-    flow = inference._flow
+    flow = inference._gateway.flow
     assert flow is not None
     loads = inference._gateway.loads
     assert (await send_ids(inference, 100, **flow_headers("p", "premium"))).status == 200
@@ -359,7 +359,7 @@ async def test_requests_released_together_do_not_each_find_the_same_room() -> No
         return httpx.Response(200, json={})
 
     inference = await headroom_gateway(clock, cluster)
-    flow = inference._flow
+    flow = inference._gateway.flow
     assert flow is not None
     loads = inference._gateway.loads
     assert (await send_ids(inference, 100, **flow_headers("p", "premium"))).status == 200

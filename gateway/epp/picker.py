@@ -42,8 +42,9 @@ from dataclasses import dataclass, field
 from gateway.epp.protocol import Headers
 from gateway.http.answer import Answer, problem
 from gateway.load.tracker import LoadTicket, LoadTracker
-from gateway.policies.base import Choice, NoCandidates, RouteQuery
+from gateway.policies.base import NoCandidates, RouteQuery
 from gateway.requests.headers import LLMD_PREFILL_HEADER, PREFILL_HEADER
+from gateway.routing.plan import RoutePlan
 from gateway.routing.router import Router
 from gateway.serving.intake import Intake, Place
 from gateway.serving.reading import INFERENCE_PATHS
@@ -138,7 +139,8 @@ class Picker:
         worker, choice, query = self._router.choose_prefill(query, among=among)
         self._router.record(choice, query, paired=False)
         pick = Pick(self._endpoints(worker, "prefill", subset), ())
-        pick.prefill = self._start_prefill(worker, choice, query)
+        # An aggregated worker is both halves of its pair.
+        pick.prefill = self._start_prefill(RoutePlan(worker, worker, choice, [], query.keys))
         pick.tickets.append(pick.prefill)
         return pick
 
@@ -149,7 +151,7 @@ class Picker:
         self._router.record(choice, query)
         headers = ((PREFILL_HEADER, prefill.id), (LLMD_PREFILL_HEADER, prefill.id))
         pick = Pick(self._endpoints(decode, "decode", subset), headers)
-        pick.prefill = self._start_prefill(prefill, choice, query)
+        pick.prefill = self._start_prefill(RoutePlan(prefill, decode, choice, [], query.keys))
         pick.tickets += [pick.prefill, self._loads.start_decode(decode.id)]
         return pick
 
@@ -171,16 +173,11 @@ class Picker:
             raise _Shed(f"every endpoint has {self._shed} or more requests in flight")
         return room
 
-    def _start_prefill(self, worker: Worker, choice: Choice, query: RouteQuery) -> LoadTicket:
-        """The prefill's load, on the DP rank known to compute it: no room is drawn here
-        (the sidecar draws it), so a prefill following the room names none."""
-        return self._loads.start_prefill(
-            worker.id,
-            choice.uncached_tokens,
-            cached_tokens=choice.hit_tokens,
-            keys=query.keys,
-            dp_rank=worker.directory.computing_rank(),
-        )
+    def _start_prefill(self, plan: RoutePlan) -> LoadTicket:
+        """The load of the plan's prefill as the legs start it (`PairCalls.prefill_load`).
+        The plan has no rooms: the decode's sidecar draws them, so a prefill following the
+        room has no known DP rank here."""
+        return self._loads.start_prefill(plan.prefill_choice, plan.keys, plan.dp_rank)
 
     def _endpoints(self, chosen: Worker, role: Role, subset: Collection[str] | None) -> list[str]:
         if not self._fallbacks:
@@ -198,8 +195,7 @@ class Picker:
         if endpoint == pick.endpoints[0] or self._gateway.pool.get(endpoint) is None:
             return
         moved = pick.tickets.pop()
-        self._loads.finish(moved, computed=False)
-        ticket = self._loads.start_decode(endpoint)  # in flight there, its prefill unknown
+        ticket = self._loads.move(moved, endpoint)
         pick.tickets.append(ticket)
         if moved is pick.prefill:
             pick.prefill = ticket

@@ -11,8 +11,7 @@ simulator replaying traces against a real `MemoryIndex` in simulated time:
     request = RouteQuery(tokens=tokens, text=None, lookup=lookup, now=sim_time,
                            pending=loads.pending_blocks(keys))   # sent, not yet indexed
     choice = policy.choose(request, loads.candidates(pods))      # (worker, pod) pairs
-    ticket = loads.start_prefill(choice.worker, choice.uncached_tokens,
-                                 cached_tokens=choice.hit_tokens, keys=keys)
+    ticket = loads.start_prefill(choice, keys)                   # queued on its worker
     ...                                                          # simulated prefill
     loads.prefill_done(ticket)                                   # KV computed (or failed:
                                                                  # computed=False)
@@ -38,9 +37,10 @@ simulator replaying traces against a real `MemoryIndex` in simulated time:
 - Randomness comes only from the `random.Random` given at construction: a seeded one
   makes every choice reproducible. State a policy keeps (round-robin position,
   cache_aware's tree) changes only inside `choose`.
-- Load changes only through the `LoadTracker`'s verbs (`start_prefill`, `start_decode`,
-  `prefill_done`, `finish`: `gateway.load.tracker`), which the legs, the endpoint picker
-  and the simulator call; policies read it through the candidates.
+- Load changes only through the `LoadTracker`'s verbs (`start_prefill`, given the
+  `Choice`, `start_decode`, `move`, `prefill_done`, `finish`: `gateway.load.tracker`),
+  which the legs, the endpoint picker and the simulator call; policies read it through the
+  candidates.
 - A policy says what it needs: `uses_index` asks for the index's answer, so the router
   looks the prompt up only for a policy that reads it.
 """

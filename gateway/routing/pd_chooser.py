@@ -44,8 +44,7 @@ class PdChooser:
         decode = self.router.pool.get(decision.decode.worker)
         if decode is None:
             raise NoCandidates("a chosen worker left the pool")
-        rank = decode.directory.computing_rank()
-        return RoutePlan(decode, decode, decision.choice, [], query.keys, rank, local=True)
+        return RoutePlan(decode, decode, decision.choice, [], query.keys, local=True)
 
     def _decide(self, query: RouteQuery, avoid: Collection[str]) -> PdDecision:
         if not self.decider.enabled:

@@ -259,9 +259,7 @@ class Router:
         pinned = wanted if self._dp_aware and not follows and dp_size > 1 and known else None
         count = 1 if query.batch is None else query.batch
         rooms = [draw_room(self._rooms, dp_size, dp_rank) for _ in range(count)]
-        computing = directory.computing_rank(rooms[0], pinned)
-        keys = query.lookup.keys if query.lookup is not None else ()
-        return RoutePlan(prefill, decode, choice, rooms, keys, computing, pinned_dp_rank=pinned)
+        return RoutePlan(prefill, decode, choice, rooms, query.keys, pinned_dp_rank=pinned)
 
     def record(self, choice: Choice, query: RouteQuery, paired: bool = True) -> None:
         """One decision counted: the prefill's outcome (hit, miss, fallback) and, `paired`,

@@ -51,9 +51,11 @@ def composed(
     resources: Sequence[str] = (),
     components: Sequence[str] = (),
     files: dict[str, str] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """A kustomization written in `where` (with `files` beside it), of `resources` and of
-    `components`, which are directories of deploy/kubernetes."""
+    `components`, which are directories of deploy/kubernetes, and the `extra` fields a
+    user's kustomization adds (`patches`, a `configMapGenerator`)."""
     where.mkdir(parents=True, exist_ok=True)
     for name, text in (files or {}).items():
         (where / name).write_text(text)
@@ -65,6 +67,7 @@ def composed(
         ],
         "components": [os.path.relpath(KUSTOMIZE / c, where) for c in components],
         "images": [{"name": "globalkv", "newName": "registry.example.com/globalkv"}],
+        **(extra or {}),
     }
     (where / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
     return render(where)
@@ -78,15 +81,17 @@ def documented_kv_events_config() -> str:
     return found.group(1)
 
 
-def engines(where: Path) -> list[dict[str, Any]]:
+def engines(where: Path, extra: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """A user's SGLang prefill and decode Deployments, labelled by role, the prefill
-    publishing KV events as docs/kubernetes.md says, with the engine components applied."""
+    publishing KV events as docs/kubernetes.md says, with the engine components applied
+    (and the `extra` fields of the user's kustomization)."""
     files = {f"{role}.yaml": yaml.safe_dump(_engine(role)) for role in ("prefill", "decode")}
     return composed(
         where,
         resources=list(files),
         components=["components/prefill-engines", "components/decode-sidecars"],
         files=files,
+        extra=extra,
     )
 
 

@@ -11,6 +11,7 @@ import httpx
 from prometheus_client import CollectorRegistry
 
 from gateway.http.answer import Answer
+from gateway.policies.base import Choice
 from gateway.requests.headers import PREFILL_HEADER
 from gateway.routing.router import Router
 from gateway.serving.inference import Inference
@@ -86,10 +87,10 @@ async def test_a_sidecars_headroom_is_its_named_prefills() -> None:
     gateway = await sidecar(cluster, clock)
     loads = gateway.loads
     for worker in PREFILL_IDS:
-        ticket = loads.start_prefill(worker, 1000)
+        ticket = loads.start_prefill(Choice(worker, uncached_tokens=1000))
         clock.advance(1.0)
         loads.finish(ticket)
-    busy = [loads.start_prefill(worker, 2000) for worker in PREFILL_IDS]
+    busy = [loads.start_prefill(Choice(worker, uncached_tokens=2000)) for worker in PREFILL_IDS]
     inference = Inference(gateway, named_prefill=True)
     headers = (
         (b"x-gateway-inference-objective", b"premium"),

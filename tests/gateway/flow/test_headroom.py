@@ -17,7 +17,7 @@ from gateway.epp.picker import Pick, Picker
 from gateway.flow.headroom import Headroom, Reserve, _Kept, _Slot
 from gateway.flow.keys import FlowKey
 from gateway.flow.queues import FlowRequest
-from gateway.policies.base import RouteQuery
+from gateway.policies.base import Choice, RouteQuery
 from gateway.requests.headers import PREFILL_HEADER
 from gateway.serving.inference import Inference
 from gateway.serving.service import Gateway
@@ -42,7 +42,7 @@ async def timed(clock: FakeClock, cluster: Cluster, lookup: StubLookup, **settin
     flow = FlowConfig(enabled=True, objectives=["premium=10/500", "default=0"])
     gateway = await make_gateway(cluster, config(flow=flow, **settings), lookup=lookup, clock=clock)
     for worker in [w.url.split("//", 1)[1] for w in gateway.config.prefill]:
-        ticket = gateway.loads.start_prefill(worker, 1000)
+        ticket = gateway.loads.start_prefill(Choice(worker, uncached_tokens=1000))
         clock.advance(1.0)
         gateway.loads.finish(ticket)
     return gateway
@@ -63,7 +63,7 @@ async def test_the_gateway_routes_to_a_prefill_the_request_was_released_for() ->
     the busy prefill; the release says only the idle one answers within 1,050 ms."""
     clock, cluster = FakeClock(), Cluster()
     gateway = await timed(clock, cluster, cached_on(A, 900))
-    busy = gateway.loads.start_prefill(A, 1000)
+    busy = gateway.loads.start_prefill(Choice(A, uncached_tokens=1000))
     query = RouteQuery([5] * PROMPT)
     await gateway.router.look_up(query)
     assert gateway.router.plan(query).prefill.id == A, "the policy alone picks the busy one"
@@ -77,7 +77,7 @@ async def test_the_gateway_routes_to_a_prefill_the_request_was_released_for() ->
 async def test_the_picker_names_a_prefill_the_request_was_released_for() -> None:
     clock = FakeClock()
     gateway = await timed(clock, Cluster(), cached_on(A, 900))
-    busy = gateway.loads.start_prefill(A, 1000)
+    busy = gateway.loads.start_prefill(Choice(A, uncached_tokens=1000))
     picker = Picker(gateway)
     pick = await picker.pick("/generate", ids(), None, SLO)
     assert isinstance(pick, Pick)
@@ -90,7 +90,7 @@ async def test_the_aggregated_picker_sends_the_request_where_it_was_released_for
     clock = FakeClock()
     workers = [WorkerSpec(url=u, role="prefill") for u in PREFILLS]
     gateway = await timed(clock, Cluster(), cached_on(A, 900), prefill=workers, decode=[])
-    busy = gateway.loads.start_prefill(A, 1000)
+    busy = gateway.loads.start_prefill(Choice(A, uncached_tokens=1000))
     picker = Picker(gateway)
     pick = await picker.pick("/generate", ids(), None, SLO)
     assert isinstance(pick, Pick)
@@ -106,7 +106,7 @@ async def test_a_release_leaves_out_a_prefill_whose_placement_takes_the_reserve(
     clock = FakeClock()
     specs = [*config().prefill, WorkerSpec(url=C_URL, role="prefill", bootstrap_port=8997)]
     gateway = await timed(clock, Cluster(), cached_on(A, 950), prefill=specs)
-    busy = gateway.loads.start_prefill(C, 10_000)
+    busy = gateway.loads.start_prefill(Choice(C, uncached_tokens=10_000))
     headroom = Headroom(gateway.router, gateway.config.pd_decider.transfer_tokens_per_s)
     query = RouteQuery([5] * PROMPT)
     await gateway.router.look_up(query)

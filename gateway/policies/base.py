@@ -27,10 +27,11 @@ simulator replaying traces against a real `MemoryIndex` in simulated time:
   or the index failed), `pending` (per worker, the leading blocks of the prompt this
   gateway sent it that the index may not show yet: `gateway.load.pending`), `now`
   (simulated or monotonic seconds) for policies that age state, the session and the
-  prefill the request names; and for the router, which candidates may serve it: the kind
-  of pair, the namespace (model, adapters) and the batch. What changes per attempt (the
-  workers to avoid) or per entry point (the endpoints a picker may choose among) is an
-  argument of the router's methods, never a field.
+  prefill the request names, the prefills flow control released it for; and for the
+  router, which candidates may serve it: the kind of pair, the namespace (model,
+  adapters) and the batch. What changes per attempt (the workers to avoid) or per entry
+  point (the endpoints a picker may choose among) is an argument of the router's methods,
+  never a field.
 - `Choice` names the worker, the DP rank the prompt's best hit is on (for DP-aware rooms),
   the hit it counted on, and `fallback` when the policy could not use what it prefers.
 - Randomness comes only from the `random.Random` given at construction: a seeded one
@@ -72,6 +73,10 @@ class RouteQuery:
     prefill: str | None = None
     """The prefill (worker id) that whoever routed the request named for it, as an endpoint
     picker names it to a decode's sidecar: the chooser prefers it while it is eligible."""
+    within: frozenset[str] | None = None
+    """The prefills flow control released the request for (`gateway.flow.headroom`): its
+    first token predicted within its objective there, the headroom above it kept. The
+    router chooses among those while any of them may serve it; None: any."""
     session: str | None = None
     """The conversation the client named (`gateway.policies.sessions`), if any."""
     missing: str | None = None

@@ -99,7 +99,9 @@ def test_the_monitoring_and_engine_components_are_valid(tmp_path: Path) -> None:
         resources=["overlays/in-cluster-redis"],
         components=["components/monitoring"],
     )
-    assert {"globalkv", "globalkv-indexer"} == set(by_kind(monitored, "ServiceMonitor"))
+    assert {"globalkv", "globalkv-indexer", "globalkv-sidecar"} == set(
+        by_kind(monitored, "ServiceMonitor")
+    )
     assert set(by_kind(monitored, "PrometheusRule")) == {"globalkv"}
     validate(monitored)
     validate(engines(tmp_path / "engines"))

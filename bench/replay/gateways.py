@@ -116,9 +116,7 @@ class _SharedRun(Run):
         choice = replica.policy.choose(request, self._candidates(replica, self.prefills, now))
         decodes = self._candidates(replica, self.decodes, now)
         decode = replica.decode_policy.choose(request, decodes).worker
-        ticket = replica.loads.start_prefill(
-            choice.worker, choice.uncached_tokens, cached_tokens=choice.hit_tokens, keys=keys
-        )
+        ticket = replica.loads.start_prefill(choice, keys)
         if ticket.pending is not None and ticket.pending.first is not None:
             self._publish(replica, ticket, "add", now, tuple(keys))
         flight = InFlight(

@@ -244,9 +244,7 @@ class Run:
         choice = self.policy.choose(request, prefills)
         decode = self.decode_policy.choose(request, self.loads.candidates(self.decodes)).worker
         flight = InFlight(
-            self.loads.start_prefill(
-                choice.worker, choice.uncached_tokens, cached_tokens=choice.hit_tokens, keys=keys
-            ),
+            self.loads.start_prefill(choice, keys),
             self.loads.start_decode(decode),
             settings.output_tokens(req.output_length),
             decode,
@@ -285,9 +283,7 @@ class Run:
     def admit_local(
         self, i: int, now: float, choice: Choice, tokens: Sequence[int], keys: Sequence[int]
     ) -> None:
-        ticket = self.loads.start_prefill(
-            choice.worker, choice.uncached_tokens, cached_tokens=choice.hit_tokens, keys=keys
-        )
+        ticket = self.loads.start_prefill(choice, keys)
         output = self.settings.output_tokens(self.requests[i].output_length)
         self.flights[i] = InFlight(ticket, ticket, output, choice.worker, tokens, local=True)
         self.record.routed(i, now, choice, tokens=len(tokens), output=output)

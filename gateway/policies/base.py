@@ -11,8 +11,7 @@ simulator replaying traces against a real `MemoryIndex` in simulated time:
     request = RouteQuery(tokens=tokens, text=None, lookup=lookup, now=sim_time,
                            pending=loads.pending_blocks(keys))   # sent, not yet indexed
     choice = policy.choose(request, loads.candidates(pods))      # (worker, pod) pairs
-    ticket = loads.start_prefill(choice.worker, choice.uncached_tokens,
-                                 cached_tokens=choice.hit_tokens, keys=keys)
+    ticket = loads.start_prefill(choice, keys)                   # queued on its worker
     ...                                                          # simulated prefill
     loads.prefill_done(ticket)                                   # KV computed (or failed:
                                                                  # computed=False)
@@ -28,18 +27,20 @@ simulator replaying traces against a real `MemoryIndex` in simulated time:
   or the index failed), `pending` (per worker, the leading blocks of the prompt this
   gateway sent it that the index may not show yet: `gateway.load.pending`), `now`
   (simulated or monotonic seconds) for policies that age state, the session and the
-  prefill the request names; and for the router, which candidates may serve it: the kind
-  of pair, the namespace (model, adapters) and the batch. What changes per attempt (the
-  workers to avoid) or per entry point (the endpoints a picker may choose among) is an
-  argument of the router's methods, never a field.
+  prefill the request names, the prefills flow control released it for; and for the
+  router, which candidates may serve it: the kind of pair, the namespace (model,
+  adapters) and the batch. What changes per attempt (the workers to avoid) or per entry
+  point (the endpoints a picker may choose among) is an argument of the router's methods,
+  never a field.
 - `Choice` names the worker, the DP rank the prompt's best hit is on (for DP-aware rooms),
   the hit it counted on, and `fallback` when the policy could not use what it prefers.
 - Randomness comes only from the `random.Random` given at construction: a seeded one
   makes every choice reproducible. State a policy keeps (round-robin position,
   cache_aware's tree) changes only inside `choose`.
-- Load changes only through the `LoadTracker`'s verbs (`start_prefill`, `start_decode`,
-  `prefill_done`, `finish`: `gateway.load.tracker`), which the legs, the endpoint picker
-  and the simulator call; policies read it through the candidates.
+- Load changes only through the `LoadTracker`'s verbs (`start_prefill`, given the
+  `Choice`, `start_decode`, `move`, `prefill_done`, `finish`: `gateway.load.tracker`),
+  which the legs, the endpoint picker and the simulator call; policies read it through the
+  candidates.
 - A policy says what it needs: `uses_index` asks for the index's answer, so the router
   looks the prompt up only for a policy that reads it.
 """
@@ -72,6 +73,10 @@ class RouteQuery:
     prefill: str | None = None
     """The prefill (worker id) that whoever routed the request named for it, as an endpoint
     picker names it to a decode's sidecar: the chooser prefers it while it is eligible."""
+    within: frozenset[str] | None = None
+    """The prefills flow control released the request for (`gateway.flow.headroom`): its
+    first token predicted within its objective there, the headroom above it kept. The
+    router chooses among those while any of them may serve it; None: any."""
     session: str | None = None
     """The conversation the client named (`gateway.policies.sessions`), if any."""
     missing: str | None = None

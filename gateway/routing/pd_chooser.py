@@ -44,8 +44,7 @@ class PdChooser:
         decode = self.router.pool.get(decision.decode.worker)
         if decode is None:
             raise NoCandidates("a chosen worker left the pool")
-        rank = decode.directory.computing_rank()
-        return RoutePlan(decode, decode, decision.choice, [], query.keys, rank, local=True)
+        return RoutePlan(decode, decode, decision.choice, [], query.keys, local=True)
 
     def _decide(self, query: RouteQuery, avoid: Collection[str]) -> PdDecision:
         if not self.decider.enabled:
@@ -60,7 +59,7 @@ class PdChooser:
             for c in router.candidates("decode", query, kind=local)
             if c.worker not in avoid
         ]
-        prefills = router.candidates("prefill", query, avoid)
+        prefills = router.prefills(query, avoid)
         if query.lookup is not None:
             query = replace(query, pending=router.loads.pending_blocks(query.lookup.keys))
         loads = router.loads

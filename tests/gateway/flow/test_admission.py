@@ -116,8 +116,9 @@ async def test_a_rate_spends_tokens_that_ending_requests_do_not_give_back() -> N
 
 
 def inference_running(inference: Inference) -> int:
-    assert inference._admission is not None
-    return inference._admission.running
+    admission = inference._intake.admission
+    assert admission is not None
+    return admission.running
 
 
 async def test_a_cancelled_waiter_leaves_the_queue() -> None:

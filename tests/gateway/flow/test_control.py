@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from gateway.flow.keys import DEFAULT_TENANT, FlowKeys
 from gateway.http.answer import Answer
+from gateway.policies.base import Choice
 from gateway.requests.bodies import BadRequest
 from gateway.serving.inference import Inference
 from gateway.settings.edge import AdmissionConfig
@@ -197,7 +198,7 @@ async def test_refusals_say_which_limit_and_the_lowest_band_is_shed_first() -> N
     held.release.set()
     assert [(await t).status for t in (running, standard, premium)] == [200] * 3
     assert held.order == ["running", "premium", "std"]
-    flow = inference._flow
+    flow = inference._gateway.flow
     assert flow is not None
     assert flow.refused.labels("shed", "-1")._value.get() == 1
     assert flow.refused.labels("shed", "0")._value.get() == 1
@@ -240,7 +241,7 @@ async def test_a_client_leaving_while_it_waits_leaves_the_queue() -> None:
     await held.wait(1)
     gone = send(inference, "gone")
     await settle()
-    flow = inference._flow
+    flow = inference._gateway.flow
     assert flow is not None
     assert len(flow.queues) == 1
     gone.cancel()
@@ -267,7 +268,7 @@ async def headroom_gateway(clock: FakeClock, cluster: Cluster | None = None) -> 
     gateway = await make_gateway(cluster or Cluster(), config(flow=flow), clock=clock)
     loads = gateway.loads
     for worker in PREFILL_IDS:
-        ticket = loads.start_prefill(worker, 1000)
+        ticket = loads.start_prefill(Choice(worker, uncached_tokens=1000))
         clock.advance(1.0)
         loads.finish(ticket)
         assert loads.load(worker).progress.tokens_per_s == pytest.approx(1000)
@@ -287,11 +288,12 @@ async def test_a_request_is_released_once_its_first_token_is_predicted_in_time()
     clock = FakeClock()
     inference = await headroom_gateway(clock)
     loads = inference._gateway.loads
-    busy = [loads.start_prefill(worker, 450) for worker in PREFILL_IDS]  # 0.45 s ahead on each
+    # 0.45 s ahead on each
+    busy = [loads.start_prefill(Choice(worker, uncached_tokens=450)) for worker in PREFILL_IDS]
     premium = send_ids(inference, 100, **flow_headers("p", "premium"))  # 0.1 s of its own
     await settle()
     assert not premium.done(), "0.45 + 0.1 s is past its objective of 0.5 s"
-    flow = inference._flow
+    flow = inference._gateway.flow
     assert flow is not None
     clock.advance(0.1)  # 0.35 s ahead now
     flow.look()
@@ -303,7 +305,7 @@ async def test_a_request_is_released_once_its_first_token_is_predicted_in_time()
 async def test_lower_priorities_leave_room_for_an_active_objective_above() -> None:
     clock = FakeClock()
     inference = await headroom_gateway(clock)
-    flow = inference._flow
+    flow = inference._gateway.flow
     assert flow is not None
     loads = inference._gateway.loads
     assert (await send_ids(inference, 100, **flow_headers("p", "premium"))).status == 200
@@ -311,7 +313,7 @@ async def test_lower_priorities_leave_room_for_an_active_objective_above() -> No
     assert (await send_ids(inference, 1000, **flow_headers("s"))).status == 200
     # one prefill busy for long: a standard request on the idle one would leave premium
     # none that answers within 0.5 s
-    busy = [loads.start_prefill(PREFILL_IDS[1], 40_000) for _ in range(2)]
+    busy = [loads.start_prefill(Choice(PREFILL_IDS[1], uncached_tokens=40_000)) for _ in range(2)]
     standard = send_ids(inference, 1000, **flow_headers("s"))
     await settle()
     assert not standard.done()
@@ -332,9 +334,9 @@ async def test_before_any_rate_is_measured_in_time_means_idle() -> None:
     clock = FakeClock()
     gateway = await make_gateway(Cluster(), config(flow=flow_config), clock=clock)
     inference = Inference(gateway)
-    busy = gateway.loads.start_prefill(PREFILL_IDS[0], 500)
+    busy = gateway.loads.start_prefill(Choice(PREFILL_IDS[0], uncached_tokens=500))
     assert (await send_ids(inference, 100, **flow_headers("p", "premium"))).status == 200
-    other = gateway.loads.start_prefill(PREFILL_IDS[1], 500)
+    other = gateway.loads.start_prefill(Choice(PREFILL_IDS[1], uncached_tokens=500))
     premium = send_ids(inference, 100, **flow_headers("p", "premium"))
     await settle()
     assert not premium.done(), "no prefill is idle and none is timed"
@@ -357,13 +359,17 @@ async def test_requests_released_together_do_not_each_find_the_same_room() -> No
         return httpx.Response(200, json={})
 
     inference = await headroom_gateway(clock, cluster)
-    flow = inference._flow
+    flow = inference._gateway.flow
     assert flow is not None
     loads = inference._gateway.loads
     assert (await send_ids(inference, 100, **flow_headers("p", "premium"))).status == 200
     for url in PREFILLS:
         cluster.on(url, slow_prefill)
-    busy = [loads.start_prefill(worker, 40_000) for worker in PREFILL_IDS for _ in range(2)]
+    busy = [
+        loads.start_prefill(Choice(worker, uncached_tokens=40_000))
+        for worker in PREFILL_IDS
+        for _ in range(2)
+    ]
     waiting = [send_ids(inference, 1000, **flow_headers(f"s{i}")) for i in range(3)]
     await settle()
     assert len(flow.queues) == 3

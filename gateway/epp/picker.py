@@ -114,8 +114,9 @@ class Picker:
         given = headers or {}
         picked = {name.encode(): value.encode("latin-1") for name, value in given.items()}
         endpoint = INFERENCE_PATHS.get(path.partition("?")[0])  # else routed by load alone
+        prefills = None if self.disaggregated else subset  # a PD subset bounds the decodes
         admitted = await self._intake.admit(
-            endpoint, body, picked, given.get("authorization"), waiting
+            endpoint, body, picked, given.get("authorization"), waiting, prefills
         )
         if isinstance(admitted, Answer):
             return admitted

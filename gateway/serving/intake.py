@@ -23,7 +23,7 @@ without awaiting in between, so the load it starts replaces what flow control co
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import ParamSpec, Protocol, TypeVar
 
@@ -112,10 +112,12 @@ class Intake:
         picked: Picked,
         authorization: str | None = None,
         waiting: Waiting = None,
+        prefills: Collection[str] | None = None,
     ) -> Admitted | Answer:
         """The request read, looked up and admitted, or the refusal to answer instead (the
         request then holds nothing). `endpoint`: None for a path that is not inference;
-        `picked`: the request's `reader.header_names` it sent."""
+        `picked`: the request's `reader.header_names` it sent; `prefills`: the only
+        prefills the caller may choose among, when it is bounded."""
         read: ReadRequest | None = None
         if endpoint is None:
             query = RouteQuery(None, missing="not_inference")
@@ -125,6 +127,8 @@ class Intake:
             except UNREADABLE as exc:
                 return refusal(exc)
             query = read.query
+            if read.flow is not None:
+                read.flow.among = prefills
         await self._look_up(query)
         place = await self._enter(None if read is None else read.flow, waiting)
         if isinstance(place, Answer):

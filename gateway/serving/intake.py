@@ -20,7 +20,7 @@ without awaiting in between, so the load it starts replaces what flow control co
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import ParamSpec, Protocol, TypeVar
 
@@ -28,11 +28,12 @@ from gateway.flow.admission import Admission
 from gateway.flow.control import FlowControl
 from gateway.flow.queues import FlowRequest
 from gateway.http.answer import Answer, problem
-from gateway.policies.base import RouteQuery
-from gateway.requests.bodies import BadRequest, Endpoint
+from gateway.requests.bodies import BadRequest
 from gateway.requests.headers import Picked
 from gateway.requests.namespace import UnknownAdapter
-from gateway.serving.reading import ReadRequest, RequestReader
+from gateway.requests.query import RouteQuery
+from gateway.requests.request import Request
+from gateway.serving.reading import INFERENCE_PATHS, RequestReader
 from gateway.serving.service import Gateway
 from gateway.telemetry.tracing import current
 from globalkv.tokenize import TokenizeError
@@ -63,7 +64,7 @@ class Place(Protocol):
 
 @dataclass(slots=True)
 class Admitted:
-    read: ReadRequest | None
+    request: Request | None
     """None for a path that is not inference (the picker routes those by load)."""
     query: RouteQuery
     place: Place | None
@@ -102,26 +103,34 @@ class Intake:
 
     async def admit(
         self,
-        endpoint: Endpoint | None,
+        path: str,
         body: bytes,
         picked: Picked,
         authorization: str | None = None,
         waiting: Waiting = None,
+        *,
+        request_id: str | None = None,
+        trace_context: Sequence[tuple[bytes, bytes]] = (),
     ) -> Admitted | Answer:
         """The request read, looked up and admitted, or the refusal to answer instead (the
-        request then holds nothing). `endpoint`: None for a path that is not inference;
-        `picked`: the request's `reader.header_names` it sent."""
-        read: ReadRequest | None = None
-        if endpoint is None:
+        request then holds nothing). `path`: without its query string; one that is not
+        inference is routed by load alone (the picker's). `picked`: the request's
+        `reader.header_names` it sent; `request_id` and `trace_context`: what of its
+        headers the workers are sent (`RequestReader.read`)."""
+        request: Request | None = None
+        flow: FlowRequest | None = None
+        if path not in INFERENCE_PATHS:
             query = RouteQuery(None, missing="not_inference")
         else:
             try:
-                read = await self.reader.read(endpoint, body, picked, authorization)
+                request, flow = await self.reader.read(
+                    path, body, picked, authorization, request_id, trace_context
+                )
             except UNREADABLE as exc:
                 return refusal(exc)
-            query = read.query
+            query = request.query
         await self._look_up(query)
-        place = await self._enter(None if read is None else read.flow, waiting)
+        place = await self._enter(flow, waiting)
         if isinstance(place, Answer):
             return place
         if place is not None:
@@ -132,7 +141,7 @@ class Intake:
                     place.release()
                     raise
             place.sent()
-        return Admitted(read, query, place)
+        return Admitted(request, query, place)
 
     async def _queue(self, flow: FlowRequest | None, waiting: Waiting) -> Place | Answer | None:
         """The request's place: its turn in the flow queues, or one under admission control;

@@ -49,7 +49,8 @@ class Waiting:
     arrived: float
     outcome: asyncio.Future[object] = field(repr=False)
     """Once decided: the reason it was refused while waiting, or its release (the
-    placement flow control counts until it is sent, or None)."""
+    headroom's verdict: the prefills it may go to and where it is counted until it is
+    sent; or None)."""
 
     @property
     def tenant(self) -> str:

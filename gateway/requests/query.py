@@ -5,11 +5,12 @@ when there are no tokens), the index's answer (None when there was no index, no 
 or the index failed), `pending` (per worker, the leading blocks of the prompt this gateway
 sent it that the index may not show yet: `gateway.load.pending`), `now` (simulated or
 monotonic seconds) for policies that age state, the session and the prefill the request
-names; and for the router, which candidates may serve it: the kind of pair, the namespace
-(model, adapters) and the batch. What changes per attempt (the workers to avoid) or per
-entry point (the endpoints a picker may choose among) is an argument of the router's
-methods, never a field. The policies (`gateway.policies.base`), the router, flow
-control's headroom and the simulators read it alike.
+names, the prefills flow control released it for; and for the router, which candidates
+may serve it: the kind of pair, the namespace (model, adapters) and the batch. What
+changes per attempt (the workers to avoid) or per entry point (the endpoints a picker may
+choose among) is an argument of the router's methods, never a field. The policies
+(`gateway.policies.base`), the router, flow control's headroom and the simulators read it
+alike.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from globalkv.lookup import LookupResult
 
 # Built several times per request (copied with each choice's pending blocks), so not
 # frozen: a frozen dataclass sets each field through object.__setattr__, several times
-# slower (docs/gateway-design.md). Only `Router.look_up` writes it.
+# slower (docs/gateway-design.md). Once read, only the way in (`gateway.serving.intake`)
+# writes it: the index's answer (`Router.look_up`), the prefills flow control released it for.
 @dataclass(slots=True)
 class RouteQuery:
     tokens: Sequence[int] | None
@@ -37,6 +39,10 @@ class RouteQuery:
     prefill: str | None = None
     """The prefill (worker id) that whoever routed the request named for it, as an endpoint
     picker names it to a decode's sidecar: the chooser prefers it while it is eligible."""
+    within: frozenset[str] | None = None
+    """The prefills flow control released the request for (`gateway.flow.headroom`): its
+    first token predicted within its objective there, the headroom above it kept. The
+    router chooses among those while any of them may serve it; None: any."""
     session: str | None = None
     """The conversation the client named (`gateway.policies.sessions`), if any."""
     missing: str | None = None

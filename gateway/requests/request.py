@@ -22,8 +22,8 @@ class Request:
     """The path it came to: the workers are called at the same."""
     parsed: ParsedRequest
     query: RouteQuery
-    """What choosing reads of it, the same for all its attempts (`Router.look_up` fills in
-    the index's answer before the first)."""
+    """What choosing reads of it, the same for all its attempts (the way in,
+    `gateway.serving.intake`, adds the index's answer before the first)."""
     request_id: str | None = None
     """The client's request id, or one made (`gateway.serving.edge`), sent on to the
     workers; None where the request reaches no worker from here (an endpoint picker's)."""

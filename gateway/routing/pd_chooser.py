@@ -60,7 +60,7 @@ class PdChooser:
             for c in router.candidates("decode", query, kind=local)
             if c.worker not in avoid
         ]
-        prefills = router.candidates("prefill", query, avoid)
+        prefills = router.prefills(query, avoid)
         if query.lookup is not None:
             query = replace(query, pending=router.loads.pending_blocks(query.lookup.keys))
         loads = router.loads

@@ -177,6 +177,25 @@ class Router:
         decode = self.choose_decode(query, prefill.kind, avoid)
         return self.bind(query, prefill, choice, decode)
 
+    def prefills(
+        self,
+        query: RouteQuery,
+        avoid: Collection[str] = (),
+        among: Collection[str] | None = None,
+        kind: Kind | None = None,
+    ) -> list[Candidate]:
+        """The prefills `query` may go to: the eligible ones (`candidates`), only those in
+        `among` when given, and of those the ones flow control released it for
+        (`RouteQuery.within`) while any of them remains (a retry after they failed goes
+        elsewhere)."""
+        prefills = self.candidates("prefill", query, avoid, kind)
+        if among is not None:
+            prefills = [c for c in prefills if c.worker in among]
+        within = query.within
+        if within is not None:
+            prefills = [c for c in prefills if c.worker in within] or prefills
+        return prefills
+
     def choose_prefill(
         self,
         query: RouteQuery,
@@ -184,13 +203,11 @@ class Router:
         among: Collection[str] | None = None,
         kind: Kind | None = None,
     ) -> tuple[Worker, Choice, RouteQuery]:
-        """The prefill policy's choice among the eligible prefills that may serve `query`
-        (of `kind`, when given, else the query's; only those whose id is in `among`, when
+        """The prefill policy's choice among the prefills `query` may go to (`prefills`: of
+        `kind`, when given, else the query's; only those whose id is in `among`, when
         given: an endpoint picker's subset, a sidecar's named prefill), with the query as
         the policy read it (its pending blocks added); raises `NoCandidates`."""
-        prefills = self.candidates("prefill", query, avoid, kind)
-        if among is not None:
-            prefills = [c for c in prefills if c.worker in among]
+        prefills = self.prefills(query, avoid, among, kind)
         if not prefills:
             which = kind or query.kind
             kinds = "" if which is None else f", {which}"

@@ -10,7 +10,10 @@ it a decode's sidecar) and the endpoint picker run this, then route what it admi
    else, with `--max-concurrent-requests`, a place under admission control
    (`gateway.flow.admission`); a refusal is that queue's 429 or 408;
 4. **looked up again** when it waited: the index may show more of its prompt by then,
-   and the route is chosen on what it shows now, not on what it showed when it came.
+   and the route is chosen on what it shows now, not on what it showed when it came;
+5. **narrowed** to the prefills flow control released it for (`RouteQuery.within`): the
+   prefill the router then chooses, by its own policy, is one where the request's first
+   token is predicted within its objective and the headroom above it is kept.
 
 The route is the caller's (the gateway's dispatcher calls the pair, the picker names the
 endpoints), and so is the end of the place the request holds (`Place.release`, once the
@@ -54,6 +57,8 @@ class Place(Protocol):
 
     waited: bool
     """It waited in a queue."""
+    within: frozenset[str] | None
+    """The prefills it was released for; None: any."""
 
     def sent(self) -> None: ...
 
@@ -140,6 +145,7 @@ class Intake:
                 except BaseException:
                     place.release()
                     raise
+            query.within = place.within
             place.sent()
         return Admitted(request, query, place)
 
@@ -165,11 +171,12 @@ class Intake:
 class _Seat:
     """A place under admission control."""
 
-    __slots__ = ("_admission", "waited")
+    __slots__ = ("_admission", "waited", "within")
 
     def __init__(self, admission: Admission) -> None:
         self._admission: Admission | None = admission
         self.waited = False
+        self.within: frozenset[str] | None = None  # admission counts, it does not place
 
     def sent(self) -> None:
         pass  # admission counts requests, not where they go

@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 
 from tests.deploy.kustomize import ROOT, by_kind, composed, container_env, engines, needs_kubectl
-from tests.deploy.test_kubernetes_manifests import POD, documented_extras, host_env
+from tests.deploy.test_kubernetes_manifests import POD, host_env, image_extras
 from tests.support.extras import run_with_extras
 from tests.support.kubeconfig import write_kubeconfig
 from tests.test_tokenize import build_core, write_model
@@ -78,7 +78,7 @@ def test_every_container_reading_the_tokenizer_mounts_it_and_checks(tmp_path: Pa
             env[variable] = str(volume)  # the volume, where the pod would mount it
             (command,) = container["args"]
             done = run_with_extras(
-                documented_extras(),
+                image_extras(),
                 ["--check", command],
                 {**host_env(), "KUBECONFIG": kubeconfig, **env},
             )

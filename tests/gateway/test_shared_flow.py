@@ -20,6 +20,7 @@ from gateway.http.answer import Answer
 from gateway.replicas import shared_flow
 from gateway.replicas.shared_state import SharedState
 from gateway.serving.inference import Inference
+from gateway.serving.launch import shared_state
 from gateway.settings.edge import AdmissionConfig
 from gateway.settings.flow import FlowConfig
 from globalkv import redis_client
@@ -48,7 +49,7 @@ class Replica:
         )
 
 
-async def replica(client: redis_client.Client, name: str, clock: FakeClock) -> Replica:
+async def replica(client: redis_client.Client, clock: FakeClock) -> Replica:
     cluster = Cluster()
     release = asyncio.Event()
     decoded: list[str] = []
@@ -63,13 +64,12 @@ async def replica(client: redis_client.Client, name: str, clock: FakeClock) -> R
     cfg = config(
         admission=AdmissionConfig(max_concurrent_requests=1),
         flow=FlowConfig(enabled=True, objectives=OBJECTIVES),
+        redis_url="redis://127.0.0.1:1/0",  # the client given is the one used
+        block_size=16,
+        share_state_interval_secs=1.0,
     )
     gateway = await make_gateway(cluster, cfg, clock=clock)
-    shared = SharedState(
-        client, gateway.loads, member=name, interval=1.0, registry=gateway.metrics.registry
-    )
-    gateway.loads.shared = shared
-    shared.flow = gateway.flow
+    shared = shared_state(cfg, gateway, client)  # as every command's process wires it
     assert gateway.flow is not None
     return Replica(Inference(gateway), gateway.flow, shared, release, decoded)
 
@@ -95,7 +95,7 @@ async def rounds(*replicas: Replica) -> None:
 
 async def test_fairness_counts_what_the_other_replica_serves(client: redis_client.Client) -> None:
     clock = FakeClock()
-    a, b = await replica(client, "gw-a", clock), await replica(client, "gw-b", clock)
+    a, b = await replica(client, clock), await replica(client, clock)
     running = b.send("running", "other")
     await settle()
     assert b.decoded == ["running"]
@@ -121,7 +121,7 @@ async def test_no_replica_releases_below_a_priority_waiting_at_another(
     client: redis_client.Client,
 ) -> None:
     clock = FakeClock()
-    a, b = await replica(client, "gw-a", clock), await replica(client, "gw-b", clock)
+    a, b = await replica(client, clock), await replica(client, clock)
     a_running = a.send("a-running", "t")
     b_running = b.send("b-running", "t")
     await settle()
@@ -147,7 +147,7 @@ async def test_an_objective_active_at_one_replica_keeps_its_headroom_at_the_othe
     client: redis_client.Client,
 ) -> None:
     clock = FakeClock()
-    a, b = await replica(client, "gw-a", clock), await replica(client, "gw-b", clock)
+    a, b = await replica(client, clock), await replica(client, clock)
     a.release.set()
     assert (await a.send("p" * 800, "p", "premium")).status == 200
     await rounds(a, b)
@@ -166,7 +166,7 @@ async def test_losing_the_others_orders_only_this_replicas_requests(
     client: redis_client.Client,
 ) -> None:
     clock = FakeClock()
-    a, b = await replica(client, "gw-a", clock), await replica(client, "gw-b", clock)
+    a, b = await replica(client, clock), await replica(client, clock)
     a.flow.usage.charge("t", 1000, clock())
     await rounds(a, b)
     assert b.flow.usage.decayed("t", clock()) == pytest.approx(1000)
@@ -177,7 +177,7 @@ async def test_losing_the_others_orders_only_this_replicas_requests(
 
 async def test_what_is_read_of_the_others_is_checked() -> None:
     clock = FakeClock()
-    b = await replica(redis_client.connect("redis://127.0.0.1:1"), "gw-b", clock)
+    b = await replica(redis_client.connect("redis://127.0.0.1:1"), clock)
     good = {"t:acme": "120.5", "q:10": "2", "o:premium": "1.5,300.0"}
     bad: dict[Any, Any] = {
         "t:": "1",  # no tenant
@@ -209,13 +209,13 @@ async def test_the_round_writes_this_replicas_flow_and_counts_what_it_skipped(
     client: redis_client.Client,
 ) -> None:
     clock = FakeClock()
-    a, b = await replica(client, "gw-a", clock), await replica(client, "gw-b", clock)
+    a, b = await replica(client, clock), await replica(client, clock)
     a.flow.usage.charge("acme", 42, clock())
     await a.shared.step()
-    written = await client.hgetall(a.shared.flow_key("gw-a"))
+    written = await client.hgetall(a.shared.flow_key(a.shared.member))
     assert {k.decode(): v.decode() for k, v in written.items()} == {"t:acme": "42.0"}
-    assert await client.pttl(a.shared.flow_key("gw-a")) > 0
-    await client.hset(a.shared.flow_key("gw-a"), "q:oops", "1")
+    assert await client.pttl(a.shared.flow_key(a.shared.member)) > 0
+    await client.hset(a.shared.flow_key(a.shared.member), "q:oops", "1")
     await b.shared.step()
     registry = b.inference._gateway.metrics.registry
     assert (

@@ -1,5 +1,5 @@
 """Flow control in a decode's sidecar (gateway/sidecar/): the same queues on the same
-request path, its headroom read over every prefill, not only the one the picker named."""
+request path, a request released on the headroom of the prefill its picker named."""
 
 from __future__ import annotations
 
@@ -79,7 +79,9 @@ async def test_a_sidecar_queues_by_priority_and_tenant() -> None:
     assert {c.worker for c in cluster.inference("prefill")} == {PREFILL_IDS[1]}
 
 
-async def test_a_sidecars_headroom_is_every_prefills() -> None:
+async def test_a_sidecars_headroom_is_its_named_prefills() -> None:
+    """The request goes to the prefill its picker named: that prefill's work is what
+    holds it back, not another prefill's being free."""
     cluster = Cluster()
     clock = FakeClock()
     gateway = await sidecar(cluster, clock)
@@ -98,9 +100,12 @@ async def test_a_sidecars_headroom_is_every_prefills() -> None:
     premium = asyncio.create_task(inference.handle("/generate", None, ids.encode(), headers))
     await settle()
     assert not premium.done(), "2 s of work ahead on every prefill"
-    loads.finish(busy[1])  # the other prefill is free: the estimate holds for the pool
-    assert gateway.flow is not None
-    gateway.flow.look()
+    flow = gateway.flow
+    assert flow is not None
+    loads.finish(busy[1])
+    flow.look()
+    assert len(flow.queues) == 1, "the other prefill is free, but the named one has 2 s"
+    loads.finish(busy[0])
+    flow.look()
     assert (await premium).status == 200
     assert cluster.inference("prefill")[-1].worker == PREFILL_IDS[0], "bound where it was named"
-    loads.finish(busy[0])

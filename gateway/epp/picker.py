@@ -113,8 +113,9 @@ class Picker:
         request starts waiting in a queue; the pick then comes within `wait_secs`."""
         given = headers or {}
         picked = {name.encode(): value.encode("latin-1") for name, value in given.items()}
+        prefills = None if self.disaggregated else subset  # a PD subset bounds the decodes
         admitted = await self._intake.admit(
-            path.partition("?")[0], body, picked, given.get("authorization"), waiting
+            path.partition("?")[0], body, picked, given.get("authorization"), waiting, prefills
         )
         if isinstance(admitted, Answer):
             return admitted

@@ -32,7 +32,8 @@ predicted within its objective and the headroom above is kept. Releasing only wh
 soonest prefill may take it keeps a lower band waiting here, in its fair order, rather
 than queued behind the work of busy prefills, where nothing orders it. Where the
 request names its prefill (a decode's sidecar binds it to the one its picker named),
-that prefill alone is the one that may take it.
+that prefill alone is the one that may take it; where the entry point may choose only
+among some (an endpoint picker's subset hint), only those.
 
 The second rule is what keeps a premium objective's time to first token when a lower
 priority offers more than the prefills can take: the lower priorities fill the prefills
@@ -109,8 +110,10 @@ class Headroom:
         slots = self._slots(request, placing or {})
         if not slots:
             return Verdict(0.0)  # nowhere to go: the dispatcher answers why
-        named = request.query.prefill
+        named, among = request.query.prefill, request.among
         options = [i for i, slot in enumerate(slots) if slot.worker == named]
+        if not options and among is not None:
+            options = [i for i, slot in enumerate(slots) if slot.worker in among]
         options = options or list(range(len(slots)))
         kept = [_Kept(reserve, slots, self._transfer) for reserve in reserves]
         ttft = request.key.ttft_s

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -41,6 +42,9 @@ class FlowRequest:
     """The bytes its body holds while it waits."""
     query: RouteQuery
     """What choosing will read: its tokens, the index's answer, who may serve it."""
+    among: Collection[str] | None = None
+    """The prefills the entry point may choose among, when it is bounded (an endpoint
+    picker's subset hint, in an aggregated pool): only those may take it."""
 
 
 @dataclass(eq=False, slots=True)

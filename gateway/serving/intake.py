@@ -23,7 +23,7 @@ without awaiting in between, so the load it starts replaces what flow control co
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import ParamSpec, Protocol, TypeVar
 
@@ -113,6 +113,7 @@ class Intake:
         picked: Picked,
         authorization: str | None = None,
         waiting: Waiting = None,
+        prefills: Collection[str] | None = None,
         *,
         request_id: str | None = None,
         trace_context: Sequence[tuple[bytes, bytes]] = (),
@@ -120,8 +121,9 @@ class Intake:
         """The request read, looked up and admitted, or the refusal to answer instead (the
         request then holds nothing). `path`: without its query string; one that is not
         inference is routed by load alone (the picker's). `picked`: the request's
-        `reader.header_names` it sent; `request_id` and `trace_context`: what of its
-        headers the workers are sent (`RequestReader.read`)."""
+        `reader.header_names` it sent; `prefills`: the only prefills the caller may choose
+        among, when it is bounded; `request_id` and `trace_context`: what of its headers
+        the workers are sent (`RequestReader.read`)."""
         request: Request | None = None
         flow: FlowRequest | None = None
         if path not in INFERENCE_PATHS:
@@ -134,6 +136,8 @@ class Intake:
             except UNREADABLE as exc:
                 return refusal(exc)
             query = request.query
+            if flow is not None:
+                flow.among = prefills
         await self._look_up(query)
         place = await self._enter(flow, waiting)
         if isinstance(place, Answer):

@@ -4,35 +4,26 @@ order across bands, fairness counting what every replica served, and an objectiv
 reserve kept at every replica.
 
 Each replica runs in this process on its own gateway's parts (its pool, loads, flow
-control, picker or handler), wired to Redis by `gateway.serving.launch.shared_state`, the
-function every command's process runs (`globalkv epp`, `gateway`, `sidecar`); the rounds
-of sharing, which the processes run every interval, are run here by hand, so each test
-says when a replica has heard the others."""
+control, picker or handler: `tests.entry.flow_entry`), wired to Redis by
+`gateway.serving.launch.shared_state`, the function every command's process runs
+(`globalkv epp`, `gateway`, `sidecar`); the rounds of sharing, which the processes run
+every interval, are run here by hand, so each test says when a replica has heard the others."""
 
 from __future__ import annotations
 
-import asyncio
-import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import pytest
 
-from gateway.epp.picker import Pick, Picker
-from gateway.flow.control import FlowControl
-from gateway.flow.queues import FlowRequest
-from gateway.http.answer import Answer
 from gateway.policies.base import Choice
-from gateway.replicas.shared_state import SharedState
-from gateway.serving.inference import Inference
-from gateway.serving.intake import Waiting
 from gateway.serving.launch import shared_state
 from gateway.settings.edge import AdmissionConfig
 from gateway.settings.flow import FlowConfig
 from globalkv import redis_client
-from tests.gateway.fakes import DECODES, PREFILLS, Cluster, config, make_gateway
+from tests.entry.flow_entry import FlowEntry, flow_entry, status
+from tests.gateway.fakes import PREFILLS
 from tests.support.clock import FakeClock
 
 pytestmark = pytest.mark.timeout(30)
@@ -43,113 +34,33 @@ PAIRS = [("picker", "picker"), ("gateway", "picker"), ("picker", "gateway")]
 IDS = [f"{a}-{b}" for a, b in PAIRS]
 
 
-class Replica:
-    """A picker or a gateway sharing its state. A request let through (picked, or at its
-    decode) holds its place until `end`; `order` is the order they were let through."""
-
-    def __init__(self, kind: str, flow: FlowControl, shared: SharedState) -> None:
-        self.kind = kind
-        self.flow = flow
-        self.shared = shared
-        self.order: list[str] = []
-        self.picker: Picker | None = None
-        self.inference: Inference | None = None
-        self._gates: dict[str, asyncio.Event] = {}
-        self._picks: dict[str, Pick] = {}
-        self._waited = 0
-        self._changed = asyncio.Condition()
-        enter = flow.enter
-
-        async def entering(request: FlowRequest, waiting: Waiting = None) -> Any:
-            async def told() -> None:
-                async with self._changed:
-                    self._waited += 1
-                    self._changed.notify_all()
-                if waiting is not None:
-                    await waiting()
-
-            return await enter(request, told)
-
-        flow.enter = entering  # type: ignore[method-assign]
-
-    def gate(self, name: str) -> asyncio.Event:
-        return self._gates.setdefault(name, asyncio.Event())
-
-    async def let_through(self, name: str) -> None:
-        async with self._changed:
-            self.order.append(name)
-            self._changed.notify_all()
-
-    def send(self, name: str, tenant: str, objective: str | None = None, size: int = 40) -> Any:
-        headers = {"x-llm-d-inference-fairness-id": tenant}
-        if objective is not None:
-            headers["x-llm-d-inference-objective"] = objective
-        text = f"{name} " + "x" * max(size - len(name) - 1, 0)
-        body = json.dumps({"text": text, "sampling_params": {"max_new_tokens": 1}}).encode()
-        if self.picker is not None:
-            return asyncio.create_task(self._pick(name, body, headers))
-        assert self.inference is not None
-        picked = tuple((k.encode(), v.encode()) for k, v in headers.items())
-        return asyncio.create_task(self.inference.handle("/generate", None, body, picked))
-
-    async def _pick(self, name: str, body: bytes, headers: dict[str, str]) -> Pick | Answer:
-        assert self.picker is not None
-        pick = await self.picker.pick("/generate", body, None, headers)
-        if isinstance(pick, Pick):
-            self._picks[name] = pick
-            await self.let_through(name)
-        return pick
-
-    def end(self, name: str) -> None:
-        """The answer of `name` is over: its place goes to the next."""
-        if self.picker is not None:
-            self.picker.release(self._picks.pop(name), True)
-        else:
-            self.gate(name).set()
-
-    async def waited(self, count: int) -> None:
-        """Until `count` requests have started waiting in its queues (at most 5 s)."""
-        async with asyncio.timeout(5), self._changed:
-            await self._changed.wait_for(lambda: self._waited >= count)
-
-    async def through(self, count: int) -> None:
-        """Until `count` requests have been let through (at most 5 s)."""
-        async with asyncio.timeout(5), self._changed:
-            await self._changed.wait_for(lambda: len(self.order) >= count)
-
-
 @dataclass
 class Redis:
     url: str
     client: redis_client.Client
 
 
-async def replica(kind: str, redis: Redis, clock: FakeClock, **admission: Any) -> Replica:
-    cluster = Cluster()
-    cfg = config(
+async def replica(kind: str, redis: Redis, clock: FakeClock, **admission: Any) -> FlowEntry:
+    """An entry sharing its state through `redis`, wired as every command's process wires
+    it (`shared_state`)."""
+    made = await flow_entry(
+        kind,
+        clock=clock,
         admission=AdmissionConfig(**{"max_concurrent_requests": 1, **admission}),
         flow=FlowConfig(enabled=True, objectives=OBJECTIVES),
         redis_url=redis.url,
         block_size=16,
         share_state_interval_secs=1.0,
     )
-    gateway = await make_gateway(cluster, cfg, clock=clock)
-    assert gateway.flow is not None
-    made = Replica(kind, gateway.flow, shared_state(cfg, gateway, redis.client))
-
-    async def held(_: httpx.Request, payload: Any) -> httpx.Response:
-        name = payload["text"].split(" ", 1)[0]
-        await made.let_through(name)
-        await made.gate(name).wait()
-        return httpx.Response(200, json={"room": payload["bootstrap_room"]})
-
-    for url in DECODES:
-        cluster.on(url, held)
-    if kind == "picker":
-        made.picker = Picker(gateway)
-    else:
-        made.inference = Inference(gateway)
+    made.shared = shared_state(made.gateway.config, made.gateway, redis.client)
     return made
+
+
+def flow(tenant: str, objective: str | None = None) -> dict[str, str]:
+    headers = {"x-llm-d-inference-fairness-id": tenant}
+    if objective is not None:
+        headers["x-llm-d-inference-objective"] = objective
+    return headers
 
 
 @pytest.fixture
@@ -160,15 +71,12 @@ async def redis(redis_url: str) -> AsyncIterator[Redis]:
     await connected.aclose()
 
 
-async def rounds(*replicas: Replica) -> None:
+async def rounds(*replicas: FlowEntry) -> None:
     """One round of sharing each, then each again: everyone has read everyone."""
     for _ in range(2):
         for r in replicas:
+            assert r.shared is not None
             await r.shared.step()
-
-
-def status(outcome: Any) -> int:
-    return 200 if isinstance(outcome, Pick) else int(outcome.status)
 
 
 @pytest.mark.parametrize(("first", "second"), PAIRS, ids=IDS)
@@ -177,11 +85,11 @@ async def test_no_replica_releases_below_a_band_waiting_at_another(
 ) -> None:
     clock = FakeClock()
     a, b = await replica(first, redis, clock), await replica(second, redis, clock)
-    running = [a.send("a-running", "t"), b.send("b-running", "t")]
+    running = [a.send("a-running", flow("t")), b.send("b-running", flow("t"))]
     await a.through(1)
     await b.through(1)
-    premium = a.send("premium", "p", "premium")
-    standard = b.send("standard", "s")
+    premium = a.send("premium", flow("p", "premium"))
+    standard = b.send("standard", flow("s"))
     await a.waited(1)
     await b.waited(1)
     await rounds(a, b)
@@ -208,13 +116,13 @@ async def test_fairness_counts_what_the_other_replica_serves(
 ) -> None:
     clock = FakeClock()
     a, b = await replica(first, redis, clock), await replica(second, redis, clock)
-    running = b.send("running", "other")
+    running = b.send("running", flow("other"))
     await b.through(1)
-    waiting = [b.send(f"heavy{i}", "heavy") for i in range(2)]
-    waiting += [b.send(f"light{i}", "light") for i in range(2)]
+    waiting = [b.send(f"heavy{i}", flow("heavy")) for i in range(2)]
+    waiting += [b.send(f"light{i}", flow("light")) for i in range(2)]
     await b.waited(4)
     for i in range(4):  # meanwhile a serves "heavy" 4 x 400 tokens
-        a.send(f"at-a{i}", "heavy", size=1600)
+        a.send(f"at-a{i}", flow("heavy"), size=1600)
         await a.through(i + 1)
         a.end(f"at-a{i}")
     await rounds(a, b)
@@ -230,9 +138,9 @@ async def test_fairness_counts_what_the_other_replica_serves(
     assert [status(await t) for t in (running, *waiting)] == [200] * 5
 
 
-async def timed(r: Replica, clock: FakeClock) -> None:
+async def timed(r: FlowEntry, clock: FakeClock) -> None:
     """Both prefills measured at 1,000 tokens/s by this replica."""
-    loads = r.shared.tracker
+    loads = r.gateway.loads
     for worker in (P0, P1):
         ticket = loads.start_prefill(Choice(worker, uncached_tokens=1000))
         clock.advance(1.0)
@@ -251,14 +159,15 @@ async def test_an_objective_active_at_one_replica_keeps_its_reserve_at_the_other
     b = await replica(second, redis, clock, max_concurrent_requests=-1)
     for r in (a, b):
         await timed(r, clock)
-    premium = a.send("premium", "p", "premium", size=400)
+    premium = a.send("premium", flow("p", "premium"), size=400)
     await a.through(1)
     a.end("premium")
     assert status(await premium) == 200
-    busy = a.shared.tracker.start_prefill(Choice(P1, uncached_tokens=40_000))
+    busy = a.gateway.loads.start_prefill(Choice(P1, uncached_tokens=40_000))
     await rounds(a, b)
-    assert b.shared.load(P1)[2] == 40_000, "a's work on P1, as b reads it"
-    standard = b.send("standard", "s", size=4000)
+    assert b.gateway.loads.shared is not None
+    assert b.gateway.loads.shared.load(P1)[2] == 40_000, "a's work on P1, as b reads it"
+    standard = b.send("standard", flow("s"), size=4000)
     await b.waited(1)
     assert len(b.flow.queues) == 1
     clock.advance(29)
@@ -270,4 +179,4 @@ async def test_an_objective_active_at_one_replica_keeps_its_reserve_at_the_other
     assert b.order == ["standard"]
     b.end("standard")
     assert status(await standard) == 200
-    a.shared.tracker.finish(busy)
+    a.gateway.loads.finish(busy)

@@ -6,6 +6,7 @@ prefers."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from random import Random
@@ -97,6 +98,33 @@ async def test_the_aggregated_picker_sends_the_request_where_it_was_released_for
     assert pick.endpoints == [B]
     picker.release(pick, True)
     gateway.loads.finish(busy)
+
+
+async def test_the_aggregated_pickers_subset_bounds_the_prefills_released_for() -> None:
+    """Envoy may offer the picker only some endpoints: the request is released when one
+    of those answers it in time, not when another one is free."""
+    clock = FakeClock()
+    workers = [WorkerSpec(url=u, role="prefill") for u in PREFILLS]
+    gateway = await timed(clock, Cluster(), StubLookup(), prefill=workers, decode=[])
+    busy = gateway.loads.start_prefill(Choice(A, uncached_tokens=2000))
+    picker = Picker(gateway)
+    waits = asyncio.Event()
+
+    async def waiting() -> None:
+        waits.set()
+
+    picked = asyncio.create_task(picker.pick("/generate", ids(100), [A], SLO, waiting))
+    async with asyncio.timeout(5):
+        await waits.wait()
+    flow = gateway.flow
+    assert flow is not None
+    assert len(flow.queues) == 1, "B is free, but the subset offers A alone, 2 s behind"
+    gateway.loads.finish(busy)
+    flow.look()
+    pick = await picked
+    assert isinstance(pick, Pick)
+    assert pick.endpoints == [A]
+    picker.release(pick, True)
 
 
 async def test_a_release_leaves_out_a_prefill_whose_placement_takes_the_reserve() -> None:

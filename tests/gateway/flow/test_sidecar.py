@@ -109,3 +109,20 @@ async def test_a_sidecars_headroom_is_its_named_prefills() -> None:
     flow.look()
     assert (await premium).status == 200
     assert cluster.inference("prefill")[-1].worker == PREFILL_IDS[0], "bound where it was named"
+
+
+async def test_a_sidecar_refuses_flow_headers_it_cannot_read_naming_them() -> None:
+    gateway = await sidecar(Cluster(), FakeClock())
+    inference = Inference(gateway, named_prefill=True)
+    named = (PREFILL_HEADER.encode(), PREFILL_IDS[0].encode())
+    for header, value in (
+        (b"x-llm-d-inference-objective", b"NOT A NAME"),
+        (b"x-llm-d-slo-ttft-ms", b"0"),
+        (b"x-slo-ttft-ms", b"1e12"),
+        (b"x-gateway-inference-fairness-id", b"x" * 300),
+    ):
+        answer = await inference.handle("/generate", None, payload("bad"), (named, (header, value)))
+        assert answer.status == 400, header
+        assert header.decode() in json.loads(answer.body)["error"]["message"]
+    assert gateway.flow is not None
+    assert (gateway.flow.running, len(gateway.flow.queues)) == (0, 0)

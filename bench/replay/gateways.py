@@ -33,7 +33,8 @@ from bench.replay.tokens import expand
 from bench.replay.trace import conversation
 from gateway.load.pending import PendingEntry, PendingHit, PendingPrefixes
 from gateway.load.tracker import Candidate, LoadTicket, LoadTracker
-from gateway.policies import Policy, RouteQuery, build_policy
+from gateway.policies import Policy, build_policy
+from gateway.requests.query import RouteQuery
 
 Sharing = Literal["none", "shared"]
 

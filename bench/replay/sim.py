@@ -33,8 +33,9 @@ from bench.replay.trace import Trace, arrival_times, conversation
 from enginesim.kvcache import PagedKVCache
 from gateway.load.pending import PendingPrefixes
 from gateway.load.tracker import Candidate, LoadTracker
-from gateway.policies import Choice, Policy, RouteQuery, build_policy
+from gateway.policies import Choice, Policy, build_policy
 from gateway.policies.held import held_prefixes
+from gateway.requests.query import RouteQuery
 from gateway.routing.decider import PdDecider
 from gateway.settings.base import PolicyName
 from gateway.settings.routing import PdDeciderConfig

@@ -42,12 +42,12 @@ from dataclasses import dataclass, field
 from gateway.epp.protocol import Headers
 from gateway.http.answer import Answer, problem
 from gateway.load.tracker import LoadTicket, LoadTracker
-from gateway.policies.base import NoCandidates, RouteQuery
+from gateway.policies.base import NoCandidates
 from gateway.requests.headers import LLMD_PREFILL_HEADER, PREFILL_HEADER
+from gateway.requests.query import RouteQuery
 from gateway.routing.plan import RoutePlan
 from gateway.routing.router import Router
 from gateway.serving.intake import Intake, Place
-from gateway.serving.reading import INFERENCE_PATHS
 from gateway.serving.service import Gateway
 from gateway.settings.base import Kind, Role
 from gateway.workers.pool import Worker
@@ -113,10 +113,9 @@ class Picker:
         request starts waiting in a queue; the pick then comes within `wait_secs`."""
         given = headers or {}
         picked = {name.encode(): value.encode("latin-1") for name, value in given.items()}
-        endpoint = INFERENCE_PATHS.get(path.partition("?")[0])  # else routed by load alone
         prefills = None if self.disaggregated else subset  # a PD subset bounds the decodes
         admitted = await self._intake.admit(
-            endpoint, body, picked, given.get("authorization"), waiting, prefills
+            path.partition("?")[0], body, picked, given.get("authorization"), waiting, prefills
         )
         if isinstance(admitted, Answer):
             return admitted

@@ -26,7 +26,7 @@ from typing import Literal
 
 from gateway.flow.keys import FlowKey
 from gateway.flow.usage import TooManyTenants, Usage
-from gateway.policies.base import RouteQuery
+from gateway.requests.query import RouteQuery
 
 RefusalReason = Literal["queue_full", "queue_bytes", "tenants", "shed", "queue_timeout"]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from gateway.load.tracker import Candidate
-from gateway.policies.base import RouteQuery
+from gateway.requests.query import RouteQuery
 from globalkv.lookup import LookupResult, PodHit
 
 

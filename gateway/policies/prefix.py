@@ -64,10 +64,11 @@ from dataclasses import replace
 from random import Random
 
 from gateway.load.tracker import Candidate
-from gateway.policies.base import Choice, Policy, RouteQuery
+from gateway.policies.base import Choice, Policy
 from gateway.policies.held import held_prefixes
 from gateway.policies.placement import PlacementLedger
 from gateway.policies.sessions import SessionTable, Turn
+from gateway.requests.query import RouteQuery
 from gateway.settings.routing import PrefixWeights
 
 

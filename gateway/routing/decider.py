@@ -43,8 +43,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from gateway.load.tracker import Candidate
-from gateway.policies.base import Choice, RouteQuery
+from gateway.policies.base import Choice
 from gateway.policies.held import held_prefixes
+from gateway.requests.query import RouteQuery
 from gateway.settings.base import Kind
 from gateway.settings.routing import PdDeciderConfig
 

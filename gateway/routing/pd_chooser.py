@@ -18,7 +18,8 @@ from typing import get_args
 from prometheus_client import Counter
 
 from gateway.load.tracker import Candidate
-from gateway.policies.base import NoCandidates, RouteQuery
+from gateway.policies.base import NoCandidates
+from gateway.requests.query import RouteQuery
 from gateway.routing.decider import PdDecider, PdDecision, local_capable
 from gateway.routing.plan import RoutePlan
 from gateway.routing.router import Router

@@ -29,8 +29,9 @@ from random import Random
 from typing import Any
 
 from gateway.load.tracker import Candidate, LoadTracker
-from gateway.policies.base import Choice, NoCandidates, Policy, RouteQuery
+from gateway.policies.base import Choice, NoCandidates, Policy
 from gateway.requests.namespace import RequestNamespace, request_namespace
+from gateway.requests.query import RouteQuery
 from gateway.routing.plan import RoutePlan
 from gateway.routing.rooms import draw_room
 from gateway.settings.base import Kind, Role

@@ -111,6 +111,9 @@ class Inference:
             path: EndpointMetrics(gateway.metrics, endpoint)
             for path, endpoint in INFERENCE_PATHS.items()
         }
+        self._passes_trace = tracing is None
+        """The client's trace context goes to the workers as it came: the gateway does not
+        trace (a traced request's calls carry their own span's)."""
         self._answer: Callable[[Incoming], Awaitable[Answer]] = self._serve
         if tracing is not None:
             self._answer = _traced(tracing, self._serve)
@@ -139,7 +142,7 @@ class Inference:
         picked = {name: value for name, value in headers if name in self._picked}
         request_id = self.edge.request_id(path, picked)
         trace_context: Headers = ()
-        if picked and not TRACE_HEADERS.isdisjoint(picked):
+        if self._passes_trace and picked and not TRACE_HEADERS.isdisjoint(picked):
             trace_context = tuple((n, picked[n]) for n in _TRACE_ORDER if n in picked)
         incoming = Incoming(path, body, headers, picked, authorization, request_id, trace_context)
         answer = await self._answer(incoming)
@@ -163,16 +166,18 @@ class Inference:
         place: Place | None = None
         try:
             admitted = await self._intake.admit(
-                INFERENCE_PATHS[path], incoming.body, incoming.picked, incoming.authorization
+                path,
+                incoming.body,
+                incoming.picked,
+                incoming.authorization,
+                request_id=incoming.request_id,
+                trace_context=incoming.trace_context,
             )
             if isinstance(admitted, Answer):
                 return self._refuse(path, admitted)
             place = admitted.place
-            assert admitted.read is not None, "an inference path"
-            parsed = admitted.read.parsed
-            parsed.request_id = incoming.request_id
-            parsed.trace_context = incoming.trace_context
-            answer = await gateway.dispatcher.forward(parsed, admitted.query, path)
+            assert admitted.request is not None, "an inference path"
+            answer = await gateway.dispatcher.forward(admitted.request)
         except UNREADABLE as exc:  # the first attempt's BadRequest
             return self._refuse(path, refusal(exc), place)
         except asyncio.CancelledError:
@@ -233,7 +238,6 @@ def _traced(
     async def in_span(incoming: Incoming) -> Answer:
         traced = tracing.begin(incoming.path, incoming.headers)
         bind(traced)
-        incoming.trace_context = ()
         try:
             answer = await respond(incoming)
         except BaseException:

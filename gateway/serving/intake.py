@@ -23,7 +23,7 @@ without awaiting in between, so the load it starts replaces what flow control co
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import ParamSpec, Protocol, TypeVar
 
@@ -31,11 +31,12 @@ from gateway.flow.admission import Admission
 from gateway.flow.control import FlowControl
 from gateway.flow.queues import FlowRequest
 from gateway.http.answer import Answer, problem
-from gateway.policies.base import RouteQuery
-from gateway.requests.bodies import BadRequest, Endpoint
+from gateway.requests.bodies import BadRequest
 from gateway.requests.headers import Picked
 from gateway.requests.namespace import UnknownAdapter
-from gateway.serving.reading import ReadRequest, RequestReader
+from gateway.requests.query import RouteQuery
+from gateway.requests.request import Request
+from gateway.serving.reading import INFERENCE_PATHS, RequestReader
 from gateway.serving.service import Gateway
 from gateway.telemetry.tracing import current
 from globalkv.tokenize import TokenizeError
@@ -68,7 +69,7 @@ class Place(Protocol):
 
 @dataclass(slots=True)
 class Admitted:
-    read: ReadRequest | None
+    request: Request | None
     """None for a path that is not inference (the picker routes those by load)."""
     query: RouteQuery
     place: Place | None
@@ -107,30 +108,38 @@ class Intake:
 
     async def admit(
         self,
-        endpoint: Endpoint | None,
+        path: str,
         body: bytes,
         picked: Picked,
         authorization: str | None = None,
         waiting: Waiting = None,
         prefills: Collection[str] | None = None,
+        *,
+        request_id: str | None = None,
+        trace_context: Sequence[tuple[bytes, bytes]] = (),
     ) -> Admitted | Answer:
         """The request read, looked up and admitted, or the refusal to answer instead (the
-        request then holds nothing). `endpoint`: None for a path that is not inference;
-        `picked`: the request's `reader.header_names` it sent; `prefills`: the only
-        prefills the caller may choose among, when it is bounded."""
-        read: ReadRequest | None = None
-        if endpoint is None:
+        request then holds nothing). `path`: without its query string; one that is not
+        inference is routed by load alone (the picker's). `picked`: the request's
+        `reader.header_names` it sent; `prefills`: the only prefills the caller may choose
+        among, when it is bounded; `request_id` and `trace_context`: what of its headers
+        the workers are sent (`RequestReader.read`)."""
+        request: Request | None = None
+        flow: FlowRequest | None = None
+        if path not in INFERENCE_PATHS:
             query = RouteQuery(None, missing="not_inference")
         else:
             try:
-                read = await self.reader.read(endpoint, body, picked, authorization)
+                request, flow = await self.reader.read(
+                    path, body, picked, authorization, request_id, trace_context
+                )
             except UNREADABLE as exc:
                 return refusal(exc)
-            query = read.query
-            if read.flow is not None:
-                read.flow.among = prefills
+            query = request.query
+            if flow is not None:
+                flow.among = prefills
         await self._look_up(query)
-        place = await self._enter(None if read is None else read.flow, waiting)
+        place = await self._enter(flow, waiting)
         if isinstance(place, Answer):
             return place
         if place is not None:
@@ -142,7 +151,7 @@ class Intake:
                     raise
             query.within = place.within
             place.sent()
-        return Admitted(read, query, place)
+        return Admitted(request, query, place)
 
     async def _queue(self, flow: FlowRequest | None, waiting: Waiting) -> Place | Answer | None:
         """The request's place: its turn in the flow queues, or one under admission control;

@@ -9,7 +9,8 @@ import httpx
 import redis.asyncio as aioredis
 
 from gateway.load.tracker import LoadTracker
-from gateway.policies import Choice, RouteQuery, build_policy
+from gateway.policies import Choice, build_policy
+from gateway.requests.query import RouteQuery
 from gateway.serving.launch import _index_parts
 from globalkv.index.base import Source, SourceBatch, StoreBlocks, Tier
 from globalkv.index.memory import MemoryIndex

@@ -7,8 +7,9 @@ from random import Random
 import pytest
 
 from gateway.load.tracker import Candidate, LoadTracker
-from gateway.policies import Choice, RouteQuery, build_policy
+from gateway.policies import Choice, build_policy
 from gateway.policies.radix import RadixTree
+from gateway.requests.query import RouteQuery
 from gateway.settings.routing import CacheAwareConfig, PrefixWeights
 from globalkv.lookup import LookupResult, PodHit
 

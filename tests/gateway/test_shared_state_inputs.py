@@ -33,7 +33,14 @@ from gateway.replicas.shared_wire import (
 from gateway.requests.bodies import parse_request
 from globalkv.lookup import LookupResult
 from kvplumbing.tasks import cancel_and_wait
-from tests.gateway.fakes import Cluster, Reading, StubLookup, StubProbe, make_gateway, query_of
+from tests.gateway.fakes import (
+    Cluster,
+    Reading,
+    StubLookup,
+    StubProbe,
+    make_gateway,
+    request_of,
+)
 from tests.support.metrics import sample
 from tests.support.net import await_for
 
@@ -252,10 +259,9 @@ async def test_a_remote_dp_rank_that_is_not_one_is_dropped(
             shared._apply(_message(["add", serial, worker, keys, rank]))
             assert gateway.loads.pending_blocks(keys)[worker].dp_rank is None
         tokens = list(range(13))
-        parsed = parse_request("generate", {"input_ids": tokens})
-        query = query_of(parsed)
-        await gateway.router.look_up(query)
-        answer = await gateway.dispatcher.forward(parsed, query, "/generate")
+        request = request_of(parse_request("generate", {"input_ids": tokens}))
+        await gateway.router.look_up(request.query)
+        answer = await gateway.dispatcher.forward(request)
         assert isinstance(answer, Answer)
         assert answer.status == 200
     finally:

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from gateway.load.pending import PendingHit, PendingPrefixes
 from gateway.load.tracker import Candidate, LoadTracker
-from gateway.policies import Choice, RouteQuery, build_policy
+from gateway.policies import Choice, build_policy
+from gateway.requests.query import RouteQuery
 from gateway.settings.routing import PrefixWeights
 from globalkv.keys import request_keys
 from globalkv.lookup import LookupResult, PodHit

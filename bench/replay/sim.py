@@ -31,10 +31,10 @@ from bench.replay.record import Progress, ProgressHook, RunRecord
 from bench.replay.tokens import expand
 from bench.replay.trace import Trace, arrival_times, conversation
 from enginesim.kvcache import PagedKVCache
+from gateway.load.held import held_prefixes
 from gateway.load.pending import PendingPrefixes
 from gateway.load.tracker import Candidate, LoadTracker
 from gateway.policies import Choice, Policy, build_policy
-from gateway.policies.held import held_prefixes
 from gateway.requests.query import RouteQuery
 from gateway.routing.decider import PdDecider
 from gateway.settings.base import PolicyName
@@ -273,7 +273,7 @@ class Run:
             return decision.choice if decision.local else None
         if lookup is None:
             return None
-        hits = held_prefixes(request, lookup, decodes)
+        hits = held_prefixes(lookup, decodes, request.pending)
         candidate, hit, dp_rank = max(hits, key=lambda h: (h[1], -h[0].in_flight))
         prompt = request.prompt_tokens
         if not isl_bounding(prompt, hit):

@@ -55,11 +55,23 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from typing import Protocol
 
 from gateway.flow.queues import FlowRequest
-from gateway.policies.held import held_prefixes
-from gateway.routing.router import Router
+from gateway.load.held import held_prefixes
+from gateway.load.tracker import Candidate, LoadTracker
+from gateway.requests.query import RouteQuery
+from gateway.settings.base import Role
+
+
+class Prefills(Protocol):
+    """The prefills a request may go to and the load on them (`gateway.routing.router.Router`)."""
+
+    @property
+    def loads(self) -> LoadTracker: ...
+
+    def candidates(self, role: Role, query: RouteQuery) -> list[Candidate]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +107,7 @@ class _Slot:
 
 
 class Headroom:
-    def __init__(self, router: Router, transfer_tokens_per_s: float) -> None:
+    def __init__(self, router: Prefills, transfer_tokens_per_s: float) -> None:
         self._router = router
         self._transfer = transfer_tokens_per_s
 
@@ -141,8 +153,7 @@ class Headroom:
         prompt = request.tokens
         lookup = query.lookup
         if lookup is not None and query.tokens is not None:
-            pending = router.loads.pending_blocks(lookup.keys)
-            hits = held_prefixes(replace(query, pending=pending), lookup, prefills)
+            hits = held_prefixes(lookup, prefills, router.loads.pending_blocks(lookup.keys))
         else:
             hits = [(c, 0, None) for c in prefills]
         loads = router.loads

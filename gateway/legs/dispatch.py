@@ -31,7 +31,6 @@ from gateway.requests.request import Request
 from gateway.routing.plan import RoutePlan
 from gateway.settings.base import Kind
 from gateway.telemetry.metrics import GatewayMetrics
-from gateway.telemetry.tracing import current
 from kvplumbing.clock import Sleep
 
 log = logging.getLogger(__name__)
@@ -109,15 +108,16 @@ class Dispatcher:
             avoid.add(outcome.worker.id)
             if not outcome.retryable or attempt.final:
                 break
-            self._metrics.retries.labels(request.parsed.endpoint, outcome.role).inc()
-            trace = current()
-            if trace is not None:
-                failed = {"attempt": number + 1, "role": outcome.role, "worker": outcome.worker.id}
-                trace.event("retry", failed)
+            self.retrying(request, outcome, number)
             progress.between_attempts = True
             await self._sleep(self._retries.delay(number))
         assert last is not None
         return last.answer
+
+    def retrying(self, request: Request, failure: Failure, attempt: int) -> None:
+        """Attempt `attempt` (0 for the first) ended in `failure` and another follows:
+        counted by the endpoint and the role that failed."""
+        self._metrics.retries.labels(request.parsed.endpoint, failure.role).inc()
 
 
 def _log_plan(request: Request, plan: RoutePlan, attempt: int) -> None:

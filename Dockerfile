@@ -1,24 +1,27 @@
-# One image for every globalkv role: `indexer`, `gateway`, `engine` (emulated), `bootstrap`,
-# `up`, `doctor` — the command is the container's first argument (see docker-compose.yml).
+# One image for every globalkv role: `gateway`, `indexer`, `epp`, `sidecar`, `engine`
+# (emulated), `bootstrap`, `up`, `doctor` — the command is the container's first argument
+# (see docker-compose.yml and deploy/kubernetes).
 #
 #   docker build -t globalkv .
 #   docker run --rm -p 8000:8000 globalkv up --host 0.0.0.0 --port 8000
 #
 # `--build-arg COMPILE=1` compiles the gateway's request path (docs/compiled.md).
-# `--build-arg EXTRAS=bench` adds `globalkv bench replay` (numpy, matplotlib) to the image;
-# without it the image holds what the services need and nothing more. The Kubernetes
-# manifests need `--build-arg EXTRAS=kubernetes,epp` (pod discovery, the endpoint
-# picker's gRPC; `envoy` would add the Envoy binary, which no picker runs):
-# docs/kubernetes.md, step 1. Health checks are
-# per role (each listens on its own ports), so they live in docker-compose.yml, as the
-# official images leave them to the compose file too.
+# `--build-arg EXTRAS=…` lists the extras installed beside the services' dependencies. The
+# default, `kubernetes,epp`, is what the Kubernetes manifests run (pod discovery, the
+# endpoint picker's gRPC; docs/kubernetes.md, step 1), and tests/deploy checks every
+# command they deploy with it. A value replaces the list: `EXTRAS=kubernetes,epp,bench`
+# adds `globalkv bench replay` (numpy, matplotlib); `EXTRAS=` builds what
+# docker-compose.yml runs and nothing more (about 27 MB less); `envoy` would add the Envoy
+# binary, which no picker runs. Health checks are per role (each listens on its own
+# ports), so they live in docker-compose.yml, as the official images leave them to the
+# compose file too.
 
 # Install globalkv and its dependencies into a virtual environment in a throw-away stage.
 FROM python:3.11-slim AS build
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
 RUN python -m venv /opt/globalkv
 WORKDIR /src
-ARG EXTRAS=""
+ARG EXTRAS="kubernetes,epp"
 # The dependencies first, read from pyproject.toml and pinned by the lock (constraints.txt,
 # refreshed by `bash .ci/lock`), so two builds of one commit install the same software; this
 # layer (most of the build's time) stays cached while only the sources change.

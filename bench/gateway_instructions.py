@@ -45,7 +45,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.gateway import PROMPT, _body, _free_port, _spawn, _wait_ok, router_argv
+from bench.gateway import PROMPT, Child, _body, _free_port, _spawn, _wait_ok, router_argv
 from bench.gateway_load import read_answer, request_bytes
 from bench.gateway_variant import variant
 
@@ -125,21 +125,35 @@ def count(
     try:
         probe = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1}}
         _wait_ok(gateway, f"http://{HOST}:{port}/generate", probe, 600, headers)
-        body = _body(stream)
-        asyncio.run(_send(port, 40, body, headers))  # warm-up: connections, code paths
-        pid = str(gateway.popen.pid)
-        subprocess.run(["callgrind_control", "-z", pid], check=True, capture_output=True)
-        asyncio.run(_send(port, requests, body, headers))
-        subprocess.run(["callgrind_control", "-d", pid], check=True, capture_output=True)
-        dump = next(logs.glob(f"{out.name}.*"))
-        if keep is not None:
-            shutil.copyfile(dump, keep)
-        lines = dump.read_text().splitlines()
-        summary = next(line for line in lines if line.startswith("summary:"))
-        return int(summary.split()[1]) / (requests // CONNECTIONS * CONNECTIONS)
+        return measured(gateway, port, out, requests, _body(stream), headers, keep)
     finally:
         gateway.stop()
         mocks.stop()
+
+
+def measured(
+    child: Child,
+    port: int,
+    out: Path,
+    requests: int,
+    body: bytes,
+    headers: Sequence[tuple[str, str]] = (),
+    keep: Path | None = None,
+) -> float:
+    """Instructions per request of `child`, running under callgrind (dumping to `out`),
+    for `requests` of `body` sent to `port` after a warm-up (connections, code paths),
+    which the counters are zeroed after; `keep`: where to copy the dump."""
+    asyncio.run(_send(port, 40, body, headers))
+    pid = str(child.popen.pid)
+    subprocess.run(["callgrind_control", "-z", pid], check=True, capture_output=True)
+    asyncio.run(_send(port, requests, body, headers))
+    subprocess.run(["callgrind_control", "-d", pid], check=True, capture_output=True)
+    dump = next(out.parent.glob(f"{out.name}.*"))
+    if keep is not None:
+        shutil.copyfile(dump, keep)
+    lines = dump.read_text().splitlines()
+    summary = next(line for line in lines if line.startswith("summary:"))
+    return int(summary.split()[1]) / (requests // CONNECTIONS * CONNECTIONS)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -17,6 +17,7 @@ import statistics
 import time
 
 from gateway.load.tracker import LoadTracker
+from gateway.policies.base import Choice
 from globalkv.keys import request_chain
 
 LENGTHS = (1024, 8192, 32768, 131072)
@@ -29,7 +30,9 @@ def measure(length: int, in_flight: int, workers: int, repeats: int) -> dict[str
     loads = LoadTracker()
     for i in range(in_flight):
         other = shared + [rng.randrange(32000) for _ in range(length - len(shared))]
-        loads.start_prefill(f"w{i % workers}", length, keys=request_chain(other, 16, "m"))
+        loads.start_prefill(
+            Choice(f"w{i % workers}", uncached_tokens=length), request_chain(other, 16, "m")
+        )
     keying, depths, adding = [], [], []
     for _ in range(repeats):
         chain = request_chain(prompt, 16, "m")
@@ -38,7 +41,7 @@ def measure(length: int, in_flight: int, workers: int, repeats: int) -> dict[str
         keyed = time.perf_counter()
         found = loads.pending_blocks(chain)
         looked = time.perf_counter()
-        ticket = loads.start_prefill("new", length, keys=chain)
+        ticket = loads.start_prefill(Choice("new", uncached_tokens=length), chain)
         added = time.perf_counter()
         assert ticket.pending is not None
         assert last_key in ticket.pending.keys

@@ -33,7 +33,8 @@ from bench.replay.tokens import expand
 from bench.replay.trace import conversation
 from gateway.load.pending import PendingEntry, PendingHit, PendingPrefixes
 from gateway.load.tracker import Candidate, LoadTicket, LoadTracker
-from gateway.policies import Policy, RouteQuery, build_policy
+from gateway.policies import Policy, build_policy
+from gateway.requests.query import RouteQuery
 
 Sharing = Literal["none", "shared"]
 
@@ -116,9 +117,7 @@ class _SharedRun(Run):
         choice = replica.policy.choose(request, self._candidates(replica, self.prefills, now))
         decodes = self._candidates(replica, self.decodes, now)
         decode = replica.decode_policy.choose(request, decodes).worker
-        ticket = replica.loads.start_prefill(
-            choice.worker, choice.uncached_tokens, cached_tokens=choice.hit_tokens, keys=keys
-        )
+        ticket = replica.loads.start_prefill(choice, keys)
         if ticket.pending is not None and ticket.pending.first is not None:
             self._publish(replica, ticket, "add", now, tuple(keys))
         flight = InFlight(

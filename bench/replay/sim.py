@@ -31,10 +31,11 @@ from bench.replay.record import Progress, ProgressHook, RunRecord
 from bench.replay.tokens import expand
 from bench.replay.trace import Trace, arrival_times, conversation
 from enginesim.kvcache import PagedKVCache
+from gateway.load.held import held_prefixes
 from gateway.load.pending import PendingPrefixes
 from gateway.load.tracker import Candidate, LoadTracker
-from gateway.policies import Choice, Policy, RouteQuery, build_policy
-from gateway.policies.held import held_prefixes
+from gateway.policies import Choice, Policy, build_policy
+from gateway.requests.query import RouteQuery
 from gateway.routing.decider import PdDecider
 from gateway.settings.base import PolicyName
 from gateway.settings.routing import PdDeciderConfig
@@ -244,9 +245,7 @@ class Run:
         choice = self.policy.choose(request, prefills)
         decode = self.decode_policy.choose(request, self.loads.candidates(self.decodes)).worker
         flight = InFlight(
-            self.loads.start_prefill(
-                choice.worker, choice.uncached_tokens, cached_tokens=choice.hit_tokens, keys=keys
-            ),
+            self.loads.start_prefill(choice, keys),
             self.loads.start_decode(decode),
             settings.output_tokens(req.output_length),
             decode,
@@ -274,7 +273,7 @@ class Run:
             return decision.choice if decision.local else None
         if lookup is None:
             return None
-        hits = held_prefixes(request, lookup, decodes)
+        hits = held_prefixes(lookup, decodes, request.pending)
         candidate, hit, dp_rank = max(hits, key=lambda h: (h[1], -h[0].in_flight))
         prompt = request.prompt_tokens
         if not isl_bounding(prompt, hit):
@@ -285,9 +284,7 @@ class Run:
     def admit_local(
         self, i: int, now: float, choice: Choice, tokens: Sequence[int], keys: Sequence[int]
     ) -> None:
-        ticket = self.loads.start_prefill(
-            choice.worker, choice.uncached_tokens, cached_tokens=choice.hit_tokens, keys=keys
-        )
+        ticket = self.loads.start_prefill(choice, keys)
         output = self.settings.output_tokens(self.requests[i].output_length)
         self.flights[i] = InFlight(ticket, ticket, output, choice.worker, tokens, local=True)
         self.record.routed(i, now, choice, tokens=len(tokens), output=output)

@@ -21,15 +21,16 @@ part until the response's headers arrive (the prefill's work is done by then: it
 answered). Fallback endpoints (`fallbacks`) are the other eligible endpoints, least
 loaded first.
 
-Admission control (`--max-concurrent-requests` and its queue) holds a request the same
-way as the gateway's: admitted before it is picked, its place held until the response
-ends. With `--flow-control` instead an inference request waits for its turn in the gateway's flow
-queues (`gateway.flow`) before it is picked, its flow read from the request's headers as
-the gateway reads them, and holds its place until the response ends: the picker sees
-every request of the pool (a decode's sidecar behind it sees only its own), so it is
-where flow control belongs. Envoy holds the request meanwhile: told when the request
-starts waiting in a queue, it waits for the pick up to `wait_secs` instead of its ext_proc
-message timeout (`gateway.epp.stream`).
+A request comes in as it comes into the gateway, by the same sequence
+(`gateway.serving.intake`): read, looked up in the index, admitted, looked up again when
+it waited, then picked. Admission control (`--max-concurrent-requests` and its queue)
+holds a place until the response ends; with `--flow-control` instead an inference
+request waits for its turn in the flow queues (`gateway.flow`), its flow read from the
+request's headers as the gateway reads them, and holds its place until the response
+ends: the picker sees every request of the pool (a decode's sidecar behind it sees only
+its own), so it is where flow control belongs. Envoy holds the request meanwhile: told
+when the request starts waiting in a queue, it waits for the pick up to `wait_secs`
+instead of its ext_proc message timeout (`gateway.epp.stream`).
 """
 
 from __future__ import annotations
@@ -39,21 +40,17 @@ from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
 from gateway.epp.protocol import Headers
-from gateway.flow.admission import Admission
-from gateway.flow.control import Grant
-from gateway.flow.queues import FlowRequest
 from gateway.http.answer import Answer, problem
 from gateway.load.tracker import LoadTicket, LoadTracker
-from gateway.policies.base import Choice, NoCandidates, RouteQuery
-from gateway.requests.bodies import BadRequest
+from gateway.policies.base import NoCandidates
 from gateway.requests.headers import LLMD_PREFILL_HEADER, PREFILL_HEADER
-from gateway.requests.namespace import UnknownAdapter
+from gateway.requests.query import RouteQuery
+from gateway.routing.plan import RoutePlan
 from gateway.routing.router import Router
-from gateway.serving.reading import INFERENCE_PATHS, RequestReader
+from gateway.serving.intake import Intake, Place
 from gateway.serving.service import Gateway
 from gateway.settings.base import Kind, Role
 from gateway.workers.pool import Worker
-from globalkv.tokenize import TokenizeError
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +66,8 @@ class Pick:
     tickets: list[LoadTicket] = field(default_factory=list)
     prefill: LoadTicket | None = None
     """The prefill's share of the load, settled when the response's headers arrive."""
-    grant: Grant | None = None
-    """Its place in the flow queues' limits, held until the response ends."""
-    admission: Admission | None = None
-    """The admission control it holds a place in, until the response ends."""
+    place: Place | None = None
+    """Its place under flow control or admission control, held until the response ends."""
 
 
 class Picker:
@@ -87,22 +82,14 @@ class Picker:
         self.draining = False
         """Stopping: not ready, so the data plane opens no new stream here. Nothing else
         makes the picker unready: with no eligible endpoint each request is answered 503."""
-        self._flow = gateway.flow
+        self._intake = Intake(gateway)
         limits = gateway.config.admission
         self.wait_secs = limits.queue_timeout_secs + gateway.config.lookup_timeout_secs + 1.0
         """The longest a pick takes once its request starts waiting in a queue: the wait
         itself, a lookup in the index again, a second to spare."""
-        self._admission = (
-            Admission(limits, gateway.clock, gateway.metrics.registry)
-            if limits.max_concurrent_requests > 0 and self._flow is None
-            else None
-        )
-        """sglang-router's admission control, without flow control (which then holds it)."""
-        self._reader = RequestReader(
-            gateway.router, gateway.tokenizer, None if self._flow is None else self._flow.keys
-        )
-        names = {name.decode() for name in self._reader.header_names}
-        self.wanted_headers = frozenset(names if self._flow is None else {*names, "authorization"})
+        names = {name.decode() for name in self._intake.reader.header_names}
+        flow = gateway.flow is not None
+        self.wanted_headers = frozenset({*names, "authorization"} if flow else names)
         """The request headers `pick` reads: what the reader reads (sessions, flow
         control's) and, with flow control, the API key (a tenant without a header)."""
 
@@ -126,48 +113,25 @@ class Picker:
         request starts waiting in a queue; the pick then comes within `wait_secs`."""
         given = headers or {}
         picked = {name.encode(): value.encode("latin-1") for name, value in given.items()}
-        endpoint = INFERENCE_PATHS.get(path.partition("?")[0])
-        flow: FlowRequest | None = None
-        if endpoint is None:  # `GET /v1/models` and the like: routed by load alone
-            query = RouteQuery(None, missing="not_inference")
-        else:
-            try:
-                read = await self._reader.read(endpoint, body, picked, given.get("authorization"))
-            except (BadRequest, TokenizeError) as exc:
-                return problem(400, str(exc))
-            except UnknownAdapter as exc:
-                return problem(404, str(exc), "NotFoundError")
-            query, flow = read.query, read.flow
-        await self._router.look_up(query)
-        grant = None
-        admission = self._admission
-        if admission is not None:
-            refused = await admission.admit(waiting)
-            if refused is not None:
-                return refused
-        elif self._flow is not None and flow is not None:
-            entered = await self._flow.enter(flow, waiting)
-            if isinstance(entered, Answer):
-                return entered
-            grant = entered
-            if grant.waited:  # placed on what the index shows now
-                await self._router.look_up(query)
-            grant.sent()  # the pick below tracks its load, before any await
+        prefills = None if self.disaggregated else subset  # a PD subset bounds the decodes
+        admitted = await self._intake.admit(
+            path.partition("?")[0], body, picked, given.get("authorization"), waiting, prefills
+        )
+        if isinstance(admitted, Answer):
+            return admitted
+        place = admitted.place
         try:
             pick = self._pair if self.disaggregated else self._whole
-            chosen = pick(query, subset)
+            chosen = pick(admitted.query, subset)
         except NoCandidates as exc:
             refusal = problem(503, str(exc), "no_available_workers")
         except _Shed as exc:
             refusal = problem(429, str(exc), "overloaded")
         else:
-            chosen.grant = grant
-            chosen.admission = admission
+            chosen.place = place
             return chosen
-        if grant is not None:
-            grant.release()
-        if admission is not None:
-            admission.release()
+        if place is not None:
+            place.release()
         return refusal
 
     def _whole(self, query: RouteQuery, subset: Collection[str] | None) -> Pick:
@@ -175,7 +139,8 @@ class Picker:
         worker, choice, query = self._router.choose_prefill(query, among=among)
         self._router.record(choice, query, paired=False)
         pick = Pick(self._endpoints(worker, "prefill", subset), ())
-        pick.prefill = self._start_prefill(worker, choice, query)
+        # An aggregated worker is both halves of its pair.
+        pick.prefill = self._start_prefill(RoutePlan(worker, worker, choice, [], query.keys))
         pick.tickets.append(pick.prefill)
         return pick
 
@@ -186,7 +151,7 @@ class Picker:
         self._router.record(choice, query)
         headers = ((PREFILL_HEADER, prefill.id), (LLMD_PREFILL_HEADER, prefill.id))
         pick = Pick(self._endpoints(decode, "decode", subset), headers)
-        pick.prefill = self._start_prefill(prefill, choice, query)
+        pick.prefill = self._start_prefill(RoutePlan(prefill, decode, choice, [], query.keys))
         pick.tickets += [pick.prefill, self._loads.start_decode(decode.id)]
         return pick
 
@@ -208,16 +173,11 @@ class Picker:
             raise _Shed(f"every endpoint has {self._shed} or more requests in flight")
         return room
 
-    def _start_prefill(self, worker: Worker, choice: Choice, query: RouteQuery) -> LoadTicket:
-        """The prefill's load, on the DP rank known to compute it: no room is drawn here
-        (the sidecar draws it), so a prefill following the room names none."""
-        return self._loads.start_prefill(
-            worker.id,
-            choice.uncached_tokens,
-            cached_tokens=choice.hit_tokens,
-            keys=query.keys,
-            dp_rank=worker.directory.computing_rank(),
-        )
+    def _start_prefill(self, plan: RoutePlan) -> LoadTicket:
+        """The load of the plan's prefill as the legs start it (`PairCalls.prefill_load`).
+        The plan has no rooms: the decode's sidecar draws them, so a prefill following the
+        room has no known DP rank here."""
+        return self._loads.start_prefill(plan.prefill_choice, plan.keys, plan.dp_rank)
 
     def _endpoints(self, chosen: Worker, role: Role, subset: Collection[str] | None) -> list[str]:
         if not self._fallbacks:
@@ -235,8 +195,7 @@ class Picker:
         if endpoint == pick.endpoints[0] or self._gateway.pool.get(endpoint) is None:
             return
         moved = pick.tickets.pop()
-        self._loads.finish(moved, computed=False)
-        ticket = self._loads.start_decode(endpoint)  # in flight there, its prefill unknown
+        ticket = self._loads.move(moved, endpoint)
         pick.tickets.append(ticket)
         if moved is pick.prefill:
             pick.prefill = ticket
@@ -245,8 +204,8 @@ class Picker:
         """The response's headers arrived: the prefill's work is over."""
         if pick.prefill is not None:
             self._loads.prefill_done(pick.prefill, computed=status < 300)
-        if pick.grant is not None:
-            pick.grant.started()
+        if pick.place is not None:
+            pick.place.started()
 
     def release(self, pick: Pick, succeeded: bool) -> None:
         """The response ended (or the stream closed): every load the pick held ends. The
@@ -255,11 +214,8 @@ class Picker:
         for ticket in pick.tickets:
             self._loads.finish(ticket, computed=succeeded, timed=False)
         pick.tickets.clear()
-        if pick.grant is not None:
-            pick.grant.release()
-        if pick.admission is not None:
-            pick.admission.release()
-            pick.admission = None
+        if pick.place is not None:
+            pick.place.release()
 
 
 class _Shed(Exception):

@@ -10,8 +10,9 @@ recent usage) is released as soon as it may start:
 - fewer than `--max-concurrent-requests` released requests are not over (each holds its
   place until its answer is over, a stream's at its end);
 - a token is in the `--rate-limit-tokens-per-second` bucket, when there is one;
-- the prefills have headroom for it (`gateway.flow.headroom`): its first token within its
-  objective, and room kept for the active objectives above it;
+- the prefills have headroom for it (`gateway.flow.headroom`): on some prefill its first
+  token within its objective, and room kept for the active objectives above it (its
+  grant names those prefills, and the router chooses among them: `Grant.within`);
 - no other replica has requests of a higher priority waiting (strict order across the
   replicas sharing their state, as far as their last round of sharing tells).
 
@@ -72,14 +73,16 @@ class Grant:
     """A released request's place; `sent` once its load is tracked (the dispatcher took
     it), `started` once its answer starts, `release` once it is over (each idempotent)."""
 
-    __slots__ = ("_flow", "_open", "_placed", "waited")
+    __slots__ = ("_flow", "_open", "_placed", "waited", "within")
 
-    def __init__(self, flow: FlowControl, waited: bool, placed: Verdict | None) -> None:
+    def __init__(self, flow: FlowControl, waited: bool, verdict: Verdict | None) -> None:
         self._flow = flow
         self._open = True
-        self._placed = placed
+        self._placed = _placed(verdict)
         self.waited = waited
         """It waited in the queues (the index may show more of its prompt now)."""
+        self.within = None if verdict is None else verdict.within
+        """The prefills it was released for (`Verdict.within`; None: any)."""
 
     def sent(self) -> None:
         placed, self._placed = self._placed, None
@@ -156,7 +159,8 @@ class FlowControl:
         if self._free_above(request.key.priority):
             verdict = self._verdict(request)
             if verdict is None or verdict.late_s == 0:
-                return Grant(self, False, self._start(request, now, 0.0, verdict))
+                self._start(request, now, 0.0, verdict)
+                return Grant(self, False, verdict)
         outcome: asyncio.Future[object] = asyncio.get_running_loop().create_future()
         queued = Waiting(request, now, outcome)
         try:
@@ -180,11 +184,11 @@ class FlowControl:
             if self.queues.remove(queued):
                 self.look()
             elif outcome.done() and not isinstance(outcome.result(), str):
-                Grant(self, True, _placed(outcome.result())).release()
+                Grant(self, True, _released(outcome.result())).release()
             raise
         if isinstance(reason, str):
             return self._refusal(cast(RefusalReason, reason), request)
-        return Grant(self, True, _placed(reason))
+        return Grant(self, True, _released(reason))
 
     def look(self) -> None:
         """Release every request that may start now, in order; when the next may not, look
@@ -205,7 +209,8 @@ class FlowControl:
                 return
             queues.remove(head)
             now = self._clock()
-            head.outcome.set_result(self._start(head.request, now, now - head.arrived, verdict))
+            self._start(head.request, now, now - head.arrived, verdict)
+            head.outcome.set_result(verdict)
 
     def ended(self) -> None:
         self.running -= 1
@@ -221,9 +226,9 @@ class FlowControl:
 
     def _start(
         self, request: FlowRequest, now: float, waited: float, verdict: Verdict | None
-    ) -> Verdict | None:
+    ) -> None:
         """The request released: its place taken, its tenant charged, and where the
-        headroom placed it counted until it is sent (returned, for its grant)."""
+        headroom placed it counted until it is sent (its grant's `sent`)."""
         self.running += 1
         if self._bucket is not None:
             self._bucket.take()
@@ -237,7 +242,6 @@ class FlowControl:
         if placed is not None:
             assert placed.prefill is not None
             self.placing[placed.prefill] = self.placing.get(placed.prefill, 0.0) + placed.work_s
-        return placed
 
     def _free_above(self, priority: int) -> bool:
         """Nothing waits here or at another replica at `priority` or above."""
@@ -315,11 +319,16 @@ class FlowControl:
         return Answer(429, body, headers=(("retry-after", "1"),))
 
 
-def _placed(verdict: object) -> Verdict | None:
+def _placed(verdict: Verdict | None) -> Verdict | None:
     """The placement a release carries, when the headroom made one."""
-    if isinstance(verdict, Verdict) and verdict.prefill is not None:
+    if verdict is not None and verdict.prefill is not None:
         return verdict
     return None
+
+
+def _released(outcome: object) -> Verdict | None:
+    """A waiting request's release, as its outcome holds it."""
+    return outcome if isinstance(outcome, Verdict) else None
 
 
 class _FlowCollector(Collector):

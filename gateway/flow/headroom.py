@@ -12,21 +12,28 @@ the load tracker's estimate of what that prefill still has to compute (every rep
 when they share it), `uncached` the prompt less the longest prefix the index (or this
 gateway's pending prompts) shows there, and `rate` the prefill's fitted tokens per second
 (`gateway.load.progress`; the mean of the measured ones for one not yet measured).
-The request's prefill is the one that gives its first token soonest. In a decode's
-sidecar too, although the picker named one: requests named for different prefills share
-the sidecar's queues, and one waiting for its busy prefill would hold back the others.
 
-A request is released when
+A prefill `q` may take the request when
 
-1. its own objective holds: on its prefill, `wait <= slack(ttft, own + transfer)`, where
-   the slack is `ttft - own - transfer`, or 0 when that is negative (waiting for
-   headroom cannot make an objective that an idle prefill cannot: such a request goes
-   to an idle one); and
+1. its own objective holds there: `wait(q) <= slack(ttft, own(q) + transfer)`, where the
+   slack is `ttft - own - transfer`, or 0 when that is negative (waiting for headroom
+   cannot make an objective that an idle prefill cannot: such a request goes to an idle
+   one); and
 2. for every objective of a higher priority that has a TTFT and is active (it had
-   requests within `--flow-reserve-secs`), once this request's work is added to its
-   prefill, `--flow-reserve-prefills` prefills `p` (all, where there are fewer) still
-   have `wait(p) <= slack(ttft, own(p) + transfer)` for that objective's typical
-   request.
+   requests within `--flow-reserve-secs`), once this request's work is added to `q`,
+   `--flow-reserve-prefills` prefills `p` (all, where there are fewer) still have
+   `wait(p) <= slack(ttft, own(p) + transfer)` for that objective's typical request.
+
+The request is released when the prefill expected to answer it first (the least
+`wait + own`) may take it, and the release names every prefill that may
+(`Verdict.within`): the router then chooses among those alone (`RouteQuery.within`), so
+the prefill it chooses, by its own policy, is one where the request's first token is
+predicted within its objective and the headroom above is kept. Releasing only when the
+soonest prefill may take it keeps a lower band waiting here, in its fair order, rather
+than queued behind the work of busy prefills, where nothing orders it. Where the
+request names its prefill (a decode's sidecar binds it to the one its picker named),
+that prefill alone is the one that may take it; where the entry point may choose only
+among some (an endpoint picker's subset hint), only those.
 
 The second rule is what keeps a premium objective's time to first token when a lower
 priority offers more than the prefills can take: the lower priorities fill the prefills
@@ -37,21 +44,34 @@ waits until another prefill frees up; keeping two makes that wait as rare as two
 requests arriving within one prefill's time (`docs/flow-control.md` measures both).
 Before any prefill's rate is measured nothing can be predicted, and "in time" is "idle".
 
-When a request may not go yet, the answer is how long the estimates say until it may:
-the work ahead drains at one second per second. Flow control looks again then, or as
-soon as a request ends. A request released is counted on its prefill (`placing`) until
-its load is tracked: several released in one pass must not each find the same room.
+When a request may not go yet, the answer is how long the estimates say until its
+soonest prefill may take it: the work ahead drains at one second per second. Flow control
+looks again then, or as soon as a request ends. A request released is counted on that
+prefill (`placing`) until its load is tracked: several released in one pass must not each
+find the same room.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from typing import Protocol
 
 from gateway.flow.queues import FlowRequest
-from gateway.policies.held import held_prefixes
-from gateway.routing.router import Router
+from gateway.load.held import held_prefixes
+from gateway.load.tracker import Candidate, LoadTracker
+from gateway.requests.query import RouteQuery
+from gateway.settings.base import Role
+
+
+class Prefills(Protocol):
+    """The prefills a request may go to and the load on them (`gateway.routing.router.Router`)."""
+
+    @property
+    def loads(self) -> LoadTracker: ...
+
+    def candidates(self, role: Role, query: RouteQuery) -> list[Candidate]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +94,8 @@ class Verdict:
     """The prefill expected to answer it first, where it is counted until it is sent."""
     work_s: float = 0.0
     """Its work there, in seconds."""
+    within: frozenset[str] | None = None
+    """The prefills that may take it (None: any)."""
 
 
 @dataclass(slots=True)
@@ -85,7 +107,7 @@ class _Slot:
 
 
 class Headroom:
-    def __init__(self, router: Router, transfer_tokens_per_s: float) -> None:
+    def __init__(self, router: Prefills, transfer_tokens_per_s: float) -> None:
         self._router = router
         self._transfer = transfer_tokens_per_s
 
@@ -100,21 +122,27 @@ class Headroom:
         slots = self._slots(request, placing or {})
         if not slots:
             return Verdict(0.0)  # nowhere to go: the dispatcher answers why
-        best = min(slots, key=lambda s: s.wait + s.own)
-        late = 0.0
+        named, among = request.query.prefill, request.among
+        options = [i for i, slot in enumerate(slots) if slot.worker == named]
+        if not options and among is not None:
+            options = [i for i, slot in enumerate(slots) if slot.worker in among]
+        options = options or list(range(len(slots)))
+        kept = [_Kept(reserve, slots, self._transfer) for reserve in reserves]
         ttft = request.key.ttft_s
-        if ttft is not None:
-            late = best.wait - slack(ttft, best.own + request.tokens / self._transfer)
-        placed = best.wait + best.own if best.speed is not None else math.inf
-        for reserve in reserves:
-            transfer = reserve.tokens / self._transfer
-            shorts = sorted(
-                (placed if slot is best else slot.wait)
-                - slack(reserve.ttft_s, own_s(reserve.tokens, slot.speed) + transfer)
-                for slot in slots
-            )
-            late = max(late, shorts[min(reserve.prefills, len(shorts)) - 1])
-        return Verdict(late if late > 0 else 0.0, best.worker, best.own)
+        transfer = request.tokens / self._transfer
+
+        def late(i: int) -> float:
+            slot = slots[i]
+            own = -math.inf if ttft is None else slot.wait - slack(ttft, slot.own + transfer)
+            placed = slot.wait + slot.own if slot.speed is not None else math.inf
+            return max([own, *(k.late(i, placed) for k in kept)])
+
+        best = min(options, key=lambda i: slots[i].wait + slots[i].own)
+        held = late(best)
+        if held > 0:
+            return Verdict(held)
+        within = frozenset(slots[i].worker for i in options if i == best or late(i) <= 0)
+        return Verdict(0.0, slots[best].worker, slots[best].own, within)
 
     def _slots(self, request: FlowRequest, placing: Mapping[str, float]) -> list[_Slot]:
         router = self._router
@@ -125,8 +153,7 @@ class Headroom:
         prompt = request.tokens
         lookup = query.lookup
         if lookup is not None and query.tokens is not None:
-            pending = router.loads.pending_blocks(lookup.keys)
-            hits = held_prefixes(replace(query, pending=pending), lookup, prefills)
+            hits = held_prefixes(lookup, prefills, router.loads.pending_blocks(lookup.keys))
         else:
             hits = [(c, 0, None) for c in prefills]
         loads = router.loads
@@ -146,6 +173,39 @@ class Headroom:
                 own = max(prompt - hit, 0) / speed
                 slots.append(_Slot(worker, remaining / speed + sent, own, speed))
         return slots
+
+
+class _Kept:
+    """One reserve's headroom over the prefills: each prefill's shortfall is its wait less
+    the slack the reserve's typical request has there (at most 0: in time), and the
+    reserve is kept while its `prefills`-th smallest shortfall is at most 0. `late` is that
+    shortfall with the request placed on one prefill, from the others' sorted once."""
+
+    __slots__ = ("_kth", "_rank", "_slack", "_sorted")
+
+    def __init__(self, reserve: Reserve, slots: Sequence[_Slot], transfer_tokens_per_s: float):
+        transfer = reserve.tokens / transfer_tokens_per_s
+        self._slack = [
+            slack(reserve.ttft_s, own_s(reserve.tokens, s.speed) + transfer) for s in slots
+        ]
+        shorts = [s.wait - room for s, room in zip(slots, self._slack, strict=True)]
+        order = sorted(range(len(shorts)), key=shorts.__getitem__)
+        self._sorted = [shorts[i] for i in order]
+        self._rank = [0] * len(shorts)
+        for rank, i in enumerate(order):
+            self._rank[i] = rank
+        self._kth = min(reserve.prefills, len(shorts)) - 1
+
+    def late(self, placed_on: int, placed: float) -> float:
+        """The reserve's shortfall once prefill `placed_on`'s wait is `placed`."""
+        shorts, kth, rank = self._sorted, self._kth, self._rank[placed_on]
+        if rank > kth:
+            return shorts[kth]  # a longer wait where it already fell short changes nothing
+        # it leaves the `kth + 1` smallest: the others' kth-smallest and next decide
+        raised = placed - self._slack[placed_on]
+        below = -math.inf if kth == 0 else shorts[kth - 1] if rank == kth else shorts[kth]
+        above = shorts[kth + 1] if kth + 1 < len(shorts) else math.inf
+        return max(below, min(raised, above))
 
 
 def own_s(tokens: float, speed: float | None) -> float:

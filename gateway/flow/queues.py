@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Literal
 
 from gateway.flow.keys import FlowKey
 from gateway.flow.usage import TooManyTenants, Usage
-from gateway.policies.base import RouteQuery
+from gateway.requests.query import RouteQuery
 
 RefusalReason = Literal["queue_full", "queue_bytes", "tenants", "shed", "queue_timeout"]
 
@@ -41,6 +42,9 @@ class FlowRequest:
     """The bytes its body holds while it waits."""
     query: RouteQuery
     """What choosing will read: its tokens, the index's answer, who may serve it."""
+    among: Collection[str] | None = None
+    """The prefills the entry point may choose among, when it is bounded (an endpoint
+    picker's subset hint, in an aggregated pool): only those may take it."""
 
 
 @dataclass(eq=False, slots=True)
@@ -49,7 +53,8 @@ class Waiting:
     arrived: float
     outcome: asyncio.Future[object] = field(repr=False)
     """Once decided: the reason it was refused while waiting, or its release (the
-    placement flow control counts until it is sent, or None)."""
+    headroom's verdict: the prefills it may go to and where it is counted until it is
+    sent; or None)."""
 
     @property
     def tenant(self) -> str:

@@ -14,7 +14,7 @@ from typing import Protocol
 
 from gateway.http.answer import Answer
 from gateway.legs.deadline import Progress
-from gateway.requests.bodies import ParsedRequest
+from gateway.requests.request import Request
 from gateway.routing.plan import RoutePlan
 from gateway.settings.base import Role
 from gateway.workers.pool import Worker
@@ -44,9 +44,7 @@ class Failure:
 class Legs(Protocol):
     """A PD protocol's calls for one attempt on a chosen pair."""
 
-    async def run(
-        self, request: ParsedRequest, plan: RoutePlan, path: str, attempt: Attempt
-    ) -> Answer | Failure:
+    async def run(self, request: Request, plan: RoutePlan, attempt: Attempt) -> Answer | Failure:
         """The client's answer (whole, or a stream from its first piece on) or the
         attempt's failure; a worker's failure is never raised. Cancelling it cancels its
         calls."""

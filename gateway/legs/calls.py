@@ -132,14 +132,7 @@ class PairCalls:
         """The load of the plan's prefill: its uncached tokens queue there and its keys are
         pending there until it answers; for a decode that prefills the prompt itself
         (`plan.prefill` is the decode), until its first token (`decode(ticket=…)`)."""
-        choice = plan.prefill_choice
-        return self._loads.start_prefill(
-            plan.prefill.id,
-            choice.uncached_tokens,
-            cached_tokens=choice.hit_tokens,
-            keys=plan.keys,
-            dp_rank=plan.dp_rank,
-        )
+        return self._loads.start_prefill(plan.prefill_choice, plan.keys, plan.dp_rank)
 
     @staticmethod
     def prefill_failure(plan: RoutePlan, call: Call) -> Failure:

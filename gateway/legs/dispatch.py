@@ -25,12 +25,12 @@ from gateway.http.answer import Answer, error_body
 from gateway.legs.attempt import Attempt, Failure, Legs
 from gateway.legs.deadline import DeadlineWatch, Progress
 from gateway.legs.retry import RetrySchedule
-from gateway.policies.base import NoCandidates, RouteQuery
-from gateway.requests.bodies import ParsedRequest
+from gateway.policies.base import NoCandidates
+from gateway.requests.query import RouteQuery
+from gateway.requests.request import Request
 from gateway.routing.plan import RoutePlan
 from gateway.settings.base import Kind
 from gateway.telemetry.metrics import GatewayMetrics
-from gateway.telemetry.tracing import current
 from kvplumbing.clock import Sleep
 
 log = logging.getLogger(__name__)
@@ -67,18 +67,18 @@ class Dispatcher:
         self._sleep = sleep
         self.deadlines = DeadlineWatch(timeout)
 
-    async def forward(self, request: ParsedRequest, query: RouteQuery, path: str) -> Answer:
+    async def forward(self, request: Request) -> Answer:
         """The answer within the request deadline, or a 504 saying where it stopped."""
         deadlines = self.deadlines
         progress = deadlines.start()
         try:
-            outcome = await self._forward(request, query, path, progress)
+            outcome = await self._forward(request, progress)
         except asyncio.CancelledError:
             if not deadlines.finish(progress):
                 raise
-            stage = progress.stage
-            self._metrics.request_timeouts.labels(request.endpoint, stage).inc()
-            log.warning("%s: %s", request.endpoint, progress.message(deadlines.timeout))
+            endpoint, stage = request.parsed.endpoint, progress.stage
+            self._metrics.request_timeouts.labels(endpoint, stage).inc()
+            log.warning("%s: %s", endpoint, progress.message(deadlines.timeout))
             return progress.answer(deadlines.timeout)
         except BaseException:
             deadlines.finish(progress)
@@ -86,15 +86,13 @@ class Dispatcher:
         deadlines.finish(progress)
         return outcome
 
-    async def _forward(
-        self, request: ParsedRequest, query: RouteQuery, path: str, progress: Progress
-    ) -> Answer:
+    async def _forward(self, request: Request, progress: Progress) -> Answer:
         avoid: set[str] = set()
         last: Failure | None = None
         attempts = self._retries.max_attempts
         for number in range(attempts):
             try:
-                plan = self._chooser.plan(query, avoid)
+                plan = self._chooser.plan(request.query, avoid)
             except NoCandidates as exc:
                 if last is not None:
                     return last.answer
@@ -103,30 +101,31 @@ class Dispatcher:
                 _log_plan(request, plan, number)
             attempt = Attempt(number, number + 1 >= attempts, progress)
             legs = self._local if plan.local and self._local else self._legs[plan.prefill.kind]
-            outcome = await legs.run(request, plan, path, attempt)
+            outcome = await legs.run(request, plan, attempt)
             if not isinstance(outcome, Failure):
                 return outcome
             last = outcome
             avoid.add(outcome.worker.id)
             if not outcome.retryable or attempt.final:
                 break
-            self._metrics.retries.labels(request.endpoint, outcome.role).inc()
-            trace = current()
-            if trace is not None:
-                failed = {"attempt": number + 1, "role": outcome.role, "worker": outcome.worker.id}
-                trace.event("retry", failed)
+            self.retrying(request, outcome, number)
             progress.between_attempts = True
             await self._sleep(self._retries.delay(number))
         assert last is not None
         return last.answer
 
+    def retrying(self, request: Request, failure: Failure, attempt: int) -> None:
+        """Attempt `attempt` (0 for the first) ended in `failure` and another follows:
+        counted by the endpoint and the role that failed."""
+        self._metrics.retries.labels(request.parsed.endpoint, failure.role).inc()
 
-def _log_plan(request: ParsedRequest, plan: RoutePlan, attempt: int) -> None:
+
+def _log_plan(request: Request, plan: RoutePlan, attempt: int) -> None:
     """One line per attempt, so an operator can follow a room to both engines' logs."""
     choice = plan.prefill_choice
     log.debug(
         "%s attempt %d: prefill=%s pod=%s hit_tokens=%d dp_rank=%s decode=%s rooms=%s",
-        request.endpoint,
+        request.parsed.endpoint,
         attempt + 1,
         plan.prefill.id,
         plan.prefill.pod,

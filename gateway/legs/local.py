@@ -21,7 +21,8 @@ from gateway.legs.attempt import Attempt, Failure
 from gateway.legs.calls import PairCalls
 from gateway.legs.racing import answered_call
 from gateway.legs.vllm import decode_body
-from gateway.requests.bodies import ParsedRequest, encode_body
+from gateway.requests.bodies import encode_body
+from gateway.requests.request import Request
 from gateway.routing.plan import RoutePlan
 
 
@@ -33,21 +34,19 @@ class LocalLegs:
         self._ids = Random()
         """Request ids, as `gateway.legs.vllm.SequentialLegs` draws them."""
 
-    async def run(
-        self, request: ParsedRequest, plan: RoutePlan, path: str, attempt: Attempt
-    ) -> Answer | Failure:
+    async def run(self, request: Request, plan: RoutePlan, attempt: Attempt) -> Answer | Failure:
         pairing = b"%032x" % self._ids.getrandbits(128)
         extra = ((b"X-Request-Id", pairing), *request.trace_context)
-        payload = encode_body(decode_body(request.body, None))
+        payload = encode_body(decode_body(request.parsed.body, None))
         ticket = self._calls.prefill_load(plan)
         call = answered_call(asyncio.get_running_loop())
         attempt.progress.begin(attempt.number, plan.decode.id, plan.decode.id, call)
         return await self._calls.decode(
             plan,
             call,
-            path,
+            request.path,
             payload,
-            stream=request.stream,
+            stream=request.parsed.stream,
             progress=attempt.progress,
             extra=extra,
             ticket=ticket,

@@ -19,7 +19,8 @@ from typing import Any
 from gateway.http.answer import Answer
 from gateway.legs.attempt import Attempt, Failure
 from gateway.legs.calls import PairCalls
-from gateway.requests.bodies import Endpoint, ParsedRequest, batch_size, encode_body
+from gateway.requests.bodies import Endpoint, batch_size, encode_body
+from gateway.requests.request import Request
 from gateway.routing.plan import RoutePlan
 from gateway.routing.rooms import MAX_ROOM
 
@@ -57,13 +58,11 @@ class DualLegs:
     def __init__(self, calls: PairCalls) -> None:
         self._calls = calls
 
-    async def run(
-        self, request: ParsedRequest, plan: RoutePlan, path: str, attempt: Attempt
-    ) -> Answer | Failure:
-        prefill = plan.prefill
+    async def run(self, request: Request, plan: RoutePlan, attempt: Attempt) -> Answer | Failure:
+        prefill, parsed, path = plan.prefill, request.parsed, request.path
         body = inject_bootstrap(
-            request.body,
-            request.endpoint,
+            parsed.body,
+            parsed.endpoint,
             host=prefill.host,
             port=prefill.bootstrap_port,
             rooms=plan.rooms,
@@ -81,7 +80,7 @@ class DualLegs:
             call,
             path,
             decode_payload,
-            stream=request.stream,
+            stream=parsed.stream,
             progress=attempt.progress,
             extra=extra,
         )

@@ -1,11 +1,13 @@
-"""The legs' calls, each in a span, for a gateway that traces.
+"""The legs' calls, each in a span, and the retries between them, for a gateway that traces.
 
 `TracedCalls` is the `PairCalls` a gateway is built with when tracing is on
 (`gateway.serving.service.build_gateway`): every call to a prefill or a decode is a client
 span, a child of the request's (`gateway.telemetry.tracing.current`), whose context is the
 `traceparent` that worker receives; a failed call's span says why, a stream's decode span
-has a `first_byte` event and ends with the stream. A gateway that does not trace is built
-with `PairCalls` itself and runs none of this.
+has a `first_byte` event and ends with the stream. `TracedDispatcher` is its `Dispatcher`:
+each retry is a `retry` event of the request's span, naming the attempt that failed, its
+role and its worker. A gateway that does not trace is built with `PairCalls` and
+`Dispatcher` themselves and runs none of this.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from gateway.http.upstream import Extra
 from gateway.legs.attempt import Failure
 from gateway.legs.calls import PairCalls
 from gateway.legs.deadline import Progress
+from gateway.legs.dispatch import Dispatcher
 from gateway.legs.racing import Call
 from gateway.load.tracker import LoadTicket
+from gateway.requests.request import Request
 from gateway.routing.plan import RoutePlan
 from gateway.telemetry.tracing import CallTrace, TracedRequest, current
 
@@ -66,6 +70,13 @@ class TracedCalls(PairCalls):
         else:
             span.end(answer.status)
         return answer
+
+
+class TracedDispatcher(Dispatcher):
+    def retrying(self, request: Request, failure: Failure, attempt: int) -> None:
+        super().retrying(request, failure, attempt)
+        failed = {"attempt": attempt + 1, "role": failure.role, "worker": failure.worker.id}
+        _request().event("retry", failed)
 
 
 def _request() -> TracedRequest:

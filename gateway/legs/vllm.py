@@ -52,7 +52,8 @@ from gateway.http.answer import Answer
 from gateway.legs.attempt import Attempt, Failure
 from gateway.legs.calls import PairCalls
 from gateway.legs.racing import answered_call, failed
-from gateway.requests.bodies import ParsedRequest, encode_body
+from gateway.requests.bodies import encode_body
+from gateway.requests.request import Request
 from gateway.routing.plan import RoutePlan
 from gateway.telemetry.metrics import GatewayMetrics
 
@@ -150,14 +151,13 @@ class SequentialLegs:
         """Request ids: 128 random bits from a generator seeded by the OS. An id must not
         repeat, but nothing is guarded by its secrecy, so it needs no system call."""
 
-    async def run(
-        self, request: ParsedRequest, plan: RoutePlan, path: str, attempt: Attempt
-    ) -> Answer | Failure:
+    async def run(self, request: Request, plan: RoutePlan, attempt: Attempt) -> Answer | Failure:
+        body, path = request.parsed.body, request.path
         pairing = b"%032x" % self._ids.getrandbits(128)
         if request.request_id is not None:
             pairing = request.request_id.encode("ascii") + b"-" + pairing
         extra = ((b"X-Request-Id", pairing), *request.trace_context)
-        payload = encode_body(prefill_body(request.body))
+        payload = encode_body(prefill_body(body))
         call = self._calls.start_prefill(plan, path, payload, extra)
         attempt.progress.begin(attempt.number, plan.prefill.id, plan.decode.id, call)
         try:
@@ -175,9 +175,15 @@ class SequentialLegs:
             call = answered_call(call.get_loop())
         else:
             params = transfer_params(call.result().body)
-        payload = encode_body(decode_body(request.body, params))
+        payload = encode_body(decode_body(body, params))
         answer = await self._calls.decode(
-            plan, call, path, payload, stream=request.stream, progress=attempt.progress, extra=extra
+            plan,
+            call,
+            path,
+            payload,
+            stream=request.parsed.stream,
+            progress=attempt.progress,
+            extra=extra,
         )
         if prefilled and isinstance(answer, Answer):
             self._count(answer, params is not None, plan.decode.engine_block_size)

@@ -2,12 +2,13 @@
 and the prompts sent to each prefill that the index may not show yet.
 
 It changes through one verb per event, each with one ticket per request and worker, so
-finishing twice cannot corrupt it: `start_prefill` (a prompt sent to be prefilled: in
-flight, its uncached tokens queued, its block keys pending on the DP rank computing them),
-`start_decode` (in flight only), `prefill_done` (the prompt's KV computed, or not) and
-`finish`. The legs, the endpoint picker and the simulator call them alike; the policies read
-the load through the `Candidate` snapshots it makes. Other gateway replicas' loads join it
-through a `SharedView` when they share them.
+finishing twice cannot corrupt it: `start_prefill` (a prompt sent to the worker a policy
+chose to prefill it: in flight, its uncached tokens queued, its block keys pending on the DP
+rank computing them), `start_decode` (in flight only), `move` (a request served by another
+worker than the one chosen: in flight there only), `prefill_done` (the prompt's KV
+computed, or not) and `finish`. The legs, the endpoint picker and the simulator call them
+alike; the policies read the load through the `Candidate` snapshots it makes. Other gateway
+replicas' loads join it through a `SharedView` when they share them.
 """
 
 from __future__ import annotations
@@ -65,6 +66,15 @@ class LoadTicket:
     pending: PendingEntry | None = None
 
 
+class PrefillChoice(Protocol):
+    """A policy's choice of the worker to prefill a prompt (`gateway.policies.base.Choice`):
+    what of the prompt it is expected to hold and what to compute."""
+
+    worker: str
+    hit_tokens: int
+    uncached_tokens: int
+
+
 class SharedView(Protocol):
     """What other gateway replicas published (`gateway.replicas.shared_state`): added to this
     gateway's own view, and told what this one sends."""
@@ -96,33 +106,36 @@ class LoadTracker:
     _serials: Iterator[int] = field(default_factory=itertools.count, repr=False)
 
     def start_prefill(
-        self,
-        worker: str,
-        uncached_tokens: int,
-        *,
-        cached_tokens: int = 0,
-        keys: Sequence[int] = (),
-        dp_rank: int | None = None,
+        self, choice: PrefillChoice, keys: Sequence[int] = (), dp_rank: int | None = None
     ) -> LoadTicket:
-        """A prompt sent to `worker` to prefill: `uncached_tokens` queued there after the
-        `cached_tokens` it expects cached (their context, which makes them dearer), and
-        `keys`, the prompt's block keys, held as pending on `worker` (on `dp_rank`, when
-        known: `gateway.workers.pool.Directory.computing_rank`) until its prefill ends."""
+        """A prompt sent to the worker `choice` names to prefill: its uncached tokens
+        queued there after the tokens it is expected to hold (their context, which makes
+        them dearer), and `keys`, the prompt's block keys, held as pending there (on
+        `dp_rank`, when known: `gateway.routing.plan.RoutePlan.dp_rank`) until its prefill
+        ends."""
+        worker, uncached = choice.worker, choice.uncached_tokens
         load = self.loads.setdefault(worker, WorkerLoad())
         load.in_flight += 1
         serial = next(self._serials)
-        if uncached_tokens > 0:
-            load.progress.sent(serial, uncached_tokens, self.clock(), cached_tokens)
+        if uncached > 0:
+            load.progress.sent(serial, uncached, self.clock(), choice.hit_tokens)
         pending = self.pending.add(worker, keys, dp_rank) if keys and self.pending else None
         if pending is not None and self.shared is not None:
             self.shared.sent(serial, worker, keys, dp_rank)
-        return LoadTicket(worker, load, serial, prefill_open=uncached_tokens > 0, pending=pending)
+        return LoadTicket(worker, load, serial, prefill_open=uncached > 0, pending=pending)
 
     def start_decode(self, worker: str) -> LoadTicket:
         """A request sent to `worker` that prefills nothing there: in flight only."""
         load = self.loads.setdefault(worker, WorkerLoad())
         load.in_flight += 1
         return LoadTicket(worker, load, next(self._serials), prefill_open=False)
+
+    def move(self, ticket: LoadTicket, worker: str) -> LoadTicket:
+        """The request `ticket` holds was served by `worker` instead (an endpoint picker's
+        fallback): `ticket` ends, its prompt not computed where it was sent, and the
+        request is in flight on `worker` only, what it prefills there unknown."""
+        self.finish(ticket, computed=False)
+        return self.start_decode(worker)
 
     def pending_blocks(self, keys: Sequence[int]) -> Mapping[str, PendingHit]:
         if self.pending is None:

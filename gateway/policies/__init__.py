@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from random import Random
 
-from gateway.policies.base import Choice, NoCandidates, Policy, RouteQuery
+from gateway.policies.base import Choice, NoCandidates, Policy
 from gateway.policies.cache_aware import CacheAwarePolicy
 from gateway.policies.least_load import LeastLoadPolicy
 from gateway.policies.power_of_two import PowerOfTwoPolicy
@@ -24,7 +24,6 @@ __all__ = [
     "PrefixPolicy",
     "RandomPolicy",
     "RoundRobinPolicy",
-    "RouteQuery",
     "build_policy",
 ]
 

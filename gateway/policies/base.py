@@ -11,8 +11,7 @@ simulator replaying traces against a real `MemoryIndex` in simulated time:
     request = RouteQuery(tokens=tokens, text=None, lookup=lookup, now=sim_time,
                            pending=loads.pending_blocks(keys))   # sent, not yet indexed
     choice = policy.choose(request, loads.candidates(pods))      # (worker, pod) pairs
-    ticket = loads.start_prefill(choice.worker, choice.uncached_tokens,
-                                 cached_tokens=choice.hit_tokens, keys=keys)
+    ticket = loads.start_prefill(choice, keys)                   # queued on its worker
     ...                                                          # simulated prefill
     loads.prefill_done(ticket)                                   # KV computed (or failed:
                                                                  # computed=False)
@@ -22,86 +21,33 @@ simulator replaying traces against a real `MemoryIndex` in simulated time:
 - `Candidate` is a snapshot of one eligible worker: its id, the index pod it maps to and
   its load (requests in flight, prefill tokens queued). The caller has already removed
   unhealthy, circuit-open and not-ready workers.
-- `RouteQuery` is what choosing reads of one request, the same for all its attempts: the
-  prompt tokens (None when the gateway could not tokenize), the text (cache_aware's key
-  when there are no tokens), the index's answer (None when there was no index, no tokens,
-  or the index failed), `pending` (per worker, the leading blocks of the prompt this
-  gateway sent it that the index may not show yet: `gateway.load.pending`), `now`
-  (simulated or monotonic seconds) for policies that age state, the session and the
-  prefill the request names; and for the router, which candidates may serve it: the kind
-  of pair, the namespace (model, adapters) and the batch. What changes per attempt (the
-  workers to avoid) or per entry point (the endpoints a picker may choose among) is an
-  argument of the router's methods, never a field.
+- `RouteQuery` (`gateway.requests.query`) is what choosing reads of one request.
 - `Choice` names the worker, the DP rank the prompt's best hit is on (for DP-aware rooms),
   the hit it counted on, and `fallback` when the policy could not use what it prefers.
 - Randomness comes only from the `random.Random` given at construction: a seeded one
   makes every choice reproducible. State a policy keeps (round-robin position,
   cache_aware's tree) changes only inside `choose`.
-- Load changes only through the `LoadTracker`'s verbs (`start_prefill`, `start_decode`,
-  `prefill_done`, `finish`: `gateway.load.tracker`), which the legs, the endpoint picker
-  and the simulator call; policies read it through the candidates.
+- Load changes only through the `LoadTracker`'s verbs (`start_prefill`, given the
+  `Choice`, `start_decode`, `move`, `prefill_done`, `finish`: `gateway.load.tracker`),
+  which the legs, the endpoint picker and the simulator call; policies read it through the
+  candidates.
 - A policy says what it needs: `uses_index` asks for the index's answer, so the router
   looks the prompt up only for a policy that reads it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
-from gateway.load.pending import PendingHit
 from gateway.load.tracker import Candidate
-from gateway.requests.namespace import BASE, RequestNamespace
-from gateway.settings.base import Kind
-from globalkv.lookup import LookupResult
-
-# The value types below are built several times per request, so they are not frozen: a
-# frozen dataclass sets each field through object.__setattr__, several times slower
-# (docs/gateway-design.md). Treat them as read-only all the same.
+from gateway.requests.query import RouteQuery
 
 
-@dataclass(slots=True)
-class RouteQuery:
-    tokens: Sequence[int] | None
-    text: str | None = None
-    lookup: LookupResult | None = None
-    now: float = 0.0
-    pending: Mapping[str, PendingHit] = field(default_factory=dict)
-    """Worker id -> leading prompt blocks sent to it and not yet settled (index blocks)."""
-    prefill: str | None = None
-    """The prefill (worker id) that whoever routed the request named for it, as an endpoint
-    picker names it to a decode's sidecar: the chooser prefers it while it is eligible."""
-    session: str | None = None
-    """The conversation the client named (`gateway.policies.sessions`), if any."""
-    missing: str | None = None
-    """Why there are no tokens (no_tokenizer, not_tokenizable): the fallback counted."""
-    namespace: RequestNamespace = BASE
-    """Where the prompt's KV is cached: the lookup's namespace; its model and adapters
-    restrict the candidates."""
-    kind: Kind | None = None
-    """The PD protocol the pair must speak (SGLang's `/generate`: sglang), or any."""
-    batch: int | None = None
-    """Elements of a batch request (one room each); None for a single request."""
-
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self.tokens) if self.tokens is not None else 0
-
-    @property
-    def model(self) -> str | None:
-        return self.namespace.model
-
-    @property
-    def adapters(self) -> frozenset[str]:
-        return self.namespace.adapters
-
-    @property
-    def keys(self) -> Sequence[int]:
-        """The prompt's block keys, where the index was asked."""
-        return self.lookup.keys if self.lookup is not None else ()
-
-
+# Built several times per request, so not frozen: a frozen dataclass sets each field
+# through object.__setattr__, several times slower (docs/gateway-design.md). Treat it as
+# read-only all the same.
 @dataclass(slots=True)
 class Choice:
     worker: str

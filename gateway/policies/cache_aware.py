@@ -20,8 +20,9 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from gateway.load.tracker import Candidate
-from gateway.policies.base import Choice, Policy, RouteQuery
+from gateway.policies.base import Choice, Policy
 from gateway.policies.radix import RadixTree
+from gateway.requests.query import RouteQuery
 from gateway.settings.routing import CacheAwareConfig
 
 

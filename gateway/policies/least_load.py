@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from random import Random
 
 from gateway.load.tracker import Candidate
-from gateway.policies.base import Choice, RouteQuery
+from gateway.policies.base import Choice
+from gateway.requests.query import RouteQuery
 
 
 class LeastLoadPolicy:

@@ -63,11 +63,12 @@ from collections.abc import Sequence
 from dataclasses import replace
 from random import Random
 
+from gateway.load.held import held_prefixes
 from gateway.load.tracker import Candidate
-from gateway.policies.base import Choice, Policy, RouteQuery
-from gateway.policies.held import held_prefixes
+from gateway.policies.base import Choice, Policy
 from gateway.policies.placement import PlacementLedger
 from gateway.policies.sessions import SessionTable, Turn
+from gateway.requests.query import RouteQuery
 from gateway.settings.routing import PrefixWeights
 
 
@@ -107,7 +108,7 @@ class PrefixPolicy:
         block_size = request.lookup.block_size
         w = self._weights
         blocks = request.lookup.blocks
-        hits = held_prefixes(request, request.lookup, candidates)
+        hits = held_prefixes(request.lookup, candidates, request.pending)
         if last is not None:
             extended = _extended(last, request.lookup.keys) * block_size
             hits = [

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from gateway.load.tracker import Candidate
-from gateway.policies.base import Choice, RouteQuery
+from gateway.policies.base import Choice
+from gateway.requests.query import RouteQuery
 
 
 class RoundRobinPolicy:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 from array import array
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
@@ -154,10 +154,6 @@ class ParsedRequest:
     messages: list[dict[str, Any]] | None
     model: str | None = None
     """The model the client named: workers that advertise it serve it."""
-    request_id: str | None = None
-    """The client's request id (`gateway.serving.edge`), sent on to the workers."""
-    trace_context: Sequence[tuple[bytes, bytes]] = ()
-    """The client's W3C trace context, sent on to the workers as it came."""
 
 
 @dataclass(slots=True)

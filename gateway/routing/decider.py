@@ -42,9 +42,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from gateway.load.held import held_prefixes
 from gateway.load.tracker import Candidate
-from gateway.policies.base import Choice, RouteQuery
-from gateway.policies.held import held_prefixes
+from gateway.policies.base import Choice
+from gateway.requests.query import RouteQuery
 from gateway.settings.base import Kind
 from gateway.settings.routing import PdDeciderConfig
 
@@ -109,12 +110,12 @@ class PdDecider:
             min(
                 (c.remaining_prefill_tokens + max(prompt - hit, 0))
                 / (rate(c.worker) or default_rate)
-                for c, hit, _ in held_prefixes(request, lookup, prefills)
+                for c, hit, _ in held_prefixes(lookup, prefills, request.pending)
             )
             + prompt / self.config.transfer_tokens_per_s
         )
         best: tuple[float, Candidate, int, int | None] | None = None
-        for c, hit, dp_rank in held_prefixes(request, lookup, decodes):
+        for c, hit, dp_rank in held_prefixes(lookup, decodes, request.pending):
             speed = rate(c.worker) or default_rate
             uncached = max(prompt - hit, 0)
             stall = uncached / speed

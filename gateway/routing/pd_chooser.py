@@ -18,7 +18,8 @@ from typing import get_args
 from prometheus_client import Counter
 
 from gateway.load.tracker import Candidate
-from gateway.policies.base import NoCandidates, RouteQuery
+from gateway.policies.base import NoCandidates
+from gateway.requests.query import RouteQuery
 from gateway.routing.decider import PdDecider, PdDecision, local_capable
 from gateway.routing.plan import RoutePlan
 from gateway.routing.router import Router
@@ -44,8 +45,7 @@ class PdChooser:
         decode = self.router.pool.get(decision.decode.worker)
         if decode is None:
             raise NoCandidates("a chosen worker left the pool")
-        rank = decode.directory.computing_rank()
-        return RoutePlan(decode, decode, decision.choice, [], query.keys, rank, local=True)
+        return RoutePlan(decode, decode, decision.choice, [], query.keys, local=True)
 
     def _decide(self, query: RouteQuery, avoid: Collection[str]) -> PdDecision:
         if not self.decider.enabled:
@@ -60,7 +60,7 @@ class PdChooser:
             for c in router.candidates("decode", query, kind=local)
             if c.worker not in avoid
         ]
-        prefills = router.candidates("prefill", query, avoid)
+        prefills = router.prefills(query, avoid)
         if query.lookup is not None:
             query = replace(query, pending=router.loads.pending_blocks(query.lookup.keys))
         loads = router.loads

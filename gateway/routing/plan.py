@@ -19,11 +19,18 @@ class RoutePlan:
     rooms: list[int]
     keys: Sequence[int] = ()
     """The prompt's block keys, recorded as pending on the prefill while it computes them."""
-    dp_rank: int | None = None
-    """The prefill's DP rank that computes them, when known (`Directory.computing_rank`)."""
     local: bool = False
     """The decode prefills the prompt itself (`gateway.routing.decider`): `prefill` is the
     decode too, `prefill_choice` what it holds and computes, and there are no rooms."""
     pinned_dp_rank: int | None = None
     """With `--dp-aware`, the DP rank named in the request itself where the room cannot
     select it (the prefill does not follow the room)."""
+
+    @property
+    def dp_rank(self) -> int | None:
+        """The prefill's DP rank that computes the prompt, where it is known: the prefill's
+        rule (`Directory.computing_rank`) applied to the first room and the pinned rank,
+        the same for every plan, those without rooms (a local plan's, an endpoint
+        picker's: its decode's sidecar draws them) included."""
+        room = self.rooms[0] if self.rooms else None
+        return self.prefill.directory.computing_rank(room, self.pinned_dp_rank)

@@ -29,8 +29,9 @@ from random import Random
 from typing import Any
 
 from gateway.load.tracker import Candidate, LoadTracker
-from gateway.policies.base import Choice, NoCandidates, Policy, RouteQuery
+from gateway.policies.base import Choice, NoCandidates, Policy
 from gateway.requests.namespace import RequestNamespace, request_namespace
+from gateway.requests.query import RouteQuery
 from gateway.routing.plan import RoutePlan
 from gateway.routing.rooms import draw_room
 from gateway.settings.base import Kind, Role
@@ -176,6 +177,25 @@ class Router:
         decode = self.choose_decode(query, prefill.kind, avoid)
         return self.bind(query, prefill, choice, decode)
 
+    def prefills(
+        self,
+        query: RouteQuery,
+        avoid: Collection[str] = (),
+        among: Collection[str] | None = None,
+        kind: Kind | None = None,
+    ) -> list[Candidate]:
+        """The prefills `query` may go to: the eligible ones (`candidates`), only those in
+        `among` when given, and of those the ones flow control released it for
+        (`RouteQuery.within`) while any of them remains (a retry after they failed goes
+        elsewhere)."""
+        prefills = self.candidates("prefill", query, avoid, kind)
+        if among is not None:
+            prefills = [c for c in prefills if c.worker in among]
+        within = query.within
+        if within is not None:
+            prefills = [c for c in prefills if c.worker in within] or prefills
+        return prefills
+
     def choose_prefill(
         self,
         query: RouteQuery,
@@ -183,13 +203,11 @@ class Router:
         among: Collection[str] | None = None,
         kind: Kind | None = None,
     ) -> tuple[Worker, Choice, RouteQuery]:
-        """The prefill policy's choice among the eligible prefills that may serve `query`
-        (of `kind`, when given, else the query's; only those whose id is in `among`, when
+        """The prefill policy's choice among the prefills `query` may go to (`prefills`: of
+        `kind`, when given, else the query's; only those whose id is in `among`, when
         given: an endpoint picker's subset, a sidecar's named prefill), with the query as
         the policy read it (its pending blocks added); raises `NoCandidates`."""
-        prefills = self.candidates("prefill", query, avoid, kind)
-        if among is not None:
-            prefills = [c for c in prefills if c.worker in among]
+        prefills = self.prefills(query, avoid, among, kind)
         if not prefills:
             which = kind or query.kind
             kinds = "" if which is None else f", {which}"
@@ -242,9 +260,7 @@ class Router:
         pinned = wanted if self._dp_aware and not follows and dp_size > 1 and known else None
         count = 1 if query.batch is None else query.batch
         rooms = [draw_room(self._rooms, dp_size, dp_rank) for _ in range(count)]
-        computing = directory.computing_rank(rooms[0], pinned)
-        keys = query.lookup.keys if query.lookup is not None else ()
-        return RoutePlan(prefill, decode, choice, rooms, keys, computing, pinned_dp_rank=pinned)
+        return RoutePlan(prefill, decode, choice, rooms, query.keys, pinned_dp_rank=pinned)
 
     def record(self, choice: Choice, query: RouteQuery, paired: bool = True) -> None:
         """One decision counted: the prefill's outcome (hit, miss, fallback) and, `paired`,

@@ -1,13 +1,12 @@
 """One inference request, from its body to its answer: the handler of the gateway's server.
 
 The server (`gateway.http.server`) reads the request and writes the answer; everything in
-between is here: the API key, the request read (`gateway.serving.reading`: the body
-checks, 400 with the reason, the namespace, tokens), the index lookup (`Router.look_up`),
-the dispatcher, and the request metrics (count by status, time to first byte, duration).
-Reading the body within `--max-payload-size` is the server's part (it can refuse before
-reading); it reports a refusal through `refused` so that it is counted like any other
-answer. Admission control (`gateway.flow.admission`) comes after the API key and before
-everything else; request ids and CORS (`gateway.serving.edge`) are on every answer.
+between is here: the API key, the request's way in (`gateway.serving.intake`, the
+picker's too: read, looked up in the index, admitted by flow control or admission
+control), the dispatcher, and the request metrics (count by status, time to first byte,
+duration). Reading the body within `--max-payload-size` is the server's part (it can
+refuse before reading); it reports a refusal through `refused` so that it is counted like
+any other answer. Request ids and CORS (`gateway.serving.edge`) are on every answer.
 
 A client that goes away is the server's to notice: it cancels `handle` (counted as 499)
 or, once a stream is under way, closes the stream as `client_gone`, which cancels a
@@ -23,9 +22,9 @@ refused it.
 
 One path serves every request. Without tracing the client's W3C trace context goes to the
 workers as it came (`Incoming.trace_context`); with tracing (`gateway.telemetry.tracing`)
-the request's span is begun around that path and the lookup and the flow-control wait are
-stages of it, each wrapped once here when the handler is made, so a gateway that does not
-trace runs no tracing code per request; the calls' spans are the legs'
+the request's span is begun around that path and the lookups and the wait in a queue are
+stages of it, each wrapped once when the handler is made (`Intake`), so a gateway that
+does not trace runs no tracing code per request; the calls' spans are the legs'
 (`gateway.legs.traced`).
 """
 
@@ -35,29 +34,21 @@ import asyncio
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any
 
 import orjson
 
-from gateway.flow.admission import Admission
-from gateway.flow.control import Grant
-from gateway.flow.queues import FlowRequest
 from gateway.http.answer import After, Answer, Outcome, problem
-from gateway.policies.base import RouteQuery
-from gateway.requests.bodies import BadRequest
 from gateway.requests.headers import Picked
-from gateway.requests.namespace import UnknownAdapter
 from gateway.serving.edge import Edge, Headers
-from gateway.serving.reading import INFERENCE_PATHS, RequestReader
+from gateway.serving.intake import UNREADABLE, Intake, Place, refusal
+from gateway.serving.reading import INFERENCE_PATHS
 from gateway.serving.service import Gateway
 from gateway.telemetry.metrics import EndpointMetrics
-from gateway.telemetry.tracing import TRACE_HEADERS, Tracing, bind, current
-from globalkv.tokenize import TokenizeError
+from gateway.telemetry.tracing import TRACE_HEADERS, Tracing, bind
 from kvplumbing.auth import bearer_matches
 from kvplumbing.budget import BodyBudget
 
-T = TypeVar("T")
-R = TypeVar("R")
 _TRACE_ORDER = (b"traceparent", b"tracestate")
 
 
@@ -109,37 +100,22 @@ class Inference:
         self._gateway = gateway
         config = gateway.config
         self.edge = Edge(config.edge)
-        self._flow = gateway.flow
-        self._reader = RequestReader(
-            gateway.router,
-            gateway.tokenizer,
-            None if self._flow is None else self._flow.keys,
-            named_prefill=named_prefill,
-        )
+        tracing = gateway.tracing
+        self._intake = Intake(gateway, named_prefill=named_prefill, traced=tracing is not None)
         self._picked = frozenset(
-            {*self.edge.header_names, *self._reader.header_names, *TRACE_HEADERS, b"origin"}
+            {*self.edge.header_names, *self._intake.reader.header_names, *TRACE_HEADERS, b"origin"}
         )
         """The request headers read here: request ids, what the reader reads (sessions, the
         named prefill, flow control's), trace context and origin."""
-        self._admission = (
-            Admission(config.admission, gateway.clock, gateway.metrics.registry)
-            if config.admission.max_concurrent_requests > 0 and self._flow is None
-            else None
-        )
         self._metrics = {
             path: EndpointMetrics(gateway.metrics, endpoint)
             for path, endpoint in INFERENCE_PATHS.items()
         }
-        self._look_up: Callable[[RouteQuery], Awaitable[None]] = gateway.router.look_up
-        self._enter: Callable[[FlowRequest], Awaitable[Grant | Answer]] | None = (
-            None if self._flow is None else self._flow.enter
-        )
+        self._passes_trace = tracing is None
+        """The client's trace context goes to the workers as it came: the gateway does not
+        trace (a traced request's calls carry their own span's)."""
         self._answer: Callable[[Incoming], Awaitable[Answer]] = self._serve
-        tracing = gateway.tracing
         if tracing is not None:
-            self._look_up = _stage("route", self._look_up)
-            if self._enter is not None:
-                self._enter = _stage("queue", self._enter)
             self._answer = _traced(tracing, self._serve)
 
     @property
@@ -166,7 +142,7 @@ class Inference:
         picked = {name: value for name, value in headers if name in self._picked}
         request_id = self.edge.request_id(path, picked)
         trace_context: Headers = ()
-        if picked and not TRACE_HEADERS.isdisjoint(picked):
+        if self._passes_trace and picked and not TRACE_HEADERS.isdisjoint(picked):
             trace_context = tuple((n, picked[n]) for n in _TRACE_ORDER if n in picked)
         incoming = Incoming(path, body, headers, picked, authorization, request_id, trace_context)
         answer = await self._answer(incoming)
@@ -177,68 +153,55 @@ class Inference:
         return answer
 
     async def _serve(self, incoming: Incoming) -> Answer:
-        """The answer once the API key is right and admission control let the request in;
-        the place the request holds (admission's, or flow control's once it has one) is
-        given back once the answer is over (a stream's when it closes), whatever happens."""
+        """The answer once the API key is right and the request admitted (`Intake`); the
+        place it holds is given back once the answer is over (a stream's when it closes),
+        whatever happens."""
         if not bearer_matches(incoming.authorization, self._gateway.config.api_key):
             message = "missing or wrong API key (Authorization: Bearer …)"
             return self._refuse(incoming.path, problem(401, message, "auth_error"))
-        release: Callable[[], None] | None = None
-        admission = self._admission
-        if admission is not None:
-            refusal = await admission.admit()
-            if refusal is not None:
-                return self._refuse(incoming.path, refusal)
-            release = admission.release
         gateway = self._gateway
         path = incoming.path
         metrics = self._metrics[path]
         started = gateway.clock()
-        grant: Grant | None = None
+        place: Place | None = None
         try:
-            read = await self._reader.read(
-                INFERENCE_PATHS[path], incoming.body, incoming.picked, incoming.authorization
+            admitted = await self._intake.admit(
+                path,
+                incoming.body,
+                incoming.picked,
+                incoming.authorization,
+                request_id=incoming.request_id,
+                trace_context=incoming.trace_context,
             )
-            parsed, query = read.parsed, read.query
-            parsed.request_id = incoming.request_id
-            parsed.trace_context = incoming.trace_context
-            await self._look_up(query)
-            if self._enter is not None and read.flow is not None:
-                entered = await self._enter(read.flow)
-                if isinstance(entered, Answer):
-                    return self._refuse(path, entered, release)
-                grant = entered
-                release = grant.release
-                if grant.waited:  # placed on what the index shows now
-                    await self._look_up(query)
-                grant.sent()  # its load is tracked from here on, before any await
-            answer = await gateway.dispatcher.forward(parsed, query, path)
-        except (BadRequest, TokenizeError) as exc:  # BadRequest also from the first attempt
-            return self._refuse(path, problem(400, str(exc)), release)
-        except UnknownAdapter as exc:
-            return self._refuse(path, problem(404, str(exc), "NotFoundError"), release)
+            if isinstance(admitted, Answer):
+                return self._refuse(path, admitted)
+            place = admitted.place
+            assert admitted.request is not None, "an inference path"
+            answer = await gateway.dispatcher.forward(admitted.request)
+        except UNREADABLE as exc:  # the first attempt's BadRequest
+            return self._refuse(path, refusal(exc), place)
         except asyncio.CancelledError:
-            if release is not None:
-                release()
+            if place is not None:
+                place.release()
             metrics.ttfb.observe(gateway.clock() - started)
             metrics.answered(499)
             raise
         except BaseException:
-            if release is not None:
-                release()
+            if place is not None:
+                place.release()
             raise
         now = gateway.clock()
         metrics.ttfb.observe(now - started)
         if answer.status >= 400 and answer.rest is None and path != "/generate":
             answer = openai_error(answer)
         if answer.rest is not None:
-            if grant is not None:
-                grant.started()
-            ended = partial(self._stream_ended, metrics, started, answer.status, release)
+            if place is not None:
+                place.started()
+            ended = partial(self._stream_ended, metrics, started, answer.status, place)
             answer.rest = After(answer.rest, ended)
             return answer
-        if release is not None:
-            release()
+        if place is not None:
+            place.release()
         metrics.latency.observe(now - started)
         metrics.answered(answer.status)
         return answer
@@ -248,38 +211,21 @@ class Inference:
         metrics: EndpointMetrics,
         started: float,
         status: int,
-        release: Callable[[], None] | None,
+        place: Place | None,
         outcome: Outcome,
     ) -> None:
         """A stream's request is over: measured (duration, status), its place given back."""
         metrics.latency.observe(self._gateway.clock() - started)
         metrics.answered(status)
-        if release is not None:
-            release()
+        if place is not None:
+            place.release()
 
-    def _refuse(
-        self, path: str, answer: Answer, release: Callable[[], None] | None = None
-    ) -> Answer:
+    def _refuse(self, path: str, answer: Answer, place: Place | None = None) -> Answer:
         """`answer`, a refusal, counted; the place the request held given back."""
-        if release is not None:
-            release()
+        if place is not None:
+            place.release()
         self.refused(path, answer)
         return answer
-
-
-def _stage(name: str, step: Callable[[T], Awaitable[R]]) -> Callable[[T], Awaitable[R]]:
-    """`step`, a stage of the traced request it serves: a child span of the request's."""
-
-    async def in_span(arg: T) -> R:
-        trace = current()
-        assert trace is not None, "bound by the request's span (_traced)"
-        span = trace.stage(name)
-        try:
-            return await step(arg)
-        finally:
-            span.end()
-
-    return in_span
 
 
 def _traced(
@@ -292,7 +238,6 @@ def _traced(
     async def in_span(incoming: Incoming) -> Answer:
         traced = tracing.begin(incoming.path, incoming.headers)
         bind(traced)
-        incoming.trace_context = ()
         try:
             answer = await respond(incoming)
         except BaseException:

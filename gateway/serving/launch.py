@@ -75,13 +75,14 @@ async def _index_parts(
     return None, None
 
 
-async def _share_state(config: GatewayConfig, gateway: Gateway, stack: AsyncExitStack) -> None:
-    """Share loads and pending prompts with the other replicas until the gateway closes
-    (its own client: a blocked pub/sub read must not hold one of the index's)."""
+def shared_state(
+    config: GatewayConfig, gateway: Gateway, redis: redis_client.Client
+) -> SharedState:
+    """What `gateway` shares with the other replicas through `redis`, wired in: its loads
+    and pending prompts, and its flow control's state. The same for every command (the
+    gateway, a picker, a sidecar), so replicas of any of them share with each other; its
+    rounds are `SharedState.run`'s."""
     assert config.share_state_interval_secs is not None
-    assert config.redis_url is not None
-    redis = redis_client.connect(config.redis_url)
-    stack.push_async_callback(redis.aclose)
     grace = config.prefix.pending_grace_secs
     shared = SharedState(
         redis,
@@ -94,6 +95,16 @@ async def _share_state(config: GatewayConfig, gateway: Gateway, stack: AsyncExit
     )
     gateway.loads.shared = shared
     shared.flow = gateway.flow
+    return shared
+
+
+async def _share_state(config: GatewayConfig, gateway: Gateway, stack: AsyncExitStack) -> None:
+    """Share with the other replicas until the gateway closes (its own client: a blocked
+    pub/sub read must not hold one of the index's)."""
+    assert config.redis_url is not None
+    redis = redis_client.connect(config.redis_url)
+    stack.push_async_callback(redis.aclose)
+    shared = shared_state(config, gateway, redis)
     task = asyncio.create_task(shared.run(), name="shared state")
 
     async def stop() -> None:

@@ -12,8 +12,11 @@ request's path, body and headers into what it is served by, here and only here:
   (`gateway.requests.headers`);
 - with flow control, its flow (tenant and objective, `gateway.flow.keys`) and its price;
 
-the choosing part of it gathered in one `RouteQuery`. The index is asked after
-(`Router.look_up`): a request flow control holds is looked up again when its turn comes.
+the choosing part of it gathered in one `RouteQuery`, and all of it, with the path and
+what of the client's headers the workers are sent, in one `Request`
+(`gateway.requests.request`), made here once and read unchanged down to the legs. The
+index is asked after (`Router.look_up`): a request flow control holds is looked up again
+when its turn comes.
 
 A prompt to tokenize in a body over `TOKENIZE_INLINE_MAX` bytes is tokenized in a worker
 thread: a long text held the event loop, and every other request with it, for as long as
@@ -24,14 +27,12 @@ where a thread would cost more than the work.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 from gateway.flow.keys import FlowKeys
 from gateway.flow.queues import FlowRequest
-from gateway.policies.base import RouteQuery
 from gateway.requests.bodies import (
     Endpoint,
-    ParsedRequest,
     PromptTokens,
     decode_body,
     parse_request,
@@ -44,6 +45,8 @@ from gateway.requests.headers import (
     named_prefill,
     session,
 )
+from gateway.requests.query import RouteQuery
+from gateway.requests.request import Request
 from gateway.routing.router import Router
 from globalkv.tokenize import Tokenizer
 
@@ -53,17 +56,6 @@ INFERENCE_PATHS: dict[str, Endpoint] = {
     "/v1/completions": "completions",
     "/v1/chat/completions": "chat",
 }
-
-
-@dataclass(slots=True)
-class ReadRequest:
-    """An inference request as every entry point reads it."""
-
-    parsed: ParsedRequest
-    query: RouteQuery
-    """What choosing reads of it (its index lookup still to come)."""
-    flow: FlowRequest | None
-    """Its flow and price for flow control; None without flow control."""
 
 
 class RequestReader:
@@ -91,13 +83,22 @@ class RequestReader:
         """The request headers `read` looks at (names in lowercase)."""
 
     async def read(
-        self, endpoint: Endpoint, body: bytes, picked: Picked, authorization: str | None = None
-    ) -> ReadRequest:
-        """The request of `body` to `endpoint`, `picked` holding its `header_names` it sent.
+        self,
+        path: str,
+        body: bytes,
+        picked: Picked,
+        authorization: str | None = None,
+        request_id: str | None = None,
+        trace_context: Sequence[tuple[bytes, bytes]] = (),
+    ) -> tuple[Request, FlowRequest | None]:
+        """The request of `body` to `path` (one of `INFERENCE_PATHS`), `picked` holding its
+        `header_names` it sent, and with flow control its flow and price (None without).
+        `request_id` and `trace_context`: what of its headers the workers are sent.
 
         Raises `gateway.requests.bodies.BadRequest` (a body or header that cannot be
         read), `gateway.requests.namespace.UnknownAdapter` and
         `globalkv.tokenize.TokenizeError` (messages the chat template refuses)."""
+        endpoint = INFERENCE_PATHS[path]
         named = named_prefill(picked) if self._named_prefill and picked else None
         parsed = parse_request(endpoint, decode_body(body))
         namespace = self._router.namespace(parsed.body)
@@ -120,7 +121,7 @@ class RequestReader:
         if self._flow is not None:
             key = self._flow.read(picked, namespace.lora_name, authorization)
             flow = FlowRequest(key, _price(tokens, len(body)), len(body), query)
-        return ReadRequest(parsed, query, flow)
+        return Request(path, parsed, query, request_id, trace_context), flow
 
 
 def _price(tokens: PromptTokens, size: int) -> int:

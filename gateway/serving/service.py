@@ -30,7 +30,7 @@ from gateway.legs.dispatch import Chooser, Dispatcher
 from gateway.legs.local import LocalLegs
 from gateway.legs.retry import RetrySchedule
 from gateway.legs.sglang import DualLegs
-from gateway.legs.traced import TracedCalls
+from gateway.legs.traced import TracedCalls, TracedDispatcher
 from gateway.legs.vllm import SequentialLegs
 from gateway.load.pending import PendingPrefixes
 from gateway.load.tracker import LoadTracker
@@ -204,7 +204,7 @@ def build_gateway(
         "sglang": DualLegs(calls),
         "vllm": SequentialLegs(calls, metrics, allow_recompute=config.vllm_allow_recompute),
     }
-    dispatcher = Dispatcher(
+    dispatcher = (Dispatcher if tracing is None else TracedDispatcher)(
         PdChooser(router, PdDecider(config.pd_decider), metrics.pd_decisions)
         if chooser is None
         else chooser(router),

@@ -20,7 +20,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection
 
-from gateway.policies.base import NoCandidates, RouteQuery
+from gateway.policies.base import NoCandidates
+from gateway.requests.query import RouteQuery
 from gateway.routing.plan import RoutePlan
 from gateway.routing.router import Router
 

@@ -19,6 +19,7 @@ from enginesim.latency import PrefillModel, PrefillScheduler
 from enginesim.metrics import EngineMetrics
 from enginesim.prefill import DPRank
 from gateway import policies as gateway_policies
+from gateway.requests.query import RouteQuery
 from gateway.settings.base import PolicyName
 from gateway.settings.routing import PrefixWeights
 from tests.bench.traces import row, write_trace
@@ -173,7 +174,7 @@ async def test_the_simulation_routes_every_request_through_the_policy_it_built(
         real = policy.choose
 
         def choose(
-            request: gateway_policies.RouteQuery,
+            request: RouteQuery,
             candidates: Any,
         ) -> gateway_policies.Choice:
             choice = real(request, candidates)
@@ -323,9 +324,7 @@ async def test_the_simulated_prefills_report_their_capacity_to_the_policy(
         policy = gateway_policies.build_policy(name, rng, **kwargs)
         real = policy.choose
 
-        def choose(
-            request: gateway_policies.RouteQuery, candidates: Any
-        ) -> gateway_policies.Choice:
+        def choose(request: RouteQuery, candidates: Any) -> gateway_policies.Choice:
             seen.append({(c.worker, c.cache_capacity_tokens) for c in candidates})
             return real(request, candidates)
 

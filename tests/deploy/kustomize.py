@@ -7,6 +7,7 @@ by relative path, so the test's kustomization lives in a temporary directory bes
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Sequence
@@ -50,9 +51,11 @@ def composed(
     resources: Sequence[str] = (),
     components: Sequence[str] = (),
     files: dict[str, str] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """A kustomization written in `where` (with `files` beside it), of `resources` and of
-    `components`, which are directories of deploy/kubernetes."""
+    `components`, which are directories of deploy/kubernetes, and the `extra` fields a
+    user's kustomization adds (`patches`, a `configMapGenerator`)."""
     where.mkdir(parents=True, exist_ok=True)
     for name, text in (files or {}).items():
         (where / name).write_text(text)
@@ -64,25 +67,39 @@ def composed(
         ],
         "components": [os.path.relpath(KUSTOMIZE / c, where) for c in components],
         "images": [{"name": "globalkv", "newName": "registry.example.com/globalkv"}],
+        **(extra or {}),
     }
     (where / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
     return render(where)
 
 
-def engines(where: Path) -> list[dict[str, Any]]:
-    """A user's SGLang prefill and decode Deployments, labelled by role, with the engine
-    components applied."""
+def documented_kv_events_config() -> str:
+    """The prefills' `--kv-events-config` as docs/kubernetes.md gives it."""
+    doc = (ROOT / "docs" / "kubernetes.md").read_text()
+    found = re.search(r"SGLang `--kv-events-config '([^']+)'`", doc)
+    assert found, "docs/kubernetes.md gives no --kv-events-config"
+    return found.group(1)
+
+
+def engines(where: Path, extra: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """A user's SGLang prefill and decode Deployments, labelled by role, the prefill
+    publishing KV events as docs/kubernetes.md says, with the engine components applied
+    (and the `extra` fields of the user's kustomization)."""
     files = {f"{role}.yaml": yaml.safe_dump(_engine(role)) for role in ("prefill", "decode")}
     return composed(
         where,
         resources=list(files),
         components=["components/prefill-engines", "components/decode-sidecars"],
         files=files,
+        extra=extra,
     )
 
 
 def _engine(role: str) -> dict[str, Any]:
     labels = {"app": f"sglang-{role}"}
+    args = ["python3", "-m", "sglang.launch_server"]
+    if role == "prefill":
+        args += ["--kv-events-config", documented_kv_events_config()]
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -97,7 +114,7 @@ def _engine(role: str) -> dict[str, Any]:
                         {
                             "name": "engine",
                             "image": "lmsysorg/sglang:v0.5.23",
-                            "args": ["python3", "-m", "sglang.launch_server"],
+                            "args": args,
                             "ports": [{"name": "http", "containerPort": 30000}],
                         }
                     ]
@@ -116,15 +133,16 @@ def container_env(
     objects: list[dict[str, Any]],
     *,
     secret: str | None = None,
-    namespace: str | None = None,
+    pod: dict[str, str] | None = None,
 ) -> dict[str, str]:
     """The container's variables as the kubelet would set them: values, ConfigMap keys read
-    from `objects`, and, when given, `secret` for each Secret key and `namespace` for the
-    pod's namespace."""
+    from `objects`, and, when given, `secret` for each Secret key and `pod`'s fields
+    (`metadata.name`, `metadata.namespace`) for the downward API's."""
     maps = by_kind(objects, "ConfigMap")
     env: dict[str, str] = {}
     for item in container.get("env", []):
         source = item.get("valueFrom", {})
+        field = source.get("fieldRef", {}).get("fieldPath")
         if "value" in item:
             env[item["name"]] = item["value"]
         elif "configMapKeyRef" in source:
@@ -132,6 +150,6 @@ def container_env(
             env[item["name"]] = maps[ref["name"]]["data"][ref["key"]]
         elif "secretKeyRef" in source and secret is not None:
             env[item["name"]] = secret
-        elif source.get("fieldRef", {}).get("fieldPath") == "metadata.namespace" and namespace:
-            env[item["name"]] = namespace
+        elif pod is not None and field in pod:
+            env[item["name"]] = pod[field]
     return env

@@ -35,6 +35,7 @@ from tests.support.kubeconfig import write_kubeconfig
 KUBERNETES_VERSION = "1.32.0"
 CONFIGURATION = (ROOT / "docs" / "configuration.md").read_text()
 KUBERNETES_DOC = (ROOT / "docs" / "kubernetes.md").read_text()
+DOCKERFILE = (ROOT / "Dockerfile").read_text()
 CRDS = {
     ("gateway.networking.k8s.io/v1", "HTTPRoute"): "httproute-v1.schema.json",
     ("inference.networking.k8s.io/v1", "InferencePool"): "inferencepool-v1.schema.json",
@@ -98,7 +99,9 @@ def test_the_monitoring_and_engine_components_are_valid(tmp_path: Path) -> None:
         resources=["overlays/in-cluster-redis"],
         components=["components/monitoring"],
     )
-    assert {"globalkv", "globalkv-indexer"} == set(by_kind(monitored, "ServiceMonitor"))
+    assert {"globalkv", "globalkv-indexer", "globalkv-sidecar"} == set(
+        by_kind(monitored, "ServiceMonitor")
+    )
     assert set(by_kind(monitored, "PrometheusRule")) == {"globalkv"}
     validate(monitored)
     validate(engines(tmp_path / "engines"))
@@ -217,11 +220,26 @@ def test_the_inference_pool_selects_the_decodes_sidecars_and_names_the_epp(
 
 def test_the_prefill_pods_carry_what_the_gateway_follows(tmp_path: Path) -> None:
     gateway = env_of(overlay("router-only"), "globalkv-gateway")
-    prefill = by_kind(engines(tmp_path), "Deployment")["sglang-prefill"]["spec"]["template"]
+    objects = engines(tmp_path)
+    prefill = by_kind(objects, "Deployment")["sglang-prefill"]["spec"]["template"]
     wanted = dict(p.split("=") for p in gateway["GLOBALKV_GATEWAY_PREFILL_SELECTOR"].split(","))
     assert wanted.items() <= prefill["metadata"]["labels"].items()
     assert prefill["metadata"]["annotations"]["sglang.ai/bootstrap-port"].isdigit()
     assert [c["name"] for c in prefill["spec"]["containers"]] == ["engine"]
+    assert not by_kind(objects, "ConfigMap"), "the component's local-config is not rendered"
+
+
+def test_the_prefill_engines_topic_names_its_pod(tmp_path: Path) -> None:
+    """The documented `--kv-events-config` names the pod by `$(POD_NAME)`, which the kubelet
+    expands only from a variable the container defines: the component defines it, from the
+    pod's name."""
+    prefill = by_kind(engines(tmp_path), "Deployment")["sglang-prefill"]["spec"]["template"]
+    (engine,) = prefill["spec"]["containers"]
+    referred = set(re.findall(r"\$\((\w+)\)", " ".join(engine["args"])))
+    assert referred == {"POD_NAME"}
+    pod = {"metadata.name": "sglang-prefill-6c9f7b8d4-abcde", "metadata.namespace": "llm"}
+    env = container_env(engine, [], pod=pod)
+    assert env == {"POD_NAME": pod["metadata.name"]}
 
 
 def env_of(objects: list[dict[str, Any]], deployment: str) -> dict[str, str]:
@@ -229,15 +247,30 @@ def env_of(objects: list[dict[str, Any]], deployment: str) -> dict[str, str]:
     return container_env(spec["containers"][0], objects)
 
 
-def documented_extras() -> list[str]:
-    """The extras of the image docs/kubernetes.md builds (`--build-arg EXTRAS=…`)."""
-    (line,) = re.findall(r"docker build --build-arg EXTRAS=(\S+)", KUBERNETES_DOC)
-    return line.split(",")
+def image_extras() -> list[str]:
+    """The extras of the image `docker build .` makes: the Dockerfile's default EXTRAS."""
+    (default,) = re.findall(r'^ARG EXTRAS="([^"]*)"$', DOCKERFILE, re.M)
+    return [e for e in default.split(",") if e]
+
+
+def test_the_documented_image_is_the_default_build() -> None:
+    """docs/kubernetes.md builds the image as `docker build .` does: no `--build-arg
+    EXTRAS`, which would replace the default extras the checks below were run with."""
+    builds = re.findall(r"^docker build .*$", KUBERNETES_DOC, re.M)
+    assert builds
+    for line in builds:
+        assert "EXTRAS" not in line, line
+    assert f"default, `{','.join(image_extras())}`," in DOCKERFILE
+
+
+POD = {"metadata.name": "globalkv-7d9f8c6b5-x2x4q", "metadata.namespace": "llm"}
+"""A stand-in pod's fields, for the variables the manifests take from the downward API."""
 
 
 def commands(name: str, tmp_path: Path) -> list[tuple[str, str, dict[str, str]]]:
     """(where, command, environment) of every globalkv container the overlay deploys, and
-    of the decode sidecar, as the kubelet starts them (Secrets as stand-ins)."""
+    of the decode sidecar, as the kubelet starts them (Secrets and the pod as stand-ins):
+    every variable the manifest defines, none left out."""
     objects = overlay(name)
     containers = [
         (n, c)
@@ -254,7 +287,8 @@ def commands(name: str, tmp_path: Path) -> list[tuple[str, str, dict[str, str]]]
         if "globalkv" not in container["image"]:
             continue
         (command,) = container["args"]
-        env = container_env(container, objects, secret="s3cret", namespace="llm")
+        env = container_env(container, objects, secret="s3cret", pod=POD)
+        assert set(env) == {e["name"] for e in container["env"]}, where
         env = {k: "redis://redis:6379/0" if k.endswith("_REDIS_URL") else v for k, v in env.items()}
         found.append((where, command, env))
     return found
@@ -273,12 +307,12 @@ def host_env() -> dict[str, str]:
 def test_each_command_starts_as_deployed_in_the_documented_image(name: str, tmp_path: Path) -> None:
     """Every `GLOBALKV_<COMMAND>_*` variable is one of the command's flags, and the command
     passes `globalkv --check` with its manifest's settings, where only the extras of the
-    documented image can be imported, given the credentials a pod has (a kubeconfig stands
+    default image can be imported, given the credentials a pod has (a kubeconfig stands
     in for its service account). A gateway, picker or sidecar routes prompts by prefix:
     an index, a tokenizer and a model are set."""
     kubeconfig = str(write_kubeconfig(tmp_path / "kubeconfig"))
     base = host_env()
-    extras = documented_extras()
+    extras = image_extras()
     for where, command, env in commands(name, tmp_path):
         prefix = f"GLOBALKV_{command.upper()}_"
         for variable in env:
@@ -296,14 +330,21 @@ def test_each_command_starts_as_deployed_in_the_documented_image(name: str, tmp_
             assert f"tokenizer: {env[prefix + 'TOKENIZER']} (Hugging Face id" in said, said
 
 
-def test_without_the_epp_extra_the_picker_would_not_start(tmp_path: Path) -> None:
-    """The check above can fail: the picker in an image without the `epp` extra."""
-    (epp,) = [c for c in commands("in-cluster-redis", tmp_path) if c[1] == "epp"]
+@pytest.mark.parametrize("extra", image_extras())
+def test_each_extra_of_the_image_is_needed(extra: str, tmp_path: Path) -> None:
+    """The check above can fail: without any one of the image's extras, some command the
+    manifests deploy would not start, and says which extra to install."""
+    kept = [e for e in image_extras() if e != extra]
     kubeconfig = str(write_kubeconfig(tmp_path / "kubeconfig"))
-    env = {**host_env(), "KUBECONFIG": kubeconfig, **epp[2]}
-    done = run_with_extras(["kubernetes"], ["--check", "epp"], env)
-    assert done.returncode == 2
-    assert "pip install 'globalkv[epp]'" in done.stderr
+    for _, command, env in commands("in-cluster-redis", tmp_path):
+        done = run_with_extras(
+            kept, ["--check", command], {**host_env(), "KUBECONFIG": kubeconfig, **env}
+        )
+        if done.returncode != 0:
+            assert done.returncode == 2, done.stderr
+            assert f"pip install 'globalkv[{extra}]'" in done.stderr, done.stderr
+            return
+    pytest.fail(f"every command starts without the {extra} extra")
 
 
 def test_the_docs_edit_files_not_kustomize() -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 from tests.deploy import dashboard
-from tests.deploy.kustomize import COMPONENTS, by_kind, composed, needs_kubectl
+from tests.deploy.kustomize import COMPONENTS, by_kind, composed, engines, needs_kubectl
 
 MONITORING = COMPONENTS / "monitoring"
 TARGET_LABELS = {"namespace", "job", "pod", "instance", "service", "endpoint", "container"}
@@ -64,11 +64,34 @@ def test_the_rules_select_the_jobs_the_service_monitors_make(tmp_path: Path) -> 
             for endpoint in monitor["spec"]["endpoints"]:
                 assert endpoint["port"] in ports, (monitor["metadata"]["name"], service)
             scraped.add(service["metadata"]["name"])
-    assert scraped == {"globalkv-gateway", "globalkv-epp", "globalkv-indexer"}
+    assert scraped == {"globalkv-gateway", "globalkv-epp", "globalkv-indexer", "globalkv-sidecar"}
     for rule in rules():
         for job in re.findall(r'job=~"([^"]+)"', rule["expr"]):
             matched = {name for name in scraped if re.fullmatch(job, name)}
             assert matched == scraped, (rule["alert"], job)
+        for job in re.findall(r'job="([^"]+)"', rule["expr"]):
+            assert job in scraped, (rule["alert"], job)
+
+
+@needs_kubectl
+def test_the_sidecars_service_finds_each_decode_pods_sidecar(tmp_path: Path) -> None:
+    """The sidecars have no Service of their own to serve; the one the monitoring
+    selects them by matches the decode pods the engine components make, on the port the
+    sidecar serves /metrics on."""
+    service = by_kind(
+        composed(tmp_path / "globalkv", resources=["overlays/in-cluster-redis"]), "Service"
+    )["globalkv-sidecar"]["spec"]
+    decode = by_kind(engines(tmp_path / "engines"), "Deployment")["sglang-decode"]["spec"][
+        "template"
+    ]
+    assert service["selector"].items() <= decode["metadata"]["labels"].items()
+    (port,) = service["ports"]
+    (sidecar,) = [c for c in decode["spec"]["containers"] if c["name"] == "globalkv-sidecar"]
+    named = {p["name"]: p["containerPort"] for p in sidecar["ports"]}
+    assert named[port["targetPort"]] == port["port"]
+    sidecar_env = {e["name"]: e.get("value") for e in sidecar["env"]}
+    assert sidecar_env["GLOBALKV_SIDECAR_PORT"] == str(port["port"])
+    assert sidecar_env["GLOBALKV_SIDECAR_PROMETHEUS_PORT"] == "0"  # /metrics on that port
 
 
 def _selects(selector: dict[str, Any], service: dict[str, Any]) -> bool:

@@ -112,6 +112,29 @@ async def test_a_full_queue_and_bad_flow_headers_are_refused_saying_why(flow_epp
     await finish(first)
 
 
+@pytest.mark.parametrize(
+    ("header", "value"),
+    [
+        ("x-llm-d-inference-objective", "NOT A NAME"),
+        ("x-gateway-inference-objective", "premium!"),
+        ("x-llm-d-slo-ttft-ms", "-1"),
+        ("x-slo-ttft-ms", "soon"),
+        ("x-llm-d-slo-ttft-ms", "nan"),
+        ("x-llm-d-inference-fairness-id", "tab\there"),
+    ],
+)
+async def test_a_flow_header_that_cannot_be_read_is_a_400_naming_it(
+    flow_epp: Epp, header: str, value: str
+) -> None:
+    answers = await flow_epp.exchange(request(completion(), extra={header: value}))
+    assert status(answers[0]) == 400
+    error = json.loads(answers[0].immediate_response.body)["error"]
+    assert header in error["message"]
+    flow_control = flow_epp.gateway.flow
+    assert flow_control is not None
+    assert (flow_control.running, len(flow_control.queues)) == (0, 0), "nothing held"
+
+
 def more_time(answer: ProcessingResponse) -> float:
     """The seconds an answer asks the data plane to wait for the pick (0: it asks none)."""
     if not answer.HasField("override_message_timeout"):

@@ -14,8 +14,10 @@ from prometheus_client import CollectorRegistry
 
 from gateway.http.answer import Answer
 from gateway.http.upstream import Upstream
-from gateway.policies.base import RouteQuery
 from gateway.requests.bodies import ParsedRequest
+from gateway.requests.query import RouteQuery
+from gateway.requests.request import Request
+from gateway.serving.reading import INFERENCE_PATHS
 from gateway.serving.service import Gateway, build_gateway
 from gateway.settings.config import GatewayConfig
 from gateway.settings.workers import HealthConfig, KvEventsSpec, WorkerSpec
@@ -276,6 +278,14 @@ async def rest_of(answer: Answer) -> bytes:
 
 def sample(gateway: Gateway, name: str, **labels: str) -> float:
     return registry_sample(gateway.metrics.registry, name, **labels)
+
+
+def request_of(parsed: ParsedRequest, query: RouteQuery | None = None) -> Request:
+    """`parsed` as the reader makes it into a `Request`, for tests that call the dispatcher
+    or the legs directly: at its endpoint's path, choosing reading `query` (else
+    `query_of`), without a request id."""
+    path = next(path for path, endpoint in INFERENCE_PATHS.items() if endpoint == parsed.endpoint)
+    return Request(path, parsed, query_of(parsed) if query is None else query)
 
 
 def query_of(parsed: ParsedRequest) -> RouteQuery:

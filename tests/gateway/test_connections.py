@@ -14,10 +14,10 @@ from gateway.http.connection import DEAD_PEER_SECS
 from gateway.http.connections import ConnectionPool
 from gateway.http.reply import PAUSE_AT
 from gateway.http.upstream import PooledUpstream
-from gateway.policies.base import RouteQuery
 from gateway.requests.bodies import parse_request
+from gateway.requests.query import RouteQuery
 from gateway.settings.workers import WorkerSpec
-from tests.gateway.fakes import Cluster, config, make_gateway, rest_of, sample
+from tests.gateway.fakes import Cluster, config, make_gateway, request_of, rest_of, sample
 from tests.gateway.scripted import Handler, answer, keep_alive, read_request, running
 from tests.support.net import await_for, free_port
 
@@ -212,7 +212,7 @@ async def test_dispatch_on_real_sockets_cancels_both_workers_when_forward_is_can
         gateway = await make_gateway(Cluster(), cfg, upstream=PooledUpstream(pool))
         parsed = parse_request("generate", {"input_ids": [1, 2, 3]})
         forward = asyncio.ensure_future(
-            gateway.dispatcher.forward(parsed, RouteQuery([1, 2, 3]), "/generate")
+            gateway.dispatcher.forward(request_of(parsed, RouteQuery([1, 2, 3])))
         )
         await await_for(_async(lambda: len(received) == 2), timeout=5, what="both calls")
         forward.cancel()
@@ -265,7 +265,7 @@ async def test_dispatch_on_real_sockets_retries_a_failed_prefill_and_streams_the
         )
         gateway = await make_gateway(Cluster(), cfg, upstream=PooledUpstream(pool))
         parsed = parse_request("generate", {"input_ids": [1, 2], "stream": True})
-        stream = await gateway.dispatcher.forward(parsed, RouteQuery([1, 2]), "/generate")
+        stream = await gateway.dispatcher.forward(request_of(parsed, RouteQuery([1, 2])))
         assert stream.rest is not None
         assert stream.media_type == b"text/event-stream"
         assert stream.body.startswith(b"data: ")

@@ -12,7 +12,7 @@ import pytest
 
 from gateway.load.pending import PendingHit
 from gateway.load.tracker import Candidate
-from gateway.policies.base import RouteQuery
+from gateway.requests.query import RouteQuery
 from gateway.routing.decider import PdDecider, local_capable
 from gateway.settings.routing import PdDeciderConfig
 from globalkv.lookup import LookupResult, PodHit

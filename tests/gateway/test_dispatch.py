@@ -24,7 +24,7 @@ from tests.gateway.fakes import (
     StubProbe,
     config,
     make_gateway,
-    query_of,
+    request_of,
     rest_of,
     sample,
 )
@@ -32,14 +32,7 @@ from tests.support.clock import FakeClock, RecordedSleep
 
 
 async def send(gateway: Gateway, body: dict[str, Any], endpoint: Any = "generate") -> Answer:
-    parsed = parse_request(endpoint, body)
-    route = query_of(parsed)
-    path = {
-        "generate": "/generate",
-        "completions": "/v1/completions",
-        "chat": "/v1/chat/completions",
-    }
-    return await gateway.dispatcher.forward(parsed, route, path[endpoint])
+    return await gateway.dispatcher.forward(request_of(parse_request(endpoint, body)))
 
 
 def host(url: str) -> str:
@@ -324,10 +317,9 @@ async def test_dp_aware_rooms_select_the_rank_holding_the_prefix() -> None:
     result = LookupResult(block_size=4, blocks=3, pods=[PodHit("10.0.0.2:30001", 2, 3, 12, 3.0)])
     gateway = await make_gateway(cluster, probe=probe, lookup=StubLookup(result))
     tokens = list(range(13))
-    parsed = parse_request("generate", {"input_ids": [tokens, tokens]})
-    query = query_of(parsed)
-    await gateway.router.look_up(query)
-    answer = await gateway.dispatcher.forward(parsed, query, "/generate")
+    request = request_of(parse_request("generate", {"input_ids": [tokens, tokens]}))
+    await gateway.router.look_up(request.query)
+    answer = await gateway.dispatcher.forward(request)
     assert isinstance(answer, Answer)
     body = cluster.inference("prefill")[0].body
     assert cluster.inference("prefill")[0].worker == "10.0.0.2:30001"

@@ -9,7 +9,8 @@ import httpx
 import redis.asyncio as aioredis
 
 from gateway.load.tracker import LoadTracker
-from gateway.policies import RouteQuery, build_policy
+from gateway.policies import Choice, build_policy
+from gateway.requests.query import RouteQuery
 from gateway.serving.launch import _index_parts
 from globalkv.index.base import Source, SourceBatch, StoreBlocks, Tier
 from globalkv.index.memory import MemoryIndex
@@ -44,7 +45,7 @@ async def test_prefix_policy_on_a_memory_index_in_simulated_time() -> None:
         16,
         4,
     )
-    ticket = loads.start_prefill(first.worker, first.uncached_tokens + 20)
+    ticket = loads.start_prefill(Choice(first.worker, uncached_tokens=first.uncached_tokens + 20))
     second = policy.choose(RouteQuery(prompt, lookup=result, now=1.0), loads.candidates(workers))
     assert second.worker == "wb", "24 queued on pod-a outweighs its 8 extra cached tokens"
     loads.finish(ticket)

@@ -15,12 +15,14 @@ from gateway.legs.dispatch import Dispatcher
 from gateway.legs.retry import RetrySchedule
 from gateway.legs.sglang import DualLegs
 from gateway.legs.vllm import SequentialLegs
-from gateway.policies.base import Choice, RouteQuery
-from gateway.requests.bodies import ParsedRequest, parse_request
+from gateway.policies.base import Choice
+from gateway.requests.bodies import parse_request
+from gateway.requests.query import RouteQuery
+from gateway.requests.request import Request
 from gateway.routing.plan import RoutePlan
 from gateway.serving.service import Gateway
 from gateway.settings.workers import RetryConfig
-from tests.gateway.fakes import DECODES, PREFILLS, Cluster, config, make_gateway, sample
+from tests.gateway.fakes import DECODES, PREFILLS, Cluster, config, make_gateway, request_of, sample
 from tests.gateway.test_dispatch import host
 from tests.support.clock import RecordedSleep
 
@@ -51,9 +53,7 @@ class _ScriptedLegs:
     def __init__(self) -> None:
         self.attempts: list[tuple[int, bool, str]] = []
 
-    async def run(
-        self, request: ParsedRequest, plan: RoutePlan, path: str, attempt: Attempt
-    ) -> Answer | Failure:
+    async def run(self, request: Request, plan: RoutePlan, attempt: Attempt) -> Answer | Failure:
         self.attempts.append((attempt.number, attempt.final, plan.prefill.id))
         if not attempt.final:
             return Failure("prefill", plan.prefill, True, problem(502, "not yet"))
@@ -69,7 +69,7 @@ async def test_the_dispatcher_retries_on_new_pairs_through_the_legs_of_the_pairs
         chooser, {"sglang": legs}, retries, gateway.metrics, timeout=60.0, sleep=sleeps
     )
     parsed = parse_request("generate", {"input_ids": [1, 2]})
-    answer = await dispatcher.forward(parsed, RouteQuery([1, 2]), "/generate")
+    answer = await dispatcher.forward(request_of(parsed, RouteQuery([1, 2])))
     assert (answer.status, answer.body) == (200, b'{"text": "ok"}')
     first, second = host(PREFILLS[0]), host(PREFILLS[1])
     assert legs.attempts == [(0, False, first), (1, False, second), (2, True, first)]
@@ -81,11 +81,10 @@ async def _run(
     legs: Any, gateway: Gateway, body: dict[str, Any], endpoint: Any
 ) -> Answer | Failure:
     """One attempt of `legs` on a pair chosen by hand: no router, no dispatcher."""
-    parsed = parse_request(endpoint, body)
+    request = request_of(parse_request(endpoint, body))
     plan = _plan(gateway, PREFILLS[1], DECODES[0])
     attempt = Attempt(0, True, Progress(math.inf, None))
-    path = "/generate" if endpoint == "generate" else "/v1/completions"
-    outcome = await legs.run(parsed, plan, path, attempt)
+    outcome = await legs.run(request, plan, attempt)
     await gateway.calls.drain()
     return outcome
 

@@ -6,8 +6,8 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from gateway.policies.base import RouteQuery
 from gateway.requests.bodies import parse_request
+from gateway.requests.query import RouteQuery
 from gateway.settings.workers import HealthConfig, KvEventsSpec, WorkerSpec
 from gateway.workers.monitor import PodRegistration, RegistrationFailed
 from gateway.workers.pods import pod_info

@@ -12,8 +12,8 @@ import pytest
 
 from gateway.legs.dispatch import Answer
 from gateway.load.pending import PendingHit
-from gateway.policies.base import RouteQuery
 from gateway.requests.bodies import parse_request
+from gateway.requests.query import RouteQuery
 from gateway.serving.inference import Inference
 from gateway.settings.routing import PrefixWeights
 from globalkv.lookup import LookupResult
@@ -23,6 +23,7 @@ from tests.gateway.fakes import (
     StubLookup,
     config,
     make_gateway,
+    request_of,
     sample,
 )
 from tests.support.clock import FakeClock
@@ -39,7 +40,7 @@ async def test_a_cancelled_request_leaves_nothing_pending() -> None:
     lookup = LookupResult(block_size=4, blocks=2, pods=[], keys=[31, 32])
     parsed = parse_request("generate", {"input_ids": list(range(8))})
     route = RouteQuery(list(range(8)), None, lookup)
-    task = asyncio.ensure_future(gateway.dispatcher.forward(parsed, route, "/generate"))
+    task = asyncio.ensure_future(gateway.dispatcher.forward(request_of(parsed, route)))
     await cluster.wait_calls(2)
     assert gateway.loads.pending_keys() == 2
     task.cancel()

@@ -11,9 +11,10 @@ from random import Random
 import pytest
 
 from gateway.load.tracker import Candidate
-from gateway.policies import RouteQuery, build_policy
+from gateway.policies import build_policy
 from gateway.policies.placement import PlacementLedger
 from gateway.policies.prefix import PrefixPolicy
+from gateway.requests.query import RouteQuery
 from gateway.settings.routing import PrefixWeights
 from globalkv.lookup import LookupResult, PodHit
 

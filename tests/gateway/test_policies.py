@@ -7,8 +7,9 @@ from random import Random
 import pytest
 
 from gateway.load.tracker import Candidate, LoadTracker
-from gateway.policies import RouteQuery, build_policy
+from gateway.policies import Choice, build_policy
 from gateway.policies.radix import RadixTree
+from gateway.requests.query import RouteQuery
 from gateway.settings.routing import CacheAwareConfig, PrefixWeights
 from globalkv.lookup import LookupResult, PodHit
 
@@ -196,8 +197,8 @@ def test_radix_tree_splits_matches_and_evicts_lru() -> None:
 
 def test_load_tracker_hooks_are_idempotent() -> None:
     loads = LoadTracker()
-    ticket = loads.start_prefill("p", 100)
-    other = loads.start_prefill("p", 20)
+    ticket = loads.start_prefill(Choice("p", uncached_tokens=100))
+    other = loads.start_prefill(Choice("p", uncached_tokens=20))
     assert loads.candidate("p", "pod") == Candidate("p", "pod", 2, 120, 120), "no rate yet"
     loads.prefill_done(ticket)
     loads.prefill_done(ticket)
@@ -206,7 +207,7 @@ def test_load_tracker_hooks_are_idempotent() -> None:
     loads.finish(ticket)
     loads.finish(other)
     assert (loads.load("p").in_flight, loads.load("p").queued_prefill_tokens) == (0, 0)
-    stale = loads.start_prefill("q", 5)
+    stale = loads.start_prefill(Choice("q", uncached_tokens=5))
     loads.forget("q")
     loads.finish(stale)
     assert loads.load("q").in_flight == 0

@@ -8,8 +8,9 @@ from random import Random
 import pytest
 
 from gateway.http.answer import Answer
-from gateway.policies import RouteQuery, build_policy
+from gateway.policies import build_policy
 from gateway.policies.sessions import SessionTable, Turn
+from gateway.requests.query import RouteQuery
 from gateway.serving.inference import Inference
 from gateway.settings.routing import PrefixWeights
 from globalkv.keys import request_keys

@@ -20,12 +20,14 @@ from gateway.http.answer import Answer
 from gateway.replicas import shared_flow
 from gateway.replicas.shared_state import SharedState
 from gateway.serving.inference import Inference
+from gateway.serving.launch import shared_state
 from gateway.settings.edge import AdmissionConfig
 from gateway.settings.flow import FlowConfig
 from globalkv import redis_client
 from tests.gateway.fakes import DECODES, Cluster, config, make_gateway
 from tests.support.clock import FakeClock
 from tests.support.metrics import sample
+from tests.support.net import until
 
 OBJECTIVES = ["premium=10/500", "default=0"]
 
@@ -48,7 +50,7 @@ class Replica:
         )
 
 
-async def replica(client: redis_client.Client, name: str, clock: FakeClock) -> Replica:
+async def replica(client: redis_client.Client, clock: FakeClock) -> Replica:
     cluster = Cluster()
     release = asyncio.Event()
     decoded: list[str] = []
@@ -63,13 +65,12 @@ async def replica(client: redis_client.Client, name: str, clock: FakeClock) -> R
     cfg = config(
         admission=AdmissionConfig(max_concurrent_requests=1),
         flow=FlowConfig(enabled=True, objectives=OBJECTIVES),
+        redis_url="redis://127.0.0.1:1/0",  # the client given is the one used
+        block_size=16,
+        share_state_interval_secs=1.0,
     )
     gateway = await make_gateway(cluster, cfg, clock=clock)
-    shared = SharedState(
-        client, gateway.loads, member=name, interval=1.0, registry=gateway.metrics.registry
-    )
-    gateway.loads.shared = shared
-    shared.flow = gateway.flow
+    shared = shared_state(cfg, gateway, client)  # as every command's process wires it
     assert gateway.flow is not None
     return Replica(Inference(gateway), gateway.flow, shared, release, decoded)
 
@@ -81,11 +82,6 @@ async def client(redis_url: str) -> AsyncIterator[redis_client.Client]:
     await connected.aclose()
 
 
-async def settle() -> None:
-    for _ in range(20):
-        await asyncio.sleep(0)
-
-
 async def rounds(*replicas: Replica) -> None:
     """One round of sharing each, then each again: everyone has read everyone."""
     for _ in range(2):
@@ -95,14 +91,13 @@ async def rounds(*replicas: Replica) -> None:
 
 async def test_fairness_counts_what_the_other_replica_serves(client: redis_client.Client) -> None:
     clock = FakeClock()
-    a, b = await replica(client, "gw-a", clock), await replica(client, "gw-b", clock)
+    a, b = await replica(client, clock), await replica(client, clock)
     running = b.send("running", "other")
-    await settle()
-    assert b.decoded == ["running"]
+    await until(lambda: b.decoded == ["running"], "b's first request to reach its decode")
     waiting = [b.send(f"heavy-{i}", "heavy") for i in range(2)]
-    await settle()
+    await until(lambda: len(b.flow.queues) == 2, "heavy to wait at b")
     waiting += [b.send(f"light-{i}", "light") for i in range(2)]
-    await settle()
+    await until(lambda: len(b.flow.queues) == 4, "light to wait at b, after heavy")
     # both wait at b, even; meanwhile a serves "heavy" a lot
     a.release.set()
     for i in range(4):
@@ -121,19 +116,21 @@ async def test_no_replica_releases_below_a_priority_waiting_at_another(
     client: redis_client.Client,
 ) -> None:
     clock = FakeClock()
-    a, b = await replica(client, "gw-a", clock), await replica(client, "gw-b", clock)
+    a, b = await replica(client, clock), await replica(client, clock)
     a_running = a.send("a-running", "t")
     b_running = b.send("b-running", "t")
-    await settle()
+    await until(lambda: len(a.decoded) == len(b.decoded) == 1, "each replica's first to run")
     premium = a.send("premium", "p", "premium")  # waits at a behind its running request
     standard = b.send("standard", "s")  # waits at b
-    await settle()
+    await until(lambda: len(a.flow.queues) == len(b.flow.queues) == 1, "one to wait at each")
     await rounds(a, b)
     assert b.flow.others.top == 10
     b.release.set()
     assert (await b_running).status == 200
-    await settle()
-    assert not standard.done(), "a holds a premium request waiting"
+    # its place was given back, and the queues looked at, before its answer was
+    assert b.flow.running == 0
+    assert len(b.flow.queues) == 1, "a holds a premium request waiting"
+    assert not standard.done()
     assert b.decoded == ["b-running"]
     a.release.set()
     assert (await a_running).status == 200
@@ -147,7 +144,7 @@ async def test_an_objective_active_at_one_replica_keeps_its_headroom_at_the_othe
     client: redis_client.Client,
 ) -> None:
     clock = FakeClock()
-    a, b = await replica(client, "gw-a", clock), await replica(client, "gw-b", clock)
+    a, b = await replica(client, clock), await replica(client, clock)
     a.release.set()
     assert (await a.send("p" * 800, "p", "premium")).status == 200
     await rounds(a, b)
@@ -166,7 +163,7 @@ async def test_losing_the_others_orders_only_this_replicas_requests(
     client: redis_client.Client,
 ) -> None:
     clock = FakeClock()
-    a, b = await replica(client, "gw-a", clock), await replica(client, "gw-b", clock)
+    a, b = await replica(client, clock), await replica(client, clock)
     a.flow.usage.charge("t", 1000, clock())
     await rounds(a, b)
     assert b.flow.usage.decayed("t", clock()) == pytest.approx(1000)
@@ -177,7 +174,7 @@ async def test_losing_the_others_orders_only_this_replicas_requests(
 
 async def test_what_is_read_of_the_others_is_checked() -> None:
     clock = FakeClock()
-    b = await replica(redis_client.connect("redis://127.0.0.1:1"), "gw-b", clock)
+    b = await replica(redis_client.connect("redis://127.0.0.1:1"), clock)
     good = {"t:acme": "120.5", "q:10": "2", "o:premium": "1.5,300.0"}
     bad: dict[Any, Any] = {
         "t:": "1",  # no tenant
@@ -209,13 +206,13 @@ async def test_the_round_writes_this_replicas_flow_and_counts_what_it_skipped(
     client: redis_client.Client,
 ) -> None:
     clock = FakeClock()
-    a, b = await replica(client, "gw-a", clock), await replica(client, "gw-b", clock)
+    a, b = await replica(client, clock), await replica(client, clock)
     a.flow.usage.charge("acme", 42, clock())
     await a.shared.step()
-    written = await client.hgetall(a.shared.flow_key("gw-a"))
+    written = await client.hgetall(a.shared.flow_key(a.shared.member))
     assert {k.decode(): v.decode() for k, v in written.items()} == {"t:acme": "42.0"}
-    assert await client.pttl(a.shared.flow_key("gw-a")) > 0
-    await client.hset(a.shared.flow_key("gw-a"), "q:oops", "1")
+    assert await client.pttl(a.shared.flow_key(a.shared.member)) > 0
+    await client.hset(a.shared.flow_key(a.shared.member), "q:oops", "1")
     await b.shared.step()
     registry = b.inference._gateway.metrics.registry
     assert (

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from gateway.load.pending import PendingPrefixes
 from gateway.load.tracker import LoadTracker
+from gateway.policies.base import Choice
 from gateway.replicas.shared_state import SharedState
 from globalkv import redis_client
 from kvplumbing.tasks import cancel_and_wait
@@ -53,7 +54,7 @@ async def test_a_replica_sees_the_others_load_and_pending_prompts(shared_url: st
         async with asyncio.timeout(10):  # pub/sub drops what is sent before
             await a.listening.wait()
             await b.listening.wait()
-        ticket = a_loads.start_prefill("p0", 100, keys=[11, 12])
+        ticket = a_loads.start_prefill(Choice("p0", uncached_tokens=100), [11, 12])
 
         async def b_sees_it() -> bool:
             (seen,) = b_loads.candidates(["p0"])
@@ -85,8 +86,8 @@ async def test_losing_redis_falls_back_to_the_replica_s_own_view(own_redis: Redi
     b_loads, b = _replica(client, "gw-b", registry)
     tasks = [asyncio.create_task(a.run()), asyncio.create_task(b.run())]
     try:
-        a_loads.start_prefill("p0", 100)
-        b_loads.start_prefill("p0", 7)
+        a_loads.start_prefill(Choice("p0", uncached_tokens=100))
+        b_loads.start_prefill(Choice("p0", uncached_tokens=7))
 
         async def shared() -> bool:
             return b_loads.candidates(["p0"])[0].queued_prefill_tokens == 107

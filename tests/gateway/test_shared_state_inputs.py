@@ -19,6 +19,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from gateway.legs.dispatch import Answer
 from gateway.load.pending import PendingPrefixes
 from gateway.load.tracker import LoadTracker
+from gateway.policies.base import Choice
 from gateway.replicas.shared_state import SharedState, member_name
 from gateway.replicas.shared_wire import (
     MAX_KEYS_PER_ADD,
@@ -32,7 +33,14 @@ from gateway.replicas.shared_wire import (
 from gateway.requests.bodies import parse_request
 from globalkv.lookup import LookupResult
 from kvplumbing.tasks import cancel_and_wait
-from tests.gateway.fakes import Cluster, Reading, StubLookup, StubProbe, make_gateway, query_of
+from tests.gateway.fakes import (
+    Cluster,
+    Reading,
+    StubLookup,
+    StubProbe,
+    make_gateway,
+    request_of,
+)
 from tests.support.metrics import sample
 from tests.support.net import await_for
 
@@ -108,7 +116,7 @@ async def test_a_malformed_load_costs_only_itself(
     """It would have ended the sharing loop and frozen the other replicas' last loads."""
     a, b = Replica(client, "gw-a").start(), Replica(client, "gw-b").start()
     replicas += [a, b]
-    ticket = a.loads.start_prefill("p0", 100)
+    ticket = a.loads.start_prefill(Choice("p0", uncached_tokens=100))
 
     async def b_sees_a() -> bool:
         return b.in_flight("p0") == 1
@@ -138,7 +146,7 @@ async def test_a_member_name_that_is_not_text_is_skipped(
     a, b = Replica(client, "gw-a").start(), Replica(client, "gw-b").start()
     replicas += [a, b]
     await client.zadd("gkv:gateways", {b"\xff\xfe": 10**15})
-    a.loads.start_prefill("p0", 100)
+    a.loads.start_prefill(Choice("p0", uncached_tokens=100))
 
     async def b_sees_a() -> bool:
         return (
@@ -220,7 +228,7 @@ async def test_a_malformed_pending_message_is_skipped_and_the_others_still_heard
 
     await await_for(skipped, timeout=10, what="b to skip the message")
     assert b.shared.listening.is_set()
-    a.loads.start_prefill("p0", 100, keys=[11, 12])
+    a.loads.start_prefill(Choice("p0", uncached_tokens=100), [11, 12])
 
     async def b_hears_a() -> bool:
         return "p0" in b.loads.pending_blocks([11, 12])
@@ -251,10 +259,9 @@ async def test_a_remote_dp_rank_that_is_not_one_is_dropped(
             shared._apply(_message(["add", serial, worker, keys, rank]))
             assert gateway.loads.pending_blocks(keys)[worker].dp_rank is None
         tokens = list(range(13))
-        parsed = parse_request("generate", {"input_ids": tokens})
-        query = query_of(parsed)
-        await gateway.router.look_up(query)
-        answer = await gateway.dispatcher.forward(parsed, query, "/generate")
+        request = request_of(parse_request("generate", {"input_ids": tokens}))
+        await gateway.router.look_up(request.query)
+        answer = await gateway.dispatcher.forward(request)
         assert isinstance(answer, Answer)
         assert answer.status == 200
     finally:
@@ -289,7 +296,7 @@ async def test_a_dead_replica_s_pending_prompts_are_forgotten(
     replicas += [a, b]
     await a.listening()
     await b.listening()
-    a.loads.start_prefill("p0", 100, keys=[11, 12])
+    a.loads.start_prefill(Choice("p0", uncached_tokens=100), [11, 12])
 
     async def b_hears_a() -> bool:
         return "p0" in b.loads.pending_blocks([11, 12])
@@ -324,7 +331,7 @@ async def test_a_failed_round_sends_its_changes_with_the_next(
         replicas += [a, b]
         await a.listening()
         await b.listening()
-        ticket = a.loads.start_prefill("p0", 100, keys=[11, 12])
+        ticket = a.loads.start_prefill(Choice("p0", uncached_tokens=100), [11, 12])
 
         async def b_hears_a() -> bool:
             return "p0" in b.loads.pending_blocks([11, 12])

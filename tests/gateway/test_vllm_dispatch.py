@@ -11,8 +11,8 @@ import httpx
 
 from gateway.http.answer import Answer
 from gateway.legs.vllm import decode_kv
-from gateway.policies.base import RouteQuery
 from gateway.requests.bodies import parse_request
+from gateway.requests.query import RouteQuery
 from gateway.serving.service import Gateway
 from gateway.settings.workers import WorkerSpec
 from gateway.workers.kinds import detect_kind
@@ -22,7 +22,7 @@ from tests.gateway.fakes import (
     Cluster,
     config,
     make_gateway,
-    query_of,
+    request_of,
     rest_of,
     sample,
 )
@@ -58,10 +58,7 @@ def vllm_config(**overrides: Any) -> Any:
 
 
 async def send(gateway: Gateway, body: dict[str, Any], endpoint: Any = "completions") -> Any:
-    parsed = parse_request(endpoint, body)
-    route = query_of(parsed)
-    path = {"completions": "/v1/completions", "generate": "/generate"}[endpoint]
-    return await gateway.dispatcher.forward(parsed, route, path)
+    return await gateway.dispatcher.forward(request_of(parse_request(endpoint, body)))
 
 
 class Legs:

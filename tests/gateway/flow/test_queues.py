@@ -11,7 +11,7 @@ import pytest
 from gateway.flow.keys import FlowKey
 from gateway.flow.queues import FlowQueues, FlowRequest, Refused, Waiting
 from gateway.flow.usage import Usage
-from gateway.policies.base import RouteQuery
+from gateway.requests.query import RouteQuery
 
 
 def waiting(tenant: str, priority: int = 0, tokens: int = 100, size: int = 10) -> Waiting:

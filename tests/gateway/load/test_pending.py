@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from gateway.load.pending import PendingHit, PendingPrefixes
 from gateway.load.tracker import Candidate, LoadTracker
-from gateway.policies import RouteQuery, build_policy
+from gateway.policies import Choice, build_policy
+from gateway.requests.query import RouteQuery
 from gateway.settings.routing import PrefixWeights
 from globalkv.keys import request_keys
 from globalkv.lookup import LookupResult, PodHit
@@ -107,7 +108,7 @@ def test_negative_settings_are_refused() -> None:
 def test_the_tracker_records_keys_until_the_grace_after_prefill_done() -> None:
     now = [0.0]
     loads = LoadTracker(pending=PendingPrefixes(grace_s=1.0), clock=lambda: now[0])
-    ticket = loads.start_prefill("p", 100, keys=[5, 6], dp_rank=1)
+    ticket = loads.start_prefill(Choice("p", uncached_tokens=100), [5, 6], 1)
     assert loads.pending_blocks([5, 6, 7]) == {"p": PendingHit(2, 1)}
     now[0] = 3.0
     loads.finish(ticket)
@@ -115,15 +116,15 @@ def test_the_tracker_records_keys_until_the_grace_after_prefill_done() -> None:
     now[0] = 4.0
     assert loads.pending_keys() == 0, "expired when counted, without a lookup"
     assert loads.pending_blocks([5, 6]) == {}
-    failed = loads.start_prefill("p", 100, keys=[5, 6])
+    failed = loads.start_prefill(Choice("p", uncached_tokens=100), [5, 6])
     loads.finish(failed, computed=False)
     assert loads.pending_blocks([5, 6]) == {}, "a prefill that failed holds nothing"
-    gone = loads.start_prefill("q", 100, keys=[5, 6])
+    gone = loads.start_prefill(Choice("q", uncached_tokens=100), [5, 6])
     loads.forget("q")
     assert loads.pending_keys() == 0, "a removed worker holds nothing"
     loads.finish(gone)
     untracked = LoadTracker(pending=None)
-    untracked.start_prefill("p", 100, keys=[5, 6])
+    untracked.start_prefill(Choice("p", uncached_tokens=100), [5, 6])
     assert untracked.pending_blocks([5, 6]) == {}
     assert untracked.pending_keys() == 0
 

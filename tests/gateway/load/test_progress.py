@@ -6,6 +6,7 @@ import pytest
 
 from gateway.load.progress import CostFit, PrefillProgress
 from gateway.load.tracker import LoadTracker
+from gateway.policies.base import Choice
 
 
 def _measured(tokens_per_s: float) -> PrefillProgress:
@@ -129,10 +130,10 @@ def test_prompts_of_one_context_fit_the_linear_cost_alone() -> None:
 def test_load_tracker_candidates_carry_the_estimate_on_its_clock() -> None:
     clock = [0.0]
     loads = LoadTracker(clock=lambda: clock[0])
-    first = loads.start_prefill("p", 1000)
+    first = loads.start_prefill(Choice("p", uncached_tokens=1000))
     clock[0] = 2.0
     loads.prefill_done(first)
-    second = loads.start_prefill("p", 3000, cached_tokens=0)
+    second = loads.start_prefill(Choice("p", uncached_tokens=3000, hit_tokens=0))
     loads.start_decode("p")
     clock[0] = 4.0
     candidate = loads.candidate("p")

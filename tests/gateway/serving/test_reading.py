@@ -18,7 +18,7 @@ SESSION = b"x-smg-routing-key"
 PREFILL = b"x-globalkv-prefill"
 
 
-async def test_a_request_is_read_into_its_query_once() -> None:
+async def test_a_request_is_read_once_into_the_request_the_legs_serve() -> None:
     gateway = await make_gateway(Cluster(), config())
     flow = FlowKeys(FlowConfig(enabled=True, objectives=["premium=10/500"]))
     reader = RequestReader(gateway.router, None, flow, named_prefill=True)
@@ -29,13 +29,19 @@ async def test_a_request_is_read_into_its_query_once() -> None:
         PREFILL: b"10.0.0.9:30001 ",
         b"x-llm-d-inference-objective": b"premium",
     }
-    read = await reader.read("generate", body, picked, "Bearer k")
-    query = read.query
+    context = ((b"traceparent", b"00-1-2-01"),)
+    request, flow = await reader.read("/generate", body, picked, "Bearer k", "id-7", context)
+    query = request.query
     assert (query.tokens, query.session, query.prefill) == ([1, 2, 3], "chat-7", "10.0.0.9:30001")
     assert (query.kind, query.batch, query.model) == ("sglang", 2, "m")
-    assert read.parsed.batch == 2
-    assert read.flow is not None
-    assert (read.flow.key.priority, read.flow.tokens, read.flow.query) == (10, 3, query)
+    assert (request.path, request.parsed.endpoint, request.parsed.batch) == (
+        "/generate",
+        "generate",
+        2,
+    )
+    assert (request.request_id, request.trace_context) == ("id-7", context)
+    assert flow is not None
+    assert (flow.key.priority, flow.tokens, flow.query) == (10, 3, query)
 
 
 async def test_what_an_entry_point_does_not_read_is_not_read() -> None:
@@ -43,12 +49,14 @@ async def test_what_an_entry_point_does_not_read_is_not_read() -> None:
     reader = RequestReader(gateway.router, None)
     assert PREFILL not in reader.header_names
     body = json.dumps({"prompt": "hello there", "model": "m"}).encode()
-    read = await reader.read("completions", body, {PREFILL: b"not a host"})
-    assert (read.query.prefill, read.flow, read.query.kind) == (None, None, None)
-    assert (read.query.tokens, read.query.missing) == (None, "no_tokenizer")
+    request, flow = await reader.read("/v1/completions", body, {PREFILL: b"not a host"})
+    query = request.query
+    assert (query.prefill, flow, query.kind) == (None, None, None)
+    assert (query.tokens, query.missing) == (None, "no_tokenizer")
+    assert (request.request_id, request.trace_context) == (None, ())
     named = RequestReader(gateway.router, None, named_prefill=True)
     with pytest.raises(BadRequest, match="x-globalkv-prefill must be host:port"):
-        await named.read("completions", body, {PREFILL: b"not a host"})
+        await named.read("/v1/completions", body, {PREFILL: b"not a host"})
 
 
 async def test_the_picker_keeps_a_session_on_its_prefill_as_the_gateway_does() -> None:

@@ -1,93 +1,119 @@
-"""Flow control under a noisy tenant, through real processes: a premium tenant's time to
-first token and equal tenants' fairness, today's FIFO admission against `--flow-control`.
+"""Flow control under a noisy tenant, replayed from a trace through real processes: a
+premium tenant's and an under-share tenant's time to first token, and fairness between
+equal tenants, with today's FIFO admission and with `--flow-control`, side by side.
 
-    python -m bench.flow [--seconds 120] [--warmup 15] [--prefills 3] [--noisy 3.0]
+    python -m bench.flow [--seconds 420] [--warmup 15] [--reserves 1 2] [--seed 1]
 
-Each run starts a local stack (`globalkv.stack.cluster.LocalCluster`: indexer, emulated
-prefill and decode engines, the gateway) and sends, open loop, Poisson arrivals per
-tenant to `/generate` with `input_ids` (fresh random ids per request: nothing cached, so
-every prompt costs the same), `stream: true`, the tenant in `x-llm-d-inference-fairness-id`
-and, for premium, `x-llm-d-inference-objective: premium`. The engines' prefill runs at
-`--prefill-tokens-per-s` in their latency model, so the cluster's capacity,
+Every tenant replays its own slice of a Mooncake-format trace (`bench.flow_workload`: the
+bundled Mooncake conversation trace by default): the trace's arrival pattern, input
+lengths and hash ids (each expanded into tokens as `bench.replay.tokens` does, so turns
+of one conversation share their prefix in the engines' caches and the index), its clock
+scaled so that the tenant offers its share of the cluster's capacity in prompt tokens:
 
-    capacity = prefills / (prompt / prefill tokens per s + prefill overhead)   requests/s,
+- `premium`: `--premium` × capacity, objective `premium` (priority 10, TTFT `--premium-ttft`
+  × the prefill time of its slice's mean prompt in the engines' model);
+- `noisy`: `--noisy` × capacity; `steady`: `--steady` × capacity, more than its fair
+  share once the noisy tenant is there; `light`: `--light` × capacity, less than its fair
+  share; all three in the default band (no TTFT), equal tenants.
 
-comes from the model, not from this machine's CPU, and offered loads are multiples of it:
+Each request goes to `/generate` with `input_ids`, `stream: true`, at most
+`--max-output` new tokens, its tenant in `x-llm-d-inference-fairness-id` and, for premium,
+`x-llm-d-inference-objective: premium`; its time to first token is taken from its sending
+to the first streamed chunk. The engines prefill at `--prefill-tokens-per-s` in their
+latency model, so times come from the model rather than from this machine's CPU, as long
+as the machine keeps up (the report gives the client's lateness and the load average).
 
-- `premium`: `--premium` × capacity, objective premium (priority 10, TTFT `--premium-ttft`
-  × its prefill time in the model);
-- `noisy`: `--noisy` × capacity; `light-1`, `light-2`: `--light` × capacity each; all
-  three in the default band, equal tenants.
+The runs, each on fresh local stacks (`globalkv.stack.cluster.LocalCluster`):
 
-Three runs: premium alone (its unloaded TTFT), then all four tenants through FIFO
-admission, then through flow control, both with the same `--max-concurrent-requests`,
-`--queue-size` and `--queue-timeout-secs`. Arrivals in the first `--warmup` seconds are
-sent but not counted (the prefills' rates are being measured). Per run and tenant:
-requests offered and served per second, refusals, TTFT p50/p99 of the served; Jain's
-index over the equal tenants' served rates; premium's p99 over its unloaded p99.
+- `alone`: premium and light each alone on its own stack, with today's admission (their
+  unloaded times, request by request), and, at the same time on a third stack, every
+  tenant but the noisy one with flow control (`flow, reserve N, no noisy`, N the first
+  of `--reserves`): what the noisy tenant's arrival is compared with;
+- `fifo`: every tenant, today's admission (`--max-concurrent-requests`, `--queue-size`,
+  `--queue-timeout-secs`);
+- `flow`: every tenant, the same limits plus `--flow-control`, once per `--reserves`
+  value of `--flow-reserve-prefills` (by default only the gateway's default).
+
+The three stacks of `alone` run at once because together they offer less than one loaded
+run does. Arrivals in the first `--warmup` seconds are sent but not counted.
+`bench.flow_report` says what is reported and how.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import random
+import contextlib
+import os
+import re
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
+import orjson
 
+from bench.flow_report import Result, RunResult, against, fairness_table, tenant_table
+from bench.flow_workload import Planned, Slice, Tenant, slice_tenants
+from bench.replay.tokens import expand
+from bench.replay.trace import BUNDLED_MOONCAKE, Trace, read_trace
+from gateway.settings.flow import FlowConfig
 from globalkv.stack.cluster import LocalCluster, StackConfig
 
 FAIRNESS = "x-llm-d-inference-fairness-id"
 OBJECTIVE = "x-llm-d-inference-objective"
-EQUAL = ("noisy", "light-1", "light-2")
-RUNS = ["premium alone", "fifo", "flow control"]
+PREMIUM, UNDER, NOISY = "premium", "light", "noisy"
+EQUAL = ("noisy", "steady", "light")
+QUIET = ", no noisy"
+RUNS = ("alone", "fifo", "flow")
 
 
-@dataclass
-class Tenant:
-    name: str
-    share: float
-    """Offered load, a multiple of the capacity."""
-    objective: str | None = None
-
-
-@dataclass
-class Outcome:
-    sent: int = 0
-    served: int = 0
-    refused: dict[int, int] = field(default_factory=dict)
-    ttft: list[float] = field(default_factory=list)
-    failed: int = 0
-
-
-def prefill_s(args: argparse.Namespace) -> float:
-    """One prompt's prefill in the engines' latency model."""
-    return float(args.prompt / args.prefill_tokens_per_s + args.prefill_overhead_ms / 1000)
+def tenants(args: argparse.Namespace) -> list[Tenant]:
+    return [
+        Tenant(PREMIUM, args.premium, "premium"),
+        Tenant("light", args.light),
+        Tenant("steady", args.steady),
+        Tenant("noisy", args.noisy),
+    ]
 
 
 def capacity(args: argparse.Namespace) -> float:
-    return float(args.prefills) / prefill_s(args)
+    """Uncached prompt tokens per second the prefills compute together."""
+    return float(args.prefills * args.prefill_tokens_per_s)
 
 
-def stack(args: argparse.Namespace, gateway_args: list[str]) -> StackConfig:
+def ttft_ms(args: argparse.Namespace, slices: Sequence[Slice], times: float) -> int:
+    """`times` × the prefill of the slices' mean prompt in the engines' model."""
+    mean = sum(s.tokens for s in slices) / max(sum(len(s.requests) for s in slices), 1)
+    own = mean / args.prefill_tokens_per_s + args.prefill_overhead_ms / 1000
+    return round(float(own * times * 1000))
+
+
+def objectives(args: argparse.Namespace, slices: Sequence[Slice]) -> list[str]:
+    """`--flow-objectives`: premium's, with its TTFT, and the default band's, without."""
+    premium = [s for s in slices if s.tenant.name == PREMIUM]
+    return [f"premium=10/{ttft_ms(args, premium, args.premium_ttft)}", "default=0"]
+
+
+def stack(
+    args: argparse.Namespace, block_size: int, gateway_args: list[str], run_dir: Path | None
+) -> StackConfig:
     prefill = ["--prefill-tokens-per-s", repr(args.prefill_tokens_per_s)]
     prefill += ["--prefill-overhead-ms", repr(args.prefill_overhead_ms)]
-    prefill += ["--max-batch-tokens", str(args.prompt)]
+    prefill += ["--max-batch-tokens", str(args.max_batch_tokens)]
+    prefill += ["--kv-capacity", str(args.kv_capacity)]
     return StackConfig(
         prefill=args.prefills,
         decode=args.decodes,
         gateway_port=0,
         redis_url=None,
-        run_dir=None,
+        run_dir=run_dir,
         model="emulated-model",
-        block_size=16,
+        block_size=block_size,
         tokenizer="byte",
         log_level="WARNING",
         prefill_args=prefill,
-        decode_args=["--decode-tokens-per-s", "200"],
+        decode_args=["--decode-tokens-per-s", "200", "--kv-capacity", str(args.kv_capacity)],
         gateway_args=gateway_args,
     )
 
@@ -103,163 +129,211 @@ def limits(args: argparse.Namespace) -> list[str]:
     ]
 
 
-def flow_args(args: argparse.Namespace) -> list[str]:
-    ttft_ms = round(prefill_s(args) * args.premium_ttft * 1000)
-    objectives = ["--flow-objectives", f"premium=10/{ttft_ms}", "default=0"]
-    return ["--flow-control", *objectives, "--flow-reserve-prefills", str(args.reserve)]
+def flow_args(objectives: list[str], reserve: int) -> list[str]:
+    named = ["--flow-objectives", *objectives]
+    return ["--flow-control", *named, "--flow-reserve-prefills", str(reserve)]
 
 
 async def one(
-    client: httpx.AsyncClient, url: str, tenant: Tenant, rng: random.Random, prompt: int
-) -> tuple[int, float | None]:
-    """The status and, when served, the time to the first streamed chunk."""
-    ids = [rng.randrange(1, 50_000) for _ in range(prompt)]
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 4}, "stream": True}
-    headers = {FAIRNESS: tenant.name}
-    if tenant.objective is not None:
-        headers[OBJECTIVE] = tenant.objective
+    client: httpx.AsyncClient, url: str, planned: Planned, objective: str | None, args: Args
+) -> tuple[int, float | None, int]:
+    """The status and, when served, the time to the first streamed chunk and the prompt
+    tokens the prefill found cached."""
+    tokens = expand(planned.hash_ids, planned.input_length, args.block_size)
+    new = max(1, min(planned.output_length, args.max_output))
+    body = {"input_ids": tokens, "sampling_params": {"max_new_tokens": new}, "stream": True}
+    headers = {FAIRNESS: planned.tenant, "content-type": "application/json"}
+    if objective is not None:
+        headers[OBJECTIVE] = objective
     sent = time.perf_counter()
-    async with client.stream("POST", f"{url}/generate", json=body, headers=headers) as answer:
-        if answer.status_code != 200:
-            await answer.aread()
-            return answer.status_code, None
+    content = orjson.dumps(body)
+    async with client.stream("POST", f"{url}/generate", content=content, headers=headers) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return r.status_code, None, 0
         first = None
-        async for line in answer.aiter_lines():
-            if first is None and line.startswith("data:"):
+        cached = 0
+        async for line in r.aiter_lines():
+            if not line.startswith("data:") or line.endswith("[DONE]"):
+                continue
+            if first is None:
                 first = time.perf_counter() - sent
-        return 200, first
+            meta = orjson.loads(line[5:]).get("meta_info")
+            if isinstance(meta, dict) and isinstance(meta.get("cached_tokens"), int):
+                cached = meta["cached_tokens"]
+        return 200, first, cached
 
 
-async def drive(
-    url: str, tenants: Sequence[Tenant], args: argparse.Namespace
-) -> dict[str, Outcome]:
-    rate = capacity(args)
-    rng = random.Random(args.seed)
-    plan: list[tuple[float, Tenant]] = []
-    for tenant in tenants:
-        at = 0.0
-        while True:
-            at += rng.expovariate(tenant.share * rate)
-            if at >= args.warmup + args.seconds:
-                break
-            plan.append((at, tenant))
-    plan.sort(key=lambda item: item[0])
-    outcomes = {t.name: Outcome() for t in tenants}
-    limits_ = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-    timeout = httpx.Timeout(args.queue_timeout + 60, connect=10.0)
-    async with httpx.AsyncClient(limits=limits_, timeout=timeout) as client:
+class Args:
+    """What a run's requests need of the command line."""
+
+    def __init__(self, args: argparse.Namespace, block_size: int) -> None:
+        self.block_size = block_size
+        self.max_output = args.max_output
+        self.warmup = args.warmup
+        self.timeout = args.queue_timeout + 120
+
+
+async def drive(url: str, slices: Sequence[Slice], args: Args) -> list[Result]:
+    plan = sorted(
+        ((p, s.tenant.objective) for s in slices for p in s.requests), key=lambda x: x[0].at
+    )
+    results: list[Result] = []
+    pool = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    timeout = httpx.Timeout(args.timeout, connect=10.0)
+    async with httpx.AsyncClient(limits=pool, timeout=timeout) as client:
         started = time.perf_counter()
 
-        async def send(at: float, tenant: Tenant, seed: int) -> None:
-            delay = started + at - time.perf_counter()
+        async def send(planned: Planned, objective: str | None) -> None:
+            delay = started + planned.at - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            counted = at >= args.warmup
-            outcome = outcomes[tenant.name]
+            late = time.perf_counter() - started - planned.at
             try:
-                status, ttft = await one(client, url, tenant, random.Random(seed), args.prompt)
+                status, ttft, cached = await one(client, url, planned, objective, args)
             except httpx.HTTPError:
-                if counted:
-                    outcome.sent += 1
-                    outcome.failed += 1
-                return
-            if not counted:
-                return
-            outcome.sent += 1
-            if status == 200 and ttft is not None:
-                outcome.served += 1
-                outcome.ttft.append(ttft)
-            else:
-                outcome.refused[status] = outcome.refused.get(status, 0) + 1
+                status, ttft, cached = None, None, 0
+            counted = planned.at >= args.warmup
+            results.append(
+                Result(planned.tenant, planned.index, counted, status, ttft,
+                       planned.input_length, cached, late)
+            )  # fmt: skip
 
-        await asyncio.gather(*(send(at, t, i) for i, (at, t) in enumerate(plan)))
-    return outcomes
+        await asyncio.gather(*(send(p, o) for p, o in plan))
+    return results
 
 
-def run(
-    args: argparse.Namespace, gateway_args: list[str], tenants: Sequence[Tenant]
-) -> dict[str, Outcome]:
-    with LocalCluster(stack(args, gateway_args)) as cluster:
-        return asyncio.run(drive(cluster.gateway_url, tenants, args))
+Stack = tuple[str, list[str], Sequence[Slice]]
+"""A run's label, its gateway's flags and the tenants it replays."""
 
 
-def quantile(values: Sequence[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+def run(args: argparse.Namespace, block_size: int, stacks: Sequence[Stack]) -> list[RunResult]:
+    """Each stack started fresh, all of them driven at once; one result per label."""
+    need = Args(args, block_size)
+    with contextlib.ExitStack() as clusters:
+        urls = []
+        for number, (label, flags, _) in enumerate(stacks):
+            where = None
+            if args.run_dir is not None:
+                where = Path(args.run_dir) / f"{re.sub(r'[^a-z0-9]+', '-', label)}-{number}"
+            config = stack(args, block_size, flags, where)
+            urls.append(clusters.enter_context(LocalCluster(config)).gateway_url)
+        start = os.getloadavg()[0]
+
+        async def all_of() -> list[list[Result]]:
+            drives = (drive(url, s[2], need) for url, s in zip(urls, stacks, strict=True))
+            return list(await asyncio.gather(*drives))
+
+        parts = asyncio.run(all_of())
+        end = os.getloadavg()[0]
+    labels = list(dict.fromkeys(label for label, _, _ in stacks))
+    out = []
+    for label in labels:
+        results = [r for (mine, _, _), part in zip(stacks, parts, strict=True) for r in part
+                   if mine == label]  # fmt: skip
+        late = sorted(r.late for r in results)
+        note = f"client lateness p99 {late[int(0.99 * (len(late) - 1))] * 1000:.0f} ms"
+        together = [other for other in labels if other != label]
+        if together:
+            note += f"; at once with {', '.join(together)}"
+        out.append(RunResult(label, results, args.seconds, (start, end), [note]))
+    return out
 
 
-def jain(rates: Sequence[float]) -> float:
-    total = sum(rates)
-    squares = sum(r * r for r in rates)
-    return total * total / (len(rates) * squares) if squares else float("nan")
-
-
-def report(runs: dict[str, dict[str, Outcome]], args: argparse.Namespace) -> str:
+def report(
+    runs: Sequence[RunResult], slices: Sequence[Slice], trace: Trace, args: argparse.Namespace
+) -> str:
+    cap = capacity(args)
     lines = [
-        f"capacity {capacity(args):.2f} requests/s ({args.prefills} prefills, {args.prompt}-token "
-        f"prompts at {args.prefill_tokens_per_s:g} tokens/s + {args.prefill_overhead_ms:g} ms); "
-        f"{args.seconds:g} s counted after {args.warmup:g} s",
+        f"trace {os.path.basename(trace.source)} ({len(trace.requests)} requests, blocks of "
+        f"{trace.block_size}); capacity {cap:,.0f} prompt tokens/s ({args.prefills} prefills × "
+        f"{args.prefill_tokens_per_s:,.0f} tokens/s + {args.prefill_overhead_ms:g} ms per "
+        f"request, {args.kv_capacity} blocks of KV each), {args.decodes} decodes; "
+        f"{args.seconds:g} s counted after {args.warmup:g} s; seed {args.seed}",
+        f"objectives {' '.join(objectives(args, slices))} (premium's TTFT {args.premium_ttft:g} × "
+        f"its mean prompt's prefill); limits: {' '.join(limits(args))}",
         "",
-        "| run | tenant | offered/s | served/s | refused (status: count) | TTFT p50 | TTFT p99 |",
-        "|---|---|---|---|---|---|---|",
+        "| tenant | trace requests from | requests | mean prompt | run s per trace s |",
+        "|---|---|---|---|---|",
     ]
-    for label, run_outcomes in runs.items():
-        for name, o in run_outcomes.items():
-            refused = ", ".join(f"{s}: {n}" for s, n in sorted(o.refused.items())) or "—"
-            if o.failed:
-                refused += f", failed: {o.failed}"
-            lines.append(
-                f"| {label} | {name} | {o.sent / args.seconds:.2f} | {o.served / args.seconds:.2f} "
-                f"| {refused} | {quantile(o.ttft, 0.5) * 1000:.0f} ms "
-                f"| {quantile(o.ttft, 0.99) * 1000:.0f} ms |"
-            )
-    lines.append("")
-    alone = runs.get("premium alone")
-    unloaded = quantile(alone["premium"].ttft, 0.99) if alone else float("nan")
-    for label in (label for label in ("fifo", "flow control") if label in runs):
-        outcomes = runs[label]
-        fairness = jain([outcomes[n].served / args.seconds for n in EQUAL])
-        p99 = quantile(outcomes["premium"].ttft, 0.99)
+    for s in slices:
+        mean = s.tokens / max(len(s.requests), 1)
         lines.append(
-            f"{label}: premium TTFT p99 {p99 * 1000:.0f} ms = {p99 / unloaded:.2f} × unloaded "
-            f"({unloaded * 1000:.0f} ms); Jain over {', '.join(EQUAL)}: {fairness:.3f}"
+            f"| {s.tenant.name} | {s.first} | {len(s.requests)} | {mean:,.0f} | {s.stretch:.3f} |"
+        )
+    lines += ["", *tenant_table(runs, cap), ""]
+    bases = [r for r in runs if r.label == "alone" or r.label.endswith(QUIET)]
+    loaded = [r for r in runs if r.label != "alone"]
+    lines += [*against(loaded, PREMIUM, bases[:1]), ""]
+    lines += [*against(loaded, UNDER, bases), ""]
+    lines += [*fairness_table(loaded, EQUAL, cap), ""]
+    for r in runs:
+        lines.append(
+            f"- {r.label}: load average {r.load[0]:.1f} at its start, {r.load[1]:.1f} at its "
+            f"end; {'; '.join(r.notes)}"
         )
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add = parser.add_argument
-    add("--seconds", type=float, default=300.0, help="arrivals counted, after the warm-up")
-    add("--warmup", type=float, default=20.0, help="arrivals sent but not counted")
+def parser() -> argparse.ArgumentParser:
+    doc = __doc__ or ""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    add = p.add_argument
+    add("--trace", default=str(BUNDLED_MOONCAKE), help="Mooncake-format JSONL trace")
+    add("--seed", type=int, default=1, help="picks where in the trace the slices start")
+    add("--seconds", type=float, default=420.0, help="arrivals counted, after the warm-up")
+    add("--warmup", type=float, default=15.0, help="arrivals sent but not counted")
     add("--prefills", type=int, default=4)
     add("--decodes", type=int, default=2)
-    add("--prompt", type=int, default=512, help="prompt tokens of every request")
-    add("--prefill-tokens-per-s", type=float, default=256.0)
+    add("--prefill-tokens-per-s", type=float, default=16_000.0)
     add("--prefill-overhead-ms", type=float, default=5.0)
-    add("--premium", type=float, default=0.1, help="premium's load, × capacity")
-    add("--noisy", type=float, default=3.0, help="the noisy tenant's load, × capacity")
-    add("--light", type=float, default=0.6, help="each light tenant's load, × capacity")
-    add("--premium-ttft", type=float, default=1.05, help="premium's TTFT objective, × its prefill")
-    add("--reserve", type=int, default=2, help="--flow-reserve-prefills")
+    add("--max-batch-tokens", type=int, default=8192, help="prefill tokens per engine step")
+    add("--kv-capacity", type=int, default=1024, help="KV blocks (of the trace's size) per engine")
+    add("--premium", type=float, default=0.2, help="premium's load, × capacity")
+    add("--noisy", type=float, default=4.0, help="the noisy tenant's load, × capacity")
+    add("--steady", type=float, default=0.4, help="steady's load, × capacity")
+    add("--light", type=float, default=0.1, help="light's load, × capacity")
+    add("--premium-ttft", type=float, default=1.05, help="its objective, × mean prompt prefill")
+    kept = FlowConfig().reserve_prefills
+    add(
+        "--reserves",
+        type=int,
+        nargs="+",
+        default=[kept],
+        help="--flow-reserve-prefills of each flow run; the first also runs without noisy",
+    )
     add("--max-concurrent", type=int, default=8)
     add("--queue-size", type=int, default=20)
     add("--queue-timeout", type=float, default=20.0)
-    add("--seed", type=int, default=7)
-    add("--runs", nargs="+", default=RUNS, choices=RUNS, help="which runs, in order")
-    args = parser.parse_args(argv)
-    premium = Tenant("premium", args.premium, "premium")
-    everyone = [premium, Tenant("noisy", args.noisy)]
-    everyone += [Tenant(name, args.light) for name in EQUAL[1:]]
-    plans = {
-        "premium alone": (limits(args) + flow_args(args), [premium]),
-        "fifo": (limits(args), everyone),
-        "flow control": (limits(args) + flow_args(args), everyone),
-    }
-    runs = {label: run(args, *plans[label]) for label in args.runs}
-    print(report(runs, args))
+    add("--max-output", type=int, default=8, help="cap on each request's new tokens")
+    add("--run-dir", default=None, help="where the stacks' logs go (default: under runs/)")
+    add("--runs", nargs="+", default=list(RUNS), choices=RUNS, help="which runs, in order")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    trace = read_trace(args.trace)
+    duration = args.warmup + args.seconds
+    slices = slice_tenants(trace, tenants(args), capacity(args), duration, args.seed)
+    by_name = {s.tenant.name: s for s in slices}
+    bs = trace.block_size
+    fifo = limits(args)
+    flow = {n: limits(args) + flow_args(objectives(args, slices), n) for n in args.reserves}
+    quiet = [s for s in slices if s.tenant.name != NOISY]
+    runs: list[RunResult] = []
+    for label in args.runs:
+        if label == "alone":
+            alone: list[Stack] = [("alone", fifo, [by_name[name]]) for name in (PREMIUM, UNDER)]
+            first = args.reserves[0]
+            alone.append((f"flow, reserve {first}{QUIET}", flow[first], quiet))
+            runs += run(args, bs, alone)
+        elif label == "fifo":
+            runs += run(args, bs, [("fifo", fifo, slices)])
+        else:
+            for n in args.reserves:
+                runs += run(args, bs, [(f"flow, reserve {n}", flow[n], slices)])
+    print(report(runs, slices, trace, args))
     return 0
 
 

@@ -29,7 +29,7 @@ Everything read here comes from outside, so a value of the wrong shape is refuse
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 
 from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption, Metadata
 from envoy.service.ext_proc.v3.external_processor_pb2 import (
@@ -67,22 +67,35 @@ class ProtocolError(ValueError):
     """A message from the data plane that the protocol does not allow; the text says why."""
 
 
-def headers_of(message: HttpHeaders) -> dict[str, str]:
-    """The headers, names in lowercase; Envoy sends each value as `raw_value` (or, older,
-    `value`). A repeated header keeps its last value."""
-    out: dict[str, str] = {}
+def request_headers_of(
+    message: HttpHeaders, wanted: Collection[str]
+) -> tuple[str | None, dict[str, str]]:
+    """The request's `:path` and its headers named in `wanted` (names in lowercase; a
+    repeated header keeps its last value), in one pass that reads no other header's value:
+    Envoy sends about ten headers a request, and reading every value into a dict cost a
+    fifth of a stream's own work (instructions counted in-process)."""
+    path: str | None = None
+    picked: dict[str, str] = {}
     for header in message.headers.headers:
-        value = header.raw_value.decode("latin-1") if header.raw_value else header.value
-        out[header.key.lower()] = value
-    return out
+        key = header.key.lower()
+        if key == ":path":
+            path = _value(header)
+        elif key in wanted:
+            picked[key] = _value(header)
+    return path, picked
+
+
+def _value(header: HeaderValue) -> str:
+    """Envoy sends each value as `raw_value` (older Envoys, `value`)."""
+    value: str = header.raw_value.decode("latin-1") if header.raw_value else header.value
+    return value
 
 
 def header_of(message: HttpHeaders, name: str) -> str | None:
-    """One header's value (`name` in lowercase), without reading the others into a dict."""
+    """One header's value (`name` in lowercase), without reading the others."""
     for header in message.headers.headers:
         if header.key == name:
-            value: str = header.raw_value.decode("latin-1") if header.raw_value else header.value
-            return value
+            return _value(header)
     return None
 
 

@@ -23,8 +23,8 @@ from gateway.epp.protocol import (
     ProtocolError,
     body_pieces,
     header_of,
-    headers_of,
     refuse,
+    request_headers_of,
     served_of,
     subset_of,
 )
@@ -215,10 +215,8 @@ class Stream:
             self.buffered = mode == _BUFFERED
             self.duplex_response = config.response_body_mode == _DUPLEX
         headers = message.request_headers
-        self._path = header_of(headers, ":path") or "/"
-        wanted = self._picker.wanted_headers
-        if wanted:
-            self._headers = {k: v for k, v in headers_of(headers).items() if k in wanted}
+        path, self._headers = request_headers_of(headers, self._picker.wanted_headers)
+        self._path = path or "/"
         self._subset = subset_of(message.metadata_context)
         if headers.end_of_stream:
             return await self._routed(end=None)

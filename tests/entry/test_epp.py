@@ -7,14 +7,16 @@ import json
 
 import grpc
 import pytest
+from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
 from envoy.service.ext_proc.v3.external_processor_pb2 import (
     HttpBody,
+    HttpHeaders,
     ProcessingRequest,
     ProcessingResponse,
 )
 from grpc_health.v1 import health_pb2
 
-from gateway.epp.protocol import BODY_PIECE_BYTES, Answers
+from gateway.epp.protocol import BODY_PIECE_BYTES, Answers, request_headers_of
 from gateway.epp.server import EXT_PROC_SERVICE
 from gateway.settings.workers import WorkerSpec
 from tests.entry.ext_proc import (
@@ -285,3 +287,22 @@ def test_a_route_answer_is_kept_for_what_it_removes_too() -> None:
     assert list(plain.request_body.response.header_mutation.remove_headers) == []
     removed = removing.request_body.response.header_mutation.remove_headers
     assert list(removed) == ["x-prefiller-host-port"]
+
+
+def test_the_request_headers_read_are_the_path_and_those_wanted_by_their_last_value() -> None:
+    """One pass reads `:path` and the wanted headers, a name in any case, a repeated one
+    by its last value, a value sent as `value` (older Envoys) as well as `raw_value`."""
+    sent = [
+        HeaderValue(key=":method", raw_value=b"POST"),
+        HeaderValue(key="X-SMG-Routing-Key", raw_value=b"first"),
+        HeaderValue(key=":path", raw_value=b"/v1/completions"),
+        HeaderValue(key="x-smg-routing-key", raw_value=b"last"),
+        HeaderValue(key="x-dynamo-session-id", value="older"),
+        HeaderValue(key="authorization", raw_value=b"Bearer k"),
+    ]
+    message = HttpHeaders(headers=HeaderMap(headers=sent))
+    wanted = frozenset({"x-smg-routing-key", "x-dynamo-session-id"})
+    path, picked = request_headers_of(message, wanted)
+    assert path == "/v1/completions"
+    assert picked == {"x-smg-routing-key": "last", "x-dynamo-session-id": "older"}
+    assert request_headers_of(HttpHeaders(), wanted) == (None, {})

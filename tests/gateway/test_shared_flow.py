@@ -27,6 +27,7 @@ from globalkv import redis_client
 from tests.gateway.fakes import DECODES, Cluster, config, make_gateway
 from tests.support.clock import FakeClock
 from tests.support.metrics import sample
+from tests.support.net import until
 
 OBJECTIVES = ["premium=10/500", "default=0"]
 
@@ -81,11 +82,6 @@ async def client(redis_url: str) -> AsyncIterator[redis_client.Client]:
     await connected.aclose()
 
 
-async def settle() -> None:
-    for _ in range(20):
-        await asyncio.sleep(0)
-
-
 async def rounds(*replicas: Replica) -> None:
     """One round of sharing each, then each again: everyone has read everyone."""
     for _ in range(2):
@@ -97,12 +93,11 @@ async def test_fairness_counts_what_the_other_replica_serves(client: redis_clien
     clock = FakeClock()
     a, b = await replica(client, clock), await replica(client, clock)
     running = b.send("running", "other")
-    await settle()
-    assert b.decoded == ["running"]
+    await until(lambda: b.decoded == ["running"], "b's first request to reach its decode")
     waiting = [b.send(f"heavy-{i}", "heavy") for i in range(2)]
-    await settle()
+    await until(lambda: len(b.flow.queues) == 2, "heavy to wait at b")
     waiting += [b.send(f"light-{i}", "light") for i in range(2)]
-    await settle()
+    await until(lambda: len(b.flow.queues) == 4, "light to wait at b, after heavy")
     # both wait at b, even; meanwhile a serves "heavy" a lot
     a.release.set()
     for i in range(4):
@@ -124,16 +119,18 @@ async def test_no_replica_releases_below_a_priority_waiting_at_another(
     a, b = await replica(client, clock), await replica(client, clock)
     a_running = a.send("a-running", "t")
     b_running = b.send("b-running", "t")
-    await settle()
+    await until(lambda: len(a.decoded) == len(b.decoded) == 1, "each replica's first to run")
     premium = a.send("premium", "p", "premium")  # waits at a behind its running request
     standard = b.send("standard", "s")  # waits at b
-    await settle()
+    await until(lambda: len(a.flow.queues) == len(b.flow.queues) == 1, "one to wait at each")
     await rounds(a, b)
     assert b.flow.others.top == 10
     b.release.set()
     assert (await b_running).status == 200
-    await settle()
-    assert not standard.done(), "a holds a premium request waiting"
+    # its place was given back, and the queues looked at, before its answer was
+    assert b.flow.running == 0
+    assert len(b.flow.queues) == 1, "a holds a premium request waiting"
+    assert not standard.done()
     assert b.decoded == ["b-running"]
     a.release.set()
     assert (await a_running).status == 200

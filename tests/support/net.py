@@ -1,4 +1,4 @@
-"""Free ports and bounded waits for multi-process tests."""
+"""Free ports and bounded waits: on a live process, or on work queued on this event loop."""
 
 from __future__ import annotations
 
@@ -33,6 +33,17 @@ async def await_for(
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
         await asyncio.sleep(0.02)
+
+
+async def until(condition: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
+    """Yield to this event loop until `condition` holds: work it has queued (a request
+    reaching a queue, a task ending), not a live process (`wait_for`, `await_for`). Fails
+    naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}")
+        await asyncio.sleep(0)
 
 
 def http_ok(url: str) -> Callable[[], bool]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -19,11 +20,22 @@ from gateway.serving.inference import Inference
 from gateway.settings.edge import AdmissionConfig, EdgeConfig
 from tests.gateway.fakes import DECODES, Cluster, config, make_gateway, rest_of
 from tests.support.clock import FakeClock
+from tests.support.net import until
 
 
 def admission(clock: Any = None, **settings: Any) -> Admission:
     config = AdmissionConfig(**{"max_concurrent_requests": 1, **settings})
     return Admission(config, clock or FakeClock(), CollectorRegistry())
+
+
+def queued(bucket: Admission) -> float:
+    """Requests waiting in its queue, as its gauge reads."""
+    return bucket.queued.collect()[0].samples[0].value
+
+
+def done_or_waiting(task: asyncio.Task[Any], bucket: Admission) -> Callable[[], bool]:
+    """Whether `task`'s request was answered or waits in `bucket`'s queue, its only one."""
+    return lambda: task.done() or queued(bucket) == 1
 
 
 async def test_waiting_requests_are_served_first_come_first_served() -> None:
@@ -38,7 +50,7 @@ async def test_waiting_requests_are_served_first_come_first_served() -> None:
     waiters = []
     for number in range(3):
         waiters.append(asyncio.create_task(wait(number)))
-        await asyncio.sleep(0)  # each takes its place in the queue before the next
+        await until(lambda n=number: queued(bucket) == n + 1, f"waiter {number} to queue")
     refusal = await bucket.admit()
     assert refusal is not None
     assert refusal.status == 429
@@ -48,8 +60,7 @@ async def test_waiting_requests_are_served_first_come_first_served() -> None:
     assert "--queue-size" in error["message"]
     assert "--max-concurrent-requests" in error["message"]
     for _ in range(3):
-        bucket.release()
-        await asyncio.sleep(0)
+        bucket.release()  # grants the next waiter there and then
     await asyncio.gather(*waiters)
     assert served == [0, 1, 2]
     assert bucket.refused.labels("queue_full")._value.get() == 1
@@ -82,8 +93,7 @@ async def test_the_concurrency_limit_holds_however_long_the_requests_run() -> No
         assert await bucket.admit() is None
         clock.advance(3600)
         third = asyncio.create_task(bucket.admit())
-        for _ in range(5):
-            await asyncio.sleep(0)
+        await until(done_or_waiting(third, bucket), "the third to start or wait")
         assert not third.done(), "an hour went by, yet both places are still taken"
         assert bucket.running == 2
         bucket.release()
@@ -125,7 +135,7 @@ async def test_a_cancelled_waiter_leaves_the_queue() -> None:
     bucket = admission(queue_size=1)
     assert await bucket.admit() is None
     waiter = asyncio.create_task(bucket.admit())
-    await asyncio.sleep(0)
+    await until(lambda: queued(bucket) == 1, "the waiter to queue")
     waiter.cancel()
     await asyncio.gather(waiter, return_exceptions=True)
     bucket.release()
@@ -160,8 +170,9 @@ async def test_held_requests_never_run_more_than_the_limit_and_streams_hold_thei
     requests = [asyncio.create_task(inference.handle("/generate", None, body)) for _ in range(8)]
     await cluster.wait_calls(4)  # two requests, a prefill and a decode each
     clock.advance(3600)
-    for _ in range(20):
-        await asyncio.sleep(0)
+    limit = inference._intake.admission
+    assert limit is not None
+    await until(lambda: queued(limit) == 6, "the other six to wait")
     assert (running, len(cluster.inference("decode"))) == (2, 2)
     release.set()
     answers = await asyncio.gather(*requests)
@@ -174,8 +185,7 @@ async def test_held_requests_never_run_more_than_the_limit_and_streams_hold_thei
     assert first.rest is not None
     assert second.rest is not None
     third = asyncio.create_task(inference.handle("/generate", None, body))
-    for _ in range(20):
-        await asyncio.sleep(0)
+    await until(done_or_waiting(third, limit), "the third to start or wait")
     assert not third.done(), "both places are held by streams not yet read"
     await rest_of(first)
     await first.rest.close("done")

@@ -22,6 +22,7 @@ from gateway.settings.flow import FlowConfig, parse_objective
 from globalkv.cli import main
 from tests.gateway.fakes import DECODES, PREFILLS, Cluster, config, make_gateway
 from tests.support.clock import FakeClock
+from tests.support.net import until
 
 OBJECTIVES = ["premium=10/500", "standard=0", "batch=-1", "default=0"]
 
@@ -135,11 +136,6 @@ def send(inference: Inference, text: str, **headers: str) -> asyncio.Task[Answer
     return asyncio.create_task(inference.handle("/generate", None, body(text), picked))
 
 
-async def settle() -> None:
-    for _ in range(20):
-        await asyncio.sleep(0)
-
-
 def flow_headers(tenant: str, objective: str | None = None) -> dict[str, str]:
     headers = {"x-llm-d-inference-fairness-id": tenant}
     if objective is not None:
@@ -162,7 +158,9 @@ async def test_behind_a_limit_bands_go_first_and_tenants_take_turns() -> None:
         send(inference, "premium", **flow_headers("p", "premium")),
         send(inference, "c2", **flow_headers("c")),
     ]
-    await settle()
+    flow = inference._gateway.flow
+    assert flow is not None
+    await until(lambda: len(flow.queues) == 7, "the seven to wait behind the first")
     assert held.order == ["first"], "one at a time"
     held.release.set()
     answers = await asyncio.gather(first, *waiting)
@@ -180,7 +178,9 @@ async def test_refusals_say_which_limit_and_the_lowest_band_is_shed_first() -> N
     await held.wait(1)
     batch = send(inference, "batch", **flow_headers("b", "batch"))
     standard = send(inference, "std", **flow_headers("a"))
-    await settle()
+    flow = inference._gateway.flow
+    assert flow is not None
+    await until(lambda: len(flow.queues) == 2, "the two to wait behind the running one")
     second = send(inference, "std2", **flow_headers("a"))  # full: the batch request goes
     shed = await batch
     assert shed.status == 429
@@ -198,8 +198,6 @@ async def test_refusals_say_which_limit_and_the_lowest_band_is_shed_first() -> N
     held.release.set()
     assert [(await t).status for t in (running, standard, premium)] == [200] * 3
     assert held.order == ["running", "premium", "std"]
-    flow = inference._gateway.flow
-    assert flow is not None
     assert flow.refused.labels("shed", "-1")._value.get() == 1
     assert flow.refused.labels("shed", "0")._value.get() == 1
     assert flow.refused.labels("queue_full", "0")._value.get() == 1
@@ -240,10 +238,9 @@ async def test_a_client_leaving_while_it_waits_leaves_the_queue() -> None:
     running = send(inference, "running")
     await held.wait(1)
     gone = send(inference, "gone")
-    await settle()
     flow = inference._gateway.flow
     assert flow is not None
-    assert len(flow.queues) == 1
+    await until(lambda: len(flow.queues) == 1, "the request to wait behind the running one")
     gone.cancel()
     await asyncio.gather(gone, return_exceptions=True)
     assert len(flow.queues) == 0
@@ -291,10 +288,10 @@ async def test_a_request_is_released_once_its_first_token_is_predicted_in_time()
     # 0.45 s ahead on each
     busy = [loads.start_prefill(Choice(worker, uncached_tokens=450)) for worker in PREFILL_IDS]
     premium = send_ids(inference, 100, **flow_headers("p", "premium"))  # 0.1 s of its own
-    await settle()
-    assert not premium.done(), "0.45 + 0.1 s is past its objective of 0.5 s"
     flow = inference._gateway.flow
     assert flow is not None
+    await until(lambda: premium.done() or len(flow.queues) == 1, "premium to go or wait")
+    assert not premium.done(), "0.45 + 0.1 s is past its objective of 0.5 s"
     clock.advance(0.1)  # 0.35 s ahead now
     flow.look()
     assert (await premium).status == 200
@@ -315,13 +312,11 @@ async def test_lower_priorities_leave_room_for_an_active_objective_above() -> No
     # none that answers within 0.5 s
     busy = [loads.start_prefill(Choice(PREFILL_IDS[1], uncached_tokens=40_000)) for _ in range(2)]
     standard = send_ids(inference, 1000, **flow_headers("s"))
-    await settle()
+    await until(lambda: standard.done() or len(flow.queues) == 1, "standard to go or wait")
     assert not standard.done()
-    assert len(flow.queues) == 1
     clock.advance(29)
-    flow.look()
-    await settle()
-    assert not standard.done(), "premium came 29 s ago: still active"
+    flow.look()  # decides at once: a request it releases leaves the queues
+    assert len(flow.queues) == 1, "premium came 29 s ago: still active"
     clock.advance(2)  # 31 s since premium's last request: its headroom is no longer kept
     flow.look()
     assert (await standard).status == 200
@@ -338,11 +333,12 @@ async def test_before_any_rate_is_measured_in_time_means_idle() -> None:
     assert (await send_ids(inference, 100, **flow_headers("p", "premium"))).status == 200
     other = gateway.loads.start_prefill(Choice(PREFILL_IDS[1], uncached_tokens=500))
     premium = send_ids(inference, 100, **flow_headers("p", "premium"))
-    await settle()
+    flow = gateway.flow
+    assert flow is not None
+    await until(lambda: premium.done() or len(flow.queues) == 1, "premium to go or wait")
     assert not premium.done(), "no prefill is idle and none is timed"
     gateway.loads.finish(other)
-    assert gateway.flow is not None
-    gateway.flow.look()
+    flow.look()
     assert (await premium).status == 200
     gateway.loads.finish(busy)
 
@@ -353,8 +349,10 @@ async def test_requests_released_together_do_not_each_find_the_same_room() -> No
     clock = FakeClock()
     cluster = Cluster()
     prefilled = asyncio.Event()
+    reached = asyncio.Event()
 
     async def slow_prefill(_: httpx.Request, __: Any) -> httpx.Response:
+        reached.set()
         await prefilled.wait()
         return httpx.Response(200, json={})
 
@@ -371,15 +369,15 @@ async def test_requests_released_together_do_not_each_find_the_same_room() -> No
         for _ in range(2)
     ]
     waiting = [send_ids(inference, 1000, **flow_headers(f"s{i}")) for i in range(3)]
-    await settle()
-    assert len(flow.queues) == 3
+    await until(lambda: len(flow.queues) == 3, "the three to wait")
     for ticket in busy:
         loads.finish(ticket)  # both prefills idle: room for one, the other kept for premium
     flow.look()
     assert len(flow.queues) == 2
     assert sum(flow.placing.values()) == pytest.approx(1.0)  # 1,000 tokens at 1,000/s
-    await settle()
-    assert flow.placing == {}, "sent: its load is tracked instead"
+    async with asyncio.timeout(5):
+        await reached.wait()
+    assert flow.placing == {}, "sent before it reached its prefill: its load is tracked instead"
     flow.look()
     assert len(flow.queues) == 2, "the tracked load holds the others back as the placing did"
     prefilled.set()

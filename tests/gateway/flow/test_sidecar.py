@@ -21,8 +21,9 @@ from gateway.settings.flow import FlowConfig
 from gateway.sidecar.chooser import SidecarChooser
 from gateway.workers.pool import worker_id
 from tests.gateway.fakes import DECODES, Cluster, StubProbe, config
-from tests.gateway.flow.test_control import PREFILL_IDS, Held, settle
+from tests.gateway.flow.test_control import PREFILL_IDS, Held
 from tests.support.clock import FakeClock, RecordedSleep
+from tests.support.net import until
 
 
 async def sidecar(cluster: Cluster, clock: FakeClock, **admission: int) -> Gateway:
@@ -71,7 +72,9 @@ async def test_a_sidecar_queues_by_priority_and_tenant() -> None:
     await held.wait(1)
     standard = send("standard", (b"x-gateway-inference-fairness-id", b"acme"))
     premium = send("premium", (b"x-llm-d-inference-objective", b"premium"))
-    await settle()
+    flow = gateway.flow
+    assert flow is not None
+    await until(lambda: len(flow.queues) == 2, "the two to wait behind the running one")
     held.release.set()
     for task in (running, standard, premium):
         assert (await task).status == 200
@@ -98,10 +101,10 @@ async def test_a_sidecars_headroom_is_its_named_prefills() -> None:
     )
     ids = json.dumps({"input_ids": [5] * 100, "sampling_params": {"max_new_tokens": 1}})
     premium = asyncio.create_task(inference.handle("/generate", None, ids.encode(), headers))
-    await settle()
-    assert not premium.done(), "2 s of work ahead on every prefill"
     flow = gateway.flow
     assert flow is not None
+    await until(lambda: premium.done() or len(flow.queues) == 1, "premium to go or wait")
+    assert not premium.done(), "2 s of work ahead on every prefill"
     loads.finish(busy[1])
     flow.look()
     assert len(flow.queues) == 1, "the other prefill is free, but the named one has 2 s"

@@ -5,7 +5,7 @@ anything else that runs a plan import no router."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gateway.policies.base import Choice
 from gateway.workers.pool import Worker
@@ -25,12 +25,12 @@ class RoutePlan:
     pinned_dp_rank: int | None = None
     """With `--dp-aware`, the DP rank named in the request itself where the room cannot
     select it (the prefill does not follow the room)."""
+    dp_rank: int | None = field(default=None, init=False)
+    """The prefill's DP rank that computes the prompt, where it is known: the prefill's
+    rule (`Directory.computing_rank`) applied to the first room and the pinned rank, the
+    same for every plan, those without rooms (a local plan's, an endpoint picker's: its
+    decode's sidecar draws them) included."""
 
-    @property
-    def dp_rank(self) -> int | None:
-        """The prefill's DP rank that computes the prompt, where it is known: the prefill's
-        rule (`Directory.computing_rank`) applied to the first room and the pinned rank,
-        the same for every plan, those without rooms (a local plan's, an endpoint
-        picker's: its decode's sidecar draws them) included."""
+    def __post_init__(self) -> None:
         room = self.rooms[0] if self.rooms else None
-        return self.prefill.directory.computing_rank(room, self.pinned_dp_rank)
+        self.dp_rank = self.prefill.directory.computing_rank(room, self.pinned_dp_rank)

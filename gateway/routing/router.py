@@ -260,7 +260,9 @@ class Router:
         pinned = wanted if self._dp_aware and not follows and dp_size > 1 and known else None
         count = 1 if query.batch is None else query.batch
         rooms = [draw_room(self._rooms, dp_size, dp_rank) for _ in range(count)]
-        return RoutePlan(prefill, decode, choice, rooms, query.keys, pinned_dp_rank=pinned)
+        # `query.keys` inline: a property is a call the request path pays for.
+        keys = query.lookup.keys if query.lookup is not None else ()
+        return RoutePlan(prefill, decode, choice, rooms, keys, pinned_dp_rank=pinned)
 
     def record(self, choice: Choice, query: RouteQuery, paired: bool = True) -> None:
         """One decision counted: the prefill's outcome (hit, miss, fallback) and, `paired`,

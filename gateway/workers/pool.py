@@ -74,7 +74,6 @@ class DirectoryStatus(enum.Enum):
         return -1
 
 
-_ROUTABLE = frozenset({DirectoryStatus.READY, DirectoryStatus.UNKNOWN})
 _ERROR_CHARS = 300
 
 
@@ -170,7 +169,14 @@ class Worker:
 
     @property
     def eligible(self) -> bool:
-        return self.health.healthy and self.breaker.allows() and self.directory.status in _ROUTABLE
+        # Read per worker per request: the directory's status by identity (an enum's hash
+        # is a Python call), the breaker's clock last.
+        status = self.directory.status
+        return (
+            self.health.healthy
+            and (status is DirectoryStatus.READY or status is DirectoryStatus.UNKNOWN)
+            and self.breaker.allows()
+        )
 
     def status(self) -> str:
         """ "serving", or "no traffic: " and why, as an operator reads it."""
@@ -180,7 +186,7 @@ class Worker:
         retry = self.breaker.retry_in() if not self.breaker.allows() else None
         if retry is not None:
             reasons.append(f"circuit open for {retry:.0f} s more")
-        if self.directory.status not in _ROUTABLE:
+        if self.directory.status not in (DirectoryStatus.READY, DirectoryStatus.UNKNOWN):
             reasons.append(f"directory {self.directory.status.value}")
         if reasons:
             return "no traffic: " + ", ".join(reasons)
@@ -343,11 +349,13 @@ class WorkerPool:
         """The eligible workers of `role`; of `kind` when given; serving every one of
         `adapters`; and, when `model` is given and some of them advertise it, those only (a
         model no worker advertises, as a client's placeholder name, is served by any)."""
-        workers = [w for w in self._roles[role] if w.eligible]
-        if kind is not None:
-            workers = [w for w in workers if w.kind == kind]
-        if adapters:
-            workers = [w for w in workers if all(a in w.adapters for a in adapters)]
+        workers = [
+            w
+            for w in self._roles[role]
+            if w.eligible
+            and (kind is None or w.kind == kind)
+            and (not adapters or all(a in w.adapters for a in adapters))
+        ]
         if model is not None:
             serving = [w for w in workers if w.served_model == model]
             if serving:

@@ -31,33 +31,34 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from contextlib import ExitStack
 from pathlib import Path
 
 from bench.epp import MINIMAL, MODES
-from bench.gateway import HOST, PROMPT, _body, _free_port, _spawn, _wait_ok
+from bench.gateway import HOST, PROMPT, Child, _body, _free_port, _spawn, _wait_ok
 from bench.gateway_instructions import PERIODIC, measured
 from bench.gateway_variant import variant
 
 
 def count(
-    server: str,
+    label: str,
     directory: str | None,
     mode: str,
     requests: int,
     logs: Path,
     keep: Path | None = None,
 ) -> float:
-    """Instructions per request of `server` (the picker, from `directory` when given; or
-    `MINIMAL`) behind an Envoy in `mode`."""
+    """Instructions per request of the server `label` names (`MINIMAL`, else a picker: this
+    checkout's, or from `directory` when given) behind an Envoy in `mode`; its processes'
+    logs named by `label` and `mode`."""
     mocks = [_free_port(), _free_port()]
     endpoints = [f"{HOST}:{m}" for m in mocks]
     probe = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1}}
-    mock_argv = [sys.executable, "-m", "bench.gateway_mocks", *map(str, mocks)]
-    mock = _spawn("mocks", mock_argv, None, logs)
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{mode}.{label}")
     out = logs / f"callgrind-{time.monotonic_ns()}.out"
     valgrind = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}"]
     grpc = _free_port()
-    if server == MINIMAL:
+    if label == MINIMAL:
         argv = [*valgrind, sys.executable, "-m", "bench.epp_minimal", str(grpc), *endpoints]
     else:
         argv = [*valgrind, sys.executable, "-m", "globalkv", "epp", "--host", HOST]
@@ -66,19 +67,22 @@ def count(
         argv += ["--grpc-host", HOST, "--grpc-port", str(grpc)]
         argv += [a for m in mocks for a in ("--worker", f"http://{HOST}:{m}")]
         argv += PERIODIC
-    counted = _spawn(server, argv, None, logs, directory)
     port = _free_port()
     envoy_argv = [sys.executable, "-m", "globalkv", "envoy", "--port", str(port)]
     envoy_argv += ["--admin-port", str(_free_port()), "--picker", f"{HOST}:{grpc}"]
     envoy_argv += [a for e in endpoints for a in ("--endpoint", e)]
-    envoy = _spawn(f"envoy-{server}", [*envoy_argv, *MODES[mode]], None, logs)
-    try:
+    with ExitStack() as started:
+
+        def spawn(what: str, argv: list[str], cwd: str | None = None) -> Child:
+            child = _spawn(f"{what}.{name}", argv, None, logs, cwd)
+            started.callback(child.stop)
+            return child
+
+        spawn("mocks", [sys.executable, "-m", "bench.gateway_mocks", *map(str, mocks)])
+        counted = spawn("server", argv, directory)
+        envoy = spawn("envoy", [*envoy_argv, *MODES[mode]])
         _wait_ok(envoy, f"http://{HOST}:{port}/generate", probe, 600)
         return measured(counted, port, out, requests, _body(False), keep=keep)
-    finally:
-        envoy.stop()
-        counted.stop()
-        mock.stop()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -116,8 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if profile is not None:
                     name = re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{mode}.{label}")
                     keep = profile / f"callgrind.{name}.out"
-                server = MINIMAL if label == MINIMAL else "epp"
-                counts[label] = count(server, directory, mode, args.requests, Path(logs), keep)
+                counts[label] = count(label, directory, mode, args.requests, Path(logs), keep)
             for label, value in counts.items():
                 print(f"| {mode} | {label} | {value:,.0f} | {value / counts[MINIMAL]:.3f} |")
     return 0

@@ -32,8 +32,10 @@ predicted within its objective and the headroom above is kept. Releasing only wh
 soonest prefill may take it keeps a lower band waiting here, in its fair order, rather
 than queued behind the work of busy prefills, where nothing orders it. Where the
 request names its prefill (a decode's sidecar binds it to the one its picker named),
-that prefill alone is the one that may take it; where the entry point may choose only
-among some (an endpoint picker's subset hint), only those.
+that prefill alone is judged; where the entry point may choose only among some (an
+endpoint picker's subset hint), only those. Should the prefills named all become
+ineligible before the request is routed, the router goes where it must (another of the
+subset, or any): a request is not refused for a headroom judged a moment earlier.
 
 The second rule is what keeps a premium objective's time to first token when a lower
 priority offers more than the prefills can take: the lower priorities fill the prefills

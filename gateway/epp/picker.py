@@ -22,16 +22,15 @@ answered). Fallback endpoints (`fallbacks`) are the other eligible endpoints, le
 loaded first.
 
 A request comes in as it comes into the gateway, by the same sequence
-(`gateway.serving.intake`): read, looked up in the index, admitted, looked up again when
-it waited, then picked. Admission control (`--max-concurrent-requests` and its queue)
-holds a place until the response ends; with `--flow-control` instead an inference
-request waits for its turn in the flow queues (`gateway.flow`), its flow read from the
-request's headers as the gateway reads them, and holds its place until the response
-ends: the picker sees every request of the pool (a decode's sidecar behind it sees only
-its own), so it is where flow control belongs. Envoy holds the request meanwhile: told
-when the request starts waiting in a queue, it waits for the pick up to `wait_secs`
-instead of its ext_proc message timeout (`gateway.epp.stream`).
-"""
+(`gateway.serving.intake`): read, admitted, looked up in the index (under flow control
+also before, and again when it waited), then picked. Admission control
+(`--max-concurrent-requests` and its queue) holds a place until the response ends; with
+`--flow-control` instead an inference request waits for its turn in the flow queues
+(`gateway.flow`), its flow read from the request's headers as the gateway reads them, and
+holds its place until the response ends: the picker sees every request of the pool (a
+decode's sidecar behind it sees only its own), so it is where flow control belongs. Envoy
+holds the request meanwhile: told when the request starts waiting in a queue, it waits for
+the pick up to `wait_secs` instead of its ext_proc message timeout (`gateway.epp.stream`)."""
 
 from __future__ import annotations
 

@@ -4,13 +4,16 @@ it a decode's sidecar) and the endpoint picker run this, then route what it admi
 1. **read** (`gateway.serving.reading`): a body or header that cannot be read is the
    client's 400, an adapter none serves a 404 (`refusal`), before the request waits for
    anything: a bad request is refused whatever the load;
-2. **looked up** in the index (`Router.look_up`): flow control's headroom reads the
-   prompt's hits on each prefill to predict its first token;
+2. **looked up** in the index (`Router.look_up`) first only under flow control, whose
+   headroom reads the prompt's hits on each prefill to predict its first token;
 3. **admitted**: with `--flow-control`, its turn in the flow queues (`gateway.flow.control`);
    else, with `--max-concurrent-requests`, a place under admission control
    (`gateway.flow.admission`); a refusal is that queue's 429 or 408;
-4. **looked up again** when it waited: the index may show more of its prompt by then,
-   and the route is chosen on what it shows now, not on what it showed when it came;
+4. **looked up** once admitted where it was not yet, or again when it waited: the index
+   may show more of its prompt by then, and the route is chosen on what it shows now, not
+   on what it showed when it came. Under admission control (or no limit) this is the one
+   lookup, so a request the queue refuses costs the index nothing: under overload the
+   lookups stay bounded by what is admitted;
 5. **narrowed** to the prefills flow control released it for (`RouteQuery.within`): the
    prefill the router then chooses, by its own policy, is one where the request's first
    token is predicted within its objective and the headroom above it is kept.
@@ -138,17 +141,20 @@ class Intake:
             query = request.query
             if flow is not None:
                 flow.among = prefills
-        await self._look_up(query)
+        flow_held = self.flow is not None and flow is not None
+        if flow_held:
+            await self._look_up(query)
         place = await self._enter(flow, waiting)
         if isinstance(place, Answer):
             return place
-        if place is not None:
-            if place.waited:
-                try:
-                    await self._look_up(query)
-                except BaseException:
+        if not flow_held or (place is not None and place.waited):
+            try:
+                await self._look_up(query)
+            except BaseException:
+                if place is not None:
                     place.release()
-                    raise
+                raise
+        if place is not None:
             query.within = place.within
             place.sent()
         return Admitted(request, query, place)

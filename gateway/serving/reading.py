@@ -14,9 +14,8 @@ request's path, body and headers into what it is served by, here and only here:
 
 the choosing part of it gathered in one `RouteQuery`, and all of it, with the path and
 what of the client's headers the workers are sent, in one `Request`
-(`gateway.requests.request`), made here once and read unchanged down to the legs. The
-index is asked after (`Router.look_up`): a request flow control holds is looked up again
-when its turn comes.
+(`gateway.requests.request`), made here once. The index is asked after (`Router.look_up`, by
+`gateway.serving.intake`).
 
 A prompt to tokenize in a body over `TOKENIZE_INLINE_MAX` bytes is tokenized in a worker
 thread: a long text held the event loop, and every other request with it, for as long as

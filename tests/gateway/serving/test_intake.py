@@ -104,7 +104,9 @@ async def running_first(e: Entry) -> asyncio.Task[Any]:
 
 
 @pytest.mark.parametrize("kind", ENTRIES)
-async def test_a_request_that_waited_for_admission_is_looked_up_again(kind: str) -> None:
+async def test_a_request_under_admission_control_is_looked_up_once_admitted(kind: str) -> None:
+    """Not as it comes: a request that waits is placed on what the index shows once its
+    turn came, and one the queue refuses costs the index nothing."""
     lookup = StubLookup()
     limits = AdmissionConfig(max_concurrent_requests=1, queue_size=1)
     e = await entry(kind, lookup, admission=limits)
@@ -116,10 +118,13 @@ async def test_a_request_that_waited_for_admission_is_looked_up_again(kind: str)
     waiting = e.send(ids())
     async with asyncio.timeout(5):
         await waits.wait()
-    assert len(lookup.asked) == 2, "asked once as it came"
+    refused = await e.send(ids())
+    assert isinstance(refused, Answer)
+    assert refused.status == 429
+    assert len(lookup.asked) == 1, "neither the waiting request nor the refused one asked"
     e.end(first.result() if kind == "picker" else first)
     second = await waiting
-    assert len(lookup.asked) == 3, "asked again once its turn came: the index may show more"
+    assert len(lookup.asked) == 2, "asked once its turn came: the index may show more"
     if kind == "picker":
         assert isinstance(second, Pick)
         e.end(second)

@@ -209,7 +209,8 @@ async def test_a_wait_past_the_timeout_is_408_and_lets_the_next_go() -> None:
     inference = await flow_gateway(cluster, queue_timeout_secs=0.05)
     running = send(inference, "running")
     await held.wait(1)
-    late = await send(inference, "late")
+    async with asyncio.timeout(5):  # a limit not held would let it run, held forever
+        late = await send(inference, "late")
     assert late.status == 408
     error = json.loads(late.body)["error"]
     assert (error["code"], error["type"]) == ("queue_timeout", "request_timeout")

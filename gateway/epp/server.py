@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 _MESSAGE_MARGIN = 1024 * 1024
 """What a message may carry beyond its body: headers, metadata, framing."""
+_EOF = grpc.aio.EOF
 _SWEEP_SECS = 1.0
 """How often the streams' deadlines are checked, at most (shorter deadlines: a quarter)."""
 
@@ -109,17 +110,50 @@ class ExternalProcessor:
         self._deadlines = _Deadlines(interval, metrics)
 
     async def Process(self, _requests: Any, context: Any) -> None:
+        """Reads and answers until the pick (Envoy ending the stream, a refusal or the
+        body's deadline end it there), then the response's messages until the stream ends,
+        which ends the pick's load; past the pick's deadline (its load already released)
+        the stream just ends. One coroutine for the stream and one for its pick: the five
+        more it had cost about 8,000 instructions a request (counted in-process under
+        callgrind), a tenth of what the stream costs beside the minimal server's."""
+        read, write = context.read, context.write
         stream = Stream(
-            self._picker, self._answers, self._limits, self._budget, self._metrics, context.write
+            self._picker, self._answers, self._limits, self._budget, self._metrics, write
         )
         stream.task = asyncio.current_task()
         loop = asyncio.get_running_loop()
         stream.deadline = loop.time() + self._limits.body_secs
         self._deadlines.add(stream)
         try:
-            if await self._until_picked(stream, context):
-                stream.deadline = loop.time() + self._limits.pick_secs
-                await self._while_picked(stream, context)
+            try:
+                while stream.pick is None:
+                    message = await read()
+                    if message is _EOF:
+                        return
+                    answers = stream.receive(message)
+                    if answers is None:
+                        answers = await stream.routed()
+                    for answer in answers:
+                        await write(answer)
+                    if stream.refused:
+                        return
+            except asyncio.CancelledError:
+                if not _expired(stream):
+                    raise
+                await write(stream.timed_out())
+                return
+            stream.deadline = loop.time() + self._limits.pick_secs
+            try:
+                while True:
+                    message = await read()
+                    if message is _EOF:
+                        stream.release(True)
+                        return
+                    for answer in stream.after_pick(message):
+                        await write(answer)
+            except asyncio.CancelledError:
+                if not _expired(stream):
+                    raise
         except Unsupported as exc:
             self._metrics.streams.inc()
             log.warning("ext_proc stream refused: %s", exc)
@@ -132,40 +166,6 @@ class ExternalProcessor:
             self._deadlines.discard(stream)
             stream.forget_body()
             stream.release(False)
-
-    async def _until_picked(self, stream: Stream, context: Any) -> bool:
-        """Reads and answers until the pick; False: the stream is over (ended by Envoy,
-        refused, or out of time for its body)."""
-        try:
-            while stream.pick is None:
-                message = await context.read()
-                if message is grpc.aio.EOF:
-                    return False
-                for answer in await stream.receive(message):
-                    await context.write(answer)
-                if stream.refused:
-                    return False
-        except asyncio.CancelledError:
-            if not _expired(stream):
-                raise
-            await context.write(stream.timed_out())
-            return False
-        return True
-
-    async def _while_picked(self, stream: Stream, context: Any) -> None:
-        """Answers the response's messages until the stream ends, which ends the load;
-        past the pick's deadline (its load already released) the stream just ends."""
-        try:
-            while True:
-                message = await context.read()
-                if message is grpc.aio.EOF:
-                    stream.release(True)
-                    return
-                for answer in stream.after_pick(message):
-                    await context.write(answer)
-        except asyncio.CancelledError:
-            if not _expired(stream):
-                raise
 
 
 def _expired(stream: Stream) -> bool:

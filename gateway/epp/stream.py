@@ -115,6 +115,7 @@ class Stream:
         "_answers",
         "_body",
         "_budget",
+        "_end",
         "_headers",
         "_held",
         "_limits",
@@ -122,6 +123,8 @@ class Stream:
         "_path",
         "_picker",
         "_subset",
+        "_trailers",
+        "_whole",
         "_write",
         "buffered",
         "deadline",
@@ -154,6 +157,12 @@ class Stream:
         """The request headers the picker reads (`Picker.wanted_headers`)."""
         self._subset: frozenset[str] | None = None
         self._body = bytearray()
+        self._whole: bytes | None = None
+        """A BUFFERED body, whole in one message."""
+        self._end: bool | None = True
+        """Whether the body the pick answers ends the request (None: it has no body)."""
+        self._trailers = False
+        """The request's trailers ended it (the pick answers them too)."""
         self._held = 0
         self.buffered = False
         self.duplex_response = True
@@ -166,17 +175,20 @@ class Stream:
         self.task: asyncio.Task[Any] | None = None
         self.expired = False
 
-    async def receive(self, message: ProcessingRequest) -> list[bytes]:
-        """The answers to one message before the pick."""
+    def receive(self, message: ProcessingRequest) -> list[bytes] | None:
+        """The answers to one message before the pick, or None when the pick is due
+        (`routed` answers then): only the pick awaits, so the messages before it cost no
+        coroutine of their own."""
         kind = message.WhichOneof("request")
         if kind == "request_headers":
-            return await self._request_headers(message)
+            return self._request_headers(message)
         if self._path is None:
             raise ProtocolError(f"{kind} before the request headers")
         if kind == "request_body":
-            return await self._request_body(message.request_body.body, message.request_body)
+            return self._request_body(message.request_body)
         if kind == "request_trailers" and not self.buffered:
-            return [*await self._routed(end=False), self._answers.request_trailers]
+            self._end, self._trailers = False, True
+            return None
         raise ProtocolError(f"{kind} before the request was routed")
 
     def after_pick(self, message: ProcessingRequest) -> list[bytes]:
@@ -200,7 +212,7 @@ class Stream:
             return [answers.request_trailers]
         raise ProtocolError(f"{kind} after the request was routed")
 
-    async def _request_headers(self, message: ProcessingRequest) -> list[bytes]:
+    def _request_headers(self, message: ProcessingRequest) -> list[bytes] | None:
         if self._path is not None:
             raise ProtocolError("request headers received twice")
         if message.HasField("protocol_config"):
@@ -219,10 +231,12 @@ class Stream:
         self._path = path or "/"
         self._subset = subset_of(message.metadata_context)
         if headers.end_of_stream:
-            return await self._routed(end=None)
+            self._end = None  # no body
+            return None
         return [self._answers.request_headers] if self.buffered else []
 
-    async def _request_body(self, chunk: bytes, body: Any) -> list[bytes]:
+    def _request_body(self, body: Any) -> list[bytes] | None:
+        chunk: bytes = body.body
         size = len(chunk)
         limits = self._limits
         if self._held + size > limits.body_bytes:
@@ -232,20 +246,20 @@ class Stream:
             return [self._refuse(full, "bodies_full")]
         self._held += size
         if self.buffered:  # the whole body, in one message
-            return await self._routed(end=True, body=chunk)
+            self._whole = chunk
+            return None
         self._body += chunk
-        if not body.end_of_stream:
-            return []
-        return await self._routed(end=True)
+        return None if body.end_of_stream else []
 
-    async def _routed(self, end: bool | None, body: bytes | None = None) -> list[bytes]:
-        """The pick's answer (`end`: whether the body ends the request; None: the request
-        has no body): in the buffered body's answer, else in the request headers' followed
-        by the body streamed back."""
+    async def routed(self) -> list[bytes]:
+        """The pick's answer, once `receive` said it is due: in the buffered body's answer,
+        else in the request headers' followed by the body streamed back (and the
+        trailers' answer, when the trailers ended the request)."""
         assert self._path is not None
+        end = self._end
+        body = self._whole
         if body is None:
             body = bytes(self._body)
-            self._body = bytearray()
         try:
             outcome = await self._picker.pick(
                 self._path, body, self._subset, self._headers, self._waiting
@@ -263,6 +277,8 @@ class Stream:
         ]
         if end is not None and not in_body:
             answers += body_pieces(body, request=True, end=end)
+        if self._trailers:
+            answers.append(self._answers.request_trailers)
         return answers
 
     async def _waiting(self) -> None:
@@ -279,7 +295,9 @@ class Stream:
         if self._held:
             self._budget.give(self._held)
             self._held = 0
-        self._body = bytearray()
+        if self._body:
+            self._body = bytearray()
+        self._whole = None
 
     def _refuse(self, answer: Answer, outcome: str | None = None) -> bytes:
         """`answer` as the data plane's immediate response, counted under `outcome` (by

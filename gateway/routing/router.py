@@ -112,6 +112,12 @@ class Router:
         query.lookup = None if model is None else await self._ask(model, query)
         query.now = self._clock()
 
+    def unindexed(self, query: RouteQuery) -> None:
+        """`look_up` for a prefill policy that reads no index, without awaiting: only the
+        time choosing reads."""
+        query.lookup = None
+        query.now = self._clock()
+
     def _indexed_model(self, query: RouteQuery) -> str | None:
         """The model to look the query's prompt up under; None, the reason counted, when
         the index cannot be asked."""

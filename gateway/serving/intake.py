@@ -101,9 +101,14 @@ class Intake:
             else None
         )
         """sglang-router's admission control, without flow control (which then holds it)."""
+        self._router = gateway.router
         self._look_up: Callable[[RouteQuery], Awaitable[None]] = gateway.router.look_up
         self._enter: Callable[[FlowRequest | None, Waiting], Awaitable[Place | Answer | None]]
         self._enter = self._queue
+        self._limited = self.flow is not None or self.admission is not None
+        self._indexed = traced or gateway.router.uses_index
+        """Whether the index is asked (or the lookup is a stage of a traced request's
+        span): else the lookup is not awaited, a coroutine fewer per request."""
         if traced:
             self._look_up = _stage("route", self._look_up)
             if self.flow is not None or self.admission is not None:
@@ -141,6 +146,12 @@ class Intake:
             query = request.query
             if flow is not None:
                 flow.among = prefills
+        if not self._limited:  # nothing to wait for: looked up, admitted
+            if self._indexed:
+                await self._look_up(query)
+            else:
+                self._router.unindexed(query)
+            return Admitted(request, query, None)
         flow_held = self.flow is not None and flow is not None
         if flow_held:
             await self._look_up(query)

@@ -38,7 +38,7 @@ import logging
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
-from gateway.epp.protocol import Headers
+from gateway.epp.protocol import Headers, RequestHeaders
 from gateway.http.answer import Answer, problem
 from gateway.load.tracker import LoadTicket, LoadTracker
 from gateway.policies.base import NoCandidates
@@ -88,8 +88,8 @@ class Picker:
         itself, a lookup in the index again, a second to spare."""
         names = {name.decode() for name in self._intake.reader.header_names}
         flow = gateway.flow is not None
-        self.wanted_headers = frozenset({*names, "authorization"} if flow else names)
-        """The request headers `pick` reads: what the reader reads (sessions, flow
+        self.headers = RequestHeaders({*names, "authorization"} if flow else names)
+        """Reads the request headers `pick` reads: what the reader reads (sessions, flow
         control's) and, with flow control, the API key (a tenant without a header)."""
 
     @property
@@ -107,9 +107,9 @@ class Picker:
     ) -> Pick | Answer:
         """The endpoint for a request of `body` to `path`, among `subset` when given, or
         the refusal to answer instead, as the gateway answers the same refusal: the one
-        place a request enters the picker, so admission can wrap it. `headers`: the
-        request's `wanted_headers` (lower-case names). `waiting` is awaited when the
-        request starts waiting in a queue; the pick then comes within `wait_secs`."""
+        place a request enters the picker, so admission can wrap it. `headers`: what
+        `self.headers` read of the request's (lower-case names). `waiting` is awaited when
+        the request starts waiting in a queue; the pick then comes within `wait_secs`."""
         given = headers or {}
         picked = {name.encode(): value.encode("latin-1") for name, value in given.items()}
         prefills = None if self.disaggregated else subset  # a PD subset bounds the decodes

@@ -29,7 +29,7 @@ Everything read here comes from outside, so a value of the wrong shape is refuse
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 
 from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption, Metadata
 from envoy.service.ext_proc.v3.external_processor_pb2 import (
@@ -67,22 +67,49 @@ class ProtocolError(ValueError):
     """A message from the data plane that the protocol does not allow; the text says why."""
 
 
-def request_headers_of(
-    message: HttpHeaders, wanted: Collection[str]
-) -> tuple[str | None, dict[str, str]]:
-    """The request's `:path` and its headers named in `wanted` (names in lowercase; a
-    repeated header keeps its last value), in one pass that reads no other header's value:
-    Envoy sends about ten headers a request, and reading every value into a dict cost a
-    fifth of a stream's own work (instructions counted in-process)."""
-    path: str | None = None
-    picked: dict[str, str] = {}
-    for header in message.headers.headers:
-        key = header.key.lower()
-        if key == ":path":
-            path = _value(header)
-        elif key in wanted:
-            picked[key] = _value(header)
-    return path, picked
+class RequestHeaders:
+    """Reads a request's `:path` and its headers named in `wanted` (names in lowercase,
+    matched in any case; a repeated header keeps its last value).
+
+    Envoy sends about ten headers a request and the picker wants two to four of them,
+    usually sent by none: reading each header through protobuf's objects cost more than
+    everything else a stream does beside the minimal server (35,000 of 73,000 instructions,
+    counted in-process under callgrind). So the header map is first looked at as the bytes
+    it was sent in (written back in C, lowercased): when no wanted name occurs there, only
+    the headers up to `:path` are read (Envoy sends the pseudo-headers first). A name that
+    occurs elsewhere (in a value) only costs the full read."""
+
+    __slots__ = ("_names", "wanted")
+
+    def __init__(self, wanted: Collection[str]) -> None:
+        self.wanted = frozenset(wanted)
+        self._names = tuple(name.encode("latin-1") for name in self.wanted)
+
+    def read(self, message: HttpHeaders) -> tuple[str | None, dict[str, str]]:
+        """The request's `:path` (None when it sent none) and its wanted headers."""
+        header_map = message.headers
+        if self._names:
+            written = header_map.SerializeToString().lower()
+            for name in self._names:
+                if written.find(name) >= 0:
+                    return self._every(header_map.headers)
+        for header in header_map.headers:
+            if header.key.lower() == ":path":
+                return _value(header), {}
+        return None, {}
+
+    def _every(self, headers: Iterable[HeaderValue]) -> tuple[str | None, dict[str, str]]:
+        """`read` in one pass over every header."""
+        wanted = self.wanted
+        path: str | None = None
+        picked: dict[str, str] = {}
+        for header in headers:
+            key = header.key.lower()
+            if key == ":path":
+                path = _value(header)
+            elif key in wanted:
+                picked[key] = _value(header)
+        return path, picked
 
 
 def _value(header: HeaderValue) -> str:

@@ -24,7 +24,6 @@ from gateway.epp.protocol import (
     body_pieces,
     header_of,
     refuse,
-    request_headers_of,
     served_of,
     subset_of,
 )
@@ -154,7 +153,7 @@ class Stream:
         self._metrics = metrics
         self._path: str | None = None
         self._headers: dict[str, str] = {}
-        """The request headers the picker reads (`Picker.wanted_headers`)."""
+        """The request headers the picker reads (`Picker.headers`)."""
         self._subset: frozenset[str] | None = None
         self._body = bytearray()
         self._whole: bytes | None = None
@@ -227,7 +226,7 @@ class Stream:
             self.buffered = mode == _BUFFERED
             self.duplex_response = config.response_body_mode == _DUPLEX
         headers = message.request_headers
-        path, self._headers = request_headers_of(headers, self._picker.wanted_headers)
+        path, self._headers = self._picker.headers.read(headers)
         self._path = path or "/"
         self._subset = subset_of(message.metadata_context)
         if headers.end_of_stream:

@@ -199,12 +199,15 @@ class LoadTracker:
             candidate = Candidate(worker, pod or worker, cache_capacity_tokens=capacity_tokens)
         else:
             progress = load.progress
+            remaining = 0
+            if progress.open:  # read per worker per request: no clock while nothing is open
+                remaining = progress.remaining(self.clock() if now is None else now)
             candidate = Candidate(
                 worker,
                 pod or worker,
                 load.in_flight,
                 progress.open_tokens,
-                progress.remaining(self.clock() if now is None else now),
+                remaining,
                 capacity_tokens,
             )
         if self.shared is not None:

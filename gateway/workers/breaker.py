@@ -96,6 +96,10 @@ class CircuitBreaker:
         return self._failures
 
     def allows(self) -> bool:
+        # Read per worker per request: a closed circuit answers without the state's
+        # property (which only changes an open one) or the configuration.
+        if self._state is not BreakerState.OPEN:
+            return True
         return self._config.disabled or self.state is not BreakerState.OPEN
 
     def record(self, success: bool, error: str | None = None) -> None:

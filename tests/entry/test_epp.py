@@ -16,7 +16,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 )
 from grpc_health.v1 import health_pb2
 
-from gateway.epp.protocol import BODY_PIECE_BYTES, Answers, request_headers_of
+from gateway.epp.protocol import BODY_PIECE_BYTES, Answers, RequestHeaders
 from gateway.epp.server import EXT_PROC_SERVICE
 from gateway.settings.workers import WorkerSpec
 from tests.entry.ext_proc import (
@@ -290,8 +290,10 @@ def test_a_route_answer_is_kept_for_what_it_removes_too() -> None:
 
 
 def test_the_request_headers_read_are_the_path_and_those_wanted_by_their_last_value() -> None:
-    """One pass reads `:path` and the wanted headers, a name in any case, a repeated one
-    by its last value, a value sent as `value` (older Envoys) as well as `raw_value`."""
+    """`:path` and the wanted headers, a name in any case, a repeated one by its last
+    value, a value sent as `value` (older Envoys) as well as `raw_value`; with none wanted
+    sent, the path alone, wherever it comes; a wanted name found only in another header's
+    value reads nothing more."""
     sent = [
         HeaderValue(key=":method", raw_value=b"POST"),
         HeaderValue(key="X-SMG-Routing-Key", raw_value=b"first"),
@@ -300,9 +302,30 @@ def test_the_request_headers_read_are_the_path_and_those_wanted_by_their_last_va
         HeaderValue(key="x-dynamo-session-id", value="older"),
         HeaderValue(key="authorization", raw_value=b"Bearer k"),
     ]
-    message = HttpHeaders(headers=HeaderMap(headers=sent))
-    wanted = frozenset({"x-smg-routing-key", "x-dynamo-session-id"})
-    path, picked = request_headers_of(message, wanted)
+    reader = RequestHeaders({"x-smg-routing-key", "x-dynamo-session-id"})
+    path, picked = reader.read(HttpHeaders(headers=HeaderMap(headers=sent)))
     assert path == "/v1/completions"
     assert picked == {"x-smg-routing-key": "last", "x-dynamo-session-id": "older"}
-    assert request_headers_of(HttpHeaders(), wanted) == (None, {})
+    assert reader.read(HttpHeaders()) == (None, {})
+
+    unwanted = [
+        HeaderValue(key=":authority", raw_value=b"gw"),
+        HeaderValue(key="referer", raw_value=b"http://x/?X-Dynamo-Session-Id=1"),
+        HeaderValue(key="x-other", raw_value=b"1"),
+        HeaderValue(key=":PATH", raw_value=b"/generate"),
+    ]
+    read = reader.read(HttpHeaders(headers=HeaderMap(headers=unwanted)))
+    assert read == ("/generate", {})
+    only = RequestHeaders({"x-smg-routing-key"})
+    upper = [
+        HeaderValue(key=":path", raw_value=b"/"),
+        HeaderValue(key="X-SMG-ROUTING-KEY", value="k"),
+    ]
+    assert only.read(HttpHeaders(headers=HeaderMap(headers=upper))) == (
+        "/",
+        {"x-smg-routing-key": "k"},
+    )
+    assert RequestHeaders(()).read(HttpHeaders(headers=HeaderMap(headers=sent))) == (
+        "/v1/completions",
+        {},
+    )

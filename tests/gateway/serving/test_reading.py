@@ -62,7 +62,7 @@ async def test_what_an_entry_point_does_not_read_is_not_read() -> None:
 async def test_the_picker_keeps_a_session_on_its_prefill_as_the_gateway_does() -> None:
     gateway = await make_gateway(Cluster(), config())
     picker = Picker(gateway)
-    assert {"x-smg-routing-key", "x-dynamo-session-id"} <= picker.wanted_headers
+    assert {"x-smg-routing-key", "x-dynamo-session-id"} <= picker.headers.wanted
     body = json.dumps({"input_ids": [1, 2, 3, 4], "model": "m"}).encode()
     session = {"x-smg-routing-key": "conv"}
     first = await picker.pick("/generate", body, None, session)

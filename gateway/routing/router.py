@@ -109,12 +109,15 @@ class Router:
         `query.now`. Again after the request waited (flow control): it is then placed on
         what the index shows by then."""
         model = self._indexed_model(query) if self.prefill_policy.uses_index else None
-        query.lookup = None if model is None else await self._ask(model, query)
+        if model is None:
+            self.unindexed(query)
+            return
+        query.lookup = await self._ask(model, query)
         query.now = self._clock()
 
     def unindexed(self, query: RouteQuery) -> None:
-        """`look_up` for a prefill policy that reads no index, without awaiting: only the
-        time choosing reads."""
+        """`look_up` where the index is not asked (awaiting nothing, as an entry point
+        whose prefill policy reads no index calls it): only the time choosing reads."""
         query.lookup = None
         query.now = self._clock()
 

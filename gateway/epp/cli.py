@@ -185,12 +185,9 @@ async def serve(config: GatewayConfig, epp: EppConfig, tokenizer: Tokenizer | No
         grpc = grpc_server(picker, limits, metrics)
         where = f"{epp.grpc_host}:{epp.grpc_port} (--grpc-port)"
         try:
-            bound = grpc.add_insecure_port(f"{epp.grpc_host}:{epp.grpc_port}")
-        except RuntimeError as exc:
+            await grpc.start(epp.grpc_host, epp.grpc_port)
+        except OSError as exc:
             raise CannotListen(f"epp cannot serve on {where}: {exc}") from exc
-        if not bound:
-            raise CannotListen(f"epp cannot serve on {where}")
-        await grpc.start()
         http = HttpServer(_NoInference(), app, max_connections=config.max_client_connections)
         await listen(http, "epp", config)
         tune_garbage_collection()
@@ -206,7 +203,7 @@ async def serve(config: GatewayConfig, epp: EppConfig, tokenizer: Tokenizer | No
 
 def check_config(args: argparse.Namespace) -> list[str]:
     config, epp = build_configs(args)
-    require("globalkv epp", "epp", "grpc", "grpc_health", "envoy.service.ext_proc")
+    require("globalkv epp", "epp", "h2", "grpc_health", "envoy.service.ext_proc")
     shape = "aggregated workers" if args.worker else "PD, each decode at its sidecar"
     picker = f"endpoint picker: ext_proc on {epp.grpc_host}:{epp.grpc_port}, {shape}"
     return [picker, *check_gateway(config, load_tokenizer=args.check)]

@@ -8,7 +8,7 @@ as it starts waiting: Envoy's message timeout would otherwise end it."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,7 +142,7 @@ class Stream:
         limits: StreamLimits,
         budget: Budget,
         metrics: EppMetrics,
-        write: Callable[[bytes], Awaitable[None]],
+        write: Callable[[bytes], None],
     ) -> None:
         self._picker = picker
         self._write = write
@@ -241,8 +241,7 @@ class Stream:
         if self._held + size > limits.body_bytes:
             return [self._refuse(too_large(limits.body_bytes, limits.body_flag), "too_large")]
         if not self._budget.take(size):
-            full = over_budget(limits.buffered_bytes, "--max-buffered-bytes")
-            return [self._refuse(full, "bodies_full")]
+            return [self.bodies_full()]
         self._held += size
         if self.buffered:  # the whole body, in one message
             self._whole = chunk
@@ -287,7 +286,7 @@ class Stream:
         deadline, which bounded the body's arrival, moves as far."""
         secs = self._picker.wait_secs
         self.deadline = asyncio.get_running_loop().time() + secs
-        await self._write(self._answers.more_time(secs))
+        self._write(self._answers.more_time(secs))
 
     def forget_body(self) -> None:
         """The body's bytes no longer count against the process's budget."""
@@ -306,6 +305,12 @@ class Stream:
         outcome = outcome or _outcome(answer)
         self._metrics.picks.labels(outcome).inc()
         return refuse(answer, outcome)
+
+    def bodies_full(self) -> bytes:
+        """The refusal of a body the process has no room left for."""
+        limits = self._limits
+        full = over_budget(limits.buffered_bytes, "--max-buffered-bytes")
+        return self._refuse(full, "bodies_full")
 
     def timed_out(self) -> bytes:
         message = f"the request body did not arrive within {self._limits.body_secs:g} s"

@@ -6,6 +6,7 @@ and the load it holds are the gateway's own.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -102,9 +103,14 @@ class Epp:
     async def exchange(self, messages: Sequence[ProcessingRequest]) -> list[ProcessingResponse]:
         """Send `messages`, then close our side; every answer until the server closes."""
         call = self.stub.Process()
-        for message in messages:
-            await call.write(message)
-        await call.done_writing()
+        try:
+            for message in messages:
+                await call.write(message)
+            await call.done_writing()
+        except (asyncio.InvalidStateError, grpc.aio.AioRpcError):
+            # The picker ended the stream before taking every message (a refusal, an
+            # abort): what it answered, and its status, are read below.
+            pass
         return [answer async for answer in call]
 
     def in_flight(self, worker: str) -> int:
@@ -135,13 +141,12 @@ async def serve_epp(
     registry = CollectorRegistry()
     server = grpc_server(chosen, given, EppMetrics(registry))
     port = free_port()
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    await server.start()
+    await server.start("127.0.0.1", port)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             yield Epp(gateway, chosen, channel, registry)
     finally:
-        await server.stop(None)
+        await server.stop(0)
 
 
 def status(answer: ProcessingResponse) -> int:

@@ -5,8 +5,10 @@
 
 `globalkv epp` (an aggregated pool of two `bench.gateway_mocks` workers, `round_robin`:
 what is measured is the path, not a cache) and `bench.epp_minimal` (the same messages
-answered the same way, no picking) each sit behind their own Envoy 1.40 (`globalkv envoy`,
-one worker thread) in every processing mode `globalkv.stack.envoy` renders:
+answered the same way, no picking) on each of its transports — grpc.aio, what a Python
+ext_proc server is commonly written on, and h2, the picker's own: the picker's pick alone —
+each sit behind their own Envoy 1.40 (`globalkv envoy`, one worker thread) in every
+processing mode `globalkv.stack.envoy` renders:
 
 - `buffered`: request headers, then the body BUFFERED, answered with the pick; nothing of
   the response (the default: two messages each way);
@@ -50,6 +52,10 @@ MODES = {
     "full-duplex": ["--body-mode", "full-duplex"],
 }
 MINIMAL = "minimal"
+"""`bench.epp_minimal` on grpc.aio."""
+MINIMAL_H2 = "minimal-h2"
+"""`bench.epp_minimal` on the picker's own transport."""
+MINIMALS = {MINIMAL: "grpc-aio", MINIMAL_H2: "h2"}
 PACED_CONNECTIONS = 16
 
 
@@ -135,7 +141,7 @@ def _started(
         # (label, working directory): `python -m` puts the working directory first on
         # sys.path, so a variant's gateway/ is found before the installed one.
         pickers: list[tuple[str, str | None]] = [("epp", None), *variants]
-        grpc = {name: _free_port() for name in [name for name, _ in pickers] + [MINIMAL]}
+        grpc = {name: _free_port() for name in [name for name, _ in pickers] + [*MINIMALS]}
         servers = {}
         for name, cwd in pickers:
             argv = [*globalkv, "epp", "--host", HOST, "--port", str(_free_port())]
@@ -143,8 +149,10 @@ def _started(
             argv += ["--policy", "round_robin", "--grpc-host", HOST, "--grpc-port", str(grpc[name])]
             argv += [a for m in mocks for a in ("--worker", f"http://{HOST}:{m}")]
             servers[name] = spawn(name, argv, server_cpus, cwd)
-        minimal = [sys.executable, "-m", "bench.epp_minimal", str(grpc[MINIMAL]), *endpoints]
-        servers[MINIMAL] = spawn(MINIMAL, minimal, server_cpus, None)
+        for name, transport in MINIMALS.items():
+            minimal = [sys.executable, "-m", "bench.epp_minimal", "--transport", transport]
+            minimal += [str(grpc[name]), *endpoints]
+            servers[name] = spawn(name, minimal, server_cpus, None)
         targets = {}
         for mode in modes:
             flags = MODES[mode]
@@ -206,43 +214,50 @@ def table(
     modes: Sequence[str],
     pickers: Sequence[str],
 ) -> str:
-    """A row per (mode, load, picker): the picker beside the minimal server of the same
-    repetitions, the ratio the median of the repetitions' ratios."""
+    """A row per (mode, load, picker): the picker beside both minimal servers of the same
+    repetitions, each ratio the median of the repetitions' ratios."""
     head = [
         "mode",
         "load",
         "picker",
         "picker req/s",
-        "minimal req/s",
         "picker p50 ms",
         "picker CPU µs/req",
-        "minimal CPU µs/req",
-        "picker / minimal",
+        "minimal (grpc.aio) CPU µs/req",
+        "picker / minimal (grpc.aio)",
+        "minimal (h2) CPU µs/req",
+        "picker / minimal (h2)",
         "Envoy CPU µs/req (picker)",
-        "Envoy CPU µs/req (minimal)",
+        "Envoy CPU µs/req (minimal grpc.aio)",
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for mode in modes:
         for c in loads:
-            minimal = cells[(mode, MINIMAL, c)]
+            minimal, minimal_h2 = cells[(mode, MINIMAL, c)], cells[(mode, MINIMAL_H2, c)]
             for name in pickers:
                 epp = cells[(mode, name, c)]
-                ratios = [e / m for e, m in zip(epp.server_us, minimal.server_us, strict=True)]
                 row = [
                     mode,
                     c,
                     name,
                     f"{statistics.median(epp.rps):.0f}",
-                    f"{statistics.median(minimal.rps):.0f}",
                     f"{statistics.median(epp.p50_ms):.2f}",
                     f"{statistics.median(epp.server_us):.0f}",
                     f"{statistics.median(minimal.server_us):.0f}",
-                    f"{statistics.median(ratios):.2f}",
+                    f"{_ratio(epp, minimal):.2f}",
+                    f"{statistics.median(minimal_h2.server_us):.0f}",
+                    f"{_ratio(epp, minimal_h2):.2f}",
                     f"{statistics.median(epp.envoy_us):.0f}",
                     f"{statistics.median(minimal.envoy_us):.0f}",
                 ]
                 lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
+
+
+def _ratio(server: Cell, minimal: Cell) -> float:
+    """The median over repetitions of the server's CPU per request over the minimal's."""
+    ratios = [e / m for e, m in zip(server.server_us, minimal.server_us, strict=True)]
+    return statistics.median(ratios)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

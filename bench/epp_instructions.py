@@ -7,19 +7,19 @@ counted by callgrind.
 `bench.epp` times the picker against `bench.epp_minimal` (the same messages answered the
 same way, no picking); on a shared machine those times swing by tens of percent between
 runs, so a change of a few per cent cannot be told from noise by timing, and a run beside
-other work says little. Instructions can: each server (this checkout's `globalkv epp`, each
-`--variant`'s picker as exported into DIR, the minimal server) runs under `valgrind
---tool=callgrind` — every thread, gRPC's included — behind its own Envoy (`globalkv envoy`,
-not counted) in each processing mode of `--modes` (`bench.epp.MODES`), in front of the
-same two `bench.gateway_mocks` workers (`--policy round_robin`: the path is measured, not
-a cache); the counters are zeroed once it has answered a warm-up, then `--requests` whole
-answers of `/generate` with 64 `input_ids` are sent over 4 connections and the counters
-dumped. The picker's periodic checks of its workers are set an hour apart, as
-`bench.gateway_instructions` sets the gateway's: under callgrind a request takes ~50×
-longer, and work per second would be counted as work per request. Envoy's health checks
-of the server (every half second) are answered by both servers alike and counted.
-Instructions are not time (no cache misses, no system calls, no waiting for the
-GIL): read the ratios, and `bench.epp` for CPU time.
+other work says little. Instructions can: each server (this checkout's `globalkv epp`,
+each `--variant`'s picker as exported into DIR, the minimal server on each of its
+transports) runs under `valgrind --tool=callgrind` — every thread, gRPC's included —
+behind its own Envoy (`globalkv envoy`, not counted) in each processing mode of `--modes`
+(`bench.epp.MODES`), in front of the same two `bench.gateway_mocks` workers (`--policy
+round_robin`: the path is measured, not a cache); the counters are zeroed once it has
+answered a warm-up, then `--requests` whole answers of `/generate` with 64 `input_ids` are
+sent over 4 connections and the counters dumped. The picker's periodic checks of its
+workers are set an hour apart, as `bench.gateway_instructions` sets the gateway's: under
+callgrind a request takes ~50× longer, and work per second would be counted as work per
+request. Envoy's health checks of the server (every half second) are answered by both
+servers alike and counted. Instructions are not time (no cache misses, no system calls, no
+waiting for the GIL): read the ratios, and `bench.epp` for CPU time.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
-from bench.epp import MINIMAL, MODES
+from bench.epp import MINIMAL, MINIMAL_H2, MINIMALS, MODES
 from bench.gateway import HOST, PROMPT, Child, _body, _free_port, _spawn, _wait_ok
 from bench.gateway_instructions import PERIODIC, measured
 from bench.gateway_variant import variant
@@ -58,8 +58,9 @@ def count(
     out = logs / f"callgrind-{time.monotonic_ns()}.out"
     valgrind = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}"]
     grpc = _free_port()
-    if label == MINIMAL:
-        argv = [*valgrind, sys.executable, "-m", "bench.epp_minimal", str(grpc), *endpoints]
+    if label in MINIMALS:
+        argv = [*valgrind, sys.executable, "-m", "bench.epp_minimal"]
+        argv += ["--transport", MINIMALS[label], str(grpc), *endpoints]
     else:
         argv = [*valgrind, sys.executable, "-m", "globalkv", "epp", "--host", HOST]
         argv += ["--port", str(_free_port()), "--prometheus-port", "0"]
@@ -101,17 +102,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         parser.error(f"unknown --modes {unknown}: choose from {list(MODES)}")
-    servers: list[tuple[str, str | None]] = [("epp", None), *args.variant, (MINIMAL, None)]
+    servers: list[tuple[str, str | None]] = [("epp", None), *args.variant]
+    servers += [(label, None) for label in MINIMALS]
     if len({label for label, _ in servers}) < len(servers):
-        parser.error(f"--variant labels must differ from each other and from epp and {MINIMAL}")
+        parser.error(f"--variant labels must differ from each other, epp and {list(MINIMALS)}")
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         parser.error("needs valgrind and callgrind_control on the PATH (Debian: valgrind)")
     profile: Path | None = args.profile
     if profile is not None:
         profile.mkdir(parents=True, exist_ok=True)
 
-    print("| mode | server | instructions per request | ratio to the minimal server |")
-    print("|---|---|---|---|")
+    print("| mode | server | instructions per request | to minimal (grpc.aio) | to minimal (h2) |")
+    print("|---|---|---|---|---|")
     with tempfile.TemporaryDirectory(prefix="globalkv-epp-instructions-") as logs:
         for mode in modes:
             counts = {}
@@ -122,7 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     keep = profile / f"callgrind.{name}.out"
                 counts[label] = count(label, directory, mode, args.requests, Path(logs), keep)
             for label, value in counts.items():
-                print(f"| {mode} | {label} | {value:,.0f} | {value / counts[MINIMAL]:.3f} |")
+                to_aio, to_h2 = value / counts[MINIMAL], value / counts[MINIMAL_H2]
+                print(f"| {mode} | {label} | {value:,.0f} | {to_aio:.3f} | {to_h2:.3f} |")
     return 0
 
 

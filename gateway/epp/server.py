@@ -51,7 +51,8 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 
-from gateway.epp.grpc_h2 import Call, GrpcServer, Status
+from gateway.epp.grpc_calls import Call, Status
+from gateway.epp.grpc_h2 import GrpcServer
 from gateway.epp.picker import Picker
 from gateway.epp.protocol import Answers, ProtocolError
 from gateway.epp.stream import Budget, EppMetrics, Stream, StreamLimits, Unsupported

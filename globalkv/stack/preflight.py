@@ -65,7 +65,7 @@ def check_port_free(host: str, port: int) -> None:
 
 def check_envoy() -> None:
     try:
-        require("globalkv up --entry envoy", "envoy", "grpc", "grpc_health", "envoy.service")
+        require("globalkv up --entry envoy", "envoy", "h2", "grpc_health", "envoy.service")
     except MissingExtra as exc:
         raise PreflightError(str(exc)) from None
     if find_envoy() is None:

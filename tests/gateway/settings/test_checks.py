@@ -212,11 +212,11 @@ def test_the_picker_needs_the_epp_extra_and_traces_need_otel(
         importlib.util,
         "find_spec",
         lambda name, package=None: (
-            None if name.split(".")[0] in {"grpc", "opentelemetry"} else real(name, package)
+            None if name.split(".")[0] in {"h2", "opentelemetry"} else real(name, package)
         ),
     )
     assert main(["--check", "epp", *PD]) == 2
-    assert capsys.readouterr().err == ("globalkv epp needs grpc: pip install 'globalkv[epp]'\n")
+    assert capsys.readouterr().err == ("globalkv epp needs h2: pip install 'globalkv[epp]'\n")
     traced = [*PD, "--otlp-traces-endpoint", "http://collector:4318/v1/traces"]
     assert main(["--check", "gateway", *traced]) == 2
     assert "pip install 'globalkv[otel]'" in capsys.readouterr().err

@@ -42,7 +42,17 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.gateway import HOST, PROMPT, Child, _body, _free_port, _spawn, _wait_ok, cpu_seconds
+from bench.gateway import (
+    HOST,
+    PROMPT,
+    Child,
+    _body,
+    _free_port,
+    _spawn,
+    _wait_ok,
+    cpu_seconds,
+    cpu_times,
+)
 from bench.gateway_load import read_answer, request_bytes, run_load
 from bench.gateway_variant import variant
 
@@ -114,6 +124,8 @@ class Cell:
     rps: list[float] = field(default_factory=list)
     p50_ms: list[float] = field(default_factory=list)
     server_us: list[float] = field(default_factory=list)
+    server_sys_us: list[float] = field(default_factory=list)
+    """Of `server_us`, the kernel's (system calls, wake-ups)."""
     envoy_us: list[float] = field(default_factory=list)
 
 
@@ -183,7 +195,7 @@ async def _measure(
         for load in loads:
             for key in keys[rep % len(keys) :] + keys[: rep % len(keys)]:
                 target = targets[key]
-                server, envoy = cpu_seconds(target.server), cpu_seconds(target.envoy)
+                server, envoy = cpu_times(target.server), cpu_seconds(target.envoy)
                 if load.endswith("/s"):
                     run = await paced(target.port, body, float(load[:-2]), duration)
                 else:
@@ -202,7 +214,9 @@ async def _measure(
                 cell = cells.setdefault((*key, load), Cell())
                 cell.rps.append(run.rps)
                 cell.p50_ms.append(run.p50 * 1000)
-                cell.server_us.append((cpu_seconds(target.server) - server) / answered * 1e6)
+                user, system = cpu_times(target.server)
+                cell.server_us.append((user + system - sum(server)) / answered * 1e6)
+                cell.server_sys_us.append((system - server[1]) / answered * 1e6)
                 cell.envoy_us.append((cpu_seconds(target.envoy) - envoy) / answered * 1e6)
         print(f"repetition {rep + 1}/{repeats} done", file=sys.stderr, flush=True)
     return cells
@@ -215,7 +229,8 @@ def table(
     pickers: Sequence[str],
 ) -> str:
     """A row per (mode, load, picker): the picker beside both minimal servers of the same
-    repetitions, each ratio the median of the repetitions' ratios."""
+    repetitions, each ratio the median of the repetitions' ratios; then every server's
+    CPU and the kernel's part of it (where grpc.aio spends most of its difference)."""
     head = [
         "mode",
         "load",
@@ -251,6 +266,18 @@ def table(
                     f"{statistics.median(minimal.envoy_us):.0f}",
                 ]
                 lines.append("| " + " | ".join(row) + " |")
+    lines += [
+        "",
+        "| mode | load | server | CPU µs/req | of which system |",
+        "|---|---|---|---|---|",
+    ]
+    for mode in modes:
+        for c in loads:
+            for name in [*pickers, *MINIMALS]:
+                cell = cells[(mode, name, c)]
+                total = statistics.median(cell.server_us)
+                system = statistics.median(cell.server_sys_us)
+                lines.append(f"| {mode} | {c} | {name} | {total:.0f} | {system:.0f} |")
     return "\n".join(lines)
 
 

@@ -166,7 +166,11 @@ class _Connection(asyncio.Protocol):
     def send(self, call: Call, frame: bytes) -> None:
         if not call.started:
             call.started = True
-            self._h2.send_headers(call.stream_id, _HEADERS)
+            try:
+                self._h2.send_headers(call.stream_id, _HEADERS)
+            except H2ProtocolError:  # reset by a frame of this batch not yet handled
+                self._lost(call)
+                return
         if call.pending:
             call.pending.append(frame)
         else:

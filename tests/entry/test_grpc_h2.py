@@ -774,3 +774,32 @@ async def test_stop_after_the_grace_cuts_open_calls_releases_their_load_and_list
         assert not s.server.connections
         with pytest.raises(ConnectionRefusedError):
             await asyncio.wait_for(asyncio.open_connection("127.0.0.1", s.port), SECS)
+
+
+async def test_a_reset_read_with_the_message_it_follows_ends_the_call_quietly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A client's message and its reset of the stream can come in one read of the
+    socket: the answer then finds the stream already closed by h2. The call just ends
+    (cancelled), nothing is logged as a failure and the connection serves on."""
+    async with served() as s, RawClient.connected(s.port) as raw:
+        check = health_pb2.HealthCheckRequest(service="liveness").SerializeToString()
+        sid = raw.h2.get_next_available_stream_id()
+        raw.h2.send_headers(
+            sid,
+            [
+                (b":method", b"POST"),
+                (b":scheme", b"http"),
+                (b":path", f"{HEALTH}/Check".encode()),
+                (b":authority", b"127.0.0.1"),
+                (b"content-type", b"application/grpc"),
+            ],
+        )
+        raw.h2.send_data(sid, frame(check))
+        raw.h2.reset_stream(sid)
+        raw.answers[sid] = Answer()
+        await raw.flush()  # the three frames in one write
+        again = await raw.open(f"{HEALTH}/Check")
+        await raw.send(again, frame(check), end=True)
+        assert (await raw.ended(again)).grpc_status == Status.OK
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]

@@ -38,13 +38,13 @@ from h2.events import (
     TrailersReceived,
 )
 from h2.settings import SettingCodes, Settings
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Gauge
 
 from gateway.epp.grpc_calls import Call, Status
 from gateway.epp.grpc_h2 import GrpcServer
 from gateway.epp.picker import Picker
 from gateway.epp.server import EXT_PROC_SERVICE, grpc_server
-from gateway.epp.stream import EppMetrics
+from gateway.epp.stream import Budget, EppMetrics
 from gateway.settings.workers import WorkerSpec
 from globalkv.lookup import LookupResult, PodHit
 from tests.entry.ext_proc import (
@@ -160,22 +160,10 @@ async def opened_with_a_pick(epp: Epp) -> Any:
 # --- a bare server, with an echo method ------------------------------------------------
 
 
-class Room:
-    """A room of `limit` bytes, as the picker's `Budget` is."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.held = 0
-
-    def take(self, size: int) -> bool:
-        if self.held + size > self.limit:
-            return False
-        self.held += size
-        return True
-
-    def give(self, size: int) -> None:
-        self.held -= size
-        assert self.held >= 0, "more given back than taken"
+def room_of(limit: int) -> Budget:
+    """A room of `limit` bytes: the picker's own `Budget`, its gauge in a registry of
+    its own."""
+    return Budget(limit, Gauge("room_bytes", "bytes held", registry=CollectorRegistry()))
 
 
 @dataclass
@@ -191,7 +179,7 @@ class Echoes:
 class Echo:
     """Writes back each message; ends the call OK once the client has sent all."""
 
-    def __init__(self, call: Call, room: Room, echoes: Echoes) -> None:
+    def __init__(self, call: Call, room: Budget, echoes: Echoes) -> None:
         self._call, self._room, self._echoes = call, room, echoes
 
     def message(self, data: bytes) -> None:
@@ -215,7 +203,7 @@ class Echo:
 @dataclass
 class Bare:
     server: GrpcServer
-    room: Room
+    room: Budget
     echoes: Echoes
     port: int
     echo: Callable[..., Any]
@@ -225,7 +213,7 @@ class Bare:
 @contextlib.asynccontextmanager
 async def bare(*, max_message: int, room: int) -> AsyncIterator[Bare]:
     """A `GrpcServer` serving `Echo` alone, with a room of `room` bytes."""
-    echoes, space = Echoes(), Room(room)
+    echoes, space = Echoes(), room_of(room)
     server = GrpcServer(
         {ECHO: lambda call: Echo(call, space, echoes)}, max_message=max_message, room=space
     )

@@ -160,6 +160,9 @@ def _ext_proc(
             "grpc_service": {
                 "envoy_grpc": {
                     "cluster_name": "pickers",
+                    # no x-envoy-internal or x-forwarded-for on each stream: the picker
+                    # reads no header of its gRPC streams but the method's path
+                    "skip_envoy_headers": True,
                 },
                 "retry_policy": {
                     "retry_on": "connect-failure,refused-stream,reset",

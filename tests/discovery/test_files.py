@@ -67,10 +67,10 @@ async def test_workers_come_and_go_with_the_file(tmp_path: Path) -> None:
     path.write_text(GOOD)
     async with following(path) as (source, applied, _):
         await until(lambda: source.current == {P1, D1}, "both workers")
-        path.write_text("workers:\n  - {url: 'http://127.0.0.1:30003', role: decode}\n")
+        replace(path, "workers:\n  - {url: 'http://127.0.0.1:30003', role: decode}\n")
         d2 = DiscoveredWorker("http://127.0.0.1:30003", "http://127.0.0.1:30003", "decode")
         await until(lambda: source.current == {d2}, "the new file's worker")
-        path.write_text("workers: []\n")
+        replace(path, "workers: []\n")
         await until(lambda: source.current == frozenset(), "no workers")
         await until(lambda: len(applied) == 3, "three steps applied")
         assert sorted(removed_ids(applied)) == ["decode-a", "http://127.0.0.1:30001", d2.id]
@@ -84,10 +84,10 @@ async def test_a_bad_file_keeps_the_last_good_workers_and_is_logged_once(
     caplog.set_level(logging.ERROR, logger="globalkv.discovery.files")
     async with following(path) as (source, applied, polls):
         await until(lambda: source.current == {P1, D1}, "both workers")
-        path.write_text("workers: [ {url: http://127.0.0.1:30001, role: prefill\n")
+        replace(path, "workers: [ {url: http://127.0.0.1:30001, role: prefill\n")
         await until(lambda: source.errors["invalid"] == 1, "the bad file refused")
         await more_polls(polls)
-        path.write_text("workers:\n  - {url: 'http://127.0.0.1:30001', role: router}\n")
+        replace(path, "workers:\n  - {url: 'http://127.0.0.1:30001', role: router}\n")
         await until(lambda: source.errors["invalid"] == 2, "the second bad file refused")
         await more_polls(polls)
         path.unlink()
@@ -100,7 +100,7 @@ async def test_a_bad_file_keeps_the_last_good_workers_and_is_logged_once(
         assert "not valid YAML" in errors[0]
         assert "workers.0.role" in errors[1]
         assert all("keeping the last good file's 2 workers" in e for e in errors)
-        path.write_text(GOOD.replace("30002", "30004"))
+        replace(path, GOOD.replace("30002", "30004"))
         await until(lambda: len(applied) == 2, "the good file again")
 
 
@@ -111,8 +111,8 @@ async def test_a_file_that_appears_later_is_read(tmp_path: Path) -> None:
         await more_polls(polls)
         assert source.current is None
         assert source.errors["unreadable"] == 1
-        path.write_text(
-            json.dumps({"workers": [{"url": "http://127.0.0.1:30002", "role": "decode"}]})
+        replace(
+            path, json.dumps({"workers": [{"url": "http://127.0.0.1:30002", "role": "decode"}]})
         )
         await until(lambda: source.current is not None and len(source.current) == 1, "the file")
 

@@ -5,9 +5,9 @@ Envoy's ext_proc and gRPC health on; each call's messages and verbs are
 Why not grpc.aio: an ext_proc stream is one HTTP request, so the cost of a new gRPC
 stream is paid per request, and grpc.aio's (the C core's completion queue and polling
 thread, a task and a servicer context per call, a batch of operations per message) is
-more than the pick's. The least ext_proc server (`bench.epp_minimal`) spends about 0.6x
-the CPU per request on this module that it spends on grpc.aio at 16 requests at once and
-about 0.75x paced (`bench.epp`, docs/benchmarks.md, "The picker's transport").
+more than the pick's. The least ext_proc server (`bench.epp_minimal`) spends about 0.7x
+the CPU per request on this module that it spends on grpc.aio, closed loop and paced, its
+kernel time a twentieth (`bench.epp`, docs/benchmarks.md, "The picker's transport").
 
 Served: unary and streaming methods; a handler writes and ends its call synchronously,
 and what HTTP/2 flow control holds back is queued and sent as the client's windows open.
@@ -162,6 +162,7 @@ class _Connection(asyncio.Protocol):
         call = self._calls.pop(sid, None)
         if call is not None:
             call.cancel()
+            self._server.ended(self)
 
     def send(self, call: Call, frame: bytes) -> None:
         if not call.started:

@@ -45,13 +45,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
 
 from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 
-from gateway.epp.grpc_calls import Call, Status
+from gateway.epp.grpc_calls import Call, Method, Status
 from gateway.epp.grpc_h2 import GrpcServer
 from gateway.epp.picker import Picker
 from gateway.epp.protocol import Answers, ProtocolError
@@ -314,7 +313,7 @@ class _Unimplemented:
 def grpc_server(picker: Picker, limits: StreamLimits, metrics: EppMetrics) -> GrpcServer:
     """The server of both services, not yet listening (`GrpcServer.start`)."""
     processor = ExternalProcessor(picker, limits, metrics)
-    methods: dict[str, Any] = {
+    methods: dict[str, Method] = {
         f"/{EXT_PROC_SERVICE}/Process": processor.open,
         f"/{_HEALTH_SERVICE}/Check": lambda call: _Health(picker, call),
         f"/{_HEALTH_SERVICE}/Watch": lambda call: _Unimplemented(call, "use Check"),

@@ -744,6 +744,19 @@ async def test_a_client_going_away_may_still_finish_its_open_calls() -> None:
         assert s.epp.in_flight(B) == 0
 
 
+async def test_stop_returns_when_the_last_open_call_is_reset_not_at_the_grace() -> None:
+    """A call the client resets while the server stops is over: stop returns then, as it
+    does when a call ends, not after the whole grace."""
+    async with served() as s:
+        call = await opened_with_a_pick(s.epp)
+        stopping = asyncio.ensure_future(s.server.stop(60))
+        await until(lambda: all(c._last_stream is not None for c in s.server.connections), "GOAWAY")
+        assert not stopping.done()
+        call.cancel()
+        await asyncio.wait_for(stopping, SECS)
+        await until(lambda: s.epp.in_flight(B) == 0, "the load released")
+
+
 async def test_stop_after_the_grace_cuts_open_calls_releases_their_load_and_listens_no_more() -> (
     None
 ):

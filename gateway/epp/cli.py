@@ -22,7 +22,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway.http.answer import Answer, problem
+from gateway.http.exchange import RelayWire
 from gateway.http.server import HttpServer
+from gateway.http.wire import HttpRequest
 from gateway.serving.launch import (
     CannotListen,
     add_command,
@@ -162,6 +164,9 @@ class _NoInference:
 
     def refused(self, path: str, answer: Answer) -> None:
         return None
+
+    def begin(self, request: HttpRequest, wire: RelayWire) -> None:
+        return None  # it has no paths
 
 
 async def serve(config: GatewayConfig, epp: EppConfig, tokenizer: Tokenizer | None) -> None:

@@ -1,9 +1,10 @@
 """One client's HTTP/1.1 connection to the gateway, on an asyncio protocol: its life.
 
 httptools parses requests in `data_received`; each complete request is answered by a
-`gateway.http.exchange.Exchange` in one task, in order. A client that goes away is seen in
-`connection_lost`, which cancels the request's task — and with it both upstream calls —
-at no cost per request.
+`gateway.http.exchange.Exchange` in one task, in order, unless the handler takes it over to
+answer it by callbacks (`Handler.begin`: a `Relaying`, which says when its answer is over
+through `answered`). A client that goes away is seen in `connection_lost`, which cancels
+the request's task or relay — and with it both upstream calls — at no cost per request.
 
 The connection's life is one `ConnectionState`: OPEN, CLOSING, LINGERING (after a
 refusal), CLOSED; its writing side and its end are `gateway.http.client_wire`'s.
@@ -34,7 +35,7 @@ import httptools
 
 from gateway.http.answer import Answer, problem
 from gateway.http.client_wire import ClientWire, ConnectionState
-from gateway.http.exchange import Exchange, Serving, refusal
+from gateway.http.exchange import Exchange, Relaying, Serving, refusal
 from gateway.http.wire import CLOSE, HttpRequest, answer_bytes
 
 log = logging.getLogger(__name__)
@@ -84,8 +85,11 @@ class ClientConnection(ClientWire):
         self._upgrading: _UpgradeBody | None = None
         self._queue: deque[HttpRequest] = deque()
         """Complete requests waiting for the answer in progress."""
-        self._task: asyncio.Task[None] | None = None
+        self._task: asyncio.Task[None] | Relaying | None = None
         """The answer in progress."""
+        self._written: HttpRequest | None = None
+        """The request whose answer a relay has written, waiting for the client to take
+        it before the next is answered."""
         self.last_active = self._loop.time()
 
     @property
@@ -273,6 +277,12 @@ class ClientConnection(ClientWire):
     # answering, one request at a time
 
     def _start(self, request: HttpRequest) -> None:
+        if request.route is not None and not request.refused:
+            relaying = self._server.handler.begin(request, self)
+            if relaying is not None:
+                self._task = relaying
+                relaying.start()
+                return
         exchange = Exchange(
             self._server, self, request, accepting=self._open, peer=self.peer, local=self.local
         )
@@ -291,6 +301,31 @@ class ClientConnection(ClientWire):
         if not kept:
             self._stop_reading_requests()
         self._next(request)
+
+    # gateway.http.exchange.RelayWire
+
+    def accepting(self) -> bool:
+        return self._open()
+
+    def answered(self, request: HttpRequest, kept: bool) -> None:
+        """A relay's answer to `request` is over: as a task's end in `_serve`."""
+        self._give_back(request)
+        if not kept:
+            self._stop_reading_requests()
+        if self.write_paused and self.state is not ConnectionState.CLOSED:
+            self._written = request  # a client not reading its answers gets no more of them
+            return
+        self._task = None
+        self._next(request)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        written, self._written = self._written, None
+        if written is not None:
+            self._task = None
+            self._next(written)
+        elif self._task is not None and not isinstance(self._task, asyncio.Task):
+            self._task.drained()
 
     def _next(self, request: HttpRequest) -> None:
         if self.state is ConnectionState.CLOSED or self._transport is None:

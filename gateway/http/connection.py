@@ -140,8 +140,10 @@ class Connection(asyncio.Protocol):
             self.abort()  # bytes nobody asked for: the connection cannot be trusted
             return
         self._last_read = self._loop.time()
+        response = self._response
         try:
             self._parser.feed_data(data)
+            response.flush()
         except httptools.HttpParserError as exc:
             self.closed = True
             assert self._transport is not None

@@ -45,7 +45,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from gateway.http.connection import DEAD_PEER_SECS, Connection, Origin
-from gateway.http.reply import Reply
+from gateway.http.reply import Listener, Reply
 from gateway.http.resolver import HostResolver
 
 Headers = Sequence[tuple[bytes, bytes]]
@@ -122,6 +122,40 @@ class ConnectionPool:
         `connect_timeout` (default `timeout`) bounds opening a connection. Raises
         ValueError for a URL that is not http(s).
         """
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        future: asyncio.Future[Reply] = loop.create_future()
+        reply = self.call(
+            method,
+            url,
+            body,
+            headers=headers,
+            more=more,
+            timeout=timeout,
+            connect_timeout=connect_timeout,
+            whole=whole,
+            future=future,
+        )
+        future.add_done_callback(reply.settled)
+        return future
+
+    def call(
+        self,
+        method: bytes,
+        url: str,
+        body: bytes = b"",
+        *,
+        headers: Headers = (),
+        more: Headers = (),
+        timeout: float | None,
+        connect_timeout: float | None = None,
+        whole: bool,
+        future: asyncio.Future[Reply] | None = None,
+        listener: Listener | None = None,
+    ) -> Reply:
+        """`request`, followed by `listener` (or `future`) instead of a future made here:
+        the call's `Reply`, which `close` abandons."""
         origin, head = self._target(method, url, headers)
         lines = [head]
         for name, value in more:
@@ -132,11 +166,9 @@ class ConnectionPool:
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
-        future: asyncio.Future[Reply] = loop.create_future()
-        response = Reply(loop, b"".join(lines), timeout, whole, future)
-        future.add_done_callback(response.settled)
+        response = Reply(loop, b"".join(lines), timeout, whole, future, listener)
         self._send(origin, response, timeout if connect_timeout is None else connect_timeout)
-        return future
+        return response
 
     def _target(self, method: bytes, url: str, headers: Headers) -> tuple[Origin, bytes]:
         """The origin and the request's head up to Content-Length, cached per call shape
@@ -214,7 +246,8 @@ class ConnectionPool:
             return
         finally:
             response.task = None
-        if response.future is None or response.future.cancelled() or response.done:
+        future = response.future
+        if response.done or (future is not None and future.cancelled()):
             self.release(origin, connection)  # unused: good for the next call
             return
         connection.send(response)

@@ -6,6 +6,10 @@ connection may serve another. POSTs to the paths the `Handler` claims (inference
 and its answer is written as prebuilt bytes; any other method on those paths is answered
 405 here, but for `OPTIONS` (a CORS preflight, which the app answers); every other
 request goes to the ASGI app through `gateway.http.wire.serve_asgi`.
+
+A handler may instead take a complete request over to answer it by callbacks (`begin`,
+which returns its `Relaying`): the connection then holds no task for it, and the handler
+writes the answer itself and says when it is over (`RelayWire.answered`).
 """
 
 from __future__ import annotations
@@ -58,6 +62,49 @@ class Handler(Protocol):
         """The server answered a request to `path` itself (413, 503), without calling
         `handle`."""
         ...
+
+    def begin(self, request: HttpRequest, wire: RelayWire) -> Relaying | None:
+        """Take `request` (complete, to one of `paths`) over to answer it by callbacks on
+        `wire`; None leaves it to `handle`."""
+        ...
+
+
+class Relaying(Protocol):
+    """A request a handler answers by callbacks (`Handler.begin`)."""
+
+    def start(self) -> None:
+        """Begin answering (it may be over before this returns)."""
+        ...
+
+    def cancel(self) -> None:
+        """The client left: stop, write nothing more (`RelayWire.answered` then)."""
+        ...
+
+    def drained(self) -> None:
+        """The client took what was written: a stream held back may go on."""
+        ...
+
+
+class RelayWire(Wire, Protocol):
+    """What answering by callbacks needs of the client's connection."""
+
+    def accepting(self) -> bool:
+        """The connection still takes requests (a kept-alive answer may say so)."""
+        ...
+
+    def answered(self, request: HttpRequest, kept: bool) -> None:
+        """`request`'s answer is over (written, or abandoned when the client left);
+        `kept`: the connection may serve another request."""
+        ...
+
+
+async def write_answer(wire: Wire, answer: Answer, *, version: str, keep_alive: bool) -> bool:
+    """`answer`, whole or streamed; True when the connection may serve another request."""
+    if answer.rest is None:
+        wire.write(answer_bytes(answer, connection_header(keep_alive, version)))
+        return keep_alive
+    # False for HTTP/1.0 or a stream cut short upstream: the close ends the body.
+    return await write_stream(wire, answer, version=version, keep_alive=keep_alive)
 
 
 class Serving(Protocol):
@@ -152,14 +199,9 @@ class Exchange:
             body,
             request.headers,
         )
-        keep_alive = self._keep_alive()
-        if answer.rest is None:
-            self._write(answer, self._connection(keep_alive))
-            return keep_alive
         self.answered = True
-        # False for HTTP/1.0 or a stream cut short upstream: the close ends the body.
-        return await write_stream(
-            self._wire, answer, version=request.version, keep_alive=keep_alive
+        return await write_answer(
+            self._wire, answer, version=request.version, keep_alive=self._keep_alive()
         )
 
     async def _asgi(self, request: HttpRequest) -> bool:

@@ -7,6 +7,11 @@ connection of `gateway.http.connections` from httptools' callbacks, or
 here until read; past `PAUSE_AT` unread bytes the connection stops reading from the worker
 until the reader catches up, so a slow client slows its decode instead of filling the
 gateway's memory.
+
+A call is awaited through its `future`, or followed by a `Listener` instead: told at the
+answer's head (streamed) or end (`whole`), at each piece of a streamed body and at its end
+or error, from the connection's callbacks, so that an answer relayed by callbacks
+(`gateway.serving.relay`) costs no future and no task.
 """
 
 from __future__ import annotations
@@ -36,6 +41,20 @@ class Carrier(Protocol):
         ...
 
 
+class Listener(Protocol):
+    """Follows a call instead of its future (`Reply.listener`)."""
+
+    def replied(self, reply: Reply) -> None:
+        """The answer's head arrived (streamed), or all of it (`whole`)."""
+        ...
+
+    def more(self, reply: Reply) -> None:
+        """More of a streamed body arrived, or it ended (`reply.done`): `take` it."""
+        ...
+
+    def failed(self, reply: Reply, error: BaseException) -> None: ...
+
+
 class Reply:
     """One call: its answer's status and headers, then its body as pieces or whole."""
 
@@ -53,6 +72,7 @@ class Reply:
         "future",
         "head_only",
         "headers",
+        "listener",
         "received",
         "status",
         "task",
@@ -67,6 +87,7 @@ class Reply:
         timeout: float | None,
         whole: bool,
         future: asyncio.Future[Reply] | None = None,
+        listener: Listener | None = None,
     ) -> None:
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
@@ -77,6 +98,8 @@ class Reply:
         """Resolves at the head (streamed) or at the end (`whole`) of the answer; dropped
         then, since its result is this object: kept, the pair would be a reference cycle
         left for the garbage collector, two per request."""
+        self.listener = listener
+        """Follows the call in place of `future`; dropped once the call is over."""
         self.data = data
         """The request as written."""
         self.timeout = timeout
@@ -125,16 +148,22 @@ class Reply:
             self._reader = future
         return future
 
-    def _take(self, future: asyncio.Future[bytes]) -> None:
+    def take(self) -> bytes:
+        """What arrived of the body since the last read (b"" when nothing did)."""
         pieces = self._pieces
-        if pieces:
-            piece = pieces.popleft() if len(pieces) == 1 else b"".join(pieces)
-            pieces.clear()
-            self._buffered = 0
-            connection = self.connection
-            if connection is not None and connection.paused:
-                connection.resume()
-            future.set_result(piece)
+        if not pieces:
+            return b""
+        piece = pieces.popleft() if len(pieces) == 1 else b"".join(pieces)
+        pieces.clear()
+        self._buffered = 0
+        connection = self.connection
+        if connection is not None and connection.paused:
+            connection.resume()
+        return piece
+
+    def _take(self, future: asyncio.Future[bytes]) -> None:
+        if self._pieces:
+            future.set_result(self.take())
         elif self._error is not None:
             future.set_exception(self._error)
         else:
@@ -157,6 +186,7 @@ class Reply:
     def close(self) -> None:
         """Done with this answer: its connection is closed unless the answer was complete."""
         self.done = True
+        self.listener = None
         self._pieces.clear()
         if self.task is not None:
             self.task.cancel()
@@ -178,23 +208,37 @@ class Reply:
         self._buffered += len(piece)
         if self.whole:
             return
-        self._wake()
+        if self.listener is None:
+            self._wake()
         if self._buffered > PAUSE_AT and self.connection is not None:
             self.connection.pause()
 
+    def flush(self) -> None:
+        """The connection has parsed what one read brought: a listener is told of the
+        pieces it holds, once for all of them (one write to the client, not one each)."""
+        if self._pieces and self.listener is not None and not self.whole:
+            self.listener.more(self)
+
     def on_end(self) -> None:
         self.connection = None
+        self.done = True
         if self.whole:
             self.body = b"".join(self._pieces)
             self._pieces.clear()
             self._buffered = 0
             self._resolve()
-        self.done = True
+        listener, self.listener = self.listener, None
+        if listener is not None and not self.whole:
+            listener.more(self)
         self._wake()
 
     def on_error(self, error: BaseException) -> None:
         self.connection = None
         self._error = error
+        listener, self.listener = self.listener, None
+        if listener is not None:
+            listener.failed(self, error)
+            return
         future, self.future = self.future, None
         if future is not None and not future.done():
             future.set_exception(error)
@@ -206,6 +250,9 @@ class Reply:
             self._take(reader)
 
     def _resolve(self) -> None:
+        if self.listener is not None:
+            self.listener.replied(self)
+            return
         future, self.future = self.future, None
         if future is not None and not future.done():
             future.set_result(self)

@@ -10,7 +10,8 @@ exception types.
 - `PooledUpstream` is the gateway's own: calls on `gateway.http.connections.ConnectionPool`,
   whose futures are resolved by the connections' protocol callbacks (no task per call);
   `extra` headers are written per call, never cached with the request's head (each call
-  has its own request id or trace context).
+  has its own request id or trace context). Its `relay` makes a call followed by a
+  listener instead of a future (`gateway.legs.relayed`).
 - `HttpxUpstream` goes through an `httpx.AsyncClient`, so tests drive dispatch, retries,
   breakers and cancellation with `httpx.MockTransport`.
 """
@@ -24,7 +25,7 @@ from typing import Protocol
 import httpx
 
 from gateway.http.connections import ConnectionPool
-from gateway.http.reply import Reply
+from gateway.http.reply import Listener, Reply
 
 _HEADERS = ((b"Content-Type", b"application/json"), (b"Accept-Encoding", b"identity"))
 _HTTPX_HEADERS = {"content-type": "application/json", "accept-encoding": "identity"}
@@ -54,6 +55,28 @@ class PooledUpstream:
     def open(self, url: str, body: bytes, timeout: float, extra: Extra = ()) -> Awaitable[Reply]:
         return self._pool.request(
             b"POST", url, body, headers=_HEADERS, more=extra, timeout=timeout, whole=False
+        )
+
+    def relay(
+        self,
+        url: str,
+        body: bytes,
+        timeout: float,
+        extra: Extra,
+        *,
+        whole: bool,
+        listener: Listener,
+    ) -> Reply:
+        """A call that `listener` follows (`gateway.http.reply.Listener`)."""
+        return self._pool.call(
+            b"POST",
+            url,
+            body,
+            headers=_HEADERS,
+            more=extra,
+            timeout=timeout,
+            whole=whole,
+            listener=listener,
         )
 
 

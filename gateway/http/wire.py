@@ -57,6 +57,19 @@ def answer_bytes(answer: Answer, connection: bytes, extra: bytes = b"") -> bytes
     return head + answer.body
 
 
+def stream_start(answer: Answer, chunked: bool, keep_alive: bool) -> bytes:
+    """A streamed answer's head and first piece (`answer.body`): chunked, or for HTTP/1.0
+    ended by the connection's close."""
+    head = [status_line(answer.status), b"content-type: %s\r\n" % answer.media_type]
+    head += [b"%s: %s\r\n" % (k.encode(), v.encode("latin-1")) for k, v in answer.headers]
+    if chunked:
+        head.append(b"transfer-encoding: chunked\r\n")
+    head.append(connection_header(keep_alive and chunked) + b"\r\n")
+    if answer.body:
+        head.append(chunk(answer.body) if chunked else answer.body)
+    return b"".join(head)
+
+
 class HttpRequest:
     """One request as httptools parsed it, its body read whole."""
 
@@ -150,14 +163,7 @@ async def write_stream(wire: Wire, answer: Answer, *, version: str, keep_alive: 
     rest = answer.rest
     assert rest is not None
     chunked = version != "1.0"
-    head = [status_line(answer.status), b"content-type: %s\r\n" % answer.media_type]
-    head += [b"%s: %s\r\n" % (k.encode(), v.encode("latin-1")) for k, v in answer.headers]
-    if chunked:
-        head.append(b"transfer-encoding: chunked\r\n")
-    head.append(connection_header(keep_alive and chunked) + b"\r\n")
-    if answer.body:
-        head.append(chunk(answer.body) if chunked else answer.body)
-    wire.write(b"".join(head))
+    wire.write(stream_start(answer, chunked, keep_alive))
 
     async def piece(data: bytes) -> None:
         wire.write(chunk(data) if chunked else data)

@@ -29,8 +29,8 @@ import httpx
 
 from gateway.http.answer import Answer, Outcome, error_body
 from gateway.http.connections import LocalResourceError
-from gateway.http.reply import Reply
-from gateway.http.upstream import Extra, Upstream
+from gateway.http.reply import Listener, Reply
+from gateway.http.upstream import Extra, PooledUpstream, Upstream
 from gateway.legs.attempt import Failure
 from gateway.legs.deadline import Progress
 from gateway.legs.racing import Call, failed, race, settle
@@ -59,21 +59,58 @@ class PairCalls:
         clock: Clock,
     ) -> None:
         self._upstream = upstream
-        self._loads = loads
+        self.loads = loads
         self._metrics = metrics
         self._timeout = timeout
         self._clock = clock
         self._background: set[Call] = set()
+        self._relaying = upstream if isinstance(upstream, PooledUpstream) else None
+        self._relayed: dict[Reply, Callable[[], None]] = {}
+        """Prefill calls followed by callbacks (`gateway.legs.relayed`), each with what
+        cancels it."""
+        self._relayed_gone: asyncio.Future[None] | None = None
+
+    @property
+    def relays(self) -> bool:
+        """Calls may be followed by callbacks (`relay`): the gateway's own pool."""
+        return self._relaying is not None
+
+    def relay(
+        self, url: str, payload: bytes, extra: Extra, *, whole: bool, listener: Listener
+    ) -> Reply:
+        """A call `listener` follows, read timeout as for every call (needs `relays`)."""
+        assert self._relaying is not None
+        return self._relaying.relay(
+            url, payload, self._timeout, extra, whole=whole, listener=listener
+        )
+
+    def relayed_prefill(self, reply: Reply, cancel: Callable[[], None]) -> None:
+        """A prefill call followed by callbacks, which `drain` waits for (or `cancel`s)."""
+        self._relayed[reply] = cancel
+
+    def relayed_prefill_ended(self, reply: Reply) -> None:
+        self._relayed.pop(reply, None)
+        gone = self._relayed_gone
+        if not self._relayed and gone is not None and not gone.done():
+            gone.set_result(None)
 
     async def drain(self, timeout: float | None = None) -> None:
         """Wait for prefill calls that outlived their request (tests, shutdown); those
         still running after `timeout` seconds are cancelled."""
-        if self._background and timeout is not None:
-            await asyncio.wait(list(self._background), timeout=timeout)
+        waiting: list[asyncio.Future[Any]] = list(self._background)
+        if self._relayed:
+            self._relayed_gone = asyncio.get_running_loop().create_future()
+            waiting.append(self._relayed_gone)
+        if waiting and timeout is not None:
+            await asyncio.wait(waiting, timeout=timeout)
             for call in list(self._background):
                 call.cancel()
+            for cancel in list(self._relayed.values()):
+                cancel()
         while self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
+        if self._relayed and self._relayed_gone is not None:
+            await self._relayed_gone
 
     def record(
         self, role: Role, worker: Worker, status: int | None, error: BaseException | str | None
@@ -115,14 +152,21 @@ class PairCalls:
         return call
 
     def _prefill_ended(self, worker: Worker, ticket: LoadTicket, call: Call) -> None:
-        computed = not call.cancelled() and call.exception() is None and call.result().status < 300
-        self._loads.finish(ticket, computed)
         self._background.discard(call)
         if call.cancelled():
+            self.loads.finish(ticket, False)
             return
         error = call.exception()
-        if error is None:
-            self.record("prefill", worker, call.result().status, None)
+        self.prefill_ended(worker, ticket, None if error is not None else call.result(), error)
+
+    def prefill_ended(
+        self, worker: Worker, ticket: LoadTicket, reply: Reply | None, error: BaseException | None
+    ) -> None:
+        """A prefill call ended, in `error` or else with `reply`: its load finished (its
+        prompt computed where it succeeded), the outcome recorded in its breaker."""
+        self.loads.finish(ticket, error is None and reply is not None and reply.status < 300)
+        if error is None and reply is not None:
+            self.record("prefill", worker, reply.status, None)
             return
         if not isinstance(error, httpx.HTTPError):
             log.error("the call to prefill %s failed unexpectedly", worker.id, exc_info=error)
@@ -132,20 +176,26 @@ class PairCalls:
         """The load of the plan's prefill: its uncached tokens queue there and its keys are
         pending there until it answers; for a decode that prefills the prompt itself
         (`plan.prefill` is the decode), until its first token (`decode(ticket=…)`)."""
-        return self._loads.start_prefill(plan.prefill_choice, plan.keys, plan.dp_rank)
+        return self.loads.start_prefill(plan.prefill_choice, plan.keys, plan.dp_rank)
 
     @staticmethod
     def prefill_failure(plan: RoutePlan, call: Call) -> Failure:
         """What a failed prefill call answers the client, and whether to retry."""
         error = call.exception()
+        return PairCalls.prefill_failed(plan, None if error is not None else call.result(), error)
+
+    @staticmethod
+    def prefill_failed(
+        plan: RoutePlan, reply: Reply | None, error: BaseException | None
+    ) -> Failure:
+        """`prefill_failure` of a call that ended in `error`, else in `reply`."""
         if isinstance(error, LocalResourceError):
             return _local_failure("prefill", plan.prefill, error)
-        if error is not None:
+        if error is not None or reply is None:
             message = f"prefill {plan.prefill.id} unreachable"
             return Failure(
                 "prefill", plan.prefill, True, Answer(502, error_body(message, "upstream_error"))
             )
-        reply = call.result()
         return Failure(
             "prefill",
             plan.prefill,
@@ -169,7 +219,7 @@ class PairCalls:
         `call` fails first; `ticket`: the decode's load when the caller started it
         (`prefill_load`)."""
         if ticket is None:
-            ticket = self._loads.start_decode(plan.decode.id)
+            ticket = self.loads.start_decode(plan.decode.id)
         url = plan.decode.url + path
         if stream:
             return await self._streamed(plan, call, ticket, url, payload, progress, extra)
@@ -185,23 +235,27 @@ class PairCalls:
         try:
             return step.result()
         except httpx.HTTPError as exc:
-            return self._decode_error(plan.decode, exc, when)
+            return self.decode_error(plan.decode, exc, when)
 
-    def _decode_error(self, decode: Worker, exc: httpx.HTTPError, when: str) -> Failure:
+    def decode_error(self, decode: Worker, exc: BaseException, when: str) -> Failure:
+        """The attempt's failure when its decode's call failed (`when`: doing what)."""
         if isinstance(exc, LocalResourceError):
             return _local_failure("decode", decode, exc)
         self.record("decode", decode, None, exc)
         message = f"decode {decode.id} failed {when}: {type(exc).__name__}"
         return Failure("decode", decode, True, Answer(502, error_body(message, "upstream_error")))
 
-    def _decode_refused(self, plan: RoutePlan, call: Call, answer: Answer) -> Failure:
-        """A decode status >= 400; a prefill that failed for good takes precedence."""
+    def decode_refused(self, plan: RoutePlan, answer: Answer, prefill: Failure | None) -> Failure:
+        """A decode status >= 400; `prefill`, the prefill's failure where it failed,
+        takes precedence when it is for good."""
         self.record("decode", plan.decode, answer.status, None)
-        if failed(call):
-            failure = self.prefill_failure(plan, call)
-            if not failure.retryable:
-                return failure
+        if prefill is not None and not prefill.retryable:
+            return prefill
         return Failure("decode", plan.decode, is_retryable_status(answer.status), answer)
+
+    def _decode_refused(self, plan: RoutePlan, call: Call, answer: Answer) -> Failure:
+        prefill = self.prefill_failure(plan, call) if failed(call) else None
+        return self.decode_refused(plan, answer, prefill)
 
     async def _whole(
         self,
@@ -224,7 +278,7 @@ class PairCalls:
         except BaseException as exc:
             error = exc
         succeeded = isinstance(outcome, Answer)
-        self._loads.finish(ticket, succeeded, timed=False)
+        self.loads.finish(ticket, succeeded, timed=False)
         if not step.done():
             step.cancel()
             await settle(step)
@@ -237,9 +291,15 @@ class PairCalls:
 
     def _decoded(self, plan: RoutePlan, call: Call, reply: Reply) -> Answer | Failure:
         """The decode's whole answer, or its refusal (the prefill's, where it failed)."""
+        prefill = self.prefill_failure(plan, call) if reply.status >= 400 and failed(call) else None
+        return self.decoded(plan, reply, prefill)
+
+    def decoded(self, plan: RoutePlan, reply: Reply, prefill: Failure | None) -> Answer | Failure:
+        """The decode's whole answer, or its refusal (`prefill`'s, the prefill's failure
+        where it failed for good)."""
         answer = Answer(reply.status, reply.body, reply.media_type)
         if answer.status >= 400:
-            return self._decode_refused(plan, call, answer)
+            return self.decode_refused(plan, answer, prefill)
         self.record("decode", plan.decode, answer.status, None)
         return answer
 
@@ -282,16 +342,16 @@ class PairCalls:
             try:
                 content = await reply.read()
             except httpx.HTTPError as exc:
-                return self._decode_error(plan.decode, exc, "mid-answer")
+                return self.decode_error(plan.decode, exc, "mid-answer")
             return self._decode_refused(plan, call, Answer(reply.status, content, reply.media_type))
         progress.decode_head = True
         opening.step = asyncio.ensure_future(reply.next())
         first = await self._decode_step(plan, call, opening.step, "before its first byte")
         if isinstance(first, Failure):
             return first
-        self._loads.prefill_done(ticket)
-        rest = _DecodeStream(self._loads, self.record, reply, plan, ticket, call)
-        return Answer(reply.status, first, reply.media_type, _passed_headers(reply), rest)
+        self.loads.prefill_done(ticket)
+        rest = _DecodeStream(self.loads, self.record, reply, plan, ticket, call)
+        return Answer(reply.status, first, reply.media_type, passed_headers(reply), rest)
 
     async def _not_opened(self, call: Call, ticket: LoadTicket, opening: _Opening) -> None:
         """A stream that committed nothing: its calls cancelled and closed, its load ended."""
@@ -303,7 +363,7 @@ class PairCalls:
             reply = None if opening.call.exception() else opening.call.result()
         if reply is not None:
             await reply.aclose()
-        self._loads.finish(ticket, computed=False)
+        self.loads.finish(ticket, computed=False)
         call.cancel()
 
 
@@ -365,7 +425,8 @@ def _local_failure(role: Role, worker: Worker, error: LocalResourceError) -> Fai
     return Failure(role, worker, False, Answer(503, error_body(message, "gateway_overloaded")))
 
 
-def _passed_headers(reply: Reply) -> tuple[tuple[str, str], ...]:
+def passed_headers(reply: Reply) -> tuple[tuple[str, str], ...]:
+    """What of the decode's head a stream passes on to the client."""
     found = ((name, reply.header(name)) for name in _PASSED_HEADERS)
     return tuple(
         (name.decode(), value.decode("latin-1")) for name, value in found if value is not None

@@ -16,6 +16,9 @@ the gateway saw of its last attempt:
 - `decode_first_byte`: the decode's answer had begun (head) without its first body byte;
 - `retry_backoff`: between two attempts.
 
+A request served by callbacks rather than a task (`gateway.serving.relay`) is ended by
+its `expire` hook instead of a cancellation, until a task takes it over (a retry).
+
 `DeadlineWatch` keeps one timer for every request in flight rather than one per request
 (a timer set and cancelled per request costs CPU on each, `docs/gateway-design.md`).
 Every request gets the same timeout, so deadlines expire in arrival order and a queue is
@@ -27,10 +30,12 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.http.answer import Answer
+from gateway.http.reply import Reply
 
 
 @dataclass(slots=True)
@@ -39,10 +44,12 @@ class Progress:
 
     deadline: float
     task: asyncio.Task[Any] | None
+    expire: Callable[[], None] | None = None
+    """Ends the request at its deadline where no task serves it (callbacks do)."""
     attempt: int = 0
     prefill: str = ""
     decode: str = ""
-    prefill_call: asyncio.Future[Any] | None = None
+    prefill_call: asyncio.Future[Any] | Reply | None = None
     decode_head: bool = False
     """The decode's answer had begun (its head arrived)."""
     between_attempts: bool = False
@@ -50,7 +57,9 @@ class Progress:
     finished: bool = False
     _cancelling: int = field(default=0, repr=False)
 
-    def begin(self, attempt: int, prefill: str, decode: str, call: asyncio.Future[Any]) -> None:
+    def begin(
+        self, attempt: int, prefill: str, decode: str, call: asyncio.Future[Any] | Reply
+    ) -> None:
         self.attempt = attempt + 1
         self.prefill, self.decode, self.prefill_call = prefill, decode, call
         self.decode_head = False
@@ -59,6 +68,8 @@ class Progress:
     def prefill_status(self) -> int | None:
         """The prefill's HTTP status once it answered; None before (or on a transport error)."""
         call = self.prefill_call
+        if isinstance(call, Reply):
+            return call.status if call.done and call.status else None
         if call is None or not call.done() or call.cancelled() or call.exception() is not None:
             return None
         status: int = call.result().status
@@ -125,6 +136,27 @@ class DeadlineWatch:
             self._timer = loop.call_at(progress.deadline, self._expire)
         return progress
 
+    def start_by(self, expire: Callable[[], None]) -> Progress:
+        """A request served by callbacks begins: `expire` ends it at its deadline, unless
+        a task takes it over first (`Progress.task`, set by `take_over`)."""
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        progress = Progress(loop.time() + self.timeout, None, expire)
+        self._queue.append(progress)
+        if self._timer is None:
+            self._timer = loop.call_at(progress.deadline, self._expire)
+        return progress
+
+    @staticmethod
+    def take_over(progress: Progress) -> None:
+        """The current task serves `progress`'s request from now on: cancelled at its
+        deadline, as `start` would have it."""
+        task = asyncio.current_task()
+        progress.task, progress.expire = task, None
+        if task is not None:
+            progress._cancelling = task.cancelling()
+
     def finish(self, progress: Progress) -> bool:
         """The request ended; True when it ended because its deadline passed (its task's
         cancellation is then taken back, unless someone else also cancelled it)."""
@@ -142,24 +174,31 @@ class DeadlineWatch:
         now = self._loop.time()
         queue = self._queue
         while queue and (queue[0].finished or queue[0].deadline <= now):
-            progress = queue.popleft()
-            if not progress.finished and progress.task is not None:
-                progress.expired = True
-                progress.task.cancel()
+            _end(queue.popleft())
         if queue:
             self._timer = self._loop.call_at(queue[0].deadline, self._expire)
 
     def expire_all(self) -> None:
         """Every request in flight runs out now, as if its deadline had passed (tests
         drive the deadline with it instead of waiting for the clock)."""
-        for progress in self._queue:
-            if not progress.finished and progress.task is not None:
-                progress.expired = True
-                progress.task.cancel()
-        self._queue.clear()
+        queue, self._queue = self._queue, deque()
+        for progress in queue:
+            _end(progress)
 
     def close(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         self._queue.clear()
+
+
+def _end(progress: Progress) -> None:
+    """`progress`'s request ran out: its task cancelled, or its `expire` called."""
+    if progress.finished:
+        return
+    if progress.task is not None:
+        progress.expired = True
+        progress.task.cancel()
+    elif progress.expire is not None:
+        progress.expired = True
+        progress.expire()

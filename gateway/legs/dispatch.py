@@ -12,6 +12,12 @@ cancels the attempt's calls.
 
 The chooser is an interface so that an entry point that chooses differently (a sidecar
 whose decode is itself) runs the same legs with the same retries and deadline.
+
+A request whose first attempt ran by callbacks (`gateway.serving.relay`, on
+`gateway.legs.relayed`) is carried on here only when that attempt needs more than
+callbacks: its failure, to retry, or a plan whose legs are not relayed; `forward` then
+takes its `Begun` as attempt 0 and its `Progress`, so the deadline still runs from the
+request's start.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 from typing import Protocol
 
 from gateway.http.answer import Answer, error_body
@@ -46,6 +53,15 @@ class Chooser(Protocol):
         ...
 
 
+@dataclass(slots=True)
+class Begun:
+    """A first attempt begun outside `forward`: its plan, chosen but not run, or the
+    failure it ended in."""
+
+    plan: RoutePlan | None = None
+    failure: Failure | None = None
+
+
 class Dispatcher:
     def __init__(
         self,
@@ -67,46 +83,81 @@ class Dispatcher:
         self._sleep = sleep
         self.deadlines = DeadlineWatch(timeout)
 
-    async def forward(self, request: Request) -> Answer:
-        """The answer within the request deadline, or a 504 saying where it stopped."""
+    async def forward(
+        self, request: Request, progress: Progress | None = None, first: Begun | None = None
+    ) -> Answer:
+        """The answer within the request deadline, or a 504 saying where it stopped.
+        `progress` and `first`: the request's deadline and first attempt, when they were
+        begun outside (`Begun`)."""
         deadlines = self.deadlines
-        progress = deadlines.start()
+        if progress is None:
+            progress = deadlines.start()
+        else:
+            deadlines.take_over(progress)
         try:
-            outcome = await self._forward(request, progress)
+            outcome = await self._forward(request, progress, first)
         except asyncio.CancelledError:
             if not deadlines.finish(progress):
                 raise
-            endpoint, stage = request.parsed.endpoint, progress.stage
-            self._metrics.request_timeouts.labels(endpoint, stage).inc()
-            log.warning("%s: %s", endpoint, progress.message(deadlines.timeout))
-            return progress.answer(deadlines.timeout)
+            return self.timed_out(request, progress)
         except BaseException:
             deadlines.finish(progress)
             raise
         deadlines.finish(progress)
         return outcome
 
-    async def _forward(self, request: Request, progress: Progress) -> Answer:
+    def timed_out(self, request: Request, progress: Progress) -> Answer:
+        """The 504 of a request whose deadline passed, counted and logged."""
+        endpoint, stage = request.parsed.endpoint, progress.stage
+        self._metrics.request_timeouts.labels(endpoint, stage).inc()
+        log.warning("%s: %s", endpoint, progress.message(self.deadlines.timeout))
+        return progress.answer(self.deadlines.timeout)
+
+    def first_plan(self, request: Request) -> RoutePlan | Answer:
+        """The first attempt's pair, or the 503 when there is none."""
+        try:
+            plan = self._chooser.plan(request.query, ())
+        except NoCandidates as exc:
+            return Answer(503, error_body(str(exc), "no_available_workers"))
+        if log.isEnabledFor(logging.DEBUG):
+            _log_plan(request, plan, 0)
+        return plan
+
+    def legs(self, plan: RoutePlan) -> Legs:
+        """The legs that run `plan`."""
+        return self._local if plan.local and self._local else self._legs[plan.prefill.kind]
+
+    def retries(self, failure: Failure) -> bool:
+        """A first attempt's `failure` is followed by another attempt."""
+        return failure.retryable and self._retries.max_attempts > 1
+
+    async def _forward(self, request: Request, progress: Progress, first: Begun | None) -> Answer:
         avoid: set[str] = set()
         last: Failure | None = None
         attempts = self._retries.max_attempts
         for number in range(attempts):
-            try:
-                plan = self._chooser.plan(request.query, avoid)
-            except NoCandidates as exc:
-                if last is not None:
-                    return last.answer
-                return Answer(503, error_body(str(exc), "no_available_workers"))
-            if log.isEnabledFor(logging.DEBUG):
-                _log_plan(request, plan, number)
-            attempt = Attempt(number, number + 1 >= attempts, progress)
-            legs = self._local if plan.local and self._local else self._legs[plan.prefill.kind]
-            outcome = await legs.run(request, plan, attempt)
-            if not isinstance(outcome, Failure):
-                return outcome
+            if number == 0 and first is not None and first.failure is not None:
+                outcome = first.failure
+            else:
+                if number == 0 and first is not None and first.plan is not None:
+                    plan = first.plan
+                else:
+                    try:
+                        plan = self._chooser.plan(request.query, avoid)
+                    except NoCandidates as exc:
+                        if last is not None:
+                            return last.answer
+                        return Answer(503, error_body(str(exc), "no_available_workers"))
+                    if log.isEnabledFor(logging.DEBUG):
+                        _log_plan(request, plan, number)
+                attempt = Attempt(number, number + 1 >= attempts, progress)
+                answered = await self.legs(plan).run(request, plan, attempt)
+                if not isinstance(answered, Failure):
+                    return answered
+                outcome = answered
             last = outcome
             avoid.add(outcome.worker.id)
-            if not outcome.retryable or attempt.final:
+            if not outcome.retryable or number + 1 >= attempts:
                 break
             self.retrying(request, outcome, number)
             progress.between_attempts = True

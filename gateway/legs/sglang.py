@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gateway.http.answer import Answer
+from gateway.http.upstream import Extra
 from gateway.legs.attempt import Attempt, Failure
 from gateway.legs.calls import PairCalls
 from gateway.requests.bodies import Endpoint, batch_size, encode_body
@@ -52,35 +53,43 @@ def inject_bootstrap(
     return out
 
 
+def pair_payloads(request: Request, plan: RoutePlan) -> tuple[bytes, bytes, Extra]:
+    """What the prefill and the decode are sent (their bodies, bound to the plan's
+    prefill) and the header lines both calls carry."""
+    prefill, parsed = plan.prefill, request.parsed
+    body = inject_bootstrap(
+        parsed.body,
+        parsed.endpoint,
+        host=prefill.host,
+        port=prefill.bootstrap_port,
+        rooms=plan.rooms,
+    )
+    extra = (*request_id_header(request.request_id), *request.trace_context)
+    if plan.pinned_dp_rank is None:
+        payload = encode_body(body)
+        return payload, payload, extra
+    payload = encode_body({**body, "routed_dp_rank": plan.pinned_dp_rank})
+    decode_payload = encode_body({**body, "disagg_prefill_dp_rank": plan.pinned_dp_rank})
+    return payload, decode_payload, extra
+
+
 class DualLegs:
     """SGLang attempts: the prefill's and the decode's calls started together."""
 
     def __init__(self, calls: PairCalls) -> None:
-        self._calls = calls
+        self.calls = calls
 
     async def run(self, request: Request, plan: RoutePlan, attempt: Attempt) -> Answer | Failure:
-        prefill, parsed, path = plan.prefill, request.parsed, request.path
-        body = inject_bootstrap(
-            parsed.body,
-            parsed.endpoint,
-            host=prefill.host,
-            port=prefill.bootstrap_port,
-            rooms=plan.rooms,
-        )
-        extra = (*request_id_header(request.request_id), *request.trace_context)
-        if plan.pinned_dp_rank is None:
-            payload = decode_payload = encode_body(body)
-        else:
-            payload = encode_body({**body, "routed_dp_rank": plan.pinned_dp_rank})
-            decode_payload = encode_body({**body, "disagg_prefill_dp_rank": plan.pinned_dp_rank})
-        call = self._calls.start_prefill(plan, path, payload, extra)
-        attempt.progress.begin(attempt.number, prefill.id, plan.decode.id, call)
-        return await self._calls.decode(
+        payload, decode_payload, extra = pair_payloads(request, plan)
+        path = request.path
+        call = self.calls.start_prefill(plan, path, payload, extra)
+        attempt.progress.begin(attempt.number, plan.prefill.id, plan.decode.id, call)
+        return await self.calls.decode(
             plan,
             call,
             path,
             decode_payload,
-            stream=parsed.stream,
+            stream=request.parsed.stream,
             progress=attempt.progress,
             extra=extra,
         )

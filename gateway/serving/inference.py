@@ -20,6 +20,12 @@ vLLM's flat `{"object": "error", "message", …}`, FastAPI's `{"detail": …}`, 
 is rewritten into OpenAI's, its fields kept, so that a client reads one shape whoever
 refused it.
 
+A request the gateway can serve without awaiting anything before its first attempt (no
+limit on requests, no index asked, not traced, a body read inline, the gateway's own
+connection pool) is answered by callbacks instead of a task (`begin`,
+`gateway.serving.relay`): the same reading, metrics, ids and error bodies as `handle`,
+through the methods here; the rest of it goes through `handle`.
+
 One path serves every request. Without tracing the client's W3C trace context goes to the
 workers as it came (`Incoming.trace_context`); with tracing (`gateway.telemetry.tracing`)
 the request's span is begun around that path and the lookups and the wait in a queue are
@@ -39,10 +45,16 @@ from typing import Any
 import orjson
 
 from gateway.http.answer import After, Answer, Outcome, problem
+from gateway.http.exchange import RelayWire
+from gateway.http.wire import HttpRequest
+from gateway.legs.deadline import Progress
+from gateway.legs.dispatch import Begun
 from gateway.requests.headers import Picked
+from gateway.requests.request import Request
 from gateway.serving.edge import Edge, Headers
 from gateway.serving.intake import UNREADABLE, Intake, Place, refusal
 from gateway.serving.reading import INFERENCE_PATHS
+from gateway.serving.relay import Relay
 from gateway.serving.service import Gateway
 from gateway.telemetry.metrics import EndpointMetrics
 from gateway.telemetry.tracing import TRACE_HEADERS, Tracing, bind
@@ -117,6 +129,8 @@ class Inference:
         self._answer: Callable[[Incoming], Awaitable[Answer]] = self._serve
         if tracing is not None:
             self._answer = _traced(tracing, self._serve)
+        self._relays = tracing is None and self._intake.at_once and gateway.calls.relays
+        """Requests may be answered by callbacks (`begin`)."""
 
     @property
     def paths(self) -> Collection[str]:
@@ -141,12 +155,59 @@ class Inference:
         # One pass over the headers for every one read here (a repeated one by its last).
         picked = {name: value for name, value in headers if name in self._picked}
         request_id = self.edge.request_id(path, picked)
-        trace_context: Headers = ()
-        if self._passes_trace and picked and not TRACE_HEADERS.isdisjoint(picked):
-            trace_context = tuple((n, picked[n]) for n in _TRACE_ORDER if n in picked)
+        trace_context = self._trace_context(picked)
         incoming = Incoming(path, body, headers, picked, authorization, request_id, trace_context)
         answer = await self._answer(incoming)
-        own = self.edge.answer_headers(request_id, picked.get(b"origin"))
+        return self.headed(answer, request_id, picked.get(b"origin"))
+
+    def begin(self, request: HttpRequest, wire: RelayWire) -> Relay | None:
+        """The relay that answers `request` (a complete POST to one of `paths`) by
+        callbacks on `wire`, once started, when it needs nothing awaited before its first
+        attempt; None where `handle` is to answer it instead (every refusal included)."""
+        if not self._relays or request.route is None or request.version != "1.1":
+            return None
+        started = self._gateway.clock()
+        path = request.route
+        picked = {name: value for name, value in request.headers if name in self._picked}
+        raw = request.authorization
+        authorization = None if raw is None else raw.decode("latin-1")
+        if not bearer_matches(authorization, self._gateway.config.api_key):
+            return None
+        request_id = self.edge.request_id(path, picked)
+        body = request.body[0] if len(request.body) == 1 else b"".join(request.body)
+        try:
+            admitted = self._intake.admit_now(
+                path, body, picked, authorization, request_id, self._trace_context(picked)
+            )
+        except UNREADABLE:
+            return None
+        if admitted is None:
+            return None
+        request.body.clear()  # held once, not twice, while it is served
+        gateway = self._gateway
+        return Relay(
+            self,
+            gateway.dispatcher,
+            wire,
+            request,
+            admitted,
+            self._metrics[path],
+            gateway.clock,
+            started,
+            request_id,
+            picked.get(b"origin"),
+        )
+
+    def _trace_context(self, picked: Picked) -> Headers:
+        """The client's W3C trace context, passed on as it came when the gateway does not
+        trace."""
+        if self._passes_trace and picked and not TRACE_HEADERS.isdisjoint(picked):
+            return tuple((n, picked[n]) for n in _TRACE_ORDER if n in picked)
+        return ()
+
+    def headed(self, answer: Answer, request_id: str, origin: bytes | None) -> Answer:
+        """`answer` with the head lines every inference answer gets (`Edge`)."""
+        own = self.edge.answer_headers(request_id, origin)
         if answer.headers:
             own = (*(h for h in answer.headers if h[0] != "x-request-id"), *own)
         answer.headers = own
@@ -163,7 +224,6 @@ class Inference:
         path = incoming.path
         metrics = self._metrics[path]
         started = gateway.clock()
-        place: Place | None = None
         try:
             admitted = await self._intake.admit(
                 path,
@@ -173,40 +233,71 @@ class Inference:
                 request_id=incoming.request_id,
                 trace_context=incoming.trace_context,
             )
-            if isinstance(admitted, Answer):
-                return self._refuse(path, admitted)
-            place = admitted.place
-            assert admitted.request is not None, "an inference path"
-            answer = await gateway.dispatcher.forward(admitted.request)
+        except asyncio.CancelledError:
+            self.gone(metrics, started)
+            raise
+        if isinstance(admitted, Answer):
+            return self._refuse(path, admitted)
+        assert admitted.request is not None, "an inference path"
+        try:
+            return await self.forwarded(admitted.request, metrics, started, admitted.place)
         except UNREADABLE as exc:  # the first attempt's BadRequest
-            return self._refuse(path, refusal(exc), place)
+            return self._refuse(path, refusal(exc), admitted.place)
+
+    async def forwarded(
+        self,
+        request: Request,
+        metrics: EndpointMetrics,
+        started: float,
+        place: Place | None = None,
+        progress: Progress | None = None,
+        first: Begun | None = None,
+    ) -> Answer:
+        """The dispatcher's answer to `request`, measured (`place`: what it holds; the
+        rest: `Dispatcher.forward`'s); a client that leaves is counted 499. Raises what
+        `UNREADABLE` names (the first attempt's BadRequest), `place` then still held."""
+        gateway = self._gateway
+        try:
+            answer = await gateway.dispatcher.forward(request, progress, first)
+        except UNREADABLE:
+            raise
         except asyncio.CancelledError:
             if place is not None:
                 place.release()
-            metrics.ttfb.observe(gateway.clock() - started)
-            metrics.answered(499)
+            self.gone(metrics, started)
             raise
         except BaseException:
             if place is not None:
                 place.release()
             raise
-        now = gateway.clock()
-        metrics.ttfb.observe(now - started)
-        if answer.status >= 400 and answer.rest is None and path != "/generate":
-            answer = openai_error(answer)
         if answer.rest is not None:
+            metrics.ttfb.observe(gateway.clock() - started)
             if place is not None:
                 place.started()
-            ended = partial(self._stream_ended, metrics, started, answer.status, place)
+            ended = partial(self.stream_ended, metrics, started, answer.status, place)
             answer.rest = After(answer.rest, ended)
             return answer
         if place is not None:
             place.release()
-        metrics.latency.observe(now - started)
+        return self.whole(request.path, metrics, started, answer)
+
+    def whole(self, path: str, metrics: EndpointMetrics, started: float, answer: Answer) -> Answer:
+        """A whole answer measured (time to it, its status), an error in OpenAI's shape on
+        the OpenAI paths."""
+        elapsed = self._gateway.clock() - started
+        metrics.ttfb.observe(elapsed)
+        if answer.status >= 400 and path != "/generate":
+            answer = openai_error(answer)
+        metrics.latency.observe(elapsed)
         metrics.answered(answer.status)
         return answer
 
-    def _stream_ended(
+    def gone(self, metrics: EndpointMetrics, started: float) -> None:
+        """The client left before its answer: counted 499."""
+        metrics.ttfb.observe(self._gateway.clock() - started)
+        metrics.answered(499)
+
+    def stream_ended(
         self,
         metrics: EndpointMetrics,
         started: float,
@@ -214,7 +305,8 @@ class Inference:
         place: Place | None,
         outcome: Outcome,
     ) -> None:
-        """A stream's request is over: measured (duration, status), its place given back."""
+        """A stream's request is over: measured (duration, status), its place given back
+        (`place`, when it holds one)."""
         metrics.latency.observe(self._gateway.clock() - started)
         metrics.answered(status)
         if place is not None:

@@ -109,6 +109,9 @@ class Intake:
         self._indexed = traced or gateway.router.uses_index
         """Whether the index is asked (or the lookup is a stage of a traced request's
         span): else the lookup is not awaited, a coroutine fewer per request."""
+        self.at_once = not self._limited and not self._indexed
+        """A request is admitted without awaiting anything (`admit_now`): nothing limits
+        the requests and the index is not asked."""
         if traced:
             self._look_up = _stage("route", self._look_up)
             if self.flow is not None or self.admission is not None:
@@ -169,6 +172,25 @@ class Intake:
             query.within = place.within
             place.sent()
         return Admitted(request, query, place)
+
+    def admit_now(
+        self,
+        path: str,
+        body: bytes,
+        picked: Picked,
+        authorization: str | None,
+        request_id: str,
+        trace_context: Sequence[tuple[bytes, bytes]],
+    ) -> Request | None:
+        """`admit` of an inference request without awaiting, where the entry point admits
+        `at_once` and the body is one `RequestReader.read_now` reads; None where it is not
+        (then `admit` it). Raises what `UNREADABLE` names."""
+        read = self.reader.read_now(path, body, picked, authorization, request_id, trace_context)
+        if read is None:
+            return None
+        request = read[0]
+        self._router.unindexed(request.query)
+        return request
 
     async def _queue(self, flow: FlowRequest | None, waiting: Waiting) -> Place | Answer | None:
         """The request's place: its turn in the flow queues, or one under admission control;

@@ -32,6 +32,7 @@ from gateway.flow.keys import FlowKeys
 from gateway.flow.queues import FlowRequest
 from gateway.requests.bodies import (
     Endpoint,
+    ParsedRequest,
     PromptTokens,
     decode_body,
     parse_request,
@@ -44,6 +45,7 @@ from gateway.requests.headers import (
     named_prefill,
     session,
 )
+from gateway.requests.namespace import RequestNamespace
 from gateway.requests.query import RouteQuery
 from gateway.requests.request import Request
 from gateway.routing.router import Router
@@ -97,23 +99,81 @@ class RequestReader:
         Raises `gateway.requests.bodies.BadRequest` (a body or header that cannot be
         read), `gateway.requests.namespace.UnknownAdapter` and
         `globalkv.tokenize.TokenizeError` (messages the chat template refuses)."""
-        endpoint = INFERENCE_PATHS[path]
-        named = named_prefill(picked) if self._named_prefill and picked else None
-        parsed = parse_request(endpoint, decode_body(body))
-        namespace = self._router.namespace(parsed.body)
-        named_session = session(picked) if picked else None
+        named, parsed, namespace = self._parse(path, body, picked)
         if len(body) > TOKENIZE_INLINE_MAX and parsed.token_ids is None:
             tokens = await asyncio.to_thread(prompt_tokens, parsed, self._tokenizer)
         else:
             tokens = prompt_tokens(parsed, self._tokenizer)
+        return self._made(
+            path,
+            body,
+            picked,
+            authorization,
+            request_id,
+            trace_context,
+            named,
+            parsed,
+            namespace,
+            tokens,
+        )
+
+    def read_now(
+        self,
+        path: str,
+        body: bytes,
+        picked: Picked,
+        authorization: str | None = None,
+        request_id: str | None = None,
+        trace_context: Sequence[tuple[bytes, bytes]] = (),
+    ) -> tuple[Request, FlowRequest | None] | None:
+        """`read` without awaiting anything, for a body of up to `TOKENIZE_INLINE_MAX`
+        bytes (None for a longer one); raises as `read` does."""
+        if len(body) > TOKENIZE_INLINE_MAX:
+            return None
+        named, parsed, namespace = self._parse(path, body, picked)
+        tokens = prompt_tokens(parsed, self._tokenizer)
+        return self._made(
+            path,
+            body,
+            picked,
+            authorization,
+            request_id,
+            trace_context,
+            named,
+            parsed,
+            namespace,
+            tokens,
+        )
+
+    def _parse(
+        self, path: str, body: bytes, picked: Picked
+    ) -> tuple[str | None, ParsedRequest, RequestNamespace]:
+        """The prefill the request names (a sidecar's), its body parsed, its namespace."""
+        named = named_prefill(picked) if self._named_prefill and picked else None
+        parsed = parse_request(INFERENCE_PATHS[path], decode_body(body))
+        return named, parsed, self._router.namespace(parsed.body)
+
+    def _made(
+        self,
+        path: str,
+        body: bytes,
+        picked: Picked,
+        authorization: str | None,
+        request_id: str | None,
+        trace_context: Sequence[tuple[bytes, bytes]],
+        named: str | None,
+        parsed: ParsedRequest,
+        namespace: RequestNamespace,
+        tokens: PromptTokens,
+    ) -> tuple[Request, FlowRequest | None]:
         query = RouteQuery(
             tokens.tokens,
             tokens.text,
             prefill=named,
-            session=named_session,
+            session=session(picked) if picked else None,
             missing=tokens.missing,
             namespace=namespace,
-            kind="sglang" if endpoint == "generate" else namespace.kind,
+            kind="sglang" if parsed.endpoint == "generate" else namespace.kind,
             batch=parsed.batch,
         )
         flow = None

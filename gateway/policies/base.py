@@ -32,7 +32,8 @@ simulator replaying traces against a real `MemoryIndex` in simulated time:
   which the legs, the endpoint picker and the simulator call; policies read it through the
   candidates.
 - A policy says what it needs: `uses_index` asks for the index's answer, so the router
-  looks the prompt up only for a policy that reads it.
+  looks the prompt up only for a policy that reads it; `reads_load` asks for the
+  candidates' load, which the router otherwise leaves empty.
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ class Policy(Protocol):
     name: str
     uses_index: bool
     """It reads `RouteQuery.lookup`: the prompt is looked up in the index for it."""
+    reads_load: bool
+    """It reads the candidates' load: without it, the router hands it candidates with
+    none filled in (no load snapshot per worker per request)."""
 
     def choose(self, request: RouteQuery, candidates: Sequence[Candidate]) -> Choice:
         """Pick one of `candidates` (never empty)."""

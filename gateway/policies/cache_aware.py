@@ -29,6 +29,7 @@ from gateway.settings.routing import CacheAwareConfig
 class CacheAwarePolicy:
     name = "cache_aware"
     uses_index = False
+    reads_load = True
 
     def __init__(self, config: CacheAwareConfig, fallback: Policy) -> None:
         self._config = config

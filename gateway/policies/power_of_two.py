@@ -17,6 +17,7 @@ from gateway.requests.query import RouteQuery
 class PowerOfTwoPolicy:
     name = "power_of_two"
     uses_index = False
+    reads_load = True
 
     def __init__(self, rng: Random) -> None:
         self._rng = rng

@@ -75,6 +75,7 @@ from gateway.settings.routing import PrefixWeights
 class PrefixPolicy:
     name = "prefix"
     uses_index = True
+    reads_load = True
 
     def __init__(self, weights: PrefixWeights, rng: Random, fallback: Policy) -> None:
         self._weights = weights

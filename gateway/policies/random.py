@@ -13,6 +13,7 @@ from gateway.requests.query import RouteQuery
 class RandomPolicy:
     name = "random"
     uses_index = False
+    reads_load = False
 
     def __init__(self, rng: Random) -> None:
         self._rng = rng

@@ -12,6 +12,7 @@ from gateway.requests.query import RouteQuery
 class RoundRobinPolicy:
     name = "round_robin"
     uses_index = False
+    reads_load = False
 
     def __init__(self) -> None:
         self._next = 0

@@ -15,8 +15,6 @@ from collections.abc import Collection
 from dataclasses import replace
 from typing import get_args
 
-from prometheus_client import Counter
-
 from gateway.load.tracker import Candidate
 from gateway.policies.base import NoCandidates
 from gateway.requests.query import RouteQuery
@@ -24,6 +22,7 @@ from gateway.routing.decider import PdDecider, PdDecision, local_capable
 from gateway.routing.plan import RoutePlan
 from gateway.routing.router import Router
 from gateway.settings.base import Kind
+from gateway.telemetry.loop_metrics import Counter
 
 _LOCAL_KINDS: tuple[Kind, ...] = tuple(k for k in get_args(Kind) if local_capable(k))
 
@@ -33,9 +32,13 @@ class PdChooser:
         self.router = router
         self.decider = decider
         self._decisions = decisions
+        self._always = decisions.labels("disaggregate", "always")
 
     def plan(self, query: RouteQuery, avoid: Collection[str] = ()) -> RoutePlan:
         """Raises `NoCandidates` naming the empty role, as `Router.plan` does."""
+        if not self.decider.enabled:
+            self._always.inc()
+            return self.router.plan(query, avoid)
         decision = self._decide(query, avoid)
         self._decisions.labels("local" if decision.local else "disaggregate", decision.reason).inc()
         if not decision.local:
@@ -48,8 +51,6 @@ class PdChooser:
         return RoutePlan(decode, decode, decision.choice, [], query.keys, local=True)
 
     def _decide(self, query: RouteQuery, avoid: Collection[str]) -> PdDecision:
-        if not self.decider.enabled:
-            return PdDecision(False, "always")
         if query.batch is not None:
             return PdDecision(False, "batch")
         router = self.router

@@ -163,13 +163,14 @@ class Router:
         query: RouteQuery,
         avoid: Collection[str] = (),
         kind: Kind | None = None,
+        loaded: bool = True,
     ) -> list[Candidate]:
         """Eligible workers of `role` that may serve `query`: of `kind` (else the query's),
         serving its model when workers advertise it and every adapter it names, without
-        those to `avoid` unless no other remains."""
+        those to `avoid` unless no other remains; `loaded`: with their load."""
         every = self.pool.candidates(
             role,
-            self.loads,
+            self.loads if loaded else None,
             kind=kind or query.kind,
             model=query.namespace.model,
             adapters=query.namespace.adapters,
@@ -192,12 +193,13 @@ class Router:
         avoid: Collection[str] = (),
         among: Collection[str] | None = None,
         kind: Kind | None = None,
+        loaded: bool = True,
     ) -> list[Candidate]:
         """The prefills `query` may go to: the eligible ones (`candidates`), only those in
         `among` when given, and of those the ones flow control released it for
         (`RouteQuery.within`) while any of them remains (a retry after they failed goes
         elsewhere)."""
-        prefills = self.candidates("prefill", query, avoid, kind)
+        prefills = self.candidates("prefill", query, avoid, kind, loaded)
         if among is not None:
             prefills = [c for c in prefills if c.worker in among]
         within = query.within
@@ -216,7 +218,7 @@ class Router:
         `kind`, when given, else the query's; only those whose id is in `among`, when
         given: an endpoint picker's subset, a sidecar's named prefill), with the query as
         the policy read it (its pending blocks added); raises `NoCandidates`."""
-        prefills = self.prefills(query, avoid, among, kind)
+        prefills = self.prefills(query, avoid, among, kind, self.prefill_policy.reads_load)
         if not prefills:
             which = kind or query.kind
             kinds = "" if which is None else f", {which}"
@@ -242,7 +244,7 @@ class Router:
     ) -> Worker:
         """The decode policy's choice among the eligible decodes of `kind` that may serve
         `query` (only those whose id is in `among`, when given); raises `NoCandidates`."""
-        decodes = self.candidates("decode", query, avoid, kind)
+        decodes = self.candidates("decode", query, avoid, kind, self.decode_policy.reads_load)
         if among is not None:
             decodes = [c for c in decodes if c.worker in among]
         if not decodes:

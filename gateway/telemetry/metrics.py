@@ -1,7 +1,8 @@
 """The gateway's Prometheus metrics, in a registry owned by one app.
 
 Counters and histograms are updated on the request path, through label children bound
-once (`EndpointMetrics`) rather than looked up per request; worker state (health, circuit,
+once (`EndpointMetrics`) rather than looked up per request, and are the event loop's own
+plain numbers (`gateway.telemetry.loop_metrics`: no lock per update); worker state (health, circuit,
 directory, load) is read from the pool at scrape time by a collector, so no code has to
 remember to update a gauge when state changes.
 """
@@ -10,11 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gateway.load.tracker import LoadTracker
+from gateway.telemetry.loop_metrics import Counter, CounterValue, Histogram
 from gateway.workers.pool import WorkerPool
 from kvplumbing.budget import BodyBudget
 
@@ -226,7 +228,7 @@ class EndpointMetrics:
         self.ttfb = metrics.ttfb.labels(endpoint)
         self._requests = metrics.requests
         self._endpoint = endpoint
-        self._by_status: dict[int, Counter] = {}
+        self._by_status: dict[int, CounterValue] = {}
 
     def answered(self, status: int) -> None:
         counter = self._by_status.get(status)

@@ -340,7 +340,7 @@ class WorkerPool:
     def candidates(
         self,
         role: Role,
-        loads: LoadTracker,
+        loads: LoadTracker | None,
         *,
         kind: Kind | None = None,
         model: str | None = None,
@@ -360,4 +360,8 @@ class WorkerPool:
             serving = [w for w in workers if w.served_model == model]
             if serving:
                 workers = serving
+        if loads is None:
+            return [
+                Candidate(w.id, w.pod, cache_capacity_tokens=w.kv_capacity_tokens) for w in workers
+            ]
         return [loads.candidate(w.id, w.pod, capacity_tokens=w.kv_capacity_tokens) for w in workers]

@@ -20,9 +20,9 @@ vLLM's flat `{"object": "error", "message", …}`, FastAPI's `{"detail": …}`, 
 is rewritten into OpenAI's, its fields kept, so that a client reads one shape whoever
 refused it.
 
-A request the gateway can serve without awaiting anything before its first attempt (no
-limit on requests, no index asked, not traced, a body read inline, the gateway's own
-connection pool) is answered by callbacks instead of a task (`begin`,
+A request the gateway can serve without awaiting anything before its first attempt but
+the index's answer (no limit on requests, not traced, a body read inline, the gateway's
+own connection pool) is answered by callbacks instead of a task (`begin`,
 `gateway.serving.relay`): the same reading, metrics, ids and error bodies as `handle`,
 through the methods here; the rest of it goes through `handle`.
 
@@ -129,7 +129,7 @@ class Inference:
         self._answer: Callable[[Incoming], Awaitable[Answer]] = self._serve
         if tracing is not None:
             self._answer = _traced(tracing, self._serve)
-        self._relays = tracing is None and self._intake.at_once and gateway.calls.relays
+        self._relays = tracing is None and self._intake.unlimited and gateway.calls.relays
         """Requests may be answered by callbacks (`begin`)."""
 
     @property
@@ -163,7 +163,8 @@ class Inference:
     def begin(self, request: HttpRequest, wire: RelayWire) -> Relay | None:
         """The relay that answers `request` (a complete POST to one of `paths`) by
         callbacks on `wire`, once started, when it needs nothing awaited before its first
-        attempt; None where `handle` is to answer it instead (every refusal included)."""
+        attempt but the index's answer; None where `handle` is to answer it instead (every
+        refusal included)."""
         if not self._relays or request.route is None or request.version != "1.1":
             return None
         started = self._gateway.clock()
@@ -196,6 +197,7 @@ class Inference:
             started,
             request_id,
             picked.get(b"origin"),
+            self._intake.look_up if self._intake.looks_up else None,
         )
 
     def _trace_context(self, picked: Picked) -> Headers:

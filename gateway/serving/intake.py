@@ -109,9 +109,12 @@ class Intake:
         self._indexed = traced or gateway.router.uses_index
         """Whether the index is asked (or the lookup is a stage of a traced request's
         span): else the lookup is not awaited, a coroutine fewer per request."""
-        self.at_once = not self._limited and not self._indexed
-        """A request is admitted without awaiting anything (`admit_now`): nothing limits
-        the requests and the index is not asked."""
+        self.unlimited = not self._limited
+        """Nothing limits the requests: one is admitted as soon as it is read and looked
+        up (`admit_now`)."""
+        self.looks_up = self._indexed
+        """The index is asked for each request: the caller of `admit_now` awaits
+        `look_up` before routing it."""
         if traced:
             self._look_up = _stage("route", self._look_up)
             if self.flow is not None or self.admission is not None:
@@ -182,15 +185,21 @@ class Intake:
         request_id: str,
         trace_context: Sequence[tuple[bytes, bytes]],
     ) -> Request | None:
-        """`admit` of an inference request without awaiting, where the entry point admits
-        `at_once` and the body is one `RequestReader.read_now` reads; None where it is not
-        (then `admit` it). Raises what `UNREADABLE` names."""
+        """`admit` of an inference request without awaiting, where the entry point is
+        `unlimited` and the body is one `RequestReader.read_now` reads; None where it is not
+        (then `admit` it). Where the entry point `looks_up`, the caller awaits
+        `look_up(request.query)` before routing it. Raises what `UNREADABLE` names."""
         read = self.reader.read_now(path, body, picked, authorization, request_id, trace_context)
         if read is None:
             return None
         request = read[0]
-        self._router.unindexed(request.query)
+        if not self._indexed:
+            self._router.unindexed(request.query)
         return request
+
+    async def look_up(self, query: RouteQuery) -> None:
+        """The index's answer for a request `admit_now` admitted (`looks_up`)."""
+        await self._look_up(query)
 
     async def _queue(self, flow: FlowRequest | None, waiting: Waiting) -> Place | Answer | None:
         """The request's place: its turn in the flow queues, or one under admission control;

@@ -3,8 +3,9 @@
 Why: a request served by a task (`gateway.serving.inference.Inference.handle`) walks a
 chain of coroutines — the exchange, the handler, the dispatcher, the legs, a race of two
 futures — and each step costs the event loop a wake-up and the interpreter a frame. A
-request that needs nothing awaited before its first attempt is instead taken over by a
-`Relay` when the connection has read it (`Inference.begin`): its attempt is a
+request that needs nothing awaited before its first attempt but the index's answer (its
+one task, where the prefill policy reads the index) is instead taken over by a `Relay`
+when the connection has read it (`Inference.begin`): its attempt is a
 `gateway.legs.relayed.RelayedPair`, whose calls' callbacks report here, and the answer is
 written from those callbacks. What it does is what the task does, through the same
 methods: the reading, the metrics, the request id and CORS head lines, OpenAI's error
@@ -19,7 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Protocol
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol
 
 from gateway.http.answer import Answer, Outcome, problem
 from gateway.http.exchange import RelayWire, write_answer
@@ -32,6 +34,7 @@ from gateway.legs.deadline import Progress
 from gateway.legs.dispatch import Begun, Dispatcher
 from gateway.legs.relayed import RelayedPair
 from gateway.legs.sglang import DualLegs
+from gateway.requests.query import RouteQuery
 from gateway.requests.request import Request
 from gateway.serving.intake import UNREADABLE, refusal
 from gateway.telemetry.metrics import EndpointMetrics
@@ -80,6 +83,8 @@ class Relay:
         "_done",
         "_http",
         "_keep",
+        "_look_up",
+        "_lookup",
         "_metrics",
         "_origin",
         "_pair",
@@ -106,8 +111,12 @@ class Relay:
         started: float,
         request_id: str,
         origin: bytes | None,
+        look_up: Callable[[RouteQuery], Coroutine[Any, Any, None]] | None = None,
     ) -> None:
+        """`look_up`: the index is asked for the request's prompt first (in a task: the
+        one await before its first attempt)."""
         self._served = served
+        self._look_up = look_up
         self._clock = clock
         self._dispatcher = dispatcher
         self._wire = wire
@@ -124,6 +133,8 @@ class Relay:
         """The decode's stream being passed on."""
         self._task: asyncio.Task[None] | None = None
         """The task carrying the request on (a retry), when one does."""
+        self._lookup: asyncio.Task[None] | None = None
+        """The index's lookup for the request, while it runs."""
         self._status = 0
         self._keep = False
         self._done = False
@@ -132,6 +143,27 @@ class Relay:
     # gateway.http.exchange.Relaying
 
     def start(self) -> None:
+        look_up = self._look_up
+        if look_up is None:
+            self._attempt()
+            return
+        lookup = asyncio.get_running_loop().create_task(look_up(self._request.query))
+        lookup.add_done_callback(self._looked_up)
+        self._lookup = lookup
+
+    def _looked_up(self, task: asyncio.Task[None]) -> None:
+        self._lookup = None
+        if task.cancelled() or self._done:
+            return  # the client left: `cancel` answered for it
+        error = task.exception()
+        if error is not None:
+            log.error("error looking up POST %s", self._request.path, exc_info=error)
+            self._finish(problem(500, "internal error"))
+            return
+        self._attempt()
+
+    def _attempt(self) -> None:
+        """The first attempt begun (or its answer given, where it is a refusal)."""
         dispatcher = self._dispatcher
         self._progress = dispatcher.deadlines.start_by(self._expired)
         plan = dispatcher.first_plan(self._request)
@@ -155,6 +187,9 @@ class Relay:
         if self._task is not None:
             self._task.cancel()  # it tells the connection as it ends
             return
+        lookup, self._lookup = self._lookup, None
+        if lookup is not None:
+            lookup.cancel()
         self._done = True
         reply, self._reply = self._reply, None
         if reply is not None:  # a stream under way

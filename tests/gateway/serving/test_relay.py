@@ -30,7 +30,8 @@ from gateway.serving.service import Gateway
 from gateway.settings.edge import EdgeConfig
 from gateway.settings.workers import RetryConfig, WorkerSpec
 from gateway.workers.pool import Worker as PoolWorker
-from tests.gateway.fakes import Cluster, config, make_gateway, sample
+from globalkv.lookup import LookupResult, PodHit
+from tests.gateway.fakes import Cluster, StubLookup, config, make_gateway, sample
 from tests.gateway.scripted import read_request, running
 from tests.gateway.test_server import connected, post, read_answer, read_chunk
 from tests.support.net import until
@@ -157,9 +158,13 @@ class Setup:
 
 @asynccontextmanager
 async def gateway_on(
-    prefills: Sequence[Worker], decodes: Sequence[Worker], **overrides: Any
+    prefills: Sequence[Worker],
+    decodes: Sequence[Worker],
+    lookup: Any = None,
+    **overrides: Any,
 ) -> AsyncIterator[Setup]:
-    """The gateway's server over `prefills` and `decodes` (round robin among prefills)."""
+    """The gateway's server over `prefills` and `decodes` (round robin among prefills,
+    unless `prefill_policy` says otherwise; `lookup`: the index it asks)."""
     async with AsyncExitStack() as stack:
         for worker in (*prefills, *decodes):
             worker.url = (await stack.enter_async_context(running(worker.handle))).url
@@ -172,10 +177,10 @@ async def gateway_on(
         cfg = config(
             prefill=specs,
             decode=[WorkerSpec(url=w.url, role="decode") for w in decodes],
-            prefill_policy="round_robin",
+            prefill_policy=overrides.pop("prefill_policy", "round_robin"),
             **overrides,
         )
-        gateway = await make_gateway(Cluster(), cfg, upstream=PooledUpstream(pool))
+        gateway = await make_gateway(Cluster(), cfg, upstream=PooledUpstream(pool), lookup=lookup)
         server = HttpServer(Inference(gateway), create_app(gateway, run_monitor=False))
         await server.start("127.0.0.1", 0)
         stack.push_async_callback(server.shutdown, 5)
@@ -598,3 +603,60 @@ async def test_a_client_not_reading_its_stream_pauses_the_decode(
         await setup.settled()
         assert not any(c.paused for c in connections if c._origin[2] == port)
         assert setup.requests(200) == 1
+
+
+class HeldLookup(StubLookup):
+    """The index answers each lookup once `release` is set; `asking` is set at the first."""
+
+    def __init__(self, result: LookupResult) -> None:
+        super().__init__(result)
+        self.release = asyncio.Event()
+        self.asking = asyncio.Event()
+        self.cancelled = False
+
+    async def lookup(self, model: str, token_ids: Sequence[int], *args: Any) -> LookupResult:
+        self.asking.set()
+        try:
+            await self.release.wait()
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
+        return await super().lookup(model, token_ids, *args)
+
+
+async def test_the_prefix_policy_asks_the_index_before_the_relayed_attempt(
+    relayed: list[Relay],
+) -> None:
+    prefills, decodes = [Worker(prefilled), Worker(prefilled)], [Worker(decoded)]
+    lookup = HeldLookup(LookupResult(block_size=4, blocks=1, pods=[], keys=[7]))
+    async with gateway_on(prefills, decodes, lookup, prefill_policy="prefix") as setup:
+        lookup.result = LookupResult(
+            block_size=4,
+            blocks=1,
+            pods=[PodHit(setup.worker(prefills[1]).pod, 0, 1, 4, 1.0)],
+            keys=[7],
+        )
+        async with connected(setup.server) as (reader, writer):
+            writer.write(post("/generate", {"input_ids": [1, 2, 3, 4, 5]}))
+            await asyncio.wait_for(lookup.asking.wait(), WAIT)
+            assert [len(w.bodies) for w in prefills] == [0, 0], "routed after the index"
+            lookup.release.set()
+            status, _, _ = await answer_of(reader)
+    assert (status, len(relayed)) == (200, 1)
+    assert lookup.asked == [("m", [1, 2, 3, 4, 5])]
+    assert [len(w.bodies) for w in prefills] == [0, 1], "the prefill holding the prompt"
+
+
+async def test_a_client_leaving_while_the_index_is_asked_ends_the_lookup(
+    relayed: list[Relay],
+) -> None:
+    prefills, decodes = [Worker(prefilled), Worker(prefilled)], [Worker(decoded)]
+    lookup = HeldLookup(LookupResult(block_size=4, blocks=0, pods=[]))
+    async with gateway_on(prefills, decodes, lookup, prefill_policy="prefix") as setup:
+        async with connected(setup.server) as (_, writer):
+            writer.write(GENERATE)
+            await asyncio.wait_for(lookup.asking.wait(), WAIT)
+        await until(lambda: lookup.cancelled, "the lookup cancelled", WAIT)
+        await until(lambda: setup.requests(499) == 1, "499 counted", WAIT)
+    assert len(relayed) == 1
+    assert not any(w.bodies for w in (*prefills, *decodes)), "no worker called"

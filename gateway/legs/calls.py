@@ -1,20 +1,16 @@
 """The calls of an attempt to its pair, each with its bookkeeping, for every PD protocol.
 
 A prefill call carries its load (queued tokens, pending prompt blocks) until it ends and
-is then recorded in the worker's circuit breaker; a decode call carries its in-flight
-count and is raced against the prefill's call: until the decode's first body byte exists
-nothing is committed to the client, so a prefill failure in that window cancels the
-decode and ends the attempt (retried by the dispatcher), a prefill 4xx is the client's
-fault and returned, and a decode transport error or retryable status fails the attempt.
+is then recorded (`gateway.legs.outcomes`, which also judges every failure); a decode call
+carries its in-flight count and is raced against the prefill's call: until the decode's
+first body byte exists nothing is committed to the client, so a prefill failure in that
+window cancels the decode and ends the attempt (retried by the dispatcher), a prefill 4xx
+is the client's fault and returned, and a decode transport error or retryable status
+fails the attempt.
 After the first byte a failure can only end the stream.
 
-Every finished call is recorded in its worker's breaker; calls cancelled by the gateway
-are not. A failed call is also noted as its worker's last error (`/workers`, `globalkv
-doctor`); the first of a run of failures is logged at once (a dead prefill otherwise
-showed in the log only when its health checks or its circuit gave up on it, tens of
-seconds later), the rest by the circuit's transitions, and a worker answering again
-after failures is logged too. A prefill call may outlive its request (its decode answered
-first); `drain` waits for those.
+A prefill call may outlive its request (its decode answered first); `drain` waits for
+those, whether awaited here or followed by callbacks (`gateway.legs.relayed`).
 """
 
 from __future__ import annotations
@@ -27,19 +23,17 @@ from typing import Any, TypeVar
 
 import httpx
 
-from gateway.http.answer import Answer, Outcome, error_body
-from gateway.http.connections import LocalResourceError
+from gateway.http.answer import Answer, Outcome
 from gateway.http.reply import Listener, Reply
 from gateway.http.upstream import Extra, PooledUpstream, Upstream
 from gateway.legs.attempt import Failure
 from gateway.legs.deadline import Progress
+from gateway.legs.outcomes import CallOutcomes, passed_headers
 from gateway.legs.racing import Call, failed, race, settle
-from gateway.legs.retry import is_retryable_status
 from gateway.load.tracker import LoadTicket, LoadTracker
 from gateway.routing.plan import RoutePlan
 from gateway.settings.base import Role
 from gateway.telemetry.metrics import GatewayMetrics
-from gateway.workers.breaker import is_failure_status
 from gateway.workers.pool import Worker
 from kvplumbing.clock import Clock
 
@@ -48,7 +42,7 @@ T = TypeVar("T")
 _PASSED_HEADERS = (b"cache-control", b"x-request-id")
 
 
-class PairCalls:
+class PairCalls(CallOutcomes):
     def __init__(
         self,
         upstream: Upstream,
@@ -58,11 +52,9 @@ class PairCalls:
         timeout: float,
         clock: Clock,
     ) -> None:
+        super().__init__(loads, metrics, clock)
         self._upstream = upstream
-        self.loads = loads
-        self._metrics = metrics
         self._timeout = timeout
-        self._clock = clock
         self._background: set[Call] = set()
         self._relaying = upstream if isinstance(upstream, PooledUpstream) else None
         self._relayed: dict[Reply, Callable[[], None]] = {}
@@ -112,35 +104,6 @@ class PairCalls:
         if self._relayed and self._relayed_gone is not None:
             await self._relayed_gone
 
-    def record(
-        self, role: Role, worker: Worker, status: int | None, error: BaseException | str | None
-    ) -> None:
-        """One finished call in the worker's breaker; a failure (a transport error, a
-        stream broken off, or a failure status) counted and noted as its last error. A
-        call this gateway could not make for want of its own resources is not the worker's
-        doing and is held against nothing of it (`_local_failure` answers it)."""
-        if isinstance(error, LocalResourceError):
-            return
-        failure = status is None or is_failure_status(status)
-        if not failure:
-            failed_before = worker.breaker.failures
-            worker.breaker.record(True)
-            if failed_before:
-                log.info(
-                    "%s %s answers again after %d failed calls", role, worker.id, failed_before
-                )
-            return
-        if isinstance(error, BaseException):
-            reason, detail = type(error).__name__, f"{type(error).__name__}: {error}"
-        else:
-            reason = detail = error or str(status)
-        self._metrics.upstream_failures.labels(role, reason).inc()
-        what = f"answered HTTP {status}" if status is not None else f"failed ({detail})"
-        worker.breaker.record(False, what)
-        if worker.breaker.failures == 1:
-            log.warning("%s %s: a call %s", role, worker.id, what)
-        worker.note_error(f"{role} call {what}", self._clock())
-
     def start_prefill(self, plan: RoutePlan, path: str, payload: bytes, extra: Extra = ()) -> Call:
         """The prefill's call, its load and breaker bookkeeping attached."""
         ticket = self.prefill_load(plan)
@@ -159,19 +122,6 @@ class PairCalls:
         error = call.exception()
         self.prefill_ended(worker, ticket, None if error is not None else call.result(), error)
 
-    def prefill_ended(
-        self, worker: Worker, ticket: LoadTicket, reply: Reply | None, error: BaseException | None
-    ) -> None:
-        """A prefill call ended, in `error` or else with `reply`: its load finished (its
-        prompt computed where it succeeded), the outcome recorded in its breaker."""
-        self.loads.finish(ticket, error is None and reply is not None and reply.status < 300)
-        if error is None and reply is not None:
-            self.record("prefill", worker, reply.status, None)
-            return
-        if not isinstance(error, httpx.HTTPError):
-            log.error("the call to prefill %s failed unexpectedly", worker.id, exc_info=error)
-        self.record("prefill", worker, None, error)
-
     def prefill_load(self, plan: RoutePlan) -> LoadTicket:
         """The load of the plan's prefill: its uncached tokens queue there and its keys are
         pending there until it answers; for a decode that prefills the prompt itself
@@ -182,25 +132,8 @@ class PairCalls:
     def prefill_failure(plan: RoutePlan, call: Call) -> Failure:
         """What a failed prefill call answers the client, and whether to retry."""
         error = call.exception()
-        return PairCalls.prefill_failed(plan, None if error is not None else call.result(), error)
-
-    @staticmethod
-    def prefill_failed(
-        plan: RoutePlan, reply: Reply | None, error: BaseException | None
-    ) -> Failure:
-        """`prefill_failure` of a call that ended in `error`, else in `reply`."""
-        if isinstance(error, LocalResourceError):
-            return _local_failure("prefill", plan.prefill, error)
-        if error is not None or reply is None:
-            message = f"prefill {plan.prefill.id} unreachable"
-            return Failure(
-                "prefill", plan.prefill, True, Answer(502, error_body(message, "upstream_error"))
-            )
-        return Failure(
-            "prefill",
-            plan.prefill,
-            is_retryable_status(reply.status),
-            Answer(reply.status, reply.body, reply.media_type),
+        return CallOutcomes.prefill_failed(
+            plan, None if error is not None else call.result(), error
         )
 
     async def decode(
@@ -236,22 +169,6 @@ class PairCalls:
             return step.result()
         except httpx.HTTPError as exc:
             return self.decode_error(plan.decode, exc, when)
-
-    def decode_error(self, decode: Worker, exc: BaseException, when: str) -> Failure:
-        """The attempt's failure when its decode's call failed (`when`: doing what)."""
-        if isinstance(exc, LocalResourceError):
-            return _local_failure("decode", decode, exc)
-        self.record("decode", decode, None, exc)
-        message = f"decode {decode.id} failed {when}: {type(exc).__name__}"
-        return Failure("decode", decode, True, Answer(502, error_body(message, "upstream_error")))
-
-    def decode_refused(self, plan: RoutePlan, answer: Answer, prefill: Failure | None) -> Failure:
-        """A decode status >= 400; `prefill`, the prefill's failure where it failed,
-        takes precedence when it is for good."""
-        self.record("decode", plan.decode, answer.status, None)
-        if prefill is not None and not prefill.retryable:
-            return prefill
-        return Failure("decode", plan.decode, is_retryable_status(answer.status), answer)
 
     def _decode_refused(self, plan: RoutePlan, call: Call, answer: Answer) -> Failure:
         prefill = self.prefill_failure(plan, call) if failed(call) else None
@@ -293,15 +210,6 @@ class PairCalls:
         """The decode's whole answer, or its refusal (the prefill's, where it failed)."""
         prefill = self.prefill_failure(plan, call) if reply.status >= 400 and failed(call) else None
         return self.decoded(plan, reply, prefill)
-
-    def decoded(self, plan: RoutePlan, reply: Reply, prefill: Failure | None) -> Answer | Failure:
-        """The decode's whole answer, or its refusal (`prefill`'s, the prefill's failure
-        where it failed for good)."""
-        answer = Answer(reply.status, reply.body, reply.media_type)
-        if answer.status >= 400:
-            return self.decode_refused(plan, answer, prefill)
-        self.record("decode", plan.decode, answer.status, None)
-        return answer
 
     async def _streamed(
         self,
@@ -412,22 +320,3 @@ class _DecodeStream:
             self._call.cancel()
         else:
             self._record("decode", self._decode, 200 if outcome == "done" else None, outcome)
-
-
-def _local_failure(role: Role, worker: Worker, error: LocalResourceError) -> Failure:
-    """503 naming the gateway's own limit, not retried: another pair needs connections the
-    gateway cannot open either, and the worker did nothing wrong."""
-    log.error("the gateway cannot reach %s %s: %s", role, worker.id, error)
-    message = (
-        f"the gateway is out of its own resources, not the worker's: {error}. Raise the "
-        "gateway's open-files limit or lower --max-client-connections"
-    )
-    return Failure(role, worker, False, Answer(503, error_body(message, "gateway_overloaded")))
-
-
-def passed_headers(reply: Reply) -> tuple[tuple[str, str], ...]:
-    """What of the decode's head a stream passes on to the client."""
-    found = ((name, reply.header(name)) for name in _PASSED_HEADERS)
-    return tuple(
-        (name.decode(), value.decode("latin-1")) for name, value in found if value is not None
-    )

@@ -29,9 +29,9 @@ from gateway.http.reply import Reply
 from gateway.http.wire import CLOSE, LAST_CHUNK, HttpRequest, answer_bytes, chunk, stream_start
 from gateway.http.wire import connection_header as _connection
 from gateway.legs.attempt import Failure
-from gateway.legs.calls import passed_headers
 from gateway.legs.deadline import Progress
 from gateway.legs.dispatch import Begun, Dispatcher
+from gateway.legs.outcomes import passed_headers
 from gateway.legs.relayed import RelayedPair
 from gateway.legs.sglang import DualLegs
 from gateway.requests.query import RouteQuery

@@ -128,14 +128,15 @@ class RelayedPair:
         elif self._decided:
             return
         elif not self._stream:
-            outcome = self._calls.decoded(self._plan, reply, None)
-            if isinstance(outcome, Failure):
-                self._fail(outcome)
+            answer = Answer(reply.status, reply.body, reply.media_type)
+            if answer.status >= 400:
+                self._fail(self._calls.decode_refused(self._plan, answer, None))
                 return
             self._decided = True
             self._decode = None
+            self._owner.answered(answer)  # written first: the client waits for no records
+            self._calls.record("decode", self._plan.decode, answer.status, None)
             self._end_decode(True)
-            self._owner.answered(outcome)
         elif reply.status >= 400:
             self._refusal = []
         else:
@@ -156,11 +157,11 @@ class RelayedPair:
             return
         self._decided = True
         self._decode = None
+        reply.listener = None
         ticket = self._decode_ticket
         assert ticket is not None
-        self._calls.loads.prefill_done(ticket)
-        reply.listener = None
         self._owner.opened(self, reply, first)
+        self._calls.loads.prefill_done(ticket)
 
     def failed(self, reply: Reply, error: BaseException) -> None:
         if reply is self._prefill:

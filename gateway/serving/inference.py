@@ -284,15 +284,25 @@ class Inference:
         return self.whole(request.path, metrics, started, answer)
 
     def whole(self, path: str, metrics: EndpointMetrics, started: float, answer: Answer) -> Answer:
-        """A whole answer measured (time to it, its status), an error in OpenAI's shape on
-        the OpenAI paths."""
+        """A whole answer `shaped` and `measured`."""
+        answer = self.shaped(path, answer)
+        self.measured(metrics, started, answer.status)
+        return answer
+
+    @staticmethod
+    def shaped(path: str, answer: Answer) -> Answer:
+        """A whole answer as the client gets it: an error in OpenAI's shape on the OpenAI
+        paths."""
+        if answer.status >= 400 and path != "/generate":
+            return openai_error(answer)
+        return answer
+
+    def measured(self, metrics: EndpointMetrics, started: float, status: int) -> None:
+        """A whole answer measured: the time to it (first byte and all) and its status."""
         elapsed = self._gateway.clock() - started
         metrics.ttfb.observe(elapsed)
-        if answer.status >= 400 and path != "/generate":
-            answer = openai_error(answer)
         metrics.latency.observe(elapsed)
-        metrics.answered(answer.status)
-        return answer
+        metrics.answered(status)
 
     def gone(self, metrics: EndpointMetrics, started: float) -> None:
         """The client left before its answer: counted 499."""

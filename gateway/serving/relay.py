@@ -52,6 +52,10 @@ class Served(Protocol):
         self, path: str, metrics: EndpointMetrics, started: float, answer: Answer
     ) -> Answer: ...
 
+    def shaped(self, path: str, answer: Answer) -> Answer: ...
+
+    def measured(self, metrics: EndpointMetrics, started: float, status: int) -> None: ...
+
     def gone(self, metrics: EndpointMetrics, started: float) -> None: ...
 
     def stream_ended(
@@ -276,14 +280,17 @@ class Relay:
         self._served.stream_ended(self._metrics, self._started, self._status, None, outcome)
 
     def _finish(self, answer: Answer) -> None:
-        """A whole answer to write: measured, headed and written; the request over."""
-        self._finish_deadline()
+        """A whole answer to write: shaped, headed, written, then measured; the request
+        over (the client waits for no bookkeeping)."""
         served, http = self._served, self._http
-        answer = served.whole(self._request.path, self._metrics, self._started, answer)
-        answer = served.headed(answer, self._request_id, self._origin)
+        answer = served.headed(
+            served.shaped(self._request.path, answer), self._request_id, self._origin
+        )
         keep = http.keep_alive and self._wire.accepting()
         self._done = True
         self._wire.write(answer_bytes(answer, _connection(keep, http.version)))
+        served.measured(self._metrics, self._started, answer.status)
+        self._finish_deadline()
         self._wire.answered(http, keep)
 
     def _finish_deadline(self) -> None:

@@ -132,6 +132,7 @@ class Worker:
     last_error_at: float | None = None
     last_error_step: str | None = None
     """Which step failed: "call", "discovery" or "registration"."""
+    _bare: Candidate | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.id = worker_id(self.spec.url)
@@ -156,6 +157,16 @@ class Worker:
             return self.spec.pod_id
         parsed = parse_topic(self.kv_events.topic) if self.kv_events else None
         return self.id if parsed is None else parsed[0]
+
+    def bare(self) -> Candidate:
+        """The worker as a candidate without load, for a policy that reads none: one object
+        kept while its pod and KV capacity stay (a new one per request cost a policy that
+        reads only the id as much as choosing)."""
+        pod, capacity = self.pod, self.kv_capacity_tokens
+        bare = self._bare
+        if bare is None or bare.pod != pod or bare.cache_capacity_tokens != capacity:
+            bare = self._bare = Candidate(self.id, pod, cache_capacity_tokens=capacity)
+        return bare
 
     @property
     def kind(self) -> Kind:
@@ -361,7 +372,5 @@ class WorkerPool:
             if serving:
                 workers = serving
         if loads is None:
-            return [
-                Candidate(w.id, w.pod, cache_capacity_tokens=w.kv_capacity_tokens) for w in workers
-            ]
+            return [w.bare() for w in workers]
         return [loads.candidate(w.id, w.pod, capacity_tokens=w.kv_capacity_tokens) for w in workers]

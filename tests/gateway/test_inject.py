@@ -75,15 +75,26 @@ def test_rooms_are_never_zero_and_select_the_dp_rank() -> None:
 
 
 class _ZeroRng(Random):
-    """Always draws the lowest value, to pin the lower bound."""
+    """Always draws the lowest value, to pin the lower bound (bits: 0 at the first draw,
+    then 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bits_drawn = 0
 
     def randint(self, a: int, b: int) -> int:
         return a
+
+    def getrandbits(self, k: int) -> int:
+        self.bits_drawn += 1
+        return 0 if self.bits_drawn == 1 else 1
 
 
 def test_lowest_room_for_rank_zero_is_not_zero() -> None:
     assert draw_room(_ZeroRng(), 4, 0) == 4
     assert draw_room(_ZeroRng(), 4, 3) == 3
-    assert draw_room(_ZeroRng()) == 1
+    zero_first = _ZeroRng()
+    assert draw_room(zero_first) == 1
+    assert zero_first.bits_drawn == 2, "room 0 drawn, and drawn again"
     with pytest.raises(ValueError, match="outside"):
         draw_room(_ZeroRng(), 4, 4)

@@ -106,6 +106,11 @@ class Admission:
         self.running += 1
         return True
 
+    def admit_now(self) -> bool:
+        """A place taken at once, where one is free and nobody waits for one (`release`
+        it as `admit`'s); False: `admit` the request instead."""
+        return not self._waiting and self._start()
+
     async def admit(self, waiting: Callable[[], Awaitable[None]] | None = None) -> Answer | None:
         """None once the request holds its place (call `release` when its answer is over);
         otherwise the refusal to answer, the request holding nothing. `waiting` is awaited

@@ -21,8 +21,9 @@ is rewritten into OpenAI's, its fields kept, so that a client reads one shape wh
 refused it.
 
 A request the gateway can serve without awaiting anything before its first attempt but
-the index's answer (no limit on requests, not traced, a body read inline, the gateway's
-own connection pool) is answered by callbacks instead of a task (`begin`,
+the index's answer (no flow control, a place free at once under admission control, not
+traced, a body read inline, the gateway's own connection pool) is answered by callbacks
+instead of a task (`begin`,
 `gateway.serving.relay`): the same reading, metrics, ids and error bodies as `handle`,
 through the methods here; the rest of it goes through `handle`.
 
@@ -113,9 +114,9 @@ class Inference:
         config = gateway.config
         self.edge = Edge(config.edge)
         tracing = gateway.tracing
-        self._intake = Intake(gateway, named_prefill=named_prefill, traced=tracing is not None)
+        self.intake = Intake(gateway, named_prefill=named_prefill, traced=tracing is not None)
         self._picked = frozenset(
-            {*self.edge.header_names, *self._intake.reader.header_names, *TRACE_HEADERS, b"origin"}
+            {*self.edge.header_names, *self.intake.reader.header_names, *TRACE_HEADERS, b"origin"}
         )
         """The request headers read here: request ids, what the reader reads (sessions, the
         named prefill, flow control's), trace context and origin."""
@@ -129,7 +130,7 @@ class Inference:
         self._answer: Callable[[Incoming], Awaitable[Answer]] = self._serve
         if tracing is not None:
             self._answer = _traced(tracing, self._serve)
-        self._relays = tracing is None and self._intake.unlimited and gateway.calls.relays
+        self._relays = tracing is None and self.intake.admits_now and gateway.calls.relays
         """Requests may be answered by callbacks (`begin`)."""
 
     @property
@@ -177,7 +178,7 @@ class Inference:
         request_id = self.edge.request_id(path, picked)
         body = request.body[0] if len(request.body) == 1 else b"".join(request.body)
         try:
-            admitted = self._intake.admit_now(
+            admitted = self.intake.admit_now(
                 path, body, picked, authorization, request_id, self._trace_context(picked)
             )
         except UNREADABLE:
@@ -185,19 +186,21 @@ class Inference:
         if admitted is None:
             return None
         request.body.clear()  # held once, not twice, while it is served
+        read, place = admitted
         gateway = self._gateway
         return Relay(
             self,
             gateway.dispatcher,
             wire,
             request,
-            admitted,
+            read,
             self._metrics[path],
             gateway.clock,
             started,
             request_id,
             picked.get(b"origin"),
-            self._intake.look_up if self._intake.looks_up else None,
+            self.intake.look_up if self.intake.looks_up else None,
+            place,
         )
 
     def _trace_context(self, picked: Picked) -> Headers:
@@ -227,7 +230,7 @@ class Inference:
         metrics = self._metrics[path]
         started = gateway.clock()
         try:
-            admitted = await self._intake.admit(
+            admitted = await self.intake.admit(
                 path,
                 incoming.body,
                 incoming.picked,

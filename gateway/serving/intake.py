@@ -109,9 +109,10 @@ class Intake:
         self._indexed = traced or gateway.router.uses_index
         """Whether the index is asked (or the lookup is a stage of a traced request's
         span): else the lookup is not awaited, a coroutine fewer per request."""
-        self.unlimited = not self._limited
-        """Nothing limits the requests: one is admitted as soon as it is read and looked
-        up (`admit_now`)."""
+        self.admits_now = self.flow is None
+        """A request may be admitted without awaiting (`admit_now`): no flow control, whose
+        queues always decide (admission control's place is taken at once when one is
+        free)."""
         self.looks_up = self._indexed
         """The index is asked for each request: the caller of `admit_now` awaits
         `look_up` before routing it."""
@@ -184,18 +185,26 @@ class Intake:
         authorization: str | None,
         request_id: str,
         trace_context: Sequence[tuple[bytes, bytes]],
-    ) -> Request | None:
-        """`admit` of an inference request without awaiting, where the entry point is
-        `unlimited` and the body is one `RequestReader.read_now` reads; None where it is not
-        (then `admit` it). Where the entry point `looks_up`, the caller awaits
-        `look_up(request.query)` before routing it. Raises what `UNREADABLE` names."""
+    ) -> tuple[Request, Place | None] | None:
+        """`admit` of an inference request without awaiting, where the entry point
+        `admits_now`, the body is one `RequestReader.read_now` reads and, under admission
+        control, a place is free at once: the request and the place it holds (None without
+        a limit); None where it is not so (then `admit` it). Where the entry point
+        `looks_up`, the caller awaits `look_up(request.query)` before routing it. Raises what
+        `UNREADABLE` names."""
         read = self.reader.read_now(path, body, picked, authorization, request_id, trace_context)
         if read is None:
             return None
+        admission = self.admission
+        seat = None
+        if admission is not None:
+            if not admission.admit_now():
+                return None
+            seat = _Seat(admission)
         request = read[0]
         if not self._indexed:
             self._router.unindexed(request.query)
-        return request
+        return request, seat
 
     async def look_up(self, query: RouteQuery) -> None:
         """The index's answer for a request `admit_now` admitted (`looks_up`)."""

@@ -36,7 +36,7 @@ from gateway.legs.relayed import RelayedPair
 from gateway.legs.sglang import DualLegs
 from gateway.requests.query import RouteQuery
 from gateway.requests.request import Request
-from gateway.serving.intake import UNREADABLE, refusal
+from gateway.serving.intake import UNREADABLE, Place, refusal
 from gateway.telemetry.metrics import EndpointMetrics
 from kvplumbing.clock import Clock
 
@@ -63,7 +63,7 @@ class Served(Protocol):
         metrics: EndpointMetrics,
         started: float,
         status: int,
-        place: None,
+        place: Place | None,
         outcome: Outcome,
     ) -> None: ...
 
@@ -72,7 +72,7 @@ class Served(Protocol):
         request: Request,
         metrics: EndpointMetrics,
         started: float,
-        place: None,
+        place: Place | None,
         progress: Progress | None,
         first: Begun | None,
     ) -> Answer: ...
@@ -92,6 +92,7 @@ class Relay:
         "_metrics",
         "_origin",
         "_pair",
+        "_place",
         "_progress",
         "_reply",
         "_request",
@@ -116,10 +117,13 @@ class Relay:
         request_id: str,
         origin: bytes | None,
         look_up: Callable[[RouteQuery], Coroutine[Any, Any, None]] | None = None,
+        place: Place | None = None,
     ) -> None:
         """`look_up`: the index is asked for the request's prompt first (in a task: the
-        one await before its first attempt)."""
+        one await before its first attempt). `place`: what it holds under admission
+        control, given back once its answer is over."""
         self._served = served
+        self._place = place
         self._look_up = look_up
         self._clock = clock
         self._dispatcher = dispatcher
@@ -203,6 +207,7 @@ class Relay:
             if pair is not None:
                 pair.cancel()
             self._finish_deadline()
+            self._release()
             self._served.gone(self._metrics, self._started)
         self._wire.answered(self._http, False)
 
@@ -226,6 +231,8 @@ class Relay:
         answer = Answer(reply.status, first, reply.media_type, passed_headers(reply))
         answer = self._served.headed(answer, self._request_id, self._origin)
         self._status = answer.status
+        if self._place is not None:
+            self._place.started()
         keep = self._keep = http.keep_alive and self._wire.accepting()
         start = stream_start(answer, True, keep)
         if reply.done:  # all of it came with its first piece: one write
@@ -277,7 +284,8 @@ class Relay:
         pair, self._pair = self._pair, None
         assert pair is not None
         pair.closed(outcome, reply)
-        self._served.stream_ended(self._metrics, self._started, self._status, None, outcome)
+        place, self._place = self._place, None
+        self._served.stream_ended(self._metrics, self._started, self._status, place, outcome)
 
     def _finish(self, answer: Answer) -> None:
         """A whole answer to write: shaped, headed, written, then measured; the request
@@ -291,7 +299,14 @@ class Relay:
         self._wire.write(answer_bytes(answer, _connection(keep, http.version)))
         served.measured(self._metrics, self._started, answer.status)
         self._finish_deadline()
+        self._release()
         self._wire.answered(http, keep)
+
+    def _release(self) -> None:
+        """The place the request held under admission control, given back."""
+        place, self._place = self._place, None
+        if place is not None:
+            place.release()
 
     def _finish_deadline(self) -> None:
         progress = self._progress
@@ -320,10 +335,13 @@ class Relay:
         written = False
         try:
             try:
+                place, self._place = self._place, None
                 answer = await self._served.forwarded(
-                    self._request, self._metrics, self._started, None, self._progress, first
+                    self._request, self._metrics, self._started, place, self._progress, first
                 )
-            except UNREADABLE as exc:  # a retry's BadRequest
+            except UNREADABLE as exc:  # a retry's BadRequest (`forwarded` kept the place)
+                if place is not None:
+                    place.release()
                 answer = self._served.whole(
                     self._request.path, self._metrics, self._started, refusal(exc)
                 )

@@ -3,11 +3,12 @@
 Why not prometheus_client's own: every update of theirs takes a lock, since their values
 may be written from any thread. On the request path, which updates four to six of them per
 request, that cost 0.62 µs per counter increment and 1.35 µs per histogram observation,
-against 0.05 and 0.19 µs here (`timeit`, one 2-CPU VM: docs/benchmarks.md, "What each
-feature costs a request"). The gateway updates these only from its event loop's thread, so
-they need no lock; a scrape, on another thread, reads them as they are and exposes them
-through a collector of the same registry in prometheus_client's own shapes (`_total`,
-`_bucket{le}`/`_count`/`_sum`, `le` spelled as prometheus_client spells it). A histogram's
+against 0.05 and 0.19 µs here (`timeit` on a 2-CPU VM: docs/gateway-design.md, "The
+request path's metrics are plain numbers"). The gateway updates these only from its event
+loop's thread, so they need no lock; a scrape, on another thread, reads them as they are
+and exposes them through a collector of the same registry in prometheus_client's own
+shapes (`_total`, `_bucket{le}`/`_count`/`_sum`, `le` spelled as prometheus_client spells
+it). A histogram's
 count is the sum of its buckets when read, so `+Inf` and `_count` always agree even when a
 scrape falls between two of an observation's steps.
 """

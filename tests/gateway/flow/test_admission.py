@@ -126,7 +126,7 @@ async def test_a_rate_spends_tokens_that_ending_requests_do_not_give_back() -> N
 
 
 def inference_running(inference: Inference) -> int:
-    admission = inference._intake.admission
+    admission = inference.intake.admission
     assert admission is not None
     return admission.running
 
@@ -170,7 +170,7 @@ async def test_held_requests_never_run_more_than_the_limit_and_streams_hold_thei
     requests = [asyncio.create_task(inference.handle("/generate", None, body)) for _ in range(8)]
     await cluster.wait_calls(4)  # two requests, a prefill and a decode each
     clock.advance(3600)
-    limit = inference._intake.admission
+    limit = inference.intake.admission
     assert limit is not None
     await until(lambda: queued(limit) == 6, "the other six to wait")
     assert (running, len(cluster.inference("decode"))) == (2, 2)

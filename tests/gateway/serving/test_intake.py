@@ -40,7 +40,7 @@ class Entry:
             self.intake = self._picker._intake
         else:
             self._inference = Inference(gateway)
-            self.intake = self._inference._intake
+            self.intake = self._inference.intake
 
         async def held(_: httpx.Request, body: Any) -> httpx.Response:
             await self._answers.wait()

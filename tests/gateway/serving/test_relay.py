@@ -27,7 +27,7 @@ from gateway.serving.app import create_app
 from gateway.serving.inference import Inference
 from gateway.serving.relay import Relay
 from gateway.serving.service import Gateway
-from gateway.settings.edge import EdgeConfig
+from gateway.settings.edge import AdmissionConfig, EdgeConfig
 from gateway.settings.workers import RetryConfig, WorkerSpec
 from gateway.workers.pool import Worker as PoolWorker
 from globalkv.lookup import LookupResult, PodHit
@@ -660,3 +660,38 @@ async def test_a_client_leaving_while_the_index_is_asked_ends_the_lookup(
         await until(lambda: setup.requests(499) == 1, "499 counted", WAIT)
     assert len(relayed) == 1
     assert not any(w.bodies for w in (*prefills, *decodes)), "no worker called"
+
+
+async def test_a_free_place_under_admission_control_is_taken_by_the_relay(
+    relayed: list[Relay],
+) -> None:
+    release = asyncio.Event()
+
+    async def held(worker: Worker, reader: Any, writer: asyncio.StreamWriter, body: Any) -> None:
+        await release.wait()
+        await decoded(worker, reader, writer, body)
+
+    prefills, decodes = [Worker(prefilled), Worker(prefilled)], [Worker(held)]
+    limit = AdmissionConfig(max_concurrent_requests=1)
+    async with gateway_on(prefills, decodes, admission=limit) as setup:
+        handler = setup.server.handler
+        assert isinstance(handler, Inference)
+        admission = handler.intake.admission
+        assert admission is not None
+        async with (
+            connected(setup.server) as (first, one),
+            connected(setup.server) as (
+                second,
+                two,
+            ),
+        ):
+            one.write(GENERATE)
+            await until(lambda: admission.running == 1, "the first holds the place", WAIT)
+            two.write(GENERATE)
+            name = "globalkv_gateway_admission_queued"
+            await until(lambda: sample(setup.gateway, name) == 1, "the second queues", WAIT)
+            assert len(relayed) == 1, "the queued one waits in a task"
+            release.set()
+            assert (await answer_of(first))[0] == 200
+            assert (await answer_of(second))[0] == 200
+        await until(lambda: admission.running == 0, "both places given back", WAIT)

@@ -153,7 +153,7 @@ class Relay:
     def start(self) -> None:
         look_up = self._look_up
         if look_up is None:
-            self._attempt()
+            self._attempt_guarded()
             return
         lookup = asyncio.get_running_loop().create_task(look_up(self._request.query))
         lookup.add_done_callback(self._looked_up)
@@ -168,7 +168,18 @@ class Relay:
             log.error("error looking up POST %s", self._request.path, exc_info=error)
             self._finish(problem(500, "internal error"))
             return
-        self._attempt()
+        self._attempt_guarded()
+
+    def _attempt_guarded(self) -> None:
+        """`_attempt`; an unexpected error is answered 500 when nothing was written yet, as
+        `Exchange.run` answers it (raised into the parser's callback, it would leave the
+        client waiting)."""
+        try:
+            self._attempt()
+        except Exception:
+            log.exception("error serving POST %s", self._request.path)
+            if not self._done and self._pair is None and self._task is None:
+                self._finish(problem(500, "internal error"))
 
     def _attempt(self) -> None:
         """The first attempt begun (or its answer given, where it is a refusal)."""

@@ -695,3 +695,21 @@ async def test_a_free_place_under_admission_control_is_taken_by_the_relay(
             assert (await answer_of(first))[0] == 200
             assert (await answer_of(second))[0] == 200
         await until(lambda: admission.running == 0, "both places given back", WAIT)
+
+
+async def test_an_unexpected_error_before_the_attempt_is_answered_500(
+    relayed: list[Relay], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prefills, decodes = [Worker(prefilled), Worker(prefilled)], [Worker(decoded)]
+    async with gateway_on(prefills, decodes) as setup:
+
+        def broken(*_: Any) -> None:
+            raise RuntimeError("a bug")
+
+        monkeypatch.setattr(setup.gateway.dispatcher, "first_plan", broken)
+        async with connected(setup.server) as (reader, writer):
+            writer.write(GENERATE)
+            status, _, body = await answer_of(reader)
+        assert (status, len(relayed)) == (500, 1)
+        assert json.loads(body)["error"]["message"] == "internal error"
+        assert not any(w.bodies for w in (*prefills, *decodes)), "no worker called"

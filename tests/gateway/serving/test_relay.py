@@ -706,7 +706,9 @@ async def test_an_unexpected_error_before_the_attempt_is_answered_500(
         def broken(*_: Any) -> None:
             raise RuntimeError("a bug")
 
-        monkeypatch.setattr(setup.gateway.dispatcher, "first_plan", broken)
+        # The rooms' generator, the one plain Python object choosing calls (the compiled
+        # build's classes take no patched methods).
+        monkeypatch.setattr(setup.gateway.router._rooms, "getrandbits", broken)
         async with connected(setup.server) as (reader, writer):
             writer.write(GENERATE)
             status, _, body = await answer_of(reader)

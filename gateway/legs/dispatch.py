@@ -115,12 +115,17 @@ class Dispatcher:
 
     def first_plan(self, request: Request) -> RoutePlan | Answer:
         """The first attempt's pair, or the 503 when there is none."""
+        return self._plan(request, (), 0)
+
+    def _plan(self, request: Request, avoid: Collection[str], number: int) -> RoutePlan | Answer:
+        """Attempt `number`'s pair (0 for the first), avoiding the workers in `avoid`; the
+        503 naming the role without a worker when there is none."""
         try:
-            plan = self._chooser.plan(request.query, ())
+            plan = self._chooser.plan(request.query, avoid)
         except NoCandidates as exc:
             return Answer(503, error_body(str(exc), "no_available_workers"))
         if log.isEnabledFor(logging.DEBUG):
-            _log_plan(request, plan, 0)
+            _log_plan(request, plan, number)
         return plan
 
     def legs(self, plan: RoutePlan) -> Legs:
@@ -140,16 +145,11 @@ class Dispatcher:
                 outcome = first.failure
             else:
                 if number == 0 and first is not None and first.plan is not None:
-                    plan = first.plan
+                    plan: RoutePlan | Answer = first.plan
                 else:
-                    try:
-                        plan = self._chooser.plan(request.query, avoid)
-                    except NoCandidates as exc:
-                        if last is not None:
-                            return last.answer
-                        return Answer(503, error_body(str(exc), "no_available_workers"))
-                    if log.isEnabledFor(logging.DEBUG):
-                        _log_plan(request, plan, number)
+                    plan = self._plan(request, avoid, number)
+                if isinstance(plan, Answer):
+                    return plan if last is None else last.answer
                 attempt = Attempt(number, number + 1 >= attempts, progress)
                 answered = await self.legs(plan).run(request, plan, attempt)
                 if not isinstance(answered, Failure):

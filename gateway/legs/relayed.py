@@ -5,8 +5,8 @@ per call, a race between them). A `RelayedPair` makes the same two calls on the 
 own connection pool with itself as both replies' listener (`gateway.http.reply.Listener`),
 so the attempt advances inside the connections' protocol callbacks and reports to its
 `Owner` — the request answered by callbacks, `gateway.serving.relay` — when it has an
-answer to pass on, a stream from its first piece, or a failure. The rules are
-`gateway.legs.calls.PairCalls`'s, through the same methods: until the decode's first body
+answer to pass on, a stream from its first piece, or a failure. The rules are those of
+the awaited legs, through the same methods (`gateway.legs.outcomes`): until the decode's first body
 byte nothing is committed, so a prefill failing first cancels the decode and fails the
 attempt (a prefill 4xx is the client's answer), a decode's transport error or status
 fails it; every finished call is recorded in its worker's breaker, cancelled ones are

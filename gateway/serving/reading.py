@@ -99,8 +99,11 @@ class RequestReader:
         Raises `gateway.requests.bodies.BadRequest` (a body or header that cannot be
         read), `gateway.requests.namespace.UnknownAdapter` and
         `globalkv.tokenize.TokenizeError` (messages the chat template refuses)."""
+        inline = self.read_now(path, body, picked, authorization, request_id, trace_context)
+        if inline is not None:
+            return inline
         named, parsed, namespace = self._parse(path, body, picked)
-        if len(body) > TOKENIZE_INLINE_MAX and parsed.token_ids is None:
+        if parsed.token_ids is None:
             tokens = await asyncio.to_thread(prompt_tokens, parsed, self._tokenizer)
         else:
             tokens = prompt_tokens(parsed, self._tokenizer)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import replace
 from random import Random
 from typing import Any
@@ -164,7 +164,7 @@ class Router:
         avoid: Collection[str] = (),
         kind: Kind | None = None,
         loaded: bool = True,
-    ) -> list[Candidate]:
+    ) -> Sequence[Candidate]:
         """Eligible workers of `role` that may serve `query`: of `kind` (else the query's),
         serving its model when workers advertise it and every adapter it names, without
         those to `avoid` unless no other remains; `loaded`: with their load."""
@@ -194,7 +194,7 @@ class Router:
         among: Collection[str] | None = None,
         kind: Kind | None = None,
         loaded: bool = True,
-    ) -> list[Candidate]:
+    ) -> Sequence[Candidate]:
         """The prefills `query` may go to: the eligible ones (`candidates`), only those in
         `among` when given, and of those the ones flow control released it for
         (`RouteQuery.within`) while any of them remains (a retry after they failed goes

@@ -95,6 +95,12 @@ class CircuitBreaker:
         """Consecutive failed calls now."""
         return self._failures
 
+    @property
+    def opened(self) -> bool:
+        """Open as last left: an open circuit turns half-open by the clock, when next read,
+        so what it allows can change without an event."""
+        return self._state is BreakerState.OPEN
+
     def allows(self) -> bool:
         # Read per worker per request: a closed circuit answers without the state's
         # property (which only changes an open one) or the configuration.

@@ -9,6 +9,7 @@ needed to trust it again.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 
 from gateway.settings.workers import HealthConfig
 
@@ -19,9 +20,15 @@ class Health(enum.Enum):
     UNHEALTHY = "unhealthy"
 
 
+def _ignore() -> None:
+    pass
+
+
 class HealthTracker:
-    def __init__(self, config: HealthConfig) -> None:
+    def __init__(self, config: HealthConfig, on_change: Callable[[], None] = _ignore) -> None:
+        """`on_change`: told when the worker turns healthy or stops being so."""
         self._config = config
+        self._on_change = on_change
         self._state = Health.HEALTHY if config.disabled else Health.UNKNOWN
         self.healthy = self._state is Health.HEALTHY
         """Read per worker per request (`Worker.eligible`): kept as the state changes, not
@@ -49,5 +56,8 @@ class HealthTracker:
             self.last_error = error
             if self._failures >= self._config.failure_threshold:
                 self._state = Health.UNHEALTHY
-        self.healthy = self._state is Health.HEALTHY
+        healthy = self._state is Health.HEALTHY
+        if healthy is not self.healthy:
+            self.healthy = healthy
+            self._on_change()
         return self._state

@@ -271,9 +271,9 @@ class Monitor:
         model = found.info.model
         if model and model != worker.served_model:
             worker.served_model = model
-            self.pool.changed()
         worker.engine_block_size = found.block_size
         worker.kv_capacity_tokens = found.capacity_tokens
+        self.pool.changed()  # its pod, capacity, model, maybe its directory's status
         if worker.role != "prefill":
             return
         if found.info.dp_size:
@@ -282,6 +282,7 @@ class Monitor:
             worker.directory.port = found.info.bootstrap_port
         if worker.directory.port is None:
             worker.directory.status = DirectoryStatus.UNKNOWN
+            self.pool.changed()
             log.warning(
                 "prefill %s: no bootstrap port given or advertised; its directory readiness "
                 "is unknown and it stays eligible",
@@ -357,7 +358,9 @@ class Monitor:
     async def _read_directory(self, worker: Worker) -> None:
         directory = worker.directory
         if self._probe is None:
-            directory.status = DirectoryStatus.UNKNOWN
+            if directory.status is not DirectoryStatus.UNKNOWN:
+                directory.status = DirectoryStatus.UNKNOWN
+                self.pool.changed()
             return
         host = f"[{worker.host}]" if ":" in worker.host else worker.host
         scheme = urlsplit(worker.url).scheme
@@ -382,6 +385,7 @@ class Monitor:
         else:
             directory.status = DirectoryStatus.NOT_READY
         if directory.status is not before:
+            self.pool.changed()
             log.info(
                 "prefill %s: bootstrap directory %s is %s (%s)",
                 worker.id,

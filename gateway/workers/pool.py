@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -292,28 +292,32 @@ class WorkerPool:
         """The same workers by role: the request path reads these lists."""
         self._served: Served | None = None
         """`served()`, until a worker comes, goes or changes."""
+        self._bare: dict[tuple[Role, Kind | None, str | None], tuple[Candidate, ...]] = {}
+        """`candidates` without load or adapters, by (role, kind, model), until a worker
+        comes, goes or changes in what it reads (`changed`)."""
 
     def add(self, spec: WorkerSpec) -> Worker:
         name = f"{spec.role} {worker_id(spec.url)}"
 
-        def changed(before: BreakerState, after: BreakerState, why: str) -> None:
+        def transition(before: BreakerState, after: BreakerState, why: str) -> None:
+            self._bare.clear()
             level = logging.WARNING if after is BreakerState.OPEN else logging.INFO
             log.log(level, "%s: circuit %s → %s (%s)", name, before.value, after.value, why)
 
-        breaker = CircuitBreaker(self._breaker, self._clock, changed)
-        worker = Worker(spec, breaker, HealthTracker(self._health))
+        breaker = CircuitBreaker(self._breaker, self._clock, transition)
+        worker = Worker(spec, breaker, HealthTracker(self._health, self._bare.clear))
         if worker.id in self._workers:
             raise DuplicateWorker(f"a worker at {worker.id} is already in the pool")
         self._workers[worker.id] = worker
         self._roles[worker.role] = [*self._roles[worker.role], worker]
-        self._served = None
+        self.changed()
         return worker
 
     def remove(self, worker_id: str) -> Worker | None:
         worker = self._workers.pop(worker_id, None)
         if worker is not None:
             self._roles[worker.role] = [w for w in self._roles[worker.role] if w is not worker]
-            self._served = None
+            self.changed()
         return worker
 
     def get(self, worker_id: str) -> Worker | None:
@@ -342,8 +346,11 @@ class WorkerPool:
         return self._served
 
     def changed(self) -> None:
-        """A worker's kind, model or adapters changed (the monitor found them)."""
+        """A worker came or went, or what choosing reads of one changed besides its health
+        and circuit (which tell the pool themselves): its kind, model, adapters, directory
+        status, pod or KV capacity (the monitor found them)."""
         self._served = None
+        self._bare.clear()
 
     def eligible(self, role: Role) -> list[Worker]:
         return [w for w in self._roles[role] if w.eligible]
@@ -356,10 +363,33 @@ class WorkerPool:
         kind: Kind | None = None,
         model: str | None = None,
         adapters: Collection[str] = (),
-    ) -> list[Candidate]:
+    ) -> Sequence[Candidate]:
         """The eligible workers of `role`; of `kind` when given; serving every one of
         `adapters`; and, when `model` is given and some of them advertise it, those only (a
-        model no worker advertises, as a client's placeholder name, is served by any)."""
+        model no worker advertises, as a client's placeholder name, is served by any).
+
+        Without `loads` (a policy that reads none) or `adapters`, the answer is kept until
+        something it read changes, not rebuilt per request: building it was half of
+        choosing a pair's instructions (docs/gateway-design.md). Not while a circuit of the
+        role is open, which lets requests through again by the clock, not by an event."""
+        if loads is None and not adapters:
+            key = (role, kind, model)
+            kept = self._bare.get(key)
+            if kept is not None:
+                return kept
+            workers = self._serving(role, kind, model, adapters)
+            bare = tuple(w.bare() for w in workers)
+            if not any(w.breaker.opened for w in self._roles[role]):
+                self._bare[key] = bare
+            return bare
+        workers = self._serving(role, kind, model, adapters)
+        if loads is None:
+            return [w.bare() for w in workers]
+        return [loads.candidate(w.id, w.pod, capacity_tokens=w.kv_capacity_tokens) for w in workers]
+
+    def _serving(
+        self, role: Role, kind: Kind | None, model: str | None, adapters: Collection[str]
+    ) -> list[Worker]:
         workers = [
             w
             for w in self._roles[role]
@@ -371,6 +401,4 @@ class WorkerPool:
             serving = [w for w in workers if w.served_model == model]
             if serving:
                 workers = serving
-        if loads is None:
-            return [w.bare() for w in workers]
-        return [loads.candidate(w.id, w.pod, capacity_tokens=w.kv_capacity_tokens) for w in workers]
+        return workers

@@ -254,7 +254,11 @@ async def test_a_ready_directory_turns_unreachable_only_after_the_failure_thresh
     def status(worker: Worker) -> DirectoryStatus:  # read anew: no narrowing between reads
         return worker.directory.status
 
+    def kept() -> list[str]:  # the candidates kept for a policy that reads no load
+        return [c.worker for c in gateway.pool.candidates("prefill", None)]
+
     assert status(worker) is DirectoryStatus.READY
+    assert kept() == ["10.0.0.1:30001", "10.0.0.2:30001"]
     probe.readings[url] = Reading(reachable=False, ready=False, error="timed out")
     for _ in range(2):
         await gateway.monitor.run_once(force=True)
@@ -263,9 +267,11 @@ async def test_a_ready_directory_turns_unreachable_only_after_the_failure_thresh
     await gateway.monitor.run_once(force=True)
     assert status(worker) is DirectoryStatus.UNREACHABLE
     assert not worker.eligible
+    assert kept() == ["10.0.0.2:30001"]
     probe.readings[url] = Reading(ready=True, registered=1, expected=1)
     await gateway.monitor.run_once(force=True)
     assert status(worker) is DirectoryStatus.READY
+    assert kept() == ["10.0.0.1:30001", "10.0.0.2:30001"]
     assert worker.directory.misses == 0
 
 

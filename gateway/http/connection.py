@@ -159,7 +159,7 @@ class Connection(asyncio.Protocol):
             self._response = None
             self._pool.unwatch(self)
             self._pool.resend(self._origin, response)
-        elif response.status and not response.framed and exc is None:
+        elif response.status and not _framed(response) and exc is None:
             self._end(None)  # an answer delimited by the connection's close
         elif response.status:
             self._end(httpx.RemoteProtocolError(f"{self._name()} closed the connection mid-answer"))
@@ -180,10 +180,7 @@ class Connection(asyncio.Protocol):
         status = self._parser.get_status_code()
         headers, self._headers = self._headers, []
         self._keep = self._parser.should_keep_alive()
-        framed = status in _BODYLESS_STATUSES or any(
-            name.lower() in (b"content-length", b"transfer-encoding") for name, _ in headers
-        )
-        response.on_head(status, headers, framed)
+        response.on_head(status, headers)
         if response.head_only:
             self._keep = False
             self.closed = True
@@ -209,3 +206,11 @@ class Connection(asyncio.Protocol):
 
     def _name(self) -> str:
         return f"{self._origin[1]}:{self._origin[2]}"
+
+
+def _framed(response: Reply) -> bool:
+    """The answer's end is marked (Content-Length, chunked), not the connection's close:
+    asked only when the connection closes mid-answer, not of every answer."""
+    return response.status in _BODYLESS_STATUSES or any(
+        name.lower() in (b"content-length", b"transfer-encoding") for name, _ in response.headers
+    )

@@ -17,7 +17,6 @@ or error, from the connection's callbacks, so that an answer relayed by callback
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from typing import Protocol
 
 PAUSE_AT = 256 * 1024
@@ -68,7 +67,6 @@ class Reply:
         "connection",
         "data",
         "done",
-        "framed",
         "future",
         "head_only",
         "headers",
@@ -113,11 +111,9 @@ class Reply:
         when the reply is closed."""
         self.received = False
         """Some of the answer arrived (a call that got nothing may be sent again)."""
-        self.framed = False
-        """The body's end is marked (Content-Length, chunked), not the connection's close."""
         self.done = False
         # The reader's side.
-        self._pieces: deque[bytes] = deque()
+        self._pieces: list[bytes] = []
         self._buffered = 0
         self._error: BaseException | None = None
         self._reader: asyncio.Future[bytes] | None = None
@@ -153,7 +149,7 @@ class Reply:
         pieces = self._pieces
         if not pieces:
             return b""
-        piece = pieces.popleft() if len(pieces) == 1 else b"".join(pieces)
+        piece = pieces[0] if len(pieces) == 1 else b"".join(pieces)
         pieces.clear()
         self._buffered = 0
         connection = self.connection
@@ -195,9 +191,9 @@ class Reply:
 
     # The connection's side: what it has read.
 
-    def on_head(self, status: int, headers: list[tuple[bytes, bytes]], framed: bool) -> None:
+    def on_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.received = True
-        self.status, self.headers, self.framed = status, headers, framed
+        self.status, self.headers = status, headers
         if not self.whole:
             self._resolve()
 

@@ -108,7 +108,7 @@ class HttpxUpstream:
             url, content=body, headers=_httpx_headers(extra), timeout=timeout
         )
         reply = Reply(asyncio.get_running_loop(), b"", timeout, whole=True)
-        reply.on_head(response.status_code, response.headers.raw, framed=True)
+        reply.on_head(response.status_code, response.headers.raw)
         reply.on_piece(response.content)
         reply.on_end()
         return reply
@@ -119,6 +119,6 @@ class HttpxUpstream:
         )
         response = await self._client.send(request, stream=True)
         reply = Reply(asyncio.get_running_loop(), b"", timeout, whole=False)
-        reply.on_head(response.status_code, response.headers.raw, framed=True)
+        reply.on_head(response.status_code, response.headers.raw)
         reply.task = asyncio.create_task(_read(response, reply))
         return reply

@@ -20,7 +20,7 @@ def answered_call(loop: asyncio.AbstractEventLoop) -> Call:
     """A prefill call that succeeded, for a decode sent without one: it computes the prompt
     itself (`--vllm-allow-recompute`, or a local prefill)."""
     reply = Reply(loop, b"", None, whole=True)
-    reply.on_head(200, [], framed=True)
+    reply.on_head(200, [])
     reply.on_piece(b"{}")
     reply.on_end()
     call: Call = loop.create_future()

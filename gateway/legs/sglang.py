@@ -20,7 +20,7 @@ from gateway.http.answer import Answer
 from gateway.http.upstream import Extra
 from gateway.legs.attempt import Attempt, Failure
 from gateway.legs.calls import PairCalls
-from gateway.requests.bodies import Endpoint, batch_size, encode_body
+from gateway.requests.bodies import encode_body
 from gateway.requests.request import Request
 from gateway.routing.plan import RoutePlan
 from gateway.routing.rooms import MAX_ROOM
@@ -28,28 +28,30 @@ from gateway.routing.rooms import MAX_ROOM
 
 def inject_bootstrap(
     body: Mapping[str, Any],
-    endpoint: Endpoint,
+    batch: int | None,
     *,
     host: str,
     port: int | None,
     rooms: Sequence[int],
 ) -> dict[str, Any]:
-    """A copy of `body` bound to one prefill: `rooms` holds one room per batch element."""
-    size = batch_size(endpoint, body)
-    expected = 1 if size is None else size
-    if len(rooms) != expected:
-        raise ValueError(f"{len(rooms)} rooms for a request of {expected} element(s)")
+    """A copy of `body` bound to one prefill: `rooms` holds one room per batch element
+    (`batch`: elements in the batch, as `gateway.requests.bodies.batch_size` counts them;
+    None for a single request)."""
+    if batch is None:
+        if len(rooms) != 1:
+            raise ValueError(f"{len(rooms)} rooms for a request of 1 element(s)")
+        room = rooms[0]
+        if not 0 < room <= MAX_ROOM:
+            raise ValueError("rooms must be in [1, 2^63-1]")
+        return {**body, "bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room}
+    if len(rooms) != batch:
+        raise ValueError(f"{len(rooms)} rooms for a request of {batch} element(s)")
     if any(not 0 < room <= MAX_ROOM for room in rooms):
         raise ValueError("rooms must be in [1, 2^63-1]")
     out = dict(body)
-    if size is None:
-        out["bootstrap_host"] = host
-        out["bootstrap_port"] = port
-        out["bootstrap_room"] = rooms[0]
-    else:
-        out["bootstrap_host"] = [host] * size
-        out["bootstrap_port"] = [port] * size
-        out["bootstrap_room"] = list(rooms)
+    out["bootstrap_host"] = [host] * batch
+    out["bootstrap_port"] = [port] * batch
+    out["bootstrap_room"] = list(rooms)
     return out
 
 
@@ -59,7 +61,7 @@ def pair_payloads(request: Request, plan: RoutePlan) -> tuple[bytes, bytes, Extr
     prefill, parsed = plan.prefill, request.parsed
     body = inject_bootstrap(
         parsed.body,
-        parsed.endpoint,
+        parsed.batch,
         host=prefill.host,
         port=prefill.bootstrap_port,
         rooms=plan.rooms,

@@ -269,8 +269,11 @@ class Router:
         known = wanted is not None and wanted < dp_size
         dp_rank = wanted if follows and known else None
         pinned = wanted if self._dp_aware and not follows and dp_size > 1 and known else None
-        count = 1 if query.batch is None else query.batch
-        rooms = [draw_room(self._rooms, dp_size, dp_rank) for _ in range(count)]
+        rng, batch = self._rooms, query.batch
+        if batch is None:
+            rooms = [draw_room(rng, dp_size, dp_rank)]
+        else:
+            rooms = [draw_room(rng, dp_size, dp_rank) for _ in range(batch)]
         # `query.keys` inline: a property is a call the request path pays for.
         keys = query.lookup.keys if query.lookup is not None else ()
         return RoutePlan(prefill, decode, choice, rooms, keys, pinned_dp_rank=pinned)

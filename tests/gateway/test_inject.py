@@ -32,7 +32,7 @@ def test_injection_table(
 ) -> None:
     assert batch_size(endpoint, body) == size
     rooms = list(range(11, 11 + (size or 1)))
-    out = inject_bootstrap(body, endpoint, host="10.0.0.5", port=8998, rooms=rooms)
+    out = inject_bootstrap(body, size, host="10.0.0.5", port=8998, rooms=rooms)
     for key, value in body.items():
         assert out[key] == value, "unknown and known fields are kept"
     if size is None:
@@ -50,16 +50,23 @@ def test_injection_table(
 
 def test_client_bootstrap_fields_are_replaced_and_null_port_kept() -> None:
     body = {"text": "x", "bootstrap_host": "evil", "bootstrap_port": 1, "bootstrap_room": 0}
-    out = inject_bootstrap(body, "generate", host="h", port=None, rooms=[5])
+    out = inject_bootstrap(body, None, host="h", port=None, rooms=[5])
     assert (out["bootstrap_host"], out["bootstrap_port"], out["bootstrap_room"]) == ("h", None, 5)
 
 
 @pytest.mark.parametrize(
-    ("rooms", "match"), [([1, 2], "2 rooms"), ([0], r"\[1, 2\^63-1\]"), ([2**63], "2\\^63")]
+    ("batch", "rooms", "match"),
+    [
+        (None, [1, 2], "2 rooms"),
+        (None, [0], r"\[1, 2\^63-1\]"),
+        (None, [2**63], "2\\^63"),
+        (2, [1], "1 rooms for a request of 2"),
+        (2, [1, 0], r"\[1, 2\^63-1\]"),
+    ],
 )
-def test_bad_rooms_are_refused(rooms: list[int], match: str) -> None:
+def test_bad_rooms_are_refused(batch: int | None, rooms: list[int], match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        inject_bootstrap({"text": "x"}, "generate", host="h", port=1, rooms=rooms)
+        inject_bootstrap({"text": "x"}, batch, host="h", port=1, rooms=rooms)
 
 
 def test_rooms_are_never_zero_and_select_the_dp_rank() -> None:

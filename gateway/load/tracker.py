@@ -114,7 +114,7 @@ class LoadTracker:
         `dp_rank`, when known: `gateway.routing.plan.RoutePlan.dp_rank`) until its prefill
         ends."""
         worker, uncached = choice.worker, choice.uncached_tokens
-        load = self.loads.setdefault(worker, WorkerLoad())
+        load = self._load(worker)
         load.in_flight += 1
         serial = next(self._serials)
         if uncached > 0:
@@ -126,9 +126,17 @@ class LoadTracker:
 
     def start_decode(self, worker: str) -> LoadTicket:
         """A request sent to `worker` that prefills nothing there: in flight only."""
-        load = self.loads.setdefault(worker, WorkerLoad())
+        load = self._load(worker)
         load.in_flight += 1
         return LoadTicket(worker, load, next(self._serials), prefill_open=False)
+
+    def _load(self, worker: str) -> WorkerLoad:
+        """The worker's load, made at its first request (not with `setdefault`, which
+        would build one, with its progress and fit, per request only to drop it)."""
+        load = self.loads.get(worker)
+        if load is None:
+            load = self.loads[worker] = WorkerLoad()
+        return load
 
     def move(self, ticket: LoadTicket, worker: str) -> LoadTicket:
         """The request `ticket` holds was served by `worker` instead (an endpoint picker's

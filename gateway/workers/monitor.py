@@ -38,9 +38,10 @@ import httpx
 from gateway.http.connections import LocalResourceError
 from gateway.settings.workers import HealthConfig, KvEventsSpec
 from gateway.workers.advertised import Retry, read_advertised
+from gateway.workers.directory import DirectoryStatus
 from gateway.workers.health import Health
 from gateway.workers.kinds import detect_kind, read_adapters
-from gateway.workers.pool import DirectoryStatus, Worker, WorkerPool
+from gateway.workers.pool import Worker, WorkerPool
 from gateway.workers.server_info import int_or_none
 from kvplumbing.clock import Clock, Sleep
 from kvplumbing.tasks import cancel_and_wait

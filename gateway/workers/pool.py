@@ -20,8 +20,9 @@ one kind and, when workers advertise their models, within the model it names.
 
 Eligibility (`Worker.eligible`): healthy, circuit not open and, for a prefill, directory
 `ready` or `unknown`; a ready directory turns `unreachable` only after the health checks'
-failure threshold of unanswered reads in a row. Computed on the request path from state
-the monitor keeps fresh. `/workers` leads each worker with its `status`, "serving" or
+failure threshold of unanswered reads in a row. Computed from state the monitor keeps
+fresh, on the request path or, for a policy that reads no load, once per change of that
+state (`WorkerPool.candidates`). `/workers` leads each worker with its `status`, "serving" or
 why it gets no traffic: a worker answering its health checks while its circuit is open
 is healthy and yet out of traffic, and read as "healthy" alone it looked fine. Each change
 of a circuit's state is logged with why.
@@ -29,7 +30,6 @@ of a circuit's state is logged with why.
 
 from __future__ import annotations
 
-import enum
 import logging
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +41,7 @@ from gateway.requests.namespace import ServedAdapter
 from gateway.settings.base import Kind, Role
 from gateway.settings.workers import BreakerConfig, HealthConfig, KvEventsSpec, WorkerSpec
 from gateway.workers.breaker import BreakerState, CircuitBreaker
+from gateway.workers.directory import Directory, DirectoryStatus
 from gateway.workers.health import HealthTracker
 from kvplumbing.clock import Clock
 from kvplumbing.topics import parse_topic
@@ -55,53 +56,9 @@ def worker_id(url: str) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-class DirectoryStatus(enum.Enum):
-    PENDING = "pending"
-    """Not read yet: not eligible."""
-    READY = "ready"
-    NOT_READY = "not_ready"
-    UNREACHABLE = "unreachable"
-    UNKNOWN = "unknown"
-    """No bootstrap port to read: eligible, readiness unknown."""
-
-    @property
-    def gauge(self) -> int:
-        """1 ready, 0 not ready or unreachable, -1 unknown or pending."""
-        if self is DirectoryStatus.READY:
-            return 1
-        if self in (DirectoryStatus.NOT_READY, DirectoryStatus.UNREACHABLE):
-            return 0
-        return -1
-
-
 _ERROR_CHARS = 300
-
-
-@dataclass(slots=True)
-class Directory:
-    status: DirectoryStatus = DirectoryStatus.PENDING
-    port: int | None = None
-    """The port readiness is read at (given or advertised)."""
-    dp_size: int = 1
-    follow_bootstrap_room: bool = False
-    registered: int | None = None
-    expected: int | None = None
-    error: str | None = None
-    misses: int = 0
-    """Consecutive reads that got no answer: a ready directory turns unreachable only after
-    the health checks' failure threshold of them, as a worker turns unhealthy (one probe
-    timing out in a network hiccup must not take every prefill out at once)."""
-
-    def computing_rank(self, room: int | None = None, pinned: int | None = None) -> int | None:
-        """The DP rank that computes a prompt sent with `room` (None: not drawn yet) or
-        `pinned` in the request (`--dp-aware`), where it is known: the only one; the one the
-        room selects where the prefill follows the room; else the one named. Every load
-        started on a prefill keeps its pending blocks on this rank."""
-        if self.dp_size <= 1:
-            return 0
-        if self.follow_bootstrap_room:
-            return None if room is None else room % self.dp_size
-        return pinned
+_KEPT = 16
+"""Candidate lists `WorkerPool.candidates` keeps, at most."""
 
 
 @dataclass(slots=True)
@@ -368,24 +325,26 @@ class WorkerPool:
         `adapters`; and, when `model` is given and some of them advertise it, those only (a
         model no worker advertises, as a client's placeholder name, is served by any).
 
-        Without `loads` (a policy that reads none) or `adapters`, the answer is kept until
-        something it read changes, not rebuilt per request: building it was half of
-        choosing a pair's instructions (docs/gateway-design.md). Not while a circuit of the
-        role is open, which lets requests through again by the clock, not by an event."""
-        if loads is None and not adapters:
-            key = (role, kind, model)
-            kept = self._bare.get(key)
-            if kept is not None:
-                return kept
+        Without `loads` (a policy that reads none) or `adapters`, kept until what they were
+        built from changes: building them was half of choosing a pair's instructions
+        (docs/gateway-design.md). Not while a circuit of the role is open (it lets requests
+        through again by the clock, not by an event); a few kept, as clients name models."""
+        if loads is not None or adapters:
             workers = self._serving(role, kind, model, adapters)
-            bare = tuple(w.bare() for w in workers)
+            if loads is None:
+                return [w.bare() for w in workers]
+            return [
+                loads.candidate(w.id, w.pod, capacity_tokens=w.kv_capacity_tokens) for w in workers
+            ]
+        key = (role, kind, model)
+        kept = self._bare.get(key)
+        if kept is None:
+            kept = tuple(w.bare() for w in self._serving(role, kind, model, adapters))
             if not any(w.breaker.opened for w in self._roles[role]):
-                self._bare[key] = bare
-            return bare
-        workers = self._serving(role, kind, model, adapters)
-        if loads is None:
-            return [w.bare() for w in workers]
-        return [loads.candidate(w.id, w.pod, capacity_tokens=w.kv_capacity_tokens) for w in workers]
+                if len(self._bare) >= _KEPT:
+                    self._bare.clear()
+                self._bare[key] = kept
+        return kept
 
     def _serving(
         self, role: Role, kind: Kind | None, model: str | None, adapters: Collection[str]

@@ -9,9 +9,10 @@ import pytest
 from gateway.requests.bodies import parse_request
 from gateway.requests.query import RouteQuery
 from gateway.settings.workers import HealthConfig, KvEventsSpec, WorkerSpec
+from gateway.workers.directory import DirectoryStatus
 from gateway.workers.monitor import PodRegistration, RegistrationFailed
 from gateway.workers.pods import pod_info
-from gateway.workers.pool import DirectoryStatus, Worker, worker_id
+from gateway.workers.pool import Worker, worker_id
 from gateway.workers.server_info import parse_server_info
 from tests.gateway.fakes import (
     PREFILLS,

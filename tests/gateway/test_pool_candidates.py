@@ -88,3 +88,15 @@ def test_what_the_monitor_changes_renews_them_through_changed() -> None:
     pool.changed()
     (candidate,) = pool.candidates("prefill", None)
     assert candidate.cache_capacity_tokens == 4096
+
+
+def test_a_client_naming_new_models_keeps_a_bounded_number_of_lists() -> None:
+    """The model is the client's to name: lists kept per model must not grow with them."""
+    pool = _pool(FakeClock(0.0))
+    for worker in pool:
+        worker.directory.status = worker.directory.status.READY
+    pool.changed()
+    for i in range(200):
+        named = [c.worker for c in pool.candidates("prefill", None, model=f"m-{i}")]
+        assert named == ["10.0.0.1:30001", "10.0.0.2:30001"]
+    assert 0 < len(pool._bare) <= 16

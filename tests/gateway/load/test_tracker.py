@@ -6,7 +6,8 @@ from gateway.load.tracker import LoadTracker
 from gateway.policies.base import Choice
 from gateway.routing.plan import RoutePlan
 from gateway.settings.workers import BreakerConfig, HealthConfig, WorkerSpec
-from gateway.workers.pool import Directory, WorkerPool
+from gateway.workers.directory import Directory
+from gateway.workers.pool import WorkerPool
 
 
 def test_each_verb_changes_only_its_part_of_the_load() -> None:

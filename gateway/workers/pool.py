@@ -21,8 +21,8 @@ one kind and, when workers advertise their models, within the model it names.
 Eligibility (`Worker.eligible`): healthy, circuit not open and, for a prefill, directory
 `ready` or `unknown`; a ready directory turns `unreachable` only after the health checks'
 failure threshold of unanswered reads in a row. Computed from state the monitor keeps
-fresh, on the request path or, for a policy that reads no load, once per change of that
-state (`WorkerPool.candidates`). `/workers` leads each worker with its `status`, "serving" or
+fresh, once per change of that state (`WorkerPool.candidates` keeps the eligible workers
+between requests). `/workers` leads each worker with its `status`, "serving" or
 why it gets no traffic: a worker answering its health checks while its circuit is open
 is healthy and yet out of traffic, and read as "healthy" alone it looked fine. Each change
 of a circuit's state is logged with why.
@@ -250,8 +250,9 @@ class WorkerPool:
         self._served: Served | None = None
         """`served()`, until a worker comes, goes or changes."""
         self._bare: dict[tuple[Role, Kind | None, str | None], tuple[Candidate, ...]] = {}
-        """`candidates` without load or adapters, by (role, kind, model), until a worker
-        comes, goes or changes in what it reads (`changed`)."""
+        """The eligible workers without adapters named, as bare candidates, by (role, kind,
+        model), until a worker comes, goes or changes in what they were read from
+        (`changed`)."""
 
     def add(self, spec: WorkerSpec) -> Worker:
         name = f"{spec.role} {worker_id(spec.url)}"
@@ -325,11 +326,12 @@ class WorkerPool:
         `adapters`; and, when `model` is given and some of them advertise it, those only (a
         model no worker advertises, as a client's placeholder name, is served by any).
 
-        Without `loads` (a policy that reads none) or `adapters`, kept until what they were
-        built from changes: building them was half of choosing a pair's instructions
+        Without `adapters`, the workers are kept until what they were read from changes, as
+        bare candidates (id, pod, capacity), and only a policy's `loads` are read per
+        request: reading them per request was half of choosing a pair's instructions
         (docs/gateway-design.md). Not while a circuit of the role is open (it lets requests
         through again by the clock, not by an event); a few kept, as clients name models."""
-        if loads is not None or adapters:
+        if adapters:
             workers = self._serving(role, kind, model, adapters)
             if loads is None:
                 return [w.bare() for w in workers]
@@ -344,7 +346,11 @@ class WorkerPool:
                 if len(self._bare) >= _KEPT:
                     self._bare.clear()
                 self._bare[key] = kept
-        return kept
+        if loads is None:
+            return kept
+        return [
+            loads.candidate(c.worker, c.pod, capacity_tokens=c.cache_capacity_tokens) for c in kept
+        ]
 
     def _serving(
         self, role: Role, kind: Kind | None, model: str | None, adapters: Collection[str]

@@ -3,6 +3,7 @@ change of what they were built from renews them, at once."""
 
 from __future__ import annotations
 
+from gateway.load.tracker import LoadTracker
 from gateway.settings.workers import BreakerConfig, HealthConfig, WorkerSpec
 from gateway.workers.pool import WorkerPool
 from tests.support.clock import FakeClock
@@ -100,3 +101,30 @@ def test_a_client_naming_new_models_keeps_a_bounded_number_of_lists() -> None:
         named = [c.worker for c in pool.candidates("prefill", None, model=f"m-{i}")]
         assert named == ["10.0.0.1:30001", "10.0.0.2:30001"]
     assert 0 < len(pool._bare) <= 16
+
+
+def test_a_policy_reading_load_gets_the_kept_workers_with_their_load_of_now() -> None:
+    clock = FakeClock(0.0)
+    pool = _pool(clock)
+    for worker in pool:
+        worker.directory.status = worker.directory.status.READY
+        worker.kv_capacity_tokens = 1024
+    pool.changed()
+    loads = LoadTracker(clock=clock)
+
+    def loaded() -> list[tuple[str, str, int, int | None]]:
+        return [
+            (c.worker, c.pod, c.in_flight, c.cache_capacity_tokens)
+            for c in pool.candidates("prefill", loads)
+        ]
+
+    assert loaded() == [
+        ("10.0.0.1:30001", "10.0.0.1:30001", 0, 1024),
+        ("10.0.0.2:30001", "10.0.0.2:30001", 0, 1024),
+    ]
+    loads.start_decode("10.0.0.2:30001")
+    assert loaded()[1] == ("10.0.0.2:30001", "10.0.0.2:30001", 1, 1024)
+    first = pool.get("10.0.0.1:30001")
+    assert first is not None
+    first.breaker.record(False, "HTTP 500")
+    assert [w for w, *_ in loaded()] == ["10.0.0.2:30001"]

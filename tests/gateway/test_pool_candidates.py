@@ -1,5 +1,5 @@
-"""The pool's candidates for a policy that reads no load are kept between requests: every
-change of what they were built from renews them, at once."""
+"""The pool keeps the eligible workers between requests: every change of what they were
+read from renews them, at once; a policy that reads load gets the loads of now."""
 
 from __future__ import annotations
 
@@ -19,15 +19,21 @@ def _pool(clock: FakeClock) -> WorkerPool:
     return pool
 
 
+def _ready(clock: FakeClock) -> WorkerPool:
+    """`_pool` with both prefills' directories read ready."""
+    pool = _pool(clock)
+    for worker in pool:
+        worker.directory.status = worker.directory.status.READY
+    pool.changed()
+    return pool
+
+
 def _bare(pool: WorkerPool) -> list[str]:
     return [c.worker for c in pool.candidates("prefill", None)]
 
 
 def test_kept_between_requests_until_a_worker_comes_or_goes() -> None:
-    pool = _pool(FakeClock(0.0))
-    for worker in pool:
-        worker.directory.status = worker.directory.status.READY
-    pool.changed()
+    pool = _ready(FakeClock(0.0))
     first = pool.candidates("prefill", None)
     assert pool.candidates("prefill", None) is first
     assert _bare(pool) == ["10.0.0.1:30001", "10.0.0.2:30001"]
@@ -45,10 +51,7 @@ def test_kept_between_requests_until_a_worker_comes_or_goes() -> None:
 
 
 def test_a_worker_turning_unhealthy_or_healthy_again_is_seen_at_once() -> None:
-    pool = _pool(FakeClock(0.0))
-    for worker in pool:
-        worker.directory.status = worker.directory.status.READY
-    pool.changed()
+    pool = _ready(FakeClock(0.0))
     assert _bare(pool) == ["10.0.0.1:30001", "10.0.0.2:30001"]
     first = pool.get("10.0.0.1:30001")
     assert first is not None
@@ -60,10 +63,7 @@ def test_a_worker_turning_unhealthy_or_healthy_again_is_seen_at_once() -> None:
 
 def test_an_open_circuit_is_out_at_once_and_back_by_the_clock_alone() -> None:
     clock = FakeClock(0.0)
-    pool = _pool(clock)
-    for worker in pool:
-        worker.directory.status = worker.directory.status.READY
-    pool.changed()
+    pool = _ready(clock)
     assert _bare(pool) == ["10.0.0.1:30001", "10.0.0.2:30001"]
     first = pool.get("10.0.0.1:30001")
     assert first is not None
@@ -93,10 +93,7 @@ def test_what_the_monitor_changes_renews_them_through_changed() -> None:
 
 def test_a_client_naming_new_models_keeps_a_bounded_number_of_lists() -> None:
     """The model is the client's to name: lists kept per model must not grow with them."""
-    pool = _pool(FakeClock(0.0))
-    for worker in pool:
-        worker.directory.status = worker.directory.status.READY
-    pool.changed()
+    pool = _ready(FakeClock(0.0))
     for i in range(200):
         named = [c.worker for c in pool.candidates("prefill", None, model=f"m-{i}")]
         assert named == ["10.0.0.1:30001", "10.0.0.2:30001"]

@@ -38,24 +38,45 @@ from gateway.http.answer import Answer
 from gateway.http.reply import Reply
 
 
-@dataclass(slots=True)
+# Built per request: its own __init__, compiled where the module is (the dataclass gives
+# eq and repr only; its generated __init__ runs interpreted): docs/gateway-design.md.
+@dataclass(slots=True, init=False)
 class Progress:
     """What the gateway knows of a request's current attempt, for the 504 it may give."""
 
     deadline: float
     task: asyncio.Task[Any] | None
-    expire: Callable[[], None] | None = None
+    expire: Callable[[], None] | None
     """Ends the request at its deadline where no task serves it (callbacks do)."""
-    attempt: int = 0
-    prefill: str = ""
-    decode: str = ""
-    prefill_call: asyncio.Future[Any] | Reply | None = None
-    decode_head: bool = False
+    attempt: int
+    prefill: str
+    decode: str
+    prefill_call: asyncio.Future[Any] | Reply | None
+    decode_head: bool
     """The decode's answer had begun (its head arrived)."""
-    between_attempts: bool = False
-    expired: bool = False
-    finished: bool = False
-    _cancelling: int = field(default=0, repr=False)
+    between_attempts: bool
+    expired: bool
+    finished: bool
+    _cancelling: int = field(repr=False)
+
+    def __init__(
+        self,
+        deadline: float,
+        task: asyncio.Task[Any] | None,
+        expire: Callable[[], None] | None = None,
+    ) -> None:
+        self.deadline = deadline
+        self.task = task
+        self.expire = expire
+        self.attempt = 0
+        self.prefill = ""
+        self.decode = ""
+        self.prefill_call = None
+        self.decode_head = False
+        self.between_attempts = False
+        self.expired = False
+        self.finished = False
+        self._cancelling = 0
 
     def begin(
         self, attempt: int, prefill: str, decode: str, call: asyncio.Future[Any] | Reply
@@ -159,8 +180,13 @@ class DeadlineWatch:
 
     def finish(self, progress: Progress) -> bool:
         """The request ended; True when it ended because its deadline passed (its task's
-        cancellation is then taken back, unless someone else also cancelled it)."""
+        cancellation is then taken back, unless someone else also cancelled it).
+
+        Its `expire` is dropped: it is the request's own (a bound method of whoever serves
+        it by callbacks, which holds `progress`), a cycle only the garbage collector would
+        free otherwise, with everything the request holds."""
         progress.finished = True
+        progress.expire = None
         queue = self._queue
         while queue and queue[0].finished:
             queue.popleft()

@@ -10,9 +10,10 @@ metrics, retries, breaker records, loads.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -21,8 +22,12 @@ import pytest
 
 from gateway.http.connection import Connection
 from gateway.http.connections import ConnectionPool
+from gateway.http.reply import Reply
 from gateway.http.server import HttpServer
 from gateway.http.upstream import PooledUpstream
+from gateway.legs.deadline import Progress
+from gateway.legs.relayed import RelayedPair
+from gateway.requests.request import Request
 from gateway.serving.app import create_app
 from gateway.serving.inference import Inference
 from gateway.serving.relay import Relay
@@ -258,6 +263,57 @@ async def test_a_clients_request_id_and_trace_context_reach_both_workers_and_cor
                 "client-7",
                 trace,
             )
+
+
+@pytest.fixture
+def no_collections() -> Iterator[None]:
+    """Collections off for the test, from an empty start: what they would have freed stays
+    until `cyclic_garbage` looks."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def cyclic_garbage() -> list[object]:
+    """What a collection frees now: objects only it frees (parts of reference cycles)."""
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        gc.collect()
+        return list(gc.garbage)
+    finally:
+        gc.garbage.clear()
+        gc.set_debug(0)
+
+
+async def test_answered_requests_leave_nothing_for_the_garbage_collector(
+    relayed: list[Relay], no_collections: None
+) -> None:
+    """Whole and streamed answers: each request's objects are freed as its answer ends, so
+    young collections, set rare (`tune_garbage_collection`), find nothing to free."""
+
+    async def streaming(worker: Worker, reader: Any, writer: asyncio.StreamWriter, _: Any) -> None:
+        writer.write(STREAM_HEAD + chunk(b"data: 1\n\n") + LAST_CHUNK)
+
+    prefills, decodes = pair()
+    streams = [Worker(streaming)]
+    async with gateway_on(prefills, decodes) as setup, connected(setup.server) as (reader, writer):
+        for _ in range(3):
+            writer.write(GENERATE)
+            assert (await answer_of(reader))[0] == 200
+        await setup.settled()
+    async with gateway_on(prefills, streams) as setup, connected(setup.server) as (reader, writer):
+        for _ in range(3):
+            writer.write(post("/generate", {"input_ids": [1], "stream": True}))
+            assert (await answer_of(reader))[0] == 200
+        await setup.settled()
+    assert len(relayed) == 6
+    relayed.clear()
+    kinds = (Relay, RelayedPair, Progress, Request, Reply)
+    cyclic = sorted(type(o).__name__ for o in cyclic_garbage() if isinstance(o, kinds))
+    assert cyclic == [], f"freed only by the garbage collector: {cyclic}"
 
 
 async def test_a_stream_passes_each_piece_as_it_arrives_and_keeps_the_connection(

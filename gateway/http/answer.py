@@ -55,17 +55,33 @@ class After:
             self._then(outcome)
 
 
-@dataclass(slots=True)
+# Built per request: its own __init__, compiled where the module is (the dataclass gives
+# eq and repr only; its generated __init__ runs interpreted): docs/gateway-design.md.
+@dataclass(slots=True, init=False)
 class Answer:
     """An answer to a client: whole when `rest` is None, else a stream whose first piece is
     `body`."""
 
     status: int
     body: bytes
-    media_type: bytes = b"application/json"
-    headers: tuple[tuple[str, str], ...] = ()
+    media_type: bytes
+    headers: tuple[tuple[str, str], ...]
     """More head lines passed on from the worker (a stream's cache-control, request id)."""
-    rest: Rest | None = None
+    rest: Rest | None
+
+    def __init__(
+        self,
+        status: int,
+        body: bytes,
+        media_type: bytes = b"application/json",
+        headers: tuple[tuple[str, str], ...] = (),
+        rest: Rest | None = None,
+    ) -> None:
+        self.status = status
+        self.body = body
+        self.media_type = media_type
+        self.headers = headers
+        self.rest = rest
 
 
 async def pass_on(rest: Rest, send: Callable[[bytes], Awaitable[None]]) -> bool:

@@ -37,14 +37,30 @@ class PendingHit(NamedTuple):
     """The DP rank computing them, when the gateway knows it (its room selects it)."""
 
 
-@dataclass(eq=False, slots=True)
+# Built per request: its own __init__, compiled where the module is (the dataclass gives
+# eq and repr only; its generated __init__ runs interpreted): docs/gateway-design.md.
+@dataclass(eq=False, slots=True, init=False)
 class PendingEntry:
     worker: str
     keys: frozenset[int]
     first: int | None
     """None: nothing was kept (an empty prompt, or the table was full)."""
-    dp_rank: int | None = None
-    removed: bool = False
+    dp_rank: int | None
+    removed: bool
+
+    def __init__(
+        self,
+        worker: str,
+        keys: frozenset[int],
+        first: int | None,
+        dp_rank: int | None = None,
+        removed: bool = False,
+    ) -> None:
+        self.worker = worker
+        self.keys = keys
+        self.first = first
+        self.dp_rank = dp_rank
+        self.removed = removed
 
 
 class PendingPrefixes:

@@ -24,24 +24,40 @@ from gateway.load.progress import PrefillProgress
 from kvplumbing.clock import Clock
 
 
-# Built several times per request, so not frozen (see `gateway.policies.base`): treat it
-# as read-only all the same.
-@dataclass(slots=True)
+# Built several times per request, so not frozen and with its own __init__ (see
+# `gateway.policies.base`): treat it as read-only all the same.
+@dataclass(slots=True, init=False)
 class Candidate:
     worker: str
     """The worker's id (stable for its lifetime in the pool)."""
     pod: str
     """The pod id the index names this worker by (decodes: equal to the worker id)."""
-    in_flight: int = 0
+    in_flight: int
     """Requests sent to it and not finished."""
-    queued_prefill_tokens: int = 0
+    queued_prefill_tokens: int
     """Prompt tokens it was asked to prefill (beyond its cache) that it has not finished."""
-    remaining_prefill_tokens: int = 0
+    remaining_prefill_tokens: int
     """The work it is estimated to have left of those, in tokens at its average rate: a
     prompt after a long cached context counts for more than its tokens
     (`gateway.load.progress`)."""
-    cache_capacity_tokens: int | None = None
+    cache_capacity_tokens: int | None
     """Tokens its KV cache holds, as the engine reports them; None: not reported."""
+
+    def __init__(
+        self,
+        worker: str,
+        pod: str,
+        in_flight: int = 0,
+        queued_prefill_tokens: int = 0,
+        remaining_prefill_tokens: int = 0,
+        cache_capacity_tokens: int | None = None,
+    ) -> None:
+        self.worker = worker
+        self.pod = pod
+        self.in_flight = in_flight
+        self.queued_prefill_tokens = queued_prefill_tokens
+        self.remaining_prefill_tokens = remaining_prefill_tokens
+        self.cache_capacity_tokens = cache_capacity_tokens
 
 
 @dataclass(slots=True)
@@ -54,16 +70,34 @@ class WorkerLoad:
         return self.progress.open_tokens
 
 
-@dataclass(slots=True)
+# Built per request: its own __init__, compiled where the module is (the dataclass gives
+# eq and repr only; its generated __init__ runs interpreted): docs/gateway-design.md.
+@dataclass(slots=True, init=False)
 class LoadTicket:
     """One request's share of one worker's load, so finishing it twice cannot corrupt it."""
 
     worker: str
     load: WorkerLoad
     serial: int
-    prefill_open: bool = True
-    open: bool = True
-    pending: PendingEntry | None = None
+    prefill_open: bool
+    open: bool
+    pending: PendingEntry | None
+
+    def __init__(
+        self,
+        worker: str,
+        load: WorkerLoad,
+        serial: int,
+        prefill_open: bool = True,
+        open: bool = True,
+        pending: PendingEntry | None = None,
+    ) -> None:
+        self.worker = worker
+        self.load = load
+        self.serial = serial
+        self.prefill_open = prefill_open
+        self.open = open
+        self.pending = pending
 
 
 class PrefillChoice(Protocol):

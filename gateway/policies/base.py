@@ -46,20 +46,35 @@ from gateway.load.tracker import Candidate
 from gateway.requests.query import RouteQuery
 
 
-# Built several times per request, so not frozen: a frozen dataclass sets each field
-# through object.__setattr__, several times slower (docs/gateway-design.md). Treat it as
-# read-only all the same.
-@dataclass(slots=True)
+# Built several times per request, so not frozen (a frozen dataclass sets each field
+# through object.__setattr__) and with its own __init__, compiled where the module is (the
+# dataclass gives eq and repr only; its generated __init__ runs interpreted):
+# docs/gateway-design.md. Treat it as read-only all the same.
+@dataclass(slots=True, init=False)
 class Choice:
     worker: str
-    dp_rank: int | None = None
+    dp_rank: int | None
     """The DP rank holding the counted hit, when the index told us."""
-    hit_tokens: int = 0
+    hit_tokens: int
     """Cached prompt tokens the choice expects on that worker."""
-    uncached_tokens: int = 0
+    uncached_tokens: int
     """Prompt tokens the worker will have to prefill (its queue grows by these)."""
-    fallback: str | None = None
+    fallback: str | None
     """Why the policy fell back to choosing by load (no_tokens, index_unavailable)."""
+
+    def __init__(
+        self,
+        worker: str,
+        dp_rank: int | None = None,
+        hit_tokens: int = 0,
+        uncached_tokens: int = 0,
+        fallback: str | None = None,
+    ) -> None:
+        self.worker = worker
+        self.dp_rank = dp_rank
+        self.hit_tokens = hit_tokens
+        self.uncached_tokens = uncached_tokens
+        self.fallback = fallback
 
 
 class Policy(Protocol):

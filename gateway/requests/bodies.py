@@ -142,7 +142,9 @@ def encode_body(body: object) -> bytes:
             raise BadRequest(_TOO_DEEP) from None
 
 
-@dataclass(slots=True)
+# Built per request: its own __init__, compiled where the module is (the dataclass gives
+# eq and repr only; its generated __init__ runs interpreted): docs/gateway-design.md.
+@dataclass(slots=True, init=False)
 class ParsedRequest:
     endpoint: Endpoint
     body: dict[str, Any]
@@ -154,16 +156,43 @@ class ParsedRequest:
     text: str | None
     """Plain text to tokenize (first element of a batch)."""
     messages: list[dict[str, Any]] | None
-    model: str | None = None
+    model: str | None
     """The model the client named: workers that advertise it serve it."""
 
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        body: dict[str, Any],
+        stream: bool,
+        batch: int | None,
+        token_ids: list[int] | None,
+        text: str | None,
+        messages: list[dict[str, Any]] | None,
+        model: str | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.body = body
+        self.stream = stream
+        self.batch = batch
+        self.token_ids = token_ids
+        self.text = text
+        self.messages = messages
+        self.model = model
 
-@dataclass(slots=True)
+
+# Built per request: its own __init__, compiled where the module is (the dataclass gives
+# eq and repr only; its generated __init__ runs interpreted): docs/gateway-design.md.
+@dataclass(slots=True, init=False)
 class PromptTokens:
     tokens: list[int] | None
     text: str | None
     missing: str | None
     """Why there are no tokens: no_tokenizer or not_tokenizable."""
+
+    def __init__(self, tokens: list[int] | None, text: str | None, missing: str | None) -> None:
+        self.tokens = tokens
+        self.text = text
+        self.missing = missing
 
 
 def _token_list(value: object, what: str) -> list[int]:

@@ -63,18 +63,36 @@ def local_capable(kind: Kind) -> bool:
     return kind == "vllm"
 
 
-@dataclass(slots=True)
+# Built per request: its own __init__, compiled where the module is (the dataclass gives
+# eq and repr only; its generated __init__ runs interpreted): docs/gateway-design.md.
+@dataclass(slots=True, init=False)
 class PdDecision:
     local: bool
     reason: Reason
-    decode: Candidate | None = None
+    decode: Candidate | None
     """The decode that prefills locally (None when disaggregated)."""
-    choice: Choice | None = None
+    choice: Choice | None
     """What the local decode is expected to hold and compute (its load and pending keys)."""
-    local_s: float | None = None
+    local_s: float | None
     """The chosen decode's `cost` (or the best one's, when disaggregated), seconds."""
-    remote_s: float | None = None
+    remote_s: float | None
     """The disaggregated path's estimate, seconds."""
+
+    def __init__(
+        self,
+        local: bool,
+        reason: Reason,
+        decode: Candidate | None = None,
+        choice: Choice | None = None,
+        local_s: float | None = None,
+        remote_s: float | None = None,
+    ) -> None:
+        self.local = local
+        self.reason = reason
+        self.decode = decode
+        self.choice = choice
+        self.local_s = local_s
+        self.remote_s = remote_s
 
 
 class PdDecider:

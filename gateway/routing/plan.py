@@ -11,26 +11,44 @@ from gateway.policies.base import Choice
 from gateway.workers.pool import Worker
 
 
-@dataclass(slots=True)
+# Built per request: its own __init__, compiled where the module is (the dataclass gives
+# eq and repr only; its generated __init__ runs interpreted): docs/gateway-design.md.
+@dataclass(slots=True, init=False)
 class RoutePlan:
     prefill: Worker
     decode: Worker
     prefill_choice: Choice
     rooms: list[int]
-    keys: Sequence[int] = ()
+    keys: Sequence[int]
     """The prompt's block keys, recorded as pending on the prefill while it computes them."""
-    local: bool = False
+    local: bool
     """The decode prefills the prompt itself (`gateway.routing.decider`): `prefill` is the
     decode too, `prefill_choice` what it holds and computes, and there are no rooms."""
-    pinned_dp_rank: int | None = None
+    pinned_dp_rank: int | None
     """With `--dp-aware`, the DP rank named in the request itself where the room cannot
     select it (the prefill does not follow the room)."""
-    dp_rank: int | None = field(default=None, init=False)
+    dp_rank: int | None = field(init=False)
     """The prefill's DP rank that computes the prompt, where it is known: the prefill's
     rule (`Directory.computing_rank`) applied to the first room and the pinned rank, the
     same for every plan, those without rooms (a local plan's, an endpoint picker's: its
     decode's sidecar draws them) included."""
 
-    def __post_init__(self) -> None:
-        room = self.rooms[0] if self.rooms else None
-        self.dp_rank = self.prefill.directory.computing_rank(room, self.pinned_dp_rank)
+    def __init__(
+        self,
+        prefill: Worker,
+        decode: Worker,
+        prefill_choice: Choice,
+        rooms: list[int],
+        keys: Sequence[int] = (),
+        local: bool = False,
+        pinned_dp_rank: int | None = None,
+    ) -> None:
+        self.prefill = prefill
+        self.decode = decode
+        self.prefill_choice = prefill_choice
+        self.rooms = rooms
+        self.keys = keys
+        self.local = local
+        self.pinned_dp_rank = pinned_dp_rank
+        room = rooms[0] if rooms else None
+        self.dp_rank = prefill.directory.computing_rank(room, pinned_dp_rank)

@@ -85,7 +85,9 @@ def openai_error(answer: Answer) -> Answer:
     return Answer(answer.status, orjson.dumps({"error": shaped}), headers=answer.headers)
 
 
-@dataclass(slots=True)
+# Built per request: its own __init__, compiled where the module is (the dataclass gives
+# eq and repr only; its generated __init__ runs interpreted): docs/gateway-design.md.
+@dataclass(slots=True, init=False)
 class Incoming:
     """The request being served, as the handler read it once, from `handle` down."""
 
@@ -101,6 +103,24 @@ class Incoming:
     trace_context: Headers
     """The client's W3C trace context, passed on to the workers as it came; none when the
     gateway traces (each call then carries its own span's)."""
+
+    def __init__(
+        self,
+        path: str,
+        body: bytes,
+        headers: Headers,
+        picked: Picked,
+        authorization: str | None,
+        request_id: str,
+        trace_context: Headers,
+    ) -> None:
+        self.path = path
+        self.body = body
+        self.headers = headers
+        self.picked = picked
+        self.authorization = authorization
+        self.request_id = request_id
+        self.trace_context = trace_context
 
 
 class Inference:

@@ -70,13 +70,20 @@ class Place(Protocol):
     def release(self) -> None: ...
 
 
-@dataclass(slots=True)
+# Built per request: its own __init__, compiled where the module is (the dataclass gives
+# eq and repr only; its generated __init__ runs interpreted): docs/gateway-design.md.
+@dataclass(slots=True, init=False)
 class Admitted:
     request: Request | None
     """None for a path that is not inference (the picker routes those by load)."""
     query: RouteQuery
     place: Place | None
     """None when nothing limits the requests."""
+
+    def __init__(self, request: Request | None, query: RouteQuery, place: Place | None) -> None:
+        self.request = request
+        self.query = query
+        self.place = place
 
 
 class Intake:

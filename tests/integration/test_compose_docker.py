@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import secrets
 import time
+import tomllib
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,7 +21,7 @@ import httpx
 import pytest
 
 from globalkv.tokenize import ByteTokenizer
-from tests.support.docker import ComposeProject, build_image, compose_or_skip
+from tests.support.docker import ROOT, ComposeProject, build_image, compose_or_skip
 from tests.support.net import free_port, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
@@ -97,6 +98,24 @@ def test_a_chat_twice_reuses_the_prefix_and_the_index_knows_where(stack: Stack) 
         return bool(answer["pods"]) and answer["pods"][0]["hit_tokens"] >= cached
 
     wait_for(indexed, timeout=30, what="the index to hold the chat's prefix")
+
+
+def test_the_image_runs_the_gateways_request_path_compiled(stack: Stack) -> None:
+    """`docker build .` compiles what `[tool.globalkv.compile]` lists (docs/compiled.md):
+    inside the gateway's container each of those modules is imported from its extension."""
+    script = (
+        "import importlib, sys\n"
+        "for path in sys.argv[1:]:\n"
+        "    module = importlib.import_module(path.removesuffix('.py').replace('/', '.'))\n"
+        "    print(path, module.__file__)\n"
+    )
+    listed = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["globalkv"]
+    modules = listed["compile"]["modules"]
+    found = stack.project.run("exec", "-T", "gateway", "python", "-c", script, *modules).stdout
+    imported = dict(line.split(" ", 1) for line in found.splitlines())
+    assert sorted(imported) == sorted(modules)
+    interpreted = [path for path, file in imported.items() if not file.endswith(".so")]
+    assert not interpreted, f"imported from their sources in the image: {interpreted}"
 
 
 def test_doctor_inside_the_compose_network_finds_a_healthy_cluster(stack: Stack) -> None:

@@ -84,7 +84,7 @@ def request_namespace(
     model = named if isinstance(named, str) else None
     if not adapters and (model is None or ":" not in model) and _NAMESPACE_FIELDS.isdisjoint(body):
         # The common request, read per request: nothing in it can name an adapter or a salt.
-        return BASE if model is None else RequestNamespace(model)
+        return BASE if model is None else _of_model(model)
     salt = _first(body.get("cache_salt"), "cache_salt") or None
     opaque = bool(_first(body.get("extra_key"), "extra_key"))
     paths = _strings(body.get("lora_path"), "lora_path")
@@ -108,6 +108,21 @@ def request_namespace(
 
 _NAMESPACE_FIELDS = frozenset({"cache_salt", "extra_key", "lora_path"})
 """The body's fields besides `model` that `request_namespace` reads."""
+
+_MODELS_KEPT = 64
+_OF_MODEL: dict[str, RequestNamespace] = {}
+"""The namespace of a request that names only its model, by model: every chat completion
+names one, and building the frozen namespace cost 0.7 µs against a lookup's 0.02 (timeit).
+At most `_MODELS_KEPT`, since the client writes the name."""
+
+
+def _of_model(model: str) -> RequestNamespace:
+    namespace = _OF_MODEL.get(model)
+    if namespace is None:
+        namespace = RequestNamespace(model)
+        if len(_OF_MODEL) < _MODELS_KEPT:
+            _OF_MODEL[model] = namespace
+    return namespace
 
 
 def _bases(adapters: Collection[ServedAdapter], name: str | None, kind: Kind) -> list[str]:

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from gateway.http.answer import Answer
+from gateway.requests import namespace as namespace_module
 from gateway.requests.bodies import BadRequest
 from gateway.requests.namespace import (
     BASE,
@@ -66,6 +67,21 @@ def test_the_namespace_is_read_as_each_engine_reads_it(
     body: dict[str, Any], expected: RequestNamespace
 ) -> None:
     assert request_namespace(body, ADAPTERS, MODELS) == expected
+
+
+def test_a_model_alone_is_read_once_and_the_names_kept_are_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The namespace of a body naming only its model is kept by model (every chat completion
+    names one), at most `_MODELS_KEPT` of them, since the client writes the names."""
+    monkeypatch.setattr(namespace_module, "_OF_MODEL", {})
+    first = request_namespace({"model": "kept-model"}, (), MODELS)
+    assert first == RequestNamespace("kept-model")
+    assert request_namespace({"model": "kept-model", "stream": True}, (), MODELS) is first
+    for i in range(3 * namespace_module._MODELS_KEPT):
+        name = f"client-model-{i}"
+        assert request_namespace({"model": name}, (), MODELS) == RequestNamespace(name)
+    assert len(namespace_module._OF_MODEL) == namespace_module._MODELS_KEPT
 
 
 @pytest.mark.parametrize(
